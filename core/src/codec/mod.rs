@@ -1,0 +1,1 @@
+//! Backtrace codecs (lws `~m#`, Swift CBF, native compact format, interned stack store).
