@@ -10,7 +10,7 @@
 //! use fibertrace_core::{collect, CaptureOptions};
 //! let bt = collect(&CaptureOptions::default());
 //! assert!(!bt.is_empty());
-//! println!("{}", fibertrace_core::format::display(&bt));
+//! println!("{}", fibertrace_core::format::display(bt.frames()));
 //! ```
 
 #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]

@@ -7,8 +7,7 @@ use std::hint::black_box;
 
 use common::{file_line, names, short_names};
 use fibertrace_core::{
-    collect, collect_from, Backtrace, CaptureOptions, Frame, SavedContext, StackBounds,
-    Unwinder,
+    collect, collect_from, Backtrace, CaptureOptions, Frame, SavedContext, StackBounds, Unwinder,
 };
 
 const ALL: [Unwinder; 3] = [Unwinder::Fast, Unwinder::Precise, Unwinder::Auto];
@@ -167,7 +166,8 @@ fn suspended_coroutine_exact_frames_every_unwinder() {
         assert!(matches!(bt.frames()[0], Frame::Pc(_)));
         // The walk stays on the coroutine's stack: nothing of this test's thread appears.
         assert!(
-            !n.iter().any(|x| x.contains("suspended_coroutine_exact_frames")),
+            !n.iter()
+                .any(|x| x.contains("suspended_coroutine_exact_frames")),
             "{u:?}: {n:?}"
         );
         // Skipping the suspend wrapper.
@@ -270,7 +270,12 @@ mod qsort {
         // SAFETY: a valid i32 array, its length and element size, and a comparator that
         // reads two i32s.
         unsafe {
-            libc::qsort(v.as_mut_ptr() as *mut libc::c_void, v.len(), 4, Some(compare));
+            libc::qsort(
+                v.as_mut_ptr() as *mut libc::c_void,
+                v.len(),
+                4,
+                Some(compare),
+            );
         }
         assert!(v.windows(2).all(|w| w[0] <= w[1]));
         black_box(&v);
@@ -331,7 +336,11 @@ fn deep_recursion_keeps_top_frames_and_counts_the_rest() {
         let f = deep.frames();
         assert_eq!(f.len(), 20);
         assert!(short_names(&f[..14]).iter().all(|n| n == "rec"), "{u:?}");
-        assert_eq!(f[14], Frame::Omitted((201 + outer - 14 - 5) as u64), "{u:?}");
+        assert_eq!(
+            f[14],
+            Frame::Omitted((201 + outer - 14 - 5) as u64),
+            "{u:?}"
+        );
         assert_eq!(&f[15..], &full.frames()[full.len() - 5..], "{u:?}");
 
         let opts = CaptureOptions { top: 0, ..opts };

@@ -26,7 +26,7 @@ use std::cell::{Cell, RefCell};
 use serde::{Deserialize, Serialize};
 
 use crate::backtrace::{Backtrace, CaptureOptions, FrameSink};
-use crate::unwind::{self, DwarfCache, Start, Stacks};
+use crate::unwind::{self, DwarfCache, Stacks, Start};
 
 pub mod x86_64;
 pub use x86_64::registers_from_ucontext;
@@ -81,7 +81,11 @@ impl SavedContext {
     /// A context for a stack whose registers are not recorded yet.
     pub const fn new(stack: StackBounds) -> Self {
         SavedContext {
-            regs: Registers { ip: 0, sp: 0, fp: 0 },
+            regs: Registers {
+                ip: 0,
+                sp: 0,
+                fp: 0,
+            },
             stack,
         }
     }
@@ -161,7 +165,9 @@ pub fn enter_stack(stack: StackBounds) -> EnteredStack {
         }
         s.depth.set(d + 1);
     });
-    EnteredStack { _not_send: std::marker::PhantomData }
+    EnteredStack {
+        _not_send: std::marker::PhantomData,
+    }
 }
 
 /// Guard of [`enter_stack`].
@@ -243,7 +249,14 @@ fn collect_current(regs: Registers, opts: &CaptureOptions, out: &mut Backtrace) 
         first_step_dwarf: false,
     };
     let cut = with_thread_cache(|cache| {
-        unwind::walk(start, &Stacks::new(&stacks), opts.unwinder, table, Some(cache), &mut sink)
+        unwind::walk(
+            start,
+            &Stacks::new(&stacks),
+            opts.unwinder,
+            table,
+            Some(cache),
+            &mut sink,
+        )
     });
     sink.finish(cut);
 }
@@ -274,7 +287,14 @@ pub fn collect_from_into(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Ba
         first_step_dwarf: false,
     };
     let cut = with_thread_cache(|cache| {
-        unwind::walk(start, &Stacks::new(&bounds), opts.unwinder, table, Some(cache), &mut sink)
+        unwind::walk(
+            start,
+            &Stacks::new(&bounds),
+            opts.unwinder,
+            table,
+            Some(cache),
+            &mut sink,
+        )
     });
     sink.finish(cut);
 }
@@ -309,7 +329,14 @@ pub unsafe fn collect_from_ucontext(
         emit_ip: true,
         first_step_dwarf: true,
     };
-    let cut = unwind::walk(start, &Stacks::new(stacks), opts.unwinder, table, cache, &mut sink);
+    let cut = unwind::walk(
+        start,
+        &Stacks::new(stacks),
+        opts.unwinder,
+        table,
+        cache,
+        &mut sink,
+    );
     sink.finish(cut);
 }
 

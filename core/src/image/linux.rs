@@ -81,7 +81,8 @@ fn read_image(bias: u64, name: String, phdrs: &[libc::Elf64_Phdr]) -> RawImage {
                 let s = bias.wrapping_add(ph.p_vaddr);
                 // SAFETY: a PT_NOTE segment of a loaded object lies inside a mapped PT_LOAD
                 // segment (it is part of the loaded image), readable for p_filesz bytes.
-                let notes = unsafe { std::slice::from_raw_parts(s as *const u8, ph.p_filesz as usize) };
+                let notes =
+                    unsafe { std::slice::from_raw_parts(s as *const u8, ph.p_filesz as usize) };
                 img.build_id = super::parse_build_id_notes(notes);
             }
             _ => {}
@@ -94,7 +95,10 @@ fn read_image(bias: u64, name: String, phdrs: &[libc::Elf64_Phdr]) -> RawImage {
         if ph.p_type == libc::PT_GNU_EH_FRAME {
             let hdr = bias.wrapping_add(ph.p_vaddr);
             let len = ph.p_memsz as usize;
-            if loads.iter().any(|&(s, e)| hdr >= s && hdr + len as u64 <= e) {
+            if loads
+                .iter()
+                .any(|&(s, e)| hdr >= s && hdr + len as u64 <= e)
+            {
                 // SAFETY: the range was just checked to lie inside a loaded PT_LOAD segment.
                 let bytes = unsafe { std::slice::from_raw_parts(hdr as *const u8, len) }.to_vec();
                 img.eh_frame_hdr = Some((hdr, bytes));
@@ -105,9 +109,8 @@ fn read_image(bias: u64, name: String, phdrs: &[libc::Elf64_Phdr]) -> RawImage {
         if let Some(eh) = super::eh_frame_start(*hdr_addr, hdr) {
             if let Some(&(_, seg_end)) = loads.iter().find(|&&(s, e)| eh >= s && eh < e) {
                 // SAFETY: [eh, seg_end) lies inside one loaded PT_LOAD segment of the object.
-                let mem = unsafe {
-                    std::slice::from_raw_parts(eh as *const u8, (seg_end - eh) as usize)
-                };
+                let mem =
+                    unsafe { std::slice::from_raw_parts(eh as *const u8, (seg_end - eh) as usize) };
                 let len = super::eh_frame_len(mem);
                 img.eh_frame = Some((eh, mem[..len].to_vec()));
             }
@@ -144,7 +147,10 @@ pub(super) fn loader_counters() -> (u64, u64) {
     let mut c = (0u64, 0u64);
     // SAFETY: the callback writes only into `c`, which outlives the call.
     unsafe {
-        libc::dl_iterate_phdr(Some(callback), &mut c as *mut (u64, u64) as *mut libc::c_void);
+        libc::dl_iterate_phdr(
+            Some(callback),
+            &mut c as *mut (u64, u64) as *mut libc::c_void,
+        );
     }
     c
 }

@@ -209,10 +209,7 @@ fn build(prev: Option<&'static ImageTable>) -> &'static ImageTable {
         let has_unwind_info = r.eh_frame.is_some() && r.eh_frame_hdr.is_some();
         if let (Some((hdr_addr, hdr)), Some((eh_addr, eh))) = (r.eh_frame_hdr, r.eh_frame) {
             let svma = |a: u64| a.wrapping_sub(r.bias);
-            let text = r
-                .exec
-                .first()
-                .map(|&(s, e)| svma(s)..svma(e));
+            let text = r.exec.first().map(|&(s, e)| svma(s)..svma(e));
             let info = ExplicitModuleSectionInfo::<Arc<[u8]>> {
                 base_svma: 0,
                 text_svma: text,
@@ -370,7 +367,7 @@ mod tests {
         assert!(exe.has_unwind_info);
         // Our own code is built with frame pointers (.cargo/config.toml).
         assert!(exe.keeps_frame_pointers);
-        let f = executable_and_libc_are_listed_with_build_ids as usize as u64;
+        let f = executable_and_libc_are_listed_with_build_ids as *const () as usize as u64;
         assert!(std::ptr::eq(&**t.code_image(f).unwrap(), &**exe));
         let libc_img = t
             .images()
@@ -380,7 +377,7 @@ mod tests {
         assert!(libc_img.has_unwind_info);
         // Debian's glibc is built without frame pointers.
         assert!(!libc_img.keeps_frame_pointers);
-        let q = libc::qsort as usize as u64;
+        let q = libc::qsort as *const () as usize as u64;
         assert!(std::ptr::eq(&**t.code_image(q).unwrap(), &**libc_img));
     }
 

@@ -65,7 +65,7 @@ impl<'a> Stacks<'a> {
     /// Reads the word at `addr` if `[addr, addr+8)` lies inside one of the stacks.
     #[inline]
     fn read(&self, addr: u64) -> Option<u64> {
-        if addr % 8 != 0 {
+        if !addr.is_multiple_of(8) {
             return None;
         }
         let end = addr.checked_add(8)?;
@@ -221,7 +221,7 @@ fn fp_walk(mut fp: u64, sp: u64, stacks: &Stacks<'_>, sink: &mut FrameSink<'_>) 
     let (mut lo, mut hi) = (stacks.segs[seg].lo, stacks.segs[seg].hi);
     visited |= 1 << (seg % 64);
     for _ in 0..MAX_WALK {
-        if fp % 8 != 0 || fp < lo || fp + 16 > hi {
+        if !fp.is_multiple_of(8) || fp < lo || fp + 16 > hi {
             return false;
         }
         // SAFETY: [fp, fp+16) lies inside stack segment `seg` (checked just above), which the
