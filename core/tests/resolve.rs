@@ -141,8 +141,10 @@ fn concurrent_resolution_from_8_threads_agrees() {
             std::thread::spawn(move || {
                 let mut out = vec![None; frames.len()];
                 for k in 0..frames.len() {
-                    // Each thread walks the frames in a different order.
-                    let i = (k * 5 + t) % frames.len();
+                    // Each thread walks the frames in a different order (rotated, and
+                    // reversed on odd threads).
+                    let r = (k + t) % frames.len();
+                    let i = if t % 2 == 1 { frames.len() - 1 - r } else { r };
                     out[i] = resolve(&frames[i]).map(|r| (*r).clone());
                 }
                 out

@@ -25,7 +25,7 @@ use std::cell::{Cell, RefCell};
 
 use serde::{Deserialize, Serialize};
 
-use crate::backtrace::{Backtrace, CaptureOptions, FrameSink};
+use crate::backtrace::{new_ring, Backtrace, CaptureOptions, FrameSink};
 use crate::unwind::{self, DwarfCache, Stacks, Start};
 
 pub mod x86_64;
@@ -183,16 +183,30 @@ impl Drop for EnteredStack {
 
 /// The stacks the current thread may read: the entered coroutine stacks (innermost first)
 /// and its own stack.
-pub fn current_stacks() -> smallvec::SmallVec<[StackBounds; MAX_ENTERED + 1]> {
-    let own = thread_stack();
+pub fn current_stacks() -> Vec<StackBounds> {
+    let mut buf = [StackBounds::default(); MAX_ENTERED + 1];
+    let n = fill_current_stacks(&mut buf);
+    buf[..n].to_vec()
+}
+
+/// Writes the current thread's readable stacks into `buf`; returns how many.
+#[inline]
+fn fill_current_stacks(buf: &mut [StackBounds; MAX_ENTERED + 1]) -> usize {
     STACKS.with(|s| {
-        let d = s.depth.get().min(MAX_ENTERED);
-        let mut v: smallvec::SmallVec<[StackBounds; MAX_ENTERED + 1]> =
-            (0..d).rev().map(|i| s.entered[i].get()).collect();
-        if own.hi != 0 {
-            v.push(own);
+        let mut own = s.own.get();
+        if own.hi == 0 {
+            own = thread_stack();
         }
-        v
+        let d = s.depth.get().min(MAX_ENTERED);
+        for i in 0..d {
+            buf[i] = s.entered[d - 1 - i].get();
+        }
+        let mut n = d;
+        if own.hi != 0 {
+            buf[n] = own;
+            n += 1;
+        }
+        n
     })
 }
 
@@ -242,7 +256,8 @@ fn collect_current(regs: Registers, opts: &CaptureOptions, out: &mut Backtrace) 
         crate::Unwinder::Fast => None,
         _ => Some(crate::image::table()),
     };
-    let mut sink = FrameSink::new(out, opts);
+    let mut ring = new_ring();
+    let mut sink = FrameSink::new(out, &mut ring, opts);
     let start = Start {
         regs,
         emit_ip: false,
@@ -280,7 +295,8 @@ pub fn collect_from_into(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Ba
         crate::Unwinder::Fast => None,
         _ => Some(crate::image::table()),
     };
-    let mut sink = FrameSink::new(out, opts);
+    let mut ring = new_ring();
+    let mut sink = FrameSink::new(out, &mut ring, opts);
     let start = Start {
         regs: ctx.regs,
         emit_ip: true,
@@ -323,7 +339,8 @@ pub unsafe fn collect_from_ucontext(
         crate::Unwinder::Fast => None,
         _ => crate::image::published(),
     };
-    let mut sink = FrameSink::new(out, opts);
+    let mut ring = new_ring();
+    let mut sink = FrameSink::new(out, &mut ring, opts);
     let start = Start {
         regs,
         emit_ip: true,

@@ -209,20 +209,24 @@ fn dwarf_step(
     }
 }
 
-/// The pure frame-pointer walk (`Fast`, or when no image table / cache is available).
-fn fp_walk(mut fp: u64, sp: u64, stacks: &Stacks<'_>, sink: &mut FrameSink<'_>) -> bool {
-    let mut visited: u64 = 0;
-    let Some(mut seg) = stacks.find(fp) else {
-        return false;
-    };
-    if stacks.find(sp) == Some(seg) && fp < sp {
-        return false;
-    }
-    let (mut lo, mut hi) = (stacks.segs[seg].lo, stacks.segs[seg].hi);
-    visited |= 1 << (seg % 64);
-    for _ in 0..MAX_WALK {
-        if !fp.is_multiple_of(8) || fp < lo || fp + 16 > hi {
-            return false;
+/// State of a frame-pointer walk: the current frame pointer and the stack it is in.
+struct FpWalk<'s, 'a> {
+    stacks: &'s Stacks<'a>,
+    fp: u64,
+    lo: u64,
+    hi: u64,
+    seg: usize,
+    visited: u64,
+}
+
+impl FpWalk<'_, '_> {
+    /// One step: the return address of the current frame, moving to its caller; `None` when
+    /// the chain ends (null, misaligned, out of bounds, not moving up, or a stack revisited).
+    #[inline(always)]
+    fn step(&mut self) -> Option<u64> {
+        let fp = self.fp;
+        if !fp.is_multiple_of(8) || fp < self.lo || fp + 16 > self.hi {
+            return None;
         }
         // SAFETY: [fp, fp+16) lies inside stack segment `seg` (checked just above), which the
         // caller vouched is mapped and readable.
@@ -232,25 +236,97 @@ fn fp_walk(mut fp: u64, sp: u64, stacks: &Stacks<'_>, sink: &mut FrameSink<'_>) 
                 std::ptr::read_volatile((fp + 8) as *const u64),
             )
         };
-        if ra == 0 || !sink.push(Frame::Ra(ra)) {
+        if ra == 0 {
+            return None;
+        }
+        if next > fp && next < self.hi {
+            self.lo = fp;
+            self.fp = next;
+            return Some(ra);
+        }
+        // Leaving this stack (a coroutine's frame chain continues in its resumer's stack):
+        // allowed once per stack. Otherwise the walk ends after this frame.
+        match self.stacks.find(next) {
+            Some(s) if s != self.seg && self.visited & (1 << (s % 64)) == 0 => {
+                self.seg = s;
+                self.visited |= 1 << (s % 64);
+                self.lo = self.stacks.segs[s].lo;
+                self.hi = self.stacks.segs[s].hi;
+                self.fp = next;
+            }
+            _ => self.fp = 1, // misaligned: the next step ends the walk
+        }
+        Some(ra)
+    }
+}
+
+/// The pure frame-pointer walk (`Fast`, or when no image table / cache is available).
+///
+/// While the frames fit, they are written straight into the backtrace; past that, through
+/// a small local buffer. Either way the loop is a tight dependent-load chain of about a
+/// nanosecond per frame.
+fn fp_walk(fp: u64, sp: u64, stacks: &Stacks<'_>, sink: &mut FrameSink<'_>) -> bool {
+    let Some(seg) = stacks.find(fp) else {
+        return false;
+    };
+    if stacks.find(sp) == Some(seg) && fp < sp {
+        return false;
+    }
+    let mut w = FpWalk {
+        stacks,
+        fp,
+        lo: stacks.segs[seg].lo,
+        hi: stacks.segs[seg].hi,
+        seg,
+        visited: 1 << (seg % 64),
+    };
+    let mut total = 0usize;
+    // Direct phase.
+    let room = sink.direct_room();
+    if room > 0 {
+        let dst = sink.direct_slots();
+        let mut n = 0;
+        while n < room {
+            match w.step() {
+                Some(ra) => {
+                    dst[n] = std::mem::MaybeUninit::new(Frame::Ra(ra));
+                    n += 1;
+                }
+                None => {
+                    // SAFETY: slots 0..n of the direct region were written just above.
+                    unsafe { sink.commit_direct(n) };
+                    return false;
+                }
+            }
+        }
+        // SAFETY: all `room` slots were written.
+        unsafe { sink.commit_direct(n) };
+        total = n;
+    }
+    // Buffered phase: skipping, or past the head (counting for `top`).
+    const CHUNK: usize = 32;
+    let mut buf = [0u64; CHUNK];
+    loop {
+        let mut n = 0;
+        let mut ended = false;
+        while n < CHUNK {
+            match w.step() {
+                Some(ra) => {
+                    buf[n] = ra;
+                    n += 1;
+                }
+                None => {
+                    ended = true;
+                    break;
+                }
+            }
+        }
+        if !sink.push_ras(&buf[..n]) || ended {
             return false;
         }
-        if next > fp && next < hi {
-            fp = next;
-            lo = fp;
-            continue;
-        }
-        // Leaving this stack (a coroutine's frame chain continues in its resumer's stack).
-        match stacks.find(next) {
-            Some(s) if s != seg && visited & (1 << (s % 64)) == 0 => {
-                seg = s;
-                visited |= 1 << (s % 64);
-                lo = stacks.segs[s].lo;
-                hi = stacks.segs[s].hi;
-                fp = next;
-            }
-            _ => return false,
+        total += n;
+        if total >= MAX_WALK {
+            return true;
         }
     }
-    true
 }
