@@ -198,8 +198,8 @@ fn fill_current_stacks(buf: &mut [StackBounds; MAX_ENTERED + 1]) -> usize {
             own = thread_stack();
         }
         let d = s.depth.get().min(MAX_ENTERED);
-        for i in 0..d {
-            buf[i] = s.entered[d - 1 - i].get();
+        for (slot, entered) in buf.iter_mut().zip(s.entered[..d].iter().rev()) {
+            *slot = entered.get();
         }
         let mut n = d;
         if own.hi != 0 {
