@@ -113,6 +113,24 @@ fn capture(c: &mut Criterion) {
         None => println!("libunwind unw_backtrace: libunwind.so.8 not installed, skipped"),
     }
     g.finish();
+
+    // Per-frame slope, free of the fixed cost of a capture: the same capture at two depths.
+    let mut g = c.benchmark_group("capture_slope");
+    for depth in [8u32, 40] {
+        for (name, u) in [("fast", Unwinder::Fast), ("precise", Unwinder::Precise)] {
+            let opts = CaptureOptions::with_unwinder(u);
+            g.bench_function(format!("{name}/depth_{depth}"), |b| {
+                deep(depth, &mut || {
+                    let mut bt = Backtrace::new();
+                    b.iter(|| {
+                        collect_into(&opts, &mut bt);
+                        black_box(&bt);
+                    })
+                })
+            });
+        }
+    }
+    g.finish();
 }
 
 #[inline(never)]

@@ -342,6 +342,12 @@ fn squeeze_into(seg: &[Frame], share: usize, out: &mut SmallVec<[Frame; CAPACITY
 /// the head goes straight into the backtrace, the outermost `top` frames into a ring.
 pub(crate) struct FrameSink<'a> {
     out: &'a mut Backtrace,
+    /// The backtrace's storage, written directly during the walk; `len` frames are written.
+    /// The SmallVec's own length is set once, in `finish` (keeping the length in a register
+    /// instead of re-reading the SmallVec's header per frame halves the per-frame cost of
+    /// the DWARF walk's bookkeeping).
+    head: *mut Frame,
+    len: usize,
     /// Only `ring[..ring_len]` (as positions modulo `top`) are initialised. Owned by the
     /// caller so that the sink itself stays small (moving a 1 KiB sink cost a memcpy per
     /// capture).
@@ -372,8 +378,14 @@ impl<'a> FrameSink<'a> {
         out.clear();
         let limit = opts.effective_limit();
         let top = opts.effective_top();
+        // A backtrace never spills (it never holds more than CAPACITY frames), so its inline
+        // storage holds at least CAPACITY >= limit slots.
+        debug_assert!(out.frames.capacity() >= limit);
+        let head = out.frames.as_mut_ptr();
         FrameSink {
             out,
+            head,
+            len: 0,
             skip: opts.offset,
             head_cap: limit,
             limit,
@@ -397,8 +409,11 @@ impl<'a> FrameSink<'a> {
             return true;
         }
         self.seen += 1;
-        if self.out.frames.len() < self.head_cap {
-            self.out.frames.push(frame);
+        if self.len < self.head_cap {
+            // SAFETY: len < head_cap <= capacity: the slot is inside the backtrace's storage,
+            // which the sink borrows exclusively.
+            unsafe { self.head.add(self.len).write(frame) };
+            self.len += 1;
             return true;
         }
         if self.top == 0 {
@@ -419,7 +434,7 @@ impl<'a> FrameSink<'a> {
     #[inline(always)]
     pub fn direct_room(&self) -> usize {
         if self.skip == 0 {
-            self.head_cap.saturating_sub(self.out.frames.len())
+            self.head_cap.saturating_sub(self.len)
         } else {
             0
         }
@@ -429,14 +444,13 @@ impl<'a> FrameSink<'a> {
     /// [`Self::direct_room`] of them).
     #[inline(always)]
     pub fn direct_slots(&mut self) -> &mut [std::mem::MaybeUninit<Frame>] {
-        let len = self.out.frames.len();
-        let cap = self.out.frames.capacity();
-        // SAFETY: the SmallVec owns `cap` slots starting at as_mut_ptr(); the ones past `len`
-        // are free. Viewing them as MaybeUninit is sound whatever they hold.
+        // SAFETY: the storage holds head_cap (<= capacity) slots from `head`, exclusively
+        // borrowed by the sink; the ones past `len` are free. Viewing them as MaybeUninit is
+        // sound whatever they hold.
         unsafe {
             std::slice::from_raw_parts_mut(
-                self.out.frames.as_mut_ptr().add(len) as *mut std::mem::MaybeUninit<Frame>,
-                cap - len,
+                self.head.add(self.len) as *mut std::mem::MaybeUninit<Frame>,
+                self.head_cap - self.len,
             )
         }
     }
@@ -448,10 +462,7 @@ impl<'a> FrameSink<'a> {
     /// `n <= self.direct_room()`.
     #[inline(always)]
     pub unsafe fn commit_direct(&mut self, n: usize) {
-        let len = self.out.frames.len();
-        // SAFETY: forwarded from the caller: the slots up to len + n are initialised and
-        // within capacity.
-        unsafe { self.out.frames.set_len(len + n) };
+        self.len += n;
         self.seen += n as u64;
     }
 
@@ -459,8 +470,13 @@ impl<'a> FrameSink<'a> {
     /// frames are wanted. The common case — no skipping, room for all — is one bulk copy.
     #[inline]
     pub fn push_ras(&mut self, ras: &[u64]) -> bool {
-        if self.skip == 0 && self.out.frames.len() + ras.len() <= self.head_cap {
-            self.out.frames.extend(ras.iter().map(|&a| Frame::Ra(a)));
+        if self.skip == 0 && self.len + ras.len() <= self.head_cap {
+            for (k, &a) in ras.iter().enumerate() {
+                // SAFETY: len + k < head_cap <= capacity, inside the exclusively borrowed
+                // storage.
+                unsafe { self.head.add(self.len + k).write(Frame::Ra(a)) };
+            }
+            self.len += ras.len();
             self.seen += ras.len() as u64;
             return true;
         }
@@ -483,6 +499,8 @@ impl<'a> FrameSink<'a> {
             self.ring_pos,
             self.full,
         );
+        // SAFETY: exactly the first `len` slots were written (push, push_ras, commit_direct).
+        unsafe { self.out.frames.set_len(self.len) };
         let ring = &*self.ring;
         let out = &mut *self.out;
         let head_len = out.frames.len() as u64;

@@ -211,22 +211,30 @@ fn corrupted_frame_chain_in_suspended_stack_ends_the_walk() {
         ("points to itself", slot, ctx.regs.fp),
         ("cycle back down", s3_slot, ctx.regs.fp),
     ];
+    let mut results = Vec::new();
     for (what, at, value) in cases {
-        // SAFETY: see above; restored right after the walk.
+        // SAFETY: see above; restored right after the walks.
         unsafe { at.write(value) };
         for u in ALL {
-            let bt = collect_from(&ctx, &CaptureOptions::with_unwinder(u));
-            assert!(bt.len() >= 2, "{what} {u:?}: {bt:?}");
-            assert_eq!(bt.frames()[..2], good.frames()[..2], "{what} {u:?}");
-            assert!(bt.len() < 64, "{what} {u:?}: {bt:?}");
+            results.push((
+                what,
+                u,
+                collect_from(&ctx, &CaptureOptions::with_unwinder(u)),
+            ));
         }
-        // SAFETY: restores the original words before the coroutine resumes.
+        // SAFETY: restores the original words before anything else happens: a panic with
+        // the chain corrupted would make the coroutine's force-unwind on drop loop forever.
         unsafe {
             slot.write(saved);
             s3_slot.write(s3_saved);
         }
     }
     fx.finish();
+    for (what, u, bt) in results {
+        assert!(bt.len() >= 2, "{what} {u:?}: {bt:?}");
+        assert_eq!(bt.frames()[..2], good.frames()[..2], "{what} {u:?}");
+        assert!(bt.len() < 64, "{what} {u:?}: {bt:?}");
+    }
 }
 
 // ---- through glibc qsort ---------------------------------------------------------------

@@ -164,3 +164,37 @@ fn concurrent_resolution_from_8_threads_agrees() {
         Some("resolve::inner")
     );
 }
+
+#[test]
+fn libraries_loaded_later_are_found() {
+    // Build the image table first, then load a library it cannot know.
+    let before = fibertrace_core::image::table().images().len();
+    // SAFETY: dlopen with a NUL-terminated name; the handle is deliberately kept open.
+    let h = unsafe { libc::dlopen(c"libbz2.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    assert!(!h.is_null(), "libbz2.so.1 is part of Debian's base system");
+    // SAFETY: dlsym on a valid handle with a NUL-terminated name.
+    let f = unsafe { libc::dlsym(h, c"BZ2_bzlibVersion".as_ptr()) } as u64;
+    assert_ne!(f, 0);
+    let r = resolve(&Frame::Pc(f + 1)).unwrap();
+    assert_eq!(r.function(), Some("BZ2_bzlibVersion"));
+    assert_eq!(r.offset_of(f + 1), Some(1));
+    assert!(r.image.as_ref().unwrap().path.contains("libbz2.so"));
+    assert!(fibertrace_core::image::table().images().len() > before);
+}
+
+#[test]
+fn offline_lookup_outside_code_finds_nothing() {
+    let exe = std::env::current_exe().unwrap();
+    let elf = symbolize::ElfSymbols::open(&exe).unwrap();
+    assert_eq!(elf.lookup(1), symbolize::Lookup::default());
+    // And a real function is found by its file address.
+    let img = &fibertrace_core::image::table().images()[0];
+    let f = inner as *const () as usize as u64;
+    let l = elf.lookup(f - img.base);
+    assert_eq!(
+        l.symbols.last().and_then(|s| s.name.as_deref()),
+        Some("resolve::inner")
+    );
+    assert_eq!(l.function_start, Some(f - img.base));
+    assert_eq!(elf.build_id(), img.build_id.as_deref());
+}

@@ -247,33 +247,59 @@ pub fn collect_into(opts: &CaptureOptions, out: &mut Backtrace) {
 }
 
 fn collect_current(regs: Registers, opts: &CaptureOptions, out: &mut Backtrace) {
-    let mut stacks = current_stacks();
+    let mut buf = [StackBounds::default(); MAX_ENTERED + 1];
+    let n = fill_current_stacks(&mut buf);
+    let stacks = &mut buf[..n];
     // The live part of the stack we run on starts at our own stack pointer.
     if let Some(cur) = stacks.iter_mut().find(|s| s.contains(regs.sp)) {
         cur.lo = regs.sp;
     }
-    let table = match opts.unwinder {
-        crate::Unwinder::Fast => None,
-        _ => Some(crate::image::table()),
-    };
-    let mut ring = new_ring();
-    let mut sink = FrameSink::new(out, &mut ring, opts);
     let start = Start {
         regs,
         emit_ip: false,
         first_step_dwarf: false,
     };
-    let cut = with_thread_cache(|cache| {
-        unwind::walk(
-            start,
-            &Stacks::new(&stacks),
-            opts.unwinder,
-            table,
-            Some(cache),
-            &mut sink,
-        )
-    });
-    sink.finish(cut);
+    walk_with_refresh(start, &Stacks::new(stacks), opts, out);
+}
+
+/// Walks; if the walk met code outside every known image and the loader's list changed
+/// since the image table was built, walks again with a refreshed table.
+fn walk_with_refresh(
+    start: Start,
+    stacks: &Stacks<'_>,
+    opts: &CaptureOptions,
+    out: &mut Backtrace,
+) {
+    let mut ring = new_ring();
+    if opts.unwinder == crate::Unwinder::Fast {
+        let mut sink = FrameSink::new(out, &mut ring, opts);
+        let end = unwind::walk(start, stacks, opts.unwinder, None, None, &mut sink);
+        sink.finish(end.cut);
+        return;
+    }
+    let mut table = crate::image::table();
+    loop {
+        let mut sink = FrameSink::new(out, &mut ring, opts);
+        let end = with_thread_cache(|cache| {
+            unwind::walk(
+                start,
+                stacks,
+                opts.unwinder,
+                Some(table),
+                Some(cache),
+                &mut sink,
+            )
+        });
+        sink.finish(end.cut);
+        if !end.unknown_code {
+            return;
+        }
+        let fresh = crate::image::refresh();
+        if std::ptr::eq(fresh, table) {
+            return;
+        }
+        table = fresh;
+    }
 }
 
 /// Captures a suspended coroutine from its saved context. A context with no recorded
@@ -291,28 +317,12 @@ pub fn collect_from_into(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Ba
         return;
     }
     let bounds = [StackBounds::new(ctx.regs.sp, ctx.stack.hi)];
-    let table = match opts.unwinder {
-        crate::Unwinder::Fast => None,
-        _ => Some(crate::image::table()),
-    };
-    let mut ring = new_ring();
-    let mut sink = FrameSink::new(out, &mut ring, opts);
     let start = Start {
         regs: ctx.regs,
         emit_ip: true,
         first_step_dwarf: false,
     };
-    let cut = with_thread_cache(|cache| {
-        unwind::walk(
-            start,
-            &Stacks::new(&bounds),
-            opts.unwinder,
-            table,
-            Some(cache),
-            &mut sink,
-        )
-    });
-    sink.finish(cut);
+    walk_with_refresh(start, &Stacks::new(&bounds), opts, out);
 }
 
 /// Captures an interrupted context from inside a signal handler: async-signal-safe.
@@ -346,7 +356,7 @@ pub unsafe fn collect_from_ucontext(
         emit_ip: true,
         first_step_dwarf: true,
     };
-    let cut = unwind::walk(
+    let end = unwind::walk(
         start,
         &Stacks::new(stacks),
         opts.unwinder,
@@ -354,7 +364,7 @@ pub unsafe fn collect_from_ucontext(
         cache,
         &mut sink,
     );
-    sink.finish(cut);
+    sink.finish(end.cut);
 }
 
 /// Builds what signal-time capture needs ahead of time: the image table with its DWARF

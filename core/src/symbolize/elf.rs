@@ -45,6 +45,9 @@ impl std::error::Error for OpenError {}
 pub struct ElfSymbols {
     path: String,
     build_id: Option<Vec<u8>>,
+    /// File address ranges of executable segments: lookups outside them find nothing
+    /// (DWARF ranges of code removed at link time start at 0 and would otherwise match).
+    code: Vec<(u64, u64)>,
     loader: addr2line::Loader,
 }
 
@@ -80,11 +83,13 @@ impl ElfSymbols {
         // that maps files accepts. The mapping is dropped before this function returns.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| err(e.to_string()))?;
         let build_id = read_build_id(&map).map_err(err)?;
+        let code = code_ranges(&map);
         drop(map);
         let loader = addr2line::Loader::new(path).map_err(|e| err(e.to_string()))?;
         Ok(ElfSymbols {
             path: path.display().to_string(),
             build_id,
+            code,
             loader,
         })
     }
@@ -102,6 +107,9 @@ impl ElfSymbols {
     /// Looks up a file address (SVMA).
     pub fn lookup(&self, svma: u64) -> Lookup {
         let mut out = Lookup::default();
+        if !self.code.is_empty() && !self.code.iter().any(|&(s, e)| svma >= s && svma < e) {
+            return out;
+        }
         if let Ok(mut frames) = self.loader.find_frames(svma) {
             while let Ok(Some(f)) = frames.next() {
                 let name = f
@@ -139,6 +147,23 @@ impl ElfSymbols {
         }
         out
     }
+}
+
+/// Executable segment ranges (file virtual addresses) of an object file; empty if it has no
+/// segments (a separate debug file), in which case lookups are not filtered.
+fn code_ranges(data: &[u8]) -> Vec<(u64, u64)> {
+    use object::{Object, ObjectSegment, SegmentFlags};
+    let Ok(file) = object::File::parse(data) else {
+        return Vec::new();
+    };
+    file.segments()
+        .filter(|s| match s.flags() {
+            SegmentFlags::Elf { p_flags, .. } => p_flags.contains(object::elf::PF_X),
+            _ => true,
+        })
+        .map(|s| (s.address(), s.address() + s.size()))
+        .filter(|(s, e)| s < e)
+        .collect()
 }
 
 /// Reads the GNU build id from an ELF file's bytes.

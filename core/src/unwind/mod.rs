@@ -90,14 +90,46 @@ pub(crate) struct Start {
     pub first_step_dwarf: bool,
 }
 
-/// Walks from `start`, feeding `sink`. Returns whether the walk was cut at [`MAX_WALK`].
+/// How a walk ended.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct WalkEnd {
+    /// Cut at [`MAX_WALK`] although the stack went on.
+    pub cut: bool,
+    /// Met a code address outside every known image (a library loaded after the image
+    /// table was built, or JIT code): a refreshed table may do better.
+    pub unknown_code: bool,
+}
+
+/// Walks from `start`, feeding `sink`.
 pub(crate) fn walk(
+    start: Start,
+    stacks: &Stacks<'_>,
+    mode: Unwinder,
+    table: Option<&ImageTable>,
+    cache: Option<&mut DwarfCache>,
+    sink: &mut FrameSink<'_>,
+) -> WalkEnd {
+    let mut end = WalkEnd::default();
+    end.cut = walk_inner(
+        start,
+        stacks,
+        mode,
+        table,
+        cache,
+        sink,
+        &mut end.unknown_code,
+    );
+    end
+}
+
+fn walk_inner(
     start: Start,
     stacks: &Stacks<'_>,
     mode: Unwinder,
     table: Option<&ImageTable>,
     mut cache: Option<&mut DwarfCache>,
     sink: &mut FrameSink<'_>,
+    unknown_code: &mut bool,
 ) -> bool {
     let Registers { ip, sp, fp } = start.regs;
     if start.emit_ip && !sink.push(Frame::Pc(ip)) {
@@ -109,40 +141,52 @@ pub(crate) fn walk(
     let table = table.expect("checked");
     let mut regs = UnwindRegsX86_64::new(ip, sp, fp);
     let mut addr = FrameAddress::from_instruction_pointer(ip);
-    let mut visited: u64 = 0;
+    let mut cur = SegCursor::at(stacks, sp);
     let mut fp_range: (u64, u64) = (0, 0); // last code range known to keep frame pointers
     let mut first = true;
     for _ in 0..MAX_WALK {
-        let cur = addr.address();
+        let pc = addr.address();
         let use_fp = match mode {
             Unwinder::Precise => false,
             _ if first && start.first_step_dwarf => false,
-            _ => {
-                if cur >= fp_range.0 && cur < fp_range.1 {
+            _ if pc >= fp_range.0 && pc < fp_range.1 => true,
+            _ => match table.code_range(pc) {
+                Some((s, e, true)) => {
+                    fp_range = (s, e);
                     true
-                } else {
-                    match table.code_range(cur) {
-                        Some((s, e, true)) => {
-                            fp_range = (s, e);
-                            true
-                        }
-                        Some((_, _, false)) => false,
-                        // Code outside any image (JIT, or a bad address): frame pointers are
-                        // the only hope.
-                        None => true,
-                    }
                 }
-            }
+                Some((_, _, false)) => false,
+                // Code outside any image (JIT, a library loaded since the table was
+                // built, or a bad address): frame pointers are the only hope.
+                None => {
+                    *unknown_code = true;
+                    true
+                }
+            },
         };
         first = false;
         let step = if use_fp {
-            match fp_step(&mut regs, stacks, &mut visited) {
+            match cur.fp_step(stacks, &mut regs) {
                 Some(r) => Some(r),
                 // A broken frame-pointer chain: let DWARF try this frame.
-                None => dwarf_step(table, cache.as_deref_mut(), stacks, addr, &mut regs),
+                None => dwarf_step(
+                    table,
+                    cache.as_deref_mut(),
+                    stacks,
+                    addr,
+                    &mut regs,
+                    &mut cur,
+                ),
             }
         } else {
-            dwarf_step(table, cache.as_deref_mut(), stacks, addr, &mut regs)
+            dwarf_step(
+                table,
+                cache.as_deref_mut(),
+                stacks,
+                addr,
+                &mut regs,
+                &mut cur,
+            )
         };
         let Some(ra) = step else { return false };
         if ra == 0 || !sink.push(Frame::Ra(ra)) {
@@ -156,35 +200,75 @@ pub(crate) fn walk(
     true
 }
 
-/// One frame-pointer step: from the frame whose frame pointer is `regs.bp` to its caller.
-/// Returns the return address; updates `regs` to the caller's state.
-#[inline]
-fn fp_step(regs: &mut UnwindRegsX86_64, stacks: &Stacks<'_>, visited: &mut u64) -> Option<u64> {
-    let fp = regs.bp();
-    let sp = regs.sp();
-    let seg_fp = stacks.find(fp)?;
-    match stacks.find(sp) {
-        // Within one stack the frame record lies above the stack pointer.
-        Some(seg_sp) if seg_sp == seg_fp => {
-            if fp < sp {
-                return None;
+/// Which stack the walk is in (the one holding the current stack pointer), and which stacks
+/// it has been in.
+struct SegCursor {
+    lo: u64,
+    hi: u64,
+    seg: usize,
+    visited: u64,
+}
+
+impl SegCursor {
+    fn at(stacks: &Stacks<'_>, sp: u64) -> Self {
+        let mut c = SegCursor {
+            lo: 0,
+            hi: 0,
+            seg: usize::MAX,
+            visited: 0,
+        };
+        c.enter(stacks, sp);
+        c
+    }
+
+    /// Moves to another stack, the one holding `addr`; returns false (and stays) if there
+    /// is none, or it is the current one, or it was visited before — moving down within a
+    /// stack or back to an earlier stack would let a corrupted chain cycle.
+    fn enter(&mut self, stacks: &Stacks<'_>, addr: u64) -> bool {
+        match stacks.find(addr) {
+            Some(s) => {
+                let bit = 1u64 << (s % 64);
+                if self.visited & bit != 0 {
+                    return false;
+                }
+                self.visited |= bit;
+                self.seg = s;
+                self.lo = stacks.segs[s].lo;
+                self.hi = stacks.segs[s].hi;
+                true
             }
-        }
-        // Moving to another stack: once per stack.
-        _ => {
-            let bit = 1u64 << (seg_fp % 64);
-            if *visited & bit != 0 {
-                return None;
-            }
-            *visited |= bit;
+            None => false,
         }
     }
-    let next = stacks.read(fp)?;
-    let ra = stacks.read(fp + 8)?;
-    regs.set_sp(fp + 16);
-    regs.set_bp(next);
-    regs.set_ip(ra);
-    Some(ra)
+
+    /// One frame-pointer step: from the frame whose frame pointer is `regs.bp` to its
+    /// caller. Returns the return address and updates `regs` to the caller's state.
+    #[inline(always)]
+    fn fp_step(&mut self, stacks: &Stacks<'_>, regs: &mut UnwindRegsX86_64) -> Option<u64> {
+        let fp = regs.bp();
+        if !fp.is_multiple_of(8) {
+            return None;
+        }
+        // Within one stack the frame record lies above the stack pointer; a record in
+        // another stack means the chain moves there (once per stack).
+        if !(fp >= regs.sp() && fp >= self.lo && fp.checked_add(16)? <= self.hi)
+            && !(self.enter(stacks, fp) && fp + 16 <= self.hi)
+        {
+            return None;
+        }
+        // SAFETY: [fp, fp+16) lies inside the current stack segment (checked above), which
+        // the caller vouched is mapped and readable.
+        let (next, ra) = unsafe {
+            (
+                std::ptr::read_volatile(fp as *const u64),
+                std::ptr::read_volatile((fp + 8) as *const u64),
+            )
+        };
+        regs.set_sp(fp + 16);
+        regs.set_bp(next);
+        regs.set_ip(ra);
+        Some(ra)
+    }
 }
 
 fn dwarf_step(
@@ -193,20 +277,25 @@ fn dwarf_step(
     stacks: &Stacks<'_>,
     addr: FrameAddress,
     regs: &mut UnwindRegsX86_64,
+    cur: &mut SegCursor,
 ) -> Option<u64> {
     let cache = cache?;
     let before = regs.sp();
     let mut read = |a: u64| stacks.read(a).ok_or(());
-    match table
+    let ra = match table
         .unwinder
         .unwind_frame(addr, regs, &mut cache.0, &mut read)
     {
-        Ok(Some(ra)) if regs.sp() > before || stacks.find(regs.sp()) != stacks.find(before) => {
-            regs.set_ip(ra);
-            Some(ra)
-        }
-        _ => None,
+        Ok(Some(ra)) => ra,
+        _ => return None,
+    };
+    let sp = regs.sp();
+    // The stack pointer moves up within a stack, or into another stack (once per stack).
+    if !(sp > before && sp >= cur.lo && sp < cur.hi) && !cur.enter(stacks, sp) {
+        return None;
     }
+    regs.set_ip(ra);
+    Some(ra)
 }
 
 /// State of a frame-pointer walk: the current frame pointer and the stack it is in.
