@@ -17,3 +17,5 @@ mod error;
 pub mod lws;
 
 pub use error::Error;
+pub mod cbf;
+pub mod text;
