@@ -44,6 +44,7 @@ impl BitWriter {
     }
 
     /// Number of bits written so far.
+    #[cfg(test)]
     pub(crate) fn bit_len(&self) -> usize {
         self.len
     }

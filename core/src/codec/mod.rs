@@ -19,3 +19,4 @@ pub mod lws;
 pub use error::Error;
 pub mod cbf;
 pub mod text;
+pub mod native;
