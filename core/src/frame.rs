@@ -70,6 +70,9 @@ impl Frame {
     /// Whether this frame is a marker rather than a call (native or Lua).
     #[inline]
     pub fn is_marker(&self) -> bool {
-        matches!(self, Frame::Omitted(_) | Frame::Truncated | Frame::Parent(_))
+        matches!(
+            self,
+            Frame::Omitted(_) | Frame::Truncated | Frame::Parent(_)
+        )
     }
 }

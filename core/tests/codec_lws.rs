@@ -69,8 +69,8 @@ fn stock_lossy_encoding_is_not_ours() {
         t.to_m_line().unwrap(),
         "~m#IL1XUw6ASNBeq6mHQD0AL386EjSmeBeq6mHQBV4HQAAAIg=="
     );
-    let stock = LwsTrace::from_m_line("~m#ILxI0w6ASNJePQGHQD0BLyZ4kjSmeJeFXmHQBV5HQAAAIg==")
-        .unwrap();
+    let stock =
+        LwsTrace::from_m_line("~m#ILxI0w6ASNJePQGHQD0BLyZ4kjSmeJeFXmHQBV5HQAAAIg==").unwrap();
     // Read u64-clean, the stock line's first literal holds bits 0..=44 of a garbled value: not
     // the address that was captured.
     assert_eq!(stock.addrs[0], 0x1234_c3a0_1234);

@@ -14,7 +14,11 @@ fn corpus() -> Vec<Vec<Frame>> {
     VECTORS
         .lines()
         .take(200)
-        .map(|l| LwsTrace::from_m_line(l.split('\t').next().unwrap()).unwrap().to_frames())
+        .map(|l| {
+            LwsTrace::from_m_line(l.split('\t').next().unwrap())
+                .unwrap()
+                .to_frames()
+        })
         .collect()
 }
 
@@ -42,7 +46,11 @@ fn inferred_tables(traces: &[Vec<Frame>]) -> Vec<ImageTable> {
         i
     }
     for t in traces {
-        let cs: Vec<usize> = t.iter().filter_map(Frame::address).map(cluster_of).collect();
+        let cs: Vec<usize> = t
+            .iter()
+            .filter_map(Frame::address)
+            .map(cluster_of)
+            .collect();
         for w in cs.windows(2) {
             let (a, b) = (root(&mut parent, w[0]), root(&mut parent, w[1]));
             parent[a] = b;
@@ -87,7 +95,12 @@ fn round_trips_on_corpus() {
             let b = native::encode(f, None);
             assert_eq!(&native::decode(&b, None).unwrap(), f, "line {} #{j}", i + 1);
             let b = native::encode(f, Some(tab));
-            assert_eq!(&native::decode(&b, Some(tab)).unwrap(), f, "line {} #{j}", i + 1);
+            assert_eq!(
+                &native::decode(&b, Some(tab)).unwrap(),
+                f,
+                "line {} #{j}",
+                i + 1
+            );
             let line = native::to_line(f, Some(tab));
             assert_eq!(&native::from_line(&line, Some(tab)).unwrap(), f);
         }
@@ -101,7 +114,12 @@ fn sizes_on_corpus() {
     let frames: usize = traces.iter().map(Vec::len).sum();
     assert_eq!(frames, 3217);
     let sum = |f: &dyn Fn(usize, &Vec<Frame>) -> usize| -> f64 {
-        traces.iter().enumerate().map(|(i, t)| f(i, t)).sum::<usize>() as f64 / frames as f64
+        traces
+            .iter()
+            .enumerate()
+            .map(|(i, t)| f(i, t))
+            .sum::<usize>() as f64
+            / frames as f64
     };
     let lws = sum(&|_, t| LwsTrace::from_frames(t, 0).encode().unwrap().len());
     let cbf = sum(&|_, t| {

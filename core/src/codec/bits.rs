@@ -85,7 +85,11 @@ impl<'a> BitReader<'a> {
             let room = 8 - used;
             let take = room.min(left);
             let chunk = (u64::from(byte) >> (room - take)) & ((1u64 << take) - 1);
-            v = if take == 64 { chunk } else { (v << take) | chunk };
+            v = if take == 64 {
+                chunk
+            } else {
+                (v << take) | chunk
+            };
             left -= take;
             self.pos += take as usize;
         }

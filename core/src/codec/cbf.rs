@@ -415,7 +415,10 @@ mod tests {
         let f = [Frame::Pc(0xffff_ffff), Frame::Ra(0x8000_0000)];
         let b = encode(&f, WordSize::W32).unwrap();
         // 0x80000000 is 4 bytes absolute and 4 relative: the tie goes to relative.
-        assert_eq!(b, vec![0x01, 0x10, 0xff, 0x23, 0x80, 0x00, 0x00, 0x01, 0x00]);
+        assert_eq!(
+            b,
+            vec![0x01, 0x10, 0xff, 0x23, 0x80, 0x00, 0x00, 0x01, 0x00]
+        );
         assert_eq!(decode(&b).unwrap().frames, f);
         assert!(encode(&[Frame::Pc(0x1_0000)], WordSize::W16).is_err());
         assert!(encode(&[Frame::Omitted(0x1_0000)], WordSize::W16).is_err());
@@ -443,9 +446,18 @@ mod tests {
         assert!(matches!(decode(&[]), Err(Error::UnexpectedEnd { .. })));
         assert!(matches!(decode(&[0x03]), Err(Error::Invalid { at: 0, .. })));
         assert!(matches!(decode(&[0x06]), Err(Error::Invalid { at: 0, .. })));
-        assert!(matches!(decode(&[0x02, 0x02]), Err(Error::Invalid { at: 1, .. })));
-        assert!(matches!(decode(&[0x02, 0x90]), Err(Error::Invalid { at: 1, .. })));
-        assert!(matches!(decode(&[0x02, 0x80]), Err(Error::Invalid { at: 1, .. })));
+        assert!(matches!(
+            decode(&[0x02, 0x02]),
+            Err(Error::Invalid { at: 1, .. })
+        ));
+        assert!(matches!(
+            decode(&[0x02, 0x90]),
+            Err(Error::Invalid { at: 1, .. })
+        ));
+        assert!(matches!(
+            decode(&[0x02, 0x80]),
+            Err(Error::Invalid { at: 1, .. })
+        ));
         assert!(matches!(
             decode(&[0x02, 0x10, 0x01, 0x88, 0x00]),
             Err(Error::Invalid { at: 3, .. })

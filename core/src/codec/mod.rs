@@ -18,5 +18,8 @@ pub mod lws;
 
 pub use error::Error;
 pub mod cbf;
-pub mod text;
+pub mod intern;
 pub mod native;
+#[doc(hidden)]
+pub mod synth;
+pub mod text;

@@ -65,9 +65,9 @@ const NEW_ANCHOR_BITS: u32 = 32;
 /// around 18 bits (deltas between functions of a text segment of a few MB), 0 (recursion) at
 /// 4 bits, long deltas rare.
 const LEN_CODE: [u8; 65] = [
-    4, 9, 9, 9, 9, 8, 8, 7, 7, 6, 6, 5, 5, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 6, 6, 7, 7, 8,
-    8, 9, 11, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13,
-    13, 13, 13, 13, 13, 13, 13, 13, 13, 13,
+    4, 9, 9, 9, 9, 8, 8, 7, 7, 6, 6, 5, 5, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8,
+    9, 11, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13, 13,
+    13, 13, 13, 13, 13, 13, 13, 13, 13,
 ];
 
 struct Huffman {
@@ -110,7 +110,10 @@ fn huffman() -> &'static Huffman {
 
 fn put_len(w: &mut BitWriter, l: u32) {
     let h = huffman();
-    w.write(u64::from(h.code[l as usize]), u32::from(LEN_CODE[l as usize]));
+    w.write(
+        u64::from(h.code[l as usize]),
+        u32::from(LEN_CODE[l as usize]),
+    );
 }
 
 fn get_len(r: &mut BitReader<'_>) -> Result<u32, Error> {
@@ -577,12 +580,13 @@ impl<'t> AddrCoder<'t> {
                 if key == t.len() {
                     return Ok((value, None));
                 }
-                let addr = t.images[key].base.checked_add(value).ok_or_else(|| {
-                    Error::Invalid {
+                let addr = t.images[key]
+                    .base
+                    .checked_add(value)
+                    .ok_or_else(|| Error::Invalid {
                         what: "offset beyond 64 bits".into(),
                         at,
-                    }
-                })?;
+                    })?;
                 Ok((addr, Some(key)))
             }
         }
@@ -922,7 +926,10 @@ mod tests {
         // Count EG3 with a huge prefix: rejected before allocating.
         assert!(decode(&[0x00, 0x00, 0x00, 0x01, 0xff], None).is_err());
         assert!(matches!(
-            decode(&[0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00], None),
+            decode(
+                &[0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00],
+                None
+            ),
             Err(Error::Invalid { .. }) | Err(Error::UnexpectedEnd { .. })
         ));
         assert!(matches!(decode(&[0xc0], None), Err(Error::Invalid { .. })));
