@@ -2,10 +2,10 @@
 //! both modes and the size target.
 
 use fibertrace_core::codec::lws::LwsTrace;
-use fibertrace_core::codec::native::{self, ImageRef, ImageTable};
+use fibertrace_core::codec::native;
+use fibertrace_core::codec::synth;
 use fibertrace_core::codec::{cbf, Error};
 use fibertrace_core::Frame;
-use std::collections::BTreeMap;
 
 const VECTORS: &str = include_str!("data/lws-vectors.tsv");
 
@@ -22,67 +22,10 @@ fn corpus() -> Vec<Vec<Frame>> {
         .collect()
 }
 
-/// Rebuilds plausible image tables: addresses within 64 MiB of each other form one image, and
-/// traces sharing an image belong to one process. Returns each trace's process table.
-fn inferred_tables(traces: &[Vec<Frame>]) -> Vec<ImageTable> {
-    let mut addrs: Vec<u64> = traces.iter().flatten().filter_map(Frame::address).collect();
-    addrs.sort_unstable();
-    addrs.dedup();
-    let mut clusters: Vec<(u64, u64)> = Vec::new();
-    for a in addrs {
-        match clusters.last_mut() {
-            Some((_, hi)) if a - *hi < 64 << 20 => *hi = a,
-            _ => clusters.push((a, a)),
-        }
-    }
-    let cluster_of = |a: u64| clusters.partition_point(|&(lo, _)| lo <= a) - 1;
-    // Union-find over clusters used together in a trace.
-    let mut parent: Vec<usize> = (0..clusters.len()).collect();
-    fn root(p: &mut [usize], mut i: usize) -> usize {
-        while p[i] != i {
-            p[i] = p[p[i]];
-            i = p[i];
-        }
-        i
-    }
-    for t in traces {
-        let cs: Vec<usize> = t
-            .iter()
-            .filter_map(Frame::address)
-            .map(cluster_of)
-            .collect();
-        for w in cs.windows(2) {
-            let (a, b) = (root(&mut parent, w[0]), root(&mut parent, w[1]));
-            parent[a] = b;
-        }
-    }
-    let mut procs: BTreeMap<usize, Vec<ImageRef>> = BTreeMap::new();
-    for (i, &(lo, hi)) in clusters.iter().enumerate() {
-        let r = root(&mut parent, i);
-        procs.entry(r).or_default().push(ImageRef {
-            base: lo & !0xfff,
-            end: hi + 1,
-            build_id: (i as u32).to_le_bytes().repeat(5),
-            path: format!("/image{i}"),
-        });
-    }
-    let tables: BTreeMap<usize, ImageTable> = procs
-        .into_iter()
-        .map(|(r, ims)| (r, ImageTable::new(ims)))
-        .collect();
-    traces
-        .iter()
-        .map(|t| {
-            let c = cluster_of(t[0].address().unwrap());
-            tables[&root(&mut parent, c)].clone()
-        })
-        .collect()
-}
-
 #[test]
 fn round_trips_on_corpus() {
     let traces = corpus();
-    let tables = inferred_tables(&traces);
+    let tables = synth::infer_tables(&traces);
     for (i, (t, tab)) in traces.iter().zip(&tables).enumerate() {
         for (j, f) in [t.clone(), {
             let mut g = t.clone();
@@ -110,7 +53,7 @@ fn round_trips_on_corpus() {
 #[test]
 fn sizes_on_corpus() {
     let traces = corpus();
-    let tables = inferred_tables(&traces);
+    let tables = synth::infer_tables(&traces);
     let frames: usize = traces.iter().map(Vec::len).sum();
     assert_eq!(frames, 3217);
     let sum = |f: &dyn Fn(usize, &Vec<Frame>) -> usize| -> f64 {
@@ -141,7 +84,7 @@ fn sizes_on_corpus() {
 #[test]
 fn corrupt_input_never_panics() {
     let traces = corpus();
-    let tables = inferred_tables(&traces);
+    let tables = synth::infer_tables(&traces);
     let b = native::encode(&traces[0], Some(&tables[0]));
     for cut in 0..b.len() {
         assert!(native::decode(&b[..cut], Some(&tables[0])).is_err());

@@ -9,7 +9,9 @@
 //! call sites (Zipf-weighted: a function's first site is taken most often) until it stops (12%
 //! per step) or reaches 48 frames, and ends in a 2-frame allocator wrapper.
 
+use super::native::{ImageRef, ImageTable};
 use crate::Frame;
+use std::collections::BTreeMap;
 
 /// A deterministic xorshift64* generator.
 #[derive(Debug, Clone)]
@@ -140,4 +142,70 @@ impl Program {
         path.reverse();
         path
     }
+}
+
+/// Rebuilds plausible image tables for traces whose tables are unknown (the lws vectors): addresses within 64 MiB of each other form one image, and
+/// traces sharing an image belong to one process. Returns each trace's process table.
+pub fn infer_tables(traces: &[Vec<Frame>]) -> Vec<ImageTable> {
+    let mut addrs: Vec<u64> = traces.iter().flatten().filter_map(Frame::address).collect();
+    addrs.sort_unstable();
+    addrs.dedup();
+    let mut clusters: Vec<(u64, u64)> = Vec::new();
+    for a in addrs {
+        match clusters.last_mut() {
+            Some((_, hi)) if a - *hi < 64 << 20 => *hi = a,
+            _ => clusters.push((a, a)),
+        }
+    }
+    let cluster_of = |a: u64| clusters.partition_point(|&(lo, _)| lo <= a) - 1;
+    // Union-find over clusters used together in a trace.
+    let mut parent: Vec<usize> = (0..clusters.len()).collect();
+    fn root(p: &mut [usize], mut i: usize) -> usize {
+        while p[i] != i {
+            p[i] = p[p[i]];
+            i = p[i];
+        }
+        i
+    }
+    for t in traces {
+        let cs: Vec<usize> = t
+            .iter()
+            .filter_map(Frame::address)
+            .map(cluster_of)
+            .collect();
+        for w in cs.windows(2) {
+            let (a, b) = (root(&mut parent, w[0]), root(&mut parent, w[1]));
+            parent[a] = b;
+        }
+    }
+    let mut procs: BTreeMap<usize, Vec<ImageRef>> = BTreeMap::new();
+    for (i, &(lo, hi)) in clusters.iter().enumerate() {
+        let r = root(&mut parent, i);
+        procs.entry(r).or_default().push(ImageRef {
+            base: lo & !0xfff,
+            end: hi + 1,
+            build_id: (i as u32).to_le_bytes().repeat(5),
+            path: format!("/image{i}"),
+        });
+    }
+    let tables: BTreeMap<usize, ImageTable> = procs
+        .into_iter()
+        .map(|(r, ims)| (r, ImageTable::new(ims)))
+        .collect();
+    traces
+        .iter()
+        .map(|t| match t.iter().find_map(Frame::address) {
+            Some(a) => tables[&root(&mut parent, cluster_of(a))].clone(),
+            None => ImageTable::default(),
+        })
+        .collect()
+}
+
+/// The 200 realistic traces of the lws vector file (lines 1–200), as frames.
+pub fn lws_corpus(tsv: &str) -> Vec<Vec<Frame>> {
+    tsv.lines()
+        .take(200)
+        .filter_map(|l| super::lws::LwsTrace::from_m_line(l.split('\t').next()?).ok())
+        .map(|t| t.to_frames())
+        .collect()
 }
