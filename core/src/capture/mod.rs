@@ -1,0 +1,364 @@
+//! Capture: where a walk starts (registers) and which memory it may read (stack bounds).
+//!
+//! * [`collect`] captures the current stack. The capture call itself never appears: the walk
+//!   starts from `collect`'s own frame record, whose return address is the caller's.
+//! * [`collect_from`] captures a suspended coroutine from its [`SavedContext`]: registers
+//!   recorded at the suspension point ([`SavedContext::record`], three register reads) and the
+//!   bounds of the coroutine's stack. Reads are confined to `[sp, hi)` of that stack, so a
+//!   stale link out of it (corosensei's parent link while suspended) is never followed.
+//! * [`collect_from_ucontext`] captures an interrupted context inside a signal handler: no
+//!   lock, no allocation, no thread-local access; the caller passes the stacks it may read and
+//!   the DWARF cache to use.
+//!
+//! Which stacks the current thread may read: its own stack (from `pthread_getattr_np`, once
+//! per thread) and the coroutine stacks a runtime declares with [`enter_stack`] while it runs
+//! code on them. A frame chain that leaves these bounds ends the walk — the frames beyond are
+//! missing from the trace, never read from unknown memory.
+//!
+//! How a result can be wrong: a walk started inside a function's prologue or epilogue by a
+//! signal can lose one caller with the frame-pointer unwinder (DWARF does not); a function
+//! without a frame record inside code that keeps them hides its caller from the fast walk;
+//! the registers recorded by [`SavedContext::record`] are those of the function that called
+//! it, so a runtime's suspend wrapper shows as the first frame unless skipped (`offset`).
+
+use std::cell::{Cell, RefCell};
+
+use serde::{Deserialize, Serialize};
+
+use crate::backtrace::{new_ring, Backtrace, CaptureOptions, FrameSink};
+use crate::unwind::{self, DwarfCache, Stacks, Start};
+
+pub mod x86_64;
+pub use x86_64::registers_from_ucontext;
+
+/// The registers a walk starts from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[repr(C)]
+pub struct Registers {
+    /// Instruction pointer.
+    pub ip: u64,
+    /// Stack pointer.
+    pub sp: u64,
+    /// Frame pointer (`rbp`).
+    pub fp: u64,
+}
+
+/// A stack's address range `[lo, hi)`; `hi` is the stack's base (stacks grow down).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[repr(C)]
+pub struct StackBounds {
+    /// Lowest address.
+    pub lo: u64,
+    /// One past the highest address.
+    pub hi: u64,
+}
+
+impl StackBounds {
+    /// Bounds `[lo, hi)`.
+    pub const fn new(lo: u64, hi: u64) -> Self {
+        StackBounds { lo, hi }
+    }
+
+    /// Whether `addr` lies inside.
+    #[inline]
+    pub fn contains(&self, addr: u64) -> bool {
+        addr >= self.lo && addr < self.hi
+    }
+}
+
+/// The saved context of a suspended coroutine: registers at its suspension point and the
+/// bounds of its stack.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[repr(C)]
+pub struct SavedContext {
+    /// Registers recorded at the suspension point.
+    pub regs: Registers,
+    /// The coroutine's stack. Walks read only `[regs.sp, stack.hi)`.
+    pub stack: StackBounds,
+}
+
+impl SavedContext {
+    /// A context for a stack whose registers are not recorded yet.
+    pub const fn new(stack: StackBounds) -> Self {
+        SavedContext {
+            regs: Registers {
+                ip: 0,
+                sp: 0,
+                fp: 0,
+            },
+            stack,
+        }
+    }
+
+    /// Records the registers of the calling function (inlined: three register reads and
+    /// three stores). Call it in the runtime's `#[inline(never)]` suspend wrapper just before
+    /// switching away; the wrapper is then the first frame of [`collect_from`] (skip it with
+    /// `offset: 1`).
+    #[inline(always)]
+    pub fn record(&mut self) {
+        self.regs = crate::__fibertrace_registers_here!();
+    }
+
+    /// Whether registers were recorded (a context never suspended has none).
+    pub fn is_recorded(&self) -> bool {
+        self.regs.sp != 0 && self.stack.contains(self.regs.sp)
+    }
+}
+
+/// Most coroutine stacks a thread can have entered at once.
+const MAX_ENTERED: usize = 8;
+
+struct ThreadStacks {
+    own: Cell<StackBounds>,
+    entered: [Cell<StackBounds>; MAX_ENTERED],
+    depth: Cell<usize>,
+}
+
+thread_local! {
+    static STACKS: ThreadStacks = const {
+        ThreadStacks {
+            own: Cell::new(StackBounds::new(0, 0)),
+            entered: [const { Cell::new(StackBounds::new(0, 0)) }; MAX_ENTERED],
+            depth: Cell::new(0),
+        }
+    };
+    static CACHE: RefCell<Option<Box<DwarfCache>>> = const { RefCell::new(None) };
+}
+
+/// The current thread's own stack (cached after the first call).
+pub fn thread_stack() -> StackBounds {
+    STACKS.with(|s| {
+        let b = s.own.get();
+        if b.hi != 0 {
+            return b;
+        }
+        let b = thread_stack_uncached().unwrap_or_default();
+        s.own.set(b);
+        b
+    })
+}
+
+fn thread_stack_uncached() -> Option<StackBounds> {
+    // SAFETY: pthread_attr_t is plain data; it is initialised by pthread_getattr_np before use
+    // and destroyed after; pthread_self() is always valid for the calling thread.
+    unsafe {
+        let mut attr: libc::pthread_attr_t = std::mem::zeroed();
+        if libc::pthread_getattr_np(libc::pthread_self(), &mut attr) != 0 {
+            return None;
+        }
+        let mut addr: *mut libc::c_void = std::ptr::null_mut();
+        let mut size: libc::size_t = 0;
+        let rc = libc::pthread_attr_getstack(&attr, &mut addr, &mut size);
+        libc::pthread_attr_destroy(&mut attr);
+        (rc == 0).then(|| StackBounds::new(addr as u64, addr as u64 + size as u64))
+    }
+}
+
+/// Declares that the current thread runs code on `stack` until the returned guard is
+/// dropped, so that walks from inside it may read it. A runtime wraps each resume of a
+/// coroutine in one. Nesting deeper than 8 is ignored (walks then stop at that stack).
+pub fn enter_stack(stack: StackBounds) -> EnteredStack {
+    STACKS.with(|s| {
+        let d = s.depth.get();
+        if d < MAX_ENTERED {
+            s.entered[d].set(stack);
+        }
+        s.depth.set(d + 1);
+    });
+    EnteredStack {
+        _not_send: std::marker::PhantomData,
+    }
+}
+
+/// Guard of [`enter_stack`].
+pub struct EnteredStack {
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for EnteredStack {
+    fn drop(&mut self) {
+        STACKS.with(|s| s.depth.set(s.depth.get().saturating_sub(1)));
+    }
+}
+
+/// The stacks the current thread may read: the entered coroutine stacks (innermost first)
+/// and its own stack.
+pub fn current_stacks() -> Vec<StackBounds> {
+    let mut buf = [StackBounds::default(); MAX_ENTERED + 1];
+    let n = fill_current_stacks(&mut buf);
+    buf[..n].to_vec()
+}
+
+/// Writes the current thread's readable stacks into `buf`; returns how many.
+#[inline]
+fn fill_current_stacks(buf: &mut [StackBounds; MAX_ENTERED + 1]) -> usize {
+    STACKS.with(|s| {
+        let mut own = s.own.get();
+        if own.hi == 0 {
+            own = thread_stack();
+        }
+        let d = s.depth.get().min(MAX_ENTERED);
+        for (slot, entered) in buf.iter_mut().zip(s.entered[..d].iter().rev()) {
+            *slot = entered.get();
+        }
+        let mut n = d;
+        if own.hi != 0 {
+            buf[n] = own;
+            n += 1;
+        }
+        n
+    })
+}
+
+fn with_thread_cache<R>(f: impl FnOnce(&mut DwarfCache) -> R) -> R {
+    let mut f = Some(f);
+    let r = CACHE.try_with(|c| match c.try_borrow_mut() {
+        Ok(mut slot) => {
+            let cache = slot.get_or_insert_with(|| Box::new(DwarfCache::new()));
+            Some((f.take().expect("called once"))(cache))
+        }
+        Err(_) => None,
+    });
+    match r {
+        Ok(Some(r)) => r,
+        // Re-entered (or during thread teardown): use a fresh cache.
+        _ => (f.take().expect("called once"))(&mut DwarfCache::new()),
+    }
+}
+
+/// Captures the current stack. The first frame is the return address into the caller of
+/// `collect`.
+#[inline(never)]
+pub fn collect(opts: &CaptureOptions) -> Backtrace {
+    let regs = crate::__fibertrace_registers_here!();
+    let mut bt = Backtrace::new();
+    collect_current(regs, opts, &mut bt);
+    std::hint::black_box(&mut bt);
+    bt
+}
+
+/// Captures the current stack into `out` (no copy of the result). Same frames as
+/// [`collect`].
+#[inline(never)]
+pub fn collect_into(opts: &CaptureOptions, out: &mut Backtrace) {
+    let regs = crate::__fibertrace_registers_here!();
+    collect_current(regs, opts, out);
+    std::hint::black_box(&mut *out);
+}
+
+fn collect_current(regs: Registers, opts: &CaptureOptions, out: &mut Backtrace) {
+    let mut stacks = current_stacks();
+    // The live part of the stack we run on starts at our own stack pointer.
+    if let Some(cur) = stacks.iter_mut().find(|s| s.contains(regs.sp)) {
+        cur.lo = regs.sp;
+    }
+    let table = match opts.unwinder {
+        crate::Unwinder::Fast => None,
+        _ => Some(crate::image::table()),
+    };
+    let mut ring = new_ring();
+    let mut sink = FrameSink::new(out, &mut ring, opts);
+    let start = Start {
+        regs,
+        emit_ip: false,
+        first_step_dwarf: false,
+    };
+    let cut = with_thread_cache(|cache| {
+        unwind::walk(
+            start,
+            &Stacks::new(&stacks),
+            opts.unwinder,
+            table,
+            Some(cache),
+            &mut sink,
+        )
+    });
+    sink.finish(cut);
+}
+
+/// Captures a suspended coroutine from its saved context. A context with no recorded
+/// registers yields an empty trace.
+pub fn collect_from(ctx: &SavedContext, opts: &CaptureOptions) -> Backtrace {
+    let mut bt = Backtrace::new();
+    collect_from_into(ctx, opts, &mut bt);
+    bt
+}
+
+/// [`collect_from`] into an existing backtrace.
+pub fn collect_from_into(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Backtrace) {
+    out.clear();
+    if !ctx.is_recorded() {
+        return;
+    }
+    let bounds = [StackBounds::new(ctx.regs.sp, ctx.stack.hi)];
+    let table = match opts.unwinder {
+        crate::Unwinder::Fast => None,
+        _ => Some(crate::image::table()),
+    };
+    let mut ring = new_ring();
+    let mut sink = FrameSink::new(out, &mut ring, opts);
+    let start = Start {
+        regs: ctx.regs,
+        emit_ip: true,
+        first_step_dwarf: false,
+    };
+    let cut = with_thread_cache(|cache| {
+        unwind::walk(
+            start,
+            &Stacks::new(&bounds),
+            opts.unwinder,
+            table,
+            Some(cache),
+            &mut sink,
+        )
+    });
+    sink.finish(cut);
+}
+
+/// Captures an interrupted context from inside a signal handler: async-signal-safe.
+///
+/// It takes no lock, allocates nothing and touches no thread-local storage. `stacks` are the
+/// stacks the walk may read (the interrupted thread's and, if it runs a coroutine, that
+/// coroutine's — a runtime publishes them where the handler can find them). `cache` is a
+/// DWARF cache owned by the caller (one per thread that may be interrupted); with `None`, or
+/// before the image table was built ([`prepare`]), only the frame-pointer walk is used.
+///
+/// # Safety
+/// `uc` must be the `ucontext_t` given to an `SA_SIGINFO` handler, and every range in
+/// `stacks` must be mapped, readable memory for the duration of the call.
+pub unsafe fn collect_from_ucontext(
+    uc: *const libc::c_void,
+    stacks: &[StackBounds],
+    opts: &CaptureOptions,
+    cache: Option<&mut DwarfCache>,
+    out: &mut Backtrace,
+) {
+    // SAFETY: forwarded from the caller's contract.
+    let regs = unsafe { registers_from_ucontext(uc) };
+    let table = match opts.unwinder {
+        crate::Unwinder::Fast => None,
+        _ => crate::image::published(),
+    };
+    let mut ring = new_ring();
+    let mut sink = FrameSink::new(out, &mut ring, opts);
+    let start = Start {
+        regs,
+        emit_ip: true,
+        first_step_dwarf: true,
+    };
+    let cut = unwind::walk(
+        start,
+        &Stacks::new(stacks),
+        opts.unwinder,
+        table,
+        cache,
+        &mut sink,
+    );
+    sink.finish(cut);
+}
+
+/// Builds what signal-time capture needs ahead of time: the image table with its DWARF
+/// unwinder. Call it before installing a sampling signal handler.
+pub fn prepare() {
+    let _ = crate::image::table();
+}

@@ -1,0 +1,189 @@
+//! Format: backtraces as text (a readable default and Tarantool's G3 format) and as
+//! serializable resolved values.
+//!
+//! The default format, one line per frame, with inline frames as continuation lines:
+//!
+//! ```text
+//! #0  0x55d4c3a01234 in app::leaf+0x1f at src/app.rs:12
+//!     inlined into app::middle at src/app.rs:20
+//! #1  0x55d4c3a01300 in app::root+0x40 at src/app.rs:31
+//! #2  ... 91 frames omitted ...
+//! --- created by fiber 7 ---
+//! #3  0x7f0c1a2b3c4d in ?? (libfoo.so+0x3c4d)
+//! ```
+//!
+//! Names come from [`crate::symbolize`]; nothing is resolved until a formatter runs.
+
+use std::fmt::Write as _;
+
+use serde::{Deserialize, Serialize};
+
+use crate::frame::{Frame, LuaFrameId};
+use crate::symbolize::{self, Resolved};
+
+/// Names a Lua frame for text output (the Lua side provides it).
+pub type LuaNamer<'a> = &'a dyn Fn(LuaFrameId) -> Option<String>;
+
+/// Options of the default text format.
+#[derive(Clone, Copy, Default)]
+pub struct TextOptions<'a> {
+    /// Number of the first frame (0 by default; Tarantool numbers from 1).
+    pub first_index: usize,
+    /// Names Lua frames; without it they print as `[lua frame N]`.
+    pub lua: Option<LuaNamer<'a>>,
+    /// Leave inline frames out (one line per address).
+    pub hide_inlined: bool,
+}
+
+/// Formats frames in the default format.
+pub fn display(frames: &[Frame]) -> String {
+    text(frames, &TextOptions::default())
+}
+
+/// Formats frames in the default format with options.
+pub fn text(frames: &[Frame], opts: &TextOptions<'_>) -> String {
+    let mut out = String::new();
+    let mut n = opts.first_index;
+    for f in frames {
+        match f {
+            Frame::Parent(id) => {
+                let _ = writeln!(out, "--- created by fiber {id} ---");
+                continue;
+            }
+            Frame::Omitted(k) => {
+                let _ = writeln!(out, "#{n:<2} ... {k} frames omitted ...");
+            }
+            Frame::Truncated => {
+                let _ = writeln!(out, "#{n:<2} ... truncated ...");
+            }
+            Frame::Lua(id) => {
+                let name = opts.lua.and_then(|l| l(*id));
+                match name {
+                    Some(s) => {
+                        let _ = writeln!(out, "#{n:<2} {s}");
+                    }
+                    None => {
+                        let _ = writeln!(out, "#{n:<2} [lua frame {}]", id.0);
+                    }
+                }
+            }
+            Frame::Pc(a) | Frame::Ra(a) | Frame::Async(a) => {
+                let r = symbolize::resolve(f).expect("native frames resolve");
+                native_line(&mut out, n, *a, &r, opts.hide_inlined);
+            }
+        }
+        n += 1;
+    }
+    out
+}
+
+fn native_line(out: &mut String, n: usize, addr: u64, r: &Resolved, hide_inlined: bool) {
+    let _ = write!(out, "#{n:<2} {addr:#x} in ");
+    let levels = &r.symbols;
+    if levels.is_empty() || r.function().is_none() && levels.iter().all(|s| s.name.is_none()) {
+        out.push_str("??");
+        if let Some(img) = &r.image {
+            let name = img.path.rsplit('/').next().unwrap_or(&img.path);
+            let _ = write!(out, " ({name}+{:#x})", addr.wrapping_sub(img.base));
+        }
+        out.push('\n');
+        return;
+    }
+    let last = levels.len() - 1;
+    let shown: Vec<usize> = if hide_inlined {
+        vec![last]
+    } else {
+        (0..levels.len()).collect()
+    };
+    for (k, &i) in shown.iter().enumerate() {
+        let s = &levels[i];
+        if k > 0 {
+            out.push_str("    inlined into ");
+        }
+        out.push_str(s.name.as_deref().unwrap_or("??"));
+        if i == last {
+            if let Some(off) = r.offset_of(addr) {
+                let _ = write!(out, "+{off:#x}");
+            }
+        }
+        // With inline levels hidden, the line shown is the innermost one's.
+        let loc = if hide_inlined { &levels[0] } else { s };
+        if let Some(file) = &loc.file {
+            let _ = write!(out, " at {file}");
+            if let Some(line) = loc.line {
+                let _ = write!(out, ":{line}");
+            }
+        }
+        out.push('\n');
+    }
+}
+
+/// One native frame in Tarantool's G3 format: `#%-2d %p in %s+%lu` — the outermost
+/// function's demangled name and the decimal offset of the address from its start;
+/// `??+0` when unresolved.
+pub fn tarantool_c_frame(index: usize, frame: &Frame) -> Option<String> {
+    let addr = frame.address()?;
+    let r = symbolize::resolve(frame)?;
+    Some(match (r.function(), r.offset_of(addr)) {
+        (Some(name), Some(off)) => format!("#{index:<2} {addr:#x} in {name}+{off}"),
+        (Some(name), None) => format!("#{index:<2} {addr:#x} in {name}+0"),
+        _ => format!("#{index:<2} {addr:#x} in ??+0"),
+    })
+}
+
+/// A whole trace in Tarantool's G3 format, numbered from 1, one frame per line. Markers
+/// print as `#N  ... k frames omitted` / `... truncated`; Lua frames through `lua` (or as
+/// `[lua frame N]`).
+pub fn tarantool(frames: &[Frame], lua: Option<LuaNamer<'_>>) -> String {
+    let mut out = String::new();
+    let mut n = 1;
+    for f in frames {
+        let line = match f {
+            Frame::Parent(id) => {
+                let _ = writeln!(out, "--- created by fiber {id} ---");
+                continue;
+            }
+            Frame::Omitted(k) => format!("#{n:<2} ... {k} frames omitted"),
+            Frame::Truncated => format!("#{n:<2} ... truncated"),
+            Frame::Lua(id) => match lua.and_then(|l| l(*id)) {
+                Some(s) => format!("#{n:<2} {s}"),
+                None => format!("#{n:<2} [lua frame {}]", id.0),
+            },
+            _ => tarantool_c_frame(n, f).expect("native frame"),
+        };
+        out.push_str(&line);
+        out.push('\n');
+        n += 1;
+    }
+    out
+}
+
+/// A backtrace with every native frame resolved: serializable (serde) for JSON dumps.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResolvedBacktrace {
+    /// The frames in order.
+    pub frames: Vec<ResolvedFrame>,
+}
+
+/// One resolved frame.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResolvedFrame {
+    /// The raw frame.
+    pub frame: Frame,
+    /// Its resolution (native frames only).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub resolved: Option<Resolved>,
+}
+
+/// Resolves every native frame of a trace into a serializable value.
+pub fn resolve_all(frames: &[Frame]) -> ResolvedBacktrace {
+    ResolvedBacktrace {
+        frames: frames
+            .iter()
+            .map(|f| ResolvedFrame {
+                frame: *f,
+                resolved: symbolize::resolve(f).map(|r| (*r).clone()),
+            })
+            .collect(),
+    }
+}

@@ -1,0 +1,398 @@
+//! The table of loaded images (the executable, shared libraries, the vDSO), shared by the
+//! DWARF unwinder and the symbolizer.
+//!
+//! The table is read once from the dynamic loader and published as an immutable snapshot
+//! through an atomic pointer, so that a signal handler can use it without locks. When a
+//! library is loaded later, [`refresh`] builds a new snapshot and publishes it; the old one is
+//! leaked on purpose (a handler may still be walking with it), which costs a few hundred bytes
+//! per refresh. A library unloaded with `dlclose` stays in the snapshot until the next
+//! refresh: its addresses then resolve to the old image — the only way a result can name the
+//! wrong image.
+//!
+//! Each image keeps a copy of its `.eh_frame` / `.eh_frame_hdr` (read from memory, so it is
+//! exactly what runs, also for the vDSO and for deleted binaries) and a flag saying whether its
+//! code keeps frame pointers, judged from its call-frame information: when most functions
+//! define their CFA through `rbp`, a frame-pointer walk can be trusted through that image.
+
+use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::{Arc, Mutex};
+
+use framehop::x86_64::UnwinderX86_64;
+use framehop::{ExplicitModuleSectionInfo, MustNotAllocateDuringUnwind, Unwinder as _};
+
+#[cfg(target_os = "linux")]
+mod linux;
+#[cfg(target_os = "linux")]
+use linux as platform;
+
+/// One loaded object.
+#[derive(Debug)]
+pub struct Image {
+    /// File path (the executable's real path for the main program; `[vdso]` for the vDSO).
+    pub path: String,
+    /// Load bias: what was added to the file's virtual addresses.
+    pub base: u64,
+    /// Lowest mapped address of its loaded segments.
+    pub start: u64,
+    /// End of its loaded segments.
+    pub end: u64,
+    /// Executable ranges.
+    pub exec: Vec<(u64, u64)>,
+    /// GNU build id, if the image has one.
+    pub build_id: Option<Vec<u8>>,
+    /// Whether a frame-pointer walk can be trusted through this image's code.
+    pub keeps_frame_pointers: bool,
+    /// Whether the image has call-frame information for the DWARF unwinder.
+    pub has_unwind_info: bool,
+}
+
+impl Image {
+    /// The build id as lowercase hex.
+    pub fn build_id_hex(&self) -> Option<String> {
+        self.build_id.as_ref().map(|b| hex(b))
+    }
+
+    /// Whether `addr` lies in this image's mapped segments.
+    #[inline]
+    pub fn contains(&self, addr: u64) -> bool {
+        addr >= self.start && addr < self.end
+    }
+
+    /// The file name part of the path.
+    pub fn name(&self) -> &str {
+        self.path.rsplit('/').next().unwrap_or(&self.path)
+    }
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+/// What the platform leaf reports for one object.
+pub(crate) struct RawImage {
+    pub path: String,
+    pub bias: u64,
+    pub start: u64,
+    pub end: u64,
+    pub exec: Vec<(u64, u64)>,
+    pub build_id: Option<Vec<u8>>,
+    pub eh_frame_hdr: Option<(u64, Vec<u8>)>,
+    pub eh_frame: Option<(u64, Vec<u8>)>,
+}
+
+pub(crate) type DwarfUnwinder = UnwinderX86_64<Arc<[u8]>, MustNotAllocateDuringUnwind>;
+
+/// A snapshot of the loaded images, with the DWARF unwinder built over them.
+pub struct ImageTable {
+    images: Vec<Arc<Image>>,
+    /// Executable ranges sorted by start: (start, end, index into `images`).
+    code: Vec<(u64, u64, u32)>,
+    pub(crate) unwinder: DwarfUnwinder,
+    counters: (u64, u64),
+}
+
+impl std::fmt::Debug for ImageTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImageTable")
+            .field("images", &self.images)
+            .finish()
+    }
+}
+
+impl ImageTable {
+    /// Every image, in loader order (the executable first).
+    pub fn images(&self) -> &[Arc<Image>] {
+        &self.images
+    }
+
+    /// The image whose executable code contains `addr`.
+    #[inline]
+    pub fn code_image(&self, addr: u64) -> Option<&Arc<Image>> {
+        let i = self.code.partition_point(|&(s, _, _)| s <= addr);
+        if i == 0 {
+            return None;
+        }
+        let (s, e, idx) = self.code[i - 1];
+        (addr >= s && addr < e).then(|| &self.images[idx as usize])
+    }
+
+    /// The image whose mapped segments contain `addr` (code or data).
+    pub fn image_of(&self, addr: u64) -> Option<&Arc<Image>> {
+        self.code_image(addr)
+            .or_else(|| self.images.iter().find(|i| i.contains(addr)))
+    }
+
+    /// The executable range containing `addr`, with whether frame pointers are kept there.
+    #[inline]
+    pub(crate) fn code_range(&self, addr: u64) -> Option<(u64, u64, bool)> {
+        let i = self.code.partition_point(|&(s, _, _)| s <= addr);
+        if i == 0 {
+            return None;
+        }
+        let (s, e, idx) = self.code[i - 1];
+        (addr >= s && addr < e).then(|| (s, e, self.images[idx as usize].keeps_frame_pointers))
+    }
+}
+
+static TABLE: AtomicPtr<ImageTable> = AtomicPtr::new(std::ptr::null_mut());
+static BUILD: Mutex<()> = Mutex::new(());
+
+/// The current snapshot, building it on first use. Not for signal handlers (it may build);
+/// they use [`published`].
+pub fn table() -> &'static ImageTable {
+    match published() {
+        Some(t) => t,
+        None => build(None),
+    }
+}
+
+/// The current snapshot if one was built, without building: usable in a signal handler.
+#[inline]
+pub fn published() -> Option<&'static ImageTable> {
+    let p = TABLE.load(Ordering::Acquire);
+    // SAFETY: a non-null pointer here came from Box::leak in `build` and is never freed.
+    (!p.is_null()).then(|| unsafe { &*p })
+}
+
+/// Re-reads the loader's list if libraries were loaded or unloaded since the snapshot, and
+/// returns the (possibly new) snapshot. Cheap when nothing changed.
+pub fn refresh() -> &'static ImageTable {
+    let old = table();
+    if platform::loader_counters() == old.counters {
+        return old;
+    }
+    build(Some(old))
+}
+
+fn build(prev: Option<&'static ImageTable>) -> &'static ImageTable {
+    let _guard = BUILD.lock().unwrap_or_else(|e| e.into_inner());
+    // Someone else may have built while we waited.
+    if let Some(cur) = published() {
+        if prev.is_none_or(|p| !std::ptr::eq(p, cur)) {
+            return cur;
+        }
+    }
+    let (raw, counters) = platform::list_images();
+    let exe = platform::exe_path();
+    let mut images = Vec::with_capacity(raw.len());
+    let mut unwinder = DwarfUnwinder::new();
+    for (n, r) in raw.into_iter().enumerate() {
+        if r.start >= r.end {
+            continue;
+        }
+        let path = if n == 0 && r.path.is_empty() {
+            exe.clone().unwrap_or_default()
+        } else if r.path.is_empty() || r.path.starts_with("linux-vdso") {
+            "[vdso]".to_string()
+        } else {
+            r.path.clone()
+        };
+        // Reuse the previous snapshot's judgement for an image already known.
+        let known = prev.and_then(|p| {
+            p.images
+                .iter()
+                .find(|i| i.start == r.start && i.path == path)
+                .cloned()
+        });
+        let keeps_fp = match &known {
+            Some(k) => k.keeps_frame_pointers,
+            None => r
+                .eh_frame
+                .as_ref()
+                .is_some_and(|(addr, data)| judge_frame_pointers(*addr, data)),
+        };
+        let has_unwind_info = r.eh_frame.is_some() && r.eh_frame_hdr.is_some();
+        if let (Some((hdr_addr, hdr)), Some((eh_addr, eh))) = (r.eh_frame_hdr, r.eh_frame) {
+            let svma = |a: u64| a.wrapping_sub(r.bias);
+            let text = r.exec.first().map(|&(s, e)| svma(s)..svma(e));
+            let info = ExplicitModuleSectionInfo::<Arc<[u8]>> {
+                base_svma: 0,
+                text_svma: text,
+                eh_frame_hdr_svma: Some(svma(hdr_addr)..svma(hdr_addr) + hdr.len() as u64),
+                eh_frame_svma: Some(svma(eh_addr)..svma(eh_addr) + eh.len() as u64),
+                eh_frame_hdr: Some(Arc::from(hdr)),
+                eh_frame: Some(Arc::from(eh)),
+                ..Default::default()
+            };
+            unwinder.add_module(framehop::Module::new(
+                path.clone(),
+                r.start..r.end,
+                r.bias,
+                info,
+            ));
+        }
+        images.push(Arc::new(Image {
+            path,
+            base: r.bias,
+            start: r.start,
+            end: r.end,
+            exec: r.exec,
+            build_id: r.build_id,
+            keeps_frame_pointers: keeps_fp,
+            has_unwind_info,
+        }));
+    }
+    let mut code: Vec<(u64, u64, u32)> = images
+        .iter()
+        .enumerate()
+        .flat_map(|(i, img)| img.exec.iter().map(move |&(s, e)| (s, e, i as u32)))
+        .collect();
+    code.sort_unstable();
+    let table: &'static ImageTable = Box::leak(Box::new(ImageTable {
+        images,
+        code,
+        unwinder,
+        counters,
+    }));
+    TABLE.store(table as *const _ as *mut _, Ordering::Release);
+    table
+}
+
+/// Judges from call-frame information whether an image keeps frame pointers: it does when
+/// most functions (of the first few hundred) move their CFA rule to `rbp`.
+fn judge_frame_pointers(eh_addr: u64, data: &[u8]) -> bool {
+    use addr2line::gimli::{
+        BaseAddresses, CallFrameInstruction, CieOrFde, EhFrame, LittleEndian, UnwindSection,
+    };
+    const RBP: u16 = 6;
+    let eh = EhFrame::new(data, LittleEndian);
+    let bases = BaseAddresses::default().set_eh_frame(eh_addr);
+    let mut entries = eh.entries(&bases);
+    let (mut fdes, mut with_fp) = (0u32, 0u32);
+    while fdes < 400 {
+        let entry = match entries.next() {
+            Ok(Some(e)) => e,
+            _ => break,
+        };
+        let CieOrFde::Fde(partial) = entry else {
+            continue;
+        };
+        let Ok(fde) = partial.parse(EhFrame::cie_from_offset) else {
+            continue;
+        };
+        fdes += 1;
+        let mut ins = fde.instructions(&eh, &bases);
+        while let Ok(Some(i)) = ins.next() {
+            let uses_rbp = match i {
+                CallFrameInstruction::DefCfaRegister { register } => register.0 == RBP,
+                CallFrameInstruction::DefCfa { register, .. } => register.0 == RBP,
+                _ => false,
+            };
+            if uses_rbp {
+                with_fp += 1;
+                break;
+            }
+        }
+    }
+    fdes > 0 && with_fp * 10 >= fdes * 7
+}
+
+/// Parses ELF note bytes and returns the GNU build id (note type 3, owner "GNU").
+pub(crate) fn parse_build_id_notes(mut notes: &[u8]) -> Option<Vec<u8>> {
+    fn u32_at(b: &[u8], o: usize) -> Option<u32> {
+        Some(u32::from_ne_bytes(b.get(o..o + 4)?.try_into().ok()?))
+    }
+    let align = |n: usize| n.div_ceil(4) * 4;
+    while notes.len() >= 12 {
+        let namesz = u32_at(notes, 0)? as usize;
+        let descsz = u32_at(notes, 4)? as usize;
+        let ty = u32_at(notes, 8)?;
+        let name_end = 12usize.checked_add(align(namesz))?;
+        let desc_end = name_end.checked_add(align(descsz))?;
+        if desc_end > notes.len() {
+            return None;
+        }
+        if ty == 3 && namesz == 4 && &notes[12..16] == b"GNU\0" {
+            return Some(notes[name_end..name_end + descsz].to_vec());
+        }
+        notes = &notes[desc_end..];
+    }
+    None
+}
+
+/// Decodes the `.eh_frame` start address from an `.eh_frame_hdr` found at `hdr_addr`.
+pub(crate) fn eh_frame_start(hdr_addr: u64, hdr: &[u8]) -> Option<u64> {
+    use addr2line::gimli::{BaseAddresses, EhFrameHdr, LittleEndian, Pointer};
+    let bases = BaseAddresses::default().set_eh_frame_hdr(hdr_addr);
+    let parsed = EhFrameHdr::new(hdr, LittleEndian).parse(&bases, 8).ok()?;
+    match parsed.eh_frame_ptr() {
+        Pointer::Direct(a) => Some(a),
+        Pointer::Indirect(_) => None,
+    }
+}
+
+/// Length of an `.eh_frame` section in memory: entries up to the zero terminator (or the end
+/// of the bytes given).
+pub(crate) fn eh_frame_len(mem: &[u8]) -> usize {
+    let mut off = 0usize;
+    loop {
+        let Some(len) = mem.get(off..off + 4) else {
+            return off.min(mem.len());
+        };
+        let len = u32::from_le_bytes(len.try_into().unwrap_or([0; 4])) as u64;
+        if len == 0 {
+            return off + 4;
+        }
+        let (hdr, body) = if len == 0xffff_ffff {
+            match mem.get(off + 4..off + 12) {
+                Some(b) => (12u64, u64::from_le_bytes(b.try_into().unwrap_or([0; 8]))),
+                None => return off,
+            }
+        } else {
+            (4u64, len)
+        };
+        let next = (off as u64).saturating_add(hdr).saturating_add(body);
+        if next > mem.len() as u64 {
+            return off;
+        }
+        off = next as usize;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn executable_and_libc_are_listed_with_build_ids() {
+        let t = table();
+        let exe = &t.images()[0];
+        assert!(exe.path.contains("fibertrace_core"), "{}", exe.path);
+        assert!(exe.build_id.is_some());
+        assert!(exe.has_unwind_info);
+        // Our own code is built with frame pointers (.cargo/config.toml).
+        assert!(exe.keeps_frame_pointers);
+        let f = executable_and_libc_are_listed_with_build_ids as *const () as usize as u64;
+        assert!(std::ptr::eq(&**t.code_image(f).unwrap(), &**exe));
+        let libc_img = t
+            .images()
+            .iter()
+            .find(|i| i.name().starts_with("libc.so"))
+            .expect("libc listed");
+        assert!(libc_img.has_unwind_info);
+        // Debian's glibc is built without frame pointers.
+        assert!(!libc_img.keeps_frame_pointers);
+        let q = libc::qsort as *const () as usize as u64;
+        assert!(std::ptr::eq(&**t.code_image(q).unwrap(), &**libc_img));
+    }
+
+    #[test]
+    fn build_id_notes_parse_and_reject_garbage() {
+        let mut n = Vec::new();
+        n.extend_from_slice(&4u32.to_ne_bytes());
+        n.extend_from_slice(&3u32.to_ne_bytes());
+        n.extend_from_slice(&3u32.to_ne_bytes());
+        n.extend_from_slice(b"GNU\0");
+        n.extend_from_slice(&[1, 2, 3, 0]);
+        assert_eq!(parse_build_id_notes(&n), Some(vec![1, 2, 3]));
+        assert_eq!(parse_build_id_notes(&n[..14]), None);
+        let mut bad = n.clone();
+        bad[4..8].copy_from_slice(&u32::MAX.to_ne_bytes());
+        assert_eq!(parse_build_id_notes(&bad), None);
+    }
+}

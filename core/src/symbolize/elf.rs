@@ -1,0 +1,162 @@
+//! One ELF file's symbols: DWARF (function names, inline frames, file:line) through
+//! addr2line's loader, and its symbol table (or dynamic symbols) where there is no DWARF.
+//!
+//! Addresses given to [`ElfSymbols::lookup`] are the file's own virtual addresses (SVMA): an
+//! address in the process minus the image's load bias. The file is opened and indexed once;
+//! lookups never reopen it.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+/// One function level at an address: the function itself, or one it inlined.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Symbol {
+    /// Demangled function name.
+    pub name: Option<String>,
+    /// Source file.
+    pub file: Option<String>,
+    /// Source line.
+    pub line: Option<u32>,
+    /// Source column.
+    pub column: Option<u32>,
+    /// Whether this level was inlined into the next one in the list.
+    pub inlined: bool,
+}
+
+/// Errors opening a file for symbolization.
+#[derive(Debug)]
+pub struct OpenError {
+    /// The file.
+    pub path: String,
+    /// What went wrong.
+    pub reason: String,
+}
+
+impl std::fmt::Display for OpenError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "cannot read symbols of {}: {}", self.path, self.reason)
+    }
+}
+
+impl std::error::Error for OpenError {}
+
+/// The symbols of one ELF file, loaded once.
+pub struct ElfSymbols {
+    path: String,
+    build_id: Option<Vec<u8>>,
+    loader: addr2line::Loader,
+}
+
+impl std::fmt::Debug for ElfSymbols {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ElfSymbols")
+            .field("path", &self.path)
+            .field("build_id", &self.build_id.as_deref().map(crate::image::hex))
+            .finish()
+    }
+}
+
+/// What one lookup finds.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Lookup {
+    /// Function levels, innermost (most inlined) first; empty when nothing is known.
+    pub symbols: Vec<Symbol>,
+    /// Start address (SVMA) of the symbol-table function containing the address.
+    pub function_start: Option<u64>,
+}
+
+impl ElfSymbols {
+    /// Opens and indexes an ELF file (executable, shared library, or separate debug file).
+    pub fn open(path: impl AsRef<Path>) -> Result<ElfSymbols, OpenError> {
+        let path = path.as_ref();
+        let err = |reason: String| OpenError {
+            path: path.display().to_string(),
+            reason,
+        };
+        let file = std::fs::File::open(path).map_err(|e| err(e.to_string()))?;
+        // SAFETY: a read-only private mapping of a file; if another process truncates the
+        // file while it is mapped, reading it faults — the same hazard every ELF reader
+        // that maps files accepts. The mapping is dropped before this function returns.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| err(e.to_string()))?;
+        let build_id = read_build_id(&map).map_err(err)?;
+        drop(map);
+        let loader = addr2line::Loader::new(path).map_err(|e| err(e.to_string()))?;
+        Ok(ElfSymbols {
+            path: path.display().to_string(),
+            build_id,
+            loader,
+        })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// The file's GNU build id.
+    pub fn build_id(&self) -> Option<&[u8]> {
+        self.build_id.as_deref()
+    }
+
+    /// Looks up a file address (SVMA).
+    pub fn lookup(&self, svma: u64) -> Lookup {
+        let mut out = Lookup::default();
+        if let Ok(mut frames) = self.loader.find_frames(svma) {
+            while let Ok(Some(f)) = frames.next() {
+                let name = f
+                    .function
+                    .as_ref()
+                    .and_then(|n| n.demangle().ok())
+                    .map(|n| n.into_owned());
+                let (file, line, column) = match f.location {
+                    Some(l) => (l.file.map(str::to_string), l.line, l.column),
+                    None => (None, None, None),
+                };
+                out.symbols.push(Symbol {
+                    name,
+                    file,
+                    line,
+                    column,
+                    inlined: true,
+                });
+            }
+        }
+        if let Some(last) = out.symbols.last_mut() {
+            last.inlined = false;
+        }
+        if let Some(sym) = self.loader.find_symbol_info(svma) {
+            out.function_start = Some(sym.address());
+            let demangled = addr2line::demangle_auto(sym.name().into(), None).into_owned();
+            match out.symbols.last_mut() {
+                Some(outer) if outer.name.is_some() => {}
+                Some(outer) => outer.name = Some(demangled),
+                None => out.symbols.push(Symbol {
+                    name: Some(demangled),
+                    ..Symbol::default()
+                }),
+            }
+        }
+        out
+    }
+}
+
+/// Reads the GNU build id from an ELF file's bytes.
+pub(crate) fn read_build_id(data: &[u8]) -> Result<Option<Vec<u8>>, String> {
+    use object::{Object, ObjectSection};
+    let file = object::File::parse(data).map_err(|e| format!("not an object file: {e}"))?;
+    if let Ok(Some(id)) = file.build_id() {
+        return Ok(Some(id.to_vec()));
+    }
+    // Fall back to scanning note sections ourselves.
+    for s in file.sections() {
+        if s.name().is_ok_and(|n| n.starts_with(".note")) {
+            if let Ok(d) = s.data() {
+                if let Some(id) = crate::image::parse_build_id_notes(d) {
+                    return Ok(Some(id));
+                }
+            }
+        }
+    }
+    Ok(None)
+}

@@ -1,0 +1,224 @@
+//! Symbolize: frames to function names, offsets, file:line and inline frames — lazily, and
+//! through a process-wide cache keyed by address.
+//!
+//! Per image, the ELF file is opened and indexed once ([`ElfSymbols`]), on the first lookup
+//! that needs it, after checking that its build id matches the image in memory (a binary
+//! replaced on disk is not used: its names would be wrong). Frames of images without a usable
+//! file (the vDSO, a deleted or replaced binary) fall back to `dladdr`, which knows exported
+//! names only. Results are cached by lookup address (`pc`, or `ra - 1` for return addresses):
+//! a cache hit is one hash lookup and a reference-count increment.
+//!
+//! How a result can be wrong: a library unloaded and another loaded at the same address
+//! before the cache is cleared ([`clear_cache`]) keeps the old names; code without debug info
+//! gets the nearest preceding symbol, which for a stripped static function is a neighbour's.
+
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use dashmap::DashMap;
+use serde::{Deserialize, Serialize};
+
+use crate::frame::Frame;
+use crate::image::{self, Image};
+
+pub mod elf;
+mod linux;
+
+pub use elf::{ElfSymbols, Lookup, OpenError, Symbol};
+
+/// What an address resolves to.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resolved {
+    /// The address looked up (`pc`, or `ra - 1`).
+    pub lookup_address: u64,
+    /// Function levels, innermost (most inlined) first. Empty when nothing is known.
+    pub symbols: Vec<Symbol>,
+    /// Start address of the containing function (in the process), when known.
+    pub function_start: Option<u64>,
+    /// The image the address belongs to.
+    pub image: Option<ImageRef>,
+}
+
+/// An image as named in resolved output.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageRef {
+    /// File path.
+    pub path: String,
+    /// Load bias.
+    pub base: u64,
+    /// GNU build id, hex.
+    pub build_id: Option<String>,
+}
+
+impl Resolved {
+    /// The outermost (real, not inlined) function's name.
+    pub fn function(&self) -> Option<&str> {
+        self.symbols.last().and_then(|s| s.name.as_deref())
+    }
+
+    /// Offset of `address` from the start of its function.
+    pub fn offset_of(&self, address: u64) -> Option<u64> {
+        self.function_start.and_then(|s| address.checked_sub(s))
+    }
+
+    /// The innermost level (where the address is, after inlining).
+    pub fn innermost(&self) -> Option<&Symbol> {
+        self.symbols.first()
+    }
+}
+
+/// A fast hasher for addresses (keys are u64 and well spread in their low bits after a
+/// multiply).
+#[derive(Default, Clone, Copy)]
+pub struct AddrHasher(u64);
+
+impl Hasher for AddrHasher {
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    #[inline]
+    fn write_u64(&mut self, v: u64) {
+        // Fold high bits down: dashmap picks its shard from the high bits, hashbrown its
+        // bucket from the low ones.
+        let h = v.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = h ^ (h >> 29);
+    }
+}
+
+type AddrMap<V> = DashMap<u64, V, BuildHasherDefault<AddrHasher>>;
+
+/// Cached entries beyond which the cache is cleared (addresses of code are finite; this
+/// bounds memory when garbage addresses are resolved).
+const CACHE_LIMIT: usize = 1 << 20;
+
+struct Resolver {
+    cache: AddrMap<Arc<Resolved>>,
+    /// Per image (keyed by its start address): its symbols, opened on first need.
+    files: AddrMap<Arc<Mutex<FileState>>>,
+}
+
+enum FileState {
+    Unopened,
+    Open(Box<ElfSymbols>),
+    Unusable,
+}
+
+fn resolver() -> &'static Resolver {
+    static R: OnceLock<Resolver> = OnceLock::new();
+    R.get_or_init(|| Resolver {
+        cache: AddrMap::default(),
+        files: AddrMap::default(),
+    })
+}
+
+/// Resolves a frame. Markers and Lua frames resolve to `None` (the Lua side names Lua
+/// frames).
+pub fn resolve(frame: &Frame) -> Option<Arc<Resolved>> {
+    frame.lookup_address().map(resolve_address)
+}
+
+/// Resolves a lookup address (`pc`, or `ra - 1`), through the cache.
+pub fn resolve_address(addr: u64) -> Arc<Resolved> {
+    let r = resolver();
+    if let Some(hit) = r.cache.get(&addr) {
+        return Arc::clone(hit.value());
+    }
+    let resolved = Arc::new(resolve_uncached(r, addr));
+    if r.cache.len() >= CACHE_LIMIT {
+        r.cache.clear();
+    }
+    r.cache.insert(addr, Arc::clone(&resolved));
+    resolved
+}
+
+/// Calls `f` for every frame of `frames` with its index and resolution (`None` for markers
+/// and Lua frames). Resolution happens here, not at capture.
+pub fn foreach(frames: &[Frame], mut f: impl FnMut(usize, &Frame, Option<&Resolved>)) {
+    for (i, fr) in frames.iter().enumerate() {
+        let r = resolve(fr);
+        f(i, fr, r.as_deref());
+    }
+}
+
+/// Forgets every cached resolution (after libraries were unloaded).
+pub fn clear_cache() {
+    resolver().cache.clear();
+}
+
+fn resolve_uncached(r: &Resolver, addr: u64) -> Resolved {
+    let mut table = image::table();
+    let mut img = table.image_of(addr).cloned();
+    if img.is_none() {
+        // Perhaps a library loaded since the snapshot.
+        table = image::refresh();
+        img = table.image_of(addr).cloned();
+    }
+    let mut out = Resolved {
+        lookup_address: addr,
+        ..Resolved::default()
+    };
+    if let Some(img) = &img {
+        out.image = Some(ImageRef {
+            path: img.path.clone(),
+            base: img.base,
+            build_id: img.build_id_hex(),
+        });
+        let state = r
+            .files
+            .entry(img.start)
+            .or_insert_with(|| Arc::new(Mutex::new(FileState::Unopened)))
+            .clone();
+        let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
+        if matches!(*st, FileState::Unopened) {
+            *st = open_for(img);
+        }
+        if let FileState::Open(elf) = &*st {
+            let l = elf.lookup(addr.wrapping_sub(img.base));
+            out.symbols = l.symbols;
+            out.function_start = l.function_start.map(|s| s.wrapping_add(img.base));
+        }
+    }
+    if out.function().is_none() {
+        if let Some((name, start)) = linux::dladdr_name(addr) {
+            let name = addr2line::demangle_auto(name.into(), None).into_owned();
+            match out.symbols.last_mut() {
+                Some(s) => s.name = Some(name),
+                None => out.symbols.push(Symbol {
+                    name: Some(name),
+                    ..Symbol::default()
+                }),
+            }
+            out.function_start = Some(start);
+        }
+    }
+    out
+}
+
+fn open_for(img: &Image) -> FileState {
+    if img.path.is_empty() || img.path.starts_with('[') {
+        return FileState::Unusable;
+    }
+    match ElfSymbols::open(&img.path) {
+        Ok(elf) => {
+            if img.build_id.is_some() && elf.build_id() != img.build_id.as_deref() {
+                // The file on disk is not what is mapped.
+                FileState::Unusable
+            } else {
+                FileState::Open(Box::new(elf))
+            }
+        }
+        Err(_) => FileState::Unusable,
+    }
+}
+
+/// The loaded images, for printing module-relative addresses or symbolizing offline.
+pub fn images() -> Vec<Arc<Image>> {
+    image::refresh().images().to_vec()
+}

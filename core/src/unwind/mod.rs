@@ -1,0 +1,332 @@
+//! Unwind: walking a stack from a start state, bounded to known stacks.
+//!
+//! One walker serves the three unwinders. Each step takes the current frame `(ip, sp, fp)`
+//! to its caller's:
+//! * a *frame-pointer step* reads the frame record at `fp` (`[fp]` = caller's fp,
+//!   `[fp+8]` = return address) — about a nanosecond;
+//! * a *DWARF step* applies the `.eh_frame` rule for `ip` through framehop (allocation-free).
+//!
+//! `Fast` takes only frame-pointer steps, `Precise` only DWARF steps. `Auto` takes
+//! frame-pointer steps while the code it is in keeps frame pointers (judged per image, see
+//! [`crate::image`]) and DWARF steps where it does not (glibc), and tries a DWARF step
+//! wherever a frame-pointer step fails.
+//!
+//! Invariants that keep a walk safe on a corrupted or cyclic chain: every read is inside one
+//! of the given [`Stacks`]; within one stack each frame must lie above the previous one; a walk
+//! may move to another stack at most once per stack; and it stops after [`MAX_WALK`] frames
+//! (the trace then ends with `Truncated`).
+
+use framehop::x86_64::{CacheX86_64, UnwindRegsX86_64};
+use framehop::{FrameAddress, MustNotAllocateDuringUnwind, Unwinder as _};
+
+use crate::backtrace::{FrameSink, Unwinder};
+use crate::capture::{Registers, StackBounds};
+use crate::frame::Frame;
+use crate::image::ImageTable;
+
+#[cfg(feature = "libunwind")]
+pub mod libunwind;
+
+/// The most frames one walk visits before it gives up and marks the trace `Truncated`.
+pub const MAX_WALK: usize = 1 << 17;
+
+/// A preallocated DWARF rule cache (framehop's), reusable across walks. Creating one
+/// allocates; using one does not.
+pub struct DwarfCache(CacheX86_64<MustNotAllocateDuringUnwind>);
+
+impl DwarfCache {
+    /// A new, empty cache.
+    pub fn new() -> Self {
+        DwarfCache(CacheX86_64::new_in())
+    }
+}
+
+impl Default for DwarfCache {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The stacks a walk may read.
+pub(crate) struct Stacks<'a> {
+    segs: &'a [StackBounds],
+}
+
+impl<'a> Stacks<'a> {
+    pub fn new(segs: &'a [StackBounds]) -> Self {
+        Stacks { segs }
+    }
+
+    #[inline]
+    fn find(&self, addr: u64) -> Option<usize> {
+        self.segs.iter().position(|s| s.contains(addr))
+    }
+
+    /// Reads the word at `addr` if `[addr, addr+8)` lies inside one of the stacks.
+    #[inline]
+    fn read(&self, addr: u64) -> Option<u64> {
+        if !addr.is_multiple_of(8) {
+            return None;
+        }
+        let end = addr.checked_add(8)?;
+        if !self.segs.iter().any(|s| addr >= s.lo && end <= s.hi) {
+            return None;
+        }
+        // SAFETY: the word lies inside a stack range the caller vouched is mapped and
+        // readable (the current thread's live stack, or a suspended coroutine's stack that
+        // cannot be resumed during the walk). A volatile read: another thread may own it.
+        Some(unsafe { std::ptr::read_volatile(addr as *const u64) })
+    }
+}
+
+/// Where a walk starts.
+#[derive(Clone, Copy)]
+pub(crate) struct Start {
+    pub regs: Registers,
+    /// Emit `ip` itself as the first frame (`Pc`); otherwise start with the caller.
+    pub emit_ip: bool,
+    /// Take the first step with DWARF when available (an interrupted context may be in a
+    /// prologue, where the frame pointer is not set up yet).
+    pub first_step_dwarf: bool,
+}
+
+/// Walks from `start`, feeding `sink`. Returns whether the walk was cut at [`MAX_WALK`].
+pub(crate) fn walk(
+    start: Start,
+    stacks: &Stacks<'_>,
+    mode: Unwinder,
+    table: Option<&ImageTable>,
+    mut cache: Option<&mut DwarfCache>,
+    sink: &mut FrameSink<'_>,
+) -> bool {
+    let Registers { ip, sp, fp } = start.regs;
+    if start.emit_ip && !sink.push(Frame::Pc(ip)) {
+        return false;
+    }
+    if mode == Unwinder::Fast || table.is_none() || cache.is_none() {
+        return fp_walk(fp, sp, stacks, sink);
+    }
+    let table = table.expect("checked");
+    let mut regs = UnwindRegsX86_64::new(ip, sp, fp);
+    let mut addr = FrameAddress::from_instruction_pointer(ip);
+    let mut visited: u64 = 0;
+    let mut fp_range: (u64, u64) = (0, 0); // last code range known to keep frame pointers
+    let mut first = true;
+    for _ in 0..MAX_WALK {
+        let cur = addr.address();
+        let use_fp = match mode {
+            Unwinder::Precise => false,
+            _ if first && start.first_step_dwarf => false,
+            _ => {
+                if cur >= fp_range.0 && cur < fp_range.1 {
+                    true
+                } else {
+                    match table.code_range(cur) {
+                        Some((s, e, true)) => {
+                            fp_range = (s, e);
+                            true
+                        }
+                        Some((_, _, false)) => false,
+                        // Code outside any image (JIT, or a bad address): frame pointers are
+                        // the only hope.
+                        None => true,
+                    }
+                }
+            }
+        };
+        first = false;
+        let step = if use_fp {
+            match fp_step(&mut regs, stacks, &mut visited) {
+                Some(r) => Some(r),
+                // A broken frame-pointer chain: let DWARF try this frame.
+                None => dwarf_step(table, cache.as_deref_mut(), stacks, addr, &mut regs),
+            }
+        } else {
+            dwarf_step(table, cache.as_deref_mut(), stacks, addr, &mut regs)
+        };
+        let Some(ra) = step else { return false };
+        if ra == 0 || !sink.push(Frame::Ra(ra)) {
+            return false;
+        }
+        match FrameAddress::from_return_address(ra) {
+            Some(a) => addr = a,
+            None => return false,
+        }
+    }
+    true
+}
+
+/// One frame-pointer step: from the frame whose frame pointer is `regs.bp` to its caller.
+/// Returns the return address; updates `regs` to the caller's state.
+#[inline]
+fn fp_step(regs: &mut UnwindRegsX86_64, stacks: &Stacks<'_>, visited: &mut u64) -> Option<u64> {
+    let fp = regs.bp();
+    let sp = regs.sp();
+    let seg_fp = stacks.find(fp)?;
+    match stacks.find(sp) {
+        // Within one stack the frame record lies above the stack pointer.
+        Some(seg_sp) if seg_sp == seg_fp => {
+            if fp < sp {
+                return None;
+            }
+        }
+        // Moving to another stack: once per stack.
+        _ => {
+            let bit = 1u64 << (seg_fp % 64);
+            if *visited & bit != 0 {
+                return None;
+            }
+            *visited |= bit;
+        }
+    }
+    let next = stacks.read(fp)?;
+    let ra = stacks.read(fp + 8)?;
+    regs.set_sp(fp + 16);
+    regs.set_bp(next);
+    regs.set_ip(ra);
+    Some(ra)
+}
+
+fn dwarf_step(
+    table: &ImageTable,
+    cache: Option<&mut DwarfCache>,
+    stacks: &Stacks<'_>,
+    addr: FrameAddress,
+    regs: &mut UnwindRegsX86_64,
+) -> Option<u64> {
+    let cache = cache?;
+    let before = regs.sp();
+    let mut read = |a: u64| stacks.read(a).ok_or(());
+    match table
+        .unwinder
+        .unwind_frame(addr, regs, &mut cache.0, &mut read)
+    {
+        Ok(Some(ra)) if regs.sp() > before || stacks.find(regs.sp()) != stacks.find(before) => {
+            regs.set_ip(ra);
+            Some(ra)
+        }
+        _ => None,
+    }
+}
+
+/// State of a frame-pointer walk: the current frame pointer and the stack it is in.
+struct FpWalk<'s, 'a> {
+    stacks: &'s Stacks<'a>,
+    fp: u64,
+    lo: u64,
+    hi: u64,
+    seg: usize,
+    visited: u64,
+}
+
+impl FpWalk<'_, '_> {
+    /// One step: the return address of the current frame, moving to its caller; `None` when
+    /// the chain ends (null, misaligned, out of bounds, not moving up, or a stack revisited).
+    #[inline(always)]
+    fn step(&mut self) -> Option<u64> {
+        let fp = self.fp;
+        if !fp.is_multiple_of(8) || fp < self.lo || fp + 16 > self.hi {
+            return None;
+        }
+        // SAFETY: [fp, fp+16) lies inside stack segment `seg` (checked just above), which the
+        // caller vouched is mapped and readable.
+        let (next, ra) = unsafe {
+            (
+                std::ptr::read_volatile(fp as *const u64),
+                std::ptr::read_volatile((fp + 8) as *const u64),
+            )
+        };
+        if ra == 0 {
+            return None;
+        }
+        if next > fp && next < self.hi {
+            self.lo = fp;
+            self.fp = next;
+            return Some(ra);
+        }
+        // Leaving this stack (a coroutine's frame chain continues in its resumer's stack):
+        // allowed once per stack. Otherwise the walk ends after this frame.
+        match self.stacks.find(next) {
+            Some(s) if s != self.seg && self.visited & (1 << (s % 64)) == 0 => {
+                self.seg = s;
+                self.visited |= 1 << (s % 64);
+                self.lo = self.stacks.segs[s].lo;
+                self.hi = self.stacks.segs[s].hi;
+                self.fp = next;
+            }
+            _ => self.fp = 1, // misaligned: the next step ends the walk
+        }
+        Some(ra)
+    }
+}
+
+/// The pure frame-pointer walk (`Fast`, or when no image table / cache is available).
+///
+/// While the frames fit, they are written straight into the backtrace; past that, through
+/// a small local buffer. Either way the loop is a tight dependent-load chain of about a
+/// nanosecond per frame.
+fn fp_walk(fp: u64, sp: u64, stacks: &Stacks<'_>, sink: &mut FrameSink<'_>) -> bool {
+    let Some(seg) = stacks.find(fp) else {
+        return false;
+    };
+    if stacks.find(sp) == Some(seg) && fp < sp {
+        return false;
+    }
+    let mut w = FpWalk {
+        stacks,
+        fp,
+        lo: stacks.segs[seg].lo,
+        hi: stacks.segs[seg].hi,
+        seg,
+        visited: 1 << (seg % 64),
+    };
+    let mut total = 0usize;
+    // Direct phase.
+    let room = sink.direct_room();
+    if room > 0 {
+        let dst = sink.direct_slots();
+        let mut n = 0;
+        while n < room {
+            match w.step() {
+                Some(ra) => {
+                    dst[n] = std::mem::MaybeUninit::new(Frame::Ra(ra));
+                    n += 1;
+                }
+                None => {
+                    // SAFETY: slots 0..n of the direct region were written just above.
+                    unsafe { sink.commit_direct(n) };
+                    return false;
+                }
+            }
+        }
+        // SAFETY: all `room` slots were written.
+        unsafe { sink.commit_direct(n) };
+        total = n;
+    }
+    // Buffered phase: skipping, or past the head (counting for `top`).
+    const CHUNK: usize = 32;
+    let mut buf = [0u64; CHUNK];
+    loop {
+        let mut n = 0;
+        let mut ended = false;
+        while n < CHUNK {
+            match w.step() {
+                Some(ra) => {
+                    buf[n] = ra;
+                    n += 1;
+                }
+                None => {
+                    ended = true;
+                    break;
+                }
+            }
+        }
+        if !sink.push_ras(&buf[..n]) || ended {
+            return false;
+        }
+        total += n;
+        if total >= MAX_WALK {
+            return true;
+        }
+    }
+}

@@ -1,0 +1,166 @@
+//! Symbolization and formatting: exact names, offsets, file:line; Tarantool's format; serde;
+//! shared-library exports without debug info; concurrent resolution.
+
+mod common;
+
+use std::hint::black_box;
+
+use fibertrace_core::format::{self, resolve_all, ResolvedBacktrace};
+use fibertrace_core::symbolize::{self, resolve};
+use fibertrace_core::{collect, Backtrace, CaptureOptions, Frame};
+
+#[inline(never)]
+fn outer() -> (Backtrace, u32) {
+    let r = inner();
+    black_box(&r);
+    r
+}
+
+#[inline(never)]
+fn inner() -> (Backtrace, u32) {
+    let (bt, l) = (collect(&CaptureOptions::default()), line!());
+    black_box(&bt);
+    (bt, l)
+}
+
+#[test]
+fn default_text_format_names_offsets_and_lines() {
+    let (bt, line) = outer();
+    let text = format::display(bt.frames());
+    let first = text.lines().next().unwrap();
+    let Frame::Ra(addr) = bt.frames()[0] else {
+        panic!("{bt:?}")
+    };
+    let off = addr - inner as *const () as usize as u64;
+    let prefix = format!("#0  {addr:#x} in resolve::inner+{off:#x} at ");
+    assert!(first.starts_with(&prefix), "{first:?} vs {prefix:?}");
+    assert!(
+        first.ends_with(&format!("core/tests/resolve.rs:{line}")),
+        "{first}"
+    );
+    let second = text.lines().nth(1).unwrap();
+    assert!(second.starts_with("#1  0x"), "{second}");
+    assert!(second.contains(" in resolve::outer+0x"), "{second}");
+}
+
+#[test]
+fn tarantool_format_uses_decimal_offsets_from_one() {
+    let (bt, _) = outer();
+    let Frame::Ra(addr) = bt.frames()[0] else {
+        panic!()
+    };
+    let off = addr - inner as *const () as usize as u64;
+    assert_eq!(
+        format::tarantool_c_frame(1, &bt.frames()[0]).unwrap(),
+        format!("#1  {addr:#x} in resolve::inner+{off}")
+    );
+    let text = format::tarantool(bt.frames(), None);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[0], format!("#1  {addr:#x} in resolve::inner+{off}"));
+    assert!(lines[1].starts_with("#2  0x"), "{}", lines[1]);
+    assert!(lines[1].contains(" in resolve::outer+"), "{}", lines[1]);
+    // Unresolvable address.
+    assert_eq!(
+        format::tarantool_c_frame(12, &Frame::Pc(0x10)).unwrap(),
+        "#12 0x10 in ??+0"
+    );
+}
+
+#[test]
+fn markers_and_lua_frames_in_text() {
+    let frames = [
+        Frame::Omitted(91),
+        Frame::Lua(fibertrace_core::LuaFrameId(3)),
+        Frame::Parent(7),
+        Frame::Pc(0x10),
+        Frame::Truncated,
+    ];
+    let namer = |id: fibertrace_core::LuaFrameId| Some(format!("leaf in @script.lua:{}", id.0));
+    let text = format::text(
+        &frames,
+        &format::TextOptions {
+            lua: Some(&namer),
+            ..Default::default()
+        },
+    );
+    assert_eq!(
+        text,
+        "#0  ... 91 frames omitted ...\n\
+         #1  leaf in @script.lua:3\n\
+         --- created by fiber 7 ---\n\
+         #2  0x10 in ??\n\
+         #3  ... truncated ...\n"
+    );
+}
+
+#[test]
+fn shared_library_export_without_debug_info_is_named() {
+    let q = libc::qsort as *const () as usize as u64;
+    let r = resolve(&Frame::Pc(q + 4)).unwrap();
+    assert_eq!(r.function(), Some("qsort"));
+    assert_eq!(r.offset_of(q + 4), Some(4));
+    let img = r.image.as_ref().unwrap();
+    assert!(img.path.contains("libc.so"), "{}", img.path);
+    assert!(img.build_id.is_some());
+}
+
+#[test]
+fn return_addresses_are_looked_up_one_byte_back() {
+    let f = inner as *const () as usize as u64;
+    // A return address equal to the next function's start belongs to the previous one.
+    assert_eq!(Frame::Ra(f).lookup_address(), Some(f - 1));
+    assert_eq!(Frame::Pc(f).lookup_address(), Some(f));
+    let r = resolve(&Frame::Pc(f)).unwrap();
+    assert_eq!(r.function(), Some("resolve::inner"));
+    assert_eq!(r.offset_of(f), Some(0));
+}
+
+#[test]
+fn resolved_backtrace_serializes() {
+    let (bt, line) = outer();
+    let resolved = resolve_all(bt.frames());
+    let json = serde_json::to_string(&resolved).unwrap();
+    let back: ResolvedBacktrace = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, resolved);
+    let f0 = resolved.frames[0].resolved.as_ref().unwrap();
+    assert_eq!(f0.function(), Some("resolve::inner"));
+    assert_eq!(f0.innermost().unwrap().line, Some(line));
+    // The raw trace serializes too.
+    let raw = serde_json::to_string(&bt).unwrap();
+    assert_eq!(serde_json::from_str::<Backtrace>(&raw).unwrap(), bt);
+}
+
+#[test]
+fn concurrent_resolution_from_8_threads_agrees() {
+    let (bt, _) = outer();
+    let frames: Vec<Frame> = bt.frames().to_vec();
+    symbolize::clear_cache();
+    let handles: Vec<_> = (0..8)
+        .map(|t| {
+            let frames = frames.clone();
+            std::thread::spawn(move || {
+                let mut out = vec![None; frames.len()];
+                for k in 0..frames.len() {
+                    // Each thread walks the frames in a different order (rotated, and
+                    // reversed on odd threads).
+                    let r = (k + t) % frames.len();
+                    let i = if t % 2 == 1 { frames.len() - 1 - r } else { r };
+                    out[i] = resolve(&frames[i]).map(|r| (*r).clone());
+                }
+                out
+            })
+        })
+        .collect();
+    let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let expected: Vec<_> = frames
+        .iter()
+        .map(|f| resolve(f).map(|r| (*r).clone()))
+        .collect();
+    for r in &results {
+        assert_eq!(r, &expected);
+    }
+    assert_eq!(
+        expected[0].as_ref().unwrap().function(),
+        Some("resolve::inner")
+    );
+}
