@@ -94,6 +94,11 @@ impl LineDecoder {
         }
     }
 
+    /// The image table read from the last `~i#` token, if any.
+    pub fn table(&self) -> Option<&ImageTable> {
+        self.table.as_ref()
+    }
+
     /// Decodes every token of one line, in order. Each result is independent: a bad token does
     /// not stop the others.
     pub fn decode_line(&mut self, line: &str) -> Vec<Result<Decoded, String>> {

@@ -82,3 +82,47 @@ fn missing_file_is_an_error_but_others_go_on() {
     assert_eq!(out, "~b#size: 7520, 0x406651 0x406852 0x406c1b 0x406294 \n");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn symbolizes_with_e() {
+    use object::{Object, ObjectSymbol};
+    let exe = env!("CARGO_BIN_EXE_fibertrace");
+    let data = std::fs::read(exe).unwrap();
+    let file = object::File::parse(&*data).unwrap();
+    let main = file
+        .symbols()
+        .find(|s| {
+            s.name()
+                .is_ok_and(|n| n.starts_with("_ZN10fibertrace4main17h"))
+        })
+        .expect("fibertrace::main in the symbol table")
+        .address();
+    let src = include_str!("../src/bin/fibertrace.rs");
+    let line = src
+        .lines()
+        .position(|l| l.starts_with("fn main()"))
+        .unwrap()
+        + 1;
+    // CBF (64-bit, absolute pc) of that address, in hex.
+    let cbf = format!("~c#021f{main:016x}00");
+    let (out, err, code) = run(&["decode", "-e", exe], &format!("trace {cbf}\n"));
+    assert_eq!((err.as_str(), code), ("", 0));
+    assert_eq!(
+        out,
+        format!(
+            "pc:{main:#x}\n0x{main:016x}: fibertrace::main at {}/src/bin/fibertrace.rs:{line}\n",
+            env!("CARGO_MANIFEST_DIR")
+        )
+    );
+    // An address nowhere in the file.
+    let (out, _, code) = run(&["decode", "-e", exe], "~c#021d7fff0000000000\n");
+    assert_eq!(code, 0);
+    assert_eq!(out, "pc:0x7fff00000000\n0x00007fff00000000: ?? ??:0\n");
+    // A file that cannot be read.
+    let (_, err, code) = run(&["decode", "-e", "/nonexistent/elf"], "");
+    assert_eq!(code, 2);
+    assert!(
+        err.starts_with("fibertrace: cannot read symbols of /nonexistent/elf"),
+        "{err}"
+    );
+}

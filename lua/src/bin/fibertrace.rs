@@ -2,6 +2,7 @@
 
 use clap::{Arg, ArgAction, Command};
 use fibertrace_lua::decode::LineDecoder;
+use fibertrace_lua::symbols::Symbolizer;
 use std::io::{self, BufRead, BufReader, Write};
 use std::process::ExitCode;
 
@@ -22,6 +23,17 @@ fn cli() -> Command {
                         .long("cbf")
                         .action(ArgAction::SetTrue)
                         .help("Also take the first word of every line as CBF (hex or base64)"),
+                )
+                .arg(
+                    Arg::new("exe")
+                        .short('e')
+                        .long("exe")
+                        .value_name("BINARY")
+                        .action(ArgAction::Append)
+                        .help(
+                            "Symbolize each frame like `addr2line -a -f -p -i` with this ELF \
+                             file or build-id directory (repeatable)",
+                        ),
                 )
                 .arg(
                     Arg::new("files")
@@ -45,6 +57,21 @@ fn main() -> ExitCode {
         vec!["-".to_string()]
     } else {
         files
+    };
+    let exes: Vec<String> = m
+        .get_many::<String>("exe")
+        .map(|v| v.cloned().collect())
+        .unwrap_or_default();
+    let mut sym = if exes.is_empty() {
+        None
+    } else {
+        match Symbolizer::new(&exes) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                eprintln!("fibertrace: {e}");
+                return ExitCode::from(2);
+            }
+        }
     };
     let mut dec = LineDecoder::new(m.get_flag("cbf"));
     let stdout = io::stdout();
@@ -78,7 +105,11 @@ fn main() -> ExitCode {
             for r in dec.decode_line(line.trim_end_matches('\r')) {
                 match r {
                     Ok(d) => {
-                        if let Some(l) = d.line() {
+                        let mut lines: Vec<String> = d.line().into_iter().collect();
+                        if let Some(s) = sym.as_mut() {
+                            lines.extend(s.lines(&d.frames(), dec.table()));
+                        }
+                        for l in lines {
                             if writeln!(out, "{l}").is_err() {
                                 return ExitCode::from(1);
                             }
