@@ -97,7 +97,7 @@ pub fn check_cbf(data: &[u8]) {
         _ => (cbf::WordSize::W64, u64::MAX),
     };
     let mut f = frames(&mut src, mask, false);
-    if data.len() % 3 == 0 {
+    if data.len().is_multiple_of(3) {
         f.push(Frame::Truncated);
     }
     let b = cbf::encode(&f, word).expect("encodable frames");

@@ -61,7 +61,7 @@ fn is_token_char(c: u8) -> bool {
 
 fn decode_cbf(data: &str) -> Result<Vec<Frame>, Error> {
     let bytes = if data.starts_with('0') {
-        if data.len() % 2 != 0 {
+        if !data.len().is_multiple_of(2) {
             return Err(Error::Syntax(format!(
                 "hex CBF has an odd number of digits ({})",
                 data.len()

@@ -89,7 +89,7 @@ fn huffman() -> &'static Huffman {
         let mut per_len = vec![(0u32, 0usize, 0u32); max + 1];
         let mut next: u32 = 0;
         let mut idx = 0;
-        for len in 1..=max {
+        for (len, slot) in per_len.iter_mut().enumerate().skip(1) {
             let first = next;
             let start = idx;
             while idx < sorted.len() && LEN_CODE[sorted[idx] as usize] as usize == len {
@@ -97,7 +97,7 @@ fn huffman() -> &'static Huffman {
                 next += 1;
                 idx += 1;
             }
-            per_len[len] = (first, start, next - first);
+            *slot = (first, start, next - first);
             next <<= 1;
         }
         Huffman {

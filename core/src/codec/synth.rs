@@ -77,11 +77,11 @@ impl Program {
     pub fn new(seed: u64) -> Self {
         let mut r = Rng::new(seed);
         let mut starts: Vec<u64> = (0..NFUNCS)
-            .map(|_| TEXT_BASE + r.below(TEXT_SIZE) & !0xf)
+            .map(|_| (TEXT_BASE + r.below(TEXT_SIZE)) & !0xf)
             .collect();
         starts.sort_unstable();
         let mut sites = Vec::with_capacity(NFUNCS);
-        for f in 0..NFUNCS {
+        for (f, &start) in starts.iter().enumerate() {
             let n = if r.chance(0.3) {
                 0
             } else {
@@ -89,7 +89,7 @@ impl Program {
             };
             let v = (0..n)
                 .map(|_| {
-                    let ra = starts[f] + 16 + r.below(2048);
+                    let ra = start + 16 + r.below(2048);
                     let callee = if r.chance(0.02) {
                         None
                     } else if r.chance(0.03) {
