@@ -1,14 +1,7 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! fibertrace-lua: Lua frames and the `fibertrace` command-line program.
+//!
+//! For now this crate holds the log decoder behind `fibertrace decode` ([`decode`], with
+//! offline symbolization in [`symbols`]).
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub mod decode;
+pub mod symbols;
