@@ -251,10 +251,13 @@ impl SegCursor {
         }
         // Within one stack the frame record lies above the stack pointer; a record in
         // another stack means the chain moves there (once per stack).
-        if !(fp >= regs.sp() && fp >= self.lo && fp.checked_add(16)? <= self.hi)
-            && !(self.enter(stacks, fp) && fp + 16 <= self.hi)
-        {
-            return None;
+        let end = fp.checked_add(16)?;
+        let in_current = fp >= regs.sp() && fp >= self.lo && end <= self.hi;
+        if !in_current {
+            let moved = self.enter(stacks, fp);
+            if !moved || end > self.hi {
+                return None;
+            }
         }
         // SAFETY: [fp, fp+16) lies inside the current stack segment (checked above), which
         // the caller vouched is mapped and readable.
@@ -291,7 +294,8 @@ fn dwarf_step(
     };
     let sp = regs.sp();
     // The stack pointer moves up within a stack, or into another stack (once per stack).
-    if !(sp > before && sp >= cur.lo && sp < cur.hi) && !cur.enter(stacks, sp) {
+    let moved_up = sp > before && sp >= cur.lo && sp < cur.hi;
+    if !moved_up && !cur.enter(stacks, sp) {
         return None;
     }
     regs.set_ip(ra);
