@@ -62,7 +62,14 @@ extern "C" fn handler(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut l
     unsafe {
         let opts = CaptureOptions::with_unwinder(*SLOT.mode.get());
         let cache = (*SLOT.cache.get()).as_deref_mut();
-        collect_from_ucontext(uc, &*SLOT.stacks.get(), &opts, cache, &mut *SLOT.out.get());
+        collect_from_ucontext(
+            uc,
+            &*SLOT.stacks.get(),
+            0,
+            &opts,
+            cache,
+            &mut *SLOT.out.get(),
+        );
     }
     IN_HANDLER.store(false, Ordering::Relaxed);
     DONE.store(true, Ordering::Release);

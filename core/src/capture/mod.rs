@@ -75,6 +75,9 @@ pub struct SavedContext {
     pub regs: Registers,
     /// The coroutine's stack. Walks read only `[regs.sp, stack.hi)`.
     pub stack: StackBounds,
+    /// When nonzero, the frame pointer of the runtime's entry frame on this stack: the trace
+    /// ends with the frame that entry function called (see [`collect_until`]).
+    pub stop_fp: u64,
 }
 
 impl SavedContext {
@@ -87,6 +90,7 @@ impl SavedContext {
                 fp: 0,
             },
             stack,
+            stop_fp: 0,
         }
     }
 
@@ -246,7 +250,22 @@ pub fn collect_into(opts: &CaptureOptions, out: &mut Backtrace) {
     std::hint::black_box(&mut *out);
 }
 
+/// Captures the current stack up to a runtime's entry frame: `stop_fp` is the frame pointer
+/// of the runtime's function that called the user's code (recorded by the runtime when the
+/// coroutine started); the trace ends with the user's outermost frame. With `stop_fp == 0`
+/// this is [`collect_into`].
+#[inline(never)]
+pub fn collect_until(opts: &CaptureOptions, stop_fp: u64, out: &mut Backtrace) {
+    let regs = crate::__fibertrace_registers_here!();
+    collect_current_impl(regs, opts, stop_fp, out);
+    std::hint::black_box(&mut *out);
+}
+
 fn collect_current(regs: Registers, opts: &CaptureOptions, out: &mut Backtrace) {
+    collect_current_impl(regs, opts, 0, out)
+}
+
+fn collect_current_impl(regs: Registers, opts: &CaptureOptions, stop_fp: u64, out: &mut Backtrace) {
     let mut buf = [StackBounds::default(); MAX_ENTERED + 1];
     let n = fill_current_stacks(&mut buf);
     let stacks = &mut buf[..n];
@@ -258,6 +277,7 @@ fn collect_current(regs: Registers, opts: &CaptureOptions, out: &mut Backtrace) 
         regs,
         emit_ip: false,
         first_step_dwarf: false,
+        stop_fp,
     };
     walk_with_refresh(start, &Stacks::new(stacks), opts, out);
 }
@@ -321,6 +341,7 @@ pub fn collect_from_into(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Ba
         regs: ctx.regs,
         emit_ip: true,
         first_step_dwarf: false,
+        stop_fp: ctx.stop_fp,
     };
     walk_with_refresh(start, &Stacks::new(&bounds), opts, out);
 }
@@ -339,6 +360,7 @@ pub fn collect_from_into(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Ba
 pub unsafe fn collect_from_ucontext(
     uc: *const libc::c_void,
     stacks: &[StackBounds],
+    stop_fp: u64,
     opts: &CaptureOptions,
     cache: Option<&mut DwarfCache>,
     out: &mut Backtrace,
@@ -355,6 +377,7 @@ pub unsafe fn collect_from_ucontext(
         regs,
         emit_ip: true,
         first_step_dwarf: true,
+        stop_fp,
     };
     let end = unwind::walk(
         start,

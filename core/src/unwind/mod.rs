@@ -88,6 +88,10 @@ pub(crate) struct Start {
     /// Take the first step with DWARF when available (an interrupted context may be in a
     /// prologue, where the frame pointer is not set up yet).
     pub first_step_dwarf: bool,
+    /// When nonzero: the frame pointer of a runtime's entry frame. The walk ends at the frame
+    /// whose caller's frame pointer is this value, without emitting the return address into
+    /// the entry function (the runtime's frames are not the user's).
+    pub stop_fp: u64,
 }
 
 /// How a walk ended.
@@ -136,7 +140,7 @@ fn walk_inner(
         return false;
     }
     if mode == Unwinder::Fast || table.is_none() || cache.is_none() {
-        return fp_walk(fp, sp, stacks, sink);
+        return fp_walk(fp, sp, start.stop_fp, stacks, sink);
     }
     let table = table.expect("checked");
     let mut regs = UnwindRegsX86_64::new(ip, sp, fp);
@@ -189,7 +193,10 @@ fn walk_inner(
             )
         };
         let Some(ra) = step else { return false };
-        if ra == 0 || !sink.push(Frame::Ra(ra)) {
+        if ra == 0
+            || (start.stop_fp != 0 && regs.bp() == start.stop_fp)
+            || !sink.push(Frame::Ra(ra))
+        {
             return false;
         }
         match FrameAddress::from_return_address(ra) {
@@ -305,6 +312,7 @@ fn dwarf_step(
 /// State of a frame-pointer walk: the current frame pointer and the stack it is in.
 struct FpWalk<'s, 'a> {
     stacks: &'s Stacks<'a>,
+    stop_fp: u64,
     fp: u64,
     lo: u64,
     hi: u64,
@@ -329,7 +337,7 @@ impl FpWalk<'_, '_> {
                 std::ptr::read_volatile((fp + 8) as *const u64),
             )
         };
-        if ra == 0 {
+        if ra == 0 || (self.stop_fp != 0 && next == self.stop_fp) {
             return None;
         }
         if next > fp && next < self.hi {
@@ -358,7 +366,7 @@ impl FpWalk<'_, '_> {
 /// While the frames fit, they are written straight into the backtrace; past that, through
 /// a small local buffer. Either way the loop is a tight dependent-load chain of about a
 /// nanosecond per frame.
-fn fp_walk(fp: u64, sp: u64, stacks: &Stacks<'_>, sink: &mut FrameSink<'_>) -> bool {
+fn fp_walk(fp: u64, sp: u64, stop_fp: u64, stacks: &Stacks<'_>, sink: &mut FrameSink<'_>) -> bool {
     let Some(seg) = stacks.find(fp) else {
         return false;
     };
@@ -367,6 +375,7 @@ fn fp_walk(fp: u64, sp: u64, stacks: &Stacks<'_>, sink: &mut FrameSink<'_>) -> b
     }
     let mut w = FpWalk {
         stacks,
+        stop_fp,
         fp,
         lo: stacks.segs[seg].lo,
         hi: stacks.segs[seg].hi,
