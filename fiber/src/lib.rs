@@ -1,14 +1,41 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! fibertrace-fiber: a cooperative fiber runtime on corosensei whose every fiber can be
+//! traced — the running one, every suspended one (from its saved context), and who created
+//! each — with fiber info, Go-like dumps, and a dump signal that works while a fiber spins.
+//!
+//! ```
+//! use fibertrace_fiber::{channel, spawn, Scheduler};
+//! let sched = Scheduler::new();
+//! let n = sched
+//!     .block_on(|| {
+//!         let ch = channel::<u32>(1);
+//!         let tx = ch.clone();
+//!         let h = spawn(move || tx.send(7).unwrap());
+//!         let v = ch.recv().unwrap();
+//!         h.join().unwrap();
+//!         v
+//!     })
+//!     .unwrap();
+//! assert_eq!(n, 7);
+//! ```
+//!
+//! One scheduler runs per OS thread; several may run on several threads at once. Fibers
+//! are not moved between threads. Info and dumps work from any thread.
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+pub mod clock;
+pub mod control;
+pub mod dump;
+pub mod info;
+mod panic;
+pub mod registry;
+pub mod sample;
+pub mod sched;
+mod stack;
+pub mod sync;
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub use control::{FiberId, ParentTrace, PanicReport, Status, WaitOn};
+pub use info::{FiberInfo, InfoOptions};
+pub use sched::{
+    current, current_id, is_cancelled, sleep, spawn, suspend, testcancel, yield_now, BlockOnError,
+    Builder, Fiber, JoinError, JoinHandle, RunError, Scheduler, SchedulerOptions,
+};
+pub use sync::{channel, Channel, ChannelError, Cond};

@@ -1,0 +1,383 @@
+//! The fiber control block: what other threads may read about a fiber, and the handshake
+//! that keeps a walk of its stack from racing a resume.
+//!
+//! Run states (one atomic byte):
+//!
+//! ```text
+//!   NEW --resume--> RUNNING --suspend--> SUSPENDED --resume--> RUNNING ... --return--> DEAD
+//!                                        SUSPENDED <--inspect--> INSPECTING
+//! ```
+//!
+//! The fiber itself records its registers and then publishes `SUSPENDED` (release) just
+//! before switching away. An inspector — any thread — moves `SUSPENDED → INSPECTING` with a
+//! compare-and-swap, walks the stack, and moves it back. The scheduler resumes only with a
+//! `SUSPENDED → RUNNING` swap, waiting while an inspection is under way (a walk takes well
+//! under a microsecond), and frees a stack only after `SUSPENDED → DEAD` or `RUNNING →
+//! DEAD`. So a walk never overlaps a resume, and never reads a freed stack: the invariant.
+//!
+//! A walk that starts right after the fiber published `SUSPENDED` but before it finished
+//! switching away is still sound: the frames it reads (the suspend wrapper's and its callers')
+//! no longer change; the switch itself only writes below the recorded stack pointer.
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Instant, SystemTime};
+
+use fibertrace_core::{Backtrace, CaptureOptions, Frame, SavedContext, StackBounds};
+use serde::{Deserialize, Serialize};
+
+/// Identifier of a fiber, unique in the process (never reused).
+pub type FiberId = u64;
+
+pub(crate) const NEW: u8 = 0;
+pub(crate) const RUNNING: u8 = 1;
+pub(crate) const SUSPENDED: u8 = 2;
+pub(crate) const INSPECTING: u8 = 3;
+pub(crate) const DEAD: u8 = 4;
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+pub(crate) fn next_fiber_id() -> FiberId {
+    NEXT_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+/// What a fiber is doing, as reported by info and dumps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    /// Executing now.
+    Running,
+    /// Runnable, waiting for its turn (never ran yet, yielded, or woken up).
+    Ready,
+    /// Suspended by an explicit [`crate::suspend`] with no wake-up condition.
+    Suspended,
+    /// Sleeping until a deadline.
+    Sleeping,
+    /// Blocked on a channel, condition or join.
+    Waiting,
+    /// Finished.
+    Dead,
+}
+
+/// What a fiber waits on.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WaitOn {
+    /// A sleep.
+    Sleep,
+    /// A receive on channel `n`.
+    ChannelReceive(u64),
+    /// A send on channel `n` (full).
+    ChannelSend(u64),
+    /// A condition variable `n`.
+    Condition(u64),
+    /// The end of fiber `n`.
+    Join(FiberId),
+    /// An explicit wake-up ([`crate::suspend`]).
+    Wakeup,
+}
+
+impl std::fmt::Display for WaitOn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WaitOn::Sleep => f.write_str("sleep"),
+            WaitOn::ChannelReceive(_) => f.write_str("channel receive"),
+            WaitOn::ChannelSend(_) => f.write_str("channel send"),
+            WaitOn::Condition(_) => f.write_str("condition wait"),
+            WaitOn::Join(id) => write!(f, "join fiber {id}"),
+            WaitOn::Wakeup => f.write_str("suspended"),
+        }
+    }
+}
+
+/// A parent trace: the creator's own frames at the moment it spawned the child, and the
+/// creator's own parent trace, shared (not copied) between all its children.
+#[derive(Debug)]
+pub struct ParentTrace {
+    /// The creating fiber (`None`: a thread outside any fiber).
+    pub fiber: Option<FiberId>,
+    /// Its name at creation time.
+    pub name: String,
+    /// Its frames, innermost first, cut at its entry.
+    pub frames: Backtrace,
+    /// The creator's parent trace.
+    pub parent: Option<Arc<ParentTrace>>,
+}
+
+impl ParentTrace {
+    /// The chain as one list: each ancestor's frames after a [`Frame::Parent`] marker naming
+    /// it (the first marker names the direct parent).
+    pub fn flatten(&self) -> Vec<Frame> {
+        let mut out = Vec::new();
+        let mut cur = Some(self);
+        while let Some(t) = cur {
+            out.push(Frame::Parent(t.fiber.unwrap_or(0)));
+            out.extend_from_slice(t.frames.frames());
+            cur = t.parent.as_deref();
+        }
+        out
+    }
+
+    /// Ancestors from the direct parent up.
+    pub fn chain(&self) -> impl Iterator<Item = &ParentTrace> {
+        let mut cur = Some(self);
+        std::iter::from_fn(move || {
+            let t = cur?;
+            cur = t.parent.as_deref();
+            Some(t)
+        })
+    }
+}
+
+impl Status {
+    fn from_u8(v: u8) -> Status {
+        match v {
+            0 => Status::Running,
+            1 => Status::Ready,
+            2 => Status::Suspended,
+            3 => Status::Sleeping,
+            4 => Status::Waiting,
+            _ => Status::Dead,
+        }
+    }
+    fn to_u8(self) -> u8 {
+        match self {
+            Status::Running => 0,
+            Status::Ready => 1,
+            Status::Suspended => 2,
+            Status::Sleeping => 3,
+            Status::Waiting => 4,
+            Status::Dead => 5,
+        }
+    }
+}
+
+/// A panic that ended a fiber.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PanicReport {
+    /// The panic message.
+    pub message: String,
+    /// Where it was raised (file:line:col), when known.
+    pub location: Option<String>,
+    /// The fiber's stack when it panicked.
+    pub backtrace: Backtrace,
+}
+
+/// The control block of one fiber. Shared with other threads through the registry.
+pub struct FiberShared {
+    pub(crate) id: FiberId,
+    pub(crate) sched: u64,
+    pub(crate) name: Mutex<String>,
+    pub(crate) parent: Option<FiberId>,
+    pub(crate) parent_trace: Option<Arc<ParentTrace>>,
+    pub(crate) created_wall: SystemTime,
+    pub(crate) created: Instant,
+    pub(crate) run: AtomicU8,
+    /// Written by the fiber before publishing SUSPENDED; read only under INSPECTING.
+    ctx: UnsafeCell<SavedContext>,
+    /// Frame pointer of the runtime's entry frame on this fiber's stack (0 before start).
+    pub(crate) entry_fp: AtomicU64,
+    pub(crate) stack: StackBounds,
+    pub(crate) stack_size: usize,
+    /// Lowest stack pointer seen at a suspension or sample.
+    pub(crate) min_sp: AtomicU64,
+    /// Stack pointer at the last suspension.
+    pub(crate) last_sp: AtomicU64,
+    status: AtomicU8,
+    /// What a blocked fiber waits on (set only for blocking waits, not for yields).
+    wait_on: Mutex<Option<WaitOn>>,
+    /// Clock ticks when the current status began.
+    since: AtomicU64,
+    pub(crate) csw: AtomicU64,
+    pub(crate) cpu_ticks: AtomicU64,
+    pub(crate) cancelled: AtomicBool,
+    /// Address of the fiber's entry function (shown for a fiber that never ran).
+    pub(crate) entry_fn: u64,
+    pub(crate) panic: Mutex<Option<PanicReport>>,
+    /// Whether suspensions record the registers (tracing on).
+    pub(crate) traced: bool,
+}
+
+// SAFETY: every field is Sync except `ctx`, which is written only by the fiber's own thread
+// while the fiber runs (run == RUNNING) and read by other threads only after they won the
+// SUSPENDED -> INSPECTING swap, which orders the accesses (release / acquire).
+unsafe impl Sync for FiberShared {}
+// SAFETY: as above; nothing in it is tied to a thread.
+unsafe impl Send for FiberShared {}
+
+impl std::fmt::Debug for FiberShared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FiberShared")
+            .field("id", &self.id)
+            .field("name", &*self.name.lock().unwrap_or_else(|e| e.into_inner()))
+            .field("run", &self.run.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+pub(crate) struct NewFiber {
+    pub id: FiberId,
+    pub sched: u64,
+    pub name: String,
+    pub parent: Option<FiberId>,
+    pub parent_trace: Option<Arc<ParentTrace>>,
+    pub stack: StackBounds,
+    pub stack_size: usize,
+    pub entry_fn: u64,
+    pub traced: bool,
+}
+
+impl FiberShared {
+    pub(crate) fn new(n: NewFiber) -> Self {
+        let now = Instant::now();
+        crate::clock::init();
+        FiberShared {
+            id: n.id,
+            sched: n.sched,
+            name: Mutex::new(n.name),
+            parent: n.parent,
+            parent_trace: n.parent_trace,
+            created_wall: SystemTime::now(),
+            created: now,
+            run: AtomicU8::new(NEW),
+            ctx: UnsafeCell::new(SavedContext::new(n.stack)),
+            entry_fp: AtomicU64::new(0),
+            stack: n.stack,
+            stack_size: n.stack_size,
+            min_sp: AtomicU64::new(n.stack.hi),
+            last_sp: AtomicU64::new(n.stack.hi),
+            status: AtomicU8::new(Status::Ready.to_u8()),
+            wait_on: Mutex::new(None),
+            since: AtomicU64::new(crate::clock::ticks()),
+            csw: AtomicU64::new(0),
+            cpu_ticks: AtomicU64::new(0),
+            cancelled: AtomicBool::new(false),
+            entry_fn: n.entry_fn,
+            panic: Mutex::new(None),
+            traced: n.traced,
+        }
+    }
+
+    /// The fiber's id.
+    pub fn id(&self) -> FiberId {
+        self.id
+    }
+
+    /// The fiber's name.
+    pub fn name(&self) -> String {
+        self.name.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Records the suspension point. Called by the fiber itself, on its own stack, in the
+    /// suspend wrapper, just before publishing SUSPENDED.
+    #[inline(always)]
+    pub(crate) fn record_suspension(&self) {
+        if self.traced {
+            // SAFETY: the fiber is RUNNING on this thread: nobody else reads `ctx` until
+            // SUSPENDED is published (release) after this write.
+            let ctx = unsafe { &mut *self.ctx.get() };
+            ctx.record();
+            let sp = ctx.regs.sp;
+            self.last_sp.store(sp, Ordering::Relaxed);
+            if sp < self.min_sp.load(Ordering::Relaxed) {
+                self.min_sp.store(sp, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Sets the entry frame pointer (once, when the fiber starts).
+    pub(crate) fn set_entry_fp(&self, fp: u64) {
+        self.entry_fp.store(fp, Ordering::Relaxed);
+        // SAFETY: called by the fiber itself while RUNNING (see record_suspension).
+        unsafe { (*self.ctx.get()).stop_fp = fp };
+    }
+
+    /// Walks the fiber's stack if it is suspended, never racing a resume. Returns `None` if
+    /// it is not suspended (running, new, dead) or tracing is off.
+    pub(crate) fn inspect_suspended(&self, opts: &CaptureOptions, out: &mut Backtrace) -> bool {
+        if !self.traced {
+            return false;
+        }
+        if self
+            .run
+            .compare_exchange(SUSPENDED, INSPECTING, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            return false;
+        }
+        // SAFETY: we won SUSPENDED -> INSPECTING: the fiber cannot be resumed or freed until
+        // we store SUSPENDED back, and its `ctx` was published before SUSPENDED (acquire).
+        let ctx = unsafe { *self.ctx.get() };
+        fibertrace_core::collect_from_into(&ctx, opts, out);
+        self.run.store(SUSPENDED, Ordering::Release);
+        true
+    }
+
+    /// Swaps SUSPENDED (or NEW) to RUNNING for a resume, waiting out an inspection.
+    pub(crate) fn begin_resume(&self) {
+        loop {
+            let cur = self.run.load(Ordering::Relaxed);
+            if cur == INSPECTING {
+                std::hint::spin_loop();
+                continue;
+            }
+            if self
+                .run
+                .compare_exchange_weak(cur, RUNNING, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok()
+            {
+                return;
+            }
+        }
+    }
+
+    /// Marks the fiber dead, waiting out an inspection (before its stack is freed).
+    pub(crate) fn mark_dead(&self) {
+        loop {
+            let cur = self.run.load(Ordering::Relaxed);
+            if cur == INSPECTING {
+                std::hint::spin_loop();
+                continue;
+            }
+            if self
+                .run
+                .compare_exchange_weak(cur, DEAD, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+            {
+                return;
+            }
+        }
+    }
+
+    /// Sets the status (cheap: no lock, no clock read beyond the tick counter).
+    #[inline]
+    pub(crate) fn set_status(&self, status: Status) {
+        self.status.store(status.to_u8(), Ordering::Relaxed);
+    }
+
+    /// Enters a blocking wait on `on`.
+    pub(crate) fn begin_wait(&self, status: Status, on: WaitOn) {
+        *self.wait_on.lock().unwrap_or_else(|e| e.into_inner()) = Some(on);
+        self.since.store(crate::clock::ticks(), Ordering::Relaxed);
+        self.set_status(status);
+    }
+
+    /// Leaves a blocking wait.
+    pub(crate) fn end_wait(&self) {
+        *self.wait_on.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// The status, what it waits on, and for how long.
+    pub fn status(&self) -> (Status, Option<WaitOn>, std::time::Duration) {
+        let st = Status::from_u8(self.status.load(Ordering::Relaxed));
+        let on = self.wait_on.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let since = crate::clock::since(self.since.load(Ordering::Relaxed));
+        (st, on, since)
+    }
+
+    /// Whether the fiber has finished.
+    pub fn is_dead(&self) -> bool {
+        self.run.load(Ordering::Acquire) == DEAD
+    }
+}

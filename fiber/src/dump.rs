@@ -1,0 +1,192 @@
+//! Dumps of every fiber in the process: text that reads like Go's goroutine dump, and JSON.
+//!
+//! ```text
+//! fiber 12 "worker" [channel receive, 3m12s]:
+//! #0  0x55d4c3a01234 in fibertrace_fiber::sync::Channel<T>::recv+0x1f at fiber/src/sync.rs:88
+//! #1  0x55d4c3a01300 in app::consume+0x40 at src/app.rs:31
+//! created by fiber 1 "main" at:
+//! #0  0x55d4c3a01400 in app::main::{closure#0}+0x22 at src/app.rs:12
+//! ```
+//!
+//! [`install_signal`] makes a signal (SIGQUIT by default) print the dump to stderr while the
+//! process goes on running: the handler only writes a byte to a pipe; a dumper thread builds
+//! the dump (sampling running fibers, see [`crate::sample`]) outside the handler.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use fibertrace_core::format::{self, TextOptions};
+use fibertrace_core::Frame;
+
+use crate::control::Status;
+use crate::info::{self, FiberInfo, InfoOptions};
+
+/// A duration as Go prints wait times: `250ms`, `4.2s`, `3m12s`, `2h5m`.
+pub fn human(d: Duration) -> String {
+    let s = d.as_secs();
+    if s >= 3600 {
+        format!("{}h{}m", s / 3600, (s % 3600) / 60)
+    } else if s >= 60 {
+        format!("{}m{}s", s / 60, s % 60)
+    } else if d >= Duration::from_secs(1) {
+        format!("{:.1}s", d.as_secs_f64())
+    } else {
+        format!("{}ms", d.as_millis())
+    }
+}
+
+/// Frames in the default text format, without a trailing runtime trampoline.
+pub fn render_frames(frames: &[Frame]) -> String {
+    format::text(info::user_frames(frames), &TextOptions::default())
+}
+
+fn status_words(fi: &FiberInfo) -> String {
+    let d = Duration::from_secs_f64(fi.status_seconds.max(0.0));
+    match (&fi.waiting, fi.status) {
+        (Some(w), _) => format!("{}, {}", w.what, human(d)),
+        (None, Status::Running) => "running".to_string(),
+        (None, Status::Ready) => "ready".to_string(),
+        (None, Status::Dead) => "dead".to_string(),
+        (None, st) => format!("{st:?}").to_lowercase(),
+    }
+}
+
+/// One fiber as text.
+pub fn render_fiber(fi: &FiberInfo, out: &mut String) {
+    let _ = writeln!(out, "fiber {} \"{}\" [{}]:", fi.id, fi.name, status_words(fi));
+    match &fi.backtrace {
+        Some(frames) => {
+            let raw: Vec<Frame> = frames.iter().map(|f| f.frame).collect();
+            out.push_str(&format::text(&raw, &TextOptions::default()));
+        }
+        None => out.push_str("    (no backtrace)\n"),
+    }
+    for p in &fi.parent_backtrace {
+        match p.fiber {
+            Some(id) => {
+                let _ = writeln!(out, "created by fiber {id} \"{}\" at:", p.name);
+            }
+            None => {
+                let _ = writeln!(out, "created by thread \"{}\" at:", p.name);
+            }
+        }
+        let raw: Vec<Frame> = p.frames.iter().map(|f| f.frame).collect();
+        out.push_str(&format::text(info::user_frames(&raw), &TextOptions::default()));
+    }
+}
+
+/// The whole process's fibers as text, scheduler by scheduler.
+pub fn dump_text() -> String {
+    let mut out = String::new();
+    for s in crate::registry::schedulers() {
+        let fibers = info::scheduler_info(&s, &InfoOptions::default());
+        let _ = writeln!(
+            out,
+            "scheduler {} \"{}\": {} fibers\n",
+            s.id,
+            s.name,
+            fibers.len()
+        );
+        for fi in &fibers {
+            render_fiber(fi, &mut out);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// The whole process's fibers as JSON (an array of [`FiberInfo`]).
+pub fn dump_json() -> String {
+    serde_json::to_string_pretty(&info::info(&InfoOptions::default()))
+        .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+}
+
+static PIPE_WRITE: AtomicI32 = AtomicI32::new(-1);
+static INSTALLED: OnceLock<i32> = OnceLock::new();
+
+extern "C" fn on_dump_signal(_sig: libc::c_int) {
+    let fd = PIPE_WRITE.load(Ordering::Relaxed);
+    if fd >= 0 {
+        let b = [1u8];
+        // SAFETY: write(2) is async-signal-safe; the fd is a pipe we own; errors (a full pipe
+        // when dumps are already pending) are ignored on purpose.
+        unsafe {
+            libc::write(fd, b.as_ptr() as *const libc::c_void, 1);
+        }
+    }
+}
+
+/// Errors of [`install_signal`].
+#[derive(Debug)]
+pub struct InstallError(pub String);
+
+impl std::fmt::Display for InstallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for InstallError {}
+
+/// Makes `sig` (e.g. `libc::SIGQUIT`) print [`dump_text`] to stderr; the process goes on.
+/// Installing twice with the same signal is a no-op; with another, an error.
+pub fn install_signal(sig: i32) -> Result<(), InstallError> {
+    if let Some(&s) = INSTALLED.get() {
+        return if s == sig {
+            Ok(())
+        } else {
+            Err(InstallError(format!("the dump signal is already {s}")))
+        };
+    }
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe2 fills two fds.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } != 0 {
+        return Err(InstallError(format!(
+            "pipe: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    let (rd, wr) = (fds[0], fds[1]);
+    // The reader blocks: clear O_NONBLOCK on the read end.
+    // SAFETY: fcntl on our own fd.
+    unsafe {
+        let fl = libc::fcntl(rd, libc::F_GETFL);
+        libc::fcntl(rd, libc::F_SETFL, fl & !libc::O_NONBLOCK);
+    }
+    PIPE_WRITE.store(wr, Ordering::Relaxed);
+    std::thread::Builder::new()
+        .name("fibertrace-dump".into())
+        .spawn(move || {
+            let mut b = [0u8; 64];
+            loop {
+                // SAFETY: reading into our buffer from our pipe.
+                let n = unsafe { libc::read(rd, b.as_mut_ptr() as *mut libc::c_void, b.len()) };
+                if n <= 0 {
+                    if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                        continue;
+                    }
+                    return;
+                }
+                let text = dump_text();
+                eprint!("{text}");
+            }
+        })
+        .map_err(|e| InstallError(format!("dump thread: {e}")))?;
+    // SAFETY: installs a handler that only calls write(2).
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_dump_signal as *const () as usize;
+        sa.sa_flags = libc::SA_RESTART;
+        libc::sigemptyset(&mut sa.sa_mask);
+        if libc::sigaction(sig, &sa, std::ptr::null_mut()) != 0 {
+            return Err(InstallError(format!(
+                "sigaction: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+    }
+    let _ = INSTALLED.set(sig);
+    Ok(())
+}

@@ -1,0 +1,297 @@
+//! Fiber info: what every fiber is, does, waits on and where it is — as serializable values,
+//! readable from any thread of the process.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, UNIX_EPOCH};
+
+use fibertrace_core::symbolize::{self, Resolved};
+use fibertrace_core::{Backtrace, CaptureOptions, Frame, Unwinder};
+use serde::{Deserialize, Serialize};
+
+use crate::control::{FiberId, FiberShared, Status, WaitOn, INSPECTING};
+use crate::registry::{self, SchedShared};
+use crate::sched;
+
+/// What to include.
+#[derive(Clone, Copy, Debug)]
+pub struct InfoOptions {
+    /// Include each fiber's backtrace.
+    pub backtrace: bool,
+    /// Resolve frames to names and lines (otherwise raw frames only).
+    pub resolve: bool,
+    /// Include the parent traces.
+    pub parent_backtrace: bool,
+    /// Unwinder for suspended fibers.
+    pub unwinder: Unwinder,
+    /// Sample fibers running on other threads (a signal each); otherwise they show no trace.
+    pub sample_running: bool,
+}
+
+impl Default for InfoOptions {
+    fn default() -> Self {
+        InfoOptions {
+            backtrace: true,
+            resolve: true,
+            parent_backtrace: true,
+            unwinder: Unwinder::Auto,
+            sample_running: true,
+        }
+    }
+}
+
+/// One frame, with its resolution when asked.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct FrameInfo {
+    /// The raw frame.
+    pub frame: Frame,
+    /// Names, lines and image (native frames, when resolved).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub resolved: Option<Arc<Resolved>>,
+}
+
+/// One ancestor's trace.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ParentInfo {
+    /// The ancestor fiber (`None`: a thread outside any fiber).
+    pub fiber: Option<FiberId>,
+    /// Its name when it created the child.
+    pub name: String,
+    /// Its frames at that moment.
+    pub frames: Vec<FrameInfo>,
+}
+
+/// What a blocked fiber waits on, and for how long.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Waiting {
+    /// The object.
+    pub on: WaitOn,
+    /// In words (`channel receive`, `sleep`, `join fiber 12`).
+    pub what: String,
+    /// Seconds waited so far.
+    pub seconds: f64,
+}
+
+/// Everything known about one fiber.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct FiberInfo {
+    /// Id.
+    pub id: FiberId,
+    /// Name.
+    pub name: String,
+    /// Scheduler id.
+    pub scheduler: u64,
+    /// Status.
+    pub status: Status,
+    /// Seconds in the current status.
+    pub status_seconds: f64,
+    /// What it waits on (blocked fibers).
+    pub waiting: Option<Waiting>,
+    /// Context switches (resumes) so far.
+    pub csw: u64,
+    /// CPU time it ran, in seconds.
+    pub cpu_time: f64,
+    /// Stack size in bytes.
+    pub stack_size: usize,
+    /// Stack in use at the last suspension, in bytes.
+    pub stack_used: usize,
+    /// Deepest stack use seen at a suspension or sample (high-water mark), in bytes.
+    pub stack_used_max: usize,
+    /// Creation time, seconds since the Unix epoch.
+    pub created: f64,
+    /// Age in seconds.
+    pub age: f64,
+    /// The fiber that created it.
+    pub parent: Option<FiberId>,
+    /// Its backtrace (innermost first).
+    pub backtrace: Option<Vec<FrameInfo>>,
+    /// Its ancestors' traces, direct parent first.
+    pub parent_backtrace: Vec<ParentInfo>,
+}
+
+/// Info about every fiber of every scheduler in the process.
+pub fn info(opts: &InfoOptions) -> Vec<FiberInfo> {
+    let mut out = Vec::new();
+    for s in registry::schedulers() {
+        out.extend(scheduler_info(&s, opts));
+    }
+    out
+}
+
+/// Info about one fiber (any scheduler).
+pub fn fiber_info(id: FiberId, opts: &InfoOptions) -> Option<FiberInfo> {
+    let (s, f) = registry::find(id)?;
+    Some(one(&s, &f, opts, None))
+}
+
+/// Info about one scheduler's fibers.
+pub fn scheduler_info(s: &SchedShared, opts: &InfoOptions) -> Vec<FiberInfo> {
+    let fibers = s.fibers();
+    // A running fiber on another thread: one sample for the whole scheduler.
+    let running = s.sampler.running();
+    let sampled = if opts.backtrace
+        && opts.sample_running
+        && running != 0
+        && running != sched::current_id()
+    {
+        crate::sample::sample(s, Duration::from_millis(200))
+    } else {
+        None
+    };
+    fibers.iter().map(|f| one(s, f, opts, sampled.as_ref())).collect()
+}
+
+fn one(
+    s: &SchedShared,
+    f: &Arc<FiberShared>,
+    opts: &InfoOptions,
+    sample: Option<&crate::sample::Sample>,
+) -> FiberInfo {
+    let (status, on, in_status) = f.status();
+    let backtrace = if opts.backtrace {
+        let bt = match sample {
+            Some(smp) if smp.fiber == f.id => Some(smp.backtrace.clone()),
+            _ => backtrace_of(f, opts.unwinder, opts.sample_running && sample.is_none()),
+        };
+        bt.map(|bt| frames_info(bt.frames(), opts.resolve))
+    } else {
+        None
+    };
+    let parent_backtrace = if opts.backtrace && opts.parent_backtrace {
+        f.parent_trace
+            .as_deref()
+            .map(|t| {
+                t.chain()
+                    .map(|p| ParentInfo {
+                        fiber: p.fiber,
+                        name: p.name.clone(),
+                        frames: frames_info(p.frames.frames(), opts.resolve),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    } else {
+        Vec::new()
+    };
+    let hi = f.stack.hi;
+    let waiting = on.map(|on| Waiting {
+        what: on.to_string(),
+        on,
+        seconds: in_status.as_secs_f64(),
+    });
+    let _ = s;
+    FiberInfo {
+        id: f.id,
+        name: f.name(),
+        scheduler: f.sched,
+        status,
+        status_seconds: in_status.as_secs_f64(),
+        waiting,
+        csw: f.csw.load(Ordering::Relaxed),
+        cpu_time: crate::clock::to_duration(f.cpu_ticks.load(Ordering::Relaxed)).as_secs_f64(),
+        stack_size: f.stack_size,
+        stack_used: hi.saturating_sub(f.last_sp.load(Ordering::Relaxed)) as usize,
+        stack_used_max: hi.saturating_sub(f.min_sp.load(Ordering::Relaxed)) as usize,
+        created: f
+            .created_wall
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs_f64(),
+        age: f.created.elapsed().as_secs_f64(),
+        parent: f.parent,
+        backtrace,
+        parent_backtrace,
+    }
+}
+
+/// Frames with their resolutions; a trailing runtime trampoline frame (`call_user` with
+/// no user code inlined into it) is left out.
+pub fn frames_info(frames: &[Frame], resolve: bool) -> Vec<FrameInfo> {
+    let mut v: Vec<FrameInfo> = frames
+        .iter()
+        .map(|f| FrameInfo {
+            frame: *f,
+            resolved: if resolve { symbolize::resolve(f) } else { None },
+        })
+        .collect();
+    if let Some(last) = v.last() {
+        let r = last
+            .resolved
+            .clone()
+            .or_else(|| symbolize::resolve(&last.frame));
+        if r.is_some_and(|r| is_trampoline(&r)) {
+            v.pop();
+        }
+    }
+    v
+}
+
+/// Frames without the trailing runtime trampoline (see [`frames_info`]).
+pub fn user_frames(frames: &[Frame]) -> &[Frame] {
+    match frames.last() {
+        Some(f) if symbolize::resolve(f).is_some_and(|r| is_trampoline(&r)) => {
+            &frames[..frames.len() - 1]
+        }
+        _ => frames,
+    }
+}
+
+fn is_trampoline(r: &Resolved) -> bool {
+    r.symbols.len() == 1
+        && r.function()
+            .is_some_and(|n| n.starts_with("fibertrace_fiber::sched::call_user"))
+}
+
+/// A fiber's backtrace now (see [`crate::Fiber::backtrace`]).
+pub(crate) fn fiber_backtrace(f: &Arc<FiberShared>, unwinder: Unwinder) -> Option<Backtrace> {
+    backtrace_of(f, unwinder, true)
+}
+
+#[inline(never)]
+fn backtrace_of(f: &Arc<FiberShared>, unwinder: Unwinder, sample_running: bool) -> Option<Backtrace> {
+    if sched::current_id() == f.id {
+        return Some(sched::current_backtrace(f, unwinder));
+    }
+    let opts = CaptureOptions {
+        unwinder,
+        offset: 1, // the suspend wrapper
+        ..CaptureOptions::default()
+    };
+    for _ in 0..1000 {
+        let run = f.run.load(Ordering::Acquire);
+        if sched::never_ran(run) {
+            return Some(Backtrace::from_frames(&[sched::entry_frame(f)]));
+        }
+        if sched::is_dead(run) {
+            return None;
+        }
+        if sched::is_running(run) {
+            if !sample_running {
+                return None;
+            }
+            let (s, _) = registry::find(f.id)?;
+            let smp = crate::sample::sample(&s, Duration::from_millis(200))?;
+            return (smp.fiber == f.id).then_some(smp.backtrace);
+        }
+        if run == INSPECTING {
+            std::thread::yield_now();
+            continue;
+        }
+        let mut bt = Backtrace::new();
+        if f.inspect_suspended(&opts, &mut bt) {
+            return Some(bt);
+        }
+        if !f.traced {
+            return None;
+        }
+    }
+    None
+}
+
+/// Whether a status means the fiber is blocked waiting (for reports of long waits).
+pub fn is_blocked(status: Status) -> bool {
+    matches!(
+        status,
+        Status::Waiting | Status::Sleeping | Status::Suspended
+    )
+}

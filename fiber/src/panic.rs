@@ -1,0 +1,96 @@
+//! Panics in fibers: the fiber's stack is captured when it panics (by a process-wide panic
+//! hook that chains to the previous one), and the fiber ends with a report instead of taking
+//! the scheduler down.
+
+use std::sync::atomic::Ordering;
+use std::sync::Once;
+
+use fibertrace_core::{Backtrace, CaptureOptions, Unwinder};
+
+use crate::control::{FiberShared, PanicReport};
+
+thread_local! {
+    static LAST: std::cell::RefCell<Option<(Option<String>, Backtrace)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+static HOOK: Once = Once::new();
+
+/// Installs the hook (once per process). The previous hook still runs after ours.
+pub(crate) fn install_hook() {
+    HOOK.call_once(|| {
+        let prev = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if let Some(shared) = crate::sched::current_shared() {
+                capture(&shared, info.location().map(|l| l.to_string()));
+            }
+            prev(info);
+        }));
+    });
+}
+
+#[inline(never)]
+fn capture(shared: &FiberShared, location: Option<String>) {
+    let mut bt = Backtrace::new();
+    let opts = CaptureOptions {
+        unwinder: Unwinder::Auto,
+        ..CaptureOptions::default()
+    };
+    fibertrace_core::collect_until(&opts, shared.entry_fp.load(Ordering::Relaxed), &mut bt);
+    // Drop the panic machinery's own frames: everything up to the last std::panicking frame.
+    let frames = bt.frames();
+    let cut = frames
+        .iter()
+        .rposition(|f| {
+            fibertrace_core::symbolize::resolve(f)
+                .and_then(|r| r.function().map(is_panic_machinery))
+                .unwrap_or(false)
+        })
+        .map_or(0, |i| i + 1);
+    let bt = Backtrace::from_frames(&frames[cut..]);
+    LAST.with(|l| *l.borrow_mut() = Some((location, bt)));
+}
+
+fn is_panic_machinery(name: &str) -> bool {
+    name.starts_with("std::panicking::")
+        || name.starts_with("core::panicking::")
+        || name.starts_with("std::panic::")
+        || name.starts_with("fibertrace_fiber::panic::")
+        || name.contains("rust_begin_unwind")
+        || name.starts_with("<alloc::boxed::Box<F,A> as core::ops::function::Fn")
+        || name.starts_with("std::sys::backtrace::__rust_end_short_backtrace")
+}
+
+/// The report of a panic that just unwound out of `shared`'s user code.
+pub(crate) fn take_report(
+    shared: &FiberShared,
+    payload: &(dyn std::any::Any + Send),
+) -> PanicReport {
+    let message = if let Some(s) = payload.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "Box<dyn Any>".to_string()
+    };
+    let (location, backtrace) = LAST
+        .with(|l| l.borrow_mut().take())
+        .unwrap_or((None, Backtrace::new()));
+    let _ = shared;
+    PanicReport {
+        message,
+        location,
+        backtrace,
+    }
+}
+
+/// Prints `fiber N "name" panicked at LOCATION: MESSAGE` and the trace to stderr.
+pub(crate) fn print_report(shared: &FiberShared, r: &PanicReport) {
+    let mut s = format!("fiber {} \"{}\" panicked", shared.id, shared.name());
+    if let Some(loc) = &r.location {
+        s.push_str(&format!(" at {loc}"));
+    }
+    s.push_str(&format!(": {}\n", r.message));
+    s.push_str(&crate::dump::render_frames(r.backtrace.frames()));
+    eprint!("{s}");
+}

@@ -1,0 +1,288 @@
+//! Sampling the fiber a scheduler is running right now, from another thread: a signal to the
+//! scheduler's thread, a walk of the interrupted context inside the handler, the result read
+//! back by the requester. This is how a dump shows a fiber that spins and never yields.
+//!
+//! In the handler: no lock, no allocation, no symbolization — one bounded walk (DWARF through
+//! code without frame pointers, with a cache allocated beforehand) into a preallocated slot,
+//! then a sequence number bump. The handler runs on an alternate signal stack, so a fiber
+//! with a small stack cannot overflow it. It writes only when a sample was requested, so a
+//! stray signal cannot tear a sample being read.
+//!
+//! The signal is SIGURG by default (ignored by default if our handler were ever missing,
+//! and not SIGPROF, which profilers use); [`set_signal`] changes it before first use.
+//!
+//! How a sample can be wrong: the scheduler may switch fibers between the request and the
+//! signal (the sample then names the fiber it caught); an interrupt inside a prologue can lose
+//! one caller with the frame-pointer unwinder (the first step is DWARF to avoid it).
+
+use std::cell::{Cell, UnsafeCell};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::sync::{Mutex, Once};
+use std::time::{Duration, Instant};
+
+use fibertrace_core::unwind::DwarfCache;
+use fibertrace_core::{Backtrace, CaptureOptions, StackBounds, Unwinder};
+
+use crate::control::{FiberId, FiberShared};
+use crate::registry::SchedShared;
+
+static SIGNAL: AtomicI32 = AtomicI32::new(libc::SIGURG);
+static INSTALL: Once = Once::new();
+
+/// Chooses the sampling signal (before any scheduler runs). Returns false if the handler is
+/// already installed on another signal.
+pub fn set_signal(sig: i32) -> bool {
+    if INSTALL.is_completed() {
+        return SIGNAL.load(Ordering::Relaxed) == sig;
+    }
+    SIGNAL.store(sig, Ordering::Relaxed);
+    true
+}
+
+/// The sampling signal.
+pub fn signal() -> i32 {
+    SIGNAL.load(Ordering::Relaxed)
+}
+
+/// Per-scheduler sampling state.
+pub(crate) struct Sampler {
+    thread: AtomicU64,
+    running: AtomicU64,
+    lo: AtomicU64,
+    hi: AtomicU64,
+    stop_fp: AtomicU64,
+    /// Clock ticks when the running fiber was resumed.
+    pub run_since: AtomicU64,
+    /// Resumes so far (changes whenever the running fiber changes).
+    pub resumes: AtomicU64,
+    requested: AtomicBool,
+    seq: AtomicU64,
+    sample_fid: AtomicU64,
+    handler_ns: AtomicU64,
+    out: UnsafeCell<Backtrace>,
+    cache: UnsafeCell<Option<Box<DwarfCache>>>,
+    lock: Mutex<()>,
+}
+
+// SAFETY: `out` is written only by the handler while `requested` is set, and read only by
+// the requester holding `lock` after the handler published `seq` (release/acquire); `cache`
+// is used only by the handler on the scheduler's thread (set up by that thread before).
+unsafe impl Sync for Sampler {}
+
+impl Sampler {
+    pub(crate) fn new() -> Sampler {
+        Sampler {
+            thread: AtomicU64::new(0),
+            running: AtomicU64::new(0),
+            lo: AtomicU64::new(0),
+            hi: AtomicU64::new(0),
+            stop_fp: AtomicU64::new(0),
+            run_since: AtomicU64::new(0),
+            resumes: AtomicU64::new(0),
+            requested: AtomicBool::new(false),
+            seq: AtomicU64::new(0),
+            sample_fid: AtomicU64::new(0),
+            handler_ns: AtomicU64::new(0),
+            out: UnsafeCell::new(Backtrace::new()),
+            cache: UnsafeCell::new(None),
+            lock: Mutex::new(()),
+        }
+    }
+
+    /// The fiber running now (0: none).
+    pub(crate) fn running(&self) -> FiberId {
+        self.running.load(Ordering::Relaxed)
+    }
+}
+
+thread_local! {
+    static SAMPLER: Cell<*const Sampler> = const { Cell::new(std::ptr::null()) };
+    static ALTSTACK: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Called on the scheduler's thread when it starts running: publishes the thread, the cache
+/// and an alternate signal stack, and installs the handler once per process.
+pub(crate) fn enter_thread(s: &SchedShared) {
+    install();
+    fibertrace_core::prepare();
+    let sampler = &s.sampler;
+    // SAFETY: pthread_self is always valid.
+    sampler
+        .thread
+        .store(unsafe { libc::pthread_self() } as u64, Ordering::Relaxed);
+    // SAFETY: only this (the scheduler's) thread touches the cache, and the handler is not
+    // sampling yet: SAMPLER is published after.
+    unsafe {
+        let c = &mut *sampler.cache.get();
+        if c.is_none() {
+            *c = Some(Box::new(DwarfCache::new()));
+        }
+    }
+    ensure_altstack();
+    SAMPLER.with(|p| p.set(sampler as *const Sampler));
+}
+
+fn ensure_altstack() {
+    if ALTSTACK.with(|a| a.get()) {
+        return;
+    }
+    const SIZE: usize = 64 * 1024;
+    // SAFETY: querying and installing an alternate signal stack for this thread; the memory is
+    // leaked on purpose (one per thread that runs a scheduler) so it outlives any handler.
+    unsafe {
+        let mut old: libc::stack_t = std::mem::zeroed();
+        if libc::sigaltstack(std::ptr::null(), &mut old) == 0 && old.ss_flags & libc::SS_DISABLE == 0
+        {
+            ALTSTACK.with(|a| a.set(true));
+            return;
+        }
+        let mem = Box::leak(vec![0u8; SIZE].into_boxed_slice());
+        let st = libc::stack_t {
+            ss_sp: mem.as_mut_ptr() as *mut libc::c_void,
+            ss_flags: 0,
+            ss_size: SIZE,
+        };
+        if libc::sigaltstack(&st, std::ptr::null_mut()) == 0 {
+            ALTSTACK.with(|a| a.set(true));
+        }
+    }
+}
+
+fn install() {
+    INSTALL.call_once(|| {
+        // SAFETY: installs an SA_SIGINFO handler that only touches async-signal-safe state.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_signal as *const () as usize;
+            sa.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART | libc::SA_ONSTACK;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(SIGNAL.load(Ordering::Relaxed), &sa, std::ptr::null_mut());
+        }
+    });
+}
+
+/// Called when the scheduler stops running on this thread: the handler forgets it.
+pub(crate) fn leave_thread() {
+    SAMPLER.with(|p| p.set(std::ptr::null()));
+}
+
+/// Publishes the fiber about to run (scheduler thread, before the switch).
+#[inline]
+pub(crate) fn set_running(s: &SchedShared, f: &FiberShared) {
+    let sm = &s.sampler;
+    sm.lo.store(f.stack.lo, Ordering::Relaxed);
+    sm.hi.store(f.stack.hi, Ordering::Relaxed);
+    sm.stop_fp
+        .store(f.entry_fp.load(Ordering::Relaxed), Ordering::Relaxed);
+    sm.run_since.store(crate::clock::ticks(), Ordering::Relaxed);
+    sm.resumes.fetch_add(1, Ordering::Relaxed);
+    sm.running.store(f.id, Ordering::Release);
+}
+
+/// Publishes that no fiber runs (scheduler thread, after the switch back).
+#[inline]
+pub(crate) fn set_idle(s: &SchedShared) {
+    s.sampler.running.store(0, Ordering::Release);
+}
+
+extern "C" fn on_signal(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut libc::c_void) {
+    let p = SAMPLER.with(|p| p.get());
+    if p.is_null() {
+        return;
+    }
+    // SAFETY: SAMPLER points at the Sampler of a scheduler that ran on this thread; the
+    // registry keeps every SchedShared alive while its Scheduler exists, and the pointer is
+    // only used while `requested` is set by a requester that holds an Arc to it.
+    let sm = unsafe { &*p };
+    if !sm.requested.swap(false, Ordering::Acquire) {
+        return;
+    }
+    let t0 = crate::clock::ticks();
+    let fid = sm.running.load(Ordering::Acquire);
+    // SAFETY: `out` and `cache` are ours while `requested` was set (see the Sync impl).
+    let out = unsafe { &mut *sm.out.get() };
+    out.clear();
+    if fid != 0 {
+        // The running fiber's stack, from its low end to just below corosensei's link.
+        let stacks = [StackBounds::new(
+            sm.lo.load(Ordering::Relaxed),
+            sm.hi.load(Ordering::Relaxed),
+        )];
+        let stop = sm.stop_fp.load(Ordering::Relaxed);
+        let opts = CaptureOptions::with_unwinder(Unwinder::Auto);
+        // SAFETY: as above, the cache is the handler's.
+        let cache = unsafe { (*sm.cache.get()).as_deref_mut() };
+        // SAFETY: `uc` is the kernel's ucontext for this handler; the stack range is the
+        // running fiber's stack, mapped while it runs (it cannot be freed while running).
+        unsafe { fibertrace_core::collect_from_ucontext(uc, &stacks, stop, &opts, cache, out) };
+    }
+    sm.sample_fid.store(fid, Ordering::Relaxed);
+    sm.handler_ns.store(
+        crate::clock::ticks().wrapping_sub(t0),
+        Ordering::Relaxed,
+    );
+    sm.seq.fetch_add(1, Ordering::Release);
+}
+
+/// A sample of a running fiber.
+#[derive(Clone, Debug)]
+pub struct Sample {
+    /// The fiber that was running (0: the scheduler was between fibers).
+    pub fiber: FiberId,
+    /// Its stack at the interrupt, cut at its entry.
+    pub backtrace: Backtrace,
+    /// Time from the request to the sample being readable.
+    pub latency: Duration,
+    /// Time the walk took inside the handler.
+    pub handler_time: Duration,
+}
+
+/// Samples what `s` runs now. `None` if the scheduler has no thread, or the signal was not
+/// handled within `timeout` (the thread may be blocked with the signal masked).
+pub fn sample(s: &SchedShared, timeout: Duration) -> Option<Sample> {
+    let sm = &s.sampler;
+    let thread = sm.thread.load(Ordering::Relaxed);
+    if thread == 0 {
+        return None;
+    }
+    let _g = sm.lock.lock().unwrap_or_else(|e| e.into_inner());
+    let before = sm.seq.load(Ordering::Acquire);
+    sm.requested.store(true, Ordering::Release);
+    let t0 = Instant::now();
+    // SAFETY: the thread id was published by the scheduler's own thread; a scheduler's
+    // thread outlives the scheduler's registry entry we hold.
+    let rc = unsafe { libc::pthread_kill(thread as libc::pthread_t, SIGNAL.load(Ordering::Relaxed)) };
+    if rc != 0 {
+        sm.requested.store(false, Ordering::Relaxed);
+        return None;
+    }
+    let mut spins = 0u32;
+    while sm.seq.load(Ordering::Acquire) == before {
+        if t0.elapsed() > timeout {
+            // Withdraw the request; if the handler took it meanwhile, wait for it to finish.
+            if sm.requested.swap(false, Ordering::AcqRel) {
+                return None;
+            }
+            while sm.seq.load(Ordering::Acquire) == before {
+                std::hint::spin_loop();
+            }
+            break;
+        }
+        spins += 1;
+        if spins < 2000 {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    }
+    let latency = t0.elapsed();
+    // SAFETY: the handler published the sample (acquire above) and will not write again
+    // until another request, which needs the lock we hold.
+    let backtrace = unsafe { (*sm.out.get()).clone() };
+    Some(Sample {
+        fiber: sm.sample_fid.load(Ordering::Relaxed),
+        backtrace,
+        latency,
+        handler_time: crate::clock::to_duration(sm.handler_ns.load(Ordering::Relaxed)),
+    })
+}

@@ -1,0 +1,1073 @@
+//! The scheduler (a "cord"): one per OS thread, running its fibers cooperatively.
+//!
+//! Every suspension goes through [`suspend_current`], an `#[inline(never)]` wrapper that
+//! records the fiber's registers (when tracing is on) and publishes `SUSPENDED` before
+//! switching away, so that any thread can walk the fiber's stack from its saved context. The
+//! fiber's entry frame pointer is recorded when it starts; walks end there, so the
+//! scheduler's and corosensei's frames never appear in a fiber's trace.
+//!
+//! How a trace can be wrong: a fiber whose user closure was not inlined into the runtime's
+//! trampoline shows the trampoline (`call_user`) as its last raw frame (renderers drop it); a
+//! fiber running on another thread is captured by a signal (see [`crate::sample`]) and may
+//! have moved on by the time the trace is read.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::panic::AssertUnwindSafe;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use corosensei::stack::DefaultStack;
+use corosensei::{Coroutine, CoroutineResult, Yielder};
+use fibertrace_core::{Backtrace, CaptureOptions, Frame, Unwinder};
+
+use crate::control::{
+    next_fiber_id, FiberId, FiberShared, NewFiber, PanicReport, ParentTrace, Status, WaitOn,
+    DEAD, NEW, RUNNING, SUSPENDED,
+};
+use crate::registry::{self, SchedShared};
+use crate::stack;
+
+/// Why a fiber switched back to the scheduler.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Yield {
+    /// Still runnable: put it at the end of the ready queue.
+    Ready,
+    /// Blocked: something else will make it ready.
+    Blocked,
+}
+
+type Co = Coroutine<(), Yield, (), DefaultStack>;
+
+/// Per-fiber data owned by the scheduler (not shared with other threads).
+pub(crate) struct FiberCtx {
+    pub shared: Arc<FiberShared>,
+    pub yielder: Cell<*const Yielder<(), Yield>>,
+    /// Set while the fiber unwinds because it was cancelled (yield points then stop
+    /// re-raising).
+    pub unwinding: Cell<bool>,
+    /// Set while its scheduler drops it (corosensei force-unwinds the stack).
+    pub dropping: Cell<bool>,
+}
+
+struct Slot {
+    ctx: Box<FiberCtx>,
+    co: Option<Co>,
+    queued: bool,
+    timer_seq: u64,
+    joiners: Vec<FiberId>,
+}
+
+/// Options of a scheduler.
+#[derive(Clone, Debug)]
+pub struct SchedulerOptions {
+    /// Record the registers at every suspension, so that suspended fibers can be walked.
+    pub traced: bool,
+    /// Capture the creator's trace when a fiber is spawned.
+    pub parent_traces: bool,
+    /// Default stack size of new fibers.
+    pub stack_size: usize,
+    /// Print a report (message and backtrace) to stderr when a fiber panics.
+    pub report_panics: bool,
+    /// Scheduler name shown in dumps.
+    pub name: String,
+}
+
+impl Default for SchedulerOptions {
+    fn default() -> Self {
+        SchedulerOptions {
+            traced: true,
+            parent_traces: true,
+            stack_size: 256 * 1024,
+            report_panics: true,
+            name: std::thread::current().name().unwrap_or("cord").to_string(),
+        }
+    }
+}
+
+pub(crate) struct Inner {
+    pub shared: Arc<SchedShared>,
+    opts: RefCell<SchedulerOptions>,
+    slots: RefCell<HashMap<FiberId, Slot>>,
+    ready: RefCell<VecDeque<FiberId>>,
+    timers: RefCell<BinaryHeap<std::cmp::Reverse<(Instant, u64, FiberId)>>>,
+    next_seq: Cell<u64>,
+    current: Cell<FiberId>,
+    pool: RefCell<stack::Pool>,
+}
+
+thread_local! {
+    /// Schedulers created on this thread, to wake their fibers from outside `run`.
+    static ON_THREAD: RefCell<Vec<(u64, std::rc::Weak<Inner>)>> = const { RefCell::new(Vec::new()) };
+    static SCHED: Cell<*const Inner> = const { Cell::new(std::ptr::null()) };
+    static CURRENT: Cell<*const FiberCtx> = const { Cell::new(std::ptr::null()) };
+}
+
+/// A scheduler: create it on a thread, spawn fibers, and run it there.
+pub struct Scheduler {
+    inner: Rc<Inner>,
+}
+
+impl Default for Scheduler {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Errors of running a scheduler.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RunError {
+    /// Every remaining fiber waits on something only another fiber could give, and no timer
+    /// is pending: nothing can ever run again.
+    Deadlock {
+        /// The fibers left waiting.
+        fibers: Vec<FiberId>,
+    },
+}
+
+impl std::fmt::Display for RunError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RunError::Deadlock { fibers } => write!(
+                f,
+                "all fibers are asleep — deadlock ({} fibers waiting)",
+                fibers.len()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for RunError {}
+
+impl Scheduler {
+    /// A scheduler with default options.
+    pub fn new() -> Scheduler {
+        Self::with_options(SchedulerOptions::default())
+    }
+
+    /// A scheduler with the given options.
+    pub fn with_options(opts: SchedulerOptions) -> Scheduler {
+        crate::panic::install_hook();
+        crate::clock::init();
+        let shared = registry::register(opts.name.clone());
+        let sched = Scheduler {
+            inner: Rc::new(Inner {
+                shared,
+                opts: RefCell::new(opts),
+                slots: RefCell::new(HashMap::new()),
+                ready: RefCell::new(VecDeque::new()),
+                timers: RefCell::new(BinaryHeap::new()),
+                next_seq: Cell::new(1),
+                current: Cell::new(0),
+                pool: RefCell::new(stack::Pool::new()),
+            }),
+        };
+        ON_THREAD.with(|t| {
+            let mut t = t.borrow_mut();
+            t.retain(|(_, w)| w.strong_count() > 0);
+            t.push((sched.inner.shared.id, Rc::downgrade(&sched.inner)));
+        });
+        sched
+    }
+
+    /// This scheduler's id (as shown in dumps).
+    pub fn id(&self) -> u64 {
+        self.inner.shared.id
+    }
+
+    /// Turns parent-trace capture on or off for fibers spawned from now on.
+    pub fn set_parent_traces(&self, on: bool) {
+        self.inner.opts.borrow_mut().parent_traces = on;
+    }
+
+    /// Whether parent traces are captured.
+    pub fn parent_traces(&self) -> bool {
+        self.inner.opts.borrow().parent_traces
+    }
+
+    /// Spawns a fiber (it runs when the scheduler runs).
+    pub fn spawn<F, T>(&self, f: F) -> JoinHandle<T>
+    where
+        F: FnOnce() -> T + 'static,
+        T: 'static,
+    {
+        Builder::new().spawn_on(&self.inner, f, 2)
+    }
+
+    /// A builder for a fiber with a name or stack size.
+    pub fn builder(&self) -> SchedBuilder<'_> {
+        SchedBuilder {
+            sched: self,
+            b: Builder::new(),
+        }
+    }
+
+    /// Runs fibers until none is left. Returns an error (and leaves the waiting fibers in
+    /// place) on a deadlock.
+    pub fn run(&self) -> Result<(), RunError> {
+        let _enter = Enter::new(&self.inner);
+        self.inner.run_loop(|| false)
+    }
+
+    /// Spawns `f` as the main fiber and runs until it finishes; returns its result.
+    pub fn block_on<F, T>(&self, f: F) -> Result<T, BlockOnError>
+    where
+        F: FnOnce() -> T + 'static,
+        T: 'static,
+    {
+        let h = Builder::new().name("main").spawn_on(&self.inner, f, 2);
+        let _enter = Enter::new(&self.inner);
+        let done = h.shared.clone();
+        if let Err(e) = self.inner.run_loop(|| done.is_dead()) {
+            return Err(BlockOnError::Run(e));
+        }
+        match h.take_result() {
+            Some(Ok(v)) => Ok(v),
+            Some(Err(e)) => Err(BlockOnError::Join(e)),
+            None => Err(BlockOnError::Join(JoinError::Cancelled)),
+        }
+    }
+
+    /// Info about this scheduler's fibers.
+    pub fn info(&self, opts: &crate::info::InfoOptions) -> Vec<crate::info::FiberInfo> {
+        crate::info::scheduler_info(&self.inner.shared, opts)
+    }
+
+    /// Number of live fibers.
+    pub fn fiber_count(&self) -> usize {
+        self.inner.slots.borrow().len()
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        // Fibers still suspended are dropped: corosensei unwinds their stacks (running their
+        // destructors). Mark each dead first, so no inspector walks a stack being freed.
+        let _enter = Enter::new(&self.inner);
+        let slots: Vec<(FiberId, Slot)> = self.inner.slots.borrow_mut().drain().collect();
+        for (_, mut slot) in slots {
+            slot.ctx.shared.cancelled.store(true, Ordering::Relaxed);
+            if let Some(mut co) = slot.co.take() {
+                CURRENT.with(|c| c.set(&*slot.ctx));
+                slot.ctx.unwinding.set(true);
+                slot.ctx.dropping.set(true);
+                if co.started() && !co.done() {
+                    let _ = std::panic::catch_unwind(AssertUnwindSafe(|| co.force_unwind()));
+                }
+                CURRENT.with(|c| c.set(std::ptr::null()));
+                slot.ctx.shared.mark_dead();
+                drop(co);
+            } else {
+                slot.ctx.shared.mark_dead();
+            }
+            slot.ctx.shared.set_status(Status::Dead);
+            self.inner.shared.remove(slot.ctx.shared.id);
+        }
+        registry::unregister(&self.inner.shared);
+    }
+}
+
+/// Errors of [`Scheduler::block_on`].
+#[derive(Debug, Clone)]
+pub enum BlockOnError {
+    /// The scheduler could not go on (deadlock).
+    Run(RunError),
+    /// The main fiber did not return a value.
+    Join(JoinError),
+}
+
+impl std::fmt::Display for BlockOnError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BlockOnError::Run(e) => e.fmt(f),
+            BlockOnError::Join(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for BlockOnError {}
+
+/// Makes a scheduler current on this thread while it runs.
+struct Enter {
+    prev: *const Inner,
+}
+
+impl Enter {
+    fn new(inner: &Rc<Inner>) -> Enter {
+        let prev = SCHED.with(|s| s.replace(Rc::as_ptr(inner)));
+        crate::sample::enter_thread(&inner.shared);
+        Enter { prev }
+    }
+}
+
+impl Drop for Enter {
+    fn drop(&mut self) {
+        SCHED.with(|s| s.set(self.prev));
+        if self.prev.is_null() {
+            crate::sample::leave_thread();
+        }
+    }
+}
+
+impl Inner {
+    fn run_loop(&self, mut done: impl FnMut() -> bool) -> Result<(), RunError> {
+        loop {
+            self.fire_timers();
+            let next = self.ready.borrow_mut().pop_front();
+            if let Some(fid) = next {
+                self.resume(fid);
+                continue;
+            }
+            if done() {
+                return Ok(());
+            }
+            let next_deadline = self.next_deadline();
+            match next_deadline {
+                Some(when) => {
+                    let now = Instant::now();
+                    if when > now {
+                        self.shared.idle.store(true, Ordering::Relaxed);
+                        std::thread::park_timeout(when - now);
+                        self.shared.idle.store(false, Ordering::Relaxed);
+                    }
+                }
+                None => {
+                    if self.slots.borrow().is_empty() {
+                        return Ok(());
+                    }
+                    let mut fibers: Vec<FiberId> = self.slots.borrow().keys().copied().collect();
+                    fibers.sort_unstable();
+                    return Err(RunError::Deadlock { fibers });
+                }
+            }
+        }
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        let mut timers = self.timers.borrow_mut();
+        let slots = self.slots.borrow();
+        // Drop stale entries (fiber gone or woken early) from the top.
+        while let Some(std::cmp::Reverse((_, seq, fid))) = timers.peek() {
+            match slots.get(fid) {
+                Some(s) if s.timer_seq == *seq => break,
+                _ => {
+                    timers.pop();
+                }
+            }
+        }
+        timers.peek().map(|std::cmp::Reverse((when, _, _))| *when)
+    }
+
+    fn fire_timers(&self) {
+        if self.timers.borrow().is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        loop {
+            let top = {
+                let timers = self.timers.borrow();
+                match timers.peek() {
+                    Some(std::cmp::Reverse((when, seq, fid))) if *when <= now => Some((*seq, *fid)),
+                    _ => None,
+                }
+            };
+            let Some((seq, fid)) = top else { break };
+            self.timers.borrow_mut().pop();
+            let due = self
+                .slots
+                .borrow()
+                .get(&fid)
+                .is_some_and(|s| s.timer_seq == seq);
+            if due {
+                self.make_ready(fid);
+            }
+        }
+    }
+
+    pub(crate) fn make_ready(&self, fid: FiberId) {
+        let mut slots = self.slots.borrow_mut();
+        let Some(slot) = slots.get_mut(&fid) else {
+            return;
+        };
+        slot.timer_seq = 0;
+        if !slot.queued && fid != self.current.get() {
+            slot.queued = true;
+            slot.ctx.shared.set_status(Status::Ready);
+            self.ready.borrow_mut().push_back(fid);
+        }
+    }
+
+    fn add_timer(&self, fid: FiberId, when: Instant) {
+        let seq = self.next_seq.get();
+        self.next_seq.set(seq + 1);
+        if let Some(s) = self.slots.borrow_mut().get_mut(&fid) {
+            s.timer_seq = seq;
+        }
+        self.timers
+            .borrow_mut()
+            .push(std::cmp::Reverse((when, seq, fid)));
+    }
+
+    fn resume(&self, fid: FiberId) {
+        let (mut co, ctx_ptr) = {
+            let mut slots = self.slots.borrow_mut();
+            let Some(slot) = slots.get_mut(&fid) else {
+                return;
+            };
+            slot.queued = false;
+            let Some(co) = slot.co.take() else {
+                return;
+            };
+            (co, &*slot.ctx as *const FiberCtx)
+        };
+        // SAFETY: the FiberCtx is boxed in its slot, which lives until the fiber finishes
+        // (removed below, after the coroutine returned).
+        let ctx = unsafe { &*ctx_ptr };
+        let shared = &ctx.shared;
+        shared.begin_resume();
+        shared.set_status(Status::Running);
+        shared.csw.fetch_add(1, Ordering::Relaxed);
+        self.current.set(fid);
+        let prev = CURRENT.with(|c| c.replace(ctx_ptr));
+        let _stack = fibertrace_core::enter_stack(shared.stack);
+        crate::sample::set_running(&self.shared, shared);
+        let t0 = crate::clock::ticks();
+        let r = co.resume(());
+        shared
+            .cpu_ticks
+            .fetch_add(crate::clock::ticks().wrapping_sub(t0), Ordering::Relaxed);
+        crate::sample::set_idle(&self.shared);
+        CURRENT.with(|c| c.set(prev));
+        self.current.set(0);
+        match r {
+            CoroutineResult::Yield(y) => {
+                let mut slots = self.slots.borrow_mut();
+                if let Some(slot) = slots.get_mut(&fid) {
+                    slot.co = Some(co);
+                    if y == Yield::Ready && !slot.queued {
+                        slot.queued = true;
+                        self.ready.borrow_mut().push_back(fid);
+                    }
+                }
+            }
+            CoroutineResult::Return(()) => {
+                shared.mark_dead();
+                shared.set_status(Status::Dead);
+                let slot = self.slots.borrow_mut().remove(&fid);
+                self.shared.remove(fid);
+                let stack = co.into_stack();
+                self.pool.borrow_mut().give(shared.stack_size, stack);
+                if let Some(slot) = slot {
+                    for j in slot.joiners {
+                        self.make_ready(j);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Makes fiber `fid` of scheduler `sched` (created on this thread) ready, whether or not
+/// that scheduler is running right now.
+pub(crate) fn wake(sched: u64, fid: FiberId) {
+    let running = with_sched(|s| {
+        if s.shared.id == sched {
+            s.make_ready(fid);
+            true
+        } else {
+            false
+        }
+    });
+    if running == Some(true) {
+        return;
+    }
+    let inner = ON_THREAD.with(|t| {
+        t.borrow()
+            .iter()
+            .find(|(id, _)| *id == sched)
+            .and_then(|(_, w)| w.upgrade())
+    });
+    if let Some(inner) = inner {
+        inner.make_ready(fid);
+    }
+}
+
+/// The id of the scheduler running on this thread (0: none).
+pub(crate) fn current_sched_id() -> u64 {
+    with_sched(|s| s.shared.id).unwrap_or(0)
+}
+
+/// The scheduler running on this thread, if any.
+pub(crate) fn with_sched<R>(f: impl FnOnce(&Inner) -> R) -> Option<R> {
+    let p = SCHED.with(|s| s.get());
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: SCHED is set only while a `Scheduler` runs on this thread (Enter guard) and
+    // points at its `Inner`, kept alive by the Scheduler's Rc for that whole time.
+    Some(f(unsafe { &*p }))
+}
+
+fn current_ctx() -> Option<&'static FiberCtx> {
+    let p = CURRENT.with(|c| c.get());
+    // SAFETY: CURRENT points at the running fiber's boxed FiberCtx, alive while it runs; the
+    // 'static is never held across a switch by callers in this crate.
+    (!p.is_null()).then(|| unsafe { &*p })
+}
+
+/// The running fiber's control block, if the current code runs in a fiber.
+pub(crate) fn current_shared() -> Option<Arc<FiberShared>> {
+    current_ctx().map(|c| c.shared.clone())
+}
+
+/// Marker payload of the unwinding that cancels a fiber.
+pub(crate) struct Cancelled;
+
+/// Switches away from the running fiber. The only suspension point: records the registers
+/// (when tracing), publishes SUSPENDED, and switches. After the resume, raises the
+/// cancellation if the fiber was cancelled meanwhile.
+#[inline(never)]
+pub(crate) fn suspend_current(why: Yield) {
+    let ctx = current_ctx().expect("suspend outside a fiber");
+    let shared = &ctx.shared;
+    shared.record_suspension();
+    shared.run.store(SUSPENDED, Ordering::Release);
+    let y = ctx.yielder.get();
+    // SAFETY: the yielder pointer was stored by this fiber when it started; it points into
+    // its own stack (corosensei's parent link), valid for the coroutine's whole life.
+    unsafe { (*y).suspend(why) };
+    std::hint::black_box(());
+    check_cancel(ctx);
+}
+
+fn check_cancel(ctx: &FiberCtx) {
+    if ctx.shared.cancelled.load(Ordering::Relaxed) && !ctx.unwinding.get() {
+        ctx.unwinding.set(true);
+        std::panic::resume_unwind(Box::new(Cancelled));
+    }
+}
+
+/// Raises the cancellation now if this fiber was cancelled (Tarantool's `fiber.testcancel`).
+pub fn testcancel() {
+    if let Some(ctx) = current_ctx() {
+        check_cancel(ctx);
+    }
+}
+
+/// Whether the current fiber was cancelled.
+pub fn is_cancelled() -> bool {
+    current_ctx().is_some_and(|c| c.shared.cancelled.load(Ordering::Relaxed))
+}
+
+/// Yields to the other ready fibers.
+#[inline(never)]
+pub fn yield_now() {
+    if let Some(ctx) = current_ctx() {
+        ctx.shared.set_status(Status::Ready);
+        suspend_current(Yield::Ready);
+    }
+}
+
+/// Sleeps for `d` (other fibers run meanwhile). A [`Fiber::wakeup`] ends it early.
+#[inline(never)]
+pub fn sleep(d: Duration) {
+    let Some(ctx) = current_ctx() else {
+        std::thread::sleep(d);
+        return;
+    };
+    let fid = ctx.shared.id;
+    with_sched(|s| s.add_timer(fid, Instant::now() + d));
+    ctx.shared.begin_wait(Status::Sleeping, WaitOn::Sleep);
+    suspend_current(Yield::Blocked);
+    ctx.shared.end_wait();
+}
+
+/// Blocks the current fiber on `on` until something makes it ready (a wake-up, or the
+/// optional deadline). Used by channels, conditions and joins.
+#[inline(never)]
+pub(crate) fn block(on: WaitOn, deadline: Option<Instant>) {
+    let Some(ctx) = current_ctx() else {
+        return;
+    };
+    let fid = ctx.shared.id;
+    if let Some(d) = deadline {
+        with_sched(|s| s.add_timer(fid, d));
+    }
+    ctx.shared.begin_wait(Status::Waiting, on);
+    suspend_current(Yield::Blocked);
+    ctx.shared.end_wait();
+}
+
+/// Suspends the current fiber until [`Fiber::wakeup`] (Tarantool's `fiber.yield` without
+/// requeue is `yield_now`; this is a plain park).
+#[inline(never)]
+pub fn suspend() {
+    let Some(ctx) = current_ctx() else {
+        return;
+    };
+    ctx.shared.begin_wait(Status::Suspended, WaitOn::Wakeup);
+    suspend_current(Yield::Blocked);
+    ctx.shared.end_wait();
+}
+
+/// The current fiber's id (0 outside fibers).
+pub fn current_id() -> FiberId {
+    current_ctx().map_or(0, |c| c.shared.id)
+}
+
+/// A handle to the current fiber.
+pub fn current() -> Option<Fiber> {
+    current_ctx().map(|c| Fiber {
+        shared: c.shared.clone(),
+    })
+}
+
+/// Spawns a fiber on the current thread's scheduler.
+///
+/// # Panics
+/// Outside a running scheduler.
+#[inline(never)]
+pub fn spawn<F, T>(f: F) -> JoinHandle<T>
+where
+    F: FnOnce() -> T + 'static,
+    T: 'static,
+{
+    Builder::new().spawn_inner(f, 3)
+}
+
+/// A fiber handle without its result type: id, name, wakeup, cancel, backtrace.
+#[derive(Clone, Debug)]
+pub struct Fiber {
+    pub(crate) shared: Arc<FiberShared>,
+}
+
+impl Fiber {
+    /// The fiber's id.
+    pub fn id(&self) -> FiberId {
+        self.shared.id
+    }
+
+    /// The fiber's name.
+    pub fn name(&self) -> String {
+        self.shared.name()
+    }
+
+    /// Renames the fiber.
+    pub fn set_name(&self, name: &str) {
+        *self.shared.name.lock().unwrap_or_else(|e| e.into_inner()) = name.to_string();
+    }
+
+    /// Its status.
+    pub fn status(&self) -> Status {
+        self.shared.status().0
+    }
+
+    /// Makes a blocked fiber ready (interrupts a sleep or a wait; the waiter re-checks its
+    /// condition). Must be called on the fiber's own scheduler thread; elsewhere it is a
+    /// no-op that returns false.
+    pub fn wakeup(&self) -> bool {
+        let known = ON_THREAD.with(|t| t.borrow().iter().any(|(id, _)| *id == self.shared.sched));
+        if !known {
+            return false;
+        }
+        wake(self.shared.sched, self.shared.id);
+        true
+    }
+
+    /// Cancels the fiber: at its next suspension point (or right away if it is blocked) it
+    /// unwinds, running its destructors; its join returns [`JoinError::Cancelled`].
+    pub fn cancel(&self) {
+        self.shared.cancelled.store(true, Ordering::Relaxed);
+        if self.shared.id != current_id() {
+            self.wakeup();
+        }
+    }
+
+    /// Its backtrace now: the current fiber's own stack, a suspended fiber's saved context,
+    /// the entry function of one that never ran, a sample of one running on another thread;
+    /// `None` for a dead fiber.
+    pub fn backtrace(&self, unwinder: Unwinder) -> Option<Backtrace> {
+        crate::info::fiber_backtrace(&self.shared, unwinder)
+    }
+
+    /// The trace of the fiber that created it, with the creator's ancestors chained.
+    pub fn parent_trace(&self) -> Option<Arc<ParentTrace>> {
+        self.shared.parent_trace.clone()
+    }
+
+    /// Id of the fiber that created it.
+    pub fn parent(&self) -> Option<FiberId> {
+        self.shared.parent
+    }
+
+    /// The control block (for info).
+    pub fn shared(&self) -> &Arc<FiberShared> {
+        &self.shared
+    }
+}
+
+/// Why a join got no value.
+#[derive(Debug, Clone)]
+pub enum JoinError {
+    /// The fiber panicked.
+    Panicked(Box<PanicReport>),
+    /// The fiber was cancelled.
+    Cancelled,
+}
+
+impl std::fmt::Display for JoinError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            JoinError::Panicked(p) => write!(f, "fiber panicked: {}", p.message),
+            JoinError::Cancelled => f.write_str("fiber was cancelled"),
+        }
+    }
+}
+
+impl std::error::Error for JoinError {}
+
+type ResultSlot<T> = Rc<RefCell<Option<Result<T, JoinError>>>>;
+
+/// The handle returned by spawn: join the fiber for its result.
+pub struct JoinHandle<T> {
+    fiber: Fiber,
+    shared: Arc<FiberShared>,
+    result: ResultSlot<T>,
+}
+
+impl<T> JoinHandle<T> {
+    /// The fiber.
+    pub fn fiber(&self) -> &Fiber {
+        &self.fiber
+    }
+
+    /// The fiber's id.
+    pub fn id(&self) -> FiberId {
+        self.shared.id
+    }
+
+    /// Waits (from inside a fiber) for the fiber to finish and returns its result.
+    ///
+    /// # Panics
+    /// When called outside a fiber on the same scheduler, or by the fiber on itself.
+    #[inline(never)]
+    pub fn join(self) -> Result<T, JoinError> {
+        let me = current_id();
+        assert!(me != 0, "join outside a fiber");
+        assert!(me != self.shared.id, "a fiber cannot join itself");
+        while !self.shared.is_dead() {
+            let registered = with_sched(|s| {
+                if let Some(slot) = s.slots.borrow_mut().get_mut(&self.shared.id) {
+                    if !slot.joiners.contains(&me) {
+                        slot.joiners.push(me);
+                    }
+                    true
+                } else {
+                    false
+                }
+            })
+            .unwrap_or(false);
+            if !registered {
+                break;
+            }
+            block(WaitOn::Join(self.shared.id), None);
+        }
+        self.take_result().unwrap_or(Err(JoinError::Cancelled))
+    }
+
+    fn take_result(&self) -> Option<Result<T, JoinError>> {
+        self.result.borrow_mut().take()
+    }
+
+    /// Whether the fiber has finished.
+    pub fn is_finished(&self) -> bool {
+        self.shared.is_dead()
+    }
+}
+
+/// Builds a fiber: name, stack size, parent-trace override.
+#[derive(Default)]
+pub struct Builder {
+    name: Option<String>,
+    stack_size: Option<usize>,
+    parent_trace: Option<Option<Arc<ParentTrace>>>,
+}
+
+/// A [`Builder`] bound to a scheduler (from [`Scheduler::builder`]).
+pub struct SchedBuilder<'a> {
+    sched: &'a Scheduler,
+    b: Builder,
+}
+
+impl SchedBuilder<'_> {
+    /// Names the fiber.
+    pub fn name(mut self, name: &str) -> Self {
+        self.b = self.b.name(name);
+        self
+    }
+
+    /// Sets its stack size.
+    pub fn stack_size(mut self, size: usize) -> Self {
+        self.b = self.b.stack_size(size);
+        self
+    }
+
+    /// Spawns it.
+    #[inline(never)]
+    pub fn spawn<F, T>(self, f: F) -> JoinHandle<T>
+    where
+        F: FnOnce() -> T + 'static,
+        T: 'static,
+    {
+        self.b.spawn_on(&self.sched.inner, f, 3)
+    }
+}
+
+impl Builder {
+    /// A builder with default settings.
+    pub fn new() -> Builder {
+        Builder::default()
+    }
+
+    /// Names the fiber.
+    pub fn name(mut self, name: &str) -> Self {
+        self.name = Some(name.to_string());
+        self
+    }
+
+    /// Sets its stack size.
+    pub fn stack_size(mut self, size: usize) -> Self {
+        self.stack_size = Some(size);
+        self
+    }
+
+    /// Uses this parent trace instead of capturing the creator's native stack (a Lua host
+    /// passes a trace with the creator's Lua frames interleaved); `None` keeps none.
+    pub fn parent_trace(mut self, t: Option<Arc<ParentTrace>>) -> Self {
+        self.parent_trace = Some(t);
+        self
+    }
+
+    /// Spawns on the current thread's scheduler.
+    ///
+    /// # Panics
+    /// Outside a running scheduler.
+    #[inline(never)]
+    pub fn spawn<F, T>(self, f: F) -> JoinHandle<T>
+    where
+        F: FnOnce() -> T + 'static,
+        T: 'static,
+    {
+        self.spawn_inner(f, 3)
+    }
+
+    #[inline(never)]
+    fn spawn_inner<F, T>(self, f: F, skip: usize) -> JoinHandle<T>
+    where
+        F: FnOnce() -> T + 'static,
+        T: 'static,
+    {
+        let p = SCHED.with(|s| s.get());
+        assert!(!p.is_null(), "spawn outside a running scheduler");
+        // SAFETY: see with_sched.
+        let inner = unsafe { &*p };
+        self.spawn_with(inner, f, skip + 1)
+    }
+
+    #[inline(never)]
+    fn spawn_on<F, T>(self, inner: &Rc<Inner>, f: F, skip: usize) -> JoinHandle<T>
+    where
+        F: FnOnce() -> T + 'static,
+        T: 'static,
+    {
+        self.spawn_with(inner, f, skip + 1)
+    }
+
+    #[inline(never)]
+    fn spawn_with<F, T>(self, inner: &Inner, f: F, skip: usize) -> JoinHandle<T>
+    where
+        F: FnOnce() -> T + 'static,
+        T: 'static,
+    {
+        let (traced, parent_traces, default_size) = {
+            let o = inner.opts.borrow();
+            (o.traced, o.parent_traces, o.stack_size)
+        };
+        let size = self.stack_size.unwrap_or(default_size);
+        let stack = inner
+            .pool
+            .borrow_mut()
+            .take(size)
+            .unwrap_or_else(|e| panic!("cannot allocate a {size}-byte fiber stack: {e}"));
+        let bounds = stack::bounds(&stack);
+        let creator = current_ctx().map(|c| c.shared.clone());
+        let parent_trace = match self.parent_trace {
+            Some(t) => t,
+            None if parent_traces => Some(capture_parent_trace(creator.as_deref(), skip + 1)),
+            None => None,
+        };
+        let id = next_fiber_id();
+        let name = self.name.unwrap_or_else(|| format!("fiber{id}"));
+        let shared = Arc::new(FiberShared::new(NewFiber {
+            id,
+            sched: inner.shared.id,
+            name,
+            parent: creator.as_ref().map(|c| c.id),
+            parent_trace,
+            stack: bounds,
+            stack_size: size,
+            entry_fn: call_user::<F, T> as *const () as u64,
+            traced,
+        }));
+        let result: ResultSlot<T> = Rc::new(RefCell::new(None));
+        let slot_result = result.clone();
+        let body_shared = shared.clone();
+        let body = move |y: &Yielder<(), Yield>, ()| {
+            fiber_body(y, &body_shared, f, &slot_result);
+        };
+        let co = Co::with_stack(stack, body);
+        let ctx = Box::new(FiberCtx {
+            shared: shared.clone(),
+            yielder: Cell::new(std::ptr::null()),
+            unwinding: Cell::new(false),
+            dropping: Cell::new(false),
+        });
+        inner.slots.borrow_mut().insert(
+            id,
+            Slot {
+                ctx,
+                co: Some(co),
+                queued: true,
+                timer_seq: 0,
+                joiners: Vec::new(),
+            },
+        );
+        inner.ready.borrow_mut().push_back(id);
+        inner.shared.add(shared.clone());
+        JoinHandle {
+            fiber: Fiber {
+                shared: shared.clone(),
+            },
+            shared,
+            result,
+        }
+    }
+}
+
+/// Captures the creator's trace for a child: its own frames (cut at its entry when it is a
+/// fiber; the spawn machinery skipped) and its own parent trace, shared.
+#[inline(never)]
+fn capture_parent_trace(creator: Option<&FiberShared>, skip: usize) -> Arc<ParentTrace> {
+    let opts = CaptureOptions {
+        unwinder: Unwinder::Fast,
+        offset: skip,
+        limit: 32,
+        top: 8,
+    };
+    let mut frames = Backtrace::new();
+    let stop = creator.map_or(0, |c| c.entry_fp.load(Ordering::Relaxed));
+    fibertrace_core::collect_until(&opts, stop, &mut frames);
+    Arc::new(ParentTrace {
+        fiber: creator.map(|c| c.id),
+        name: creator.map_or_else(
+            || {
+                std::thread::current()
+                    .name()
+                    .unwrap_or("thread")
+                    .to_string()
+            },
+            |c| c.name(),
+        ),
+        frames,
+        parent: creator.and_then(|c| c.parent_trace.clone()),
+    })
+}
+
+/// The body of every fiber, on its own stack.
+fn fiber_body<F, T>(
+    y: &Yielder<(), Yield>,
+    shared: &Arc<FiberShared>,
+    f: F,
+    result: &ResultSlot<T>,
+) where
+    F: FnOnce() -> T,
+{
+    if let Some(ctx) = current_ctx() {
+        ctx.yielder.set(y as *const _);
+    }
+    if shared.cancelled.load(Ordering::Relaxed) {
+        *result.borrow_mut() = Some(Err(JoinError::Cancelled));
+        return;
+    }
+    // The indirect call keeps `call_user` a real frame; the frame pointer of the function
+    // that calls it (whatever was inlined into it) is where the fiber's trace ends.
+    let call: fn(F) -> T = std::hint::black_box(call_user::<F, T>);
+    let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        let here = fibertrace_core::__fibertrace_registers_here!();
+        shared.set_entry_fp(here.fp);
+        call(f)
+    }));
+    if r.is_err() && current_ctx().is_some_and(|c| c.dropping.get()) {
+        // The scheduler is dropping this fiber: let corosensei's unwinding go on.
+        if let Err(payload) = r {
+            std::panic::resume_unwind(payload);
+        }
+        unreachable!();
+    }
+    let out = match r {
+        Ok(v) => Ok(v),
+        Err(payload) if payload.is::<Cancelled>() => Err(JoinError::Cancelled),
+        Err(payload) => {
+            let report = crate::panic::take_report(shared, &*payload);
+            if with_sched(|s| s.opts.borrow().report_panics).unwrap_or(true) {
+                crate::panic::print_report(shared, &report);
+            }
+            *shared.panic.lock().unwrap_or_else(|e| e.into_inner()) = Some(report.clone());
+            Err(JoinError::Panicked(Box::new(report)))
+        }
+    };
+    *result.borrow_mut() = Some(out);
+}
+
+/// Calls the user's function: the outermost frame of every fiber's trace.
+#[inline(never)]
+pub(crate) fn call_user<F: FnOnce() -> T, T>(f: F) -> T {
+    let r = f();
+    std::hint::black_box(());
+    r
+}
+
+/// Whether the given run state means the fiber never ran.
+pub(crate) fn never_ran(run: u8) -> bool {
+    run == NEW
+}
+
+/// Whether the given run state means the fiber is running now.
+pub(crate) fn is_running(run: u8) -> bool {
+    run == RUNNING
+}
+
+/// Whether the fiber is dead.
+pub(crate) fn is_dead(run: u8) -> bool {
+    run == DEAD
+}
+
+/// The frame shown for a fiber that never ran: its entry function.
+pub(crate) fn entry_frame(shared: &FiberShared) -> Frame {
+    Frame::Pc(shared.entry_fn)
+}
+
+/// The current fiber's trace (from inside it), cut at its entry.
+#[inline(never)]
+pub(crate) fn current_backtrace(shared: &FiberShared, unwinder: Unwinder) -> Backtrace {
+    let mut bt = Backtrace::new();
+    let opts = CaptureOptions {
+        unwinder,
+        offset: 2, // this function and info's caller
+        ..CaptureOptions::default()
+    };
+    fibertrace_core::collect_until(&opts, shared.entry_fp.load(Ordering::Relaxed), &mut bt);
+    bt
+}

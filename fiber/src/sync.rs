@@ -1,0 +1,342 @@
+//! Channels and condition variables for fibers of one scheduler. Blocking operations suspend
+//! the calling fiber (recorded as waiting on the channel or condition, for info and dumps);
+//! other fibers run meanwhile.
+
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::control::{FiberId, WaitOn};
+use crate::sched::{self, current_id};
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A waiting fiber: its scheduler and id.
+type Waiter = (u64, FiberId);
+
+fn wake_one(q: &RefCell<VecDeque<Waiter>>) {
+    let w = q.borrow_mut().pop_front();
+    if let Some((s, id)) = w {
+        sched::wake(s, id);
+    }
+}
+
+fn wake_all(q: &RefCell<VecDeque<Waiter>>) {
+    let ws: Vec<Waiter> = q.borrow_mut().drain(..).collect();
+    for (s, id) in ws {
+        sched::wake(s, id);
+    }
+}
+
+fn forget(q: &RefCell<VecDeque<Waiter>>, id: FiberId) {
+    q.borrow_mut().retain(|&(_, x)| x != id);
+}
+
+fn me() -> Waiter {
+    (sched::current_sched_id(), current_id())
+}
+
+/// Errors of channel operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChannelError {
+    /// The channel is closed.
+    Closed,
+    /// The deadline passed.
+    Timeout,
+    /// The operation would block and the caller is not a fiber (or `try_` was used).
+    WouldBlock,
+}
+
+impl std::fmt::Display for ChannelError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ChannelError::Closed => "channel is closed",
+            ChannelError::Timeout => "timed out",
+            ChannelError::WouldBlock => "would block",
+        })
+    }
+}
+
+impl std::error::Error for ChannelError {}
+
+struct ChanInner<T> {
+    id: u64,
+    cap: usize,
+    buf: RefCell<VecDeque<T>>,
+    closed: Cell<bool>,
+    /// Items taken so far (rendezvous senders wait for theirs to be taken).
+    taken: Cell<u64>,
+    pushed: Cell<u64>,
+    receivers: RefCell<VecDeque<Waiter>>,
+    senders: RefCell<VecDeque<Waiter>>,
+}
+
+/// A channel between fibers of one scheduler, with a capacity (0: a rendezvous — a send
+/// waits until its value is received). Cloning gives another handle to the same channel.
+pub struct Channel<T> {
+    inner: Rc<ChanInner<T>>,
+}
+
+impl<T> Clone for Channel<T> {
+    fn clone(&self) -> Self {
+        Channel {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+/// A new channel with room for `capacity` values.
+pub fn channel<T>(capacity: usize) -> Channel<T> {
+    Channel {
+        inner: Rc::new(ChanInner {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            cap: capacity,
+            buf: RefCell::new(VecDeque::new()),
+            closed: Cell::new(false),
+            taken: Cell::new(0),
+            pushed: Cell::new(0),
+            receivers: RefCell::new(VecDeque::new()),
+            senders: RefCell::new(VecDeque::new()),
+        }),
+    }
+}
+
+impl<T> Channel<T> {
+    /// The channel's id (as shown in what a fiber waits on).
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// Values buffered.
+    pub fn len(&self) -> usize {
+        self.inner.buf.borrow().len()
+    }
+
+    /// Whether no value is buffered.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Its capacity.
+    pub fn capacity(&self) -> usize {
+        self.inner.cap
+    }
+
+    /// Whether it is full (a send would wait).
+    pub fn is_full(&self) -> bool {
+        self.len() >= self.inner.cap.max(1)
+    }
+
+    /// Whether it was closed.
+    pub fn is_closed(&self) -> bool {
+        self.inner.closed.get()
+    }
+
+    /// Closes it: blocked senders and receivers wake up; buffered values can still be read.
+    pub fn close(&self) {
+        self.inner.closed.set(true);
+        wake_all(&self.inner.receivers);
+        wake_all(&self.inner.senders);
+    }
+
+    /// Sends, waiting while the channel is full.
+    #[inline(never)]
+    pub fn send(&self, v: T) -> Result<(), ChannelError> {
+        self.send_until(v, None)
+    }
+
+    /// Sends, waiting at most `d`.
+    pub fn send_timeout(&self, v: T, d: Duration) -> Result<(), ChannelError> {
+        self.send_until(v, Some(Instant::now() + d))
+    }
+
+    /// Sends only if there is room now.
+    pub fn try_send(&self, v: T) -> Result<(), ChannelError> {
+        let c = &self.inner;
+        if c.closed.get() {
+            return Err(ChannelError::Closed);
+        }
+        if c.buf.borrow().len() >= c.cap.max(1) || (c.cap == 0 && c.receivers.borrow().is_empty())
+        {
+            return Err(ChannelError::WouldBlock);
+        }
+        self.push(v);
+        Ok(())
+    }
+
+    fn push(&self, v: T) -> u64 {
+        let c = &self.inner;
+        c.buf.borrow_mut().push_back(v);
+        c.pushed.set(c.pushed.get() + 1);
+        wake_one(&c.receivers);
+        c.pushed.get()
+    }
+
+    #[inline(never)]
+    fn send_until(&self, v: T, deadline: Option<Instant>) -> Result<(), ChannelError> {
+        let c = &self.inner;
+        let me = current_id();
+        loop {
+            if c.closed.get() {
+                return Err(ChannelError::Closed);
+            }
+            if c.buf.borrow().len() < c.cap.max(1) {
+                break;
+            }
+            self.wait_as_sender(me, deadline)?;
+        }
+        let ticket = self.push(v);
+        if c.cap == 0 {
+            // Rendezvous: wait until our value is taken.
+            while c.taken.get() < ticket {
+                if c.closed.get() {
+                    return Err(ChannelError::Closed);
+                }
+                self.wait_as_sender(me, deadline)?;
+            }
+        }
+        Ok(())
+    }
+
+    #[inline(never)]
+    fn wait_as_sender(&self, me: FiberId, deadline: Option<Instant>) -> Result<(), ChannelError> {
+        let c = &self.inner;
+        if me == 0 {
+            return Err(ChannelError::WouldBlock);
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(ChannelError::Timeout);
+        }
+        c.senders.borrow_mut().push_back(self::me());
+        sched::block(WaitOn::ChannelSend(c.id), deadline);
+        forget(&c.senders, me);
+        if deadline.is_some_and(|d| Instant::now() >= d) && !c.closed.get() {
+            return Err(ChannelError::Timeout);
+        }
+        Ok(())
+    }
+
+    /// Receives, waiting while the channel is empty; `None` once it is closed and drained.
+    #[inline(never)]
+    pub fn recv(&self) -> Option<T> {
+        self.recv_until(None).ok()
+    }
+
+    /// Receives, waiting at most `d`.
+    pub fn recv_timeout(&self, d: Duration) -> Result<T, ChannelError> {
+        self.recv_until(Some(Instant::now() + d))
+    }
+
+    /// Receives only if a value is there now.
+    pub fn try_recv(&self) -> Result<T, ChannelError> {
+        match self.take() {
+            Some(v) => Ok(v),
+            None if self.inner.closed.get() => Err(ChannelError::Closed),
+            None => Err(ChannelError::WouldBlock),
+        }
+    }
+
+    fn take(&self) -> Option<T> {
+        let c = &self.inner;
+        let v = c.buf.borrow_mut().pop_front();
+        if v.is_some() {
+            c.taken.set(c.taken.get() + 1);
+            if c.cap == 0 {
+                wake_all(&c.senders);
+            } else {
+                wake_one(&c.senders);
+            }
+        }
+        v
+    }
+
+    #[inline(never)]
+    fn recv_until(&self, deadline: Option<Instant>) -> Result<T, ChannelError> {
+        let c = &self.inner;
+        let me = current_id();
+        loop {
+            if let Some(v) = self.take() {
+                return Ok(v);
+            }
+            if c.closed.get() {
+                return Err(ChannelError::Closed);
+            }
+            if me == 0 {
+                return Err(ChannelError::WouldBlock);
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(ChannelError::Timeout);
+            }
+            if c.cap == 0 {
+                // A rendezvous sender may be waiting for a receiver to show up.
+                wake_one(&c.senders);
+            }
+            c.receivers.borrow_mut().push_back(self::me());
+            sched::block(WaitOn::ChannelReceive(c.id), deadline);
+            forget(&c.receivers, me);
+        }
+    }
+}
+
+/// A condition variable for fibers of one scheduler.
+pub struct Cond {
+    id: u64,
+    waiters: RefCell<VecDeque<Waiter>>,
+}
+
+impl Default for Cond {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Cond {
+    /// A new condition.
+    pub fn new() -> Cond {
+        Cond {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            waiters: RefCell::new(VecDeque::new()),
+        }
+    }
+
+    /// Its id (as shown in what a fiber waits on).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Waits for a signal (or a [`crate::Fiber::wakeup`]).
+    #[inline(never)]
+    pub fn wait(&self) {
+        self.wait_until(None);
+    }
+
+    /// Waits at most `d`; returns false on timeout.
+    pub fn wait_timeout(&self, d: Duration) -> bool {
+        self.wait_until(Some(Instant::now() + d))
+    }
+
+    #[inline(never)]
+    fn wait_until(&self, deadline: Option<Instant>) -> bool {
+        let me = current_id();
+        if me == 0 {
+            return false;
+        }
+        self.waiters.borrow_mut().push_back(self::me());
+        sched::block(WaitOn::Condition(self.id), deadline);
+        let still_waiting = self.waiters.borrow().iter().any(|&(_, x)| x == me);
+        forget(&self.waiters, me);
+        !(still_waiting && deadline.is_some_and(|d| Instant::now() >= d))
+    }
+
+    /// Wakes one waiter.
+    pub fn signal(&self) {
+        wake_one(&self.waiters);
+    }
+
+    /// Wakes every waiter.
+    pub fn broadcast(&self) {
+        wake_all(&self.waiters);
+    }
+}

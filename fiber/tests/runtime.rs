@@ -1,0 +1,264 @@
+//! The runtime's behaviour: spawn, join, yield, sleep, wakeup, cancel, channels, conditions,
+//! panics, several schedulers.
+
+mod common;
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use fibertrace_fiber::{
+    channel, sleep, spawn, yield_now, Cond, JoinError, RunError, Scheduler, Status,
+};
+
+#[test]
+fn spawn_join_and_yield_order() {
+    let log = Rc::new(RefCell::new(Vec::new()));
+    let l2 = log.clone();
+    let out = Scheduler::new()
+        .block_on(move || {
+            let la = l2.clone();
+            let a = spawn(move || {
+                for i in 0..3 {
+                    la.borrow_mut().push(format!("a{i}"));
+                    yield_now();
+                }
+                10
+            });
+            let lb = l2.clone();
+            let b = spawn(move || {
+                for i in 0..3 {
+                    lb.borrow_mut().push(format!("b{i}"));
+                    yield_now();
+                }
+                20
+            });
+            a.join().unwrap() + b.join().unwrap()
+        })
+        .unwrap();
+    assert_eq!(out, 30);
+    assert_eq!(*log.borrow(), ["a0", "b0", "a1", "b1", "a2", "b2"]);
+}
+
+#[test]
+fn sleep_orders_by_deadline_and_wakeup_ends_it_early() {
+    let order = Scheduler::new()
+        .block_on(|| {
+            let log = Rc::new(RefCell::new(Vec::new()));
+            let mut hs = Vec::new();
+            for (name, ms) in [("slow", 60u64), ("fast", 10), ("mid", 30)] {
+                let l = log.clone();
+                hs.push(spawn(move || {
+                    sleep(Duration::from_millis(ms));
+                    l.borrow_mut().push(name);
+                }));
+            }
+            // A long sleeper woken early.
+            let t0 = Instant::now();
+            let sleeper = spawn(|| sleep(Duration::from_secs(30)));
+            yield_now();
+            assert_eq!(sleeper.fiber().status(), Status::Sleeping);
+            assert!(sleeper.fiber().wakeup());
+            sleeper.join().unwrap();
+            assert!(t0.elapsed() < Duration::from_secs(5));
+            for h in hs {
+                h.join().unwrap();
+            }
+            let v = log.borrow().clone();
+            v
+        })
+        .unwrap();
+    assert_eq!(order, ["fast", "mid", "slow"]);
+}
+
+struct Cleanup(Rc<RefCell<bool>>);
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        *self.0.borrow_mut() = true;
+    }
+}
+
+#[test]
+fn cancel_of_a_sleeping_fiber_runs_its_cleanup() {
+    Scheduler::new()
+        .block_on(|| {
+            let cleaned = Rc::new(RefCell::new(false));
+            let c2 = cleaned.clone();
+            let reached_end = Rc::new(RefCell::new(false));
+            let r2 = reached_end.clone();
+            let h = spawn(move || {
+                let _guard = Cleanup(c2);
+                sleep(Duration::from_secs(3600));
+                *r2.borrow_mut() = true;
+            });
+            yield_now();
+            assert_eq!(h.fiber().status(), Status::Sleeping);
+            h.fiber().cancel();
+            assert!(matches!(h.join(), Err(JoinError::Cancelled)));
+            assert!(*cleaned.borrow(), "destructors ran");
+            assert!(!*reached_end.borrow(), "the code after the sleep did not run");
+        })
+        .unwrap();
+}
+
+#[test]
+fn channel_buffered_rendezvous_close_and_timeouts() {
+    Scheduler::new()
+        .block_on(|| {
+            // Buffered: the producer runs ahead by the capacity.
+            let ch = channel::<u32>(2);
+            let tx = ch.clone();
+            let p = spawn(move || {
+                for i in 0..5 {
+                    tx.send(i).unwrap();
+                }
+                tx.close();
+            });
+            let mut got = Vec::new();
+            while let Some(v) = ch.recv() {
+                got.push(v);
+            }
+            p.join().unwrap();
+            assert_eq!(got, [0, 1, 2, 3, 4]);
+            assert_eq!(ch.send(9), Err(fibertrace_fiber::ChannelError::Closed));
+
+            // Rendezvous: a send completes only once received.
+            let rv = channel::<&'static str>(0);
+            let tx = rv.clone();
+            let done = Rc::new(RefCell::new(false));
+            let d2 = done.clone();
+            let s = spawn(move || {
+                tx.send("x").unwrap();
+                *d2.borrow_mut() = true;
+            });
+            for _ in 0..3 {
+                yield_now();
+            }
+            assert!(!*done.borrow(), "a rendezvous send waits for its receiver");
+            assert_eq!(rv.recv(), Some("x"));
+            s.join().unwrap();
+            assert!(*done.borrow());
+
+            // Timeouts.
+            let empty = channel::<u8>(1);
+            let t0 = Instant::now();
+            assert_eq!(
+                empty.recv_timeout(Duration::from_millis(20)),
+                Err(fibertrace_fiber::ChannelError::Timeout)
+            );
+            assert!(t0.elapsed() >= Duration::from_millis(20));
+            empty.try_send(1).unwrap();
+            assert_eq!(
+                empty.send_timeout(2, Duration::from_millis(10)),
+                Err(fibertrace_fiber::ChannelError::Timeout)
+            );
+        })
+        .unwrap();
+}
+
+#[test]
+fn condition_signal_and_broadcast() {
+    Scheduler::new()
+        .block_on(|| {
+            let c = Rc::new(Cond::new());
+            let woke = Rc::new(RefCell::new(0));
+            let mut hs = Vec::new();
+            for _ in 0..3 {
+                let (c, w) = (c.clone(), woke.clone());
+                hs.push(spawn(move || {
+                    c.wait();
+                    *w.borrow_mut() += 1;
+                }));
+            }
+            yield_now();
+            c.signal();
+            yield_now();
+            assert_eq!(*woke.borrow(), 1);
+            c.broadcast();
+            for h in hs {
+                h.join().unwrap();
+            }
+            assert_eq!(*woke.borrow(), 3);
+            assert!(!c.wait_timeout(Duration::from_millis(5)));
+        })
+        .unwrap();
+}
+
+#[inline(never)]
+fn explode(x: u32) -> u32 {
+    if x > 0 {
+        panic!("boom {x}");
+    }
+    x
+}
+
+#[test]
+fn a_panicking_fiber_is_reported_and_the_others_go_on() {
+    Scheduler::new()
+        .block_on(|| {
+            let bad = spawn(|| explode(3));
+            let good = spawn(|| {
+                yield_now();
+                5
+            });
+            match bad.join() {
+                Err(JoinError::Panicked(r)) => {
+                    assert_eq!(r.message, "boom 3");
+                    assert!(r.location.as_deref().unwrap().contains("runtime.rs"));
+                    let n = common::names(r.backtrace.frames());
+                    assert_eq!(n[0], "explode", "{n:?}");
+                }
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(good.join().unwrap(), 5);
+        })
+        .unwrap();
+}
+
+#[test]
+fn deadlock_is_an_error_not_a_hang() {
+    let s = Scheduler::new();
+    let ch = channel::<u8>(1);
+    let c2 = ch.clone();
+    s.spawn(move || {
+        c2.recv();
+    });
+    match s.run() {
+        Err(RunError::Deadlock { fibers }) => assert_eq!(fibers.len(), 1),
+        other => panic!("{other:?}"),
+    }
+    ch.close();
+    s.run().unwrap();
+    assert_eq!(s.fiber_count(), 0);
+}
+
+#[test]
+fn several_schedulers_on_several_threads() {
+    let handles: Vec<_> = (0..4)
+        .map(|t| {
+            std::thread::spawn(move || {
+                Scheduler::new()
+                    .block_on(move || {
+                        let ch = channel::<u64>(4);
+                        let tx = ch.clone();
+                        let p = spawn(move || {
+                            for i in 0..1000u64 {
+                                tx.send(i * t).unwrap();
+                            }
+                            tx.close();
+                        });
+                        let mut sum = 0;
+                        while let Some(v) = ch.recv() {
+                            sum += v;
+                        }
+                        p.join().unwrap();
+                        sum
+                    })
+                    .unwrap()
+            })
+        })
+        .collect();
+    for (t, h) in handles.into_iter().enumerate() {
+        assert_eq!(h.join().unwrap(), 499_500 * t as u64);
+    }
+}
