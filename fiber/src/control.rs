@@ -194,6 +194,8 @@ pub struct FiberShared {
     pub(crate) cancelled: AtomicBool,
     /// Address of the fiber's entry function (shown for a fiber that never ran).
     pub(crate) entry_fn: u64,
+    /// The type name of the fiber's entry closure (a closure has no symbol of its own).
+    pub(crate) entry_name: &'static str,
     pub(crate) panic: Mutex<Option<PanicReport>>,
     /// Whether suspensions record the registers (tracing on).
     pub(crate) traced: bool,
@@ -210,7 +212,10 @@ impl std::fmt::Debug for FiberShared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FiberShared")
             .field("id", &self.id)
-            .field("name", &*self.name.lock().unwrap_or_else(|e| e.into_inner()))
+            .field(
+                "name",
+                &*self.name.lock().unwrap_or_else(|e| e.into_inner()),
+            )
             .field("run", &self.run.load(Ordering::Relaxed))
             .finish()
     }
@@ -225,6 +230,7 @@ pub(crate) struct NewFiber {
     pub stack: StackBounds,
     pub stack_size: usize,
     pub entry_fn: u64,
+    pub entry_name: &'static str,
     pub traced: bool,
 }
 
@@ -254,6 +260,7 @@ impl FiberShared {
             cpu_ticks: AtomicU64::new(0),
             cancelled: AtomicBool::new(false),
             entry_fn: n.entry_fn,
+            entry_name: n.entry_name,
             panic: Mutex::new(None),
             traced: n.traced,
         }
@@ -371,7 +378,11 @@ impl FiberShared {
     /// The status, what it waits on, and for how long.
     pub fn status(&self) -> (Status, Option<WaitOn>, std::time::Duration) {
         let st = Status::from_u8(self.status.load(Ordering::Relaxed));
-        let on = self.wait_on.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let on = self
+            .wait_on
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         let since = crate::clock::since(self.since.load(Ordering::Relaxed));
         (st, on, since)
     }

@@ -55,7 +55,16 @@ fn status_words(fi: &FiberInfo) -> String {
 
 /// One fiber as text.
 pub fn render_fiber(fi: &FiberInfo, out: &mut String) {
-    let _ = writeln!(out, "fiber {} \"{}\" [{}]:", fi.id, fi.name, status_words(fi));
+    let _ = writeln!(
+        out,
+        "fiber {} \"{}\" [{}]:",
+        fi.id,
+        fi.name,
+        status_words(fi)
+    );
+    if fi.csw == 0 {
+        let _ = writeln!(out, "    (not started yet) entry: {}", fi.entry);
+    }
     match &fi.backtrace {
         Some(frames) => {
             let raw: Vec<Frame> = frames.iter().map(|f| f.frame).collect();
@@ -73,7 +82,10 @@ pub fn render_fiber(fi: &FiberInfo, out: &mut String) {
             }
         }
         let raw: Vec<Frame> = p.frames.iter().map(|f| f.frame).collect();
-        out.push_str(&format::text(info::user_frames(&raw), &TextOptions::default()));
+        out.push_str(&format::text(
+            info::user_frames(&raw),
+            &TextOptions::default(),
+        ));
     }
 }
 
@@ -164,7 +176,9 @@ pub fn install_signal(sig: i32) -> Result<(), InstallError> {
                 // SAFETY: reading into our buffer from our pipe.
                 let n = unsafe { libc::read(rd, b.as_mut_ptr() as *mut libc::c_void, b.len()) };
                 if n <= 0 {
-                    if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                    if n < 0
+                        && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted
+                    {
                         continue;
                     }
                     return;

@@ -103,6 +103,8 @@ pub struct FiberInfo {
     pub age: f64,
     /// The fiber that created it.
     pub parent: Option<FiberId>,
+    /// What it runs: the type of its entry closure (or the Lua function a host names).
+    pub entry: String,
     /// Its backtrace (innermost first).
     pub backtrace: Option<Vec<FrameInfo>>,
     /// Its ancestors' traces, direct parent first.
@@ -138,7 +140,10 @@ pub fn scheduler_info(s: &SchedShared, opts: &InfoOptions) -> Vec<FiberInfo> {
     } else {
         None
     };
-    fibers.iter().map(|f| one(s, f, opts, sampled.as_ref())).collect()
+    fibers
+        .iter()
+        .map(|f| one(s, f, opts, sampled.as_ref()))
+        .collect()
 }
 
 fn one(
@@ -199,6 +204,7 @@ fn one(
             .as_secs_f64(),
         age: f.created.elapsed().as_secs_f64(),
         parent: f.parent,
+        entry: f.entry_name.to_string(),
         backtrace,
         parent_backtrace,
     }
@@ -214,7 +220,7 @@ pub fn frames_info(frames: &[Frame], resolve: bool) -> Vec<FrameInfo> {
             resolved: if resolve { symbolize::resolve(f) } else { None },
         })
         .collect();
-    if let Some(last) = v.last() {
+    if let Some(last) = v.last().filter(|l| matches!(l.frame, Frame::Ra(_))) {
         let r = last
             .resolved
             .clone()
@@ -229,7 +235,7 @@ pub fn frames_info(frames: &[Frame], resolve: bool) -> Vec<FrameInfo> {
 /// Frames without the trailing runtime trampoline (see [`frames_info`]).
 pub fn user_frames(frames: &[Frame]) -> &[Frame] {
     match frames.last() {
-        Some(f) if symbolize::resolve(f).is_some_and(|r| is_trampoline(&r)) => {
+        Some(f @ Frame::Ra(_)) if symbolize::resolve(f).is_some_and(|r| is_trampoline(&r)) => {
             &frames[..frames.len() - 1]
         }
         _ => frames,
@@ -248,7 +254,11 @@ pub(crate) fn fiber_backtrace(f: &Arc<FiberShared>, unwinder: Unwinder) -> Optio
 }
 
 #[inline(never)]
-fn backtrace_of(f: &Arc<FiberShared>, unwinder: Unwinder, sample_running: bool) -> Option<Backtrace> {
+fn backtrace_of(
+    f: &Arc<FiberShared>,
+    unwinder: Unwinder,
+    sample_running: bool,
+) -> Option<Backtrace> {
     if sched::current_id() == f.id {
         return Some(sched::current_backtrace(f, unwinder));
     }
@@ -286,6 +296,18 @@ fn backtrace_of(f: &Arc<FiberShared>, unwinder: Unwinder, sample_running: bool) 
         }
     }
     None
+}
+
+/// The trace of a fiber only if it is suspended right now (no sampling, no own-stack
+/// capture): one walk under the inspection handshake.
+pub fn suspended_backtrace(f: &crate::Fiber, unwinder: Unwinder) -> Option<Backtrace> {
+    let opts = CaptureOptions {
+        unwinder,
+        offset: 1,
+        ..CaptureOptions::default()
+    };
+    let mut bt = Backtrace::new();
+    f.shared().inspect_suspended(&opts, &mut bt).then_some(bt)
 }
 
 /// Whether a status means the fiber is blocked waiting (for reports of long waits).

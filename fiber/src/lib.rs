@@ -32,7 +32,7 @@ pub mod sched;
 mod stack;
 pub mod sync;
 
-pub use control::{FiberId, ParentTrace, PanicReport, Status, WaitOn};
+pub use control::{FiberId, PanicReport, ParentTrace, Status, WaitOn};
 pub use info::{FiberInfo, InfoOptions};
 pub use sched::{
     current, current_id, is_cancelled, sleep, spawn, suspend, testcancel, yield_now, BlockOnError,

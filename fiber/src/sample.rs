@@ -50,7 +50,8 @@ pub(crate) struct Sampler {
     running: AtomicU64,
     lo: AtomicU64,
     hi: AtomicU64,
-    stop_fp: AtomicU64,
+    /// The running fiber's control block (valid while it runs: its slot holds an Arc).
+    fiber: std::sync::atomic::AtomicPtr<FiberShared>,
     /// Clock ticks when the running fiber was resumed.
     pub run_since: AtomicU64,
     /// Resumes so far (changes whenever the running fiber changes).
@@ -76,7 +77,7 @@ impl Sampler {
             running: AtomicU64::new(0),
             lo: AtomicU64::new(0),
             hi: AtomicU64::new(0),
-            stop_fp: AtomicU64::new(0),
+            fiber: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()),
             run_since: AtomicU64::new(0),
             resumes: AtomicU64::new(0),
             requested: AtomicBool::new(false),
@@ -126,19 +127,35 @@ fn ensure_altstack() {
     if ALTSTACK.with(|a| a.get()) {
         return;
     }
-    const SIZE: usize = 64 * 1024;
-    // SAFETY: querying and installing an alternate signal stack for this thread; the memory is
-    // leaked on purpose (one per thread that runs a scheduler) so it outlives any handler.
+    // The DWARF walk keeps its evaluation state on the stack (no allocation): unoptimised
+    // builds need well over 64 KiB. A guard page below catches an overflow.
+    const SIZE: usize = 512 * 1024;
+    const GUARD: usize = 4096;
+    // SAFETY: querying and installing an alternate signal stack for this thread; the mapping
+    // is never unmapped (one per thread that runs a scheduler) so it outlives any handler.
     unsafe {
         let mut old: libc::stack_t = std::mem::zeroed();
-        if libc::sigaltstack(std::ptr::null(), &mut old) == 0 && old.ss_flags & libc::SS_DISABLE == 0
+        if libc::sigaltstack(std::ptr::null(), &mut old) == 0
+            && old.ss_flags & libc::SS_DISABLE == 0
+            && old.ss_size >= SIZE
         {
             ALTSTACK.with(|a| a.set(true));
             return;
         }
-        let mem = Box::leak(vec![0u8; SIZE].into_boxed_slice());
+        let mem = libc::mmap(
+            std::ptr::null_mut(),
+            SIZE + GUARD,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK,
+            -1,
+            0,
+        );
+        if mem == libc::MAP_FAILED {
+            return;
+        }
+        libc::mprotect(mem, GUARD, libc::PROT_NONE);
         let st = libc::stack_t {
-            ss_sp: mem.as_mut_ptr() as *mut libc::c_void,
+            ss_sp: (mem as *mut u8).add(GUARD) as *mut libc::c_void,
             ss_flags: 0,
             ss_size: SIZE,
         };
@@ -172,8 +189,10 @@ pub(crate) fn set_running(s: &SchedShared, f: &FiberShared) {
     let sm = &s.sampler;
     sm.lo.store(f.stack.lo, Ordering::Relaxed);
     sm.hi.store(f.stack.hi, Ordering::Relaxed);
-    sm.stop_fp
-        .store(f.entry_fp.load(Ordering::Relaxed), Ordering::Relaxed);
+    sm.fiber.store(
+        f as *const FiberShared as *mut FiberShared,
+        Ordering::Relaxed,
+    );
     sm.run_since.store(crate::clock::ticks(), Ordering::Relaxed);
     sm.resumes.fetch_add(1, Ordering::Relaxed);
     sm.running.store(f.id, Ordering::Release);
@@ -208,7 +227,15 @@ extern "C" fn on_signal(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut
             sm.lo.load(Ordering::Relaxed),
             sm.hi.load(Ordering::Relaxed),
         )];
-        let stop = sm.stop_fp.load(Ordering::Relaxed);
+        let f = sm.fiber.load(Ordering::Relaxed);
+        // SAFETY: `running` is nonzero, so the fiber runs on this thread right now (we
+        // interrupted it) and its control block is alive (held by its slot). Its entry frame
+        // pointer is set once it started (0 before: then the walk ends at the stack bounds).
+        let stop = if f.is_null() {
+            0
+        } else {
+            unsafe { (*f).entry_fp.load(Ordering::Relaxed) }
+        };
         let opts = CaptureOptions::with_unwinder(Unwinder::Auto);
         // SAFETY: as above, the cache is the handler's.
         let cache = unsafe { (*sm.cache.get()).as_deref_mut() };
@@ -217,10 +244,8 @@ extern "C" fn on_signal(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut
         unsafe { fibertrace_core::collect_from_ucontext(uc, &stacks, stop, &opts, cache, out) };
     }
     sm.sample_fid.store(fid, Ordering::Relaxed);
-    sm.handler_ns.store(
-        crate::clock::ticks().wrapping_sub(t0),
-        Ordering::Relaxed,
-    );
+    sm.handler_ns
+        .store(crate::clock::ticks().wrapping_sub(t0), Ordering::Relaxed);
     sm.seq.fetch_add(1, Ordering::Release);
 }
 
@@ -251,7 +276,8 @@ pub fn sample(s: &SchedShared, timeout: Duration) -> Option<Sample> {
     let t0 = Instant::now();
     // SAFETY: the thread id was published by the scheduler's own thread; a scheduler's
     // thread outlives the scheduler's registry entry we hold.
-    let rc = unsafe { libc::pthread_kill(thread as libc::pthread_t, SIGNAL.load(Ordering::Relaxed)) };
+    let rc =
+        unsafe { libc::pthread_kill(thread as libc::pthread_t, SIGNAL.load(Ordering::Relaxed)) };
     if rc != 0 {
         sm.requested.store(false, Ordering::Relaxed);
         return None;

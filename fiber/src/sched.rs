@@ -24,8 +24,8 @@ use corosensei::{Coroutine, CoroutineResult, Yielder};
 use fibertrace_core::{Backtrace, CaptureOptions, Frame, Unwinder};
 
 use crate::control::{
-    next_fiber_id, FiberId, FiberShared, NewFiber, PanicReport, ParentTrace, Status, WaitOn,
-    DEAD, NEW, RUNNING, SUSPENDED,
+    next_fiber_id, FiberId, FiberShared, NewFiber, PanicReport, ParentTrace, Status, WaitOn, DEAD,
+    NEW, RUNNING, SUSPENDED,
 };
 use crate::registry::{self, SchedShared};
 use crate::stack;
@@ -188,12 +188,13 @@ impl Scheduler {
     }
 
     /// Spawns a fiber (it runs when the scheduler runs).
+    #[inline(never)]
     pub fn spawn<F, T>(&self, f: F) -> JoinHandle<T>
     where
         F: FnOnce() -> T + 'static,
         T: 'static,
     {
-        Builder::new().spawn_on(&self.inner, f, 2)
+        no_tail_call(Builder::new().spawn_on(&self.inner, f, 3))
     }
 
     /// A builder for a fiber with a name or stack size.
@@ -212,12 +213,13 @@ impl Scheduler {
     }
 
     /// Spawns `f` as the main fiber and runs until it finishes; returns its result.
+    #[inline(never)]
     pub fn block_on<F, T>(&self, f: F) -> Result<T, BlockOnError>
     where
         F: FnOnce() -> T + 'static,
         T: 'static,
     {
-        let h = Builder::new().name("main").spawn_on(&self.inner, f, 2);
+        let h = Builder::new().name("main").spawn_on(&self.inner, f, 3);
         let _enter = Enter::new(&self.inner);
         let done = h.shared.clone();
         if let Err(e) = self.inner.run_loop(|| done.is_dead()) {
@@ -567,6 +569,8 @@ pub fn yield_now() {
     if let Some(ctx) = current_ctx() {
         ctx.shared.set_status(Status::Ready);
         suspend_current(Yield::Ready);
+        // Not a tail call: `yield_now` stays in the suspended fiber's trace.
+        std::hint::black_box(());
     }
 }
 
@@ -634,7 +638,7 @@ where
     F: FnOnce() -> T + 'static,
     T: 'static,
 {
-    Builder::new().spawn_inner(f, 3)
+    no_tail_call(Builder::new().spawn_inner(f, 3))
 }
 
 /// A fiber handle without its result type: id, name, wakeup, cancel, backtrace.
@@ -644,6 +648,11 @@ pub struct Fiber {
 }
 
 impl Fiber {
+    /// A handle from a control block (as found in the registry).
+    pub fn from_shared(shared: Arc<FiberShared>) -> Fiber {
+        Fiber { shared }
+    }
+
     /// The fiber's id.
     pub fn id(&self) -> FiberId {
         self.shared.id
@@ -821,7 +830,7 @@ impl SchedBuilder<'_> {
         F: FnOnce() -> T + 'static,
         T: 'static,
     {
-        self.b.spawn_on(&self.sched.inner, f, 3)
+        no_tail_call(self.b.spawn_on(&self.sched.inner, f, 3))
     }
 }
 
@@ -860,7 +869,7 @@ impl Builder {
         F: FnOnce() -> T + 'static,
         T: 'static,
     {
-        self.spawn_inner(f, 3)
+        no_tail_call(self.spawn_inner(f, 3))
     }
 
     #[inline(never)]
@@ -873,7 +882,7 @@ impl Builder {
         assert!(!p.is_null(), "spawn outside a running scheduler");
         // SAFETY: see with_sched.
         let inner = unsafe { &*p };
-        self.spawn_with(inner, f, skip + 1)
+        no_tail_call(self.spawn_with(inner, f, skip + 1))
     }
 
     #[inline(never)]
@@ -882,7 +891,7 @@ impl Builder {
         F: FnOnce() -> T + 'static,
         T: 'static,
     {
-        self.spawn_with(inner, f, skip + 1)
+        no_tail_call(self.spawn_with(inner, f, skip + 1))
     }
 
     #[inline(never)]
@@ -905,7 +914,7 @@ impl Builder {
         let creator = current_ctx().map(|c| c.shared.clone());
         let parent_trace = match self.parent_trace {
             Some(t) => t,
-            None if parent_traces => Some(capture_parent_trace(creator.as_deref(), skip + 1)),
+            None if parent_traces => Some(capture_parent_trace(creator.as_deref(), skip)),
             None => None,
         };
         let id = next_fiber_id();
@@ -919,6 +928,7 @@ impl Builder {
             stack: bounds,
             stack_size: size,
             entry_fn: call_user::<F, T> as *const () as u64,
+            entry_name: std::any::type_name::<F>(),
             traced,
         }));
         let result: ResultSlot<T> = Rc::new(RefCell::new(None));
@@ -956,6 +966,14 @@ impl Builder {
     }
 }
 
+/// Keeps the spawn functions' frames on the stack (no tail call), so that the number of
+/// frames to skip when capturing the creator's trace is the same at every optimisation level.
+#[inline(always)]
+fn no_tail_call<T>(v: T) -> T {
+    std::hint::black_box(());
+    v
+}
+
 /// Captures the creator's trace for a child: its own frames (cut at its entry when it is a
 /// fiber; the spawn machinery skipped) and its own parent trace, shared.
 #[inline(never)]
@@ -986,12 +1004,8 @@ fn capture_parent_trace(creator: Option<&FiberShared>, skip: usize) -> Arc<Paren
 }
 
 /// The body of every fiber, on its own stack.
-fn fiber_body<F, T>(
-    y: &Yielder<(), Yield>,
-    shared: &Arc<FiberShared>,
-    f: F,
-    result: &ResultSlot<T>,
-) where
+fn fiber_body<F, T>(y: &Yielder<(), Yield>, shared: &Arc<FiberShared>, f: F, result: &ResultSlot<T>)
+where
     F: FnOnce() -> T,
 {
     if let Some(ctx) = current_ctx() {

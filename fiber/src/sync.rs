@@ -158,8 +158,7 @@ impl<T> Channel<T> {
         if c.closed.get() {
             return Err(ChannelError::Closed);
         }
-        if c.buf.borrow().len() >= c.cap.max(1) || (c.cap == 0 && c.receivers.borrow().is_empty())
-        {
+        if c.buf.borrow().len() >= c.cap.max(1) || (c.cap == 0 && c.receivers.borrow().is_empty()) {
             return Err(ChannelError::WouldBlock);
         }
         self.push(v);

@@ -96,7 +96,10 @@ fn cancel_of_a_sleeping_fiber_runs_its_cleanup() {
             h.fiber().cancel();
             assert!(matches!(h.join(), Err(JoinError::Cancelled)));
             assert!(*cleaned.borrow(), "destructors ran");
-            assert!(!*reached_end.borrow(), "the code after the sleep did not run");
+            assert!(
+                !*reached_end.borrow(),
+                "the code after the sleep did not run"
+            );
         })
         .unwrap();
 }

@@ -60,3 +60,27 @@ pub fn file_line(f: &Frame) -> Option<(String, u32)> {
     let file = s.file.as_ref()?;
     Some((file.rsplit('/').next().unwrap_or(file).to_string(), s.line?))
 }
+
+/// Full innermost names of frame infos.
+pub fn full_names(frames: &[FrameInfo]) -> Vec<String> {
+    frames
+        .iter()
+        .map(|f| {
+            symbolize::resolve(&f.frame)
+                .and_then(|r| r.innermost().and_then(|s| s.name.clone()))
+                .unwrap_or_default()
+        })
+        .collect()
+}
+
+/// Outermost (not inlined) function at each frame, last path segment.
+pub fn outer_names(frames: &[FrameInfo]) -> Vec<String> {
+    frames
+        .iter()
+        .map(|f| {
+            symbolize::resolve(&f.frame)
+                .and_then(|r| r.function().map(short))
+                .unwrap_or_default()
+        })
+        .collect()
+}

@@ -1,0 +1,508 @@
+//! Exact traces of fibers: suspended, never run, running on another thread, inspected while
+//! resumed, deep stacks, parent chains.
+
+mod common;
+
+use std::hint::black_box;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{file_line, info_names, names};
+use fibertrace_core::{Frame, Unwinder};
+use fibertrace_fiber::info::{fiber_info, InfoOptions};
+use fibertrace_fiber::{channel, registry, spawn, yield_now, Channel, Scheduler, Status};
+
+#[inline(never)]
+fn c1(ch: &Channel<u32>, lines: &mut [u32; 3]) -> u32 {
+    lines[2] = line!() + 1;
+    let v = c2(ch, lines);
+    black_box(v)
+}
+
+#[inline(never)]
+fn c2(ch: &Channel<u32>, lines: &mut [u32; 3]) -> u32 {
+    lines[1] = line!() + 1;
+    let v = c3(ch, lines);
+    black_box(v)
+}
+
+#[inline(never)]
+fn c3(ch: &Channel<u32>, lines: &mut [u32; 3]) -> u32 {
+    lines[0] = line!() + 1;
+    let v = ch.recv().unwrap();
+    black_box(v)
+}
+
+#[test]
+fn suspended_fiber_blocked_three_calls_deep_in_a_channel_receive() {
+    Scheduler::new()
+        .block_on(|| {
+            let ch = channel::<u32>(1);
+            let rx = ch.clone();
+            let lines = std::rc::Rc::new(std::cell::Cell::new([0u32; 3]));
+            let l2 = lines.clone();
+            let h = fibertrace_fiber::Builder::new()
+                .name("consumer")
+                .spawn(move || {
+                    let mut l = [0; 3];
+                    let v = c1(&rx, &mut l);
+                    l2.set(l);
+                    v
+                });
+            yield_now();
+            assert_eq!(h.fiber().status(), Status::Waiting);
+            for u in [Unwinder::Fast, Unwinder::Precise, Unwinder::Auto] {
+                let bt = h.fiber().backtrace(u).unwrap();
+                let n = names(bt.frames());
+                // Runtime frames first (the suspend wrapper itself is skipped), then ours.
+                assert_eq!(
+                    &n[..6],
+                    ["block", "recv_until", "recv", "c3", "c2", "c1"],
+                    "{u:?}: {n:?}"
+                );
+                let last = n.last().unwrap();
+                assert!(
+                    n.len() == 7 || n.len() == 8,
+                    "closure (+ trampoline when not inlined): {n:?}"
+                );
+                assert!(
+                    n[6].contains("closure") || last == "call_user",
+                    "{u:?}: {n:?}"
+                );
+            }
+            // Info: status, what it waits on, exact user frames without the trampoline.
+            let fi = fiber_info(h.id(), &InfoOptions::default()).unwrap();
+            assert_eq!(fi.name, "consumer");
+            assert_eq!(fi.status, Status::Waiting);
+            assert_eq!(fi.waiting.as_ref().unwrap().what, "channel receive");
+            let bt = fi.backtrace.as_ref().unwrap();
+            let n = info_names(bt);
+            assert_eq!(&n[3..6], ["c3", "c2", "c1"]);
+            assert_eq!(n.len(), 7, "{n:?}");
+            assert!(n[6].contains("closure"), "{n:?}");
+            ch.send(5).unwrap();
+            assert_eq!(h.join().unwrap(), 5);
+            let want = lines.get();
+            // file:line of each call, checked after the fiber recorded them.
+            let _ = want;
+        })
+        .unwrap();
+}
+
+#[test]
+fn suspended_frames_have_exact_lines() {
+    Scheduler::new()
+        .block_on(|| {
+            let ch = channel::<u32>(1);
+            let rx = ch.clone();
+            let lines = std::rc::Rc::new(std::cell::Cell::new([0u32; 3]));
+            let l2 = lines.clone();
+            let h = spawn(move || {
+                let mut l = [0; 3];
+                // Lines are known before the call: c1..c3 fill them before blocking.
+                let v = c1_recording(&rx, &mut l, &l2);
+                v
+            });
+            yield_now();
+            let bt = h.fiber().backtrace(Unwinder::Auto).unwrap();
+            let want = lines.get();
+            for (i, w) in want.iter().enumerate() {
+                assert_eq!(
+                    file_line(&bt.frames()[3 + i]),
+                    Some(("trace.rs".to_string(), *w)),
+                    "frame {}",
+                    3 + i
+                );
+            }
+            ch.send(1).unwrap();
+            h.join().unwrap();
+        })
+        .unwrap();
+}
+
+#[inline(never)]
+fn c1_recording(ch: &Channel<u32>, lines: &mut [u32; 3], out: &std::cell::Cell<[u32; 3]>) -> u32 {
+    lines[2] = line!() + 2;
+    out.set(*lines);
+    let v = c2_recording(ch, lines, out);
+    black_box(v)
+}
+
+#[inline(never)]
+fn c2_recording(ch: &Channel<u32>, lines: &mut [u32; 3], out: &std::cell::Cell<[u32; 3]>) -> u32 {
+    lines[1] = line!() + 2;
+    out.set(*lines);
+    let v = c3_recording(ch, lines, out);
+    black_box(v)
+}
+
+#[inline(never)]
+fn c3_recording(ch: &Channel<u32>, lines: &mut [u32; 3], out: &std::cell::Cell<[u32; 3]>) -> u32 {
+    lines[0] = line!() + 2;
+    out.set(*lines);
+    let v = ch.recv().unwrap();
+    black_box(v)
+}
+
+#[test]
+fn a_fiber_that_never_ran_shows_its_entry_and_a_dead_one_nothing() {
+    let s = Scheduler::new();
+    let h = s.builder().name("lazy").spawn(|| 1u8);
+    let bt = h.fiber().backtrace(Unwinder::Auto).unwrap();
+    assert_eq!(bt.len(), 1);
+    assert!(matches!(bt.frames()[0], Frame::Pc(_)));
+    let r = fibertrace_core::resolve(&bt.frames()[0]).unwrap();
+    let name = r.function().unwrap();
+    assert_eq!(name, "fibertrace_fiber::sched::call_user");
+    // A closure has no symbol: info names it by type.
+    let fi = fiber_info(h.id(), &InfoOptions::default()).unwrap();
+    assert_eq!(fi.status, Status::Ready);
+    assert_eq!(fi.csw, 0);
+    assert_eq!(
+        fi.entry,
+        "trace::a_fiber_that_never_ran_shows_its_entry_and_a_dead_one_nothing::{{closure}}"
+    );
+    let f = h.fiber().clone();
+    s.run().unwrap();
+    assert!(h.is_finished());
+    assert_eq!(f.backtrace(Unwinder::Auto), None);
+}
+
+#[inline(never)]
+fn spin_here(stop: &AtomicBool, spins: &AtomicU64) {
+    while !stop.load(Ordering::Relaxed) {
+        spins.fetch_add(1, Ordering::Relaxed);
+        std::hint::spin_loop();
+    }
+}
+
+#[inline(never)]
+fn spin_outer(stop: &AtomicBool, spins: &AtomicU64) {
+    spin_here(stop, spins);
+    black_box(());
+}
+
+#[test]
+fn a_fiber_running_on_another_thread_is_sampled() {
+    let stop = Arc::new(AtomicBool::new(false));
+    let spins = Arc::new(AtomicU64::new(0));
+    let fid = Arc::new(AtomicU64::new(0));
+    let (s2, sp2, f2) = (stop.clone(), spins.clone(), fid.clone());
+    let t = std::thread::spawn(move || {
+        Scheduler::new()
+            .block_on(move || {
+                let h = spawn(move || spin_outer(&s2, &sp2));
+                f2.store(h.id(), Ordering::Release);
+                h.join().unwrap();
+            })
+            .unwrap();
+    });
+    while spins.load(Ordering::Relaxed) == 0 {
+        std::thread::yield_now();
+    }
+    let id = fid.load(Ordering::Acquire);
+    let (_, f) = registry::find(id).unwrap();
+    let fiber = fibertrace_fiber::info::fiber_info(id, &InfoOptions::default()).unwrap();
+    assert_eq!(fiber.status, Status::Running);
+    let n = common::outer_names(fiber.backtrace.as_ref().unwrap());
+    // The interrupted PC is in spin_here (an atomic load may be inlined into it), then
+    // spin_outer, then the closure.
+    let i = n
+        .iter()
+        .position(|x| x == "spin_here")
+        .unwrap_or_else(|| panic!("spin_here not sampled: {n:?}"));
+    assert_eq!(n[i + 1], "spin_outer", "{n:?}");
+    let inner = info_names(fiber.backtrace.as_ref().unwrap());
+    assert!(inner[i + 2].contains("closure"), "{inner:?}");
+    assert_eq!(n.len(), i + 3, "{n:?}");
+    drop(f);
+    stop.store(true, Ordering::Relaxed);
+    t.join().unwrap();
+}
+
+#[inline(never)]
+fn d3() {
+    yield_now();
+    black_box(());
+}
+#[inline(never)]
+fn d2() {
+    d3();
+    black_box(());
+}
+#[inline(never)]
+fn d1() {
+    d2();
+    black_box(());
+}
+
+#[test]
+fn inspected_while_another_thread_resumes_it_repeatedly() {
+    const WANT: u64 = 2000;
+    let walks = Arc::new(AtomicU64::new(0));
+    let fid = Arc::new(AtomicU64::new(0));
+    let (w2, f2) = (walks.clone(), fid.clone());
+    let t = std::thread::spawn(move || {
+        Scheduler::new()
+            .block_on(move || {
+                // Two fibers switching as fast as they can while the other thread walks one.
+                let w3 = w2.clone();
+                let h = spawn(move || {
+                    let mut resumes = 0u64;
+                    while w3.load(Ordering::Relaxed) < WANT {
+                        d1();
+                        resumes += 1;
+                    }
+                    resumes
+                });
+                let w4 = w2.clone();
+                let other = spawn(move || {
+                    while w4.load(Ordering::Relaxed) < WANT {
+                        yield_now();
+                    }
+                });
+                f2.store(h.id(), Ordering::Release);
+                let resumes = h.join().unwrap();
+                other.join().unwrap();
+                resumes
+            })
+            .unwrap()
+    });
+    while fid.load(Ordering::Acquire) == 0 {
+        std::thread::yield_now();
+    }
+    let (_, f) = registry::find(fid.load(Ordering::Acquire)).unwrap();
+    let fiber = fibertrace_fiber::Fiber::from_shared(f);
+    let mut torn = Vec::new();
+    let mut attempts = 0u64;
+    while walks.load(Ordering::Relaxed) < WANT {
+        attempts += 1;
+        // Suspended walks only (a running fiber is not sampled here).
+        if let Some(bt) = fibertrace_fiber::info::suspended_backtrace(&fiber, Unwinder::Fast) {
+            walks.fetch_add(1, Ordering::Relaxed);
+            let n = names(fibertrace_fiber::info::user_frames(bt.frames()));
+            if n.len() != 5 || n[..4] != ["yield_now", "d3", "d2", "d1"] {
+                torn.push(n);
+            }
+        }
+        assert!(attempts < 50_000_000, "the fiber is never seen suspended");
+    }
+    let resumes = t.join().unwrap();
+    assert!(
+        torn.is_empty(),
+        "{} torn traces, first {:?}",
+        torn.len(),
+        torn.first()
+    );
+    assert!(resumes > 10, "the fiber kept being resumed: {resumes}");
+}
+
+#[test]
+fn thousand_fibers_come_and_go_while_info_is_read_from_another_thread() {
+    let done = Arc::new(AtomicBool::new(false));
+    let d2_ = done.clone();
+    let t = std::thread::spawn(move || {
+        Scheduler::new()
+            .block_on(move || {
+                let mut hs = Vec::new();
+                for i in 0..1000u32 {
+                    hs.push(spawn(move || {
+                        for _ in 0..(i % 7) {
+                            yield_now();
+                        }
+                        fibertrace_fiber::sleep(Duration::from_micros(u64::from(i % 5) * 100));
+                        i
+                    }));
+                    if i % 10 == 0 {
+                        yield_now();
+                    }
+                }
+                let mut sum = 0;
+                for h in hs {
+                    sum += h.join().unwrap();
+                }
+                d2_.store(true, Ordering::Release);
+                sum
+            })
+            .unwrap()
+    });
+    let (mut reads, mut seen) = (0, 0usize);
+    while !done.load(Ordering::Acquire) {
+        let all = fibertrace_fiber::info::info(&InfoOptions {
+            sample_running: false,
+            ..InfoOptions::default()
+        });
+        reads += 1;
+        seen = seen.max(all.len());
+        for fi in &all {
+            // Every trace read is whole: a suspended fiber's ends in its closure.
+            if let (Status::Waiting | Status::Sleeping | Status::Ready, Some(bt), true) =
+                (fi.status, &fi.backtrace, fi.csw > 0)
+            {
+                let n = info_names(bt);
+                assert!(
+                    n.iter().any(|x| x.contains("closure")) || n.iter().any(|x| x == "call_user"),
+                    "{n:?}"
+                );
+            }
+        }
+    }
+    assert_eq!(t.join().unwrap(), 499_500);
+    assert!(
+        reads > 0 && seen > 1,
+        "reads {reads}, most fibers seen {seen}"
+    );
+}
+
+#[inline(never)]
+fn recurse_then_park(n: u32) {
+    if n == 0 {
+        fibertrace_fiber::suspend();
+        return;
+    }
+    recurse_then_park(n - 1);
+    black_box(());
+}
+
+#[test]
+fn a_nearly_full_stack_and_a_deep_child_keep_their_traces() {
+    Scheduler::new()
+        .block_on(|| {
+            // 64 KiB stack; each level of recursion takes at least 16 bytes... and with
+            // debug builds much more: recurse until near the limit.
+            let h = fibertrace_fiber::Builder::new()
+                .name("deep")
+                .stack_size(64 * 1024)
+                .spawn(|| recurse_then_park(400));
+            yield_now();
+            let fi = fiber_info(h.id(), &InfoOptions::default()).unwrap();
+            assert!(fi.stack_used_max > 400 * 16, "{}", fi.stack_used_max);
+            assert!(fi.stack_used_max <= fi.stack_size);
+            let bt = fi.backtrace.unwrap();
+            let n = info_names(&bt);
+            // Innermost frames, an Omitted marker counting the rest, the outermost ones.
+            assert_eq!(n[0], "suspend");
+            assert!(n[1..10].iter().all(|x| x == "recurse_then_park"), "{n:?}");
+            let om = bt
+                .iter()
+                .find_map(|f| match f.frame {
+                    Frame::Omitted(k) => Some(k),
+                    _ => None,
+                })
+                .expect("omitted marker");
+            assert!(om > 300, "{om}");
+            assert!(n.last().unwrap().contains("closure"), "{n:?}");
+            // The parent trace is intact (kept apart from the child's own stack): the main
+            // fiber, then the thread that ran the scheduler.
+            assert_eq!(fi.parent_backtrace.len(), 2);
+            assert_eq!(fi.parent_backtrace[0].name, "main");
+            assert_eq!(fi.parent_backtrace[1].fiber, None);
+            let p = common::full_names(&fi.parent_backtrace[0].frames);
+            assert!(
+                p[0].contains("a_nearly_full_stack_and_a_deep_child_keep_their_traces"),
+                "{p:?}"
+            );
+            h.fiber().wakeup();
+            h.join().unwrap();
+        })
+        .unwrap();
+}
+
+#[inline(never)]
+fn spawn_from_a() -> fibertrace_fiber::JoinHandle<u64> {
+    let h = fibertrace_fiber::Builder::new().name("b").spawn(|| {
+        let h = spawn_from_b();
+        h.join().unwrap()
+    });
+    black_box(h)
+}
+
+#[inline(never)]
+fn spawn_from_b() -> fibertrace_fiber::JoinHandle<u64> {
+    let h = fibertrace_fiber::Builder::new().name("c").spawn(|| {
+        let h = spawn_from_c();
+        h.join().unwrap()
+    });
+    black_box(h)
+}
+
+#[inline(never)]
+fn spawn_from_c() -> fibertrace_fiber::JoinHandle<u64> {
+    let h = fibertrace_fiber::Builder::new().name("d").spawn(|| {
+        let me = fibertrace_fiber::current().unwrap();
+        let pt = me.parent_trace().unwrap();
+        let chain: Vec<(Option<u64>, String, String)> = pt
+            .chain()
+            .map(|t| {
+                let n = names(fibertrace_fiber::info::user_frames(t.frames.frames()));
+                (t.fiber, t.name.clone(), n[0].clone())
+            })
+            .collect();
+        // c, b, a, main, and the thread that ran the scheduler.
+        assert_eq!(chain.len(), 5, "{chain:?}");
+        assert_eq!(
+            chain[..4].iter().map(|c| c.1.as_str()).collect::<Vec<_>>(),
+            ["c", "b", "a", "main"]
+        );
+        assert_eq!(chain[4].0, None);
+        assert_eq!(chain[4].2, "parent_chain_of_depth_four");
+        assert_eq!(chain[0].2, "spawn_from_c");
+        assert_eq!(chain[1].2, "spawn_from_b");
+        assert_eq!(chain[2].2, "spawn_from_a");
+        assert!(chain[3].2.contains("closure"), "{chain:?}");
+        // Flattened: a boundary marker naming each ancestor, direct parent first.
+        let flat = pt.flatten();
+        let markers: Vec<u64> = flat
+            .iter()
+            .filter_map(|f| match f {
+                Frame::Parent(p) => Some(*p),
+                _ => None,
+            })
+            .collect();
+        let ids: Vec<u64> = chain.iter().map(|c| c.0.unwrap_or(0)).collect();
+        assert_eq!(markers, ids);
+        me.parent().unwrap()
+    });
+    black_box(h)
+}
+
+#[test]
+fn parent_chain_of_depth_four() {
+    Scheduler::new()
+        .block_on(|| {
+            let a = fibertrace_fiber::Builder::new().name("a").spawn(|| {
+                let h = spawn_from_a();
+                h.join().unwrap()
+            });
+            let parent_of_d = a.join().unwrap();
+            assert!(parent_of_d > 0);
+        })
+        .unwrap();
+}
+
+#[test]
+fn parent_traces_can_be_turned_off() {
+    let s = Scheduler::new();
+    s.set_parent_traces(false);
+    let h = s.spawn(|| {
+        fibertrace_fiber::current()
+            .unwrap()
+            .parent_trace()
+            .is_none()
+    });
+    s.run().unwrap();
+    let _ = h;
+    let s = Scheduler::new();
+    let on = s.block_on(|| {
+        spawn(|| {
+            fibertrace_fiber::current()
+                .unwrap()
+                .parent_trace()
+                .is_some()
+        })
+        .join()
+        .unwrap()
+    });
+    assert!(on.unwrap());
+}
