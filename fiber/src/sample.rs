@@ -228,12 +228,13 @@ extern "C" fn on_signal(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut
             sm.hi.load(Ordering::Relaxed),
         )];
         let f = sm.fiber.load(Ordering::Relaxed);
-        // SAFETY: `running` is nonzero, so the fiber runs on this thread right now (we
-        // interrupted it) and its control block is alive (held by its slot). Its entry frame
-        // pointer is set once it started (0 before: then the walk ends at the stack bounds).
         let stop = if f.is_null() {
             0
         } else {
+            // SAFETY: `running` is nonzero, so the fiber runs on this thread right now (we
+            // interrupted it) and its control block is alive (held by its slot). Its entry
+            // frame pointer is set once it started (0 before: the walk then ends at the stack
+            // bounds).
             unsafe { (*f).entry_fp.load(Ordering::Relaxed) }
         };
         let opts = CaptureOptions::with_unwinder(Unwinder::Auto);

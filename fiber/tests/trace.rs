@@ -83,9 +83,7 @@ fn suspended_fiber_blocked_three_calls_deep_in_a_channel_receive() {
             assert!(n[6].contains("closure"), "{n:?}");
             ch.send(5).unwrap();
             assert_eq!(h.join().unwrap(), 5);
-            let want = lines.get();
-            // file:line of each call, checked after the fiber recorded them.
-            let _ = want;
+            assert!(lines.get().iter().all(|&l| l > 0));
         })
         .unwrap();
 }
@@ -101,8 +99,7 @@ fn suspended_frames_have_exact_lines() {
             let h = spawn(move || {
                 let mut l = [0; 3];
                 // Lines are known before the call: c1..c3 fill them before blocking.
-                let v = c1_recording(&rx, &mut l, &l2);
-                v
+                c1_recording(&rx, &mut l, &l2)
             });
             yield_now();
             let bt = h.fiber().backtrace(Unwinder::Auto).unwrap();

@@ -1,0 +1,173 @@
+//! Dumps: the text reads like Go's goroutine dump, JSON parses, and the dump signal works
+//! while a fiber spins (checked on a real process: the `fiber_dump` example).
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fibertrace_fiber::{channel, dump, spawn, yield_now, Builder, Scheduler};
+
+#[inline(never)]
+fn wait_three(ch: &fibertrace_fiber::Channel<u8>) -> u8 {
+    wait_two(ch)
+}
+
+#[inline(never)]
+fn wait_two(ch: &fibertrace_fiber::Channel<u8>) -> u8 {
+    let v = ch.recv().unwrap();
+    std::hint::black_box(v)
+}
+
+#[test]
+fn text_dump_reads_like_a_goroutine_dump_and_json_parses() {
+    Scheduler::new()
+        .block_on(|| {
+            let ch = channel::<u8>(1);
+            let rx = ch.clone();
+            let h = Builder::new()
+                .name("consumer")
+                .spawn(move || wait_three(&rx));
+            let idle = spawn(|| fibertrace_fiber::sleep(Duration::from_secs(60)));
+            yield_now();
+            let text = dump::dump_text();
+            let block = text
+                .split("\n\n")
+                .find(|b| b.contains("\"consumer\""))
+                .unwrap_or_else(|| panic!("{text}"));
+            let lines: Vec<&str> = block.lines().collect();
+            let head = format!("fiber {} \"consumer\" [channel receive, ", h.id());
+            assert!(lines[0].starts_with(&head), "{block}");
+            assert!(lines[0].ends_with("]:"), "{block}");
+            // Frames: the runtime's receive path, our two functions, the closure.
+            let frames: Vec<&&str> = lines.iter().filter(|l| l.starts_with('#')).collect();
+            assert!(
+                frames[0].contains("fibertrace_fiber::sched::block"),
+                "{block}"
+            );
+            assert!(frames[3].contains(" in dump::wait_two+0x"), "{block}");
+            assert!(frames[3].contains("tests/dump.rs:"), "{block}");
+            assert!(frames[4].contains(" in dump::wait_three+0x"), "{block}");
+            let created = lines
+                .iter()
+                .position(|l| l.starts_with("created by fiber "))
+                .expect("creator section");
+            assert!(lines[created].ends_with("\"main\" at:"), "{block}");
+            assert!(lines[created + 1].contains("text_dump_reads_like_a_goroutine_dump"));
+            let sleeper = text
+                .split("\n\n")
+                .find(|b| b.contains(&format!("fiber {} ", idle.id())))
+                .unwrap();
+            assert!(
+                sleeper.lines().next().unwrap().contains("[sleep, "),
+                "{sleeper}"
+            );
+
+            let json: serde_json::Value = serde_json::from_str(&dump::dump_json()).unwrap();
+            let me = json
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|f| f["name"] == "consumer")
+                .unwrap();
+            assert_eq!(me["status"], "waiting");
+            assert_eq!(me["waiting"]["what"], "channel receive");
+            assert!(me["backtrace"].as_array().unwrap().len() >= 5);
+            assert_eq!(me["parent_backtrace"][0]["name"], "main");
+            ch.send(1).unwrap();
+            h.join().unwrap();
+            idle.fiber().cancel();
+        })
+        .unwrap();
+}
+
+fn example(name: &str) -> std::path::PathBuf {
+    // cargo builds examples before running integration tests: target/<profile>/examples.
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap().join("examples");
+    let p = dir.join(name);
+    assert!(
+        p.exists(),
+        "{} is not built (cargo test builds examples)",
+        p.display()
+    );
+    p
+}
+
+#[test]
+fn dump_signal_works_while_a_fiber_spins_and_the_process_goes_on() {
+    let mut child = Command::new(example("fiber_dump"))
+        .arg("30")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert!(line.starts_with("ready pid="), "{line}");
+    std::thread::sleep(Duration::from_millis(100));
+    let pid = child.id() as i32;
+    // SAFETY: sending a signal to our own child process.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGQUIT) }, 0);
+    // Read stderr until the dump is complete (the spinner's block and the workers').
+    let mut err = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        loop {
+            match err.read(&mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    if tx.send(buf[..n].to_vec()).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    let mut text = String::new();
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(20) {
+        if let Ok(chunk) = rx.recv_timeout(Duration::from_millis(100)) {
+            text.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        if text.contains("\"spinner\"") && text.matches("worker_loop").count() >= 2 {
+            // Give the rest of the dump a moment to arrive.
+            std::thread::sleep(Duration::from_millis(200));
+            while let Ok(chunk) = rx.try_recv() {
+                text.push_str(&String::from_utf8_lossy(&chunk));
+            }
+            break;
+        }
+    }
+    // The process is still running after the dump.
+    assert!(child.try_wait().unwrap().is_none(), "the process died");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let spinner = text
+        .split("\n\n")
+        .find(|b| b.contains("\"spinner\""))
+        .unwrap_or_else(|| panic!("no spinner in the dump:\n{text}"));
+    let lines: Vec<&str> = spinner.lines().collect();
+    assert!(lines[0].ends_with("[running]:"), "{spinner}");
+    assert!(
+        spinner.contains(" in fiber_dump::spin_forever"),
+        "{spinner}"
+    );
+    let worker = text
+        .split("\n\n")
+        .find(|b| b.contains("\"worker-0\""))
+        .unwrap();
+    assert!(
+        worker
+            .lines()
+            .next()
+            .unwrap()
+            .contains("[channel receive, "),
+        "{worker}"
+    );
+    assert!(worker.contains(" in fiber_dump::wait_for_job"), "{worker}");
+    assert!(worker.contains(" in fiber_dump::worker_loop"), "{worker}");
+}
