@@ -131,5 +131,34 @@ fn info(c: &mut Criterion) {
     s.run().unwrap();
 }
 
-criterion_group!(benches, switches, spawning, info);
+/// Runs `a` and `b` alternately (so machine noise hits both alike) and prints the medians
+/// per operation and their ratio: the figure the bounds are about.
+fn paired(label: &str, n: u64, a: impl Fn(u64) -> Duration, b: impl Fn(u64) -> Duration) {
+    let (mut ta, mut tb) = (Vec::new(), Vec::new());
+    for _ in 0..25 {
+        ta.push(a(n).as_nanos() as f64 / n as f64);
+        tb.push(b(n).as_nanos() as f64 / n as f64);
+    }
+    ta.sort_by(f64::total_cmp);
+    tb.sort_by(f64::total_cmp);
+    let (ma, mb) = (ta[ta.len() / 2], tb[tb.len() / 2]);
+    println!("{label}: {ma:.1} ns vs {mb:.1} ns per op, ratio {:.3}", ma / mb);
+}
+
+fn ratios(_c: &mut Criterion) {
+    paired(
+        "yield ping-pong traced vs untraced (per switch)",
+        20_000,
+        |n| ping_pong(true, n) / 2,
+        |n| ping_pong(false, n) / 2,
+    );
+    paired(
+        "spawn+run with vs without parent traces",
+        5_000,
+        |n| spawn_run(true, n),
+        |n| spawn_run(false, n),
+    );
+}
+
+criterion_group!(benches, ratios, switches, spawning, info);
 criterion_main!(benches);

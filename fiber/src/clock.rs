@@ -52,10 +52,20 @@ fn ps_per_tick() -> u64 {
     ps.max(1)
 }
 
+/// Clock ticks of the last rate measurement.
+static MEASURED_AT: AtomicU64 = AtomicU64::new(0);
+
 /// Converts a tick count to a duration.
 pub fn to_duration(delta_ticks: u64) -> Duration {
     let mut ps = PS_PER_TICK.load(Ordering::Relaxed);
-    if ps == 0 || base().at.elapsed() < Duration::from_secs(10) {
+    // Re-measure the rate now and then while the process is young (it converges as the
+    // measured interval grows); about every 2^26 ticks (tens of ms).
+    let now = ticks();
+    if ps == 0
+        || (now.wrapping_sub(MEASURED_AT.load(Ordering::Relaxed)) > 1 << 26
+            && base().at.elapsed() < Duration::from_secs(60))
+    {
+        MEASURED_AT.store(now, Ordering::Relaxed);
         ps = ps_per_tick();
     }
     Duration::from_nanos((u128::from(delta_ticks) * u128::from(ps) / 1000) as u64)

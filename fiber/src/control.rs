@@ -22,9 +22,10 @@
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Instant, SystemTime};
 
 use fibertrace_core::{Backtrace, CaptureOptions, Frame, SavedContext, StackBounds};
+use smallvec::SmallVec;
+
 use serde::{Deserialize, Serialize};
 
 /// Identifier of a fiber, unique in the process (never reused).
@@ -91,30 +92,102 @@ impl std::fmt::Display for WaitOn {
     }
 }
 
-/// A parent trace: the creator's own frames at the moment it spawned the child, and the
-/// creator's own parent trace, shared (not copied) between all its children.
-#[derive(Debug)]
+/// Frames kept of a creator's stack.
+pub const PARENT_FRAMES: usize = 16;
+
+/// A parent trace: the creator's own frames at the moment it spawned the child (cut at the
+/// creator's entry), and a link to the creator, whose own parent trace continues the chain
+/// (grandparents are shared by reference, never copied). Kept inline in the child's control
+/// block: spawning with parent traces costs one short frame-pointer walk and no allocation.
+///
+/// The link keeps the creator's control block (a few hundred bytes, not its stack) alive as
+/// long as a descendant lives, so an ancestor that has exited is still named.
 pub struct ParentTrace {
     /// The creating fiber (`None`: a thread outside any fiber).
     pub fiber: Option<FiberId>,
-    /// Its name at creation time.
-    pub name: String,
-    /// Its frames, innermost first, cut at its entry.
-    pub frames: Backtrace,
-    /// The creator's parent trace.
-    pub parent: Option<Arc<ParentTrace>>,
+    creator: Option<Arc<FiberShared>>,
+    thread_name: Option<Arc<str>>,
+    frames: SmallVec<[Frame; PARENT_FRAMES]>,
+}
+
+impl std::fmt::Debug for ParentTrace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ParentTrace")
+            .field("fiber", &self.fiber)
+            .field("name", &self.name())
+            .field("frames", &self.frames)
+            .finish()
+    }
 }
 
 impl ParentTrace {
+    /// A parent trace made by hand (a Lua host passes the creator's interleaved frames).
+    /// At most [`PARENT_FRAMES`] frames are kept (the middle is omitted when longer).
+    pub fn new(creator: Option<&crate::Fiber>, frames: &[Frame]) -> ParentTrace {
+        let creator = creator.map(|c| c.shared().clone());
+        ParentTrace {
+            fiber: creator.as_ref().map(|c| c.id),
+            thread_name: creator
+                .is_none()
+                .then(|| Arc::from(std::thread::current().name().unwrap_or("thread"))),
+            creator,
+            frames: fit_frames(frames),
+        }
+    }
+
+    pub(crate) fn from_return_addresses(
+        creator: Option<Arc<FiberShared>>,
+        thread_name: Option<Arc<str>>,
+        ras: &[u64],
+    ) -> ParentTrace {
+        ParentTrace {
+            fiber: creator.as_ref().map(|c| c.id),
+            creator,
+            thread_name,
+            frames: ras.iter().take(PARENT_FRAMES).map(|&a| Frame::Ra(a)).collect(),
+        }
+    }
+
+    #[allow(dead_code)]
+    pub(crate) fn from_parts(
+        creator: Option<Arc<FiberShared>>,
+        thread_name: Option<Arc<str>>,
+        frames: &[Frame],
+    ) -> ParentTrace {
+        ParentTrace {
+            fiber: creator.as_ref().map(|c| c.id),
+            creator,
+            thread_name,
+            frames: fit_frames(frames),
+        }
+    }
+
+    /// The creator's frames, innermost first.
+    pub fn frames(&self) -> &[Frame] {
+        &self.frames
+    }
+
+    /// The creator's name (its current name; the thread's name for a thread).
+    pub fn name(&self) -> Arc<str> {
+        match (&self.creator, &self.thread_name) {
+            (Some(c), _) => c.name_arc(),
+            (None, Some(t)) => t.clone(),
+            (None, None) => Arc::from("thread"),
+        }
+    }
+
+    /// The creator's own parent trace.
+    pub fn parent(&self) -> Option<&ParentTrace> {
+        self.creator.as_ref()?.parent_trace.as_ref()
+    }
+
     /// The chain as one list: each ancestor's frames after a [`Frame::Parent`] marker naming
-    /// it (the first marker names the direct parent).
+    /// it (the first marker names the direct parent; 0 names a thread).
     pub fn flatten(&self) -> Vec<Frame> {
         let mut out = Vec::new();
-        let mut cur = Some(self);
-        while let Some(t) = cur {
+        for t in self.chain() {
             out.push(Frame::Parent(t.fiber.unwrap_or(0)));
-            out.extend_from_slice(t.frames.frames());
-            cur = t.parent.as_deref();
+            out.extend_from_slice(t.frames());
         }
         out
     }
@@ -124,10 +197,30 @@ impl ParentTrace {
         let mut cur = Some(self);
         std::iter::from_fn(move || {
             let t = cur?;
-            cur = t.parent.as_deref();
+            cur = t.parent();
             Some(t)
         })
     }
+}
+
+fn fit_frames(f: &[Frame]) -> SmallVec<[Frame; PARENT_FRAMES]> {
+    if f.len() <= PARENT_FRAMES {
+        return SmallVec::from_slice(f);
+    }
+    // Keep the innermost and outermost frames; count what the middle held.
+    let head = PARENT_FRAMES / 2;
+    let tail = PARENT_FRAMES - head - 1;
+    let omitted: u64 = f[head..f.len() - tail]
+        .iter()
+        .map(|x| match x {
+            Frame::Omitted(n) => *n,
+            _ => 1,
+        })
+        .sum();
+    let mut v: SmallVec<[Frame; PARENT_FRAMES]> = SmallVec::from_slice(&f[..head]);
+    v.push(Frame::Omitted(omitted));
+    v.extend_from_slice(&f[f.len() - tail..]);
+    v
 }
 
 impl Status {
@@ -168,11 +261,12 @@ pub struct PanicReport {
 pub struct FiberShared {
     pub(crate) id: FiberId,
     pub(crate) sched: u64,
-    pub(crate) name: Mutex<String>,
+    pub(crate) name: Mutex<Arc<str>>,
     pub(crate) parent: Option<FiberId>,
-    pub(crate) parent_trace: Option<Arc<ParentTrace>>,
-    pub(crate) created_wall: SystemTime,
-    pub(crate) created: Instant,
+    pub(crate) parent_trace: Option<ParentTrace>,
+    /// Clock ticks at creation (see [`crate::clock`]; reading the system clocks twice per
+    /// spawn cost more than the rest of the bookkeeping).
+    pub(crate) created: u64,
     pub(crate) run: AtomicU8,
     /// Written by the fiber before publishing SUSPENDED; read only under INSPECTING.
     ctx: UnsafeCell<SavedContext>,
@@ -196,7 +290,7 @@ pub struct FiberShared {
     pub(crate) entry_fn: u64,
     /// The type name of the fiber's entry closure (a closure has no symbol of its own).
     pub(crate) entry_name: &'static str,
-    pub(crate) panic: Mutex<Option<PanicReport>>,
+    pub(crate) panic: Mutex<Option<Box<PanicReport>>>,
     /// Whether suspensions record the registers (tracing on).
     pub(crate) traced: bool,
 }
@@ -214,7 +308,7 @@ impl std::fmt::Debug for FiberShared {
             .field("id", &self.id)
             .field(
                 "name",
-                &*self.name.lock().unwrap_or_else(|e| e.into_inner()),
+                &&*self.name_arc(),
             )
             .field("run", &self.run.load(Ordering::Relaxed))
             .finish()
@@ -226,7 +320,7 @@ pub(crate) struct NewFiber {
     pub sched: u64,
     pub name: String,
     pub parent: Option<FiberId>,
-    pub parent_trace: Option<Arc<ParentTrace>>,
+    pub parent_trace: Option<ParentTrace>,
     pub stack: StackBounds,
     pub stack_size: usize,
     pub entry_fn: u64,
@@ -236,15 +330,13 @@ pub(crate) struct NewFiber {
 
 impl FiberShared {
     pub(crate) fn new(n: NewFiber) -> Self {
-        let now = Instant::now();
-        crate::clock::init();
+        let now = crate::clock::ticks();
         FiberShared {
             id: n.id,
             sched: n.sched,
-            name: Mutex::new(n.name),
+            name: Mutex::new(Arc::from(n.name)),
             parent: n.parent,
             parent_trace: n.parent_trace,
-            created_wall: SystemTime::now(),
             created: now,
             run: AtomicU8::new(NEW),
             ctx: UnsafeCell::new(SavedContext::new(n.stack)),
@@ -255,7 +347,7 @@ impl FiberShared {
             last_sp: AtomicU64::new(n.stack.hi),
             status: AtomicU8::new(Status::Ready.to_u8()),
             wait_on: Mutex::new(None),
-            since: AtomicU64::new(crate::clock::ticks()),
+            since: AtomicU64::new(now),
             csw: AtomicU64::new(0),
             cpu_ticks: AtomicU64::new(0),
             cancelled: AtomicBool::new(false),
@@ -273,6 +365,11 @@ impl FiberShared {
 
     /// The fiber's name.
     pub fn name(&self) -> String {
+        self.name_arc().to_string()
+    }
+
+    /// The fiber's name, shared (no copy).
+    pub fn name_arc(&self) -> Arc<str> {
         self.name.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fibertrace_core::symbolize::{self, Resolved};
 use fibertrace_core::{Backtrace, CaptureOptions, Frame, Unwinder};
@@ -164,13 +164,13 @@ fn one(
     };
     let parent_backtrace = if opts.backtrace && opts.parent_backtrace {
         f.parent_trace
-            .as_deref()
+            .as_ref()
             .map(|t| {
                 t.chain()
                     .map(|p| ParentInfo {
                         fiber: p.fiber,
-                        name: p.name.clone(),
-                        frames: frames_info(p.frames.frames(), opts.resolve),
+                        name: p.name().to_string(),
+                        frames: frames_info(p.frames(), opts.resolve),
                     })
                     .collect()
             })
@@ -197,12 +197,16 @@ fn one(
         stack_size: f.stack_size,
         stack_used: hi.saturating_sub(f.last_sp.load(Ordering::Relaxed)) as usize,
         stack_used_max: hi.saturating_sub(f.min_sp.load(Ordering::Relaxed)) as usize,
-        created: f
-            .created_wall
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_secs_f64(),
-        age: f.created.elapsed().as_secs_f64(),
+        created: {
+            let age = crate::clock::since(f.created);
+            SystemTime::now()
+                .checked_sub(age)
+                .unwrap_or(UNIX_EPOCH)
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs_f64()
+        },
+        age: crate::clock::since(f.created).as_secs_f64(),
         parent: f.parent,
         entry: f.entry_name.to_string(),
         backtrace,

@@ -185,7 +185,7 @@ pub(crate) fn leave_thread() {
 
 /// Publishes the fiber about to run (scheduler thread, before the switch).
 #[inline]
-pub(crate) fn set_running(s: &SchedShared, f: &FiberShared) {
+pub(crate) fn set_running(s: &SchedShared, f: &FiberShared, now_ticks: u64) {
     let sm = &s.sampler;
     sm.lo.store(f.stack.lo, Ordering::Relaxed);
     sm.hi.store(f.stack.hi, Ordering::Relaxed);
@@ -193,7 +193,7 @@ pub(crate) fn set_running(s: &SchedShared, f: &FiberShared) {
         f as *const FiberShared as *mut FiberShared,
         Ordering::Relaxed,
     );
-    sm.run_since.store(crate::clock::ticks(), Ordering::Relaxed);
+    sm.run_since.store(now_ticks, Ordering::Relaxed);
     sm.resumes.fetch_add(1, Ordering::Relaxed);
     sm.running.store(f.id, Ordering::Release);
 }

@@ -432,8 +432,8 @@ fn spawn_from_c() -> fibertrace_fiber::JoinHandle<u64> {
         let chain: Vec<(Option<u64>, String, String)> = pt
             .chain()
             .map(|t| {
-                let n = names(fibertrace_fiber::info::user_frames(t.frames.frames()));
-                (t.fiber, t.name.clone(), n[0].clone())
+                let n = names(fibertrace_fiber::info::user_frames(t.frames()));
+                (t.fiber, t.name().to_string(), n[0].clone())
             })
             .collect();
         // c, b, a, main, and the thread that ran the scheduler.

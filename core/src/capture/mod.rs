@@ -261,6 +261,49 @@ pub fn collect_until(opts: &CaptureOptions, stop_fp: u64, out: &mut Backtrace) {
     std::hint::black_box(&mut *out);
 }
 
+/// The leanest capture: return addresses of the current stack by frame-pointer walk into
+/// `out`, skipping `skip` frames (the first is the caller of this function), ending at the
+/// frame whose caller's frame pointer is `stop_fp` (0: none), reading only `stack` (which
+/// must contain the current stack pointer). No thread-local access, no allocation, no
+/// omission markers: what a runtime uses on a hot path (a parent trace at spawn).
+/// Returns how many addresses were written.
+#[inline(never)]
+pub fn collect_raw(skip: usize, stop_fp: u64, stack: StackBounds, out: &mut [u64]) -> usize {
+    let regs = crate::__fibertrace_registers_here!();
+    let lo = regs.sp.max(stack.lo);
+    let hi = stack.hi;
+    let mut fp = regs.fp;
+    let (mut n, mut skipped) = (0usize, 0usize);
+    while n < out.len() {
+        if !fp.is_multiple_of(8) || fp < lo || fp.saturating_add(16) > hi {
+            break;
+        }
+        // SAFETY: [fp, fp+16) lies in `stack` above our own stack pointer: the live part of
+        // the stack this thread runs on, mapped and readable.
+        let (next, ra) = unsafe {
+            (
+                std::ptr::read_volatile(fp as *const u64),
+                std::ptr::read_volatile((fp + 8) as *const u64),
+            )
+        };
+        if ra == 0 || (stop_fp != 0 && next == stop_fp) {
+            break;
+        }
+        if skipped < skip {
+            skipped += 1;
+        } else {
+            out[n] = ra;
+            n += 1;
+        }
+        if next <= fp {
+            break;
+        }
+        fp = next;
+    }
+    std::hint::black_box(&mut *out);
+    n
+}
+
 fn collect_current(regs: Registers, opts: &CaptureOptions, out: &mut Backtrace) {
     collect_current_impl(regs, opts, 0, out)
 }
