@@ -75,7 +75,11 @@ fn run(c: &mut Criterion, root: &Thread) {
     });
     println!(
         "\nper-frame summary ({} flavour, {levels} Lua levels, {} native frames):",
-        if cfg!(feature = "luajit") { "LuaJIT" } else { "Lua 5.4" },
+        if cfg!(feature = "luajit") {
+            "LuaJIT"
+        } else {
+            "Lua 5.4"
+        },
         native.len()
     );
     println!(

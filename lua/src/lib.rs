@@ -25,9 +25,13 @@
 //!     Ok(render::tarantool(bt.frames()))
 //! }).unwrap();
 //! lua.globals().set("trace", f).unwrap();
-//! let text: String = lua.load("local function leaf() return trace() end return leaf()")
-//!     .set_name("@demo.lua").eval().unwrap();
-//! assert!(text.contains("in @demo.lua:1"), "{text}");
+//! let text: String = lua
+//!     .load("local function leaf()\n  local t = trace()\n  return t\nend\nlocal s = leaf()\nreturn s")
+//!     .set_name("@demo.lua")
+//!     .eval()
+//!     .unwrap();
+//! assert!(text.contains(" leaf in @demo.lua:2\n"), "{text}");
+//! assert!(text.contains(" main chunk in @demo.lua:5\n"), "{text}");
 //! ```
 
 #[cfg(all(feature = "luajit", feature = "lua54"))]

@@ -43,7 +43,7 @@ static CLAIMED: AtomicUsize = AtomicUsize::new(0);
 /// frame record at `fp + 16 + offset`. Returns `false` when the range is empty, already
 /// registered, or the table is full.
 pub fn register_fp_hop(start: u64, end: u64, offset: u64) -> bool {
-    if start >= end || offset % 8 != 0 {
+    if start >= end || !offset.is_multiple_of(8) {
         return false;
     }
     let n = COUNT.load(Ordering::Acquire);

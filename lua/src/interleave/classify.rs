@@ -295,7 +295,7 @@ mod tests {
     #[test]
     fn the_linked_vm_is_found() {
         let m = vm_map();
-        assert!(m.vm_ranges() > 10, "{m:?}");
+        assert!(m.vm_ranges() > 0, "{m:?}");
         let gettop = crate::ffi::lua_gettop as *const () as u64;
         assert!(m.is_vm(gettop));
         let traceback = crate::ffi::luaL_traceback as *const () as u64;

@@ -40,22 +40,13 @@ pub mod classify;
 
 pub use classify::{vm_map, VmMap};
 
-/// How to interleave.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How to interleave. The default hides VM frames and captures with core's default options.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct InterleaveOptions {
     /// Keep the VM's own native frames (interpreter, `lua_pcall`, …) instead of hiding them.
     pub show_vm: bool,
     /// How the native stack is captured by [`capture_current`] (the unwinder, limits).
     pub capture: CaptureOptions,
-}
-
-impl Default for InterleaveOptions {
-    fn default() -> Self {
-        InterleaveOptions {
-            show_vm: false,
-            capture: CaptureOptions::default(),
-        }
-    }
 }
 
 impl InterleaveOptions {
