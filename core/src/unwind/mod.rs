@@ -11,6 +11,9 @@
 //! [`crate::image`]) and DWARF steps where it does not (glibc), and tries a DWARF step
 //! wherever a frame-pointer step fails.
 //!
+//! Frame-pointer steps honour registered [`hop`]s (code such as LuaJIT's interpreter that
+//! calls out with a fixed C frame and no frame record of its own).
+//!
 //! Invariants that keep a walk safe on a corrupted or cyclic chain: every read is inside one
 //! of the given [`Stacks`]; within one stack each frame must lie above the previous one; a walk
 //! may move to another stack at most once per stack; and it stops after [`MAX_WALK`] frames
@@ -24,8 +27,11 @@ use crate::capture::{Registers, StackBounds};
 use crate::frame::Frame;
 use crate::image::ImageTable;
 
+pub mod hop;
 #[cfg(feature = "libunwind")]
 pub mod libunwind;
+
+pub use hop::{fp_hops, register_fp_hop};
 
 /// The most frames one walk visits before it gives up and marks the trace `Truncated`.
 pub const MAX_WALK: usize = 1 << 17;
@@ -275,7 +281,7 @@ impl SegCursor {
             )
         };
         regs.set_sp(fp + 16);
-        regs.set_bp(next);
+        regs.set_bp(hop::next_record(fp, ra, next));
         regs.set_ip(ra);
         Some(ra)
     }
@@ -340,6 +346,7 @@ impl FpWalk<'_, '_> {
         if ra == 0 || (self.stop_fp != 0 && next == self.stop_fp) {
             return None;
         }
+        let next = hop::next_record(fp, ra, next);
         if next > fp && next < self.hi {
             self.lo = fp;
             self.fp = next;

@@ -1,0 +1,263 @@
+//! Lua frames: capture the Lua stack of a `lua_State` and intern each level.
+//!
+//! [`capture_lua_stack`] starts at a *root* state — the main state, or a fiber's own Lua
+//! thread — and first follows the chain of Lua coroutines running inside it: while the top
+//! level (level 0) of a thread is a C function that resumed another coroutine, it goes down
+//! into that coroutine. The resumed thread is found as `coroutine.wrap`'s helper's upvalue 1,
+//! or as argument 1 of `coroutine.resume` (read with `lua_getlocal`); a candidate counts only
+//! if it is a live, non-suspended thread with frames that is not already in the chain. Then it
+//! reads every level of every thread, innermost thread first, with
+//! `lua_getstack`/`lua_getinfo("Slnf")`, and for C levels the `lua_CFunction` with
+//! `lua_tocfunction`.
+//!
+//! Invariants: at most [`MAX_LEVELS`] levels and [`MAX_THREADS`] threads are read (a Lua
+//! `lua_getstack(L, n)` costs O(n), so a full capture is O(n²)); each level's strings are
+//! interned, not copied ([`intern`]); the Lua stacks are left as they were found.
+//!
+//! How a result can be wrong or incomplete:
+//! * a coroutine resumed from Rust (mlua's `Thread::resume`) rather than by
+//!   `coroutine.resume`/`wrap` leaves no trace in its resumer's Lua stack: capturing from the
+//!   resumer's root misses the coroutine's levels (capture from the coroutine itself then);
+//! * a C function at the top of a normal (resuming) thread that holds some *other* running
+//!   thread in upvalue 1 or argument 1 would be taken for a resume;
+//! * LuaJIT drops a Lua function that tail-calls a C function; Lua 5.4 drops every
+//!   tail-calling Lua function (the callee's name is then unknown and falls back to
+//!   `function <src:line>`);
+//! * a level beyond [`MAX_LEVELS`] is dropped and [`LuaStack::truncated`] is set.
+
+use std::ffi::{c_int, CStr};
+
+use fibertrace_core::LuaFrameId;
+use mlua::ffi;
+use smallvec::SmallVec;
+
+pub mod intern;
+
+use intern::{LuaKind, RawInfo};
+
+/// Most Lua levels one capture reads (over all threads of the chain).
+pub const MAX_LEVELS: usize = 128;
+
+/// Most Lua threads one capture follows.
+pub const MAX_THREADS: usize = 16;
+
+/// One captured Lua level.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LuaLevel {
+    /// Its interned description.
+    pub id: LuaFrameId,
+    /// The kind of function.
+    pub kind: LuaKind,
+    /// For a C level, its `lua_CFunction` (0 for LuaJIT fast functions and Lua levels).
+    pub cfunc: usize,
+    /// Which thread of the chain it belongs to (0 = the innermost coroutine).
+    pub thread: u8,
+}
+
+impl LuaLevel {
+    /// Whether this level is a C function with a native frame to anchor to.
+    #[inline]
+    pub fn is_anchor(&self) -> bool {
+        self.kind == LuaKind::C && self.cfunc != 0
+    }
+}
+
+/// The Lua levels of a root state and the coroutines running inside it, innermost first.
+#[derive(Clone, Debug, Default)]
+pub struct LuaStack {
+    /// The levels.
+    pub levels: SmallVec<[LuaLevel; 64]>,
+    /// How many threads the chain had.
+    pub threads: usize,
+    /// Whether levels were left out ([`MAX_LEVELS`] reached).
+    pub truncated: bool,
+}
+
+impl LuaStack {
+    /// An empty stack.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Removes every level.
+    pub fn clear(&mut self) {
+        self.levels.clear();
+        self.threads = 0;
+        self.truncated = false;
+    }
+}
+
+fn zeroed_debug() -> ffi::lua_Debug {
+    // SAFETY: lua_Debug is a plain C struct of integers, pointers and a char array; all
+    // zeroes is a valid value of each (null pointers, zero counts), and the Lua API only
+    // reads fields it wrote itself.
+    unsafe { std::mem::MaybeUninit::<ffi::lua_Debug>::zeroed().assume_init() }
+}
+
+/// Captures the Lua stack of `root` and of the coroutines running inside it into `out`
+/// (cleared first), innermost first.
+///
+/// # Safety
+/// `root` must be a valid `lua_State` of the Lua linked into this crate, and no other code may
+/// use any state of its Lua universe during the call: either the call is made on the thread
+/// that runs it (e.g. from inside a callback), or that thread is known not to touch it (a
+/// suspended fiber that cannot be resumed meanwhile). The states are used only through the
+/// debug API; their stacks are restored before returning.
+pub unsafe fn capture_lua_stack(root: *mut ffi::lua_State, out: &mut LuaStack) {
+    out.clear();
+    if root.is_null() {
+        return;
+    }
+    let mut chain: SmallVec<[*mut ffi::lua_State; 4]> = SmallVec::new();
+    chain.push(root);
+    while chain.len() < MAX_THREADS {
+        let top = chain[chain.len() - 1];
+        // SAFETY: `top` is the root or a live thread found by `resumed_by`; the caller
+        // guarantees exclusive use of the Lua universe.
+        match unsafe { resumed_by(top, &chain) } {
+            Some(next) => chain.push(next),
+            None => break,
+        }
+    }
+    out.threads = chain.len();
+    let mut ar = zeroed_debug();
+    'threads: for (t, &l) in chain.iter().rev().enumerate() {
+        // SAFETY: as above; lua_checkstack only grows the stack of `l` if needed.
+        if unsafe { ffi::lua_checkstack(l, 2) } == 0 {
+            continue;
+        }
+        let mut level: c_int = 0;
+        loop {
+            // SAFETY: `ar` is a valid lua_Debug owned by this function.
+            if unsafe { ffi::lua_getstack(l, level, &mut ar) } == 0 {
+                break;
+            }
+            if out.levels.len() >= MAX_LEVELS {
+                out.truncated = true;
+                break 'threads;
+            }
+            // SAFETY: `ar` was filled by lua_getstack for this state just above.
+            let lv = unsafe { read_level(l, &mut ar, t as u8) };
+            if let Some(lv) = lv {
+                out.levels.push(lv);
+            }
+            level += 1;
+        }
+    }
+}
+
+/// Reads one level whose `ar` was filled by `lua_getstack`.
+///
+/// # Safety
+/// `ar` must come from `lua_getstack(l, ..)` with no Lua call in between; `l` must have room
+/// for one more stack slot.
+unsafe fn read_level(
+    l: *mut ffi::lua_State,
+    ar: &mut ffi::lua_Debug,
+    thread: u8,
+) -> Option<LuaLevel> {
+    // SAFETY: per the function's contract; "Slnf" fills the string fields and pushes the
+    // running function.
+    if unsafe { ffi::lua_getinfo(l, c"Slnf".as_ptr(), ar) } == 0 {
+        return None;
+    }
+    // SAFETY: the strings returned by lua_getinfo are NUL-terminated (static strings, or the
+    // function's source string kept alive by the function we keep on the stack until the
+    // level is interned); short_src is a NUL-terminated array inside `ar`.
+    let (what, name, source, short_src) = unsafe {
+        (
+            cstr(ar.what).unwrap_or(b"?"),
+            cstr(ar.name),
+            cstr(ar.source).unwrap_or(b"=?"),
+            CStr::from_ptr(ar.short_src.as_ptr()).to_bytes(),
+        )
+    };
+    let kind = LuaKind::from_what(what);
+    let cfunc = if kind == LuaKind::C {
+        // SAFETY: index -1 is the function pushed by lua_getinfo's "f".
+        unsafe { ffi::lua_tocfunction(l, -1) }.map_or(0, |f| f as usize)
+    } else {
+        0
+    };
+    let raw = RawInfo {
+        kind,
+        name,
+        source,
+        short_src,
+        current_line: ar.currentline,
+        line_defined: ar.linedefined,
+        cfunc,
+    };
+    let id = intern::intern(&raw);
+    // SAFETY: pops the function pushed by "f".
+    unsafe { ffi::lua_settop(l, -2) };
+    Some(LuaLevel {
+        id,
+        kind,
+        cfunc,
+        thread,
+    })
+}
+
+/// # Safety
+/// `p` is null or points at a NUL-terminated string that outlives the returned slice's use.
+unsafe fn cstr<'a>(p: *const std::ffi::c_char) -> Option<&'a [u8]> {
+    // SAFETY: per the function's contract.
+    (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_bytes())
+}
+
+/// The coroutine that the top level of `l` is running, if that level is a resume: a C
+/// function holding a live, non-suspended thread with frames in upvalue 1
+/// (`coroutine.wrap`'s helper) or argument 1 (`coroutine.resume`).
+///
+/// # Safety
+/// `l` must be a valid state of the linked Lua, used exclusively by this call.
+unsafe fn resumed_by(
+    l: *mut ffi::lua_State,
+    chain: &[*mut ffi::lua_State],
+) -> Option<*mut ffi::lua_State> {
+    let mut ar = zeroed_debug();
+    // SAFETY: plain debug-API calls on a valid state; each push is popped before returning,
+    // and lua_checkstack guarantees the room for the two values pushed at most.
+    unsafe {
+        if ffi::lua_getstack(l, 0, &mut ar) == 0 || ffi::lua_checkstack(l, 3) == 0 {
+            return None;
+        }
+        let top = ffi::lua_gettop(l);
+        if ffi::lua_getinfo(l, c"f".as_ptr(), &mut ar) == 0 {
+            return None;
+        }
+        let mut found: *mut ffi::lua_State = std::ptr::null_mut();
+        if ffi::lua_iscfunction(l, -1) != 0 {
+            if !ffi::lua_getupvalue(l, -1, 1).is_null() {
+                if ffi::lua_type(l, -1) == ffi::LUA_TTHREAD {
+                    found = ffi::lua_tothread(l, -1);
+                }
+                ffi::lua_settop(l, -2);
+            }
+            if !usable(found, chain) {
+                found = std::ptr::null_mut();
+                if !ffi::lua_getlocal(l, &ar, 1).is_null() {
+                    if ffi::lua_type(l, -1) == ffi::LUA_TTHREAD {
+                        found = ffi::lua_tothread(l, -1);
+                    }
+                    ffi::lua_settop(l, -2);
+                }
+            }
+        }
+        ffi::lua_settop(l, top);
+        usable(found, chain).then_some(found)
+    }
+}
+
+/// Whether `co` is a thread the chain may go down into: not null, not already in the chain,
+/// not suspended in a yield, and with at least one frame.
+fn usable(co: *mut ffi::lua_State, chain: &[*mut ffi::lua_State]) -> bool {
+    if co.is_null() || chain.contains(&co) {
+        return false;
+    }
+    let mut ar = zeroed_debug();
+    // SAFETY: `co` is a thread object read from a live function's upvalue or argument slot,
+    // alive while that function runs; lua_status and lua_getstack only read it.
+    unsafe { ffi::lua_status(co) == ffi::LUA_OK && ffi::lua_getstack(co, 0, &mut ar) != 0 }
+}

@@ -1,0 +1,349 @@
+//! Interleave: native frames and Lua levels merged into one trace.
+//!
+//! Both lists are innermost first. The native frames split into segments
+//! `N0 V1 N1 V2 N2 …`, where each `V` is a run of VM-core frames ([`classify`]). The Lua
+//! levels split into `c0 R1 c1 R2 …`, where each `c` is a C level with a `lua_CFunction` whose
+//! native frame can be found (its *anchor*: the native frame inside the function that starts
+//! at that pointer) and each `R` is a run of Lua levels (plus C levels with no native frame of
+//! their own: LuaJIT's fast functions such as `pcall` or `coroutine.resume`). The merge:
+//! 1. if the innermost level is anchored in `N0`, emit `N0` up to its anchor;
+//! 2. emit the rest of the non-VM segment; at a `V`, emit Lua levels until one is anchored in
+//!    the non-VM segment after that `V` (the *nearest* match: all mlua callbacks share one
+//!    trampoline, so only the nearest is right); emit `V` itself only with
+//!    [`InterleaveOptions::show_vm`]; emit the native frames up to and including the anchor,
+//!    then the anchored C level itself (so a C function shows both as the native frame that
+//!    implements it and as the Lua level naming it, e.g. `pcall in =[C]:-1`);
+//! 3. repeat; Lua levels left when the native frames end are appended at the end (before a
+//!    final `Truncated` marker).
+//!
+//! Invariants: every native frame and every Lua level appears exactly once, native frames in
+//! their order, Lua levels in theirs (VM frames only when shown); the result is fitted to
+//! [`fibertrace_core::CAPACITY`] like any appended trace (middle frames omitted).
+//!
+//! How a result can be wrong:
+//! * a native walk that stopped early (a frame-pointer walk through C built without frame
+//!   pointers) leaves the outer Lua levels at the end of the trace, after the last native
+//!   frame, instead of between the frames that were lost;
+//! * a C level whose anchor is missing from the segment after its run (frame lost, or the
+//!   function lives in an image without a symbol table and does not resolve) is emitted as a
+//!   plain Lua level, and the levels after it go into the same run — a Lua run then sits one
+//!   VM segment too early;
+//! * `Omitted` markers inside the native trace (deeper than its capacity) may hide anchors.
+
+use fibertrace_core::{collect, Backtrace, CaptureOptions, Frame};
+use mlua::ffi;
+use smallvec::SmallVec;
+
+use crate::frames::{capture_lua_stack, LuaLevel, LuaStack};
+
+pub mod classify;
+
+pub use classify::{vm_map, VmMap};
+
+/// How to interleave. The default hides VM frames and captures with core's default options.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InterleaveOptions {
+    /// Keep the VM's own native frames (interpreter, `lua_pcall`, …) instead of hiding them.
+    pub show_vm: bool,
+    /// How the native stack is captured by [`capture_current`] (the unwinder, limits).
+    pub capture: CaptureOptions,
+}
+
+impl InterleaveOptions {
+    /// Default options with the given native unwinder.
+    pub fn with_unwinder(unwinder: fibertrace_core::Unwinder) -> Self {
+        InterleaveOptions {
+            capture: CaptureOptions::with_unwinder(unwinder),
+            ..Self::default()
+        }
+    }
+}
+
+/// Merges native frames with captured Lua levels (see the module docs).
+pub fn interleave(native: &[Frame], lua: &LuaStack, opts: &InterleaveOptions) -> Backtrace {
+    let mut out: SmallVec<[Frame; 192]> = SmallVec::new();
+    merge(native, &lua.levels, vm_map(), opts.show_vm, &mut out);
+    Backtrace::from_frames(&out)
+}
+
+/// Interleaves a captured native trace with the Lua stack of `root` (and the coroutines
+/// running inside it), VM frames hidden.
+///
+/// # Safety
+/// As [`capture_lua_stack`]: `root` is a valid state of the linked Lua, not used by anything
+/// else during the call. `native` should be the stack that runs `root` (the current stack, or
+/// the suspended fiber's from [`fibertrace_core::collect_from`]); otherwise the Lua levels are
+/// simply appended after the native frames they find no place among.
+pub unsafe fn capture_interleaved(native: &Backtrace, root: *mut ffi::lua_State) -> Backtrace {
+    // SAFETY: forwarded contract.
+    unsafe { capture_interleaved_with(native, root, &InterleaveOptions::default()) }
+}
+
+/// [`capture_interleaved`] with options.
+///
+/// # Safety
+/// As [`capture_interleaved`].
+pub unsafe fn capture_interleaved_with(
+    native: &Backtrace,
+    root: *mut ffi::lua_State,
+    opts: &InterleaveOptions,
+) -> Backtrace {
+    let mut lua = LuaStack::new();
+    // SAFETY: forwarded contract.
+    unsafe { capture_lua_stack(root, &mut lua) };
+    interleave(native.frames(), &lua, opts)
+}
+
+/// Builds what interleaving needs ahead of time: the VM map, and (LuaJIT) the frame-record
+/// hop that lets core's frame-pointer walk cross the interpreter. A native trace captured
+/// with the frame-pointer walk *before* this ran stops at the first interpreter frame, so a
+/// runtime calls it at start-up, before it captures suspended fibers with
+/// [`fibertrace_core::collect_from`]. [`capture_current`] calls it itself.
+pub fn prepare() {
+    let _ = vm_map();
+}
+
+fn skip_own_frame(opts: &CaptureOptions) -> CaptureOptions {
+    CaptureOptions {
+        offset: opts.offset.saturating_add(1),
+        ..*opts
+    }
+}
+
+/// Captures the current stack, native and Lua, interleaved. `root` is the Lua thread at the
+/// bottom of the current Lua activity: the main thread (mlua's `current_thread()` outside any
+/// callback), or a fiber's own thread. The first frame is the return address into the caller.
+#[inline(never)]
+pub fn capture_current(root: &mlua::Thread, opts: &InterleaveOptions) -> Backtrace {
+    prepare();
+    let native = collect(&skip_own_frame(&opts.capture));
+    // SAFETY: `root` is a live thread of a `Lua` that is not `Send`, so it belongs to this OS
+    // thread, and nothing else runs Lua code while this function runs.
+    let bt = unsafe { capture_interleaved_with(&native, root.state(), opts) };
+    std::hint::black_box(&native);
+    bt
+}
+
+/// [`capture_current`] from a raw root state.
+///
+/// # Safety
+/// As [`capture_interleaved`], and the state must belong to the current OS thread.
+#[inline(never)]
+pub unsafe fn capture_current_raw(
+    root: *mut ffi::lua_State,
+    opts: &InterleaveOptions,
+) -> Backtrace {
+    prepare();
+    let native = collect(&skip_own_frame(&opts.capture));
+    // SAFETY: forwarded contract.
+    let bt = unsafe { capture_interleaved_with(&native, root, opts) };
+    std::hint::black_box(&native);
+    bt
+}
+
+/// Whether native frame `f` lies inside the `lua_CFunction` starting at `cfunc`.
+#[inline]
+fn anchored(f: &Frame, cfunc: usize, end: Option<u64>) -> bool {
+    let Some(a) = f.lookup_address() else {
+        return false;
+    };
+    let c = cfunc as u64;
+    match end {
+        Some(e) => a >= c && a < e,
+        // The function is not in any symbol table we read: ask the symbolizer (cached).
+        None => a >= c && fibertrace_core::symbolize::resolve_address(a).function_start == Some(c),
+    }
+}
+
+/// The merge proper, over an explicit VM map.
+pub fn merge<const N: usize>(
+    native: &[Frame],
+    lua: &[LuaLevel],
+    map: &VmMap,
+    show_vm: bool,
+    out: &mut SmallVec<[Frame; N]>,
+) where
+    [Frame; N]: smallvec::Array<Item = Frame>,
+{
+    let n = native.len();
+    let vm: SmallVec<[bool; 64]> = native
+        .iter()
+        .map(|f| f.lookup_address().is_some_and(|a| map.is_vm(a)))
+        .collect();
+    let ends: SmallVec<[Option<u64>; 64]> = lua
+        .iter()
+        .map(|l| {
+            l.is_anchor()
+                .then(|| map.function_end(l.cfunc as u64))
+                .flatten()
+        })
+        .collect();
+    let find_anchor = |from: usize, to: usize, j: usize| -> Option<usize> {
+        let l = &lua[j];
+        if !l.is_anchor() {
+            return None;
+        }
+        (from..to).find(|&k| anchored(&native[k], l.cfunc, ends[j]))
+    };
+    let next = |from: usize, want_vm: bool| (from..n).find(|&k| vm[k] == want_vm).unwrap_or(n);
+
+    let mut i = 0;
+    let mut j = 0;
+    if !lua.is_empty() {
+        if let Some(k) = find_anchor(0, next(0, true), 0) {
+            out.extend_from_slice(&native[..=k]);
+            out.push(Frame::Lua(lua[0].id));
+            i = k + 1;
+            j = 1;
+        }
+    }
+    loop {
+        while i < n && !vm[i] {
+            out.push(native[i]);
+            i += 1;
+        }
+        if i >= n {
+            break;
+        }
+        let v_end = next(i, false);
+        let n_end = next(v_end, true);
+        let mut anchor = None;
+        while j < lua.len() {
+            if let Some(k) = find_anchor(v_end, n_end, j) {
+                anchor = Some(k);
+                break;
+            }
+            out.push(Frame::Lua(lua[j].id));
+            j += 1;
+        }
+        if show_vm {
+            out.extend_from_slice(&native[i..v_end]);
+        }
+        i = v_end;
+        if let Some(k) = anchor {
+            out.extend_from_slice(&native[v_end..=k]);
+            out.push(Frame::Lua(lua[j].id));
+            i = k + 1;
+            j += 1;
+        }
+    }
+    // Unplaced levels: at the end, before a final Truncated marker.
+    if j < lua.len() {
+        let trailing = matches!(out.last(), Some(Frame::Truncated));
+        if trailing {
+            out.pop();
+        }
+        out.extend(lua[j..].iter().map(|l| Frame::Lua(l.id)));
+        if trailing {
+            out.push(Frame::Truncated);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frames::intern::LuaKind;
+    use fibertrace_core::LuaFrameId;
+
+    // Addresses: VM code in [1000, 2000); functions: 100..200 (cfunc A), 300..400 (cfunc B).
+    fn map() -> VmMap {
+        VmMap::from_ranges(&[(1000, 2000)], &[(100, 200), (300, 400), (500, 600)])
+    }
+    fn ra(a: u64) -> Frame {
+        Frame::Ra(a + 1)
+    }
+    fn lua_l(id: u32) -> LuaLevel {
+        LuaLevel {
+            id: LuaFrameId(id),
+            kind: LuaKind::Lua,
+            cfunc: 0,
+            thread: 0,
+        }
+    }
+    fn c_l(id: u32, cfunc: usize) -> LuaLevel {
+        LuaLevel {
+            id: LuaFrameId(id),
+            kind: LuaKind::C,
+            cfunc,
+            thread: 0,
+        }
+    }
+    fn run(native: &[Frame], lua: &[LuaLevel], show_vm: bool) -> Vec<Frame> {
+        let mut out: SmallVec<[Frame; 64]> = SmallVec::new();
+        merge(native, lua, &map(), show_vm, &mut out);
+        out.to_vec()
+    }
+
+    #[test]
+    fn callback_lua_callback_lua() {
+        // capture (cfunc 100) <- h <- g (cfunc 300) <- f <- main chunk
+        let native = [
+            ra(50),   // capture's body
+            ra(150),  // trampoline of capture (anchor, A)
+            ra(1100), // VM
+            ra(1200), // VM
+            ra(320),  // g's trampoline (anchor, B)
+            ra(1300), // VM
+            ra(700),  // Rust caller
+            Frame::Truncated,
+        ];
+        let lua = [c_l(1, 100), lua_l(2), c_l(3, 300), lua_l(4), lua_l(5)];
+        let got = run(&native, &lua, false);
+        let want = vec![
+            ra(50),
+            ra(150),
+            Frame::Lua(LuaFrameId(1)),
+            Frame::Lua(LuaFrameId(2)),
+            ra(320),
+            Frame::Lua(LuaFrameId(3)),
+            Frame::Lua(LuaFrameId(4)),
+            Frame::Lua(LuaFrameId(5)),
+            ra(700),
+            Frame::Truncated,
+        ];
+        assert_eq!(got, want);
+        let shown = run(&native, &lua, true);
+        assert_eq!(shown.len(), want.len() + 3);
+        assert_eq!(shown[4], ra(1100));
+    }
+
+    #[test]
+    fn fast_functions_fold_into_the_run_and_nearest_anchor_wins() {
+        // Two levels share trampoline 100: the nearest native match is taken each time.
+        let native = [ra(150), ra(1100), ra(160), ra(1100), ra(800)];
+        let lua = [c_l(1, 100), lua_l(2), c_l(9, 0), c_l(3, 100), lua_l(4)];
+        let got = run(&native, &lua, false);
+        assert_eq!(
+            got,
+            vec![
+                ra(150),
+                Frame::Lua(LuaFrameId(1)),
+                Frame::Lua(LuaFrameId(2)),
+                Frame::Lua(LuaFrameId(9)),
+                ra(160),
+                Frame::Lua(LuaFrameId(3)),
+                Frame::Lua(LuaFrameId(4)),
+                ra(800),
+            ]
+        );
+    }
+
+    #[test]
+    fn leftover_levels_go_before_a_final_truncated() {
+        let native = [ra(150), ra(700), Frame::Truncated];
+        let lua = [c_l(1, 100), lua_l(2)];
+        assert_eq!(
+            run(&native, &lua, false),
+            vec![
+                ra(150),
+                Frame::Lua(LuaFrameId(1)),
+                ra(700),
+                Frame::Lua(LuaFrameId(2)),
+                Frame::Truncated
+            ]
+        );
+        assert_eq!(run(&[], &lua, false).len(), 2);
+        assert_eq!(run(&native, &[], false), native.to_vec());
+    }
+}
