@@ -419,6 +419,18 @@ impl FiberShared {
         true
     }
 
+    /// The saved context, for the sampling signal handler when it interrupts the fiber
+    /// between publishing SUSPENDED and finishing the switch.
+    ///
+    /// # Safety
+    /// Only on the fiber's own thread, while the fiber has published SUSPENDED and has not
+    /// been resumed (a signal handler interrupting that fiber's switch).
+    pub(crate) unsafe fn saved_context_in_handler(&self) -> SavedContext {
+        // SAFETY: per the contract the context was fully written (program order on this
+        // thread) and nothing writes it until the fiber runs again.
+        unsafe { *self.ctx.get() }
+    }
+
     /// Swaps SUSPENDED (or NEW) to RUNNING for a resume, waiting out an inspection.
     pub(crate) fn begin_resume(&self) {
         loop {

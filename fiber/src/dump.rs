@@ -93,16 +93,38 @@ pub fn render_fiber(fi: &FiberInfo, out: &mut String) {
 pub fn dump_text() -> String {
     let mut out = String::new();
     for s in crate::registry::schedulers() {
-        let fibers = info::scheduler_info(&s, &InfoOptions::default());
-        let _ = writeln!(
-            out,
-            "scheduler {} \"{}\": {} fibers\n",
-            s.id,
-            s.name,
-            fibers.len()
-        );
-        for fi in &fibers {
-            render_fiber(fi, &mut out);
+        scheduler_text(&s, &mut out);
+    }
+    out
+}
+
+/// One scheduler's fibers as text.
+pub fn scheduler_text(s: &crate::registry::SchedShared, out: &mut String) {
+    let fibers = info::scheduler_info(s, &InfoOptions::default());
+    let _ = writeln!(
+        out,
+        "scheduler {} \"{}\": {} fibers\n",
+        s.id,
+        s.name,
+        fibers.len()
+    );
+    for fi in &fibers {
+        render_fiber(fi, out);
+        out.push('\n');
+    }
+}
+
+/// Fibers blocked (waiting on a channel, condition, join or wake-up, or sleeping) for at
+/// least `min`, with their traces, as text.
+pub fn blocked_text(min: Duration) -> String {
+    let mut out = String::new();
+    for fi in info::info(&InfoOptions::default()) {
+        if fi
+            .waiting
+            .as_ref()
+            .is_some_and(|w| w.seconds >= min.as_secs_f64())
+        {
+            render_fiber(&fi, &mut out);
             out.push('\n');
         }
     }

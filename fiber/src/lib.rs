@@ -31,6 +31,7 @@ pub mod sample;
 pub mod sched;
 mod stack;
 pub mod sync;
+pub mod watchdog;
 
 pub use control::{FiberId, PanicReport, ParentTrace, Status, WaitOn};
 pub use info::{FiberInfo, InfoOptions};

@@ -217,10 +217,16 @@ extern "C" fn on_signal(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut
         return;
     }
     let t0 = crate::clock::ticks();
-    let fid = sm.running.load(Ordering::Acquire);
+    let mut fid = sm.running.load(Ordering::Acquire);
     // SAFETY: `out` and `cache` are ours while `requested` was set (see the Sync impl).
     let out = unsafe { &mut *sm.out.get() };
     out.clear();
+    // SAFETY: `uc` is the kernel's ucontext for this handler.
+    let sp = unsafe { fibertrace_core::capture::registers_from_ucontext(uc) }.sp;
+    if fid != 0 && !(sm.lo.load(Ordering::Relaxed)..sm.hi.load(Ordering::Relaxed)).contains(&sp) {
+        // The scheduler is switching to or from the fiber: no fiber code is running.
+        fid = 0;
+    }
     if fid != 0 {
         // The running fiber's stack, from its low end to just below corosensei's link.
         let stacks = [StackBounds::new(
@@ -240,9 +246,26 @@ extern "C" fn on_signal(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut
         let opts = CaptureOptions::with_unwinder(Unwinder::Auto);
         // SAFETY: as above, the cache is the handler's.
         let cache = unsafe { (*sm.cache.get()).as_deref_mut() };
-        // SAFETY: `uc` is the kernel's ucontext for this handler; the stack range is the
-        // running fiber's stack, mapped while it runs (it cannot be freed while running).
-        unsafe { fibertrace_core::collect_from_ucontext(uc, &stacks, stop, &opts, cache, out) };
+        // Caught in the middle of switching away (it already published its suspension):
+        // its recorded context is the truth, not the switch code's registers.
+        // SAFETY: `f` is alive (see above); reading an atomic.
+        let switching = !f.is_null()
+            && unsafe { (*f).run.load(Ordering::Relaxed) } == crate::control::SUSPENDED;
+        if switching {
+            // SAFETY: we interrupted this fiber on its own thread after it published
+            // SUSPENDED; nobody resumes it while we run (the scheduler is this thread).
+            let ctx = unsafe { (*f).saved_context_in_handler() };
+            let opts = CaptureOptions {
+                unwinder: Unwinder::Fast,
+                offset: 1,
+                ..CaptureOptions::default()
+            };
+            fibertrace_core::collect_from_into(&ctx, &opts, out);
+        } else {
+            // SAFETY: `uc` is the kernel's ucontext for this handler; the stack range is the
+            // running fiber's stack, mapped while it runs (it cannot be freed while running).
+            unsafe { fibertrace_core::collect_from_ucontext(uc, &stacks, stop, &opts, cache, out) };
+        }
     }
     sm.sample_fid.store(fid, Ordering::Relaxed);
     sm.handler_ns

@@ -247,6 +247,14 @@ impl Scheduler {
         crate::info::scheduler_info(&self.inner.shared, opts)
     }
 
+    /// The report for a deadlock returned by [`Scheduler::run`]: `all fibers are asleep —
+    /// deadlock!` and the dump of this scheduler's fibers (what each waits on, and where).
+    pub fn deadlock_report(&self) -> String {
+        let mut out = String::from("all fibers are asleep — deadlock!\n\n");
+        crate::dump::scheduler_text(&self.inner.shared, &mut out);
+        out
+    }
+
     /// Number of live fibers.
     pub fn fiber_count(&self) -> usize {
         self.inner.slots.borrow().len()

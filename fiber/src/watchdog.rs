@@ -1,0 +1,314 @@
+//! The stall detector: a watchdog thread that finds the fiber that hogs its thread.
+//!
+//! A fiber that runs longer than a threshold without yielding stalls every other fiber of
+//! its scheduler. The watchdog polls each scheduler's published state (which fiber runs and
+//! how many resumes there have been — no clock is read on the switch path for this); when one
+//! run lasts past the threshold it samples the running fiber with a signal (see
+//! [`crate::sample`]: capture inside the handler, on an alternate stack, no lock, no
+//! allocation) and reports, outside the handler, `fiber 7 "worker" has run 250 ms without
+//! yielding:` and the symbolized frames. While the stall lasts it reports again at 2×, 4×…
+//! the threshold. Reports are rate-limited; the next one says how many were suppressed.
+//!
+//! It never fires for a fiber that yields (each resume starts a new run) nor while the
+//! scheduler is idle waiting for a timer (no fiber runs then).
+//!
+//! Where the stalled fiber runs Lua, its Lua frames cannot be read from another thread while
+//! it runs; a host can annotate reports (see [`set_annotator`]) to say so or add what it knows.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use fibertrace_core::Backtrace;
+
+use crate::control::FiberId;
+use crate::registry::{self, SchedShared};
+
+/// Watchdog settings.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// A run longer than this is a stall.
+    pub threshold: Duration,
+    /// At most this many reports per second; the others are counted and the next report says
+    /// how many were suppressed.
+    pub max_reports_per_sec: u32,
+    /// Also report fibers blocked (waiting on a channel, condition, join or wake-up) longer
+    /// than this, once per wait.
+    pub blocked_longer_than: Option<Duration>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            threshold: Duration::from_millis(250),
+            max_reports_per_sec: 10,
+            blocked_longer_than: None,
+        }
+    }
+}
+
+/// A stall: which fiber, how long, where.
+#[derive(Clone, Debug)]
+pub struct StallReport {
+    /// Scheduler id.
+    pub scheduler: u64,
+    /// The fiber.
+    pub fiber: FiberId,
+    /// Its name.
+    pub name: String,
+    /// How long it had run without yielding when sampled.
+    pub running_for: Duration,
+    /// Its stack at that moment (innermost first, cut at its entry).
+    pub backtrace: Backtrace,
+    /// Signal-to-sample latency.
+    pub latency: Duration,
+    /// Time the walk took inside the signal handler.
+    pub handler_time: Duration,
+    /// Reports suppressed by rate limiting since the previous one.
+    pub suppressed: u64,
+    /// A host's note (e.g. about Lua frames).
+    pub note: Option<String>,
+}
+
+impl StallReport {
+    /// The report as text: a header line and the frames.
+    pub fn to_text(&self) -> String {
+        let mut s = format!(
+            "fiber {} \"{}\" has run {} without yielding:\n",
+            self.fiber,
+            self.name,
+            crate::dump::human(self.running_for)
+        );
+        s.push_str(&crate::dump::render_frames(self.backtrace.frames()));
+        if let Some(n) = &self.note {
+            s.push_str(&format!("    ({n})\n"));
+        }
+        if self.suppressed > 0 {
+            s.push_str(&format!("    (suppressed {} reports)\n", self.suppressed));
+        }
+        s
+    }
+}
+
+/// What the watchdog delivers.
+#[derive(Clone, Debug)]
+pub enum Report {
+    /// A fiber hogs its thread.
+    Stall(Box<StallReport>),
+    /// A fiber has been blocked longer than the configured limit.
+    Blocked(Box<crate::info::FiberInfo>),
+}
+
+type Handler = Box<dyn Fn(&Report) + Send + Sync>;
+type Annotator = fn(&Backtrace) -> Option<String>;
+
+struct State {
+    config: Mutex<Config>,
+    handler: Mutex<Option<Handler>>,
+    annotator: Mutex<Option<Annotator>>,
+    stop: AtomicBool,
+    running: AtomicBool,
+    reports: AtomicU64,
+}
+
+fn state() -> &'static State {
+    static S: OnceLock<State> = OnceLock::new();
+    S.get_or_init(|| State {
+        config: Mutex::new(Config::default()),
+        handler: Mutex::new(None),
+        annotator: Mutex::new(None),
+        stop: AtomicBool::new(false),
+        running: AtomicBool::new(false),
+        reports: AtomicU64::new(0),
+    })
+}
+
+/// Starts the watchdog (or updates its settings if it runs). Reports go to stderr unless a
+/// handler is set ([`set_handler`]).
+pub fn start(config: Config) {
+    let st = state();
+    *st.config.lock().unwrap_or_else(|e| e.into_inner()) = config;
+    st.stop.store(false, Ordering::Relaxed);
+    if st.running.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    std::thread::Builder::new()
+        .name("fibertrace-watchdog".into())
+        .spawn(run)
+        .expect("spawn the watchdog thread");
+}
+
+/// Stops the watchdog (it exits within one tick).
+pub fn stop() {
+    state().stop.store(true, Ordering::Relaxed);
+}
+
+/// Whether the watchdog runs.
+pub fn is_running() -> bool {
+    state().running.load(Ordering::Acquire)
+}
+
+/// Changes the stall threshold (Tarantool's `fiber.set_max_slice`).
+pub fn set_threshold(d: Duration) {
+    state()
+        .config
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .threshold = d;
+}
+
+/// Sends reports to `f` instead of stderr.
+pub fn set_handler(f: impl Fn(&Report) + Send + Sync + 'static) {
+    *state().handler.lock().unwrap_or_else(|e| e.into_inner()) = Some(Box::new(f));
+}
+
+/// Lets a host add a note to stall reports (called outside the signal handler).
+pub fn set_annotator(f: Annotator) {
+    *state().annotator.lock().unwrap_or_else(|e| e.into_inner()) = Some(f);
+}
+
+/// Reports delivered so far.
+pub fn reports() -> u64 {
+    state().reports.load(Ordering::Relaxed)
+}
+
+struct Watch {
+    sched: std::sync::Weak<SchedShared>,
+    id: u64,
+    resumes: u64,
+    /// When the watchdog first saw the current run.
+    seen_at: Instant,
+    /// Ticks at the run's start as the scheduler published it.
+    run_since: u64,
+    next_report: Duration,
+}
+
+fn deliver(r: &Report) {
+    let st = state();
+    st.reports.fetch_add(1, Ordering::Relaxed);
+    let h = st.handler.lock().unwrap_or_else(|e| e.into_inner());
+    match &*h {
+        Some(f) => f(r),
+        None => match r {
+            Report::Stall(s) => eprint!("{}", s.to_text()),
+            Report::Blocked(fi) => {
+                let mut s = String::from("blocked: ");
+                crate::dump::render_fiber(fi, &mut s);
+                eprint!("{s}");
+            }
+        },
+    }
+}
+
+fn run() {
+    let st = state();
+    let mut watches: Vec<Watch> = Vec::new();
+    let mut window_start = Instant::now();
+    let mut in_window = 0u32;
+    let mut suppressed = 0u64;
+    let mut blocked_seen: std::collections::HashMap<(FiberId, u64), ()> =
+        std::collections::HashMap::new();
+    let mut last_blocked_scan = Instant::now();
+    while !st.stop.load(Ordering::Relaxed) {
+        let cfg = st.config.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let tick = (cfg.threshold / 4).clamp(Duration::from_micros(500), Duration::from_millis(50));
+        std::thread::sleep(tick);
+        let scheds = registry::schedulers();
+        watches.retain(|w| w.sched.strong_count() > 0);
+        for s in &scheds {
+            let sm = &s.sampler;
+            let fid = sm.running();
+            let resumes = sm.resumes.load(Ordering::Relaxed);
+            let run_since = sm.run_since.load(Ordering::Relaxed);
+            let w = match watches.iter_mut().position(|w| w.id == s.id) {
+                Some(i) => &mut watches[i],
+                None => {
+                    watches.push(Watch {
+                        sched: Arc::downgrade(s),
+                        id: s.id,
+                        resumes,
+                        seen_at: Instant::now(),
+                        run_since,
+                        next_report: cfg.threshold,
+                    });
+                    continue;
+                }
+            };
+            if fid == 0 || resumes != w.resumes || s.idle.load(Ordering::Relaxed) {
+                // A new run (or none): start over.
+                w.resumes = resumes;
+                w.seen_at = Instant::now();
+                w.run_since = run_since;
+                w.next_report = cfg.threshold;
+                continue;
+            }
+            // The same run goes on: how long, by the scheduler's own start time (bounded
+            // below by what the watchdog saw itself).
+            let by_clock = crate::clock::since(w.run_since);
+            let running_for = by_clock.max(w.seen_at.elapsed());
+            if running_for < w.next_report {
+                continue;
+            }
+            w.next_report = w.next_report.saturating_mul(2);
+            // Rate limit.
+            if window_start.elapsed() >= Duration::from_secs(1) {
+                window_start = Instant::now();
+                in_window = 0;
+            }
+            if in_window >= cfg.max_reports_per_sec {
+                suppressed += 1;
+                continue;
+            }
+            let Some(sample) = crate::sample::sample(s, Duration::from_millis(500)) else {
+                continue;
+            };
+            if sample.fiber != fid {
+                // It yielded meanwhile: not a stall after all.
+                continue;
+            }
+            in_window += 1;
+            let name = registry::find(fid)
+                .map(|(_, f)| f.name())
+                .unwrap_or_default();
+            let annot = *st.annotator.lock().unwrap_or_else(|e| e.into_inner());
+            let note = annot.and_then(|a| a(&sample.backtrace));
+            let report = StallReport {
+                scheduler: s.id,
+                fiber: fid,
+                name,
+                running_for: crate::clock::since(w.run_since).max(running_for),
+                backtrace: sample.backtrace,
+                latency: sample.latency,
+                handler_time: sample.handler_time,
+                suppressed: std::mem::take(&mut suppressed),
+                note,
+            };
+            deliver(&Report::Stall(Box::new(report)));
+        }
+        if let Some(limit) = cfg.blocked_longer_than {
+            if last_blocked_scan.elapsed() >= tick.max(Duration::from_millis(10)) {
+                last_blocked_scan = Instant::now();
+                for s in &scheds {
+                    for f in s.fibers() {
+                        let (status, on, since) = f.status();
+                        if on.is_none() || !crate::info::is_blocked(status) || since < limit {
+                            continue;
+                        }
+                        // Once per wait: a wait is identified by the fiber and its switch count.
+                        let key = (f.id, f.csw.load(Ordering::Relaxed));
+                        if blocked_seen.insert(key, ()).is_some() {
+                            continue;
+                        }
+                        if let Some(fi) =
+                            crate::info::fiber_info(f.id, &crate::InfoOptions::default())
+                        {
+                            deliver(&Report::Blocked(Box::new(fi)));
+                        }
+                    }
+                }
+                blocked_seen.retain(|(id, _), _| registry::find(*id).is_some());
+            }
+        }
+    }
+    st.running.store(false, Ordering::Release);
+}

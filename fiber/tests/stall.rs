@@ -1,0 +1,347 @@
+//! Stuck fibers: the stall detector (hogging fibers), blocked reports, deadlocks, and the
+//! sampler under load. The watchdog is process-wide: these tests take turns.
+
+mod common;
+
+use std::hint::black_box;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use fibertrace_fiber::watchdog::{self, Config, Report};
+use fibertrace_fiber::{channel, registry, spawn, yield_now, Builder, RunError, Scheduler};
+
+static TURN: Mutex<()> = Mutex::new(());
+
+fn collect_reports() -> Arc<Mutex<Vec<(Instant, Report)>>> {
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let g2 = got.clone();
+    watchdog::set_handler(move |r| g2.lock().unwrap().push((Instant::now(), r.clone())));
+    got
+}
+
+#[inline(never)]
+fn busy_3(until: Instant) -> u64 {
+    let mut n = 0u64;
+    while Instant::now() < until {
+        n = black_box(n.wrapping_add(1));
+    }
+    n
+}
+#[inline(never)]
+fn busy_2(until: Instant) -> u64 {
+    black_box(busy_3(until))
+}
+#[inline(never)]
+fn busy_1(until: Instant) -> u64 {
+    black_box(busy_2(until))
+}
+
+#[test]
+fn a_busy_fiber_is_reported_within_one_and_a_half_thresholds_and_again_at_twice() {
+    let _t = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let got = collect_reports();
+    let threshold = Duration::from_millis(100);
+    watchdog::start(Config {
+        threshold,
+        ..Config::default()
+    });
+    let started = Arc::new(Mutex::new(None));
+    let s2 = started.clone();
+    let t = std::thread::spawn(move || {
+        Scheduler::new()
+            .block_on(move || {
+                Builder::new()
+                    .name("hog")
+                    .spawn(move || {
+                        let now = Instant::now();
+                        *s2.lock().unwrap() = Some(now);
+                        busy_1(now + Duration::from_millis(450))
+                    })
+                    .join()
+                    .unwrap()
+            })
+            .unwrap()
+    });
+    t.join().unwrap();
+    watchdog::stop();
+    let start = started.lock().unwrap().unwrap();
+    let reports: Vec<_> = got
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|(at, r)| match r {
+            Report::Stall(s) if s.name == "hog" => Some((*at, s.clone())),
+            _ => None,
+        })
+        .collect();
+    assert!(reports.len() >= 2, "{} reports", reports.len());
+    let (at, first) = &reports[0];
+    let delay = *at - start;
+    assert!(
+        delay >= threshold && delay <= threshold * 3 / 2,
+        "first report after {delay:?}"
+    );
+    assert!(first.running_for >= threshold, "{:?}", first.running_for);
+    let n = common::names(first.backtrace.frames());
+    let i = n
+        .iter()
+        .position(|x| x == "busy_3")
+        .unwrap_or_else(|| panic!("{n:?}"));
+    assert_eq!(n[i + 1..i + 3], ["busy_2", "busy_1"], "{n:?}");
+    assert!(n[i + 3].contains("closure"), "{n:?}");
+    let text = first.to_text();
+    assert!(
+        text.starts_with(&format!("fiber {} \"hog\" has run ", first.fiber)),
+        "{text}"
+    );
+    assert!(text.contains(" without yielding:\n"), "{text}");
+    // Again at about twice the threshold.
+    let second = &reports[1].1;
+    assert!(
+        second.running_for >= threshold * 2,
+        "{:?}",
+        second.running_for
+    );
+}
+
+#[inline(never)]
+fn spin_in_compare(flag: &AtomicBool) {
+    while !flag.load(Ordering::Relaxed) {
+        std::hint::spin_loop();
+    }
+}
+
+static RELEASE: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn compare(a: *const libc::c_void, b: *const libc::c_void) -> libc::c_int {
+    spin_in_compare(&RELEASE);
+    // SAFETY: qsort passes pointers to the i32 elements below.
+    let (a, b) = unsafe { (*(a as *const i32), *(b as *const i32)) };
+    a.cmp(&b) as libc::c_int
+}
+
+#[inline(never)]
+fn sort_stuck() {
+    let mut v: Vec<i32> = (0..8).rev().collect();
+    // SAFETY: a valid i32 array, its length, its element size, a comparator reading i32s.
+    unsafe {
+        libc::qsort(
+            v.as_mut_ptr() as *mut libc::c_void,
+            v.len(),
+            4,
+            Some(compare),
+        )
+    };
+    black_box(&v);
+}
+
+#[test]
+fn a_stall_inside_glibc_still_gets_a_full_native_trace() {
+    let _t = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let got = collect_reports();
+    RELEASE.store(false, Ordering::Relaxed);
+    watchdog::start(Config {
+        threshold: Duration::from_millis(50),
+        ..Config::default()
+    });
+    let t = std::thread::spawn(|| {
+        Scheduler::new()
+            .block_on(|| {
+                Builder::new()
+                    .name("sorter")
+                    .spawn(sort_stuck)
+                    .join()
+                    .unwrap();
+            })
+            .unwrap()
+    });
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(10)
+        && !got
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(_, r)| matches!(r, Report::Stall(s) if s.name == "sorter"))
+    {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    RELEASE.store(true, Ordering::Relaxed);
+    t.join().unwrap();
+    watchdog::stop();
+    let reports = got.lock().unwrap();
+    let s = reports
+        .iter()
+        .find_map(|(_, r)| match r {
+            Report::Stall(s) if s.name == "sorter" => Some(s.clone()),
+            _ => None,
+        })
+        .expect("the stall was reported");
+    let n = common::names(s.backtrace.frames());
+    let i = n
+        .iter()
+        .position(|x| x == "spin_in_compare")
+        .unwrap_or_else(|| panic!("{n:?}"));
+    assert_eq!(n[i + 1], "compare", "{n:?}");
+    // Through glibc's qsort (no frame pointers) back to our code.
+    let j = n
+        .iter()
+        .position(|x| x == "sort_stuck")
+        .unwrap_or_else(|| panic!("lost the frames above glibc: {n:?}"));
+    assert!(j > i + 2, "{n:?}");
+}
+
+#[test]
+fn a_hundred_thousand_samples_under_load() {
+    let _t = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let stop = Arc::new(AtomicBool::new(false));
+    let fid = Arc::new(AtomicU64::new(0));
+    let (s2, f2) = (stop.clone(), fid.clone());
+    let t = std::thread::spawn(move || {
+        Scheduler::new()
+            .block_on(move || {
+                // One fiber spins in short bursts and yields; another churns fibers.
+                let s3 = s2.clone();
+                let spinner = Builder::new().name("spinner").spawn(move || {
+                    while !s3.load(Ordering::Relaxed) {
+                        busy_1(Instant::now() + Duration::from_micros(200));
+                        yield_now();
+                    }
+                });
+                f2.store(spinner.id(), Ordering::Release);
+                let s4 = s2.clone();
+                let churn = spawn(move || {
+                    while !s4.load(Ordering::Relaxed) {
+                        spawn(|| yield_now()).join().unwrap();
+                    }
+                });
+                spinner.join().unwrap();
+                churn.join().unwrap();
+            })
+            .unwrap()
+    });
+    while fid.load(Ordering::Acquire) == 0 {
+        std::thread::yield_now();
+    }
+    let (sched, _) = registry::find(fid.load(Ordering::Acquire)).unwrap();
+    let (mut ok, mut spinner_hits, mut none) = (0u32, 0u32, 0u32);
+    let mut lat = Vec::with_capacity(100_000);
+    for _ in 0..100_000 {
+        match fibertrace_fiber::sample::sample(&sched, Duration::from_millis(500)) {
+            Some(s) => {
+                ok += 1;
+                lat.push(s.latency);
+                if s.fiber == fid.load(Ordering::Relaxed) {
+                    spinner_hits += 1;
+                    let n = common::names(s.backtrace.frames());
+                    // Wherever it was caught (spinning, in its loop, or switching), the trace
+                    // ends in its own closure.
+                    assert!(n.iter().any(|x| x.contains("closure")), "{n:?}");
+                }
+            }
+            None => none += 1,
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    t.join().unwrap();
+    assert_eq!(ok + none, 100_000);
+    assert!(ok > 99_000, "{none} samples timed out");
+    assert!(spinner_hits > 1000, "{spinner_hits}");
+    lat.sort();
+    println!(
+        "100000 samples: latency median {:?}, p99 {:?}",
+        lat[lat.len() / 2],
+        lat[lat.len() * 99 / 100]
+    );
+}
+
+#[inline(never)]
+fn wait_for(ch: &fibertrace_fiber::Channel<u8>) -> Option<u8> {
+    black_box(ch.recv())
+}
+
+#[test]
+fn a_channel_deadlock_is_reported_and_a_long_sleep_is_not_one() {
+    let s = Scheduler::new();
+    let (a, b) = (channel::<u8>(1), channel::<u8>(1));
+    let (a2, b2) = (a.clone(), b.clone());
+    s.builder().name("ping").spawn(move || {
+        wait_for(&a2);
+        let _ = b2.send(1);
+    });
+    let (a3, b3) = (a.clone(), b.clone());
+    s.builder().name("pong").spawn(move || {
+        wait_for(&b3);
+        let _ = a3.send(1);
+    });
+    match s.run() {
+        Err(RunError::Deadlock { fibers }) => assert_eq!(fibers.len(), 2),
+        other => panic!("{other:?}"),
+    }
+    let report = s.deadlock_report();
+    assert!(
+        report.starts_with("all fibers are asleep — deadlock!\n"),
+        "{report}"
+    );
+    for name in ["ping", "pong"] {
+        let block = report
+            .split("\n\n")
+            .find(|b| b.contains(&format!("\"{name}\"")))
+            .unwrap_or_else(|| panic!("{report}"));
+        assert!(block.contains("[channel receive, "), "{block}");
+        assert!(block.contains(" in stall::wait_for+0x"), "{block}");
+    }
+    a.close();
+    b.close();
+    s.run().unwrap();
+
+    // A long sleep is not a deadlock: the scheduler waits for the timer.
+    let s = Scheduler::new();
+    let t0 = Instant::now();
+    s.spawn(|| fibertrace_fiber::sleep(Duration::from_millis(200)));
+    s.run().unwrap();
+    assert!(t0.elapsed() >= Duration::from_millis(200));
+}
+
+#[test]
+fn fibers_blocked_too_long_are_reported_once_with_their_traces() {
+    let _t = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let got = collect_reports();
+    watchdog::start(Config {
+        threshold: Duration::from_secs(5),
+        blocked_longer_than: Some(Duration::from_millis(50)),
+        ..Config::default()
+    });
+    let t = std::thread::spawn(|| {
+        Scheduler::new()
+            .block_on(|| {
+                let ch = channel::<u8>(1);
+                let rx = ch.clone();
+                let h = Builder::new().name("patient").spawn(move || wait_for(&rx));
+                fibertrace_fiber::sleep(Duration::from_millis(250));
+                let text = fibertrace_fiber::dump::blocked_text(Duration::from_millis(100));
+                assert!(text.contains("\"patient\" [channel receive, "), "{text}");
+                // The fiber asking runs: it is not listed.
+                let me = fibertrace_fiber::current_id();
+                let head = format!("fiber {me} \"");
+                assert!(!text.lines().any(|l| l.starts_with(&head)), "{text}");
+                ch.send(1).unwrap();
+                h.join().unwrap();
+            })
+            .unwrap()
+    });
+    t.join().unwrap();
+    watchdog::stop();
+    let reports = got.lock().unwrap();
+    let blocked: Vec<_> = reports
+        .iter()
+        .filter_map(|(_, r)| match r {
+            Report::Blocked(fi) if fi.name == "patient" => Some(fi.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(blocked.len(), 1, "once per wait");
+    let n = common::info_names(blocked[0].backtrace.as_ref().unwrap());
+    assert!(n.contains(&"wait_for".to_string()), "{n:?}");
+    assert_eq!(blocked[0].waiting.as_ref().unwrap().what, "channel receive");
+}
