@@ -212,7 +212,7 @@ fn a_hundred_thousand_samples_under_load() {
                 let s4 = s2.clone();
                 let churn = spawn(move || {
                     while !s4.load(Ordering::Relaxed) {
-                        spawn(|| yield_now()).join().unwrap();
+                        spawn(yield_now).join().unwrap();
                     }
                 });
                 spinner.join().unwrap();
