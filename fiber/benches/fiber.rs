@@ -152,7 +152,83 @@ fn paired(label: &str, n: u64, a: impl Fn(u64) -> Duration, b: impl Fn(u64) -> D
     );
 }
 
+fn watchdog_on(on: bool) {
+    use fibertrace_fiber::watchdog;
+    if on {
+        watchdog::start(watchdog::Config {
+            threshold: Duration::from_millis(10),
+            ..watchdog::Config::default()
+        });
+    } else {
+        watchdog::stop();
+        while watchdog::is_running() {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+}
+
+#[inline(never)]
+fn spin_until(stop: &std::sync::atomic::AtomicBool) {
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        std::hint::spin_loop();
+    }
+}
+
+/// Signal-to-sample latency and in-handler walk time over 5000 samples of a spinning fiber.
+fn sampling_figures() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    let stop = Arc::new(AtomicBool::new(false));
+    let fid = Arc::new(AtomicU64::new(0));
+    let (s2, f2) = (stop.clone(), fid.clone());
+    let t = std::thread::spawn(move || {
+        Scheduler::new()
+            .block_on(move || {
+                let h = spawn(move || spin_until(&s2));
+                f2.store(h.id(), Ordering::Release);
+                h.join().unwrap();
+            })
+            .unwrap()
+    });
+    while fid.load(Ordering::Acquire) == 0 {
+        std::thread::yield_now();
+    }
+    let (sched, _) = fibertrace_fiber::registry::find(fid.load(Ordering::Acquire)).unwrap();
+    let (mut lat, mut walk) = (Vec::new(), Vec::new());
+    for _ in 0..5000 {
+        if let Some(s) = fibertrace_fiber::sample::sample(&sched, Duration::from_millis(500)) {
+            lat.push(s.latency);
+            walk.push(s.handler_time);
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    t.join().unwrap();
+    lat.sort();
+    walk.sort();
+    let p = |v: &Vec<Duration>, q: usize| v[v.len() * q / 100];
+    println!(
+        "sampling a spinning fiber ({} samples): signal-to-sample latency median {:?}, p99 {:?}; in-handler walk median {:?}, p99 {:?}",
+        lat.len(),
+        p(&lat, 50),
+        p(&lat, 99),
+        p(&walk, 50),
+        p(&walk, 99)
+    );
+}
+
 fn ratios(_c: &mut Criterion) {
+    sampling_figures();
+    paired(
+        "yield ping-pong with vs without the watchdog (10 ms threshold)",
+        20_000,
+        |n| {
+            watchdog_on(true);
+            let d = ping_pong(true, n) / 2;
+            watchdog_on(false);
+            d
+        },
+        |n| ping_pong(true, n) / 2,
+    );
     paired(
         "yield ping-pong traced vs untraced (per switch)",
         20_000,
