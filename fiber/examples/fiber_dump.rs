@@ -1,8 +1,10 @@
 //! A process with stuck fibers that prints a Go-like dump of every fiber on SIGQUIT and goes
 //! on running — also while one fiber spins and never yields.
 //!
-//! cargo run -p fibertrace-fiber --example fiber_dump
-//! (then, from another terminal: kill -QUIT <pid>; it ends by itself after 60 s)
+//! cargo run -p fibertrace-fiber --example fiber_dump -- --demo
+//!   (sends itself SIGQUIT after 300 ms, prints the dump, and exits after a second)
+//! cargo run -p fibertrace-fiber --example fiber_dump -- 60
+//!   (waits for `kill -QUIT <pid>` from another terminal; ends by itself after 60 s)
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -33,13 +35,21 @@ fn spin_forever(until: Instant) -> u64 {
 
 fn main() {
     fibertrace_fiber::dump::install_signal(libc::SIGQUIT).expect("install the dump signal");
+    let arg = std::env::args().nth(1).unwrap_or_default();
+    let demo = arg == "--demo";
     let deadline = Instant::now()
-        + Duration::from_secs(
-            std::env::args()
-                .nth(1)
-                .and_then(|s| s.parse().ok())
-                .unwrap_or(60),
-        );
+        + if demo {
+            Duration::from_millis(1000)
+        } else {
+            Duration::from_secs(arg.parse().unwrap_or(60))
+        };
+    if demo {
+        std::thread::spawn(|| {
+            std::thread::sleep(Duration::from_millis(300));
+            // SAFETY: sending a signal to our own process.
+            unsafe { libc::kill(libc::getpid(), libc::SIGQUIT) };
+        });
+    }
     Scheduler::new()
         .block_on(move || {
             let jobs = channel::<u32>(0);
@@ -58,6 +68,8 @@ fn main() {
             let n = spinner.join().unwrap();
             jobs.close();
             black_box(n);
+            // Let the dump thread finish printing.
+            std::thread::sleep(Duration::from_millis(200));
             std::process::exit(0);
         })
         .unwrap();

@@ -40,3 +40,8 @@ pub use sched::{
     Builder, Fiber, JoinError, JoinHandle, RunError, Scheduler, SchedulerOptions,
 };
 pub use sync::{channel, Channel, ChannelError, Cond};
+
+/// The README's examples, compiled and run as doctests so that they stay true.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;
