@@ -47,6 +47,8 @@ pub fn signal() -> i32 {
 /// Per-scheduler sampling state.
 pub(crate) struct Sampler {
     thread: AtomicU64,
+    /// The scheduler thread's CPU-time clock (for the watchdog).
+    cpu_clock: AtomicI32,
     running: AtomicU64,
     lo: AtomicU64,
     hi: AtomicU64,
@@ -74,6 +76,7 @@ impl Sampler {
     pub(crate) fn new() -> Sampler {
         Sampler {
             thread: AtomicU64::new(0),
+            cpu_clock: AtomicI32::new(-1),
             running: AtomicU64::new(0),
             lo: AtomicU64::new(0),
             hi: AtomicU64::new(0),
@@ -94,6 +97,22 @@ impl Sampler {
     pub(crate) fn running(&self) -> FiberId {
         self.running.load(Ordering::Relaxed)
     }
+
+    /// CPU time the scheduler's thread has used so far (`None` before it ran).
+    pub(crate) fn thread_cpu_time(&self) -> Option<Duration> {
+        let clk = self.cpu_clock.load(Ordering::Relaxed);
+        if clk == -1 {
+            return None;
+        }
+        // SAFETY: clock_gettime with a clock id the scheduler thread obtained for itself
+        // and an out-pointer to a local.
+        let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+        // SAFETY: see above.
+        if unsafe { libc::clock_gettime(clk, &mut ts) } != 0 {
+            return None;
+        }
+        Some(Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32))
+    }
 }
 
 thread_local! {
@@ -111,6 +130,11 @@ pub(crate) fn enter_thread(s: &SchedShared) {
     sampler
         .thread
         .store(unsafe { libc::pthread_self() } as u64, Ordering::Relaxed);
+    let mut clk: libc::clockid_t = -1;
+    // SAFETY: asks for this thread's CPU-time clock into a local.
+    if unsafe { libc::pthread_getcpuclockid(libc::pthread_self(), &mut clk) } == 0 {
+        sampler.cpu_clock.store(clk, Ordering::Relaxed);
+    }
     // SAFETY: only this (the scheduler's) thread touches the cache, and the handler is not
     // sampling yet: SAMPLER is published after.
     unsafe {

@@ -9,6 +9,11 @@
 //! yielding:` and the symbolized frames. While the stall lasts it reports again at 2×, 4×…
 //! the threshold. Reports are rate-limited; the next one says how many were suppressed.
 //!
+//! A run is measured in the CPU time of the scheduler's thread, so a thread the OS
+//! preempted under load is not taken for a hogging fiber. A fiber blocked in the kernel (a
+//! blocking system call inside a fiber also stalls its scheduler, but uses no CPU) is
+//! reported when its run's wall time passes four thresholds (at least threshold + 200 ms).
+//!
 //! It never fires for a fiber that yields (each resume starts a new run) nor while the
 //! scheduler is idle waiting for a timer (no fiber runs then).
 //!
@@ -180,7 +185,17 @@ struct Watch {
     seen_at: Instant,
     /// Ticks at the run's start as the scheduler published it.
     run_since: u64,
+    /// The thread's CPU time when the watchdog first saw the run, and the part of the run
+    /// before that (at most a tick, taken as CPU).
+    cpu_seen: Option<Duration>,
+    cpu_credit: Duration,
     next_report: Duration,
+    next_wall_report: Duration,
+}
+
+/// Wall time after which a run is reported even if it used no CPU (blocked in the kernel).
+fn wall_limit(threshold: Duration) -> Duration {
+    (threshold * 4).max(threshold + Duration::from_millis(200))
 }
 
 fn deliver(r: &Report) {
@@ -229,7 +244,10 @@ fn run() {
                         resumes,
                         seen_at: Instant::now(),
                         run_since,
+                        cpu_seen: sm.thread_cpu_time(),
+                        cpu_credit: Duration::ZERO,
                         next_report: cfg.threshold,
+                        next_wall_report: wall_limit(cfg.threshold),
                     });
                     continue;
                 }
@@ -239,17 +257,28 @@ fn run() {
                 w.resumes = resumes;
                 w.seen_at = Instant::now();
                 w.run_since = run_since;
+                w.cpu_seen = sm.thread_cpu_time();
+                w.cpu_credit = crate::clock::since(run_since).min(tick);
                 w.next_report = cfg.threshold;
+                w.next_wall_report = wall_limit(cfg.threshold);
                 continue;
             }
-            // The same run goes on: how long, by the scheduler's own start time (bounded
-            // below by what the watchdog saw itself).
-            let by_clock = crate::clock::since(w.run_since);
-            let running_for = by_clock.max(w.seen_at.elapsed());
-            if running_for < w.next_report {
+            // The same run goes on. How long it has used the CPU (and how long in wall time,
+            // for a fiber blocked in the kernel).
+            let wall = crate::clock::since(w.run_since).max(w.seen_at.elapsed());
+            let cpu = match (w.cpu_seen, sm.thread_cpu_time()) {
+                (Some(a), Some(b)) => b.saturating_sub(a) + w.cpu_credit,
+                _ => wall,
+            };
+            let running_for = if cpu >= w.next_report {
+                w.next_report = w.next_report.saturating_mul(2);
+                cpu
+            } else if wall >= w.next_wall_report {
+                w.next_wall_report = w.next_wall_report.saturating_mul(2);
+                wall
+            } else {
                 continue;
-            }
-            w.next_report = w.next_report.saturating_mul(2);
+            };
             // Rate limit.
             if window_start.elapsed() >= Duration::from_secs(1) {
                 window_start = Instant::now();
@@ -276,7 +305,7 @@ fn run() {
                 scheduler: s.id,
                 fiber: fid,
                 name,
-                running_for: crate::clock::since(w.run_since).max(running_for),
+                running_for,
                 backtrace: sample.backtrace,
                 latency: sample.latency,
                 handler_time: sample.handler_time,
