@@ -125,6 +125,11 @@ fn info(c: &mut Criterion) {
     g.bench_function("resolved_backtraces", |b| {
         b.iter(|| black_box(s.info(&opts)))
     });
+    let raw = InfoOptions {
+        resolve: false,
+        ..opts
+    };
+    g.bench_function("raw_backtraces", |b| b.iter(|| black_box(s.info(&raw))));
     let no_bt = InfoOptions {
         backtrace: false,
         ..opts
