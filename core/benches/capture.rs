@@ -163,6 +163,14 @@ fn suspended(c: &mut Criterion) {
         &mut bt,
     );
     println!("suspended coroutine: {} frames", bt.len());
+    // What a runtime pays at each suspension point to make the coroutine walkable.
+    let mut rec = SavedContext::new(bounds);
+    c.bench_function("record_saved_context", |b| {
+        b.iter(|| {
+            rec.record();
+            black_box(&rec);
+        })
+    });
     let mut g = c.benchmark_group("suspended_coroutine");
     g.throughput(Throughput::Elements(bt.len() as u64));
     for (name, u) in [
