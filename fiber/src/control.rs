@@ -423,8 +423,9 @@ impl FiberShared {
     /// between publishing SUSPENDED and finishing the switch.
     ///
     /// # Safety
-    /// Only on the fiber's own thread, while the fiber has published SUSPENDED and has not
-    /// been resumed (a signal handler interrupting that fiber's switch).
+    /// Only on the fiber's own thread, from a signal handler that interrupted the fiber
+    /// (while it switches away after publishing SUSPENDED, or while it switches back in):
+    /// nothing writes the context then.
     pub(crate) unsafe fn saved_context_in_handler(&self) -> SavedContext {
         // SAFETY: per the contract the context was fully written (program order on this
         // thread) and nothing writes it until the fiber runs again.
@@ -433,24 +434,17 @@ impl FiberShared {
 
     /// Swaps SUSPENDED (or NEW) to RUNNING for a resume, waiting out an inspection.
     pub(crate) fn begin_resume(&self) {
-        loop {
-            let cur = self.run.load(Ordering::Relaxed);
-            if cur == INSPECTING {
-                std::hint::spin_loop();
-                continue;
-            }
-            if self
-                .run
-                .compare_exchange_weak(cur, RUNNING, Ordering::Acquire, Ordering::Relaxed)
-                .is_ok()
-            {
-                return;
-            }
-        }
+        self.swap_run_state(RUNNING, Ordering::Acquire);
     }
 
     /// Marks the fiber dead, waiting out an inspection (before its stack is freed).
     pub(crate) fn mark_dead(&self) {
+        self.swap_run_state(DEAD, Ordering::AcqRel);
+    }
+
+    /// Moves the run state to `to` from whatever it is, except that an inspection under way
+    /// (a walk takes well under a microsecond) is waited out first.
+    fn swap_run_state(&self, to: u8, success: Ordering) {
         loop {
             let cur = self.run.load(Ordering::Relaxed);
             if cur == INSPECTING {
@@ -459,7 +453,7 @@ impl FiberShared {
             }
             if self
                 .run
-                .compare_exchange_weak(cur, DEAD, Ordering::AcqRel, Ordering::Relaxed)
+                .compare_exchange_weak(cur, to, success, Ordering::Relaxed)
                 .is_ok()
             {
                 return;

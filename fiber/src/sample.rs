@@ -289,6 +289,24 @@ extern "C" fn on_signal(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut
             // SAFETY: `uc` is the kernel's ucontext for this handler; the stack range is the
             // running fiber's stack, mapped while it runs (it cannot be freed while running).
             unsafe { fibertrace_core::collect_from_ucontext(uc, &stacks, stop, &opts, cache, out) };
+            if out.len() <= 1 && !f.is_null() {
+                // Caught inside the switch code right after a resume (its frame pointer is
+                // not restored yet): nothing of the fiber has changed since its suspension,
+                // so the recorded context tells where it is.
+                // SAFETY: the fiber runs on this thread and we interrupted it: nothing writes
+                // its context now.
+                let ctx = unsafe { (*f).saved_context_in_handler() };
+                // Only right at the suspension point: the stack pointer within a few words
+                // of the recorded one (the switch code's own pushes).
+                if ctx.is_recorded() && sp.abs_diff(ctx.regs.sp) <= 256 {
+                    let opts = CaptureOptions {
+                        unwinder: Unwinder::Fast,
+                        offset: 1,
+                        ..CaptureOptions::default()
+                    };
+                    fibertrace_core::collect_from_into(&ctx, &opts, out);
+                }
+            }
         }
     }
     sm.sample_fid.store(fid, Ordering::Relaxed);

@@ -175,20 +175,13 @@ fn walk_inner(
             },
         };
         first = false;
-        let step = if use_fp {
-            match cur.fp_step(stacks, &mut regs) {
-                Some(r) => Some(r),
-                // A broken frame-pointer chain: let DWARF try this frame.
-                None => dwarf_step(
-                    table,
-                    cache.as_deref_mut(),
-                    stacks,
-                    addr,
-                    &mut regs,
-                    &mut cur,
-                ),
-            }
+        // A broken frame-pointer chain lets DWARF try the same frame.
+        let fp = if use_fp {
+            cur.fp_step(stacks, &mut regs)
         } else {
+            None
+        };
+        let step = fp.or_else(|| {
             dwarf_step(
                 table,
                 cache.as_deref_mut(),
@@ -197,7 +190,7 @@ fn walk_inner(
                 &mut regs,
                 &mut cur,
             )
-        };
+        });
         let Some(ra) = step else { return false };
         if ra == 0
             || (start.stop_fp != 0 && regs.bp() == start.stop_fp)
