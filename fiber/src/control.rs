@@ -144,7 +144,11 @@ impl ParentTrace {
             fiber: creator.as_ref().map(|c| c.id),
             creator,
             thread_name,
-            frames: ras.iter().take(PARENT_FRAMES).map(|&a| Frame::Ra(a)).collect(),
+            frames: ras
+                .iter()
+                .take(PARENT_FRAMES)
+                .map(|&a| Frame::Ra(a))
+                .collect(),
         }
     }
 
@@ -306,10 +310,7 @@ impl std::fmt::Debug for FiberShared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FiberShared")
             .field("id", &self.id)
-            .field(
-                "name",
-                &&*self.name_arc(),
-            )
+            .field("name", &&*self.name_arc())
             .field("run", &self.run.load(Ordering::Relaxed))
             .finish()
     }
@@ -506,7 +507,9 @@ impl FiberShared {
 
     /// Stack in use at the last suspension, in bytes.
     pub fn stack_used(&self) -> usize {
-        self.stack.hi.saturating_sub(self.last_sp.load(Ordering::Relaxed)) as usize
+        self.stack
+            .hi
+            .saturating_sub(self.last_sp.load(Ordering::Relaxed)) as usize
     }
 
     /// Whether it was cancelled.

@@ -423,8 +423,11 @@ unsafe fn create_body(l: *mut ffi::lua_State) -> LResult {
     let fid = unsafe { spawn_lua(l, "create") }?;
     // SAFETY: as above.
     unsafe { push_fiber_object(l, fid) }?;
-    // Start it now: it runs before this fiber continues.
-    fibertrace_fiber::yield_now();
+    // Start it now: it runs, and this fiber continues as soon as it yields.
+    if let Some(f) = live_fiber(fid) {
+        fibertrace_fiber::yield_to(&f);
+    }
+    cancelled_check()?;
     Ok(1)
 }
 lua_fn!(f_create, create_body);

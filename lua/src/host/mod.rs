@@ -27,8 +27,6 @@
 //!   fiber that switched last left it. This is harmless unless another fiber is itself
 //!   switched out inside such a callback at the same time; then mlua reads the call's results
 //!   from the wrong Lua thread. Raw C functions (as this module's) have no such problem;
-//! * `fiber.create` makes the new fiber ready and yields, so it runs before its creator
-//!   continues, but after fibers that were already ready (Tarantool runs it at once);
 //! * traces are as exact as [`crate::interleave`] makes them.
 
 use std::cell::RefCell;
@@ -212,8 +210,11 @@ impl Drop for LuaHost {
     fn drop(&mut self) {
         // Fibers still suspended hold Lua frames on their native stacks: cancel them and run
         // them to their end before anything is freed.
-        let fibers: Vec<fibertrace_fiber::Fiber> =
-            with_host(|h| h.recs.values().map(|r| r.fiber.clone()).collect()).unwrap_or_default();
+        let fibers: Vec<fibertrace_fiber::Fiber> = with_host(|h| {
+            h.report_errors = false;
+            h.recs.values().map(|r| r.fiber.clone()).collect()
+        })
+        .unwrap_or_default();
         for f in &fibers {
             f.cancel();
         }
