@@ -215,7 +215,12 @@ end
 local f = fiber.create(guarded)
 RESULT = fiber.info()[f:id()].backtrace
 "#);
-    let mm = "L __index in @t.lua:3";
+    // Lua 5.4 names a metamethod without its underscores.
+    let mm = if LUAJIT {
+        "L __index in @t.lua:3"
+    } else {
+        "L index in @t.lua:3"
+    };
     assert_eq!(
         result(&host, "RESULT"),
         with_bottom(v(&[
