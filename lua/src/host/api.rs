@@ -412,6 +412,7 @@ unsafe fn spawn_lua(l: *mut ffi::lua_State, what: &str) -> Result<FiberId, Strin
                 thread_ref: tref,
                 joinable: false,
                 done: None,
+                trace_cache: None,
             },
         )
     });
@@ -485,6 +486,7 @@ pub(crate) fn run_main_fiber(
                 thread_ref: tref,
                 joinable: false,
                 done: None,
+                trace_cache: None,
             },
         )
     });

@@ -6,8 +6,9 @@
 //! from its saved context, frame-pointer walk) interleaved with the Lua stack of the fiber's
 //! Lua thread and the coroutines running in it ([`crate::interleave`]), in Tarantool's entry
 //! format (`{C = "#1  0x… in name+off"}`, `{L = "#2  leaf in @script.lua:2"}`), numbered
-//! from 1. Rendered entries are cached by (number, frame), so fibers stopped at the same
-//! places cost one table and one interned string per entry.
+//! from 1. Rendered entries are cached by (number, frame); a fiber's trace is cached with its
+//! context-switch count (a fiber that has not run since has the same stacks); and fibers with
+//! identical traces share one `backtrace` array within a result (treat it as read-only).
 //!
 //! How results can be wrong: as [`crate::interleave`]; `memory.used` is the fiber's stack in
 //! use at its last suspension (there is no per-fiber heap region as in Tarantool), `total` its
@@ -15,10 +16,11 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::ffi::c_int;
 
 use fibertrace_core::{Frame, Unwinder};
-use fibertrace_fiber::{FiberId, Status};
+use fibertrace_fiber::{FiberId, Status, WaitOn};
 use mlua::ffi;
 
 use super::raw::{push_str, set_field};
@@ -86,6 +88,50 @@ fn entry(n: u32, f: &Frame) -> Option<(bool, Box<str>)> {
     Some(e)
 }
 
+/// Backtrace arrays already built during one `fiber.info()` call, by trace: fibers stopped at
+/// the same place share one array in a result (read-only data, as Tarantool code treats it).
+pub(crate) struct Shared {
+    /// Absolute index of the scratch table holding the arrays.
+    scratch: c_int,
+    by_trace: HashMap<Rc<[Frame]>, ffi::lua_Integer>,
+}
+
+impl Shared {
+    /// Pushes a scratch table and returns the dedup state over it.
+    ///
+    /// # Safety
+    /// `l` valid.
+    unsafe fn new(l: *mut ffi::lua_State) -> Shared {
+        // SAFETY: per the contract.
+        unsafe {
+            ffi::lua_createtable(l, 8, 0);
+            Shared {
+                scratch: ffi::lua_gettop(l),
+                by_trace: HashMap::new(),
+            }
+        }
+    }
+
+    /// Pushes the entries array of `frames` (shared with earlier identical traces).
+    ///
+    /// # Safety
+    /// `l` valid; the scratch table is still at its index.
+    unsafe fn push(&mut self, l: *mut ffi::lua_State, frames: &Rc<[Frame]>) {
+        // SAFETY: per the contract.
+        unsafe {
+            if let Some(&k) = self.by_trace.get(frames) {
+                ffi::lua_rawgeti(l, self.scratch, k);
+                return;
+            }
+            push_entries(l, frames);
+            let k = self.by_trace.len() as ffi::lua_Integer + 1;
+            ffi::lua_pushvalue(l, -1);
+            ffi::lua_rawseti(l, self.scratch, k);
+            self.by_trace.insert(frames.clone(), k);
+        }
+    }
+}
+
 /// Pushes an array of entries for `frames`.
 ///
 /// # Safety
@@ -147,30 +193,56 @@ pub(crate) unsafe fn current_frames(root: *mut ffi::lua_State, upto: &str) -> Ve
     fibertrace_fiber::info::user_frames(bt.frames()).to_vec()
 }
 
-/// A fiber's interleaved trace now.
+/// A fiber's interleaved trace now: recomputed only when it has run since the last time
+/// (a suspended fiber's native stack and Lua stack change only when it runs).
 ///
 /// # Safety
 /// `root` is the fiber's Lua thread; the fiber is the current one or suspended on this thread.
-unsafe fn fiber_frames(
-    f: &fibertrace_fiber::Fiber,
-    root: *mut ffi::lua_State,
-) -> Option<Vec<Frame>> {
+unsafe fn fiber_frames(f: &fibertrace_fiber::Fiber, root: *mut ffi::lua_State) -> Option<Rc<[Frame]>> {
     if f.id() == fibertrace_fiber::current_id() {
         // SAFETY: per the contract.
-        return Some(unsafe { current_frames(root, "f_info") }).map(|v| {
-            let k = cut_to(&v, "m_info");
-            if k > 0 {
-                v[k..].to_vec()
-            } else {
-                v
-            }
-        });
+        let v = unsafe { current_frames(root, "f_info") };
+        let k = cut_to(&v, "m_info");
+        return Some(Rc::from(&v[k..]));
+    }
+    let csw = f.shared().csw();
+    let cached = with_host(|h| {
+        h.recs
+            .get(&f.id())
+            .and_then(|r| r.trace_cache.as_ref())
+            .filter(|(c, _)| *c == csw && csw > 0)
+            .map(|(_, t)| t.clone())
+    })
+    .flatten();
+    if cached.is_some() {
+        return cached;
     }
     let native = f.backtrace(Unwinder::Fast)?;
     // SAFETY: the fiber is suspended (or never ran) on this OS thread, so its Lua thread is
     // not running; it is read through the debug API only.
     let bt = unsafe { crate::capture_interleaved(&native, root) };
-    Some(fibertrace_fiber::info::user_frames(bt.frames()).to_vec())
+    let t: Rc<[Frame]> = Rc::from(fibertrace_fiber::info::user_frames(bt.frames()));
+    // The count is read again: the capture may not race with a resume on this thread, but
+    // the cache must only hold a trace taken while the fiber was suspended.
+    if f.shared().csw() == csw && f.shared().status().0 != Status::Running {
+        with_host(|h| {
+            if let Some(r) = h.recs.get_mut(&f.id()) {
+                r.trace_cache = Some((csw, t.clone()));
+            }
+        });
+    }
+    Some(t)
+}
+
+fn wait_word(on: &WaitOn) -> &'static str {
+    match on {
+        WaitOn::Sleep => "sleep",
+        WaitOn::ChannelReceive(_) => "channel receive",
+        WaitOn::ChannelSend(_) => "channel send",
+        WaitOn::Condition(_) => "condition wait",
+        WaitOn::Join(_) => "join",
+        WaitOn::Wakeup => "suspended",
+    }
 }
 
 fn status_name(s: Status) -> &'static str {
@@ -193,6 +265,7 @@ unsafe fn push_fiber(
     f: &fibertrace_fiber::Fiber,
     root: *mut ffi::lua_State,
     opts: &Opts,
+    shared: &mut Shared,
 ) {
     let sh = f.shared();
     let (status, on, secs) = sh.status();
@@ -224,7 +297,10 @@ unsafe fn push_fiber(
         set_field(l, t, c"status");
         if let Some(on) = on {
             ffi::lua_createtable(l, 0, 2);
-            push_str(l, &on.to_string());
+            match on {
+                WaitOn::Join(_) => push_str(l, &on.to_string()),
+                _ => push_str(l, wait_word(&on)),
+            }
             set_field(l, t + 1, c"on");
             ffi::lua_pushnumber(l, secs.as_secs_f64());
             set_field(l, t + 1, c"seconds");
@@ -236,11 +312,11 @@ unsafe fn push_fiber(
         }
         if opts.backtrace {
             if let Some(frames) = fiber_frames(f, root) {
-                push_entries(l, &frames);
+                shared.push(l, &frames);
                 set_field(l, t, c"backtrace");
             }
             if let Some(pt) = f.parent_trace() {
-                push_entries(l, &pt.flatten());
+                shared.push(l, &Rc::from(pt.flatten()));
                 set_field(l, t, c"parent_backtrace");
             }
         }
@@ -261,14 +337,17 @@ pub(crate) unsafe fn push_all(l: *mut ffi::lua_State, opts: &Opts) -> Result<(),
     })
     .ok_or("fibertrace: no Lua host on this thread")?;
     fibers.sort_unstable_by_key(|(f, _)| f.id());
-    // SAFETY: fresh table; each fiber's table is set under its id.
+    // SAFETY: fresh tables; each fiber's table is set under its id; the scratch table
+    // (below the result) is removed at the end.
     unsafe {
+        let mut shared = Shared::new(l);
         ffi::lua_createtable(l, 0, fibers.len() as c_int);
         let all = ffi::lua_gettop(l);
         for (f, root) in &fibers {
-            push_fiber(l, f, *root, opts);
+            push_fiber(l, f, *root, opts, &mut shared);
             ffi::lua_rawseti(l, all, f.id() as ffi::lua_Integer);
         }
+        ffi::lua_remove(l, shared.scratch);
     }
     Ok(())
 }
@@ -285,7 +364,11 @@ pub(crate) unsafe fn push_one(
     let (f, root) = with_host(|h| h.recs.get(&fid).map(|r| (r.fiber.clone(), r.thread)))
         .flatten()
         .ok_or("the fiber is dead")?;
-    // SAFETY: per the contract.
-    unsafe { push_fiber(l, &f, root, opts) };
+    // SAFETY: per the contract; the scratch table is removed after.
+    unsafe {
+        let mut shared = Shared::new(l);
+        push_fiber(l, &f, root, opts, &mut shared);
+        ffi::lua_remove(l, shared.scratch);
+    }
     Ok(())
 }

@@ -31,6 +31,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
 use std::ffi::c_int;
 
 use fibertrace_fiber::{FiberId, Scheduler, SchedulerOptions};
@@ -52,12 +53,15 @@ pub(crate) struct Rec {
     /// Set when its function returned: `Some(true)` success, `Some(false)` error; results (or
     /// the error) stay on the thread's stack from index 2 until joined.
     pub done: Option<bool>,
+    /// The fiber's last interleaved trace and its context-switch count then: a fiber that
+    /// has not run since has the same trace (see [`info`]).
+    pub trace_cache: Option<(u64, std::rc::Rc<[fibertrace_core::Frame]>)>,
 }
 
 /// The host's per-thread state.
 pub(crate) struct HostState {
     pub main_l: *mut ffi::lua_State,
-    pub recs: HashMap<FiberId, Rec>,
+    pub recs: HashMap<FiberId, Rec, BuildHasherDefault<fibertrace_core::symbolize::AddrHasher>>,
     pub parent_backtrace: bool,
     /// Finished Lua threads, ready for reuse (stack empty), with their registry refs.
     pub pool: Vec<(*mut ffi::lua_State, c_int)>,
