@@ -626,6 +626,7 @@ unsafe fn name_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract (all reads below).
     let (fid, at) = match unsafe { type_of(l, 1) } {
         ffi::LUA_TUSERDATA => (
+            // SAFETY: as above.
             unsafe { fiber_arg(l, 1) }.ok_or("fiber.name(): bad arguments")?,
             2,
         ),
@@ -826,7 +827,7 @@ fn clock_ns(id: libc::clockid_t) -> i64 {
     };
     // SAFETY: `ts` is a valid out-pointer; the clock ids used are supported on Linux.
     unsafe { libc::clock_gettime(id, &mut ts) };
-    ts.tv_sec as i64 * 1_000_000_000 + ts.tv_nsec as i64
+    ts.tv_sec * 1_000_000_000 + ts.tv_nsec
 }
 
 macro_rules! clock_fns {
@@ -881,7 +882,7 @@ unsafe fn channel_body(l: *mut ffi::lua_State) -> LResult {
         t if t <= ffi::LUA_TNIL => 0,
         // SAFETY: as above.
         _ => match unsafe { to_number(l, 1) } {
-            Some(n) if n >= 0.0 && n < 1e9 => n as usize,
+            Some(n) if (0.0..1e9).contains(&n) => n as usize,
             _ => return Err("fiber.channel(size): bad arguments".into()),
         },
     };

@@ -16,8 +16,8 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::rc::Rc;
 use std::ffi::c_int;
+use std::rc::Rc;
 
 use fibertrace_core::{Frame, Unwinder};
 use fibertrace_fiber::{FiberId, Status, WaitOn};
@@ -58,14 +58,17 @@ pub(crate) unsafe fn read_opts(l: *mut ffi::lua_State, idx: c_int) -> Opts {
     Opts { backtrace }
 }
 
+/// A rendered entry: whether it is a C entry, and its text.
+type Entry = (bool, Box<str>);
+
 thread_local! {
-    static ENTRIES: RefCell<HashMap<(u32, Frame), (bool, Box<str>)>> = RefCell::new(HashMap::new());
+    static ENTRIES: RefCell<HashMap<(u32, Frame), Entry>> = RefCell::new(HashMap::new());
 }
 
 /// Most cached rendered entries (the cache is cleared when it grows past this).
 const CACHE_MAX: usize = 100_000;
 
-fn entry(n: u32, f: &Frame) -> Option<(bool, Box<str>)> {
+fn entry(n: u32, f: &Frame) -> Option<Entry> {
     if matches!(f, Frame::Parent(_)) {
         return None;
     }
@@ -198,7 +201,10 @@ pub(crate) unsafe fn current_frames(root: *mut ffi::lua_State, upto: &str) -> Ve
 ///
 /// # Safety
 /// `root` is the fiber's Lua thread; the fiber is the current one or suspended on this thread.
-unsafe fn fiber_frames(f: &fibertrace_fiber::Fiber, root: *mut ffi::lua_State) -> Option<Rc<[Frame]>> {
+unsafe fn fiber_frames(
+    f: &fibertrace_fiber::Fiber,
+    root: *mut ffi::lua_State,
+) -> Option<Rc<[Frame]>> {
     if f.id() == fibertrace_fiber::current_id() {
         // SAFETY: per the contract.
         let v = unsafe { current_frames(root, "f_info") };

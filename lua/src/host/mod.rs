@@ -31,8 +31,8 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::hash::BuildHasherDefault;
 use std::ffi::c_int;
+use std::hash::BuildHasherDefault;
 
 use fibertrace_fiber::{FiberId, Scheduler, SchedulerOptions};
 use mlua::ffi;
