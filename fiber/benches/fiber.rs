@@ -78,9 +78,7 @@ fn spawning(c: &mut Criterion) {
     g.bench_function("without_parent_traces", |b| {
         b.iter_custom(|n| spawn_run(false, n))
     });
-    g.bench_function("with_parent_traces", |b| {
-        b.iter_custom(|n| spawn_run(true, n))
-    });
+    g.bench_function("with_parent_traces", |b| b.iter_custom(|n| spawn_run(true, n)));
     g.finish();
 }
 
@@ -122,9 +120,7 @@ fn info(c: &mut Criterion) {
     );
     let mut g = c.benchmark_group("info_10000_suspended_fibers");
     g.sample_size(10);
-    g.bench_function("resolved_backtraces", |b| {
-        b.iter(|| black_box(s.info(&opts)))
-    });
+    g.bench_function("resolved_backtraces", |b| b.iter(|| black_box(s.info(&opts))));
     let no_bt = InfoOptions {
         backtrace: false,
         ..opts
@@ -146,10 +142,7 @@ fn paired(label: &str, n: u64, a: impl Fn(u64) -> Duration, b: impl Fn(u64) -> D
     ta.sort_by(f64::total_cmp);
     tb.sort_by(f64::total_cmp);
     let (ma, mb) = (ta[ta.len() / 2], tb[tb.len() / 2]);
-    println!(
-        "{label}: {ma:.1} ns vs {mb:.1} ns per op, ratio {:.3}",
-        ma / mb
-    );
+    println!("{label}: {ma:.1} ns vs {mb:.1} ns per op, ratio {:.3}", ma / mb);
 }
 
 fn ratios(_c: &mut Criterion) {

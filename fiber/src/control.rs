@@ -144,11 +144,7 @@ impl ParentTrace {
             fiber: creator.as_ref().map(|c| c.id),
             creator,
             thread_name,
-            frames: ras
-                .iter()
-                .take(PARENT_FRAMES)
-                .map(|&a| Frame::Ra(a))
-                .collect(),
+            frames: ras.iter().take(PARENT_FRAMES).map(|&a| Frame::Ra(a)).collect(),
         }
     }
 
@@ -310,7 +306,10 @@ impl std::fmt::Debug for FiberShared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FiberShared")
             .field("id", &self.id)
-            .field("name", &&*self.name_arc())
+            .field(
+                "name",
+                &&*self.name_arc(),
+            )
             .field("run", &self.run.load(Ordering::Relaxed))
             .finish()
     }

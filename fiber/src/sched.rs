@@ -1078,8 +1078,7 @@ where
             if with_sched(|s| s.opts.borrow().report_panics).unwrap_or(true) {
                 crate::panic::print_report(shared, &report);
             }
-            *shared.panic.lock().unwrap_or_else(|e| e.into_inner()) =
-                Some(Box::new(report.clone()));
+            *shared.panic.lock().unwrap_or_else(|e| e.into_inner()) = Some(Box::new(report.clone()));
             Err(JoinError::Panicked(Box::new(report)))
         }
     };
