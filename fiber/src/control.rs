@@ -495,4 +495,31 @@ impl FiberShared {
     pub fn is_dead(&self) -> bool {
         self.run.load(Ordering::Acquire) == DEAD
     }
+
+    /// Context switches (resumes) so far.
+    pub fn csw(&self) -> u64 {
+        self.csw.load(Ordering::Relaxed)
+    }
+
+    /// CPU time it ran so far.
+    pub fn cpu_time(&self) -> std::time::Duration {
+        crate::clock::to_duration(self.cpu_ticks.load(Ordering::Relaxed))
+    }
+
+    /// Stack size in bytes.
+    pub fn stack_size(&self) -> usize {
+        self.stack_size
+    }
+
+    /// Stack in use at the last suspension, in bytes.
+    pub fn stack_used(&self) -> usize {
+        self.stack
+            .hi
+            .saturating_sub(self.last_sp.load(Ordering::Relaxed)) as usize
+    }
+
+    /// Whether it was cancelled.
+    pub fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Relaxed)
+    }
 }

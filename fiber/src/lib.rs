@@ -36,8 +36,8 @@ pub mod watchdog;
 pub use control::{FiberId, PanicReport, ParentTrace, Status, WaitOn};
 pub use info::{FiberInfo, InfoOptions};
 pub use sched::{
-    current, current_id, is_cancelled, sleep, spawn, suspend, testcancel, yield_now, BlockOnError,
-    Builder, Fiber, JoinError, JoinHandle, RunError, Scheduler, SchedulerOptions,
+    current, current_id, is_cancelled, sleep, spawn, suspend, testcancel, yield_now, yield_to,
+    BlockOnError, Builder, Fiber, JoinError, JoinHandle, RunError, Scheduler, SchedulerOptions,
 };
 pub use sync::{channel, Channel, ChannelError, Cond};
 

@@ -595,6 +595,35 @@ pub fn yield_now() {
     }
 }
 
+/// Yields so that `f` (if it is ready) runs next and the current fiber right after it:
+/// Tarantool's order for a fiber it starts at once (`fiber.create`). When `f` is not ready,
+/// this is [`yield_now`].
+#[inline(never)]
+pub fn yield_to(f: &Fiber) {
+    let Some(ctx) = current_ctx() else {
+        return;
+    };
+    let me = ctx.shared.id;
+    let target = f.shared.id;
+    with_sched(|s| {
+        let mut ready = s.ready.borrow_mut();
+        if let Some(pos) = ready.iter().rposition(|&x| x == target) {
+            ready.remove(pos);
+            ready.push_front(target);
+            if let Some(slot) = s.slots.borrow_mut().get_mut(&me) {
+                if !slot.queued {
+                    slot.queued = true;
+                    ready.insert(1, me);
+                }
+            }
+        }
+    });
+    ctx.shared.set_status(Status::Ready);
+    suspend_current(Yield::Ready);
+    // Not a tail call: `yield_to` stays in the suspended fiber's trace.
+    std::hint::black_box(());
+}
+
 /// Sleeps for `d` (other fibers run meanwhile). A [`Fiber::wakeup`] ends it early.
 #[inline(never)]
 pub fn sleep(d: Duration) {

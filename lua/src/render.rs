@@ -61,8 +61,13 @@ pub enum TarantoolEntry {
 /// The entries of a trace as Tarantool's `fiber.info()` lists them, numbered from 1
 /// (parent-fiber boundaries are skipped and do not take a number).
 pub fn tarantool_entries(frames: &[Frame]) -> Vec<TarantoolEntry> {
+    tarantool_entries_from(frames, 1)
+}
+
+/// [`tarantool_entries`] numbered from `first`.
+pub fn tarantool_entries_from(frames: &[Frame], first: usize) -> Vec<TarantoolEntry> {
     let mut out = Vec::with_capacity(frames.len());
-    let mut n = 1usize;
+    let mut n = first;
     for f in frames {
         let e = match f {
             Frame::Parent(_) => continue,

@@ -1,8 +1,10 @@
-//! The `fibertrace` command-line program.
+//! The `fibertrace` command-line program: `run` (a Lua host whose fibers are traced) and
+//! `decode` (backtrace tokens in logs).
 
 use clap::{Arg, ArgAction, Command};
 use fibertrace_lua::decode::LineDecoder;
 use fibertrace_lua::symbols::Symbolizer;
+use fibertrace_lua::LuaHost;
 use std::io::{self, BufRead, BufReader, Write};
 use std::process::ExitCode;
 
@@ -11,6 +13,29 @@ fn cli() -> Command {
         .about("Tools for fibertrace backtraces")
         .subcommand_required(true)
         .arg_required_else_help(true)
+        .subcommand(
+            Command::new("run")
+                .about(
+                    "Run a Lua script as the main fiber, with Tarantool's `fiber` and `clock` \
+                     modules (require 'fiber'); `arg` is set as `lua` sets it. Exits when the \
+                     main chunk returns (or on os.exit(n)); on an error prints it with an \
+                     interleaved native + Lua traceback and exits with 1",
+                )
+                .arg(
+                    Arg::new("script")
+                        .value_name("SCRIPT.lua")
+                        .required(true)
+                        .help("The script (`-` for standard input)"),
+                )
+                .arg(
+                    Arg::new("args")
+                        .value_name("ARGS")
+                        .num_args(0..)
+                        .trailing_var_arg(true)
+                        .allow_hyphen_values(true)
+                        .help("Arguments for the script (arg[1], arg[2], ... and `...`)"),
+                ),
+        )
         .subcommand(
             Command::new("decode")
                 .about(
@@ -46,9 +71,66 @@ fn cli() -> Command {
 
 fn main() -> ExitCode {
     let m = cli().get_matches();
-    let Some(("decode", m)) = m.subcommand() else {
-        return ExitCode::from(2);
+    match m.subcommand() {
+        Some(("run", m)) => run(m),
+        Some(("decode", m)) => decode(m),
+        _ => ExitCode::from(2),
+    }
+}
+
+fn run(m: &clap::ArgMatches) -> ExitCode {
+    let script = m.get_one::<String>("script").cloned().unwrap_or_default();
+    let args: Vec<String> = m
+        .get_many::<String>("args")
+        .map(|v| v.cloned().collect())
+        .unwrap_or_default();
+    let source = if script == "-" {
+        let mut b = Vec::new();
+        if let Err(e) = io::Read::read_to_end(&mut io::stdin(), &mut b) {
+            eprintln!("fibertrace: <stdin>: {e}");
+            return ExitCode::from(1);
+        }
+        b
+    } else {
+        match std::fs::read(&script) {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("fibertrace: {script}: {e}");
+                return ExitCode::from(1);
+            }
+        }
     };
+    let host = match LuaHost::new() {
+        Ok(h) => h,
+        Err(e) => {
+            eprintln!("fibertrace: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let interpreter = std::env::args()
+        .next()
+        .unwrap_or_else(|| "fibertrace".into());
+    host.set_arg(&interpreter, &script, &args);
+    let chunk = if script == "-" {
+        "=stdin".to_string()
+    } else {
+        format!("@{script}")
+    };
+    let code = match host.run_main(&chunk, &source, &args) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("{e}");
+            1
+        }
+    };
+    let _ = io::stdout().flush();
+    // `exit` flushes C stdio (Lua's print and io.write); the host is not dropped: fibers
+    // still suspended keep their Lua frames and are never unwound.
+    std::mem::forget(host);
+    std::process::exit(code)
+}
+
+fn decode(m: &clap::ArgMatches) -> ExitCode {
     let files: Vec<String> = m
         .get_many::<String>("files")
         .map(|v| v.cloned().collect())

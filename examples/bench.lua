@@ -1,0 +1,58 @@
+-- Benchmarks that run unchanged under `tarantool bench.lua` and `fibertrace run bench.lua`.
+-- Prints one figure per line.
+--   fiber.create of an empty function (create + run), per fiber;
+--   yield ping-pong between two Lua fibers, per switch;
+--   fiber.info() over N sleeping fibers (three Lua calls deep), with and without backtraces.
+local fiber = require('fiber')
+local clock = require('clock')
+
+local N_CREATE = tonumber(arg[1]) or 200000
+local N_SWITCH = tonumber(arg[2]) or 1000000
+local N_SLEEPERS = tonumber(arg[3]) or 10000
+
+local function best(runs, f)
+    local min = math.huge
+    for _ = 1, runs do
+        local t0 = clock.monotonic()
+        f()
+        local dt = clock.monotonic() - t0
+        if dt < min then min = dt end
+    end
+    return min
+end
+
+-- 1. create + run of an empty function.
+local function empty() end
+local dt = best(5, function()
+    for _ = 1, N_CREATE do fiber.create(empty) end
+end)
+print(string.format('fiber.create (create + run): %.0f ns per fiber', dt / N_CREATE * 1e9))
+
+-- 2. yield ping-pong between two fibers.
+local function pinger(n)
+    for _ = 1, n do fiber.yield() end
+end
+dt = best(3, function()
+    local a = fiber.new(pinger, N_SWITCH)
+    local b = fiber.new(pinger, N_SWITCH)
+    a:set_joinable(true)
+    b:set_joinable(true)
+    a:join()
+    b:join()
+end)
+print(string.format('yield ping-pong: %.1f ns per switch', dt / (2 * N_SWITCH) * 1e9))
+
+-- 3. fiber.info() over sleeping fibers.
+local function leaf() fiber.sleep(1e6) end
+local function mid() leaf() end
+local function top() mid() end
+local sleepers = {}
+for i = 1, N_SLEEPERS do sleepers[i] = fiber.create(top) end
+local count = 0
+for _ in pairs(fiber.info()) do count = count + 1 end
+dt = best(5, function() fiber.info() end)
+print(string.format('fiber.info() over %d fibers: %.2f ms', count, dt * 1e3))
+dt = best(5, function() fiber.info({backtrace = false}) end)
+print(string.format('fiber.info({backtrace = false}) over %d fibers: %.2f ms', count, dt * 1e3))
+for i = 1, N_SLEEPERS do sleepers[i]:cancel() end
+os.exit(0)

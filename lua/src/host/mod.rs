@@ -1,0 +1,252 @@
+//! The Lua host: one Lua state whose fibers are fibertrace fibers, with Tarantool's `fiber`
+//! and `clock` modules, `fiber.info()` with interleaved native and Lua backtraces, and the
+//! script runner behind `fibertrace run`.
+//!
+//! Model: every Lua fiber is a [`fibertrace_fiber`] fiber (a corosensei coroutine with its own
+//! native stack) that runs its own Lua *thread* with `lua_pcall`. A switch is native: the Lua
+//! thread simply stays inside the C function that switched (`fiber.sleep`, `channel:get`, …),
+//! so a fiber may switch anywhere — in a `table.sort` comparator, a metamethod, under `pcall`,
+//! inside a Lua coroutine. Lua's `coroutine.yield` at a fiber's top level is an error, as in
+//! Tarantool (the fiber's function is called, not resumed).
+//!
+//! Invariants:
+//! * one host per OS thread (its state is thread-local); every Lua-visible function is a raw
+//!   `lua_CFunction` ([`raw`]) that never raises from a frame owning Rust values;
+//! * the module's functions never go through mlua's callback machinery, so mlua's notion of
+//!   the "current state" is not disturbed by switches made by the module;
+//! * a fiber's Lua thread is anchored in the registry while the fiber lives (and, for a
+//!   joinable fiber, until it is joined), and is only read from other fibers through the
+//!   debug API while it is suspended (same OS thread, so it cannot run meanwhile);
+//! * suspended fibers are never dropped with Lua frames on their stacks: dropping the host
+//!   cancels them and runs them to their end first (pitfall 2 of `notes/lua.md`); a fiber that
+//!   refuses to end is leaked with the Lua state.
+//!
+//! How results can be wrong or surprising:
+//! * an mlua callback (a Rust function made with `Lua::create_function`) that calls Lua code
+//!   which switches fibers sees, after the call returns, mlua's "current state" as the
+//!   fiber that switched last left it. This is harmless unless another fiber is itself
+//!   switched out inside such a callback at the same time; then mlua reads the call's results
+//!   from the wrong Lua thread. Raw C functions (as this module's) have no such problem;
+//! * traces are as exact as [`crate::interleave`] makes them.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::c_int;
+use std::hash::BuildHasherDefault;
+
+use fibertrace_fiber::{FiberId, Scheduler, SchedulerOptions};
+use mlua::ffi;
+
+pub(crate) mod api;
+pub mod info;
+#[doc(hidden)]
+pub mod raw;
+
+/// One Lua fiber known to the host.
+pub(crate) struct Rec {
+    pub fiber: fibertrace_fiber::Fiber,
+    pub handle: Option<fibertrace_fiber::JoinHandle<()>>,
+    /// The fiber's own Lua thread (the root of its Lua activity).
+    pub thread: *mut ffi::lua_State,
+    pub thread_ref: c_int,
+    pub joinable: bool,
+    /// Set when its function returned: `Some(true)` success, `Some(false)` error; results (or
+    /// the error) stay on the thread's stack from index 2 until joined.
+    pub done: Option<bool>,
+    /// The fiber's last interleaved trace and its context-switch count then: a fiber that
+    /// has not run since has the same trace (see [`info`]).
+    pub trace_cache: Option<(u64, std::rc::Rc<[fibertrace_core::Frame]>)>,
+}
+
+/// The host's per-thread state.
+pub(crate) struct HostState {
+    pub main_l: *mut ffi::lua_State,
+    pub recs: HashMap<FiberId, Rec, BuildHasherDefault<fibertrace_core::symbolize::AddrHasher>>,
+    pub parent_backtrace: bool,
+    /// Finished Lua threads, ready for reuse (stack empty), with their registry refs.
+    pub pool: Vec<(*mut ffi::lua_State, c_int)>,
+    /// Registry refs: weak table fid -> fiber object; metatables.
+    pub objects_ref: c_int,
+    pub fiber_mt_ref: c_int,
+    pub channel_mt_ref: c_int,
+    pub cond_mt_ref: c_int,
+    /// Print errors of fibers nobody joins (to stderr).
+    pub report_errors: bool,
+}
+
+thread_local! {
+    static HOST: RefCell<Option<HostState>> = const { RefCell::new(None) };
+    /// The interleaved trace of the last error caught by a fiber's message handler.
+    static LAST_TRACE: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` with the host state of this thread (`None`: no host, or already borrowed).
+pub(crate) fn with_host<R>(f: impl FnOnce(&mut HostState) -> R) -> Option<R> {
+    HOST.with(|h| {
+        let mut g = h.try_borrow_mut().ok()?;
+        g.as_mut().map(f)
+    })
+}
+
+/// A script's failure: its error message and the interleaved traceback at the error.
+#[derive(Clone, Debug)]
+pub struct ScriptError {
+    /// The error value as text.
+    pub message: String,
+    /// The trace at the point of the error, Tarantool's format, one frame a line.
+    pub traceback: String,
+}
+
+impl std::fmt::Display for ScriptError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.traceback.is_empty() {
+            write!(f, "{}", self.message)
+        } else {
+            write!(f, "{}\nstack traceback:\n{}", self.message, self.traceback)
+        }
+    }
+}
+
+impl std::error::Error for ScriptError {}
+
+/// A Lua state whose fibers are fibertrace fibers, with the `fiber` and `clock` modules.
+pub struct LuaHost {
+    lua: Option<mlua::Lua>,
+    sched: Option<Scheduler>,
+}
+
+impl LuaHost {
+    /// A host with the standard libraries (including `debug`, and `ffi`/`jit` on LuaJIT, as
+    /// the `lua`/`luajit` interpreters have them) and the `fiber` and `clock` modules.
+    ///
+    /// # Errors
+    /// When another host already runs on this thread, or Lua fails to initialise.
+    pub fn new() -> Result<LuaHost, String> {
+        crate::prepare();
+        if HOST.with(|h| h.borrow().is_some()) {
+            return Err("a Lua host already exists on this thread".into());
+        }
+        // SAFETY: unsafe_new only allows loading the `debug` and `ffi` libraries, which a Lua
+        // interpreter (as `fibertrace run` is) offers to its scripts.
+        let lua = unsafe { mlua::Lua::unsafe_new() };
+        let l = lua.state();
+        let sched = Scheduler::with_options(SchedulerOptions {
+            parent_traces: false,
+            report_panics: false,
+            name: "lua".into(),
+            ..SchedulerOptions::default()
+        });
+        // SAFETY: `l` is the main state of a Lua just created on this thread, used by nothing
+        // else now.
+        let st = unsafe { api::install(l) }?;
+        HOST.with(|h| *h.borrow_mut() = Some(st));
+        Ok(LuaHost {
+            lua: Some(lua),
+            sched: Some(sched),
+        })
+    }
+
+    /// The Lua state (for registering more globals; mlua callbacks that switch fibers have
+    /// the caveat of the module docs).
+    pub fn lua(&self) -> &mlua::Lua {
+        self.lua.as_ref().expect("host alive")
+    }
+
+    /// The scheduler.
+    pub fn scheduler(&self) -> &Scheduler {
+        self.sched.as_ref().expect("host alive")
+    }
+
+    /// Runs Lua source as the main fiber (named `main`) until its chunk returns: `name` is
+    /// the chunk name (`@file.lua` for a file), `args` become the chunk's `...`. Fibers still
+    /// alive afterwards stay suspended (run them on with [`LuaHost::run_fibers`]).
+    ///
+    /// # Errors
+    /// The script's error with its traceback; a syntax error; a deadlock (every fiber waits
+    /// and no timer is set).
+    pub fn run_main(&self, name: &str, source: &[u8], args: &[String]) -> Result<(), ScriptError> {
+        let name = name.to_string();
+        let source = source.to_vec();
+        let args = args.to_vec();
+        let r = self
+            .scheduler()
+            .block_on(move || api::run_main_fiber(&name, &source, &args));
+        match r {
+            Ok(r) => r,
+            Err(e) => Err(ScriptError {
+                message: format!("fibertrace: {e}"),
+                traceback: String::new(),
+            }),
+        }
+    }
+
+    /// Runs the scheduler until no fiber is left (or they all wait forever).
+    ///
+    /// # Errors
+    /// On a deadlock, naming the fibers left waiting.
+    pub fn run_fibers(&self) -> Result<(), String> {
+        self.scheduler().run().map_err(|e| e.to_string())
+    }
+
+    /// Sets `arg` as the `lua` interpreter does: `arg[0]` the script, `arg[1..]` its
+    /// arguments, `arg[-1]` the interpreter.
+    pub fn set_arg(&self, interpreter: &str, script: &str, args: &[String]) {
+        let Some(l) = with_host(|h| h.main_l) else {
+            return;
+        };
+        // SAFETY: main state of this thread's host, no Lua running on it from here.
+        unsafe {
+            ffi::lua_createtable(l, args.len() as c_int, 2);
+            raw::push_str(l, interpreter);
+            ffi::lua_rawseti(l, -2, -1);
+            raw::push_str(l, script);
+            ffi::lua_rawseti(l, -2, 0);
+            for (i, a) in args.iter().enumerate() {
+                raw::push_str(l, a);
+                ffi::lua_rawseti(l, -2, i as ffi::lua_Integer + 1);
+            }
+            ffi::lua_setglobal(l, c"arg".as_ptr());
+        }
+    }
+}
+
+impl Drop for LuaHost {
+    fn drop(&mut self) {
+        // Fibers still suspended hold Lua frames on their native stacks: cancel them and run
+        // them to their end before anything is freed.
+        let fibers: Vec<fibertrace_fiber::Fiber> = with_host(|h| {
+            h.report_errors = false;
+            h.recs.values().map(|r| r.fiber.clone()).collect()
+        })
+        .unwrap_or_default();
+        for f in &fibers {
+            f.cancel();
+        }
+        if let Some(s) = &self.sched {
+            for _ in 0..3 {
+                if s.fiber_count() == 0 {
+                    break;
+                }
+                let _ = s.run();
+            }
+            if s.fiber_count() > 0 {
+                // Leak rather than unwind through the Lua VM.
+                std::mem::forget(self.sched.take());
+                std::mem::forget(self.lua.take());
+                HOST.with(|h| std::mem::forget(h.borrow_mut().take()));
+                return;
+            }
+        }
+        self.sched.take();
+        HOST.with(|h| h.borrow_mut().take());
+        self.lua.take();
+    }
+}
+
+pub(crate) fn set_last_trace(t: Option<String>) {
+    LAST_TRACE.with(|c| *c.borrow_mut() = t);
+}
+
+pub(crate) fn take_last_trace() -> Option<String> {
+    LAST_TRACE.with(|c| c.borrow_mut().take())
+}

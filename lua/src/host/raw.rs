@@ -1,0 +1,153 @@
+//! Small helpers over the raw Lua API for the host's C functions.
+//!
+//! Every Lua-visible function of the host is a plain `lua_CFunction` written with
+//! [`lua_fn!`](crate::lua_fn): its body returns `Result<c_int, String>` and never raises a Lua
+//! error itself (no `luaL_check*`, no `lua_error`); the wrapper turns an `Err` (or a Rust
+//! panic, e.g. the fiber runtime's cancellation) into a Lua error *after* every Rust value of
+//! the body is dropped, so Lua's error unwinding (a C++-style exception in LuaJIT, a longjmp in
+//! Lua 5.4) crosses only the wrapper's frame, which owns nothing.
+//!
+//! The only Lua API calls the bodies make that can still raise are allocations (a memory
+//! error while pushing a string or creating a table): those would unwind through Rust frames.
+//! They are not handled (the process is out of memory then).
+
+use std::ffi::{c_int, CStr};
+
+use mlua::ffi;
+
+/// The result of a C function body: the number of results pushed, or an error message.
+pub(crate) type LResult = Result<c_int, String>;
+
+/// Defines a `lua_CFunction` named `$name` from a body `fn(*mut lua_State) -> LResult`.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! lua_fn {
+    ($name:ident, $body:path) => {
+        pub(crate) unsafe extern "C-unwind" fn $name(
+            l: *mut mlua::ffi::lua_State,
+        ) -> std::ffi::c_int {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                // SAFETY: Lua calls this function with a valid state; the body's contract is
+                // the C function contract.
+                unsafe { $body(l) }
+            }));
+            match r {
+                Ok(Ok(n)) => n,
+                Ok(Err(msg)) => {
+                    // SAFETY: `l` is the calling state; the message is pushed and then raised,
+                    // with nothing owned by this frame left alive.
+                    unsafe { $crate::host::raw::push_str(l, &msg) };
+                    drop(msg);
+                    // SAFETY: as above: raising from a C function is how Lua errors are made.
+                    unsafe { mlua::ffi::lua_error(l) }
+                }
+                Err(payload) => {
+                    drop(payload);
+                    let msg = if fibertrace_fiber::is_cancelled() {
+                        "fiber is cancelled"
+                    } else {
+                        "fibertrace: internal error (Rust panic)"
+                    };
+                    // SAFETY: as above.
+                    unsafe { $crate::host::raw::push_str(l, msg) };
+                    // SAFETY: as above.
+                    unsafe { mlua::ffi::lua_error(l) }
+                }
+            }
+        }
+    };
+}
+
+/// Pushes a Rust string.
+///
+/// # Safety
+/// `l` is a valid state with room for one value.
+pub(crate) unsafe fn push_str(l: *mut ffi::lua_State, s: &str) {
+    // SAFETY: the pointer and length describe `s`; Lua copies the bytes.
+    unsafe { ffi::lua_pushlstring(l, s.as_ptr().cast(), s.len()) };
+}
+
+/// Sets `t[k] = v` for the value on top (popped) on the table at `idx` (a fresh table with no
+/// metatable, so no metamethod runs).
+///
+/// # Safety
+/// `idx` is an absolute index of a table without a metatable; a value is on top.
+pub(crate) unsafe fn set_field(l: *mut ffi::lua_State, idx: c_int, k: &CStr) {
+    // SAFETY: per the contract.
+    unsafe { ffi::lua_setfield(l, idx, k.as_ptr()) };
+}
+
+/// The string at `idx` (a string or a number, converted in place as Lua does), lossily.
+///
+/// # Safety
+/// `l` is valid and `idx` an acceptable index.
+pub(crate) unsafe fn to_string(l: *mut ffi::lua_State, idx: c_int) -> Option<String> {
+    let mut len = 0usize;
+    // SAFETY: lua_tolstring returns null or a pointer to `len` bytes owned by the value.
+    let p = unsafe { ffi::lua_tolstring(l, idx, &mut len) };
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: as above; the bytes are copied before any other Lua call.
+    let b = unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len) };
+    Some(String::from_utf8_lossy(b).into_owned())
+}
+
+/// The number at `idx`, if it is a number (or a numeric string).
+///
+/// # Safety
+/// `l` is valid and `idx` an acceptable index.
+pub(crate) unsafe fn to_number(l: *mut ffi::lua_State, idx: c_int) -> Option<f64> {
+    let mut ok: c_int = 0;
+    // SAFETY: plain read of a stack value.
+    let v = unsafe { ffi::lua_tonumberx(l, idx, &mut ok) };
+    (ok != 0).then_some(v)
+}
+
+/// The type of the value at `idx`.
+///
+/// # Safety
+/// `l` is valid.
+pub(crate) unsafe fn type_of(l: *mut ffi::lua_State, idx: c_int) -> c_int {
+    // SAFETY: per the contract.
+    unsafe { ffi::lua_type(l, idx) }
+}
+
+/// An optional timeout argument in seconds (nil or absent: none).
+///
+/// # Safety
+/// `l` is valid.
+pub(crate) unsafe fn opt_timeout(
+    l: *mut ffi::lua_State,
+    idx: c_int,
+    what: &str,
+) -> Result<Option<std::time::Duration>, String> {
+    // SAFETY: per the contract.
+    if unsafe { type_of(l, idx) } <= ffi::LUA_TNIL {
+        return Ok(None);
+    }
+    // SAFETY: per the contract.
+    match unsafe { to_number(l, idx) } {
+        Some(s) if s.is_nan() => Err(format!("{what}: timeout is not a number")),
+        Some(s) if s <= 0.0 => Ok(Some(std::time::Duration::ZERO)),
+        Some(s) if s >= 1e9 => Ok(None),
+        Some(s) => Ok(Some(std::time::Duration::from_secs_f64(s))),
+        None => Err(format!("{what}: timeout must be a number")),
+    }
+}
+
+/// A readable description of an error value (strings and numbers as they are).
+///
+/// # Safety
+/// `l` is valid.
+pub(crate) unsafe fn error_text(l: *mut ffi::lua_State, idx: c_int) -> String {
+    // SAFETY: per the contract.
+    let t = unsafe { type_of(l, idx) };
+    if t == ffi::LUA_TSTRING || t == ffi::LUA_TNUMBER {
+        // SAFETY: per the contract.
+        return unsafe { to_string(l, idx) }.unwrap_or_default();
+    }
+    // SAFETY: lua_typename returns a static NUL-terminated name.
+    let name = unsafe { CStr::from_ptr(ffi::lua_typename(l, t)) };
+    format!("(error object is a {} value)", name.to_string_lossy())
+}

@@ -1,0 +1,520 @@
+//! The Lua host (`fiber` module, `fiber.info()`): exact interleaved traces of Lua fibers,
+//! native and Lua frames, under both Lua flavours (the same scripts).
+//!
+//! Traces are projected for comparison: every Lua entry is kept whole (without its number),
+//! native entries only for the functions that matter (the host's C functions, the runtime's
+//! switch points, the test's own Rust callbacks `tcb_*`), by the last segment of their name.
+
+use fibertrace_lua::LuaHost;
+use mlua::{Function, Table, Value};
+
+const LUAJIT: bool = cfg!(feature = "luajit");
+
+const KEEP: &[&str] = &[
+    "sleep",
+    "yield_now",
+    "yield_to",
+    "f_sleep",
+    "f_yield",
+    "f_info",
+    "f_create",
+    "call_in_thread",
+    "lua_fiber_main",
+    "run_main_fiber",
+];
+
+fn c_name(s: &str) -> Option<String> {
+    // "#1  0x55.. in path::name+off"
+    let (_, rest) = s.split_once(" in ")?;
+    let name = rest.rsplit_once('+').map_or(rest, |(n, _)| n);
+    if name.ends_with("{{closure}}") {
+        return None;
+    }
+    let last = name.rsplit("::").next().unwrap_or(name);
+    (KEEP.contains(&last) || last.starts_with("tcb_")).then(|| format!("C {last}"))
+}
+
+fn strip_number(s: &str) -> &str {
+    // "#12 text" or "#1  text"
+    s.split_once(' ').map_or(s, |(_, r)| r.trim_start())
+}
+
+fn project(entries: &Table) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in entries.sequence_values::<Table>() {
+        let e = e.unwrap();
+        let (k, v): (String, String) = e.pairs().next().unwrap().unwrap();
+        match k.as_str() {
+            "L" => out.push(format!("L {}", strip_number(&v))),
+            "C" => out.extend(c_name(&v)),
+            other => panic!("unexpected key {other}"),
+        }
+    }
+    out
+}
+
+fn run(src: &str) -> LuaHost {
+    let host = LuaHost::new().unwrap();
+    let lua = host.lua();
+    lua.globals()
+        .set("tcb_call", lua.create_function(tcb_call).unwrap())
+        .unwrap();
+    if let Err(e) = host.run_main("@t.lua", src.as_bytes(), &[]) {
+        panic!("script failed: {e}");
+    }
+    host
+}
+
+/// A Rust callback that calls a Lua function (which may switch fibers).
+#[inline(never)]
+fn tcb_call(_: &mlua::Lua, f: Function) -> mlua::Result<()> {
+    f.call::<()>(())?;
+    std::hint::black_box(());
+    Ok(())
+}
+
+fn result(host: &LuaHost, name: &str) -> Vec<String> {
+    let t: Table = host.lua().globals().get(name).unwrap();
+    project(&t)
+}
+
+fn v(items: &[&str]) -> Vec<String> {
+    items.iter().map(|s| s.to_string()).collect()
+}
+
+/// The bottom of a fiber made by fiber.create.
+const FIBER_BOTTOM: &[&str] = &["C call_in_thread", "C lua_fiber_main"];
+
+fn with_bottom(mut top: Vec<String>) -> Vec<String> {
+    top.extend(v(FIBER_BOTTOM));
+    top
+}
+
+#[test]
+fn fiber_sleeping_three_lua_calls_deep() {
+    let host = run(r#"local fiber = require('fiber')
+local function leaf()
+  fiber.sleep(100)
+  return 1
+end
+local function mid()
+  leaf()
+  return 2
+end
+local function top()
+  mid()
+  return 3
+end
+local f = fiber.create(top)
+RESULT = fiber.info()[f:id()].backtrace
+SELF = fiber.info()[fiber.id()].backtrace
+"#);
+    assert_eq!(
+        result(&host, "RESULT"),
+        with_bottom(v(&[
+            "C sleep",
+            "C f_sleep",
+            "L sleep in =[C]:-1",
+            "L leaf in @t.lua:3",
+            "L mid in @t.lua:7",
+            "L function <t.lua:10> in @t.lua:11",
+        ]))
+    );
+    // The running fiber's own trace starts at fiber.info's C function.
+    assert_eq!(
+        result(&host, "SELF"),
+        v(&[
+            "C f_info",
+            "L info in =[C]:-1",
+            "L main chunk in @t.lua:16",
+            "C call_in_thread",
+            "C run_main_fiber",
+        ])
+    );
+}
+
+#[test]
+fn rust_callback_lua_rust_lua_chain() {
+    let host = run(r#"local fiber = require('fiber')
+local function inner()
+  tcb_call(function()
+    fiber.sleep(100)
+  end)
+  return 1
+end
+local function outer()
+  tcb_call(function()
+    inner()
+  end)
+  return 2
+end
+local f = fiber.create(outer)
+RESULT = fiber.info()[f:id()].backtrace
+"#);
+    assert_eq!(
+        result(&host, "RESULT"),
+        with_bottom(v(&[
+            "C sleep",
+            "C f_sleep",
+            "L sleep in =[C]:-1",
+            "L function <t.lua:3> in @t.lua:4",
+            "C tcb_call",
+            "L tcb_call in =[C]:-1",
+            "L inner in @t.lua:3",
+            "L function <t.lua:9> in @t.lua:10",
+            "C tcb_call",
+            "L tcb_call in =[C]:-1",
+            "L function <t.lua:8> in @t.lua:9",
+        ]))
+    );
+}
+
+#[test]
+fn table_sort_comparator_that_sleeps() {
+    let host = run(r#"local fiber = require('fiber')
+local function sorter()
+  local t = {3, 1, 2}
+  table.sort(t, function(a, b)
+    fiber.sleep(100)
+    return a < b
+  end)
+  return t
+end
+local f = fiber.create(sorter)
+RESULT = fiber.info()[f:id()].backtrace
+"#);
+    assert_eq!(
+        result(&host, "RESULT"),
+        with_bottom(v(&[
+            "C sleep",
+            "C f_sleep",
+            "L sleep in =[C]:-1",
+            "L function <t.lua:4> in @t.lua:5",
+            "L sort in =[C]:-1",
+            "L function <t.lua:2> in @t.lua:4",
+        ]))
+    );
+}
+
+#[test]
+fn pcall_and_metamethod_in_the_chain() {
+    let host = run(r#"local fiber = require('fiber')
+local mt = {__index = function(t, k)
+  fiber.sleep(100)
+  return k
+end}
+local function get()
+  local obj = setmetatable({}, mt)
+  local v = obj.key
+  return v
+end
+local function guarded()
+  local ok, v = pcall(get)
+  return ok, v
+end
+local f = fiber.create(guarded)
+RESULT = fiber.info()[f:id()].backtrace
+"#);
+    // Lua 5.4 names a metamethod without its underscores.
+    let mm = if LUAJIT {
+        "L __index in @t.lua:3"
+    } else {
+        "L index in @t.lua:3"
+    };
+    assert_eq!(
+        result(&host, "RESULT"),
+        with_bottom(v(&[
+            "C sleep",
+            "C f_sleep",
+            "L sleep in =[C]:-1",
+            mm,
+            "L function <t.lua:6> in @t.lua:8",
+            "L pcall in =[C]:-1",
+            "L function <t.lua:11> in @t.lua:12",
+        ]))
+    );
+}
+
+#[test]
+fn coroutine_wrap_inside_a_fiber() {
+    let host = run(r#"local fiber = require('fiber')
+local function inner()
+  fiber.sleep(100)
+  return 1
+end
+local function body()
+  local w = coroutine.wrap(function()
+    inner()
+    return 2
+  end)
+  w()
+  return 3
+end
+local f = fiber.create(body)
+RESULT = fiber.info()[f:id()].backtrace
+"#);
+    assert_eq!(
+        result(&host, "RESULT"),
+        with_bottom(v(&[
+            "C sleep",
+            "C f_sleep",
+            "L sleep in =[C]:-1",
+            "L inner in @t.lua:3",
+            "L function <t.lua:7> in @t.lua:8",
+            "L w in =[C]:-1",
+            "L function <t.lua:6> in @t.lua:11",
+        ]))
+    );
+}
+
+#[test]
+fn parent_trace_contains_the_creators_lua_function() {
+    let host = run(r#"local fiber = require('fiber')
+fiber.parent_backtrace_enable()
+local child
+local function spawner()
+  child = fiber.create(function()
+    fiber.sleep(100)
+  end)
+  fiber.sleep(100)
+end
+local function start_spawner()
+  local p = fiber.create(spawner)
+  return p
+end
+local p = start_spawner()
+local i = fiber.info()[child:id()]
+RESULT = i.parent_backtrace
+PARENT = i.parent
+PID = p:id()
+GRAND = fiber.info()[p:id()].parent_backtrace
+fiber.parent_backtrace_disable()
+local q = fiber.create(function() fiber.sleep(100) end)
+NONE = fiber.info()[q:id()].parent_backtrace == nil
+"#);
+    let g = host.lua().globals();
+    assert_eq!(
+        g.get::<u64>("PARENT").unwrap(),
+        g.get::<u64>("PID").unwrap()
+    );
+    assert!(g.get::<bool>("NONE").unwrap());
+    // The child's parent trace: the spawner at its fiber.create, then (chained) the main
+    // fiber where it created the spawner.
+    assert_eq!(
+        result(&host, "RESULT"),
+        v(&[
+            "C f_create",
+            "L create in =[C]:-1",
+            "L function <t.lua:4> in @t.lua:5",
+            "C call_in_thread",
+            "C lua_fiber_main",
+            "C f_create",
+            "L create in =[C]:-1",
+            "L start_spawner in @t.lua:11",
+            "L main chunk in @t.lua:14",
+            "C call_in_thread",
+            "C run_main_fiber",
+        ])
+    );
+    assert_eq!(
+        result(&host, "GRAND"),
+        v(&[
+            "C f_create",
+            "L create in =[C]:-1",
+            "L start_spawner in @t.lua:11",
+            "L main chunk in @t.lua:14",
+            "C call_in_thread",
+            "C run_main_fiber",
+        ])
+    );
+}
+
+#[test]
+fn info_without_backtraces() {
+    let host = run(r#"local fiber = require('fiber')
+local f = fiber.create(function() fiber.sleep(100) end)
+f:name('sleeper')
+local a = fiber.info({backtrace = false})[f:id()]
+local b = fiber.info({bt = false})[f:id()]
+local c = f:info({bt = false})
+local d = fiber.info()[f:id()]
+A = a.backtrace == nil and b.backtrace == nil and c.backtrace == nil and d.backtrace ~= nil
+KEYS = {a.fid == f:id(), a.name, a.status, a.waiting.on, type(a.csw), type(a.time),
+        type(a.memory.used), type(a.memory.total), a.parent == fiber.id(), f:status()}
+"#);
+    let g = host.lua().globals();
+    assert!(g.get::<bool>("A").unwrap());
+    let keys: Table = g.get("KEYS").unwrap();
+    let got: Vec<String> = keys
+        .sequence_values::<Value>()
+        .map(|v| match v.unwrap() {
+            Value::String(s) => s.to_string_lossy(),
+            Value::Boolean(b) => b.to_string(),
+            other => format!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        got,
+        v(&[
+            "true",
+            "sleeper",
+            "sleeping",
+            "sleep",
+            "number",
+            "number",
+            "number",
+            "number",
+            "true",
+            "suspended"
+        ])
+    );
+}
+
+#[test]
+fn lua_error_in_the_main_fiber_has_an_interleaved_traceback() {
+    let host = LuaHost::new().unwrap();
+    let err = host
+        .run_main(
+            "@t.lua",
+            br#"local fiber = require('fiber')
+local function fail()
+  error('boom')
+end
+local function caller()
+  fail()
+  return 1
+end
+caller()
+"#,
+            &[],
+        )
+        .unwrap_err();
+    assert_eq!(err.message, "t.lua:3: boom");
+    let lines: Vec<String> = err
+        .traceback
+        .lines()
+        .filter_map(|l| {
+            if l.contains(" 0x") {
+                c_name(l)
+            } else {
+                Some(format!("L {}", strip_number(l)))
+            }
+        })
+        .collect();
+    assert_eq!(
+        lines,
+        v(&[
+            "L error in =[C]:-1",
+            "L fail in @t.lua:3",
+            "L caller in @t.lua:6",
+            "L main chunk in @t.lua:9",
+            "C call_in_thread",
+            "C run_main_fiber",
+        ])
+    );
+}
+
+#[test]
+fn lua_error_in_a_fiber_joined_and_printed() {
+    // Joined: the joiner gets the error.
+    let host = run(r#"local fiber = require('fiber')
+local f = fiber.new(function(a, b)
+  fiber.yield()
+  error('bad ' .. a .. b)
+end, 'x', 'y')
+f:set_joinable(true)
+local ok, err = f:join()
+R = tostring(ok) .. ' ' .. err
+local g = fiber.new(function(a, b) fiber.yield() return a + b, 'z' end, 2, 3)
+g:set_joinable(true)
+local ok2, sum, z = g:join()
+R2 = tostring(ok2) .. ' ' .. sum .. ' ' .. z .. ' ' .. g:status()
+"#);
+    let g = host.lua().globals();
+    assert_eq!(g.get::<String>("R").unwrap(), "false t.lua:4: bad xy");
+    assert_eq!(g.get::<String>("R2").unwrap(), "true 5 z dead");
+}
+
+#[test]
+fn lua_error_in_a_fiber_prints_an_interleaved_traceback() {
+    let dir = std::env::temp_dir().join(format!("ft-host-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = dir.join("err.lua");
+    std::fs::write(
+        &script,
+        "local fiber = require('fiber')\nlocal function deep()\n  error('kaput')\nend\nfiber.create(function()\n  deep()\nend)\nprint('after')\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fibertrace"))
+        .arg("run")
+        .arg(&script)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "after\n");
+    let s = script.display().to_string();
+    assert!(
+        stderr.contains(&format!("failed: {s}:3: kaput\nstack traceback:\n")),
+        "{stderr}"
+    );
+    let lua_lines: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with('#') && !l.contains(" 0x"))
+        .map(strip_number)
+        .collect();
+    assert_eq!(
+        lua_lines,
+        vec![
+            "error in =[C]:-1".to_string(),
+            format!("deep in @{s}:3"),
+            format!("function <{s}:5> in @{s}:6"),
+        ]
+    );
+    assert!(
+        stderr.contains(" in fibertrace_lua::host::api::lua_fiber_main+"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn fiber_api_basics() {
+    let host = run(r#"local fiber = require('fiber')
+local clock = require('clock')
+local log = {}
+local f = fiber.create(function(x) table.insert(log, 'child ' .. x) end, 1)
+table.insert(log, 'parent')
+local ch = fiber.channel(2)
+local c = fiber.cond()
+local w = fiber.create(function()
+  for i = 1, 3 do ch:put(i) end
+  c:signal()
+end)
+local got = {}
+for i = 1, 3 do got[#got + 1] = ch:get() end
+table.insert(log, table.concat(got, ','))
+table.insert(log, tostring(ch:get(0.01)))
+local s = fiber.create(function() fiber.sleep(100) end)
+s:cancel()
+fiber.yield()
+table.insert(log, s:status())
+local t0 = clock.monotonic()
+fiber.sleep(0.01)
+table.insert(log, tostring(clock.monotonic() - t0 >= 0.009))
+table.insert(log, tostring(fiber.self() == fiber.find(fiber.id())))
+table.insert(log, tostring(fiber.find(f:id())))
+fiber.name('mainer')
+table.insert(log, fiber.name() .. ' ' .. fiber.self():name())
+table.insert(log, tostring(pcall(fiber.name, string.rep('x', 300))))
+fiber.name(string.rep('y', 300), {truncate = true})
+table.insert(log, tostring(#fiber.name()))
+table.insert(log, tostring(fiber.self()):match('^fiber: %d+$') and 'tostring ok' or 'bad')
+table.insert(log, type(fiber.time()) .. type(fiber.clock()) .. type(clock.time()) .. type(clock.proc()))
+LOG = table.concat(log, '|')
+"#);
+    assert_eq!(
+        host.lua().globals().get::<String>("LOG").unwrap(),
+        "child 1|parent|1,2,3|nil|dead|true|true|nil|mainer mainer|false|255|tostring ok|numbernumbernumbernumber"
+    );
+}
