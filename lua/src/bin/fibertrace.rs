@@ -22,6 +22,16 @@ fn cli() -> Command {
                      interleaved native + Lua traceback and exits with 1",
                 )
                 .arg(
+                    Arg::new("stall-ms")
+                        .long("stall-ms")
+                        .value_name("N")
+                        .value_parser(clap::value_parser!(u64).range(1..))
+                        .help(
+                            "Report a fiber that runs more than N ms without yielding \
+                             (its stack, sampled by a signal; again at 2N, 4N, ...)",
+                        ),
+                )
+                .arg(
                     Arg::new("script")
                         .value_name("SCRIPT.lua")
                         .required(true)
@@ -79,6 +89,12 @@ fn main() -> ExitCode {
 }
 
 fn run(m: &clap::ArgMatches) -> ExitCode {
+    if let Some(&ms) = m.get_one::<u64>("stall-ms") {
+        fibertrace_fiber::watchdog::start(fibertrace_fiber::watchdog::Config {
+            threshold: std::time::Duration::from_millis(ms),
+            ..Default::default()
+        });
+    }
     let script = m.get_one::<String>("script").cloned().unwrap_or_default();
     let args: Vec<String> = m
         .get_many::<String>("args")

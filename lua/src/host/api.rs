@@ -117,6 +117,7 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
             (c"cond", f_cond),
             (c"parent_backtrace_enable", f_pbt_enable),
             (c"parent_backtrace_disable", f_pbt_disable),
+            (c"set_max_slice", f_set_max_slice),
         ];
         push_lib(l, fiber_fns);
         set_field(l, loaded, c"fiber");
@@ -805,6 +806,27 @@ unsafe fn m_info_body(l: *mut ffi::lua_State) -> LResult {
     Ok(1)
 }
 lua_fn!(m_info, m_info_body);
+
+/// `fiber.set_max_slice(seconds)`: a fiber that runs longer than this without yielding is
+/// reported (with its native frames) by the stall detector, which this starts.
+unsafe fn set_max_slice_body(l: *mut ffi::lua_State) -> LResult {
+    // SAFETY: C function contract.
+    let s = unsafe { to_number(l, 1) }.ok_or("fiber.set_max_slice(seconds): bad arguments")?;
+    if !(s.is_finite() && s > 0.0) {
+        return Err("fiber.set_max_slice(seconds): a positive number of seconds".into());
+    }
+    let threshold = Duration::from_secs_f64(s.min(1e6));
+    if fibertrace_fiber::watchdog::is_running() {
+        fibertrace_fiber::watchdog::set_threshold(threshold);
+    } else {
+        fibertrace_fiber::watchdog::start(fibertrace_fiber::watchdog::Config {
+            threshold,
+            ..Default::default()
+        });
+    }
+    Ok(0)
+}
+lua_fn!(f_set_max_slice, set_max_slice_body);
 
 unsafe fn pbt_enable_body(_l: *mut ffi::lua_State) -> LResult {
     with_host(|h| h.parent_backtrace = true);

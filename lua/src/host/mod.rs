@@ -140,6 +140,7 @@ impl LuaHost {
         // else now.
         let st = unsafe { api::install(l) }?;
         HOST.with(|h| *h.borrow_mut() = Some(st));
+        fibertrace_fiber::watchdog::set_annotator(stall_note);
         Ok(LuaHost {
             lua: Some(lua),
             sched: Some(sched),
@@ -173,6 +174,13 @@ impl LuaHost {
             .block_on(move || api::run_main_fiber(&name, &source, &args));
         match r {
             Ok(r) => r,
+            Err(fibertrace_fiber::BlockOnError::Run(fibertrace_fiber::RunError::Deadlock {
+                ..
+            })) => Err(ScriptError {
+                // The report names every fiber, what it waits on, and where.
+                message: self.scheduler().deadlock_report(),
+                traceback: String::new(),
+            }),
             Err(e) => Err(ScriptError {
                 message: format!("fibertrace: {e}"),
                 traceback: String::new(),
@@ -249,4 +257,15 @@ pub(crate) fn set_last_trace(t: Option<String>) {
 
 pub(crate) fn take_last_trace() -> Option<String> {
     LAST_TRACE.with(|c| c.borrow_mut().take())
+}
+
+/// Note added to stall reports of a Lua host: the stalled fiber's Lua stack is being changed
+/// by the thread running it, so it is not read from the watchdog's thread; the native frames
+/// show where in the VM (or in which C function) it spins.
+fn stall_note(_bt: &fibertrace_core::Backtrace) -> Option<String> {
+    Some(
+        "Lua frames not shown: a running fiber's Lua stack cannot be read safely from another \
+         thread; its native frames are above"
+            .to_string(),
+    )
 }

@@ -1,0 +1,111 @@
+//! Stuck Lua fibers through `fibertrace run`: a busy fiber is reported by the stall
+//! detector (`--stall-ms`), a channel deadlock exits non-zero with the report.
+
+use std::process::Command;
+
+fn run_script(args: &[&str], script: &str) -> (i32, String, String) {
+    let dir = std::env::temp_dir().join(format!("fibertrace-stall-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("s{}.lua", args.len() + script.len()));
+    std::fs::write(&path, script).unwrap();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_fibertrace"));
+    c.arg("run").args(args).arg(&path);
+    let out = c.output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+const BUSY: &str = r#"
+if jit then jit.off() end
+local fiber = require('fiber')
+local clock = require('clock')
+local function c(until_t) local n = 0 while clock.monotonic() < until_t do n = n + 1 end return n end
+local function b(t) return c(t) + 0 end
+local function a(t) return b(t) + 0 end
+local f = fiber.new(function() return a(clock.monotonic() + 1.2) end)
+f:name('busy')
+f:set_joinable(true)
+print(f:join())
+"#;
+
+#[test]
+fn a_busy_lua_fiber_is_reported_with_its_native_frames() {
+    let (code, _out, err) = run_script(&["--stall-ms", "100"], BUSY);
+    assert_eq!(code, 0, "{err}");
+    // `fiber N "busy" has run 1xxms without yielding:` — the first report of the run's CPU
+    // time comes within 1.5x the threshold (a wall-time report may come first on a loaded
+    // machine; the smallest figure is the first CPU-time one).
+    let heads: Vec<(usize, f64)> = err
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| l.contains("\"busy\" has run "))
+        .filter_map(|(i, l)| {
+            let v = l
+                .split("has run ")
+                .nth(1)?
+                .split("ms")
+                .next()?
+                .parse()
+                .ok()?;
+            Some((i, v))
+        })
+        .collect();
+    let &(first, ms) = heads
+        .iter()
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .unwrap_or_else(|| panic!("no stall report:\n{err}"));
+    assert!((100.0..=150.0).contains(&ms), "{err}");
+    let report: Vec<&str> = err
+        .lines()
+        .skip(first)
+        .take_while(|l| !l.is_empty())
+        .collect();
+    let text = report.join("\n");
+    assert!(
+        text.contains(" in fibertrace_lua::host::api::lua_fiber_main"),
+        "{text}"
+    );
+    assert!(text.contains("Lua frames not shown"), "{text}");
+    // Again at twice the threshold while it lasts.
+    assert!(err.matches("\"busy\" has run ").count() >= 2, "{err}");
+}
+
+const DEADLOCK: &str = r#"
+local fiber = require('fiber')
+local a, b = fiber.channel(1), fiber.channel(1)
+local ping = fiber.new(function() a:get(); b:put(1) end)
+ping:name('ping')
+local pong = fiber.new(function() b:get(); a:put(1) end)
+pong:name('pong')
+ping:set_joinable(true)
+ping:join()
+"#;
+
+#[test]
+fn a_channel_deadlock_between_two_lua_fibers_exits_with_the_report() {
+    let (code, _out, err) = run_script(&[], DEADLOCK);
+    assert_ne!(code, 0, "{err}");
+    assert!(
+        err.starts_with("all fibers are asleep — deadlock!"),
+        "{err}"
+    );
+    for name in ["ping", "pong"] {
+        let block = err
+            .split("\n\n")
+            .find(|b| b.contains(&format!("\"{name}\" [")))
+            .unwrap_or_else(|| panic!("{err}"));
+        assert!(block.contains("[channel receive, "), "{block}");
+        assert!(
+            block.contains(" in fibertrace_lua::host::api::ch_get"),
+            "{block}"
+        );
+    }
+    let main = err
+        .split("\n\n")
+        .find(|b| b.contains("\"main\" ["))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(main.contains("[join fiber "), "{main}");
+}
