@@ -217,9 +217,12 @@ fn deliver(r: &Report) {
 
 fn run() {
     let st = state();
-    // Open the program's symbols now, not when the first report is printed: a large binary's
-    // debug info takes a while to index, and the stalled process may not live that long.
-    let _ = fibertrace_core::symbolize::resolve_address(run as *const () as u64);
+    // Open the program's symbols now, on the side, not when the first report is printed: a
+    // large binary's debug info takes a while to index (the stalled process may not live
+    // that long), and the watchdog itself must not wait for it.
+    let _ = std::thread::Builder::new()
+        .name("fibertrace-symbols".into())
+        .spawn(|| fibertrace_core::symbolize::resolve_address(run as *const () as u64));
     let mut watches: Vec<Watch> = Vec::new();
     let mut window_start = Instant::now();
     let mut in_window = 0u32;
