@@ -113,6 +113,7 @@ struct State {
     annotator: Mutex<Option<Annotator>>,
     stop: AtomicBool,
     running: AtomicBool,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     reports: AtomicU64,
 }
 
@@ -124,6 +125,7 @@ fn state() -> &'static State {
         annotator: Mutex::new(None),
         stop: AtomicBool::new(false),
         running: AtomicBool::new(false),
+        thread: Mutex::new(None),
         reports: AtomicU64::new(0),
     })
 }
@@ -133,19 +135,28 @@ fn state() -> &'static State {
 pub fn start(config: Config) {
     let st = state();
     *st.config.lock().unwrap_or_else(|e| e.into_inner()) = config;
-    st.stop.store(false, Ordering::Relaxed);
-    if st.running.swap(true, Ordering::AcqRel) {
-        return;
+    let mut t = st.thread.lock().unwrap_or_else(|e| e.into_inner());
+    if t.is_some() {
+        return; // running: it reads the new settings at its next tick
     }
-    std::thread::Builder::new()
-        .name("fibertrace-watchdog".into())
-        .spawn(run)
-        .expect("spawn the watchdog thread");
+    st.stop.store(false, Ordering::Relaxed);
+    st.running.store(true, Ordering::Release);
+    *t = Some(
+        std::thread::Builder::new()
+            .name("fibertrace-watchdog".into())
+            .spawn(run)
+            .expect("spawn the watchdog thread"),
+    );
 }
 
-/// Stops the watchdog (it exits within one tick).
+/// Stops the watchdog and waits for its thread to end (at most one tick).
 pub fn stop() {
-    state().stop.store(true, Ordering::Relaxed);
+    let st = state();
+    let mut t = st.thread.lock().unwrap_or_else(|e| e.into_inner());
+    st.stop.store(true, Ordering::Relaxed);
+    if let Some(h) = t.take() {
+        let _ = h.join();
+    }
 }
 
 /// Whether the watchdog runs.

@@ -11,7 +11,9 @@ use fibertrace_fiber::{channel, dump, spawn, yield_now, Builder, Scheduler};
 
 #[inline(never)]
 fn wait_three(ch: &fibertrace_fiber::Channel<u8>) -> u8 {
-    wait_two(ch)
+    let v = wait_two(ch);
+    // Not a tail call: this frame stays on the stack in release builds too.
+    std::hint::black_box(v)
 }
 
 #[inline(never)]

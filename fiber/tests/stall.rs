@@ -77,12 +77,14 @@ fn a_busy_fiber_is_reported_within_one_and_a_half_thresholds_and_again_at_twice(
         .collect();
     assert!(reports.len() >= 2, "{} reports", reports.len());
     let (at, first) = &reports[0];
-    let delay = *at - start;
+    // Detected within 1.5x the threshold of the run's time (its thread's CPU time: on a
+    // loaded machine the wall clock runs ahead of it, and that is not the fiber's doing).
     assert!(
-        delay >= threshold && delay <= threshold * 3 / 2,
-        "first report after {delay:?}"
+        first.running_for >= threshold && first.running_for <= threshold * 3 / 2,
+        "first report at {:?} of running",
+        first.running_for
     );
-    assert!(first.running_for >= threshold, "{:?}", first.running_for);
+    assert!(*at - start >= threshold);
     let n = common::names(first.backtrace.frames());
     let i = n
         .iter()
@@ -178,10 +180,9 @@ fn a_stall_inside_glibc_still_gets_a_full_native_trace() {
         })
         .expect("the stall was reported");
     let n = common::names(s.backtrace.frames());
-    let i = n
-        .iter()
-        .position(|x| x == "spin_in_compare")
-        .unwrap_or_else(|| panic!("{n:?}"));
+    // The PC is in spin_in_compare (an atomic load may be inlined into it).
+    assert!(n[0] == "spin_in_compare" || n[0] == "atomic_load", "{n:?}");
+    let i = 0;
     assert_eq!(n[i + 1], "compare", "{n:?}");
     // Through glibc's qsort (no frame pointers) back to our code.
     let j = n
@@ -344,4 +345,74 @@ fn fibers_blocked_too_long_are_reported_once_with_their_traces() {
     let n = common::info_names(blocked[0].backtrace.as_ref().unwrap());
     assert!(n.contains(&"wait_for".to_string()), "{n:?}");
     assert_eq!(blocked[0].waiting.as_ref().unwrap().what, "channel receive");
+}
+
+#[test]
+fn reports_are_rate_limited_with_a_suppressed_count() {
+    let _t = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let got = collect_reports();
+    watchdog::start(Config {
+        threshold: Duration::from_millis(20),
+        max_reports_per_sec: 1,
+        ..Config::default()
+    });
+    let t = std::thread::spawn(|| {
+        Scheduler::new()
+            .block_on(|| {
+                Builder::new()
+                    .name("greedy")
+                    .spawn(|| busy_1(Instant::now() + Duration::from_millis(2200)))
+                    .join()
+                    .unwrap()
+            })
+            .unwrap()
+    });
+    t.join().unwrap();
+    watchdog::stop();
+    let reports: Vec<_> = got
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|(_, r)| match r {
+            Report::Stall(s) if s.name == "greedy" => Some(s.clone()),
+            _ => None,
+        })
+        .collect();
+    // Stalls seen at 20, 40, 80 … 1280 ms; one report a second gets through.
+    assert!(reports.len() >= 2, "{} reports", reports.len());
+    assert_eq!(reports[0].suppressed, 0);
+    assert!(reports[1].suppressed >= 3, "{:?}", reports[1].suppressed);
+    assert!(reports[1]
+        .to_text()
+        .contains(&format!("(suppressed {} reports)", reports[1].suppressed)));
+}
+
+#[test]
+fn an_idle_scheduler_waiting_for_a_timer_is_not_a_stall() {
+    let _t = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let got = collect_reports();
+    watchdog::start(Config {
+        threshold: Duration::from_millis(20),
+        ..Config::default()
+    });
+    let t = std::thread::spawn(|| {
+        Scheduler::new()
+            .block_on(|| {
+                Builder::new()
+                    .name("napper")
+                    .spawn(|| fibertrace_fiber::sleep(Duration::from_millis(300)))
+                    .join()
+                    .unwrap()
+            })
+            .unwrap()
+    });
+    t.join().unwrap();
+    watchdog::stop();
+    let stalls = got
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, r)| matches!(r, Report::Stall(_)))
+        .count();
+    assert_eq!(stalls, 0);
 }

@@ -109,3 +109,26 @@ fn a_channel_deadlock_between_two_lua_fibers_exits_with_the_report() {
         .unwrap_or_else(|| panic!("{err}"));
     assert!(main.contains("[join fiber "), "{main}");
 }
+
+const SLICE: &str = r#"
+if jit then jit.off() end
+local fiber = require('fiber')
+local clock = require('clock')
+fiber.set_max_slice(0.05)
+local ok, err = pcall(fiber.set_max_slice, -1)
+assert(not ok and tostring(err):find('positive'), tostring(err))
+local f = fiber.new(function()
+  local t = clock.monotonic() + 1.5
+  while clock.monotonic() < t do end
+end)
+f:name('slicer')
+f:set_joinable(true)
+f:join()
+"#;
+
+#[test]
+fn fiber_set_max_slice_starts_the_stall_detector() {
+    let (code, _out, err) = run_script(&[], SLICE);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("\"slicer\" has run "), "{err}");
+}
