@@ -79,6 +79,21 @@ pub enum WaitOn {
     Wakeup,
 }
 
+impl WaitOn {
+    /// In words, without allocating where the words are fixed.
+    pub fn words(&self) -> std::borrow::Cow<'static, str> {
+        use std::borrow::Cow;
+        match self {
+            WaitOn::Sleep => Cow::Borrowed("sleep"),
+            WaitOn::ChannelReceive(_) => Cow::Borrowed("channel receive"),
+            WaitOn::ChannelSend(_) => Cow::Borrowed("channel send"),
+            WaitOn::Condition(_) => Cow::Borrowed("condition wait"),
+            WaitOn::Join(id) => Cow::Owned(format!("join fiber {id}")),
+            WaitOn::Wakeup => Cow::Borrowed("suspended"),
+        }
+    }
+}
+
 impl std::fmt::Display for WaitOn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -250,6 +265,13 @@ impl Status {
     }
 }
 
+/// A walk of a parked stack, kept until the fiber runs again.
+struct TraceCache {
+    csw: u64,
+    opts: CaptureOptions,
+    frames: Box<[Frame]>,
+}
+
 /// A panic that ended a fiber.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct PanicReport {
@@ -295,6 +317,9 @@ pub struct FiberShared {
     /// The type name of the fiber's entry closure (a closure has no symbol of its own).
     pub(crate) entry_name: &'static str,
     pub(crate) panic: Mutex<Option<Box<PanicReport>>>,
+    /// The last walk of this fiber's suspended stack: valid while the fiber has not been
+    /// resumed since (same switch count), for the same capture options.
+    trace_cache: Mutex<Option<TraceCache>>,
     /// Whether suspensions record the registers (tracing on).
     pub(crate) traced: bool,
 }
@@ -355,6 +380,7 @@ impl FiberShared {
             entry_fn: n.entry_fn,
             entry_name: n.entry_name,
             panic: Mutex::new(None),
+            trace_cache: Mutex::new(None),
             traced: n.traced,
         }
     }
@@ -411,10 +437,31 @@ impl FiberShared {
         {
             return false;
         }
-        // SAFETY: we won SUSPENDED -> INSPECTING: the fiber cannot be resumed or freed until
-        // we store SUSPENDED back, and its `ctx` was published before SUSPENDED (acquire).
-        let ctx = unsafe { *self.ctx.get() };
-        fibertrace_core::collect_from_into(&ctx, opts, out);
+        // While INSPECTING the fiber cannot be resumed: its switch count is stable, and a
+        // walk cached at this count is still the truth (a parked stack does not change).
+        let csw = self.csw.load(Ordering::Relaxed);
+        let cached = {
+            let c = self.trace_cache.lock().unwrap_or_else(|e| e.into_inner());
+            match &*c {
+                Some(t) if t.csw == csw && t.opts == *opts => {
+                    *out = Backtrace::from_frames(&t.frames);
+                    true
+                }
+                _ => false,
+            }
+        };
+        if !cached {
+            // SAFETY: we won SUSPENDED -> INSPECTING: the fiber cannot be resumed or freed
+            // until we store SUSPENDED back, and its `ctx` was published before SUSPENDED
+            // (acquire).
+            let ctx = unsafe { *self.ctx.get() };
+            fibertrace_core::collect_from_into(&ctx, opts, out);
+            *self.trace_cache.lock().unwrap_or_else(|e| e.into_inner()) = Some(TraceCache {
+                csw,
+                opts: *opts,
+                frames: out.frames().into(),
+            });
+        }
         self.run.store(SUSPENDED, Ordering::Release);
         true
     }

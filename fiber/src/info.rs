@@ -1,6 +1,7 @@
 //! Fiber info: what every fiber is, does, waits on and where it is — as serializable values,
 //! readable from any thread of the process.
 
+use std::borrow::Cow;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -56,7 +57,7 @@ pub struct ParentInfo {
     /// The ancestor fiber (`None`: a thread outside any fiber).
     pub fiber: Option<FiberId>,
     /// Its name when it created the child.
-    pub name: String,
+    pub name: Arc<str>,
     /// Its frames at that moment.
     pub frames: Vec<FrameInfo>,
 }
@@ -67,7 +68,7 @@ pub struct Waiting {
     /// The object.
     pub on: WaitOn,
     /// In words (`channel receive`, `sleep`, `join fiber 12`).
-    pub what: String,
+    pub what: Cow<'static, str>,
     /// Seconds waited so far.
     pub seconds: f64,
 }
@@ -78,7 +79,7 @@ pub struct FiberInfo {
     /// Id.
     pub id: FiberId,
     /// Name.
-    pub name: String,
+    pub name: Arc<str>,
     /// Scheduler id.
     pub scheduler: u64,
     /// Status.
@@ -104,7 +105,7 @@ pub struct FiberInfo {
     /// The fiber that created it.
     pub parent: Option<FiberId>,
     /// What it runs: the type of its entry closure (or the Lua function a host names).
-    pub entry: String,
+    pub entry: Cow<'static, str>,
     /// Its backtrace (innermost first).
     pub backtrace: Option<Vec<FrameInfo>>,
     /// Its ancestors' traces, direct parent first.
@@ -169,7 +170,7 @@ fn one(
                 t.chain()
                     .map(|p| ParentInfo {
                         fiber: p.fiber,
-                        name: p.name().to_string(),
+                        name: p.name(),
                         frames: frames_info(p.frames(), opts.resolve),
                     })
                     .collect()
@@ -180,14 +181,14 @@ fn one(
     };
     let hi = f.stack.hi;
     let waiting = on.map(|on| Waiting {
-        what: on.to_string(),
+        what: on.words(),
         on,
         seconds: in_status.as_secs_f64(),
     });
     let _ = s;
     FiberInfo {
         id: f.id,
-        name: f.name(),
+        name: f.name_arc(),
         scheduler: f.sched,
         status,
         status_seconds: in_status.as_secs_f64(),
@@ -208,7 +209,7 @@ fn one(
         },
         age: crate::clock::since(f.created).as_secs_f64(),
         parent: f.parent,
-        entry: f.entry_name.to_string(),
+        entry: Cow::Borrowed(f.entry_name),
         backtrace,
         parent_backtrace,
     }

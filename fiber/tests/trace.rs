@@ -73,7 +73,7 @@ fn suspended_fiber_blocked_three_calls_deep_in_a_channel_receive() {
             }
             // Info: status, what it waits on, exact user frames without the trampoline.
             let fi = fiber_info(h.id(), &InfoOptions::default()).unwrap();
-            assert_eq!(fi.name, "consumer");
+            assert_eq!(&*fi.name, "consumer");
             assert_eq!(fi.status, Status::Waiting);
             assert_eq!(fi.waiting.as_ref().unwrap().what, "channel receive");
             let bt = fi.backtrace.as_ref().unwrap();
@@ -393,7 +393,7 @@ fn a_nearly_full_stack_and_a_deep_child_keep_their_traces() {
             // The parent trace is intact (kept apart from the child's own stack): the main
             // fiber, then the thread that ran the scheduler.
             assert_eq!(fi.parent_backtrace.len(), 2);
-            assert_eq!(fi.parent_backtrace[0].name, "main");
+            assert_eq!(&*fi.parent_backtrace[0].name, "main");
             assert_eq!(fi.parent_backtrace[1].fiber, None);
             let p = common::full_names(&fi.parent_backtrace[0].frames);
             assert!(
