@@ -261,10 +261,9 @@ extern "C" fn on_signal(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut
         let stop = if f.is_null() {
             0
         } else {
-            // SAFETY: `running` is nonzero, so the fiber runs on this thread right now (we
-            // interrupted it) and its control block is alive (held by its slot). Its entry
-            // frame pointer is set once it started (0 before: the walk then ends at the stack
-            // bounds).
+            // Its entry frame pointer is set once it started (0 before: the walk then ends
+            // at the stack bounds).
+            // SAFETY: the fiber runs on this thread (we interrupted it): its block is alive.
             unsafe { (*f).entry_fp.load(Ordering::Relaxed) }
         };
         let opts = CaptureOptions::with_unwinder(Unwinder::Auto);
