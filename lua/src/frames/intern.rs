@@ -16,6 +16,7 @@
 //! * raw sources longer than [`MAX_SOURCE`] bytes (chunks loaded from strings carry their
 //!   whole text as source) are cut there, on a character boundary, with `...` appended.
 
+use fibertrace_core::symbolize::AddrHasher;
 use std::borrow::Cow;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, OnceLock, RwLock};
@@ -107,7 +108,7 @@ pub(crate) struct RawInfo<'a> {
 
 impl RawInfo<'_> {
     fn hash(&self) -> u64 {
-        let mut h = FxHasher::default();
+        let mut h = AddrHasher::default();
         h.write_u64(self.kind as u64);
         h.write_u64(self.cfunc as u64);
         h.write_u64(((self.current_line as u32 as u64) << 32) | self.line_defined as u32 as u64);
@@ -188,39 +189,6 @@ fn trim_source(s: &str) -> Cow<'_, str> {
     Cow::Owned(format!("{}...", &s[..end]))
 }
 
-/// A fast, non-cryptographic hasher (keys come from the program's own code, and a collision
-/// only costs a comparison).
-#[derive(Default, Clone, Copy)]
-struct FxHasher(u64);
-
-const SEED: u64 = 0x51_7c_c1_b7_27_22_0a_95;
-
-impl Hasher for FxHasher {
-    #[inline]
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    #[inline]
-    fn write(&mut self, bytes: &[u8]) {
-        let mut chunks = bytes.chunks_exact(8);
-        for c in &mut chunks {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(c);
-            self.write_u64(u64::from_le_bytes(w));
-        }
-        let rest = chunks.remainder();
-        if !rest.is_empty() {
-            let mut w = [0u8; 8];
-            w[..rest.len()].copy_from_slice(rest);
-            self.write_u64(u64::from_le_bytes(w) ^ ((rest.len() as u64) << 56));
-        }
-    }
-    #[inline]
-    fn write_u64(&mut self, v: u64) {
-        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(SEED);
-    }
-}
-
 /// Keys are already hashes: pass them through.
 #[derive(Default, Clone, Copy)]
 struct IdentityHasher(u64);
@@ -236,7 +204,7 @@ impl Hasher for IdentityHasher {
     }
     fn write_u64(&mut self, v: u64) {
         // dashmap picks the shard from high bits, hashbrown the bucket from low ones: both
-        // are well mixed by FxHasher's final multiply.
+        // are well mixed by AddrHasher's final multiply and fold.
         self.0 = v;
     }
 }
@@ -363,9 +331,9 @@ mod tests {
 
     #[test]
     fn hasher_distinguishes_tails() {
-        let mut a = FxHasher::default();
+        let mut a = AddrHasher::default();
         a.write(b"abc");
-        let mut b = FxHasher::default();
+        let mut b = AddrHasher::default();
         b.write(b"abc\0");
         assert_ne!(a.finish(), b.finish());
     }
