@@ -132,6 +132,18 @@ impl Backtrace {
         bt
     }
 
+    /// Replaces the entries with `frames`, in place (no temporary: a `Backtrace` is about a
+    /// kilobyte, and moving one costs more than copying a short trace). Longer lists are
+    /// fitted as by [`Backtrace::from_frames`].
+    pub fn set_frames(&mut self, frames: &[Frame]) {
+        self.frames.clear();
+        if frames.len() <= CAPACITY {
+            self.frames.extend_from_slice(frames);
+        } else {
+            self.frames = fit(frames, CAPACITY);
+        }
+    }
+
     /// The frames, innermost first.
     #[inline]
     pub fn frames(&self) -> &[Frame] {

@@ -84,14 +84,15 @@ fn spawning(c: &mut Criterion) {
     g.finish();
 }
 
+/// Receives one message 15 calls deep; false once the channel is closed.
 #[inline(never)]
-fn park_deep(n: u32, ch: &Channel<u8>) {
+fn park_deep(n: u32, ch: &Channel<u8>) -> bool {
     if n == 0 {
-        black_box(ch.recv());
-        return;
+        return black_box(ch.recv()).is_some();
     }
-    park_deep(n - 1, ch);
+    let r = park_deep(n - 1, ch);
     black_box(());
+    r
 }
 
 fn info(c: &mut Criterion) {
@@ -103,7 +104,7 @@ fn info(c: &mut Criterion) {
         s.builder()
             .name(&format!("w{i}"))
             .stack_size(16 * 1024)
-            .spawn(move || park_deep(15, &c));
+            .spawn(move || while park_deep(15, &c) {});
     }
     // Run until every fiber is parked in its receive (the scheduler reports that nothing can
     // run: a deadlock, by design here).
@@ -111,14 +112,15 @@ fn info(c: &mut Criterion) {
     let opts = InfoOptions::default();
     let first = s.info(&opts);
     println!(
-        "info: {} fibers, {} frames each (+{} parent frames)",
+        "info: {} fibers, {} frames each (+{} parent frames), {} stack bytes in use",
         first.len(),
         first[0].backtrace.as_ref().unwrap().len(),
         first[0]
             .parent_backtrace
             .iter()
             .map(|p| p.frames.len())
-            .sum::<usize>()
+            .sum::<usize>(),
+        first[0].stack_used
     );
     let mut g = c.benchmark_group("info_10000_suspended_fibers");
     g.sample_size(10);
@@ -135,6 +137,27 @@ fn info(c: &mut Criterion) {
         ..opts
     };
     g.bench_function("no_backtraces", |b| b.iter(|| black_box(s.info(&no_bt))));
+    // Every fiber has run since the last call (one message each, then parked again at the
+    // same depth): no kept walk is valid, so each call walks and resolves all 10,000 stacks
+    // afresh (the symbol cache is warm, as in a process that has run for a while).
+    g.bench_function("resolved_backtraces_all_moved", |b| {
+        b.iter_custom(|n| {
+            let mut t = Duration::ZERO;
+            for _ in 0..n {
+                let feed = ch.clone();
+                s.spawn(move || {
+                    for _ in 0..FIBERS {
+                        feed.send(0).unwrap();
+                    }
+                });
+                assert!(s.run().is_err());
+                let t0 = Instant::now();
+                black_box(s.info(&opts));
+                t += t0.elapsed();
+            }
+            t
+        })
+    });
     g.finish();
     ch.close();
     s.run().unwrap();

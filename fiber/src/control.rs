@@ -21,7 +21,7 @@
 
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use fibertrace_core::{Backtrace, CaptureOptions, Frame, SavedContext, StackBounds};
 use smallvec::SmallVec;
@@ -107,6 +107,9 @@ impl std::fmt::Display for WaitOn {
     }
 }
 
+/// Bytes of a parked stack prefetched ahead of its walk (from the stack pointer up).
+const PREFETCH_STACK: usize = 1024;
+
 /// Frames kept of a creator's stack.
 pub const PARENT_FRAMES: usize = 16;
 
@@ -123,6 +126,9 @@ pub struct ParentTrace {
     creator: Option<Arc<FiberShared>>,
     thread_name: Option<Arc<str>>,
     frames: SmallVec<[Frame; PARENT_FRAMES]>,
+    /// The frames as fiber info hands them out (raw, resolved), each made on first request
+    /// (the trace never changes).
+    info: [OnceLock<Arc<[crate::info::FrameInfo]>>; 2],
 }
 
 impl std::fmt::Debug for ParentTrace {
@@ -147,6 +153,7 @@ impl ParentTrace {
                 .then(|| Arc::from(std::thread::current().name().unwrap_or("thread"))),
             creator,
             frames: fit_frames(frames),
+            info: [OnceLock::new(), OnceLock::new()],
         }
     }
 
@@ -164,6 +171,7 @@ impl ParentTrace {
                 .take(PARENT_FRAMES)
                 .map(|&a| Frame::Ra(a))
                 .collect(),
+            info: [OnceLock::new(), OnceLock::new()],
         }
     }
 
@@ -178,12 +186,21 @@ impl ParentTrace {
             creator,
             thread_name,
             frames: fit_frames(frames),
+            info: [OnceLock::new(), OnceLock::new()],
         }
     }
 
     /// The creator's frames, innermost first.
     pub fn frames(&self) -> &[Frame] {
         &self.frames
+    }
+
+    /// The frames with their resolutions (`resolve`): each list is made once and shared by
+    /// every later call.
+    pub fn frames_info(&self, resolve: bool) -> Arc<[crate::info::FrameInfo]> {
+        self.info[usize::from(resolve)]
+            .get_or_init(|| crate::info::frames_info_shared(&self.frames, resolve))
+            .clone()
     }
 
     /// The creator's name (its current name; the thread's name for a thread).
@@ -270,6 +287,9 @@ struct TraceCache {
     csw: u64,
     opts: CaptureOptions,
     frames: Box<[Frame]>,
+    /// The same frames as fiber info hands them out (resolved or not), shared by every
+    /// info call until the fiber runs again.
+    info: Option<(bool, Arc<[crate::info::FrameInfo]>)>,
 }
 
 /// A panic that ended a fiber.
@@ -320,6 +340,9 @@ pub struct FiberShared {
     /// The last walk of this fiber's suspended stack: valid while the fiber has not been
     /// resumed since (same switch count), for the same capture options.
     trace_cache: Mutex<Option<TraceCache>>,
+    /// The switch count of the walk in `trace_cache` (a hint readable without the lock:
+    /// whether a new walk is due, so its stack is worth prefetching).
+    walked_csw: AtomicU64,
     /// Whether suspensions record the registers (tracing on).
     pub(crate) traced: bool,
 }
@@ -381,6 +404,7 @@ impl FiberShared {
             entry_name: n.entry_name,
             panic: Mutex::new(None),
             trace_cache: Mutex::new(None),
+            walked_csw: AtomicU64::new(u64::MAX),
             traced: n.traced,
         }
     }
@@ -444,7 +468,7 @@ impl FiberShared {
             let c = self.trace_cache.lock().unwrap_or_else(|e| e.into_inner());
             match &*c {
                 Some(t) if t.csw == csw && t.opts == *opts => {
-                    *out = Backtrace::from_frames(&t.frames);
+                    out.set_frames(&t.frames);
                     true
                 }
                 _ => false,
@@ -460,10 +484,99 @@ impl FiberShared {
                 csw,
                 opts: *opts,
                 frames: out.frames().into(),
+                info: None,
             });
+            self.walked_csw.store(csw, Ordering::Relaxed);
         }
         self.run.store(SUSPENDED, Ordering::Release);
         true
+    }
+
+    /// The suspended fiber's frames as fiber info hands them out: `build` turns a walk into
+    /// the list, and the list is kept and shared until the fiber runs again. `None` when the
+    /// fiber is not suspended (or not traced).
+    ///
+    /// The walk is done under the inspection handshake; `build` (which may resolve symbols,
+    /// slow the first time) runs after it, so a resume never waits for symbolization.
+    pub(crate) fn suspended_info(
+        &self,
+        opts: &CaptureOptions,
+        resolve: bool,
+        build: impl FnOnce(&[Frame]) -> Arc<[crate::info::FrameInfo]>,
+    ) -> Option<Arc<[crate::info::FrameInfo]>> {
+        if !self.traced {
+            return None;
+        }
+        if self
+            .run
+            .compare_exchange(SUSPENDED, INSPECTING, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            return None;
+        }
+        let csw = self.csw.load(Ordering::Relaxed);
+        let mut bt = Backtrace::new();
+        let mut c = self.trace_cache.lock().unwrap_or_else(|e| e.into_inner());
+        let kept = c.as_ref().is_some_and(|t| t.csw == csw && t.opts == *opts);
+        if !kept {
+            // SAFETY: we won SUSPENDED -> INSPECTING: the fiber cannot be resumed or freed
+            // until we store SUSPENDED back, and its `ctx` was published before SUSPENDED
+            // (acquire).
+            let ctx = unsafe { *self.ctx.get() };
+            fibertrace_core::collect_from_into(&ctx, opts, &mut bt);
+        }
+        self.run.store(SUSPENDED, Ordering::Release);
+        // The kept walk, or a new one that found the very same frames (the fiber ran and
+        // parked at the same place again, as workers on a queue do): the list still holds.
+        if let Some(t) = c
+            .as_mut()
+            .filter(|t| t.opts == *opts && (kept || *t.frames == *bt.frames()))
+        {
+            t.csw = csw;
+            self.walked_csw.store(csw, Ordering::Relaxed);
+            match &t.info {
+                Some((r, i)) if *r == resolve => return Some(i.clone()),
+                _ if kept => bt.set_frames(&t.frames),
+                _ => {}
+            }
+        }
+        drop(c);
+        let info = build(bt.frames());
+        let mut c = self.trace_cache.lock().unwrap_or_else(|e| e.into_inner());
+        // Keep it unless the fiber ran (and was walked again) in the meantime.
+        if c.as_ref().is_none_or(|t| t.csw <= csw) {
+            *c = Some(TraceCache {
+                csw,
+                opts: *opts,
+                frames: bt.frames().into(),
+                info: Some((resolve, info.clone())),
+            });
+            self.walked_csw.store(csw, Ordering::Relaxed);
+        }
+        Some(info)
+    }
+
+    /// Starts loading this fiber's control block into cache (for a loop over many fibers).
+    pub(crate) fn prefetch_block(self: &Arc<Self>) {
+        fibertrace_core::capture::prefetch(Arc::as_ptr(self) as u64, std::mem::size_of::<Self>());
+    }
+
+    /// Starts loading the used part of a parked stack (up to 4 KiB from the stack pointer)
+    /// when a walk of it is due: its frames are then read from cache, not one memory round
+    /// trip per frame. A hint; racy reads of the atomics are fine.
+    pub(crate) fn prefetch_stack(&self) {
+        if self.run.load(Ordering::Relaxed) != SUSPENDED
+            || self.walked_csw.load(Ordering::Relaxed) == self.csw.load(Ordering::Relaxed)
+        {
+            return;
+        }
+        let sp = self.last_sp.load(Ordering::Relaxed);
+        if self.stack.contains(sp) {
+            fibertrace_core::capture::prefetch(
+                sp,
+                ((self.stack.hi - sp) as usize).min(PREFETCH_STACK),
+            );
+        }
     }
 
     /// The saved context, for the sampling signal handler when it interrupts the fiber
@@ -527,15 +640,20 @@ impl FiberShared {
     }
 
     /// The status, what it waits on, and for how long.
-    pub fn status(&self) -> (Status, Option<WaitOn>, std::time::Duration) {
+    /// Status, what it waits on, and the clock ticks when the status began.
+    pub(crate) fn status_raw(&self) -> (Status, Option<WaitOn>, u64) {
         let st = Status::from_u8(self.status.load(Ordering::Relaxed));
         let on = self
             .wait_on
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
-        let since = crate::clock::since(self.since.load(Ordering::Relaxed));
-        (st, on, since)
+        (st, on, self.since.load(Ordering::Relaxed))
+    }
+
+    pub fn status(&self) -> (Status, Option<WaitOn>, std::time::Duration) {
+        let (st, on, since) = self.status_raw();
+        (st, on, crate::clock::since(since))
     }
 
     /// Whether the fiber has finished.

@@ -58,8 +58,8 @@ pub struct ParentInfo {
     pub fiber: Option<FiberId>,
     /// Its name when it created the child.
     pub name: Arc<str>,
-    /// Its frames at that moment.
-    pub frames: Vec<FrameInfo>,
+    /// Its frames at that moment (shared: resolved once per trace).
+    pub frames: Arc<[FrameInfo]>,
 }
 
 /// What a blocked fiber waits on, and for how long.
@@ -106,8 +106,9 @@ pub struct FiberInfo {
     pub parent: Option<FiberId>,
     /// What it runs: the type of its entry closure (or the Lua function a host names).
     pub entry: Cow<'static, str>,
-    /// Its backtrace (innermost first).
-    pub backtrace: Option<Vec<FrameInfo>>,
+    /// Its backtrace (innermost first). Shared: a fiber that has not run since an earlier
+    /// call hands out the same list.
+    pub backtrace: Option<Arc<[FrameInfo]>>,
     /// Its ancestors' traces, direct parent first.
     pub parent_backtrace: Vec<ParentInfo>,
 }
@@ -123,9 +124,34 @@ pub fn info(opts: &InfoOptions) -> Vec<FiberInfo> {
 
 /// Info about one fiber (any scheduler).
 pub fn fiber_info(id: FiberId, opts: &InfoOptions) -> Option<FiberInfo> {
-    let (s, f) = registry::find(id)?;
-    Some(one(&s, &f, opts, None))
+    let (_, f) = registry::find(id)?;
+    Some(one(&f, opts, None, &Now::new()))
 }
+
+/// The clocks read once per call (not once per fiber).
+struct Now {
+    ticks: u64,
+    unix: f64,
+}
+
+impl Now {
+    fn new() -> Now {
+        Now {
+            ticks: crate::clock::ticks(),
+            unix: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs_f64(),
+        }
+    }
+
+    fn since(&self, t: u64) -> f64 {
+        crate::clock::to_duration(self.ticks.saturating_sub(t)).as_secs_f64()
+    }
+}
+
+/// How many fibers ahead a pass over fibers prefetches control blocks.
+const PREFETCH_AHEAD: usize = 4;
 
 /// Info about one scheduler's fibers.
 pub fn scheduler_info(s: &SchedShared, opts: &InfoOptions) -> Vec<FiberInfo> {
@@ -141,25 +167,39 @@ pub fn scheduler_info(s: &SchedShared, opts: &InfoOptions) -> Vec<FiberInfo> {
     } else {
         None
     };
-    fibers
-        .iter()
-        .map(|f| one(s, f, opts, sampled.as_ref()))
-        .collect()
+    let now = Now::new();
+    let mut out = Vec::with_capacity(fibers.len());
+    for (i, f) in fibers.iter().enumerate() {
+        // Memory, not work, bounds a pass over thousands of cold control blocks and stacks:
+        // start the loads of the next fibers' lines early so that they overlap.
+        if let Some(n) = fibers.get(i + PREFETCH_AHEAD) {
+            n.prefetch_block();
+        }
+        if opts.backtrace {
+            if let Some(n) = fibers.get(i + 1) {
+                n.prefetch_stack();
+            }
+        }
+        out.push(one(f, opts, sampled.as_ref(), &now));
+    }
+    out
 }
 
 fn one(
-    s: &SchedShared,
     f: &Arc<FiberShared>,
     opts: &InfoOptions,
     sample: Option<&crate::sample::Sample>,
+    now: &Now,
 ) -> FiberInfo {
-    let (status, on, in_status) = f.status();
+    let (status, on, since) = f.status_raw();
+    let in_status = now.since(since);
     let backtrace = if opts.backtrace {
-        let bt = match sample {
-            Some(smp) if smp.fiber == f.id => Some(smp.backtrace.clone()),
-            _ => backtrace_of(f, opts.unwinder, opts.sample_running && sample.is_none()),
-        };
-        bt.map(|bt| frames_info(bt.frames(), opts.resolve))
+        match sample {
+            Some(smp) if smp.fiber == f.id => {
+                Some(frames_info_shared(smp.backtrace.frames(), opts.resolve))
+            }
+            _ => info_backtrace(f, opts, opts.sample_running && sample.is_none()),
+        }
     } else {
         None
     };
@@ -171,7 +211,7 @@ fn one(
                     .map(|p| ParentInfo {
                         fiber: p.fiber,
                         name: p.name(),
-                        frames: frames_info(p.frames(), opts.resolve),
+                        frames: p.frames_info(opts.resolve),
                     })
                     .collect()
             })
@@ -183,31 +223,23 @@ fn one(
     let waiting = on.map(|on| Waiting {
         what: on.words(),
         on,
-        seconds: in_status.as_secs_f64(),
+        seconds: in_status,
     });
-    let _ = s;
+    let age = now.since(f.created);
     FiberInfo {
         id: f.id,
         name: f.name_arc(),
         scheduler: f.sched,
         status,
-        status_seconds: in_status.as_secs_f64(),
+        status_seconds: in_status,
         waiting,
         csw: f.csw.load(Ordering::Relaxed),
         cpu_time: crate::clock::to_duration(f.cpu_ticks.load(Ordering::Relaxed)).as_secs_f64(),
         stack_size: f.stack_size,
         stack_used: hi.saturating_sub(f.last_sp.load(Ordering::Relaxed)) as usize,
         stack_used_max: hi.saturating_sub(f.min_sp.load(Ordering::Relaxed)) as usize,
-        created: {
-            let age = crate::clock::since(f.created);
-            SystemTime::now()
-                .checked_sub(age)
-                .unwrap_or(UNIX_EPOCH)
-                .duration_since(UNIX_EPOCH)
-                .unwrap_or_default()
-                .as_secs_f64()
-        },
-        age: crate::clock::since(f.created).as_secs_f64(),
+        created: (now.unix - age).max(0.0),
+        age,
         parent: f.parent,
         entry: Cow::Borrowed(f.entry_name),
         backtrace,
@@ -215,26 +247,53 @@ fn one(
     }
 }
 
+/// A fiber's frames for info: a suspended fiber's from its walk kept since it last ran (or a
+/// new walk), others captured now.
+fn info_backtrace(
+    f: &Arc<FiberShared>,
+    opts: &InfoOptions,
+    sample_running: bool,
+) -> Option<Arc<[FrameInfo]>> {
+    let copts = CaptureOptions {
+        unwinder: opts.unwinder,
+        offset: 1, // the suspend wrapper
+        ..CaptureOptions::default()
+    };
+    if sched::current_id() != f.id && f.run.load(Ordering::Acquire) == crate::control::SUSPENDED {
+        let resolve = opts.resolve;
+        if let Some(v) = f.suspended_info(&copts, resolve, |frames| {
+            frames_info_shared(frames, resolve)
+        }) {
+            return Some(v);
+        }
+    }
+    // Running, new, dead, or it moved in the meantime.
+    backtrace_of(f, opts.unwinder, sample_running)
+        .map(|bt| frames_info_shared(bt.frames(), opts.resolve))
+}
+
 /// Frames with their resolutions; a trailing runtime trampoline frame (`call_user` with
 /// no user code inlined into it) is left out.
 pub fn frames_info(frames: &[Frame], resolve: bool) -> Vec<FrameInfo> {
-    let mut v: Vec<FrameInfo> = frames
+    user_frames(frames)
         .iter()
-        .map(|f| FrameInfo {
-            frame: *f,
-            resolved: if resolve { symbolize::resolve(f) } else { None },
-        })
-        .collect();
-    if let Some(last) = v.last().filter(|l| matches!(l.frame, Frame::Ra(_))) {
-        let r = last
-            .resolved
-            .clone()
-            .or_else(|| symbolize::resolve(&last.frame));
-        if r.is_some_and(|r| is_trampoline(&r)) {
-            v.pop();
-        }
+        .map(|f| frame_info(f, resolve))
+        .collect()
+}
+
+/// As [`frames_info`], built straight into a shared list (one allocation).
+pub(crate) fn frames_info_shared(frames: &[Frame], resolve: bool) -> Arc<[FrameInfo]> {
+    user_frames(frames)
+        .iter()
+        .map(|f| frame_info(f, resolve))
+        .collect()
+}
+
+fn frame_info(f: &Frame, resolve: bool) -> FrameInfo {
+    FrameInfo {
+        frame: *f,
+        resolved: if resolve { symbolize::resolve(f) } else { None },
     }
-    v
 }
 
 /// Frames without the trailing runtime trampoline (see [`frames_info`]).

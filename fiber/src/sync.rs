@@ -3,7 +3,10 @@
 //! other fibers run meanwhile.
 
 use std::cell::{Cell, RefCell};
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
+use std::hash::BuildHasherDefault;
+
+use fibertrace_core::symbolize::AddrHasher;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -16,22 +19,79 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 /// A waiting fiber: its scheduler and id.
 type Waiter = (u64, FiberId);
 
-fn wake_one(q: &RefCell<VecDeque<Waiter>>) {
-    let w = q.borrow_mut().pop_front();
+/// Fibers waiting on one object, first come first served. Each wait has a ticket; a waiter
+/// that leaves by itself (timeout, cancel, a plain wakeup) only drops its ticket from the
+/// live set, and the stale queue entry is skipped when it reaches the front. So waking and
+/// leaving cost O(1) however many fibers wait (a scan of the queue per wake made 10,000
+/// receivers of one channel quadratic).
+#[derive(Default)]
+struct WaitQueue {
+    q: VecDeque<(Waiter, u64)>,
+    live: HashSet<u64, BuildHasherDefault<AddrHasher>>,
+    next: u64,
+}
+
+impl WaitQueue {
+    /// Queues `w`; returns its ticket.
+    fn push(&mut self, w: Waiter) -> u64 {
+        let t = self.next;
+        self.next += 1;
+        self.q.push_back((w, t));
+        self.live.insert(t);
+        t
+    }
+
+    /// Takes the first waiter still waiting.
+    fn pop(&mut self) -> Option<Waiter> {
+        while let Some((w, t)) = self.q.pop_front() {
+            if self.live.remove(&t) {
+                return Some(w);
+            }
+        }
+        None
+    }
+
+    /// Takes every waiter still waiting.
+    fn take_all(&mut self) -> Vec<Waiter> {
+        let live = std::mem::take(&mut self.live);
+        self.q
+            .drain(..)
+            .filter(|(_, t)| live.contains(t))
+            .map(|(w, _)| w)
+            .collect()
+    }
+
+    /// Whether the wait of `ticket` is still queued (nobody took it).
+    fn is_queued(&self, ticket: u64) -> bool {
+        self.live.contains(&ticket)
+    }
+
+    /// Leaves the queue (no-op when a waker took the ticket already).
+    fn forget(&mut self, ticket: u64) {
+        if self.live.remove(&ticket) && self.q.len() > 2 * self.live.len() + 32 {
+            // Mostly stale entries (waits that timed out): compact, amortized O(1).
+            let live = &self.live;
+            self.q.retain(|(_, t)| live.contains(t));
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.live.is_empty()
+    }
+}
+
+fn wake_one(q: &RefCell<WaitQueue>) {
+    let w = q.borrow_mut().pop();
     if let Some((s, id)) = w {
         sched::wake(s, id);
     }
 }
 
-fn wake_all(q: &RefCell<VecDeque<Waiter>>) {
-    let ws: Vec<Waiter> = q.borrow_mut().drain(..).collect();
+fn wake_all(q: &RefCell<WaitQueue>) {
+    let ws = q.borrow_mut().take_all();
     for (s, id) in ws {
         sched::wake(s, id);
     }
-}
-
-fn forget(q: &RefCell<VecDeque<Waiter>>, id: FiberId) {
-    q.borrow_mut().retain(|&(_, x)| x != id);
 }
 
 fn me() -> Waiter {
@@ -69,8 +129,8 @@ struct ChanInner<T> {
     /// Items taken so far (rendezvous senders wait for theirs to be taken).
     taken: Cell<u64>,
     pushed: Cell<u64>,
-    receivers: RefCell<VecDeque<Waiter>>,
-    senders: RefCell<VecDeque<Waiter>>,
+    receivers: RefCell<WaitQueue>,
+    senders: RefCell<WaitQueue>,
 }
 
 /// A channel between fibers of one scheduler, with a capacity (0: a rendezvous — a send
@@ -97,8 +157,8 @@ pub fn channel<T>(capacity: usize) -> Channel<T> {
             closed: Cell::new(false),
             taken: Cell::new(0),
             pushed: Cell::new(0),
-            receivers: RefCell::new(VecDeque::new()),
-            senders: RefCell::new(VecDeque::new()),
+            receivers: RefCell::default(),
+            senders: RefCell::default(),
         }),
     }
 }
@@ -208,9 +268,9 @@ impl<T> Channel<T> {
         if deadline.is_some_and(|d| Instant::now() >= d) {
             return Err(ChannelError::Timeout);
         }
-        c.senders.borrow_mut().push_back(self::me());
+        let ticket = c.senders.borrow_mut().push(self::me());
         sched::block(WaitOn::ChannelSend(c.id), deadline);
-        forget(&c.senders, me);
+        c.senders.borrow_mut().forget(ticket);
         if deadline.is_some_and(|d| Instant::now() >= d) && !c.closed.get() {
             return Err(ChannelError::Timeout);
         }
@@ -272,9 +332,9 @@ impl<T> Channel<T> {
                 // A rendezvous sender may be waiting for a receiver to show up.
                 wake_one(&c.senders);
             }
-            c.receivers.borrow_mut().push_back(self::me());
+            let ticket = c.receivers.borrow_mut().push(self::me());
             sched::block(WaitOn::ChannelReceive(c.id), deadline);
-            forget(&c.receivers, me);
+            c.receivers.borrow_mut().forget(ticket);
         }
     }
 }
@@ -282,7 +342,7 @@ impl<T> Channel<T> {
 /// A condition variable for fibers of one scheduler.
 pub struct Cond {
     id: u64,
-    waiters: RefCell<VecDeque<Waiter>>,
+    waiters: RefCell<WaitQueue>,
 }
 
 impl Default for Cond {
@@ -296,7 +356,7 @@ impl Cond {
     pub fn new() -> Cond {
         Cond {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            waiters: RefCell::new(VecDeque::new()),
+            waiters: RefCell::default(),
         }
     }
 
@@ -322,10 +382,10 @@ impl Cond {
         if me == 0 {
             return false;
         }
-        self.waiters.borrow_mut().push_back(self::me());
+        let ticket = self.waiters.borrow_mut().push(self::me());
         sched::block(WaitOn::Condition(self.id), deadline);
-        let still_waiting = self.waiters.borrow().iter().any(|&(_, x)| x == me);
-        forget(&self.waiters, me);
+        let still_waiting = self.waiters.borrow().is_queued(ticket);
+        self.waiters.borrow_mut().forget(ticket);
         !(still_waiting && deadline.is_some_and(|d| Instant::now() >= d))
     }
 

@@ -265,3 +265,97 @@ fn several_schedulers_on_several_threads() {
         assert_eq!(h.join().unwrap(), 499_500 * t as u64);
     }
 }
+
+/// Waiters that leave by themselves (timeouts, wakeups) do not disturb the order of the
+/// others: values go to the remaining receivers first come, first served.
+#[test]
+fn receivers_that_time_out_leave_the_queue_in_order() {
+    let got = Scheduler::new()
+        .block_on(|| {
+            let ch = channel::<u32>(1);
+            let log = Rc::new(RefCell::new(Vec::new()));
+            let mut hs = Vec::new();
+            for i in 0..6u32 {
+                let (rx, log) = (ch.clone(), log.clone());
+                hs.push(spawn(move || {
+                    // Odd fibers give up after 20 ms; even ones wait for a value.
+                    let r = if i % 2 == 1 {
+                        rx.recv_timeout(Duration::from_millis(20)).ok()
+                    } else {
+                        rx.recv()
+                    };
+                    log.borrow_mut().push((i, r));
+                }));
+                yield_now(); // queue in spawn order
+            }
+            sleep(Duration::from_millis(60));
+            for v in [100, 101, 102] {
+                ch.send(v).unwrap();
+            }
+            for h in hs {
+                h.join().unwrap();
+            }
+            log.take()
+        })
+        .unwrap();
+    assert_eq!(
+        got,
+        [
+            (1, None),
+            (3, None),
+            (5, None),
+            (0, Some(100)),
+            (2, Some(101)),
+            (4, Some(102)),
+        ]
+    );
+}
+
+/// 10,000 fibers waiting on one channel (each wake used to scan the whole queue).
+#[test]
+fn many_receivers_of_one_channel_each_get_one_value() {
+    const N: u64 = 10_000;
+    let sum = Scheduler::new()
+        .block_on(|| {
+            let ch = channel::<u64>(1);
+            let total = Rc::new(std::cell::Cell::new(0u64));
+            let hs: Vec<_> = (0..N)
+                .map(|_| {
+                    let (rx, t) = (ch.clone(), total.clone());
+                    spawn(move || {
+                        let v = rx.recv().unwrap();
+                        t.set(t.get() + v);
+                    })
+                })
+                .collect();
+            yield_now();
+            for v in 1..=N {
+                ch.send(v).unwrap();
+            }
+            for h in hs {
+                h.join().unwrap();
+            }
+            total.get()
+        })
+        .unwrap();
+    assert_eq!(sum, N * (N + 1) / 2);
+}
+
+/// A condition waiter that times out reports it; one signalled after others timed out is
+/// woken (the stale entries ahead of it are skipped).
+#[test]
+fn condition_timeouts_and_signal_after_them() {
+    let got = Scheduler::new()
+        .block_on(|| {
+            let c = Rc::new(Cond::new());
+            let c1 = c.clone();
+            let early = spawn(move || c1.wait_timeout(Duration::from_millis(10)));
+            let c2 = c.clone();
+            let late = spawn(move || c2.wait_timeout(Duration::from_secs(10)));
+            sleep(Duration::from_millis(40));
+            c.signal();
+            (early.join().unwrap(), late.join().unwrap())
+        })
+        .unwrap();
+    assert_eq!(got, (false, true));
+}

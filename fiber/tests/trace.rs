@@ -503,3 +503,81 @@ fn parent_traces_can_be_turned_off() {
     });
     assert!(on.unwrap());
 }
+
+#[inline(never)]
+fn park_here(ch: &Channel<u32>) -> Option<u32> {
+    let v = ch.recv();
+    black_box(v)
+}
+
+#[inline(never)]
+fn park_there(ch: &Channel<u32>) -> Option<u32> {
+    let v = ch.recv();
+    black_box(v)
+}
+
+/// Info hands out one shared list while a fiber stays parked, keeps handing it out when the
+/// fiber runs and parks at the very same place again, and a new one when it parks elsewhere.
+#[test]
+fn info_lists_are_shared_while_parked_and_follow_the_fiber() {
+    Scheduler::new()
+        .block_on(|| {
+            let ch = channel::<u32>(1);
+            let rx = ch.clone();
+            let h = spawn(move || {
+                for _ in 0..2 {
+                    park_here(&rx);
+                }
+                park_there(&rx);
+            });
+            yield_now();
+            let get = |id| {
+                let fi = fiber_info(id, &InfoOptions::default()).unwrap();
+                (fi.csw, fi.backtrace.unwrap())
+            };
+            let (csw_a, a) = get(h.id());
+            let (_, b) = get(h.id());
+            assert!(Arc::ptr_eq(&a, &b), "one list while parked");
+            let n = info_names(&a);
+            assert_eq!(
+                &n[..4],
+                ["block", "recv_until", "recv", "park_here"],
+                "{n:?}"
+            );
+
+            ch.send(1).unwrap();
+            yield_now(); // it takes the value and parks at the same call again
+            let (csw_c, c) = get(h.id());
+            assert!(csw_c > csw_a);
+            assert_eq!(info_names(&c), n);
+            assert!(
+                Arc::ptr_eq(&a, &c),
+                "same frames after a new walk: same list"
+            );
+
+            ch.send(2).unwrap();
+            yield_now(); // now it parks in park_there
+            let (_, d) = get(h.id());
+            let m = info_names(&d);
+            assert_eq!(
+                &m[..4],
+                ["block", "recv_until", "recv", "park_there"],
+                "{m:?}"
+            );
+            assert!(!Arc::ptr_eq(&a, &d));
+            // Raw (unresolved) lists are kept apart from resolved ones.
+            let raw = InfoOptions {
+                resolve: false,
+                ..InfoOptions::default()
+            };
+            let r = fiber_info(h.id(), &raw).unwrap().backtrace.unwrap();
+            assert!(r.iter().all(|f| f.resolved.is_none()));
+            assert_eq!(
+                r.iter().map(|f| f.frame).collect::<Vec<_>>(),
+                d.iter().map(|f| f.frame).collect::<Vec<_>>()
+            );
+            ch.send(3).unwrap();
+            h.join().unwrap();
+        })
+        .unwrap();
+}

@@ -29,7 +29,7 @@ use crate::backtrace::{new_ring, Backtrace, CaptureOptions, FrameSink};
 use crate::unwind::{self, DwarfCache, Stacks, Start};
 
 pub mod x86_64;
-pub use x86_64::registers_from_ucontext;
+pub use x86_64::{prefetch, registers_from_ucontext};
 
 /// The registers a walk starts from.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
