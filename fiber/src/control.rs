@@ -80,6 +80,33 @@ pub enum WaitOn {
 }
 
 impl WaitOn {
+    /// One word: the kind in the low 3 bits, the object's id above (ids stay below 2^61).
+    fn pack(on: Option<WaitOn>) -> u64 {
+        let (tag, id) = match on {
+            None => (0, 0),
+            Some(WaitOn::Sleep) => (1, 0),
+            Some(WaitOn::ChannelReceive(n)) => (2, n),
+            Some(WaitOn::ChannelSend(n)) => (3, n),
+            Some(WaitOn::Condition(n)) => (4, n),
+            Some(WaitOn::Join(n)) => (5, n),
+            Some(WaitOn::Wakeup) => (6, 0),
+        };
+        (id << 3) | tag
+    }
+
+    fn unpack(v: u64) -> Option<WaitOn> {
+        let id = v >> 3;
+        Some(match v & 7 {
+            1 => WaitOn::Sleep,
+            2 => WaitOn::ChannelReceive(id),
+            3 => WaitOn::ChannelSend(id),
+            4 => WaitOn::Condition(id),
+            5 => WaitOn::Join(id),
+            6 => WaitOn::Wakeup,
+            _ => return None,
+        })
+    }
+
     /// In words, without allocating where the words are fixed.
     pub fn words(&self) -> std::borrow::Cow<'static, str> {
         use std::borrow::Cow;
@@ -326,7 +353,9 @@ pub struct FiberShared {
     pub(crate) last_sp: AtomicU64,
     status: AtomicU8,
     /// What a blocked fiber waits on (set only for blocking waits, not for yields).
-    wait_on: Mutex<Option<WaitOn>>,
+    /// Packed ([`WaitOn::pack`]): one atomic word, so reading it from another thread takes
+    /// no lock.
+    wait_on: AtomicU64,
     /// Clock ticks when the current status began.
     since: AtomicU64,
     pub(crate) csw: AtomicU64,
@@ -367,7 +396,7 @@ impl std::fmt::Debug for FiberShared {
 pub(crate) struct NewFiber {
     pub id: FiberId,
     pub sched: u64,
-    pub name: String,
+    pub name: Arc<str>,
     pub parent: Option<FiberId>,
     pub parent_trace: Option<ParentTrace>,
     pub stack: StackBounds,
@@ -383,7 +412,7 @@ impl FiberShared {
         FiberShared {
             id: n.id,
             sched: n.sched,
-            name: Mutex::new(Arc::from(n.name)),
+            name: Mutex::new(n.name),
             parent: n.parent,
             parent_trace: n.parent_trace,
             created: now,
@@ -395,7 +424,7 @@ impl FiberShared {
             min_sp: AtomicU64::new(n.stack.hi),
             last_sp: AtomicU64::new(n.stack.hi),
             status: AtomicU8::new(Status::Ready.to_u8()),
-            wait_on: Mutex::new(None),
+            wait_on: AtomicU64::new(0),
             since: AtomicU64::new(now),
             csw: AtomicU64::new(0),
             cpu_ticks: AtomicU64::new(0),
@@ -629,28 +658,25 @@ impl FiberShared {
 
     /// Enters a blocking wait on `on`.
     pub(crate) fn begin_wait(&self, status: Status, on: WaitOn) {
-        *self.wait_on.lock().unwrap_or_else(|e| e.into_inner()) = Some(on);
+        self.wait_on
+            .store(WaitOn::pack(Some(on)), Ordering::Relaxed);
         self.since.store(crate::clock::ticks(), Ordering::Relaxed);
         self.set_status(status);
     }
 
     /// Leaves a blocking wait.
     pub(crate) fn end_wait(&self) {
-        *self.wait_on.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.wait_on.store(0, Ordering::Relaxed);
     }
 
-    /// The status, what it waits on, and for how long.
     /// Status, what it waits on, and the clock ticks when the status began.
     pub(crate) fn status_raw(&self) -> (Status, Option<WaitOn>, u64) {
         let st = Status::from_u8(self.status.load(Ordering::Relaxed));
-        let on = self
-            .wait_on
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let on = WaitOn::unpack(self.wait_on.load(Ordering::Relaxed));
         (st, on, self.since.load(Ordering::Relaxed))
     }
 
+    /// The status, what it waits on, and for how long.
     pub fn status(&self) -> (Status, Option<WaitOn>, std::time::Duration) {
         let (st, on, since) = self.status_raw();
         (st, on, crate::clock::since(since))

@@ -849,7 +849,7 @@ impl<T> JoinHandle<T> {
 /// Builds a fiber: name, stack size, parent-trace override.
 #[derive(Default)]
 pub struct Builder {
-    name: Option<String>,
+    name: Option<Arc<str>>,
     stack_size: Option<usize>,
     parent_trace: Option<Option<ParentTrace>>,
 }
@@ -892,7 +892,14 @@ impl Builder {
 
     /// Names the fiber.
     pub fn name(mut self, name: &str) -> Self {
-        self.name = Some(name.to_string());
+        self.name = Some(Arc::from(name));
+        self
+    }
+
+    /// Names the fiber with a shared name (no copy: a host that spawns many fibers under
+    /// one name hands out the same string).
+    pub fn shared_name(mut self, name: Arc<str>) -> Self {
+        self.name = Some(name);
         self
     }
 
@@ -968,7 +975,7 @@ impl Builder {
             None => None,
         };
         let id = next_fiber_id();
-        let name = self.name.unwrap_or_else(|| format!("fiber{id}"));
+        let name = self.name.unwrap_or_else(|| Arc::from(format!("fiber{id}")));
         let shared = Arc::new(FiberShared::new(NewFiber {
             id,
             sched: inner.shared.id,

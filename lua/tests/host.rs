@@ -518,3 +518,40 @@ LOG = table.concat(log, '|')
         "child 1|parent|1,2,3|nil|dead|true|true|nil|mainer mainer|false|255|tostring ok|numbernumbernumbernumber"
     );
 }
+
+/// The exact key sets of `fiber.info()` entries (no key more, none less), and the words of
+/// what a fiber waits on.
+#[test]
+fn info_entries_have_exactly_their_keys() {
+    let host = run(r#"local fiber = require('fiber')
+local ch = fiber.channel(1)
+local r = fiber.create(function() ch:get() end)
+local i = fiber.info()
+local function keys(t)
+  local k = {}
+  for n in pairs(t) do k[#k + 1] = n end
+  table.sort(k)
+  return table.concat(k, ',')
+end
+K1 = keys(i[r:id()])
+K2 = keys(i[r:id()].waiting)
+K3 = keys(i[r:id()].memory)
+W = i[r:id()].waiting.on
+SEC = type(i[r:id()].waiting.seconds)
+K4 = keys(fiber.info({bt = false})[fiber.id()])
+S = i[fiber.id()].status .. ' ' .. i[r:id()].status
+ch:put(1)
+"#);
+    let g = host.lua().globals();
+    let s = |k: &str| g.get::<String>(k).unwrap();
+    assert_eq!(
+        s("K1"),
+        "backtrace,csw,fid,memory,name,parent,status,time,waiting"
+    );
+    assert_eq!(s("K2"), "on,seconds");
+    assert_eq!(s("K3"), "total,used");
+    assert_eq!(s("W"), "channel receive");
+    assert_eq!(s("SEC"), "number");
+    assert_eq!(s("K4"), "csw,fid,memory,name,status,time");
+    assert_eq!(s("S"), "running waiting");
+}

@@ -44,6 +44,18 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
         ffi::lua_setmetatable(l, base + 1);
         let objects_ref = ffi::luaL_ref(l, REG);
 
+        // The constructor of `fiber.info()` entries (see `info::push_fiber`).
+        let src = super::info::ENTRY_CTOR;
+        if ffi::luaL_loadbuffer(l, src.as_ptr().cast(), src.len(), c"=fiber.info".as_ptr())
+            != ffi::LUA_OK
+            || ffi::lua_pcall(l, 0, 1, 0) != ffi::LUA_OK
+        {
+            let e = raw::error_text(l, -1);
+            ffi::lua_settop(l, base);
+            return Err(format!("fibertrace: cannot set up fiber.info: {e}"));
+        }
+        let info_ctor_ref = ffi::luaL_ref(l, REG);
+
         // Fiber objects.
         let fiber_mt_ref = new_metatable(
             l,
@@ -142,10 +154,12 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
             parent_backtrace: false,
             pool: Vec::new(),
             objects_ref,
+            info_ctor_ref,
             fiber_mt_ref,
             channel_mt_ref,
             cond_mt_ref,
             report_errors: true,
+            fiber_name: std::sync::Arc::from("lua"),
         })
     }
 }
@@ -234,17 +248,28 @@ unsafe fn fiber_arg(l: *mut ffi::lua_State, idx: c_int) -> Option<FiberId> {
 /// # Safety
 /// `l` valid.
 unsafe fn push_fiber_object(l: *mut ffi::lua_State, fid: FiberId) -> Result<(), String> {
+    // SAFETY: per the contract.
+    unsafe { push_object(l, fid, false) }
+}
+
+/// As [`push_fiber_object`]; `new`: the fiber was just made, it has no object yet.
+///
+/// # Safety
+/// `l` valid.
+unsafe fn push_object(l: *mut ffi::lua_State, fid: FiberId, new: bool) -> Result<(), String> {
     let (objects, fmt) = with_host(|h| (h.objects_ref, h.fiber_mt_ref)).ok_or_else(no_host)?;
     // SAFETY: registry tables created by `install`; the weak table has no __index.
     unsafe {
         ffi::lua_checkstack(l, 4);
         ffi::lua_rawgeti(l, REG, objects as ffi::lua_Integer);
-        ffi::lua_rawgeti(l, -1, fid as ffi::lua_Integer);
-        if ffi::lua_type(l, -1) == ffi::LUA_TUSERDATA {
-            ffi::lua_replace(l, -2);
-            return Ok(());
+        if !new {
+            ffi::lua_rawgeti(l, -1, fid as ffi::lua_Integer);
+            if ffi::lua_type(l, -1) == ffi::LUA_TUSERDATA {
+                ffi::lua_replace(l, -2);
+                return Ok(());
+            }
+            ffi::lua_settop(l, -2);
         }
-        ffi::lua_settop(l, -2);
         let p = ffi::lua_newuserdata(l, std::mem::size_of::<FiberUd>()).cast::<FiberUd>();
         p.write(FiberUd { fid });
         ffi::lua_rawgeti(l, REG, fmt as ffi::lua_Integer);
@@ -334,9 +359,10 @@ fn lua_fiber_main(t: *mut ffi::lua_State, nargs: c_int) {
 
 /// Gives a finished fiber's Lua thread back to the pool (or drops its reference).
 fn release_thread(h: &mut HostState, t: *mut ffi::lua_State, r: c_int) {
-    // SAFETY: `t` is a thread of this host that no fiber runs any more; settop clears it.
+    // SAFETY: `t` is a thread of this host that no fiber runs any more; settop clears all
+    // but the message handler at index 1.
     unsafe {
-        ffi::lua_settop(t, 0);
+        ffi::lua_settop(t, 1);
         if h.pool.len() < POOL_MAX {
             h.pool.push((t, r));
         } else {
@@ -345,7 +371,9 @@ fn release_thread(h: &mut HostState, t: *mut ffi::lua_State, r: c_int) {
     }
 }
 
-/// Takes a clean Lua thread (from the pool or new).
+/// Takes a clean Lua thread (from the pool or new): its stack holds only the message
+/// handler, at index 1 (made once per thread, not once per fiber: pushing a C function
+/// allocates a closure).
 fn take_thread(h: &mut HostState) -> (*mut ffi::lua_State, c_int) {
     if let Some(t) = h.pool.pop() {
         return t;
@@ -355,6 +383,7 @@ fn take_thread(h: &mut HostState) -> (*mut ffi::lua_State, c_int) {
         ffi::lua_checkstack(h.main_l, 2);
         let t = ffi::lua_newthread(h.main_l);
         let r = ffi::luaL_ref(h.main_l, REG);
+        ffi::lua_pushcfunction(t, f_msgh);
         (t, r)
     }
 }
@@ -372,20 +401,22 @@ unsafe fn spawn_lua(l: *mut ffi::lua_State, what: &str) -> Result<FiberId, Strin
     if fibertrace_fiber::current_id() == 0 {
         return Err(format!("fiber.{what}: not in a fiber"));
     }
-    let (t, tref, parent_bt, creator_root) = with_host(|h| {
+    let (t, tref, parent_bt, creator_root, name) = with_host(|h| {
         let (t, r) = take_thread(h);
-        let root = h
-            .recs
-            .get(&fibertrace_fiber::current_id())
-            .map(|r| r.thread);
-        (t, r, h.parent_backtrace, root)
+        let root = if h.parent_backtrace {
+            h.recs
+                .get(&fibertrace_fiber::current_id())
+                .map(|r| r.thread)
+        } else {
+            None
+        };
+        (t, r, h.parent_backtrace, root, h.fiber_name.clone())
     })
     .ok_or_else(no_host)?;
     // SAFETY: `t` is a clean thread; the function and arguments move from `l` to it.
     let nargs = unsafe {
         let n = ffi::lua_gettop(l);
         ffi::lua_checkstack(t, n + 2);
-        ffi::lua_pushcfunction(t, f_msgh);
         ffi::lua_xmove(l, t, n);
         n - 1
     };
@@ -398,7 +429,7 @@ unsafe fn spawn_lua(l: *mut ffi::lua_State, what: &str) -> Result<FiberId, Strin
         None
     };
     let handle = Builder::new()
-        .name("lua")
+        .shared_name(name)
         .parent_trace(parent)
         .spawn(move || lua_fiber_main(t, nargs));
     let fid = handle.id();
@@ -424,7 +455,7 @@ unsafe fn create_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
     let fid = unsafe { spawn_lua(l, "create") }?;
     // SAFETY: as above.
-    unsafe { push_fiber_object(l, fid) }?;
+    unsafe { push_object(l, fid, true) }?;
     // Start it now: it runs, and this fiber continues as soon as it yields.
     if let Some(f) = live_fiber(fid) {
         fibertrace_fiber::yield_to(&f);
@@ -438,7 +469,7 @@ unsafe fn new_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
     let fid = unsafe { spawn_lua(l, "new") }?;
     // SAFETY: as above.
-    unsafe { push_fiber_object(l, fid) }?;
+    unsafe { push_object(l, fid, true) }?;
     Ok(1)
 }
 lua_fn!(f_new, new_body);
@@ -462,7 +493,6 @@ pub(crate) fn run_main_fiber(
     // SAFETY: `t` is a clean thread of this host; the source bytes outlive the load.
     let loaded = unsafe {
         ffi::lua_checkstack(t, args.len() as c_int + 3);
-        ffi::lua_pushcfunction(t, f_msgh);
         let st = ffi::luaL_loadbuffer(t, source.as_ptr().cast(), source.len(), chunkname.as_ptr());
         if st != ffi::LUA_OK {
             Err(raw::error_text(t, -1))

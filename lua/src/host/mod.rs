@@ -67,11 +67,15 @@ pub(crate) struct HostState {
     pub pool: Vec<(*mut ffi::lua_State, c_int)>,
     /// Registry refs: weak table fid -> fiber object; metatables.
     pub objects_ref: c_int,
+    /// Registry ref: the Lua function that makes one `fiber.info()` entry.
+    pub info_ctor_ref: c_int,
     pub fiber_mt_ref: c_int,
     pub channel_mt_ref: c_int,
     pub cond_mt_ref: c_int,
     /// Print errors of fibers nobody joins (to stderr).
     pub report_errors: bool,
+    /// The name of fibers made by `fiber.create`/`fiber.new` ("lua", as Tarantool's), shared.
+    pub fiber_name: std::sync::Arc<str>,
 }
 
 thread_local! {
@@ -113,6 +117,37 @@ impl std::error::Error for ScriptError {}
 pub struct LuaHost {
     lua: Option<mlua::Lua>,
     sched: Option<Scheduler>,
+    /// A state the host made itself (closed by the host, after `lua` is dropped).
+    own_state: Option<*mut ffi::lua_State>,
+}
+
+/// The Lua state of a host: all standard libraries (including `debug`, and `ffi`/`jit` on
+/// LuaJIT, as the `lua`/`luajit` interpreters have them).
+///
+/// On LuaJIT the state is made with LuaJIT's own allocator (`luaL_newstate`) and handed to
+/// mlua: mlua's allocator goes through the process allocator, which roughly doubles the
+/// cost of the small objects that `fiber.create` and `fiber.info` make by the thousand. The
+/// host then closes the state itself (the second value).
+fn new_lua() -> Result<(mlua::Lua, Option<*mut ffi::lua_State>), String> {
+    #[cfg(feature = "luajit")]
+    {
+        // SAFETY: a fresh state, opened and then owned by this host only; mlua keeps its
+        // data in the state and frees it when the state is closed.
+        unsafe {
+            let l = ffi::luaL_newstate();
+            if l.is_null() {
+                return Err("cannot create a Lua state (out of memory)".into());
+            }
+            ffi::luaL_openlibs(l);
+            Ok((mlua::Lua::get_or_init_from_ptr(l).clone(), Some(l)))
+        }
+    }
+    #[cfg(not(feature = "luajit"))]
+    {
+        // SAFETY: unsafe_new only allows loading the `debug` library, which a Lua
+        // interpreter (as `fibertrace run` is) offers to its scripts.
+        Ok((unsafe { mlua::Lua::unsafe_new() }, None))
+    }
 }
 
 impl LuaHost {
@@ -126,9 +161,7 @@ impl LuaHost {
         if HOST.with(|h| h.borrow().is_some()) {
             return Err("a Lua host already exists on this thread".into());
         }
-        // SAFETY: unsafe_new only allows loading the `debug` and `ffi` libraries, which a Lua
-        // interpreter (as `fibertrace run` is) offers to its scripts.
-        let lua = unsafe { mlua::Lua::unsafe_new() };
+        let (lua, own_state) = new_lua()?;
         let l = lua.state();
         let sched = Scheduler::with_options(SchedulerOptions {
             parent_traces: false,
@@ -144,6 +177,7 @@ impl LuaHost {
         Ok(LuaHost {
             lua: Some(lua),
             sched: Some(sched),
+            own_state,
         })
     }
 
@@ -248,6 +282,11 @@ impl Drop for LuaHost {
         self.sched.take();
         HOST.with(|h| h.borrow_mut().take());
         self.lua.take();
+        if let Some(l) = self.own_state.take() {
+            // SAFETY: the state was made by `new_lua`, every fiber that ran Lua has ended,
+            // and the last mlua handle is gone; mlua's data in it goes with it.
+            unsafe { ffi::lua_close(l) };
+        }
     }
 }
 
