@@ -851,7 +851,9 @@ impl<T> JoinHandle<T> {
 pub struct Builder {
     name: Option<Arc<str>>,
     stack_size: Option<usize>,
-    parent_trace: Option<Option<ParentTrace>>,
+    /// A trace given by hand (boxed: a builder is moved through several calls, and a
+    /// trace is a few hundred bytes).
+    parent_trace: Option<Option<Box<ParentTrace>>>,
 }
 
 /// A [`Builder`] bound to a scheduler (from [`Scheduler::builder`]).
@@ -912,7 +914,7 @@ impl Builder {
     /// Uses this parent trace instead of capturing the creator's native stack (a Lua host
     /// passes a trace with the creator's Lua frames interleaved); `None` keeps none.
     pub fn parent_trace(mut self, t: Option<ParentTrace>) -> Self {
-        self.parent_trace = Some(t);
+        self.parent_trace = Some(t.map(Box::new));
         self
     }
 
@@ -970,7 +972,7 @@ impl Builder {
         let bounds = stack::bounds(&stack);
         let creator = current_ctx().map(|c| c.shared.clone());
         let parent_trace = match self.parent_trace {
-            Some(t) => t,
+            Some(t) => t.map(|b| *b),
             None if parent_traces => Some(capture_parent_trace(creator.clone(), skip)),
             None => None,
         };
