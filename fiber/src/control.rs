@@ -407,7 +407,18 @@ pub(crate) struct NewFiber {
 }
 
 impl FiberShared {
-    pub(crate) fn new(n: NewFiber) -> Self {
+    /// A new control block, built in place in its shared allocation (a control block is
+    /// several hundred bytes; building it on the stack and moving it in cost a copy per spawn).
+    pub(crate) fn new_shared(n: NewFiber) -> Arc<Self> {
+        let mut a = Arc::<FiberShared>::new_uninit();
+        let slot = Arc::get_mut(&mut a).expect("a new Arc is unique");
+        slot.write(FiberShared::new(n));
+        // SAFETY: fully written just above.
+        unsafe { a.assume_init() }
+    }
+
+    #[inline(always)]
+    fn new(n: NewFiber) -> Self {
         let now = crate::clock::ticks();
         FiberShared {
             id: n.id,

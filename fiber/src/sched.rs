@@ -978,7 +978,7 @@ impl Builder {
         };
         let id = next_fiber_id();
         let name = self.name.unwrap_or_else(|| Arc::from(format!("fiber{id}")));
-        let shared = Arc::new(FiberShared::new(NewFiber {
+        let shared = FiberShared::new_shared(NewFiber {
             id,
             sched: inner.shared.id,
             name,
@@ -989,7 +989,7 @@ impl Builder {
             entry_fn: call_user::<F, T> as *const () as u64,
             entry_name: std::any::type_name::<F>(),
             traced,
-        }));
+        });
         let result: ResultSlot<T> = Rc::new(RefCell::new(None));
         let slot_result = result.clone();
         let body_shared = shared.clone();

@@ -17,6 +17,9 @@ const NAME_MAX: usize = 255;
 /// Finished Lua threads kept for reuse.
 const POOL_MAX: usize = 4096;
 
+/// Stack slot of a fiber's Lua thread holding the message handler of its `lua_pcall`.
+const MSGH_SLOT: c_int = 1;
+
 /// The userdata of a fiber object: its id.
 #[repr(C)]
 struct FiberUd {
@@ -36,14 +39,6 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
     unsafe {
         ffi::lua_checkstack(l, 8);
         let base = ffi::lua_gettop(l);
-        // Weak table of fiber objects by id.
-        ffi::lua_createtable(l, 0, 0);
-        ffi::lua_createtable(l, 0, 1);
-        push_str(l, "v");
-        set_field(l, base + 2, c"__mode");
-        ffi::lua_setmetatable(l, base + 1);
-        let objects_ref = ffi::luaL_ref(l, REG);
-
         // The constructor of `fiber.info()` entries (see `info::push_fiber`).
         let src = super::info::ENTRY_CTOR;
         if ffi::luaL_loadbuffer(l, src.as_ptr().cast(), src.len(), c"=fiber.info".as_ptr())
@@ -55,6 +50,10 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
             return Err(format!("fibertrace: cannot set up fiber.info: {e}"));
         }
         let info_ctor_ref = ffi::luaL_ref(l, REG);
+
+        // Live fibers' objects, by slot (see `push_object`).
+        ffi::lua_createtable(l, 256, 0);
+        let objs_ref = ffi::luaL_ref(l, REG);
 
         // Fiber objects.
         let fiber_mt_ref = new_metatable(
@@ -153,8 +152,10 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
             recs: Default::default(),
             parent_backtrace: false,
             pool: Vec::new(),
-            objects_ref,
             info_ctor_ref,
+            objs_ref,
+            obj_free: Vec::new(),
+            obj_next: 0,
             fiber_mt_ref,
             channel_mt_ref,
             cond_mt_ref,
@@ -243,7 +244,7 @@ unsafe fn fiber_arg(l: *mut ffi::lua_State, idx: c_int) -> Option<FiberId> {
     None
 }
 
-/// Pushes the fiber object of `fid` (the same object every time while it is referenced).
+/// Pushes the fiber object of `fid`: the same object every time while the fiber lives.
 ///
 /// # Safety
 /// `l` valid.
@@ -254,31 +255,75 @@ unsafe fn push_fiber_object(l: *mut ffi::lua_State, fid: FiberId) -> Result<(), 
 
 /// As [`push_fiber_object`]; `new`: the fiber was just made, it has no object yet.
 ///
+/// A live fiber's object is held in the array part of one host table, at a slot kept in
+/// the fiber's record and freed (for the next fiber) when the record goes. So it lives as
+/// long as the fiber, and making one costs an array store, not an insert into a growing
+/// hash (a weak table by id) or a registry reference. A fiber without a record gets a fresh
+/// object each time.
+///
 /// # Safety
 /// `l` valid.
 unsafe fn push_object(l: *mut ffi::lua_State, fid: FiberId, new: bool) -> Result<(), String> {
-    let (objects, fmt) = with_host(|h| (h.objects_ref, h.fiber_mt_ref)).ok_or_else(no_host)?;
-    // SAFETY: registry tables created by `install`; the weak table has no __index.
+    let (known, objs, fmt) = with_host(|h| {
+        (
+            h.recs.get(&fid).map(|r| r.obj_slot),
+            h.objs_ref,
+            h.fiber_mt_ref,
+        )
+    })
+    .ok_or_else(no_host)?;
+    // SAFETY: a host table and a fresh userdata with the fiber metatable.
     unsafe {
         ffi::lua_checkstack(l, 4);
-        ffi::lua_rawgeti(l, REG, objects as ffi::lua_Integer);
-        if !new {
-            ffi::lua_rawgeti(l, -1, fid as ffi::lua_Integer);
-            if ffi::lua_type(l, -1) == ffi::LUA_TUSERDATA {
+        if let (Some(slot), false) = (known, new) {
+            if slot > 0 {
+                ffi::lua_rawgeti(l, REG, objs as ffi::lua_Integer);
+                ffi::lua_rawgeti(l, -1, slot as ffi::lua_Integer);
                 ffi::lua_replace(l, -2);
                 return Ok(());
             }
-            ffi::lua_settop(l, -2);
         }
         let p = ffi::lua_newuserdata(l, std::mem::size_of::<FiberUd>()).cast::<FiberUd>();
         p.write(FiberUd { fid });
         ffi::lua_rawgeti(l, REG, fmt as ffi::lua_Integer);
         ffi::lua_setmetatable(l, -2);
-        ffi::lua_pushvalue(l, -1);
-        ffi::lua_rawseti(l, -3, fid as ffi::lua_Integer);
-        ffi::lua_replace(l, -2);
+        if known.is_some() {
+            let slot = with_host(|h| {
+                let s = h.obj_free.pop().unwrap_or_else(|| {
+                    h.obj_next += 1;
+                    h.obj_next
+                });
+                if let Some(rec) = h.recs.get_mut(&fid) {
+                    rec.obj_slot = s;
+                }
+                s
+            })
+            .ok_or_else(no_host)?;
+            ffi::lua_rawgeti(l, REG, objs as ffi::lua_Integer);
+            ffi::lua_pushvalue(l, -2);
+            ffi::lua_rawseti(l, -2, slot as ffi::lua_Integer);
+            ffi::lua_settop(l, -2);
+        }
     }
     Ok(())
+}
+
+/// Removes a fiber's record, freeing its object's slot (the thread is the caller's).
+fn remove_rec(h: &mut HostState, fid: FiberId) -> Option<Rec> {
+    let rec = h.recs.remove(&fid)?;
+    if rec.obj_slot > 0 {
+        // SAFETY: the host's main state and its object table; a plain array store.
+        unsafe {
+            let l = h.main_l;
+            ffi::lua_checkstack(l, 2);
+            ffi::lua_rawgeti(l, REG, h.objs_ref as ffi::lua_Integer);
+            ffi::lua_pushnil(l);
+            ffi::lua_rawseti(l, -2, rec.obj_slot as ffi::lua_Integer);
+            ffi::lua_settop(l, -2);
+        }
+        h.obj_free.push(rec.obj_slot);
+    }
+    Some(rec)
 }
 
 fn cancelled_check() -> Result<(), String> {
@@ -314,14 +359,14 @@ unsafe fn msgh_body(l: *mut ffi::lua_State) -> LResult {
 lua_fn!(f_msgh, msgh_body);
 
 /// Calls the function at index 2 of `t` with `nargs` arguments under the message handler at
-/// index 1. Returns whether it succeeded; results (or the error) are left from index 2.
+/// [`MSGH_SLOT`]. Returns whether it succeeded; results (or the error) are left from index 2.
 ///
 /// # Safety
 /// `t` is a Lua thread of this host laid out as said, run only by the current fiber.
 #[inline(never)]
 unsafe fn call_in_thread(t: *mut ffi::lua_State, nargs: c_int) -> bool {
     // SAFETY: per the contract; lua_pcall catches every Lua error.
-    let st = unsafe { ffi::lua_pcall(t, nargs, ffi::LUA_MULTRET, 1) };
+    let st = unsafe { ffi::lua_pcall(t, nargs, ffi::LUA_MULTRET, MSGH_SLOT) };
     std::hint::black_box(());
     st == ffi::LUA_OK
 }
@@ -343,10 +388,9 @@ fn lua_fiber_main(t: *mut ffi::lua_State, nargs: c_int) {
             }
             return None;
         }
-        let rec = h.recs.remove(&fid)?;
-        let name = rec.fiber.name();
+        let rec = remove_rec(h, fid)?;
         release_thread(h, rec.thread, rec.thread_ref);
-        (h.report_errors && !ok).then_some(name)
+        (h.report_errors && !ok).then(|| rec.fiber.name())
     })
     .flatten();
     if let (Some(name), Some(msg)) = (report, msg) {
@@ -359,10 +403,10 @@ fn lua_fiber_main(t: *mut ffi::lua_State, nargs: c_int) {
 
 /// Gives a finished fiber's Lua thread back to the pool (or drops its reference).
 fn release_thread(h: &mut HostState, t: *mut ffi::lua_State, r: c_int) {
-    // SAFETY: `t` is a thread of this host that no fiber runs any more; settop clears all
-    // but the message handler at index 1.
+    // SAFETY: `t` is a thread of this host that no fiber runs any more: all above the
+    // message handler is dropped.
     unsafe {
-        ffi::lua_settop(t, 1);
+        ffi::lua_settop(t, MSGH_SLOT);
         if h.pool.len() < POOL_MAX {
             h.pool.push((t, r));
         } else {
@@ -371,9 +415,9 @@ fn release_thread(h: &mut HostState, t: *mut ffi::lua_State, r: c_int) {
     }
 }
 
-/// Takes a clean Lua thread (from the pool or new): its stack holds only the message
-/// handler, at index 1 (made once per thread, not once per fiber: pushing a C function
-/// allocates a closure).
+/// Takes a clean Lua thread (from the pool or new). Its stack holds only the message handler
+/// ([`MSGH_SLOT`], made once per thread, not once per fiber: pushing a C function allocates a
+/// closure); the fiber's function and arguments go above it.
 fn take_thread(h: &mut HostState) -> (*mut ffi::lua_State, c_int) {
     if let Some(t) = h.pool.pop() {
         return t;
@@ -445,6 +489,7 @@ unsafe fn spawn_lua(l: *mut ffi::lua_State, what: &str) -> Result<FiberId, Strin
                 joinable: false,
                 done: None,
                 trace_cache: None,
+                obj_slot: 0,
             },
         )
     });
@@ -518,6 +563,7 @@ pub(crate) fn run_main_fiber(
                 joinable: false,
                 done: None,
                 trace_cache: None,
+                obj_slot: 0,
             },
         )
     });
@@ -533,7 +579,7 @@ pub(crate) fn run_main_fiber(
         })
     };
     with_host(|h| {
-        h.recs.remove(&fid);
+        remove_rec(h, fid);
         release_thread(h, t, tref);
     });
     r
@@ -785,7 +831,7 @@ unsafe fn join_body(l: *mut ffi::lua_State) -> LResult {
     };
     let res = handle.join();
     cancelled_check()?;
-    let rec = with_host(|h| h.recs.remove(&fid)).flatten();
+    let rec = with_host(|h| remove_rec(h, fid)).flatten();
     let Some(rec) = rec else {
         return Err("the fiber is dead".into());
     };
@@ -795,7 +841,7 @@ unsafe fn join_body(l: *mut ffi::lua_State) -> LResult {
     let n = unsafe {
         match (res, rec.done) {
             (Ok(()), Some(ok)) => {
-                let n = ffi::lua_gettop(t) - 1;
+                let n = ffi::lua_gettop(t) - MSGH_SLOT;
                 ffi::lua_checkstack(l, n + 2);
                 ffi::lua_pushboolean(l, ok as c_int);
                 ffi::lua_xmove(t, l, n.max(0));

@@ -56,6 +56,8 @@ pub(crate) struct Rec {
     /// The fiber's last interleaved trace and its context-switch count then: a fiber that
     /// has not run since has the same trace (see [`info`]).
     pub trace_cache: Option<(u64, std::rc::Rc<[fibertrace_core::Frame]>)>,
+    /// Slot of the fiber's Lua object in the host's object table once made (0 before).
+    pub obj_slot: c_int,
 }
 
 /// The host's per-thread state.
@@ -63,12 +65,16 @@ pub(crate) struct HostState {
     pub main_l: *mut ffi::lua_State,
     pub recs: HashMap<FiberId, Rec, BuildHasherDefault<fibertrace_core::symbolize::AddrHasher>>,
     pub parent_backtrace: bool,
-    /// Finished Lua threads, ready for reuse (stack empty), with their registry refs.
+    /// Finished Lua threads, ready for reuse (only the message handler on the stack), with
+    /// their registry refs.
     pub pool: Vec<(*mut ffi::lua_State, c_int)>,
-    /// Registry refs: weak table fid -> fiber object; metatables.
-    pub objects_ref: c_int,
     /// Registry ref: the Lua function that makes one `fiber.info()` entry.
     pub info_ctor_ref: c_int,
+    /// Registry ref: live fibers' objects by slot; free slots; the highest slot used.
+    pub objs_ref: c_int,
+    pub obj_free: Vec<c_int>,
+    pub obj_next: c_int,
+    /// Registry refs: metatables.
     pub fiber_mt_ref: c_int,
     pub channel_mt_ref: c_int,
     pub cond_mt_ref: c_int,
