@@ -184,24 +184,6 @@ impl ParentTrace {
         }
     }
 
-    pub(crate) fn from_return_addresses(
-        creator: Option<Arc<FiberShared>>,
-        thread_name: Option<Arc<str>>,
-        ras: &[u64],
-    ) -> ParentTrace {
-        ParentTrace {
-            fiber: creator.as_ref().map(|c| c.id),
-            creator,
-            thread_name,
-            frames: ras
-                .iter()
-                .take(PARENT_FRAMES)
-                .map(|&a| Frame::Ra(a))
-                .collect(),
-            info: [OnceLock::new(), OnceLock::new()],
-        }
-    }
-
     #[allow(dead_code)]
     pub(crate) fn from_parts(
         creator: Option<Arc<FiberShared>>,
@@ -393,12 +375,26 @@ impl std::fmt::Debug for FiberShared {
     }
 }
 
-pub(crate) struct NewFiber {
+/// How a new fiber gets its parent trace.
+pub(crate) enum ParentInit<'a> {
+    None,
+    /// Made by hand (a host's interleaved frames).
+    Given(Box<ParentTrace>),
+    /// Return addresses just captured from the creator's stack: the trace is built from them
+    /// in place, in the new control block (no copy of a few hundred bytes per spawn).
+    Captured {
+        creator: Option<Arc<FiberShared>>,
+        thread_name: Option<Arc<str>>,
+        ras: &'a [u64],
+    },
+}
+
+pub(crate) struct NewFiber<'a> {
     pub id: FiberId,
     pub sched: u64,
     pub name: Arc<str>,
     pub parent: Option<FiberId>,
-    pub parent_trace: Option<ParentTrace>,
+    pub parent_trace: ParentInit<'a>,
     pub stack: StackBounds,
     pub stack_size: usize,
     pub entry_fn: u64,
@@ -409,23 +405,51 @@ pub(crate) struct NewFiber {
 impl FiberShared {
     /// A new control block, built in place in its shared allocation (a control block is
     /// several hundred bytes; building it on the stack and moving it in cost a copy per spawn).
-    pub(crate) fn new_shared(n: NewFiber) -> Arc<Self> {
+    pub(crate) fn new_shared(mut n: NewFiber<'_>) -> Arc<Self> {
         let mut a = Arc::<FiberShared>::new_uninit();
         let slot = Arc::get_mut(&mut a).expect("a new Arc is unique");
-        slot.write(FiberShared::new(n));
+        let (given, captured) = match std::mem::replace(&mut n.parent_trace, ParentInit::None) {
+            ParentInit::None => (None, None),
+            ParentInit::Given(t) => (Some(*t), None),
+            ParentInit::Captured {
+                creator,
+                thread_name,
+                ras,
+            } => (
+                Some(ParentTrace {
+                    fiber: creator.as_ref().map(|c| c.id),
+                    creator,
+                    thread_name,
+                    frames: SmallVec::new(),
+                    info: [OnceLock::new(), OnceLock::new()],
+                }),
+                Some(ras),
+            ),
+        };
+        let f = slot.write(FiberShared::new(&n, given));
+        if let (Some(t), Some(ras)) = (f.parent_trace.as_mut(), captured) {
+            let ras = &ras[..ras.len().min(PARENT_FRAMES)];
+            let buf = t.frames.as_mut_ptr();
+            for (i, &a) in ras.iter().enumerate() {
+                // SAFETY: the inline buffer holds PARENT_FRAMES frames and i < that.
+                unsafe { buf.add(i).write(Frame::Ra(a)) };
+            }
+            // SAFETY: the first `ras.len()` entries were written just above.
+            unsafe { t.frames.set_len(ras.len()) };
+        }
         // SAFETY: fully written just above.
         unsafe { a.assume_init() }
     }
 
     #[inline(always)]
-    fn new(n: NewFiber) -> Self {
+    fn new(n: &NewFiber<'_>, parent_trace: Option<ParentTrace>) -> Self {
         let now = crate::clock::ticks();
         FiberShared {
             id: n.id,
             sched: n.sched,
-            name: Mutex::new(n.name),
+            name: Mutex::new(n.name.clone()),
             parent: n.parent,
-            parent_trace: n.parent_trace,
+            parent_trace,
             created: now,
             run: AtomicU8::new(NEW),
             ctx: UnsafeCell::new(SavedContext::new(n.stack)),

@@ -25,8 +25,8 @@ use corosensei::{Coroutine, CoroutineResult, Yielder};
 use fibertrace_core::{Backtrace, CaptureOptions, Frame, Unwinder};
 
 use crate::control::{
-    next_fiber_id, FiberId, FiberShared, NewFiber, PanicReport, ParentTrace, Status, WaitOn, DEAD,
-    NEW, RUNNING, SUSPENDED,
+    next_fiber_id, FiberId, FiberShared, NewFiber, PanicReport, ParentInit, ParentTrace, Status,
+    WaitOn, DEAD, NEW, RUNNING, SUSPENDED,
 };
 use crate::registry::{self, SchedShared};
 use crate::stack;
@@ -970,11 +970,24 @@ impl Builder {
             .take(size)
             .unwrap_or_else(|e| panic!("cannot allocate a {size}-byte fiber stack: {e}"));
         let bounds = stack::bounds(&stack);
-        let creator = current_ctx().map(|c| c.shared.clone());
+        // Borrowed: the creator's control block is cloned only into a parent trace (each
+        // clone and drop is an atomic operation on a shared count).
+        let creator = current_ctx().map(|c| &c.shared);
+        let mut ras = [0u64; crate::control::PARENT_FRAMES];
         let parent_trace = match self.parent_trace {
-            Some(t) => t.map(|b| *b),
-            None if parent_traces => Some(capture_parent_trace(creator.clone(), skip)),
-            None => None,
+            Some(Some(t)) => ParentInit::Given(t),
+            Some(None) => ParentInit::None,
+            None if parent_traces => {
+                let n = capture_parent_trace(creator, skip, &mut ras);
+                ParentInit::Captured {
+                    creator: creator.cloned(),
+                    thread_name: creator
+                        .is_none()
+                        .then(|| Arc::from(std::thread::current().name().unwrap_or("thread"))),
+                    ras: &ras[..n],
+                }
+            }
+            None => ParentInit::None,
         };
         let id = next_fiber_id();
         let name = self.name.unwrap_or_else(|| Arc::from(format!("fiber{id}")));
@@ -982,7 +995,7 @@ impl Builder {
             id,
             sched: inner.shared.id,
             name,
-            parent: creator.as_ref().map(|c| c.id),
+            parent: creator.map(|c| c.id),
             parent_trace,
             stack: bounds,
             stack_size: size,
@@ -1033,31 +1046,26 @@ fn no_tail_call<T>(v: T) -> T {
     v
 }
 
-/// Captures the creator's trace for a child: its own frames (cut at its entry when it is a
-/// fiber; the spawn machinery skipped) and its own parent trace, shared.
+/// Captures the creator's return addresses for a child's parent trace: its own frames (cut
+/// at its entry when it is a fiber; the spawn machinery skipped). Returns how many.
 #[inline(never)]
-fn capture_parent_trace(creator: Option<Arc<FiberShared>>, skip: usize) -> ParentTrace {
-    let mut ras = [0u64; crate::control::PARENT_FRAMES];
-    let n = match &creator {
+fn capture_parent_trace(
+    creator: Option<&Arc<FiberShared>>,
+    skip: usize,
+    ras: &mut [u64; crate::control::PARENT_FRAMES],
+) -> usize {
+    let n = match creator {
         // A fiber: its own stack, up to its entry. The lean walk (no thread-local access,
         // no allocation) keeps spawning with parent traces within a few percent of without.
-        Some(c) => fibertrace_core::collect_raw(
-            skip,
-            c.entry_fp.load(Ordering::Relaxed),
-            c.stack,
-            &mut ras,
-        ),
-        None => fibertrace_core::collect_raw(
-            skip,
-            0,
-            fibertrace_core::capture::thread_stack(),
-            &mut ras,
-        ),
+        Some(c) => {
+            fibertrace_core::collect_raw(skip, c.entry_fp.load(Ordering::Relaxed), c.stack, ras)
+        }
+        None => {
+            fibertrace_core::collect_raw(skip, 0, fibertrace_core::capture::thread_stack(), ras)
+        }
     };
-    let thread_name = creator
-        .is_none()
-        .then(|| Arc::from(std::thread::current().name().unwrap_or("thread")));
-    ParentTrace::from_return_addresses(creator, thread_name, &ras[..n])
+    // Not a tail call: this frame is one of the `skip` ones at every optimisation level.
+    no_tail_call(n)
 }
 
 /// The body of every fiber, on its own stack.
