@@ -1,11 +1,16 @@
 //! The process-wide registry of schedulers and their fibers, readable from any thread.
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use crate::control::{FiberId, FiberShared};
 use crate::sample::Sampler;
+
+/// Fibers by id (a hash map: a spawn and an exit each cost one insert or remove; readers sort).
+type FiberMap =
+    HashMap<FiberId, Arc<FiberShared>, BuildHasherDefault<fibertrace_core::symbolize::AddrHasher>>;
 
 static NEXT_SCHED: AtomicU64 = AtomicU64::new(1);
 static SCHEDULERS: Mutex<Vec<Weak<SchedShared>>> = Mutex::new(Vec::new());
@@ -16,7 +21,7 @@ pub struct SchedShared {
     pub id: u64,
     /// Its name.
     pub name: String,
-    pub(crate) fibers: Mutex<BTreeMap<FiberId, Arc<FiberShared>>>,
+    pub(crate) fibers: Mutex<FiberMap>,
     pub(crate) sampler: Sampler,
     /// Whether it is idle, waiting for a timer (a stall detector must not fire then).
     pub(crate) idle: AtomicBool,
@@ -48,12 +53,16 @@ impl SchedShared {
 
     /// Its live fibers, in id order.
     pub fn fibers(&self) -> Vec<Arc<FiberShared>> {
-        self.fibers
+        let mut v: Vec<(FiberId, Arc<FiberShared>)> = self
+            .fibers
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect()
+            .iter()
+            .map(|(&id, f)| (id, f.clone()))
+            .collect();
+        // Sorted by the copied ids (no pointer chasing into cold control blocks).
+        v.sort_unstable_by_key(|(id, _)| *id);
+        v.into_iter().map(|(_, f)| f).collect()
     }
 }
 
@@ -61,7 +70,7 @@ pub(crate) fn register(name: String) -> Arc<SchedShared> {
     let s = Arc::new(SchedShared {
         id: NEXT_SCHED.fetch_add(1, Ordering::Relaxed),
         name,
-        fibers: Mutex::new(BTreeMap::new()),
+        fibers: Mutex::new(FiberMap::default()),
         sampler: Sampler::new(),
         idle: AtomicBool::new(false),
     });
