@@ -53,16 +53,12 @@ impl SchedShared {
 
     /// Its live fibers, in id order.
     pub fn fibers(&self) -> Vec<Arc<FiberShared>> {
-        let mut v: Vec<(FiberId, Arc<FiberShared>)> = self
-            .fibers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .map(|(&id, f)| (id, f.clone()))
-            .collect();
-        // Sorted by the copied ids (no pointer chasing into cold control blocks).
+        let map = self.fibers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut v: Vec<(FiberId, &Arc<FiberShared>)> = map.iter().map(|(&id, f)| (id, f)).collect();
+        // Sorted by the copied ids, then cloned in that order: control blocks are allocated
+        // in id order, so the clones walk memory forward instead of hopping at random.
         v.sort_unstable_by_key(|(id, _)| *id);
-        v.into_iter().map(|(_, f)| f).collect()
+        v.into_iter().map(|(_, f)| f.clone()).collect()
     }
 }
 
