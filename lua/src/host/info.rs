@@ -238,19 +238,44 @@ impl Call {
 
 /// Leading frames of the current stack that belong to the capture itself are cut up to the
 /// frame of the C function `upto` (kept: it is where Lua called in).
-fn cut_to(frames: &[Frame], upto: &str) -> usize {
+fn cut_to(frames: &[Frame], upto: &'static str) -> usize {
     for (i, f) in frames.iter().enumerate().take(24) {
         if f.is_marker() || matches!(f, Frame::Lua(_)) {
             break;
         }
-        let hit = fibertrace_core::symbolize::resolve(f)
-            .and_then(|r| r.function().map(|n| n.rsplit("::").next() == Some(upto)))
-            .unwrap_or(false);
-        if hit {
+        if is_frame_of(f, upto) {
             return i;
         }
     }
     0
+}
+
+thread_local! {
+    /// Whether a native frame belongs to a given function, by (address, name): `cut_to` runs
+    /// at every `fiber.create` with parent traces on, from the same few call sites.
+    static FRAME_OF: RefCell<HashMap<(u64, usize), bool, BuildHasherDefault<AddrHasher>>> =
+        RefCell::new(HashMap::default());
+}
+
+fn is_frame_of(f: &Frame, upto: &'static str) -> bool {
+    let Some(addr) = f.lookup_address() else {
+        return false;
+    };
+    let key = (addr, upto.as_ptr() as usize);
+    if let Some(hit) = FRAME_OF.with(|c| c.borrow().get(&key).copied()) {
+        return hit;
+    }
+    let hit = fibertrace_core::symbolize::resolve(f)
+        .and_then(|r| r.function().map(|n| n.rsplit("::").next() == Some(upto)))
+        .unwrap_or(false);
+    FRAME_OF.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.len() >= CACHE_MAX {
+            c.clear();
+        }
+        c.insert(key, hit);
+    });
+    hit
 }
 
 /// The running fiber's trace, interleaved with the Lua stack of `root`, starting at the
@@ -259,7 +284,7 @@ fn cut_to(frames: &[Frame], upto: &str) -> usize {
 /// # Safety
 /// `root` is the current fiber's Lua thread (or a state running on this OS thread).
 #[inline(never)]
-pub(crate) unsafe fn current_frames(root: *mut ffi::lua_State, upto: &str) -> Vec<Frame> {
+pub(crate) unsafe fn current_frames(root: *mut ffi::lua_State, upto: &'static str) -> Vec<Frame> {
     let native = match fibertrace_fiber::current() {
         Some(f) => f.backtrace(Unwinder::Fast).unwrap_or_default(),
         None => fibertrace_core::collect(&fibertrace_core::CaptureOptions::with_unwinder(
