@@ -116,7 +116,9 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
             }
         }
     };
-    let host = match LuaHost::new() {
+    // SAFETY: nothing in this program clones the host's `mlua::Lua`; it is used only through
+    // the host, which outlives every use.
+    let host = match unsafe { LuaHost::new_with_own_allocator() } {
         Ok(h) => h,
         Err(e) => {
             eprintln!("fibertrace: {e}");

@@ -130,13 +130,15 @@ pub struct LuaHost {
 /// The Lua state of a host: all standard libraries (including `debug`, and `ffi`/`jit` on
 /// LuaJIT, as the `lua`/`luajit` interpreters have them).
 ///
-/// On LuaJIT the state is made with LuaJIT's own allocator (`luaL_newstate`) and handed to
-/// mlua: mlua's allocator goes through the process allocator, which roughly doubles the
-/// cost of the small objects that `fiber.create` and `fiber.info` make by the thousand. The
-/// host then closes the state itself (the second value).
-fn new_lua() -> Result<(mlua::Lua, Option<*mut ffi::lua_State>), String> {
+/// With `own_allocator` on LuaJIT, the state is made with LuaJIT's own allocator
+/// (`luaL_newstate`) and handed to mlua: mlua's allocator goes through the process
+/// allocator, which costs about a quarter more instructions in `fiber.info` (and a little in
+/// `fiber.create`), where thousands of small objects are made. The host then closes that
+/// state itself (the second value) — see [`LuaHost::new_with_own_allocator`] for what that
+/// asks of the caller.
+fn new_lua(own_allocator: bool) -> Result<(mlua::Lua, Option<*mut ffi::lua_State>), String> {
     #[cfg(feature = "luajit")]
-    {
+    if own_allocator {
         // SAFETY: a fresh state, opened and then owned by this host only; mlua keeps its
         // data in the state and frees it when the state is closed.
         unsafe {
@@ -145,15 +147,13 @@ fn new_lua() -> Result<(mlua::Lua, Option<*mut ffi::lua_State>), String> {
                 return Err("cannot create a Lua state (out of memory)".into());
             }
             ffi::luaL_openlibs(l);
-            Ok((mlua::Lua::get_or_init_from_ptr(l).clone(), Some(l)))
+            return Ok((mlua::Lua::get_or_init_from_ptr(l).clone(), Some(l)));
         }
     }
-    #[cfg(not(feature = "luajit"))]
-    {
-        // SAFETY: unsafe_new only allows loading the `debug` library, which a Lua
-        // interpreter (as `fibertrace run` is) offers to its scripts.
-        Ok((unsafe { mlua::Lua::unsafe_new() }, None))
-    }
+    let _ = own_allocator;
+    // SAFETY: unsafe_new only allows loading the `debug` (and on LuaJIT `ffi`) libraries,
+    // which a Lua interpreter (as `fibertrace run` is) offers to its scripts.
+    Ok((unsafe { mlua::Lua::unsafe_new() }, None))
 }
 
 impl LuaHost {
@@ -163,11 +163,30 @@ impl LuaHost {
     /// # Errors
     /// When another host already runs on this thread, or Lua fails to initialise.
     pub fn new() -> Result<LuaHost, String> {
+        Self::make(false)
+    }
+
+    /// As [`LuaHost::new`], but on LuaJIT the Lua state uses LuaJIT's own allocator instead
+    /// of mlua's (about a quarter fewer instructions in `fiber.info`); `fibertrace run` uses
+    /// it. On Lua 5.4 this is [`LuaHost::new`].
+    ///
+    /// # Safety
+    /// The host closes that Lua state when it is dropped, whatever else refers to it: no
+    /// `mlua::Lua` cloned from [`LuaHost::lua`] (nor any mlua value made from it) may be used
+    /// after the host is gone.
+    ///
+    /// # Errors
+    /// As [`LuaHost::new`].
+    pub unsafe fn new_with_own_allocator() -> Result<LuaHost, String> {
+        Self::make(true)
+    }
+
+    fn make(own_allocator: bool) -> Result<LuaHost, String> {
         crate::prepare();
         if HOST.with(|h| h.borrow().is_some()) {
             return Err("a Lua host already exists on this thread".into());
         }
-        let (lua, own_state) = new_lua()?;
+        let (lua, own_state) = new_lua(own_allocator)?;
         let l = lua.state();
         let sched = Scheduler::with_options(SchedulerOptions {
             parent_traces: false,
