@@ -13,7 +13,7 @@
 //! the dump (sampling running fibers, see [`crate::sample`]) outside the handler.
 
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -139,8 +139,13 @@ pub fn dump_json() -> String {
 
 static PIPE_WRITE: AtomicI32 = AtomicI32::new(-1);
 static INSTALLED: OnceLock<i32> = OnceLock::new();
+/// Dump-signal handlers under way. The signal may land on a thread that runs a fiber; the
+/// dump samples that fiber, and a sample taken while the handler still runs would show the
+/// handler's frames instead of the fiber's. The dumper waits for this to drop to zero.
+static IN_HANDLER: AtomicUsize = AtomicUsize::new(0);
 
 extern "C" fn on_dump_signal(_sig: libc::c_int) {
+    IN_HANDLER.fetch_add(1, Ordering::SeqCst);
     let fd = PIPE_WRITE.load(Ordering::Relaxed);
     if fd >= 0 {
         let b = [1u8];
@@ -150,6 +155,17 @@ extern "C" fn on_dump_signal(_sig: libc::c_int) {
             libc::write(fd, b.as_ptr() as *const libc::c_void, 1);
         }
     }
+    IN_HANDLER.fetch_sub(1, Ordering::SeqCst);
+}
+
+/// Waits (at most 100 ms) until no dump-signal handler runs, and a little more for the
+/// last one to return through the kernel's signal trampoline.
+fn wait_for_handlers() {
+    let t0 = std::time::Instant::now();
+    while IN_HANDLER.load(Ordering::SeqCst) != 0 && t0.elapsed() < Duration::from_millis(100) {
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    std::thread::sleep(Duration::from_millis(1));
 }
 
 /// Errors of [`install_signal`].
@@ -205,6 +221,7 @@ pub fn install_signal(sig: i32) -> Result<(), InstallError> {
                     }
                     return;
                 }
+                wait_for_handlers();
                 let text = dump_text();
                 eprint!("{text}");
             }

@@ -80,6 +80,28 @@ impl WaitQueue {
     }
 }
 
+/// Leaves a wait queue when dropped: after the wait ends normally, and also when it ends by
+/// unwinding (a cancelled fiber unwinds out of its wait), so no ticket stays live for a
+/// fiber that no longer waits (it would swallow the next wake-up).
+struct Leave<'a> {
+    q: &'a RefCell<WaitQueue>,
+    ticket: u64,
+}
+
+impl Drop for Leave<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut q) = self.q.try_borrow_mut() {
+            q.forget(self.ticket);
+        }
+    }
+}
+
+/// Queues the current fiber on `q` until the returned guard is dropped.
+fn enter(q: &RefCell<WaitQueue>) -> Leave<'_> {
+    let ticket = q.borrow_mut().push(me());
+    Leave { q, ticket }
+}
+
 fn wake_one(q: &RefCell<WaitQueue>) {
     let w = q.borrow_mut().pop();
     if let Some((s, id)) = w {
@@ -268,9 +290,9 @@ impl<T> Channel<T> {
         if deadline.is_some_and(|d| Instant::now() >= d) {
             return Err(ChannelError::Timeout);
         }
-        let ticket = c.senders.borrow_mut().push(self::me());
+        let waiting = enter(&c.senders);
         sched::block(WaitOn::ChannelSend(c.id), deadline);
-        c.senders.borrow_mut().forget(ticket);
+        drop(waiting);
         if deadline.is_some_and(|d| Instant::now() >= d) && !c.closed.get() {
             return Err(ChannelError::Timeout);
         }
@@ -332,9 +354,9 @@ impl<T> Channel<T> {
                 // A rendezvous sender may be waiting for a receiver to show up.
                 wake_one(&c.senders);
             }
-            let ticket = c.receivers.borrow_mut().push(self::me());
+            let waiting = enter(&c.receivers);
             sched::block(WaitOn::ChannelReceive(c.id), deadline);
-            c.receivers.borrow_mut().forget(ticket);
+            drop(waiting);
         }
     }
 }
@@ -382,10 +404,10 @@ impl Cond {
         if me == 0 {
             return false;
         }
-        let ticket = self.waiters.borrow_mut().push(self::me());
+        let waiting = enter(&self.waiters);
         sched::block(WaitOn::Condition(self.id), deadline);
-        let still_waiting = self.waiters.borrow().is_queued(ticket);
-        self.waiters.borrow_mut().forget(ticket);
+        let still_waiting = self.waiters.borrow().is_queued(waiting.ticket);
+        drop(waiting);
         !(still_waiting && deadline.is_some_and(|d| Instant::now() >= d))
     }
 

@@ -359,3 +359,35 @@ fn condition_timeouts_and_signal_after_them() {
         .unwrap();
     assert_eq!(got, (false, true));
 }
+
+/// A receiver cancelled in its wait leaves the queue: the next value goes to a receiver
+/// still waiting (not to the cancelled one's stale place), and a condition signal likewise.
+#[test]
+fn a_cancelled_waiter_does_not_swallow_the_next_wakeup() {
+    let got = Scheduler::new()
+        .block_on(|| {
+            let ch = channel::<u32>(1);
+            let (r1, r2) = (ch.clone(), ch.clone());
+            let first = spawn(move || r1.recv());
+            yield_now();
+            let second = spawn(move || r2.recv());
+            yield_now();
+            first.fiber().cancel();
+            assert!(matches!(first.join(), Err(JoinError::Cancelled)));
+            ch.send(7).unwrap();
+            let v = second.join().unwrap();
+
+            let c = Rc::new(Cond::new());
+            let (c1, c2) = (c.clone(), c.clone());
+            let w1 = spawn(move || c1.wait());
+            yield_now();
+            let w2 = spawn(move || c2.wait_timeout(Duration::from_secs(10)));
+            yield_now();
+            w1.fiber().cancel();
+            assert!(matches!(w1.join(), Err(JoinError::Cancelled)));
+            c.signal();
+            (v, w2.join().unwrap())
+        })
+        .unwrap();
+    assert_eq!(got, (Some(7), true));
+}

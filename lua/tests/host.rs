@@ -555,3 +555,29 @@ ch:put(1)
     assert_eq!(s("K4"), "csw,fid,memory,name,status,time");
     assert_eq!(s("S"), "running waiting");
 }
+
+/// A debug hook that would raise inside `fiber.info()`'s entry constructor does not run
+/// there (hooks are off during the call), and it is back afterwards.
+#[test]
+fn info_runs_without_the_callers_hook_and_restores_it() {
+    let host = run(r#"local fiber = require('fiber')
+local f = fiber.create(function() fiber.sleep(100) end)
+local inside = 0
+local function hook()
+  local i = debug.getinfo(2, 'S')
+  if i and i.source == '=fiber.info' then
+    inside = inside + 1
+    error('hook raised inside fiber.info')
+  end
+end
+debug.sethook(hook, '', 1)
+local t = fiber.info()
+local back = debug.gethook() == hook
+debug.sethook()
+R = tostring(type(t[f:id()]) == 'table') .. ' ' .. inside .. ' ' .. tostring(back)
+"#);
+    assert_eq!(
+        host.lua().globals().get::<String>("R").unwrap(),
+        "true 0 true"
+    );
+}

@@ -54,6 +54,14 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
         // Live fibers' objects, by slot (see `push_object`).
         ffi::lua_createtable(l, 256, 0);
         let objs_ref = ffi::luaL_ref(l, REG);
+        // Objects of fibers with no record here (fibers made by Rust that call into Lua), by
+        // id, weak: one object while anything refers to it.
+        ffi::lua_createtable(l, 0, 0);
+        ffi::lua_createtable(l, 0, 1);
+        push_str(l, "v");
+        set_field(l, base + 2, c"__mode");
+        ffi::lua_setmetatable(l, base + 1);
+        let weak_objs_ref = ffi::luaL_ref(l, REG);
 
         // Fiber objects.
         let fiber_mt_ref = new_metatable(
@@ -154,6 +162,7 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
             pool: Vec::new(),
             info_ctor_ref,
             objs_ref,
+            weak_objs_ref,
             obj_free: Vec::new(),
             obj_next: 0,
             fiber_mt_ref,
@@ -258,16 +267,17 @@ unsafe fn push_fiber_object(l: *mut ffi::lua_State, fid: FiberId) -> Result<(), 
 /// A live fiber's object is held in the array part of one host table, at a slot kept in
 /// the fiber's record and freed (for the next fiber) when the record goes. So it lives as
 /// long as the fiber, and making one costs an array store, not an insert into a growing
-/// hash (a weak table by id) or a registry reference. A fiber without a record gets a fresh
-/// object each time.
+/// hash (a weak table by id) or a registry reference. A fiber without a record (a fiber made
+/// by Rust code that calls into Lua) keeps its object in a weak table by id.
 ///
 /// # Safety
 /// `l` valid.
 unsafe fn push_object(l: *mut ffi::lua_State, fid: FiberId, new: bool) -> Result<(), String> {
-    let (known, objs, fmt) = with_host(|h| {
+    let (known, objs, weak, fmt) = with_host(|h| {
         (
             h.recs.get(&fid).map(|r| r.obj_slot),
             h.objs_ref,
+            h.weak_objs_ref,
             h.fiber_mt_ref,
         )
     })
@@ -275,13 +285,23 @@ unsafe fn push_object(l: *mut ffi::lua_State, fid: FiberId, new: bool) -> Result
     // SAFETY: a host table and a fresh userdata with the fiber metatable.
     unsafe {
         ffi::lua_checkstack(l, 4);
-        if let (Some(slot), false) = (known, new) {
-            if slot > 0 {
+        match (known, new) {
+            (Some(slot), false) if slot > 0 => {
                 ffi::lua_rawgeti(l, REG, objs as ffi::lua_Integer);
                 ffi::lua_rawgeti(l, -1, slot as ffi::lua_Integer);
                 ffi::lua_replace(l, -2);
                 return Ok(());
             }
+            (None, _) => {
+                ffi::lua_rawgeti(l, REG, weak as ffi::lua_Integer);
+                ffi::lua_rawgeti(l, -1, fid as ffi::lua_Integer);
+                if ffi::lua_type(l, -1) == ffi::LUA_TUSERDATA {
+                    ffi::lua_replace(l, -2);
+                    return Ok(());
+                }
+                ffi::lua_settop(l, -3);
+            }
+            _ => {}
         }
         let p = ffi::lua_newuserdata(l, std::mem::size_of::<FiberUd>()).cast::<FiberUd>();
         p.write(FiberUd { fid });
@@ -302,6 +322,11 @@ unsafe fn push_object(l: *mut ffi::lua_State, fid: FiberId, new: bool) -> Result
             ffi::lua_rawgeti(l, REG, objs as ffi::lua_Integer);
             ffi::lua_pushvalue(l, -2);
             ffi::lua_rawseti(l, -2, slot as ffi::lua_Integer);
+            ffi::lua_settop(l, -2);
+        } else {
+            ffi::lua_rawgeti(l, REG, weak as ffi::lua_Integer);
+            ffi::lua_pushvalue(l, -2);
+            ffi::lua_rawseti(l, -2, fid as ffi::lua_Integer);
             ffi::lua_settop(l, -2);
         }
     }

@@ -133,6 +133,9 @@ pub(crate) struct Call {
     scratch: c_int,
     /// Absolute index of the entry constructor ([`ENTRY_CTOR`]).
     ctor: c_int,
+    /// The caller's debug hook, switched off during the call (so no hook runs Lua code —
+    /// raising an error or switching fibers — while the constructor runs) and restored.
+    hook: (Option<ffi::lua_Hook>, c_int, c_int),
     by_trace: HashMap<Rc<[Frame]>, ffi::lua_Integer, BuildHasherDefault<AddrHasher>>,
 }
 
@@ -144,6 +147,12 @@ impl Call {
     unsafe fn new(l: *mut ffi::lua_State) -> Call {
         // SAFETY: per the contract.
         unsafe {
+            let hook = (
+                ffi::lua_gethook(l),
+                ffi::lua_gethookmask(l),
+                ffi::lua_gethookcount(l),
+            );
+            ffi::lua_sethook(l, None, 0, 0);
             ffi::lua_checkstack(l, TEXTS.len() as c_int + 16);
             let base = ffi::lua_gettop(l) + 1;
             for t in TEXTS {
@@ -157,6 +166,7 @@ impl Call {
                 base,
                 scratch,
                 ctor: ffi::lua_gettop(l),
+                hook,
                 by_trace: HashMap::default(),
             }
         }
@@ -171,6 +181,19 @@ impl Call {
         unsafe {
             ffi::lua_replace(l, self.base);
             ffi::lua_settop(l, self.base);
+            ffi::lua_sethook(l, self.hook.0, self.hook.1, self.hook.2);
+        }
+    }
+
+    /// Drops everything the call pushed (after a failure) and restores the hook.
+    ///
+    /// # Safety
+    /// `l` valid; the slots pushed by [`Call::new`] are still in place.
+    unsafe fn abort(self, l: *mut ffi::lua_State) {
+        // SAFETY: per the contract.
+        unsafe {
+            ffi::lua_settop(l, self.base - 1);
+            ffi::lua_sethook(l, self.hook.0, self.hook.1, self.hook.2);
         }
     }
 
@@ -250,10 +273,13 @@ fn cut_to(frames: &[Frame], upto: &'static str) -> usize {
     0
 }
 
+/// (lookup address, name pointer, name length) -> whether the frame is in that function.
+type FrameOfCache = HashMap<(u64, usize, usize), bool, BuildHasherDefault<AddrHasher>>;
+
 thread_local! {
     /// Whether a native frame belongs to a given function, by (address, name): `cut_to` runs
     /// at every `fiber.create` with parent traces on, from the same few call sites.
-    static FRAME_OF: RefCell<HashMap<(u64, usize), bool, BuildHasherDefault<AddrHasher>>> =
+    static FRAME_OF: RefCell<FrameOfCache> =
         RefCell::new(HashMap::default());
 }
 
@@ -261,7 +287,7 @@ fn is_frame_of(f: &Frame, upto: &'static str) -> bool {
     let Some(addr) = f.lookup_address() else {
         return false;
     };
-    let key = (addr, upto.as_ptr() as usize);
+    let key = (addr, upto.as_ptr() as usize, upto.len());
     if let Some(hit) = FRAME_OF.with(|c| c.borrow().get(&key).copied()) {
         return hit;
     }
@@ -377,7 +403,7 @@ return function(fid, name, csw, time, used, total, status, on, seconds, parent, 
           backtrace = bt, parent_backtrace = pbt}
 end";
 
-/// Pushes one fiber's info table.
+/// Pushes one fiber's info table; on an error (out of memory) pushes nothing.
 ///
 /// # Safety
 /// `l` valid; `root` the fiber's Lua thread; `call` made on `l`.
@@ -387,7 +413,7 @@ unsafe fn push_fiber(
     root: *mut ffi::lua_State,
     opts: &Opts,
     call: &mut Call,
-) {
+) -> Result<(), String> {
     let sh = f.shared();
     let (status, on, secs) = sh.status();
     // SAFETY: the constructor (a Lua function of this host) gets 12 plain values and
@@ -425,8 +451,14 @@ unsafe fn push_fiber(
             Some(pt) => call.push(l, &Rc::from(pt.flatten())),
             None => ffi::lua_pushnil(l),
         }
-        ffi::lua_call(l, 12, 1);
+        // Protected: an error (out of memory) must not unwind through these Rust frames.
+        if ffi::lua_pcall(l, 12, 1, 0) != ffi::LUA_OK {
+            let e = super::raw::error_text(l, -1);
+            ffi::lua_settop(l, -2);
+            return Err(format!("fiber.info: {e}"));
+        }
     }
+    Ok(())
 }
 
 /// Pushes `fiber.info()`'s table: every live Lua fiber of this host by id.
@@ -449,7 +481,10 @@ pub(crate) unsafe fn push_all(l: *mut ffi::lua_State, opts: &Opts) -> Result<(),
         ffi::lua_createtable(l, 0, fibers.len() as c_int);
         let all = ffi::lua_gettop(l);
         for (f, root) in &fibers {
-            push_fiber(l, f, *root, opts, &mut call);
+            if let Err(e) = push_fiber(l, f, *root, opts, &mut call) {
+                call.abort(l);
+                return Err(e);
+            }
             ffi::lua_rawseti(l, all, f.id() as ffi::lua_Integer);
         }
         call.finish(l);
@@ -472,7 +507,10 @@ pub(crate) unsafe fn push_one(
     // SAFETY: per the contract; the call's slots are removed after.
     unsafe {
         let mut call = Call::new(l);
-        push_fiber(l, &f, root, opts, &mut call);
+        if let Err(e) = push_fiber(l, &f, root, opts, &mut call) {
+            call.abort(l);
+            return Err(e);
+        }
         call.finish(l);
     }
     Ok(())

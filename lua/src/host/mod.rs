@@ -72,6 +72,8 @@ pub(crate) struct HostState {
     pub info_ctor_ref: c_int,
     /// Registry ref: live fibers' objects by slot; free slots; the highest slot used.
     pub objs_ref: c_int,
+    /// Registry ref: objects of fibers without a record, by id (weak values).
+    pub weak_objs_ref: c_int,
     pub obj_free: Vec<c_int>,
     pub obj_next: c_int,
     /// Registry refs: metatables.
@@ -196,7 +198,17 @@ impl LuaHost {
         });
         // SAFETY: `l` is the main state of a Lua just created on this thread, used by nothing
         // else now.
-        let st = unsafe { api::install(l) }?;
+        let st = match unsafe { api::install(l) } {
+            Ok(st) => st,
+            Err(e) => {
+                drop(lua);
+                if let Some(l) = own_state {
+                    // SAFETY: made by `new_lua` just above; nothing else refers to it.
+                    unsafe { ffi::lua_close(l) };
+                }
+                return Err(e);
+            }
+        };
         HOST.with(|h| *h.borrow_mut() = Some(st));
         fibertrace_fiber::watchdog::set_annotator(stall_note);
         Ok(LuaHost {
