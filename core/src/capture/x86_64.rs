@@ -60,3 +60,29 @@ pub fn prefetch(addr: u64, len: usize) {
         a += 64;
     }
 }
+
+/// The code of the kernel's signal-return trampoline in glibc (`__restore_rt`):
+/// `mov $15, %rax; syscall` (15 is `rt_sigreturn`). A signal handler "returns" to it.
+const SIGRETURN_CODE: [u8; 9] = [0x48, 0xc7, 0xc0, 0x0f, 0x00, 0x00, 0x00, 0x0f, 0x05];
+
+/// Whether the code at `addr` is the signal-return trampoline.
+///
+/// # Safety
+/// `[addr, addr + 9)` must be readable (inside a loaded image's code).
+pub(crate) unsafe fn is_sigreturn(addr: u64) -> bool {
+    // SAFETY: per the contract.
+    let code = unsafe { std::ptr::read_unaligned(addr as *const [u8; 9]) };
+    code == SIGRETURN_CODE
+}
+
+/// Offsets of the interrupted (ip, sp, fp) in the `ucontext_t` that a signal frame holds
+/// right above the trampoline's return slot (at the stack pointer the handler returns to).
+pub(crate) const UCONTEXT_REGS: (u64, u64, u64) = {
+    let g = std::mem::offset_of!(libc::ucontext_t, uc_mcontext)
+        + std::mem::offset_of!(libc::mcontext_t, gregs);
+    (
+        (g + 8 * libc::REG_RIP as usize) as u64,
+        (g + 8 * libc::REG_RSP as usize) as u64,
+        (g + 8 * libc::REG_RBP as usize) as u64,
+    )
+};

@@ -14,6 +14,13 @@
 //! Frame-pointer steps honour registered [`hop`]s (code such as LuaJIT's interpreter that
 //! calls out with a fixed C frame and no frame record of its own).
 //!
+//! Signal frames: when `Auto` or `Precise` meets a return into the kernel's signal-return
+//! trampoline (recognised by its code, `mov $15,%rax; syscall`, inside a loaded image), the
+//! walk resumes from the interrupted context saved in the signal frame — the interrupted
+//! function is reported as a `Pc` frame, and the next step uses DWARF (it may have been
+//! interrupted in a prologue). `Fast` does not: past a handler it follows the frame-pointer
+//! chain, which skips the interrupted function's own frame (a missing frame).
+//!
 //! Invariants that keep a walk safe on a corrupted or cyclic chain: every read is inside one
 //! of the given [`Stacks`]; within one stack each frame must lie above the previous one; a walk
 //! may move to another stack at most once per stack; and it stops after [`MAX_WALK`] frames
@@ -154,11 +161,13 @@ fn walk_inner(
     let mut cur = SegCursor::at(stacks, sp);
     let mut fp_range: (u64, u64) = (0, 0); // last code range known to keep frame pointers
     let mut first = true;
+    // Just resumed from a signal frame: the interrupted code may be in a prologue.
+    let mut after_signal = false;
     for _ in 0..MAX_WALK {
         let pc = addr.address();
         let use_fp = match mode {
             Unwinder::Precise => false,
-            _ if first && start.first_step_dwarf => false,
+            _ if (first && start.first_step_dwarf) || after_signal => false,
             _ if pc >= fp_range.0 && pc < fp_range.1 => true,
             _ => match table.code_range(pc) {
                 Some((s, e, true)) => {
@@ -175,6 +184,7 @@ fn walk_inner(
             },
         };
         first = false;
+        after_signal = false;
         // A broken frame-pointer chain lets DWARF try the same frame.
         let fp = if use_fp {
             cur.fp_step(stacks, &mut regs)
@@ -198,12 +208,49 @@ fn walk_inner(
         {
             return false;
         }
+        // A signal handler returns to the kernel's trampoline, above which the signal frame
+        // holds the interrupted context. The walk goes on from there; the interrupted
+        // function (its pc is in that context, in no frame record) is reported as a `Pc`.
+        if let Some(next) = signal_frame(table, stacks, ra, regs.sp()) {
+            let same_stack = next.sp >= cur.lo && next.sp < cur.hi;
+            if (same_stack && next.sp <= regs.sp())
+                || (!same_stack && !cur.enter(stacks, next.sp))
+                || !sink.push(Frame::Pc(next.ip))
+            {
+                return false;
+            }
+            regs = UnwindRegsX86_64::new(next.ip, next.sp, next.fp);
+            addr = FrameAddress::from_instruction_pointer(next.ip);
+            after_signal = true;
+            continue;
+        }
         match FrameAddress::from_return_address(ra) {
             Some(a) => addr = a,
             None => return false,
         }
     }
     true
+}
+
+/// The interrupted context when `ra` is the signal-return trampoline (its code checked
+/// byte for byte, inside a loaded image) and `sp` the stack pointer it returns with, which
+/// points at the signal frame's `ucontext_t`.
+fn signal_frame(table: &ImageTable, stacks: &Stacks<'_>, ra: u64, sp: u64) -> Option<Registers> {
+    let (_, end, _) = table.code_range(ra)?;
+    if ra.checked_add(9)? > end {
+        return None;
+    }
+    // SAFETY: [ra, ra+9) lies inside a loaded image's code, which stays mapped while the
+    // image table lists it.
+    if !unsafe { crate::capture::x86_64::is_sigreturn(ra) } {
+        return None;
+    }
+    let (ip, rsp, rbp) = crate::capture::x86_64::UCONTEXT_REGS;
+    Some(Registers {
+        ip: stacks.read(sp.checked_add(ip)?)?,
+        sp: stacks.read(sp.checked_add(rsp)?)?,
+        fp: stacks.read(sp.checked_add(rbp)?)?,
+    })
 }
 
 /// Which stack the walk is in (the one holding the current stack pointer), and which stacks
