@@ -44,6 +44,9 @@ pub struct Image {
     pub keeps_frame_pointers: bool,
     /// Whether the image has call-frame information for the DWARF unwinder.
     pub has_unwind_info: bool,
+    /// Whether the image is the C library, home of the signal-return trampoline that a
+    /// signal handler returns to (walks look for signal frames only in its code).
+    pub is_libc: bool,
 }
 
 impl Image {
@@ -92,6 +95,8 @@ pub struct ImageTable {
     images: Vec<Arc<Image>>,
     /// Executable ranges sorted by start: (start, end, index into `images`).
     code: Vec<(u64, u64, u32)>,
+    /// Executable ranges of the C library (where the signal-return trampoline lives).
+    pub(crate) libc_code: Vec<(u64, u64)>,
     pub(crate) unwinder: DwarfUnwinder,
     counters: (u64, u64),
 }
@@ -137,6 +142,12 @@ impl ImageTable {
         let (s, e, idx) = self.code[i - 1];
         (addr >= s && addr < e).then(|| (s, e, self.images[idx as usize].keeps_frame_pointers))
     }
+}
+
+/// Whether a loaded file is the C library (glibc's `libc.so.6`, musl's `ld-musl-*.so.1`).
+fn is_libc_path(path: &str) -> bool {
+    let name = path.rsplit('/').next().unwrap_or(path);
+    name.starts_with("libc.so") || name.starts_with("libc-") || name.starts_with("ld-musl")
 }
 
 static TABLE: AtomicPtr<ImageTable> = AtomicPtr::new(std::ptr::null_mut());
@@ -226,6 +237,7 @@ fn build(prev: Option<&'static ImageTable>) -> &'static ImageTable {
                 info,
             ));
         }
+        let is_libc = is_libc_path(&path);
         images.push(Arc::new(Image {
             path,
             base: r.bias,
@@ -235,6 +247,7 @@ fn build(prev: Option<&'static ImageTable>) -> &'static ImageTable {
             build_id: r.build_id,
             keeps_frame_pointers: keeps_fp,
             has_unwind_info,
+            is_libc,
         }));
     }
     let mut code: Vec<(u64, u64, u32)> = images
@@ -243,9 +256,15 @@ fn build(prev: Option<&'static ImageTable>) -> &'static ImageTable {
         .flat_map(|(i, img)| img.exec.iter().map(move |&(s, e)| (s, e, i as u32)))
         .collect();
     code.sort_unstable();
+    let libc_code = images
+        .iter()
+        .filter(|i| i.is_libc)
+        .flat_map(|i| i.exec.iter().copied())
+        .collect();
     let table: &'static ImageTable = Box::leak(Box::new(ImageTable {
         images,
         code,
+        libc_code,
         unwinder,
         counters,
     }));
@@ -379,6 +398,9 @@ mod tests {
         assert!(!libc_img.keeps_frame_pointers);
         let q = libc::qsort as *const () as usize as u64;
         assert!(std::ptr::eq(&**t.code_image(q).unwrap(), &**libc_img));
+        // Only libc's code is searched for the signal-return trampoline.
+        assert!(libc_img.is_libc && !exe.is_libc);
+        assert!(t.libc_code.iter().any(|&(s, e)| q >= s && q < e));
     }
 
     #[test]

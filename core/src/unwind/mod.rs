@@ -236,8 +236,9 @@ fn walk_inner(
 /// byte for byte, inside a loaded image) and `sp` the stack pointer it returns with, which
 /// points at the signal frame's `ucontext_t`.
 fn signal_frame(table: &ImageTable, stacks: &Stacks<'_>, ra: u64, sp: u64) -> Option<Registers> {
-    let (_, end, _) = table.code_range(ra)?;
-    if ra.checked_add(9)? > end {
+    // Only the C library's code holds the trampoline (a range check per frame, no lookup).
+    let end = ra.checked_add(9)?;
+    if !table.libc_code.iter().any(|&(s, e)| ra >= s && end <= e) {
         return None;
     }
     // SAFETY: [ra, ra+9) lies inside a loaded image's code, which stays mapped while the
