@@ -438,3 +438,95 @@ pub unsafe fn collect_from_ucontext(
 pub fn prepare() {
     let _ = crate::image::table();
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Backtrace, CaptureOptions, Frame, Unwinder};
+
+    /// A precise capture of the current stack with the given cache.
+    #[inline(never)]
+    fn precise_with(cache: &mut DwarfCache, out: &mut Backtrace) {
+        let regs = crate::__fibertrace_registers_here!();
+        let stack = thread_stack();
+        let stacks = [StackBounds::new(regs.sp.max(stack.lo), stack.hi)];
+        let opts = CaptureOptions::with_unwinder(Unwinder::Precise);
+        let mut ring = new_ring();
+        let mut sink = FrameSink::new(out, &mut ring, &opts);
+        let start = Start {
+            regs,
+            emit_ip: false,
+            first_step_dwarf: false,
+            stop_fp: 0,
+        };
+        let table = crate::image::table();
+        let end = unwind::walk(
+            start,
+            &Stacks::new(&stacks),
+            Unwinder::Precise,
+            Some(table),
+            Some(cache),
+            &mut sink,
+        );
+        sink.finish(end.cut);
+    }
+
+    /// Both walks from one call site, so the stacks are the same: (compact, framehop only).
+    #[inline(never)]
+    fn both() -> (Vec<Frame>, Vec<Frame>) {
+        let mut out = [Backtrace::new(), Backtrace::new()];
+        for (i, on) in [true, false].into_iter().enumerate() {
+            let mut cache = DwarfCache::new();
+            cache.set_compact_rules(on);
+            precise_with(&mut cache, &mut out[i]);
+            // A second walk with the now warm cache.
+            precise_with(&mut cache, &mut out[i]);
+        }
+        let [a, b] = out;
+        (a.frames().to_vec(), b.frames().to_vec())
+    }
+
+    thread_local! {
+        static GOT: std::cell::RefCell<Option<(Vec<Frame>, Vec<Frame>)>> =
+            const { std::cell::RefCell::new(None) };
+    }
+
+    extern "C" fn compare(a: *const libc::c_void, b: *const libc::c_void) -> libc::c_int {
+        if GOT.with(|g| g.borrow().is_none()) {
+            let r = both();
+            GOT.with(|g| *g.borrow_mut() = Some(r));
+        }
+        // SAFETY: qsort passes pointers to elements of the i32 array below.
+        unsafe { (*(a as *const i32)).cmp(&*(b as *const i32)) as libc::c_int }
+    }
+
+    #[test]
+    fn compact_rules_walk_exactly_as_framehop_does() {
+        // Straight through this program's own frames.
+        let (compact, framehop) = both();
+        assert!(compact.len() > 5, "{compact:?}");
+        assert_eq!(compact, framehop);
+        // Through glibc's qsort, whose code keeps no frame pointers: its CFI rules are the
+        // stack-pointer kind, with rbp saved or not.
+        let mut v = [5i32, 3, 9, 1, 7, 2, 8];
+        // SAFETY: a valid i32 array and a comparator for it.
+        unsafe {
+            libc::qsort(
+                v.as_mut_ptr().cast(),
+                v.len(),
+                std::mem::size_of::<i32>(),
+                Some(compare),
+            )
+        };
+        let (compact, framehop) = GOT.with(|g| g.borrow_mut().take()).expect("compared");
+        assert!(compact.len() > 7, "{compact:?}");
+        assert_eq!(compact, framehop);
+        let table = crate::image::table();
+        let in_libc = compact
+            .iter()
+            .filter_map(|f| f.lookup_address())
+            .filter(|&a| table.code_image(a).is_some_and(|i| i.is_libc))
+            .count();
+        assert!(in_libc >= 1, "no glibc frame in {compact:?}");
+    }
+}

@@ -88,6 +88,18 @@ pub(crate) struct RawImage {
     pub eh_frame: Option<(u64, Vec<u8>)>,
 }
 
+/// An image's `.eh_frame_hdr` and `.eh_frame`, as copied from memory, with the addresses
+/// they were copied from (their pointer encodings are relative to those).
+#[derive(Clone)]
+pub(crate) struct Cfi {
+    pub hdr_addr: u64,
+    pub hdr: Arc<[u8]>,
+    pub eh_addr: u64,
+    pub eh: Arc<[u8]>,
+    /// Start of the image's first executable range (base of text-relative pointers).
+    pub text: u64,
+}
+
 pub(crate) type DwarfUnwinder = UnwinderX86_64<Arc<[u8]>, MustNotAllocateDuringUnwind>;
 
 /// A snapshot of the loaded images, with the DWARF unwinder built over them.
@@ -97,6 +109,12 @@ pub struct ImageTable {
     code: Vec<(u64, u64, u32)>,
     /// Executable ranges of the C library (where the signal-return trampoline lives).
     pub(crate) libc_code: Vec<(u64, u64)>,
+    /// The span of `libc_code` (lowest start, highest end): one test per frame rules out
+    /// most return addresses.
+    pub(crate) libc_span: (u64, u64),
+    /// Each image's call-frame information (same index as `images`), for the compact rule
+    /// cache of [`crate::unwind`]; shared with the framehop modules, not copied.
+    pub(crate) cfi: Vec<Option<Cfi>>,
     pub(crate) unwinder: DwarfUnwinder,
     counters: (u64, u64),
 }
@@ -141,6 +159,20 @@ impl ImageTable {
         }
         let (s, e, idx) = self.code[i - 1];
         (addr >= s && addr < e).then(|| (s, e, self.images[idx as usize].keeps_frame_pointers))
+    }
+
+    /// The call-frame information of the image whose code contains `addr`.
+    pub(crate) fn cfi_for(&self, addr: u64) -> Option<&Cfi> {
+        let i = self.code.partition_point(|&(s, _, _)| s <= addr);
+        if i == 0 {
+            return None;
+        }
+        let (s, e, idx) = self.code[i - 1];
+        if addr >= s && addr < e {
+            self.cfi.get(idx as usize)?.as_ref()
+        } else {
+            None
+        }
     }
 }
 
@@ -192,6 +224,7 @@ fn build(prev: Option<&'static ImageTable>) -> &'static ImageTable {
     let exe = platform::exe_path();
     let mut images = Vec::with_capacity(raw.len());
     let mut unwinder = DwarfUnwinder::new();
+    let mut cfi = Vec::with_capacity(raw.len());
     for (n, r) in raw.into_iter().enumerate() {
         if r.start >= r.end {
             continue;
@@ -218,16 +251,25 @@ fn build(prev: Option<&'static ImageTable>) -> &'static ImageTable {
                 .is_some_and(|(addr, data)| judge_frame_pointers(*addr, data)),
         };
         let has_unwind_info = r.eh_frame.is_some() && r.eh_frame_hdr.is_some();
+        let mut image_cfi = None;
         if let (Some((hdr_addr, hdr)), Some((eh_addr, eh))) = (r.eh_frame_hdr, r.eh_frame) {
             let svma = |a: u64| a.wrapping_sub(r.bias);
             let text = r.exec.first().map(|&(s, e)| svma(s)..svma(e));
+            let (hdr, eh): (Arc<[u8]>, Arc<[u8]>) = (Arc::from(hdr), Arc::from(eh));
+            image_cfi = Some(Cfi {
+                hdr_addr,
+                hdr: hdr.clone(),
+                eh_addr,
+                eh: eh.clone(),
+                text: r.exec.first().map_or(0, |&(s, _)| s),
+            });
             let info = ExplicitModuleSectionInfo::<Arc<[u8]>> {
                 base_svma: 0,
                 text_svma: text,
                 eh_frame_hdr_svma: Some(svma(hdr_addr)..svma(hdr_addr) + hdr.len() as u64),
                 eh_frame_svma: Some(svma(eh_addr)..svma(eh_addr) + eh.len() as u64),
-                eh_frame_hdr: Some(Arc::from(hdr)),
-                eh_frame: Some(Arc::from(eh)),
+                eh_frame_hdr: Some(hdr),
+                eh_frame: Some(eh),
                 ..Default::default()
             };
             unwinder.add_module(framehop::Module::new(
@@ -238,6 +280,7 @@ fn build(prev: Option<&'static ImageTable>) -> &'static ImageTable {
             ));
         }
         let is_libc = is_libc_path(&path);
+        cfi.push(image_cfi);
         images.push(Arc::new(Image {
             path,
             base: r.bias,
@@ -256,7 +299,7 @@ fn build(prev: Option<&'static ImageTable>) -> &'static ImageTable {
         .flat_map(|(i, img)| img.exec.iter().map(move |&(s, e)| (s, e, i as u32)))
         .collect();
     code.sort_unstable();
-    let libc_code = images
+    let libc_code: Vec<(u64, u64)> = images
         .iter()
         .filter(|i| i.is_libc)
         .flat_map(|i| i.exec.iter().copied())
@@ -264,7 +307,11 @@ fn build(prev: Option<&'static ImageTable>) -> &'static ImageTable {
     let table: &'static ImageTable = Box::leak(Box::new(ImageTable {
         images,
         code,
+        libc_span: libc_code
+            .iter()
+            .fold((u64::MAX, 0), |(lo, hi), &(s, e)| (lo.min(s), hi.max(e))),
         libc_code,
+        cfi,
         unwinder,
         counters,
     }));

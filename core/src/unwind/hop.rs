@@ -86,17 +86,52 @@ pub fn fp_hops() -> Vec<(u64, u64, u64)> {
         .collect()
 }
 
-/// Where the caller's frame record is, given the record at `fp` whose return address is
-/// `ra`, and the saved frame pointer `next` read from it: `next` unless `ra` lies in a hop.
-#[inline(always)]
-pub(crate) fn next_record(fp: u64, ra: u64, next: u64) -> u64 {
-    let n = COUNT.load(Ordering::Acquire);
-    if n == 0 {
-        return next;
-    }
-    hop_slow(fp, ra, next, n)
+/// The hops registered when a walk began, read once per walk rather than once per frame:
+/// the per-frame test is then two compares against the union of their ranges (empty when
+/// none is registered), and only a return address inside it looks at the ranges themselves.
+#[derive(Clone, Copy)]
+pub(crate) struct Hops {
+    n: usize,
+    lo: u64,
+    hi: u64,
 }
 
+impl Hops {
+    /// The hops published so far.
+    #[inline]
+    pub(crate) fn snapshot() -> Hops {
+        let n = COUNT.load(Ordering::Acquire).min(MAX_HOPS);
+        let mut h = Hops { n, lo: 0, hi: 0 };
+        if n > 0 {
+            h.lo = u64::MAX;
+            for s in &SLOTS[..n] {
+                h.lo = h.lo.min(s.start.load(Ordering::Relaxed));
+                h.hi = h.hi.max(s.end.load(Ordering::Relaxed));
+            }
+        }
+        h
+    }
+
+    /// Where the caller's frame record is, given the record at `fp` whose return address is
+    /// `ra`, and the saved frame pointer `next` read from it: `next` unless `ra` lies in a
+    /// hop.
+    #[inline(always)]
+    pub(crate) fn next_record(&self, fp: u64, ra: u64, next: u64) -> u64 {
+        if ra >= self.lo && ra < self.hi {
+            hop_slow(fp, ra, next, self.n)
+        } else {
+            next
+        }
+    }
+}
+
+/// [`Hops::next_record`] with the hops registered now.
+#[cfg(test)]
+fn next_record(fp: u64, ra: u64, next: u64) -> u64 {
+    Hops::snapshot().next_record(fp, ra, next)
+}
+
+#[cold]
 #[inline(never)]
 fn hop_slow(fp: u64, ra: u64, next: u64, n: usize) -> u64 {
     for s in &SLOTS[..n.min(MAX_HOPS)] {

@@ -4,7 +4,9 @@
 //! to its caller's:
 //! * a *frame-pointer step* reads the frame record at `fp` (`[fp]` = caller's fp,
 //!   `[fp+8]` = return address) — about a nanosecond;
-//! * a *DWARF step* applies the `.eh_frame` rule for `ip` through framehop (allocation-free).
+//! * a *DWARF step* applies the `.eh_frame` rule for `ip`: for a return address, a compact
+//!   rule cached per address and applied inline ([`rules`]); otherwise, and for rows with no
+//!   compact form, through framehop. Both are allocation-free.
 //!
 //! `Fast` takes only frame-pointer steps, `Precise` only DWARF steps. `Auto` takes
 //! frame-pointer steps while the code it is in keeps frame pointers (judged per image, see
@@ -37,6 +39,7 @@ use crate::image::ImageTable;
 pub mod hop;
 #[cfg(feature = "libunwind")]
 pub mod libunwind;
+mod rules;
 
 pub use hop::{fp_hops, register_fp_hop};
 
@@ -56,19 +59,36 @@ const RULE_CACHES: usize = 4;
 /// full CFI evaluation (measured: two such frames doubled the cost of a 42-frame precise
 /// capture). Four caches chosen by `(address / 509) % 4` act as one direct-mapped cache
 /// modulo 2,036, so such pairs rarely collide.
-pub struct DwarfCache([CacheX86_64<MustNotAllocateDuringUnwind>; RULE_CACHES]);
+///
+/// In front of them, the compact rules of [`rules`] step most return addresses without
+/// framehop.
+pub struct DwarfCache {
+    framehop: [CacheX86_64<MustNotAllocateDuringUnwind>; RULE_CACHES],
+    compact: rules::RuleCache,
+    use_compact: bool,
+}
 
 impl DwarfCache {
     /// A new, empty cache.
     pub fn new() -> Self {
-        DwarfCache(std::array::from_fn(|_| CacheX86_64::new_in()))
+        DwarfCache {
+            framehop: std::array::from_fn(|_| CacheX86_64::new_in()),
+            compact: rules::RuleCache::new(),
+            use_compact: true,
+        }
+    }
+
+    /// Whether DWARF steps use the compact rules (the default) or framehop for every frame
+    /// (to compare the two).
+    pub fn set_compact_rules(&mut self, on: bool) {
+        self.use_compact = on;
     }
 
     /// The rule cache for the code address framehop will look up for `addr`.
     #[inline]
     fn for_address(&mut self, addr: FrameAddress) -> &mut CacheX86_64<MustNotAllocateDuringUnwind> {
         let a = addr.address_for_lookup();
-        &mut self.0[((a / RULES_PER_CACHE) % RULE_CACHES as u64) as usize]
+        &mut self.framehop[((a / RULES_PER_CACHE) % RULE_CACHES as u64) as usize]
     }
 }
 
@@ -256,6 +276,9 @@ fn walk_inner(
 fn signal_frame(table: &ImageTable, stacks: &Stacks<'_>, ra: u64, sp: u64) -> Option<Registers> {
     // Only the C library's code holds the trampoline (a range check per frame, no lookup).
     let end = ra.checked_add(9)?;
+    if ra < table.libc_span.0 || end > table.libc_span.1 {
+        return None;
+    }
     if !table.libc_code.iter().any(|&(s, e)| ra >= s && end <= e) {
         return None;
     }
@@ -279,6 +302,7 @@ struct SegCursor {
     hi: u64,
     seg: usize,
     visited: u64,
+    hops: hop::Hops,
 }
 
 impl SegCursor {
@@ -288,6 +312,7 @@ impl SegCursor {
             hi: 0,
             seg: usize::MAX,
             visited: 0,
+            hops: hop::Hops::snapshot(),
         };
         c.enter(stacks, sp);
         c
@@ -340,7 +365,7 @@ impl SegCursor {
             )
         };
         regs.set_sp(fp + 16);
-        regs.set_bp(hop::next_record(fp, ra, next));
+        regs.set_bp(self.hops.next_record(fp, ra, next));
         regs.set_ip(ra);
         Some(ra)
     }
@@ -356,13 +381,23 @@ fn dwarf_step(
 ) -> Option<u64> {
     let cache = cache?;
     let before = regs.sp();
-    let mut read = |a: u64| stacks.read(a).ok_or(());
-    let ra = match table
-        .unwinder
-        .unwind_frame(addr, regs, cache.for_address(addr), &mut read)
-    {
-        Ok(Some(ra)) => ra,
-        _ => return None,
+    let rule = if cache.use_compact && addr.is_return_address() {
+        cache.compact.rule(table, addr.address_for_lookup())
+    } else {
+        rules::Rule::Other
+    };
+    let ra = match rule {
+        rules::Rule::Other => {
+            let mut read = |a: u64| stacks.read(a).ok_or(());
+            match table
+                .unwinder
+                .unwind_frame(addr, regs, cache.for_address(addr), &mut read)
+            {
+                Ok(Some(ra)) => ra,
+                _ => return None,
+            }
+        }
+        rule => apply(rule, stacks, regs)?,
     };
     let sp = regs.sp();
     // The stack pointer moves up within a stack, or into another stack (once per stack).
@@ -371,6 +406,44 @@ fn dwarf_step(
         return None;
     }
     regs.set_ip(ra);
+    Some(ra)
+}
+
+/// Applies a compact rule (not `Other`) to a frame that is not the first: the caller's
+/// registers into `regs`, its return address returned. The checks are framehop's for the
+/// same rules: a null frame pointer or return address ends the walk, as does a frame record
+/// below the stack pointer or a read outside the stacks.
+#[inline(always)]
+fn apply(rule: rules::Rule, stacks: &Stacks<'_>, regs: &mut UnwindRegsX86_64) -> Option<u64> {
+    let (sp, bp) = (regs.sp(), regs.bp());
+    let (cfa, new_bp) = match rule {
+        rules::Rule::Sp { cfa8, bp8 } => {
+            let cfa = sp.checked_add(u64::from(cfa8) * 8)?;
+            let new_bp = if bp8 == 0 {
+                bp
+            } else {
+                stacks.read(cfa.checked_add_signed(i64::from(bp8) * 8)?)?
+            };
+            (cfa, new_bp)
+        }
+        rules::Rule::Fp => {
+            if bp == 0 {
+                return None;
+            }
+            let cfa = bp.checked_add(16)?;
+            if cfa <= sp {
+                return None;
+            }
+            (cfa, stacks.read(bp)?)
+        }
+        rules::Rule::End | rules::Rule::Other => return None,
+    };
+    let ra = stacks.read(cfa - 8)?;
+    if ra == 0 {
+        return None;
+    }
+    regs.set_sp(cfa);
+    regs.set_bp(new_bp);
     Some(ra)
 }
 
@@ -383,6 +456,7 @@ struct FpWalk<'s, 'a> {
     hi: u64,
     seg: usize,
     visited: u64,
+    hops: hop::Hops,
 }
 
 impl FpWalk<'_, '_> {
@@ -405,7 +479,7 @@ impl FpWalk<'_, '_> {
         if ra == 0 || (self.stop_fp != 0 && next == self.stop_fp) {
             return None;
         }
-        let next = hop::next_record(fp, ra, next);
+        let next = self.hops.next_record(fp, ra, next);
         if next > fp && next < self.hi {
             self.lo = fp;
             self.fp = next;
@@ -447,6 +521,7 @@ fn fp_walk(fp: u64, sp: u64, stop_fp: u64, stacks: &Stacks<'_>, sink: &mut Frame
         hi: stacks.segs[seg].hi,
         seg,
         visited: 1 << (seg % 64),
+        hops: hop::Hops::snapshot(),
     };
     let mut total = 0usize;
     // Direct phase.
