@@ -105,7 +105,16 @@ pub(crate) struct Inner {
     next_seq: Cell<u64>,
     current: Cell<FiberId>,
     pool: RefCell<stack::Pool>,
+    /// Boxes of finished fibers' contexts, reused by the next spawns (a fiber's context is
+    /// boxed so that its address holds while the slot map grows; one allocation and free
+    /// less per fiber). A box keeps its last fiber's control block alive until reused.
+    // The boxes themselves are what is reused: they move between slots and this pool.
+    #[allow(clippy::vec_box)]
+    ctxs: RefCell<Vec<Box<FiberCtx>>>,
 }
+
+/// Most context boxes kept for reuse.
+const CTX_POOL_MAX: usize = 64;
 
 thread_local! {
     /// Schedulers created on this thread, to wake their fibers from outside `run`.
@@ -172,6 +181,7 @@ impl Scheduler {
                 next_seq: Cell::new(1),
                 current: Cell::new(0),
                 pool: RefCell::new(stack::Pool::new()),
+                ctxs: RefCell::new(Vec::new()),
             }),
         };
         ON_THREAD.with(|t| {
@@ -483,8 +493,13 @@ impl Inner {
                 let stack = co.into_stack();
                 self.pool.borrow_mut().give(shared.stack_size, stack);
                 if let Some(slot) = slot {
-                    for j in slot.joiners {
+                    for &j in &slot.joiners {
                         self.make_ready(j);
+                    }
+                    // `ctx` and `shared` are not used past this point.
+                    let mut ctxs = self.ctxs.borrow_mut();
+                    if ctxs.len() < CTX_POOL_MAX {
+                        ctxs.push(slot.ctx);
                     }
                 }
             }
@@ -1010,12 +1025,24 @@ impl Builder {
             fiber_body(y, &body_shared, f, &slot_result);
         };
         let co = Co::with_stack(stack, body);
-        let ctx = Box::new(FiberCtx {
-            shared: shared.clone(),
-            yielder: Cell::new(std::ptr::null()),
-            unwinding: Cell::new(false),
-            dropping: Cell::new(false),
-        });
+        let recycled = inner.ctxs.borrow_mut().pop();
+        let ctx = match recycled {
+            Some(mut c) => {
+                *c = FiberCtx {
+                    shared: shared.clone(),
+                    yielder: Cell::new(std::ptr::null()),
+                    unwinding: Cell::new(false),
+                    dropping: Cell::new(false),
+                };
+                c
+            }
+            None => Box::new(FiberCtx {
+                shared: shared.clone(),
+                yielder: Cell::new(std::ptr::null()),
+                unwinding: Cell::new(false),
+                dropping: Cell::new(false),
+            }),
+        };
         inner.slots.borrow_mut().insert(
             id,
             Slot {

@@ -1,6 +1,7 @@
 //! The `fiber` and `clock` modules: Tarantool's API over fibertrace fibers, as raw
 //! `lua_CFunction`s (see [`super::raw`] for the error discipline).
 
+use std::collections::hash_map::Entry;
 use std::ffi::{c_int, CStr};
 use std::time::Duration;
 
@@ -259,10 +260,11 @@ unsafe fn fiber_arg(l: *mut ffi::lua_State, idx: c_int) -> Option<FiberId> {
 /// `l` valid.
 unsafe fn push_fiber_object(l: *mut ffi::lua_State, fid: FiberId) -> Result<(), String> {
     // SAFETY: per the contract.
-    unsafe { push_object(l, fid, false) }
+    unsafe { push_object(l, fid) }
 }
 
-/// As [`push_fiber_object`]; `new`: the fiber was just made, it has no object yet.
+/// As [`push_fiber_object`]. (`fiber.create` and `fiber.new` make the object of a new
+/// fiber together with its record, in [`spawn_lua`].)
 ///
 /// A live fiber's object is held in the array part of one host table, at a slot kept in
 /// the fiber's record and freed (for the next fiber) when the record goes. So it lives as
@@ -272,7 +274,7 @@ unsafe fn push_fiber_object(l: *mut ffi::lua_State, fid: FiberId) -> Result<(), 
 ///
 /// # Safety
 /// `l` valid.
-unsafe fn push_object(l: *mut ffi::lua_State, fid: FiberId, new: bool) -> Result<(), String> {
+unsafe fn push_object(l: *mut ffi::lua_State, fid: FiberId) -> Result<(), String> {
     let (known, objs, weak, fmt) = with_host(|h| {
         (
             h.recs.get(&fid).map(|r| r.obj_slot),
@@ -285,14 +287,14 @@ unsafe fn push_object(l: *mut ffi::lua_State, fid: FiberId, new: bool) -> Result
     // SAFETY: a host table and a fresh userdata with the fiber metatable.
     unsafe {
         ffi::lua_checkstack(l, 4);
-        match (known, new) {
-            (Some(slot), false) if slot > 0 => {
+        match known {
+            Some(slot) if slot > 0 => {
                 ffi::lua_rawgeti(l, REG, objs as ffi::lua_Integer);
                 ffi::lua_rawgeti(l, -1, slot as ffi::lua_Integer);
                 ffi::lua_replace(l, -2);
                 return Ok(());
             }
-            (None, _) => {
+            None => {
                 ffi::lua_rawgeti(l, REG, weak as ffi::lua_Integer);
                 ffi::lua_rawgeti(l, -1, fid as ffi::lua_Integer);
                 if ffi::lua_type(l, -1) == ffi::LUA_TUSERDATA {
@@ -336,19 +338,20 @@ unsafe fn push_object(l: *mut ffi::lua_State, fid: FiberId, new: bool) -> Result
 /// Removes a fiber's record, freeing its object's slot (the thread is the caller's).
 fn remove_rec(h: &mut HostState, fid: FiberId) -> Option<Rec> {
     let rec = h.recs.remove(&fid)?;
+    free_obj_slot(h, &rec);
+    Some(rec)
+}
+
+/// Frees the object slot of a record just removed, for the next fiber's object.
+///
+/// The slot is not cleared: the dead fiber's object stays referenced until the slot is
+/// reused (the free list is last-in first-out, so by the next fiber made), which saves a
+/// table store per fiber. Fiber objects have no finaliser, so the delay is invisible; the
+/// objects kept are at most as many as fibers were ever alive at once, about 40 bytes each.
+fn free_obj_slot(h: &mut HostState, rec: &Rec) {
     if rec.obj_slot > 0 {
-        // SAFETY: the host's main state and its object table; a plain array store.
-        unsafe {
-            let l = h.main_l;
-            ffi::lua_checkstack(l, 2);
-            ffi::lua_rawgeti(l, REG, h.objs_ref as ffi::lua_Integer);
-            ffi::lua_pushnil(l);
-            ffi::lua_rawseti(l, -2, rec.obj_slot as ffi::lua_Integer);
-            ffi::lua_settop(l, -2);
-        }
         h.obj_free.push(rec.obj_slot);
     }
-    Some(rec)
 }
 
 fn cancelled_check() -> Result<(), String> {
@@ -406,14 +409,16 @@ fn lua_fiber_main(t: *mut ffi::lua_State, nargs: c_int) {
     // SAFETY: the thread is ours and idle now.
     let msg = (!ok).then(|| unsafe { raw::error_text(t, -1) });
     let report = with_host(|h| {
-        let joinable = h.recs.get(&fid).is_some_and(|r| r.joinable);
-        if joinable {
-            if let Some(r) = h.recs.get_mut(&fid) {
-                r.done = Some(ok);
+        // One lookup: a joinable fiber's record stays for its joiner.
+        let rec = match h.recs.entry(fid) {
+            Entry::Occupied(e) if e.get().joinable => {
+                e.into_mut().done = Some(ok);
+                return None;
             }
-            return None;
-        }
-        let rec = remove_rec(h, fid)?;
+            Entry::Occupied(e) => e.remove(),
+            Entry::Vacant(_) => return None,
+        };
+        free_obj_slot(h, &rec);
         release_thread(h, rec.thread, rec.thread_ref);
         (h.report_errors && !ok).then(|| rec.fiber.name())
     })
@@ -458,11 +463,11 @@ fn take_thread(h: &mut HostState) -> (*mut ffi::lua_State, c_int) {
 }
 
 /// `fiber.create(fn, ...)` / `fiber.new(fn, ...)`: the function and its arguments are the
-/// whole stack of `l`.
+/// whole stack of `l`; they move to the new fiber, and its object is left in their place.
 ///
 /// # Safety
 /// `l` is the calling state of a C function.
-unsafe fn spawn_lua(l: *mut ffi::lua_State, what: &str) -> Result<FiberId, String> {
+unsafe fn spawn_lua(l: *mut ffi::lua_State, what: &str) -> Result<fibertrace_fiber::Fiber, String> {
     // SAFETY: per the contract.
     if unsafe { type_of(l, 1) } != ffi::LUA_TFUNCTION {
         return Err(format!("fiber.{what}(function, ...): bad arguments"));
@@ -501,35 +506,52 @@ unsafe fn spawn_lua(l: *mut ffi::lua_State, what: &str) -> Result<FiberId, Strin
         .shared_name(name)
         .parent_trace(parent)
         .spawn(move || lua_fiber_main(t, nargs));
-    let fid = handle.id();
     let fiber = handle.fiber().clone();
-    with_host(|h| {
+    let fid = fiber.id();
+    // The record and its object's slot in one visit to the host state.
+    let (objs, mt, slot) = with_host(|h| {
+        let slot = h.obj_free.pop().unwrap_or_else(|| {
+            h.obj_next += 1;
+            h.obj_next
+        });
         h.recs.insert(
             fid,
             Rec {
-                fiber,
+                fiber: fiber.clone(),
                 handle: Some(handle),
                 thread: t,
                 thread_ref: tref,
                 joinable: false,
                 done: None,
                 trace_cache: None,
-                obj_slot: 0,
+                obj_slot: slot,
             },
-        )
-    });
-    Ok(fid)
+        );
+        (h.objs_ref, h.fiber_mt_ref, slot)
+    })
+    .ok_or_else(no_host)?;
+    // SAFETY: `l`'s stack is empty (everything moved to `t`); a fresh userdata with the
+    // fiber metatable goes into its slot of the host's object table and stays on top.
+    unsafe {
+        ffi::lua_checkstack(l, 4);
+        let p = ffi::lua_newuserdata(l, std::mem::size_of::<FiberUd>()).cast::<FiberUd>();
+        p.write(FiberUd { fid });
+        ffi::lua_rawgeti(l, REG, mt as ffi::lua_Integer);
+        ffi::lua_setmetatable(l, -2);
+        ffi::lua_rawgeti(l, REG, objs as ffi::lua_Integer);
+        ffi::lua_pushvalue(l, -2);
+        ffi::lua_rawseti(l, -2, slot as ffi::lua_Integer);
+        ffi::lua_settop(l, -2);
+    }
+    Ok(fiber)
 }
 
 unsafe fn create_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
-    let fid = unsafe { spawn_lua(l, "create") }?;
-    // SAFETY: as above.
-    unsafe { push_object(l, fid, true) }?;
+    let f = unsafe { spawn_lua(l, "create") }?;
     // Start it now: it runs, and this fiber continues as soon as it yields.
-    if let Some(f) = live_fiber(fid) {
-        fibertrace_fiber::yield_to(&f);
-    }
+    fibertrace_fiber::yield_to(&f);
+    drop(f);
     cancelled_check()?;
     Ok(1)
 }
@@ -537,9 +559,7 @@ lua_fn!(f_create, create_body);
 
 unsafe fn new_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
-    let fid = unsafe { spawn_lua(l, "new") }?;
-    // SAFETY: as above.
-    unsafe { push_object(l, fid, true) }?;
+    unsafe { spawn_lua(l, "new") }?;
     Ok(1)
 }
 lua_fn!(f_new, new_body);
