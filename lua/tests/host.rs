@@ -519,6 +519,34 @@ LOG = table.concat(log, '|')
     );
 }
 
+/// A fiber's object is the same while the fiber lives, and once the fiber is dead and no
+/// script holds the object, it is collected (a weak table keyed by fiber objects loses the
+/// entry), also when no fiber is created afterwards to reuse its slot.
+#[test]
+fn fiber_objects_live_with_their_fiber_and_are_collected_after() {
+    let host = run(r#"local fiber = require('fiber')
+local data = setmetatable({}, {__mode = 'k'})
+local n = 0
+for i = 1, 50 do
+  local f = fiber.create(function() fiber.sleep(0.001) end)
+  data[f] = i
+end
+for _ in pairs(data) do n = n + 1 end
+local alive = n
+local same = fiber.self() == fiber.self()
+fiber.sleep(0.05)
+collectgarbage()
+collectgarbage()
+n = 0
+for _ in pairs(data) do n = n + 1 end
+RES = alive .. ' ' .. n .. ' ' .. tostring(same)
+"#);
+    assert_eq!(
+        host.lua().globals().get::<String>("RES").unwrap(),
+        "50 0 true"
+    );
+}
+
 /// The exact key sets of `fiber.info()` entries (no key more, none less), and the words of
 /// what a fiber waits on.
 #[test]

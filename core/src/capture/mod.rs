@@ -528,5 +528,23 @@ mod tests {
             .filter(|&a| table.code_image(a).is_some_and(|i| i.is_libc))
             .count();
         assert!(in_libc >= 1, "no glibc frame in {compact:?}");
+        // And the glibc frames did take compact rules (stack-pointer based: glibc keeps no
+        // frame pointers), so the comparison above covered them.
+        let mut cache = DwarfCache::new();
+        let sp_rules = compact
+            .iter()
+            .filter_map(|f| f.lookup_address())
+            .filter(|&a| table.code_image(a).is_some_and(|i| i.is_libc))
+            .filter(|&a| {
+                matches!(
+                    cache.compact.rule(table, a),
+                    crate::unwind::rules::Rule::Sp { .. }
+                )
+            })
+            .count();
+        assert!(
+            sp_rules >= 1,
+            "no compact rule for glibc frames in {compact:?}"
+        );
     }
 }

@@ -39,7 +39,7 @@ use crate::image::ImageTable;
 pub mod hop;
 #[cfg(feature = "libunwind")]
 pub mod libunwind;
-mod rules;
+pub(crate) mod rules;
 
 pub use hop::{fp_hops, register_fp_hop};
 
@@ -64,7 +64,7 @@ const RULE_CACHES: usize = 4;
 /// framehop.
 pub struct DwarfCache {
     framehop: [CacheX86_64<MustNotAllocateDuringUnwind>; RULE_CACHES],
-    compact: rules::RuleCache,
+    pub(crate) compact: rules::RuleCache,
     use_compact: bool,
 }
 

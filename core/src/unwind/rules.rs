@@ -19,15 +19,17 @@
 //!
 //! The rules mean what framehop's rules of the same shape mean (`OffsetSp`,
 //! `OffsetSpAndRestoreBp`, `UseFramePointer`, `EndOfStack`), with the same checks; a test
-//! compares both on the same stacks. How a result can be wrong: as with framehop, only through
+//! compares both on the same stacks. (One difference: framehop finds no module for an image
+//! whose addresses lie 4 GiB or more above its load bias and then follows frame pointers;
+//! the compact rules read that image's CFI.) How a result can be wrong: as with framehop, only through
 //! CFI that does not describe the code (hand-written assembly with wrong annotations), or a
 //! stale cache entry — entries belong to one image table and are dropped when the table is
 //! replaced, so a library unloaded and replaced at the same address between two refreshes is
 //! the one case that can reuse a stale rule.
 
 use addr2line::gimli::{
-    BaseAddresses, CfaRule, EhFrame, EhFrameHdr, LittleEndian, RegisterRule, UnwindContext,
-    UnwindContextStorage, UnwindSection, UnwindTableRow, X86_64,
+    BaseAddresses, CfaRule, EhFrame, EhFrameHdr, EhFrameOffset, LittleEndian, Pointer,
+    RegisterRule, UnwindContext, UnwindContextStorage, UnwindSection, UnwindTableRow, X86_64,
 };
 
 use crate::image::ImageTable;
@@ -97,7 +99,10 @@ impl RuleCache {
     pub fn rule(&mut self, table: &ImageTable, addr: u64) -> Rule {
         let id = table as *const ImageTable as usize;
         if self.table != id {
-            self.entries.fill([EMPTY; WAYS]);
+            // Entries of another table (a new cache's are empty already).
+            if self.table != 0 {
+                self.entries.fill([EMPTY; WAYS]);
+            }
             self.table = id;
         }
         let set = &mut self.entries[set_of(addr)];
@@ -105,7 +110,9 @@ impl RuleCache {
             return set[0].rule;
         }
         if set[1].key == addr {
-            return set[1].rule;
+            // Hot again: it moves to the first way, the other entry goes next.
+            set.swap(0, 1);
+            return set[0].rule;
         }
         let rule = derive(table, &mut self.ctx, addr);
         // The newest entry goes first; the older one moves to the second way.
@@ -138,7 +145,29 @@ fn derive(table: &ImageTable, ctx: &mut UnwindContext<usize, Fixed>, addr: u64) 
     };
     let mut eh = EhFrame::new(&cfi.eh, LittleEndian);
     eh.set_address_size(8);
-    match search.unwind_info_for_address(&eh, &bases, ctx, addr, EhFrame::cie_from_offset) {
+    // The search table gives the FDE's address; it must lie inside `.eh_frame` (a corrupted
+    // table is not trusted with an offset computation).
+    let fde_addr = match search.lookup(addr, &bases) {
+        Ok(Pointer::Direct(p)) => p,
+        _ => return Rule::Other,
+    };
+    let Some(offset) = fde_addr
+        .checked_sub(cfi.eh_addr)
+        .filter(|&o| o < cfi.eh.len() as u64)
+    else {
+        return Rule::Other;
+    };
+    let Ok(fde) = eh.fde_from_offset(
+        &bases,
+        EhFrameOffset(offset as usize),
+        EhFrame::cie_from_offset,
+    ) else {
+        return Rule::Other;
+    };
+    if !fde.contains(addr) {
+        return Rule::Other;
+    }
+    match fde.unwind_info_for_address(&eh, &bases, ctx, addr) {
         Ok(row) => compact(
             row.cfa(),
             row.register(X86_64::RBP),
@@ -173,7 +202,9 @@ pub(crate) fn compact(
             let bp8 = match bp {
                 None => 0,
                 Some(o) => match by8(o).and_then(|v| i16::try_from(v).ok()) {
-                    Some(v) if v != 0 => v,
+                    // framehop keeps the saved rbp's offset from the stack pointer in 16
+                    // bits; a frame beyond that is left to its generic path, as framehop's.
+                    Some(v) if v != 0 && i16::try_from(i64::from(cfa8) + i64::from(v)).is_ok() => v,
                     _ => return Rule::Other,
                 },
             };
@@ -264,6 +295,11 @@ mod tests {
         assert_eq!(compact(&sp(12), None, RA), Rule::Other);
         assert_eq!(compact(&sp(0), None, RA), Rule::Other);
         assert_eq!(compact(&sp(8 << 20), None, RA), Rule::Other);
+        // A frame so large that the saved rbp lies beyond 16 bits of words from rsp.
+        assert_eq!(
+            compact(&sp(40_000 * 8), Some(RegisterRule::Offset(-16)), RA),
+            Rule::Other
+        );
     }
 
     #[test]

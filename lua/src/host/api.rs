@@ -342,14 +342,20 @@ fn remove_rec(h: &mut HostState, fid: FiberId) -> Option<Rec> {
     Some(rec)
 }
 
-/// Frees the object slot of a record just removed, for the next fiber's object.
-///
-/// The slot is not cleared: the dead fiber's object stays referenced until the slot is
-/// reused (the free list is last-in first-out, so by the next fiber made), which saves a
-/// table store per fiber. Fiber objects have no finaliser, so the delay is invisible; the
-/// objects kept are at most as many as fibers were ever alive at once, about 40 bytes each.
+/// Frees the object slot of a record just removed, for the next fiber's object. The slot is
+/// cleared at once: a dead fiber's object must not stay reachable (a weak table keyed by
+/// fiber objects would keep its entry).
 fn free_obj_slot(h: &mut HostState, rec: &Rec) {
     if rec.obj_slot > 0 {
+        // SAFETY: the host's main state and its object table; a plain array store.
+        unsafe {
+            let l = h.main_l;
+            ffi::lua_checkstack(l, 2);
+            ffi::lua_rawgeti(l, REG, h.objs_ref as ffi::lua_Integer);
+            ffi::lua_pushnil(l);
+            ffi::lua_rawseti(l, -2, rec.obj_slot as ffi::lua_Integer);
+            ffi::lua_settop(l, -2);
+        }
         h.obj_free.push(rec.obj_slot);
     }
 }

@@ -70,8 +70,7 @@ pub(crate) struct HostState {
     pub pool: Vec<(*mut ffi::lua_State, c_int)>,
     /// Registry ref: the Lua function that makes one `fiber.info()` entry.
     pub info_ctor_ref: c_int,
-    /// Registry ref: live fibers' objects by slot (a freed slot keeps its dead fiber's object
-    /// until reused); free slots; the highest slot used.
+    /// Registry ref: live fibers' objects by slot; free slots; the highest slot used.
     pub objs_ref: c_int,
     /// Registry ref: objects of fibers without a record, by id (weak values).
     pub weak_objs_ref: c_int,
