@@ -1025,23 +1025,19 @@ impl Builder {
             fiber_body(y, &body_shared, f, &slot_result);
         };
         let co = Co::with_stack(stack, body);
+        let fresh = FiberCtx {
+            shared: shared.clone(),
+            yielder: Cell::new(std::ptr::null()),
+            unwinding: Cell::new(false),
+            dropping: Cell::new(false),
+        };
         let recycled = inner.ctxs.borrow_mut().pop();
         let ctx = match recycled {
             Some(mut c) => {
-                *c = FiberCtx {
-                    shared: shared.clone(),
-                    yielder: Cell::new(std::ptr::null()),
-                    unwinding: Cell::new(false),
-                    dropping: Cell::new(false),
-                };
+                *c = fresh;
                 c
             }
-            None => Box::new(FiberCtx {
-                shared: shared.clone(),
-                yielder: Cell::new(std::ptr::null()),
-                unwinding: Cell::new(false),
-                dropping: Cell::new(false),
-            }),
+            None => Box::new(fresh),
         };
         inner.slots.borrow_mut().insert(
             id,
