@@ -441,18 +441,30 @@ impl Inner {
             .push(std::cmp::Reverse((when, seq, fid)));
     }
 
+    /// Takes fiber `fid`'s coroutine out of its slot to resume it (`None`: gone, or running).
+    fn take_co(&self, fid: FiberId) -> Option<(Co, *const FiberCtx)> {
+        let mut slots = self.slots.borrow_mut();
+        let slot = slots.get_mut(&fid)?;
+        let co = slot.co.take()?;
+        slot.queued = false;
+        Some((co, &*slot.ctx as *const FiberCtx))
+    }
+
+    /// Resumes fiber `fid` from the scheduler loop.
     fn resume(&self, fid: FiberId) {
-        let (mut co, ctx_ptr) = {
-            let mut slots = self.slots.borrow_mut();
-            let Some(slot) = slots.get_mut(&fid) else {
-                return;
-            };
-            slot.queued = false;
-            let Some(co) = slot.co.take() else {
-                return;
-            };
-            (co, &*slot.ctx as *const FiberCtx)
+        let Some((co, ctx_ptr)) = self.take_co(fid) else {
+            return;
         };
+        self.run_co(fid, co, ctx_ptr);
+        crate::sample::set_idle(&self.shared);
+        self.current.set(0);
+    }
+
+    /// Runs a fiber's coroutine until it suspends or returns, with the bookkeeping of a
+    /// resume (run state, status, switch count, CPU time, sampler), then puts it back in its
+    /// slot or, when it returned, frees it. Leaves the sampler showing no fiber running and
+    /// `CURRENT` as it found it; `self.current` is the caller's to restore.
+    fn run_co(&self, fid: FiberId, mut co: Co, ctx_ptr: *const FiberCtx) {
         // SAFETY: the FiberCtx is boxed in its slot, which lives until the fiber finishes
         // (removed below, after the coroutine returned).
         let ctx = unsafe { &*ctx_ptr };
@@ -463,17 +475,17 @@ impl Inner {
         self.current.set(fid);
         let prev = CURRENT.with(|c| c.replace(ctx_ptr));
         let _stack = fibertrace_core::enter_stack(shared.stack);
-        let t0 = self.last_tick.get();
-        crate::sample::set_running(&self.shared, shared, t0);
+        crate::sample::set_running(&self.shared, shared, self.last_tick.get());
         let r = co.resume(());
+        crate::sample::set_idle(&self.shared);
+        // Fibers this one started at once ran inside the resume and moved `last_tick`: the
+        // time since is this fiber's.
         let t1 = crate::clock::ticks();
-        self.last_tick.set(t1);
         shared
             .cpu_ticks
-            .fetch_add(t1.wrapping_sub(t0), Ordering::Relaxed);
-        crate::sample::set_idle(&self.shared);
+            .fetch_add(t1.wrapping_sub(self.last_tick.get()), Ordering::Relaxed);
+        self.last_tick.set(t1);
         CURRENT.with(|c| c.set(prev));
-        self.current.set(0);
         match r {
             CoroutineResult::Yield(y) => {
                 let mut slots = self.slots.borrow_mut();
@@ -504,6 +516,57 @@ impl Inner {
                 }
             }
         }
+    }
+
+    /// Runs ready fiber `target` now, inside the running fiber `me` (as Tarantool's
+    /// `fiber_call` does), until it suspends or finishes; then `me` goes on. Two switches
+    /// instead of four through the scheduler, in the same order: `target` first, `me` right
+    /// after it. `me` counts as suspended meanwhile (its registers are recorded here, so
+    /// inspectors walk it like any suspended fiber) and as ready: a wake-up of it is a no-op,
+    /// as when it waited in the ready queue. Returns false (and does nothing) when `target`
+    /// is not waiting in the ready queue.
+    #[inline(never)]
+    fn run_nested(&self, me: &FiberCtx, target: FiberId) -> bool {
+        let me_id = me.shared.id;
+        {
+            let mut ready = self.ready.borrow_mut();
+            // A fiber just spawned is at the back.
+            let Some(pos) = ready.iter().rposition(|&x| x == target) else {
+                return false;
+            };
+            let mut slots = self.slots.borrow_mut();
+            if !slots.get(&target).is_some_and(|s| s.co.is_some()) {
+                return false;
+            }
+            ready.remove(pos);
+            if let Some(slot) = slots.get_mut(&me_id) {
+                slot.queued = true;
+            }
+        }
+        let Some((co, ctx_ptr)) = self.take_co(target) else {
+            return false;
+        };
+        let shared = &me.shared;
+        shared.record_suspension();
+        shared.run.store(SUSPENDED, Ordering::Release);
+        let t = crate::clock::ticks();
+        shared
+            .cpu_ticks
+            .fetch_add(t.wrapping_sub(self.last_tick.get()), Ordering::Relaxed);
+        self.last_tick.set(t);
+        let run_since = self.shared.sampler.run_since.load(Ordering::Relaxed);
+        crate::sample::set_idle(&self.shared);
+        self.run_co(target, co, ctx_ptr);
+        // Back in `me`: its run goes on.
+        if let Some(slot) = self.slots.borrow_mut().get_mut(&me_id) {
+            slot.queued = false;
+        }
+        self.current.set(me_id);
+        shared.begin_resume();
+        shared.set_status(Status::Running);
+        shared.csw.fetch_add(1, Ordering::Relaxed);
+        crate::sample::set_running_again(&self.shared, shared, run_since);
+        true
     }
 }
 
@@ -610,30 +673,28 @@ pub fn yield_now() {
     }
 }
 
-/// Yields so that `f` (if it is ready) runs next and the current fiber right after it:
-/// Tarantool's order for a fiber it starts at once (`fiber.create`). When `f` is not ready,
-/// this is [`yield_now`].
+/// Runs `f` (if it is ready) now and the current fiber right after it: Tarantool's order for
+/// a fiber it starts at once (`fiber.create`). `f` runs inside the current fiber's switch
+/// (two switches, not four through the scheduler) until it suspends or finishes. When `f` is
+/// not ready, this is [`yield_now`].
 #[inline(never)]
 pub fn yield_to(f: &Fiber) {
     let Some(ctx) = current_ctx() else {
         return;
     };
-    let me = ctx.shared.id;
-    let target = f.shared.id;
-    with_sched(|s| {
-        let mut ready = s.ready.borrow_mut();
-        if let Some(pos) = ready.iter().rposition(|&x| x == target) {
-            ready.remove(pos);
-            ready.push_front(target);
-            if let Some(slot) = s.slots.borrow_mut().get_mut(&me) {
-                if !slot.queued {
-                    slot.queued = true;
-                    ready.insert(1, me);
-                }
-            }
-        }
-    });
     ctx.shared.set_status(Status::Ready);
+    // No closure around the nested run: it would be one more frame of this fiber's trace
+    // while it waits (in unoptimised builds).
+    let p = SCHED.with(|s| s.get());
+    if !p.is_null() {
+        // SAFETY: see with_sched.
+        let s = unsafe { &*p };
+        if s.shared.id == f.shared.sched && s.run_nested(ctx, f.shared.id) {
+            std::hint::black_box(());
+            check_cancel(ctx);
+            return;
+        }
+    }
     suspend_current(Yield::Ready);
     // Not a tail call: `yield_to` stays in the suspended fiber's trace.
     std::hint::black_box(());

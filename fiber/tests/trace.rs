@@ -3,7 +3,9 @@
 
 mod common;
 
+use std::cell::RefCell;
 use std::hint::black_box;
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -581,4 +583,77 @@ fn info_lists_are_shared_while_parked_and_follow_the_fiber() {
             h.join().unwrap();
         })
         .unwrap();
+}
+
+/// Starts a child that starts its own child, `depth` levels down, each with `yield_to`; the
+/// innermost checks its own trace and its ancestors' while they wait for it, then sleeps.
+#[inline(never)]
+fn start_nested(depth: u32, ancestors: Vec<fibertrace_fiber::Fiber>, log: Rc<RefCell<Vec<String>>>) {
+    let me = fibertrace_fiber::current().unwrap();
+    if depth == 0 {
+        nested_leaf(&me, &ancestors, &log);
+        return;
+    }
+    let mut chain = ancestors;
+    chain.push(me.clone());
+    let l = log.clone();
+    let h = fibertrace_fiber::Builder::new()
+        .name(&format!("n{}", depth - 1))
+        .spawn(move || start_nested(depth - 1, chain, l));
+    log.borrow_mut().push(format!("start {depth}"));
+    fibertrace_fiber::yield_to(h.fiber());
+    log.borrow_mut().push(format!("back {depth}"));
+    h.join().unwrap();
+    black_box(());
+}
+
+#[inline(never)]
+fn nested_leaf(me: &fibertrace_fiber::Fiber, ancestors: &[fibertrace_fiber::Fiber], log: &Rc<RefCell<Vec<String>>>) {
+    // Its own stack, however deep the nesting of stacks it runs inside.
+    for u in [Unwinder::Fast, Unwinder::Precise] {
+        let n = names(me.backtrace(u).unwrap().frames());
+        let at = n.iter().position(|f| f == "nested_leaf");
+        assert_eq!(
+            at.map(|i| &n[i..i + 2]),
+            Some(&["nested_leaf".to_string(), "start_nested".to_string()][..]),
+            "{u:?}: {n:?}"
+        );
+    }
+    // Every ancestor waits in `yield_to`, called from `start_nested`, and counts as ready.
+    for a in ancestors {
+        assert_eq!(a.status(), Status::Ready, "{}", a.name());
+        for u in [Unwinder::Fast, Unwinder::Precise] {
+            let n = names(a.backtrace(u).unwrap().frames());
+            assert_eq!(&n[..2], ["yield_to", "start_nested"], "{}: {u:?}: {n:?}", a.name());
+        }
+        // Waking a fiber that waits for the one it started changes nothing.
+        a.wakeup();
+    }
+    log.borrow_mut().push("leaf".to_string());
+    fibertrace_fiber::sleep(Duration::from_millis(1));
+    log.borrow_mut().push("leaf woke".to_string());
+}
+
+#[test]
+fn yield_to_runs_the_fiber_inside_the_caller_twelve_levels_deep() {
+    let log = Rc::new(RefCell::new(Vec::new()));
+    let l = log.clone();
+    let sched = Scheduler::new();
+    sched
+        .block_on(move || {
+            let me = fibertrace_fiber::current().unwrap();
+            let csw = me.shared().csw();
+            start_nested(12, Vec::new(), l);
+            // Two switches back in: after the started fiber suspended, after the join's wait.
+            assert_eq!(me.shared().csw() - csw, 2);
+        })
+        .unwrap();
+    let log = log.borrow();
+    // Each level starts the next, which runs at once; when the leaf sleeps, each waiting
+    // level goes on (innermost first) before the scheduler runs anything else.
+    let mut want: Vec<String> = (1..=12).rev().map(|d| format!("start {d}")).collect();
+    want.push("leaf".into());
+    want.extend((1..=12).map(|d| format!("back {d}")));
+    want.push("leaf woke".into());
+    assert_eq!(*log, want);
 }

@@ -109,7 +109,7 @@ impl SavedContext {
     }
 }
 
-/// Most coroutine stacks a thread can have entered at once.
+/// Most entered coroutine stacks a walk of the current stack follows (the innermost ones).
 const MAX_ENTERED: usize = 8;
 
 struct ThreadStacks {
@@ -160,28 +160,37 @@ fn thread_stack_uncached() -> Option<StackBounds> {
 
 /// Declares that the current thread runs code on `stack` until the returned guard is
 /// dropped, so that walks from inside it may read it. A runtime wraps each resume of a
-/// coroutine in one. Nesting deeper than 8 is ignored (walks then stop at that stack).
+/// coroutine in one. Walks follow the innermost 8 entered stacks (nested deeper, a walk from
+/// the innermost stops where it would leave the eighth).
 pub fn enter_stack(stack: StackBounds) -> EnteredStack {
-    STACKS.with(|s| {
+    // The entries form a ring holding the innermost MAX_ENTERED stacks; a guard puts back
+    // the entry it replaced, so leaving a deeper nesting restores the outer ones.
+    let (slot, replaced) = STACKS.with(|s| {
         let d = s.depth.get();
-        if d < MAX_ENTERED {
-            s.entered[d].set(stack);
-        }
+        let slot = d % MAX_ENTERED;
         s.depth.set(d + 1);
+        (slot, s.entered[slot].replace(stack))
     });
     EnteredStack {
+        slot,
+        replaced,
         _not_send: std::marker::PhantomData,
     }
 }
 
-/// Guard of [`enter_stack`].
+/// Guard of [`enter_stack`] (guards drop in reverse order of entering: they are scoped).
 pub struct EnteredStack {
+    slot: usize,
+    replaced: StackBounds,
     _not_send: std::marker::PhantomData<*const ()>,
 }
 
 impl Drop for EnteredStack {
     fn drop(&mut self) {
-        STACKS.with(|s| s.depth.set(s.depth.get().saturating_sub(1)));
+        STACKS.with(|s| {
+            s.entered[self.slot].set(self.replaced);
+            s.depth.set(s.depth.get().saturating_sub(1));
+        });
     }
 }
 
@@ -201,9 +210,11 @@ fn fill_current_stacks(buf: &mut [StackBounds; MAX_ENTERED + 1]) -> usize {
         if own.hi == 0 {
             own = thread_stack();
         }
-        let d = s.depth.get().min(MAX_ENTERED);
-        for (slot, entered) in buf.iter_mut().zip(s.entered[..d].iter().rev()) {
-            *slot = entered.get();
+        let depth = s.depth.get();
+        let d = depth.min(MAX_ENTERED);
+        // Innermost first: the ring's entries from the newest back.
+        for (i, slot) in buf[..d].iter_mut().enumerate() {
+            *slot = s.entered[(depth - 1 - i) % MAX_ENTERED].get();
         }
         let mut n = d;
         if own.hi != 0 {
@@ -443,6 +454,28 @@ pub fn prepare() {
 mod tests {
     use super::*;
     use crate::{Backtrace, CaptureOptions, Frame, Unwinder};
+
+    #[test]
+    fn entered_stacks_nested_deeper_than_the_ring_keep_the_innermost() {
+        let own = thread_stack();
+        let s = |i: u64| StackBounds::new(0x1000_0000 * i, 0x1000_0000 * i + 0x1000);
+        let mut guards = Vec::new();
+        for i in 1..=12 {
+            guards.push(enter_stack(s(i)));
+        }
+        // The innermost eight, innermost first, then the thread's own stack.
+        let want: Vec<StackBounds> = (5..=12).rev().map(s).chain([own]).collect();
+        assert_eq!(current_stacks(), want);
+        // Leaving the deepest levels restores the outer entries the ring had overwritten.
+        for _ in 0..9 {
+            drop(guards.pop());
+        }
+        assert_eq!(current_stacks(), [s(3), s(2), s(1), own]);
+        while let Some(g) = guards.pop() {
+            drop(g);
+        }
+        assert_eq!(current_stacks(), [own]);
+    }
 
     /// A precise capture of the current stack with the given cache.
     #[inline(never)]
