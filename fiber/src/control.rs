@@ -37,6 +37,13 @@ pub(crate) const SUSPENDED: u8 = 2;
 pub(crate) const INSPECTING: u8 = 3;
 pub(crate) const DEAD: u8 = 4;
 
+/// How a fiber's function ended (its control block's `outcome`): not yet, returned, cancelled,
+/// panicked.
+pub(crate) const OUTCOME_NONE: u8 = 0;
+pub(crate) const OUTCOME_OK: u8 = 1;
+pub(crate) const OUTCOME_CANCELLED: u8 = 2;
+pub(crate) const OUTCOME_PANICKED: u8 = 3;
+
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 pub(crate) fn next_fiber_id() -> FiberId {
@@ -348,6 +355,8 @@ pub struct FiberShared {
     /// The type name of the fiber's entry closure (a closure has no symbol of its own).
     pub(crate) entry_name: &'static str,
     pub(crate) panic: Mutex<Option<Box<PanicReport>>>,
+    /// How its function ended (`OUTCOME_*`), written by the fiber as it finishes.
+    pub(crate) outcome: AtomicU8,
     /// The last walk of this fiber's suspended stack: valid while the fiber has not been
     /// resumed since (same switch count), for the same capture options.
     trace_cache: Mutex<Option<TraceCache>>,
@@ -391,6 +400,8 @@ pub(crate) enum ParentInit<'a> {
 
 pub(crate) struct NewFiber<'a> {
     pub id: FiberId,
+    /// Clock ticks at its creation.
+    pub now: u64,
     pub sched: u64,
     pub name: Arc<str>,
     pub parent: Option<FiberId>,
@@ -405,10 +416,43 @@ pub(crate) struct NewFiber<'a> {
 impl FiberShared {
     /// A new control block, built in place in its shared allocation (a control block is
     /// several hundred bytes; building it on the stack and moving it in cost a copy per spawn).
-    pub(crate) fn new_shared(mut n: NewFiber<'_>) -> Arc<Self> {
+    /// (`n` by reference: a by-value move is a copy of its ~160 bytes just written, which
+    /// stalls on store forwarding.)
+    pub(crate) fn new_shared(n: &mut NewFiber<'_>) -> Arc<Self> {
         let mut a = Arc::<FiberShared>::new_uninit();
         let slot = Arc::get_mut(&mut a).expect("a new Arc is unique");
-        let (given, captured) = match std::mem::replace(&mut n.parent_trace, ParentInit::None) {
+        let (given, captured) = Self::split_parent(n);
+        let f = slot.write(FiberShared::new(&n, given));
+        f.fill_parent_frames(captured);
+        // SAFETY: fully written just above.
+        unsafe { a.assume_init() }
+    }
+
+    /// Makes `this` the control block of a new fiber: in place when nothing else holds the
+    /// old one (a finished fiber's block, kept by its recycled context box: one allocation
+    /// and free less per spawn), else in a new allocation.
+    pub(crate) fn renew(this: &mut Arc<Self>, n: &mut NewFiber<'_>) {
+        let Some(m) = Arc::get_mut(this) else {
+            *this = Self::new_shared(n);
+            return;
+        };
+        let (given, captured) = Self::split_parent(n);
+        let m: *mut FiberShared = m;
+        // SAFETY: `m` is the only reference to the block (Arc::get_mut above). The old
+        // contents are dropped, then new ones written at once: building them (`new`: field
+        // initialisers and an Arc clone) cannot panic, so the block is never read dropped.
+        let slot = unsafe {
+            std::ptr::drop_in_place(m);
+            &mut *m.cast::<std::mem::MaybeUninit<FiberShared>>()
+        };
+        // Written in place, as in `new_shared` (a plain pointer write built a copy first).
+        slot.write(FiberShared::new(&n, given))
+            .fill_parent_frames(captured);
+    }
+
+    /// The parent trace to build, and the creator's return addresses to copy into it.
+    fn split_parent<'a>(n: &mut NewFiber<'a>) -> (Option<ParentTrace>, Option<&'a [u64]>) {
+        match std::mem::replace(&mut n.parent_trace, ParentInit::None) {
             ParentInit::None => (None, None),
             ParentInit::Given(t) => (Some(*t), None),
             ParentInit::Captured {
@@ -425,9 +469,12 @@ impl FiberShared {
                 }),
                 Some(ras),
             ),
-        };
-        let f = slot.write(FiberShared::new(&n, given));
-        if let (Some(t), Some(ras)) = (f.parent_trace.as_mut(), captured) {
+        }
+    }
+
+    /// Copies captured return addresses into the (inline) parent trace.
+    fn fill_parent_frames(&mut self, captured: Option<&[u64]>) {
+        if let (Some(t), Some(ras)) = (self.parent_trace.as_mut(), captured) {
             let ras = &ras[..ras.len().min(PARENT_FRAMES)];
             let buf = t.frames.as_mut_ptr();
             for (i, &a) in ras.iter().enumerate() {
@@ -437,13 +484,11 @@ impl FiberShared {
             // SAFETY: the first `ras.len()` entries were written just above.
             unsafe { t.frames.set_len(ras.len()) };
         }
-        // SAFETY: fully written just above.
-        unsafe { a.assume_init() }
     }
 
     #[inline(always)]
     fn new(n: &NewFiber<'_>, parent_trace: Option<ParentTrace>) -> Self {
-        let now = crate::clock::ticks();
+        let now = n.now;
         FiberShared {
             id: n.id,
             sched: n.sched,
@@ -467,6 +512,7 @@ impl FiberShared {
             entry_fn: n.entry_fn,
             entry_name: n.entry_name,
             panic: Mutex::new(None),
+            outcome: AtomicU8::new(OUTCOME_NONE),
             trace_cache: Mutex::new(None),
             walked_csw: AtomicU64::new(u64::MAX),
             traced: n.traced,
@@ -685,6 +731,14 @@ impl FiberShared {
         }
     }
 
+    /// Counts switches into the fiber and adds CPU ticks (the scheduler's thread is the only
+    /// writer of both: a load and a store each, no locked read-modify-write).
+    #[inline]
+    pub(crate) fn add_run(&self, switches: u64, ticks: u64) {
+        single_writer_add(&self.csw, switches);
+        single_writer_add(&self.cpu_ticks, ticks);
+    }
+
     /// Sets the status (cheap: no lock, no clock read beyond the tick counter).
     #[inline]
     pub(crate) fn set_status(&self, status: Status) {
@@ -748,4 +802,11 @@ impl FiberShared {
     pub fn is_cancelled(&self) -> bool {
         self.cancelled.load(Ordering::Relaxed)
     }
+}
+
+/// Adds to a counter that only one thread writes (others only read it): a relaxed load and
+/// store instead of a locked add, which costs as much as several ordinary instructions.
+#[inline]
+pub(crate) fn single_writer_add(a: &AtomicU64, n: u64) {
+    a.store(a.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
 }

@@ -218,7 +218,7 @@ pub(crate) fn set_running(s: &SchedShared, f: &FiberShared, now_ticks: u64) {
         Ordering::Relaxed,
     );
     sm.run_since.store(now_ticks, Ordering::Relaxed);
-    sm.resumes.fetch_add(1, Ordering::Relaxed);
+    crate::control::single_writer_add(&sm.resumes, 1);
     sm.running.store(f.id, Ordering::Release);
 }
 

@@ -26,7 +26,7 @@ use fibertrace_core::{Backtrace, CaptureOptions, Frame, Unwinder};
 
 use crate::control::{
     next_fiber_id, FiberId, FiberShared, NewFiber, PanicReport, ParentInit, ParentTrace, Status,
-    WaitOn, DEAD, NEW, RUNNING, SUSPENDED,
+    WaitOn, DEAD, NEW, OUTCOME_CANCELLED, OUTCOME_OK, OUTCOME_PANICKED, RUNNING, SUSPENDED,
 };
 use crate::registry::{self, SchedShared};
 use crate::stack;
@@ -241,7 +241,7 @@ impl Scheduler {
     {
         let h = Builder::new().name("main").spawn_on(&self.inner, f, 3);
         let _enter = Enter::new(&self.inner);
-        let done = h.shared.clone();
+        let done = h.fiber.shared.clone();
         if let Err(e) = self.inner.run_loop(|| done.is_dead()) {
             return Err(BlockOnError::Run(e));
         }
@@ -471,7 +471,6 @@ impl Inner {
         let shared = &ctx.shared;
         shared.begin_resume();
         shared.set_status(Status::Running);
-        shared.csw.fetch_add(1, Ordering::Relaxed);
         self.current.set(fid);
         let prev = CURRENT.with(|c| c.replace(ctx_ptr));
         let _stack = fibertrace_core::enter_stack(shared.stack);
@@ -481,9 +480,7 @@ impl Inner {
         // Fibers this one started at once ran inside the resume and moved `last_tick`: the
         // time since is this fiber's.
         let t1 = crate::clock::ticks();
-        shared
-            .cpu_ticks
-            .fetch_add(t1.wrapping_sub(self.last_tick.get()), Ordering::Relaxed);
+        shared.add_run(1, t1.wrapping_sub(self.last_tick.get()));
         self.last_tick.set(t1);
         CURRENT.with(|c| c.set(prev));
         match r {
@@ -531,29 +528,36 @@ impl Inner {
         {
             let mut ready = self.ready.borrow_mut();
             // A fiber just spawned is at the back.
-            let Some(pos) = ready.iter().rposition(|&x| x == target) else {
-                return false;
-            };
-            let mut slots = self.slots.borrow_mut();
-            if !slots.get(&target).is_some_and(|s| s.co.is_some()) {
-                return false;
-            }
-            ready.remove(pos);
-            if let Some(slot) = slots.get_mut(&me_id) {
-                slot.queued = true;
+            if ready.back() == Some(&target) {
+                ready.pop_back();
+            } else {
+                let Some(pos) = ready.iter().rposition(|&x| x == target) else {
+                    return false;
+                };
+                ready.remove(pos);
             }
         }
+        // A fiber in the ready queue is suspended: its coroutine is in its slot.
         let Some((co, ctx_ptr)) = self.take_co(target) else {
             return false;
         };
+        if let Some(slot) = self.slots.borrow_mut().get_mut(&me_id) {
+            slot.queued = true;
+        }
         let shared = &me.shared;
         shared.record_suspension();
         shared.run.store(SUSPENDED, Ordering::Release);
-        let t = crate::clock::ticks();
-        shared
-            .cpu_ticks
-            .fetch_add(t.wrapping_sub(self.last_tick.get()), Ordering::Relaxed);
-        self.last_tick.set(t);
+        // SAFETY: the context is boxed in its slot until the fiber finishes, and it has not
+        // run yet (taken from the ready queue just above).
+        let target_created = unsafe { &*ctx_ptr }.shared.created;
+        if target_created != self.last_tick.get() {
+            // `me` ran since the spawn's clock read (or `target` is not a fresh spawn): end
+            // `me`'s share here. Otherwise the spawn already did, and the time since is the
+            // started fiber's.
+            let t = crate::clock::ticks();
+            shared.add_run(0, t.wrapping_sub(self.last_tick.get()));
+            self.last_tick.set(t);
+        }
         let run_since = self.shared.sampler.run_since.load(Ordering::Relaxed);
         crate::sample::set_idle(&self.shared);
         self.run_co(target, co, ctx_ptr);
@@ -564,7 +568,7 @@ impl Inner {
         self.current.set(me_id);
         shared.begin_resume();
         shared.set_status(Status::Running);
-        shared.csw.fetch_add(1, Ordering::Relaxed);
+        shared.add_run(1, 0);
         crate::sample::set_running_again(&self.shared, shared, run_since);
         true
     }
@@ -865,11 +869,18 @@ impl std::error::Error for JoinError {}
 
 type ResultSlot<T> = Rc<RefCell<Option<Result<T, JoinError>>>>;
 
+/// Whether a fiber's result needs a slot: a zero-sized value without a destructor (`()`, as
+/// most fibers return) carries nothing but its outcome, which the control block records —
+/// one allocation less per spawn.
+const fn needs_slot<T>() -> bool {
+    std::mem::size_of::<T>() != 0 || std::mem::needs_drop::<T>()
+}
+
 /// The handle returned by spawn: join the fiber for its result.
 pub struct JoinHandle<T> {
     fiber: Fiber,
-    shared: Arc<FiberShared>,
-    result: ResultSlot<T>,
+    /// `None` when the result needs no slot (see `needs_slot`).
+    result: Option<ResultSlot<T>>,
 }
 
 impl<T> JoinHandle<T> {
@@ -880,7 +891,7 @@ impl<T> JoinHandle<T> {
 
     /// The fiber's id.
     pub fn id(&self) -> FiberId {
-        self.shared.id
+        self.fiber.shared.id
     }
 
     /// Waits (from inside a fiber) for the fiber to finish and returns its result.
@@ -890,11 +901,12 @@ impl<T> JoinHandle<T> {
     #[inline(never)]
     pub fn join(self) -> Result<T, JoinError> {
         let me = current_id();
+        let shared = &self.fiber.shared;
         assert!(me != 0, "join outside a fiber");
-        assert!(me != self.shared.id, "a fiber cannot join itself");
-        while !self.shared.is_dead() {
+        assert!(me != shared.id, "a fiber cannot join itself");
+        while !shared.is_dead() {
             let registered = with_sched(|s| {
-                if let Some(slot) = s.slots.borrow_mut().get_mut(&self.shared.id) {
+                if let Some(slot) = s.slots.borrow_mut().get_mut(&shared.id) {
                     if !slot.joiners.contains(&me) {
                         slot.joiners.push(me);
                     }
@@ -907,18 +919,40 @@ impl<T> JoinHandle<T> {
             if !registered {
                 break;
             }
-            block(WaitOn::Join(self.shared.id), None);
+            block(WaitOn::Join(shared.id), None);
         }
         self.take_result().unwrap_or(Err(JoinError::Cancelled))
     }
 
+    /// The result, once (`join` and `block_on` consume the handle).
     fn take_result(&self) -> Option<Result<T, JoinError>> {
-        self.result.borrow_mut().take()
+        if let Some(slot) = &self.result {
+            return slot.borrow_mut().take();
+        }
+        let shared = &self.fiber.shared;
+        match shared.outcome.load(Ordering::Acquire) {
+            // SAFETY: T is zero-sized with no destructor (`needs_slot`): the fiber's body
+            // forgot the value it returned, and this read makes the one value handed back
+            // (a zero-sized read from an aligned non-null pointer is valid).
+            OUTCOME_OK => Some(Ok(unsafe {
+                std::ptr::NonNull::<T>::dangling().as_ptr().read()
+            })),
+            OUTCOME_CANCELLED => Some(Err(JoinError::Cancelled)),
+            OUTCOME_PANICKED => {
+                let report = shared
+                    .panic
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                Some(Err(report.map_or(JoinError::Cancelled, JoinError::Panicked)))
+            }
+            _ => None,
+        }
     }
 
     /// Whether the fiber has finished.
     pub fn is_finished(&self) -> bool {
-        self.shared.is_dead()
+        self.fiber.shared.is_dead()
     }
 }
 
@@ -964,11 +998,13 @@ impl SchedBuilder<'_> {
 
 impl Builder {
     /// A builder with default settings.
+    #[inline]
     pub fn new() -> Builder {
         Builder::default()
     }
 
     /// Names the fiber.
+    #[inline]
     pub fn name(mut self, name: &str) -> Self {
         self.name = Some(Arc::from(name));
         self
@@ -976,12 +1012,14 @@ impl Builder {
 
     /// Names the fiber with a shared name (no copy: a host that spawns many fibers under
     /// one name hands out the same string).
+    #[inline]
     pub fn shared_name(mut self, name: Arc<str>) -> Self {
         self.name = Some(name);
         self
     }
 
     /// Sets its stack size.
+    #[inline]
     pub fn stack_size(mut self, size: usize) -> Self {
         self.stack_size = Some(size);
         self
@@ -989,6 +1027,7 @@ impl Builder {
 
     /// Uses this parent trace instead of capturing the creator's native stack (a Lua host
     /// passes a trace with the creator's Lua frames interleaved); `None` keeps none.
+    #[inline]
     pub fn parent_trace(mut self, t: Option<ParentTrace>) -> Self {
         self.parent_trace = Some(t.map(Box::new));
         self
@@ -1067,8 +1106,18 @@ impl Builder {
         };
         let id = next_fiber_id();
         let name = self.name.unwrap_or_else(|| Arc::from(format!("fiber{id}")));
-        let shared = FiberShared::new_shared(NewFiber {
+        let now = crate::clock::ticks();
+        if creator.is_some() && std::ptr::eq(SCHED.with(|s| s.get()), inner) {
+            // The creator's share of the CPU ends at this clock read, so that starting the
+            // new fiber at once needs none (see `run_nested`).
+            if let Some(c) = creator {
+                c.add_run(0, now.wrapping_sub(inner.last_tick.get()));
+            }
+            inner.last_tick.set(now);
+        }
+        let mut n = NewFiber {
             id,
+            now,
             sched: inner.shared.id,
             name,
             parent: creator.map(|c| c.id),
@@ -1078,28 +1127,31 @@ impl Builder {
             entry_fn: call_user::<F, T> as *const () as u64,
             entry_name: std::any::type_name::<F>(),
             traced,
-        });
-        let result: ResultSlot<T> = Rc::new(RefCell::new(None));
-        let slot_result = result.clone();
-        let body_shared = shared.clone();
-        let body = move |y: &Yielder<(), Yield>, ()| {
-            fiber_body(y, &body_shared, f, &slot_result);
         };
-        let co = Co::with_stack(stack, body);
-        let fresh = FiberCtx {
-            shared: shared.clone(),
-            yielder: Cell::new(std::ptr::null()),
-            unwinding: Cell::new(false),
-            dropping: Cell::new(false),
-        };
+        // A finished fiber's context box, with its control block when nothing else holds it.
         let recycled = inner.ctxs.borrow_mut().pop();
         let ctx = match recycled {
             Some(mut c) => {
-                *c = fresh;
+                FiberShared::renew(&mut c.shared, &mut n);
+                c.yielder.set(std::ptr::null());
+                c.unwinding.set(false);
+                c.dropping.set(false);
                 c
             }
-            None => Box::new(fresh),
+            None => Box::new(FiberCtx {
+                shared: FiberShared::new_shared(&mut n),
+                yielder: Cell::new(std::ptr::null()),
+                unwinding: Cell::new(false),
+                dropping: Cell::new(false),
+            }),
         };
+        let shared = ctx.shared.clone();
+        let result: Option<ResultSlot<T>> = needs_slot::<T>().then(|| Rc::new(RefCell::new(None)));
+        let slot_result = result.clone();
+        let body = move |y: &Yielder<(), Yield>, ()| {
+            fiber_body(y, f, slot_result.as_ref());
+        };
+        let co = Co::with_stack(stack, body);
         inner.slots.borrow_mut().insert(
             id,
             Slot {
@@ -1113,10 +1165,7 @@ impl Builder {
         inner.ready.borrow_mut().push_back(id);
         inner.shared.add(shared.clone());
         JoinHandle {
-            fiber: Fiber {
-                shared: shared.clone(),
-            },
-            shared,
+            fiber: Fiber { shared },
             result,
         }
     }
@@ -1153,15 +1202,30 @@ fn capture_parent_trace(
 }
 
 /// The body of every fiber, on its own stack.
-fn fiber_body<F, T>(y: &Yielder<(), Yield>, shared: &Arc<FiberShared>, f: F, result: &ResultSlot<T>)
+fn fiber_body<F, T>(y: &Yielder<(), Yield>, f: F, result: Option<&ResultSlot<T>>)
 where
     F: FnOnce() -> T,
 {
-    if let Some(ctx) = current_ctx() {
-        ctx.yielder.set(y as *const _);
-    }
+    // This fiber's own context (the scheduler made it current for the resume); its box
+    // stays in the fiber's slot until the coroutine has returned.
+    let ctx = current_ctx().expect("a fiber body runs in its fiber");
+    let shared = &ctx.shared;
+    ctx.yielder.set(y as *const _);
+    let finish = |out: Result<T, JoinError>| {
+        let code = match &out {
+            Ok(_) => OUTCOME_OK,
+            Err(JoinError::Cancelled) => OUTCOME_CANCELLED,
+            Err(JoinError::Panicked(_)) => OUTCOME_PANICKED,
+        };
+        match result {
+            Some(slot) => *slot.borrow_mut() = Some(out),
+            // No slot: a zero-sized value without a destructor, handed back by the join.
+            None => std::mem::forget(out),
+        }
+        shared.outcome.store(code, Ordering::Release);
+    };
     if shared.cancelled.load(Ordering::Relaxed) {
-        *result.borrow_mut() = Some(Err(JoinError::Cancelled));
+        finish(Err(JoinError::Cancelled));
         return;
     }
     // The indirect call keeps `call_user` a real frame; the frame pointer of the function
@@ -1172,7 +1236,7 @@ where
         shared.set_entry_fp(here.fp);
         call(f)
     }));
-    if r.is_err() && current_ctx().is_some_and(|c| c.dropping.get()) {
+    if r.is_err() && ctx.dropping.get() {
         // The scheduler is dropping this fiber: let corosensei's unwinding go on.
         if let Err(payload) = r {
             std::panic::resume_unwind(payload);
@@ -1192,7 +1256,7 @@ where
             Err(JoinError::Panicked(Box::new(report)))
         }
     };
-    *result.borrow_mut() = Some(out);
+    finish(out);
 }
 
 /// Calls the user's function: the outermost frame of every fiber's trace.

@@ -391,3 +391,110 @@ fn a_cancelled_waiter_does_not_swallow_the_next_wakeup() {
         .unwrap();
     assert_eq!(got, (Some(7), true));
 }
+
+#[inline(never)]
+fn explode_unit(n: u32) {
+    panic!("unit boom {n}");
+}
+
+/// A zero-sized result with a destructor: kept in a result slot, dropped exactly once.
+struct Token;
+
+thread_local! {
+    static TOKEN_DROPS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+impl Drop for Token {
+    fn drop(&mut self) {
+        TOKEN_DROPS.with(|d| d.set(d.get() + 1));
+    }
+}
+
+#[test]
+fn unit_results_returned_panicked_and_cancelled_reach_the_join() {
+    Scheduler::with_options(fibertrace_fiber::SchedulerOptions {
+        report_panics: false,
+        ..Default::default()
+    })
+    .block_on(|| {
+        assert!(matches!(spawn(|| ()).join(), Ok(())));
+        match spawn(|| explode_unit(7)).join() {
+            Err(JoinError::Panicked(r)) => assert_eq!(r.message, "unit boom 7"),
+            other => panic!("{other:?}"),
+        }
+        let h = spawn(|| sleep(Duration::from_secs(3600)));
+        yield_now();
+        h.fiber().cancel();
+        assert!(matches!(h.join(), Err(JoinError::Cancelled)));
+        // Zero-sized with a destructor: one value handed back, one dropped with its handle.
+        let joined = spawn(|| Token).join().unwrap();
+        assert_eq!(TOKEN_DROPS.with(|d| d.get()), 0);
+        drop(joined);
+        let dropped = spawn(|| Token);
+        yield_now();
+        assert!(dropped.is_finished());
+        drop(dropped);
+        assert_eq!(TOKEN_DROPS.with(|d| d.get()), 2);
+    })
+    .unwrap();
+}
+
+#[test]
+fn a_finished_fibers_handle_keeps_its_identity_while_others_come_and_go() {
+    Scheduler::new()
+        .block_on(|| {
+            let h = fibertrace_fiber::Builder::new().name("first").spawn(|| ());
+            let first = h.fiber().clone();
+            h.join().unwrap();
+            // Finished fibers' control blocks are reused by later spawns only when nothing
+            // else holds them.
+            let mut ids = Vec::new();
+            for i in 0..20 {
+                let h = fibertrace_fiber::Builder::new()
+                    .name(&format!("later{i}"))
+                    .spawn(|| ());
+                ids.push(h.id());
+                fibertrace_fiber::yield_to(h.fiber());
+            }
+            assert!(!ids.contains(&first.id()));
+            assert_eq!(first.name(), "first");
+            assert_eq!(first.status(), Status::Dead);
+            assert!(first.backtrace(fibertrace_core::Unwinder::Fast).is_none());
+        })
+        .unwrap();
+}
+
+#[inline(never)]
+fn spin_for(d: Duration) {
+    let t = Instant::now();
+    while t.elapsed() < d {
+        std::hint::spin_loop();
+    }
+}
+
+#[test]
+fn a_fiber_started_at_once_is_charged_its_own_cpu_time_not_its_creators() {
+    Scheduler::new()
+        .block_on(|| {
+            let me = fibertrace_fiber::current().unwrap();
+            let before = me.shared().cpu_time();
+            let h = spawn(|| spin_for(Duration::from_millis(30)));
+            let child = h.fiber().clone();
+            fibertrace_fiber::yield_to(h.fiber());
+            assert!(h.is_finished());
+            let mine = me.shared().cpu_time() - before;
+            assert!(child.shared().cpu_time() >= Duration::from_millis(30));
+            assert!(mine < Duration::from_millis(10), "creator charged {mine:?}");
+            // The creator's own work before the start is its own.
+            let before = me.shared().cpu_time();
+            spin_for(Duration::from_millis(20));
+            let h = spawn(|| ());
+            fibertrace_fiber::yield_to(h.fiber());
+            let mine = me.shared().cpu_time() - before;
+            assert!(
+                mine >= Duration::from_millis(20),
+                "creator charged {mine:?}"
+            );
+        })
+        .unwrap();
+}

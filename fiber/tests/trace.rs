@@ -588,7 +588,11 @@ fn info_lists_are_shared_while_parked_and_follow_the_fiber() {
 /// Starts a child that starts its own child, `depth` levels down, each with `yield_to`; the
 /// innermost checks its own trace and its ancestors' while they wait for it, then sleeps.
 #[inline(never)]
-fn start_nested(depth: u32, ancestors: Vec<fibertrace_fiber::Fiber>, log: Rc<RefCell<Vec<String>>>) {
+fn start_nested(
+    depth: u32,
+    ancestors: Vec<fibertrace_fiber::Fiber>,
+    log: Rc<RefCell<Vec<String>>>,
+) {
     let me = fibertrace_fiber::current().unwrap();
     if depth == 0 {
         nested_leaf(&me, &ancestors, &log);
@@ -608,7 +612,11 @@ fn start_nested(depth: u32, ancestors: Vec<fibertrace_fiber::Fiber>, log: Rc<Ref
 }
 
 #[inline(never)]
-fn nested_leaf(me: &fibertrace_fiber::Fiber, ancestors: &[fibertrace_fiber::Fiber], log: &Rc<RefCell<Vec<String>>>) {
+fn nested_leaf(
+    me: &fibertrace_fiber::Fiber,
+    ancestors: &[fibertrace_fiber::Fiber],
+    log: &Rc<RefCell<Vec<String>>>,
+) {
     // Its own stack, however deep the nesting of stacks it runs inside.
     for u in [Unwinder::Fast, Unwinder::Precise] {
         let n = names(me.backtrace(u).unwrap().frames());
@@ -624,7 +632,12 @@ fn nested_leaf(me: &fibertrace_fiber::Fiber, ancestors: &[fibertrace_fiber::Fibe
         assert_eq!(a.status(), Status::Ready, "{}", a.name());
         for u in [Unwinder::Fast, Unwinder::Precise] {
             let n = names(a.backtrace(u).unwrap().frames());
-            assert_eq!(&n[..2], ["yield_to", "start_nested"], "{}: {u:?}: {n:?}", a.name());
+            assert_eq!(
+                &n[..2],
+                ["yield_to", "start_nested"],
+                "{}: {u:?}: {n:?}",
+                a.name()
+            );
         }
         // Waking a fiber that waits for the one it started changes nothing.
         a.wakeup();

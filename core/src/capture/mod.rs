@@ -169,7 +169,15 @@ pub fn enter_stack(stack: StackBounds) -> EnteredStack {
         let d = s.depth.get();
         let slot = d % MAX_ENTERED;
         s.depth.set(d + 1);
-        (slot, s.entered[slot].replace(stack))
+        // Below the ring's size the entry is free: nothing to read back (a read of the
+        // entry just written by the last guard's restore stalls on store forwarding).
+        let replaced = if d >= MAX_ENTERED {
+            s.entered[slot].get()
+        } else {
+            StackBounds::new(0, 0)
+        };
+        s.entered[slot].set(stack);
+        (slot, replaced)
     });
     EnteredStack {
         slot,
@@ -188,8 +196,11 @@ pub struct EnteredStack {
 impl Drop for EnteredStack {
     fn drop(&mut self) {
         STACKS.with(|s| {
-            s.entered[self.slot].set(self.replaced);
-            s.depth.set(s.depth.get().saturating_sub(1));
+            let d = s.depth.get().saturating_sub(1);
+            if d >= MAX_ENTERED {
+                s.entered[self.slot].set(self.replaced);
+            }
+            s.depth.set(d);
         });
     }
 }
