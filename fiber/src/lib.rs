@@ -37,7 +37,8 @@ pub use control::{FiberId, PanicReport, ParentTrace, Status, WaitOn};
 pub use info::{FiberInfo, InfoOptions};
 pub use sched::{
     current, current_id, is_cancelled, sleep, spawn, suspend, testcancel, yield_now, yield_to,
-    BlockOnError, Builder, Fiber, JoinError, JoinHandle, RunError, Scheduler, SchedulerOptions,
+    yield_to_id, BlockOnError, Builder, Fiber, JoinError, JoinHandle, RunError, Scheduler,
+    SchedulerOptions,
 };
 pub use sync::{channel, Channel, ChannelError, Cond};
 

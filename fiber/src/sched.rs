@@ -677,30 +677,54 @@ pub fn yield_now() {
     }
 }
 
+/// The body of [`yield_to`] and [`yield_to_id`], expanded into each (a macro, not an inlined
+/// function: debug info would show that as a frame of its own), so that whichever was called
+/// is the first frame of the waiting fiber's trace.
+macro_rules! yield_to_body {
+    ($fid:expr) => {{
+        let fid: FiberId = $fid;
+        let Some(ctx) = current_ctx() else {
+            return;
+        };
+        ctx.shared.set_status(Status::Ready);
+        // No closure around the nested run: it would be one more frame of this fiber's
+        // trace while it waits (in unoptimised builds).
+        let p = SCHED.with(|s| s.get());
+        if !p.is_null() {
+            // SAFETY: see with_sched.
+            let s = unsafe { &*p };
+            if fid != 0 && s.run_nested(ctx, fid) {
+                std::hint::black_box(());
+                check_cancel(ctx);
+                return;
+            }
+        }
+        suspend_current(Yield::Ready);
+    }};
+}
+
 /// Runs `f` (if it is ready) now and the current fiber right after it: Tarantool's order for
 /// a fiber it starts at once (`fiber.create`). `f` runs inside the current fiber's switch
 /// (two switches, not four through the scheduler) until it suspends or finishes. When `f` is
 /// not ready, this is [`yield_now`].
 #[inline(never)]
 pub fn yield_to(f: &Fiber) {
-    let Some(ctx) = current_ctx() else {
-        return;
-    };
-    ctx.shared.set_status(Status::Ready);
-    // No closure around the nested run: it would be one more frame of this fiber's trace
-    // while it waits (in unoptimised builds).
     let p = SCHED.with(|s| s.get());
-    if !p.is_null() {
-        // SAFETY: see with_sched.
-        let s = unsafe { &*p };
-        if s.shared.id == f.shared.sched && s.run_nested(ctx, f.shared.id) {
-            std::hint::black_box(());
-            check_cancel(ctx);
-            return;
-        }
-    }
-    suspend_current(Yield::Ready);
-    // Not a tail call: `yield_to` stays in the suspended fiber's trace.
+    // SAFETY: see with_sched.
+    let ours = !p.is_null() && unsafe { &*p }.shared.id == f.shared.sched;
+    // A fiber of another scheduler: just yield.
+    yield_to_body!(if ours { f.shared.id } else { 0 });
+    // Not a tail call: `yield_to` stays in the waiting fiber's trace.
+    std::hint::black_box(());
+}
+
+/// [`yield_to`] by id, for a fiber of the current thread's scheduler (no handle needed: a host
+/// that keeps fibers by id saves a reference-count round trip per start). An id that is not
+/// a ready fiber there (0, say) makes this [`yield_now`].
+#[inline(never)]
+pub fn yield_to_id(fid: FiberId) {
+    yield_to_body!(fid);
+    // Not a tail call: `yield_to_id` stays in the waiting fiber's trace.
     std::hint::black_box(());
 }
 
@@ -845,6 +869,35 @@ impl Fiber {
     pub fn shared(&self) -> &Arc<FiberShared> {
         &self.shared
     }
+
+    /// Waits (from inside a fiber of the same scheduler) until the fiber has finished.
+    ///
+    /// # Panics
+    /// When called outside a fiber, or by the fiber on itself.
+    #[inline(never)]
+    pub fn wait(&self) {
+        let me = current_id();
+        let shared = &self.shared;
+        assert!(me != 0, "join outside a fiber");
+        assert!(me != shared.id, "a fiber cannot join itself");
+        while !shared.is_dead() {
+            let registered = with_sched(|s| {
+                if let Some(slot) = s.slots.borrow_mut().get_mut(&shared.id) {
+                    if !slot.joiners.contains(&me) {
+                        slot.joiners.push(me);
+                    }
+                    true
+                } else {
+                    false
+                }
+            })
+            .unwrap_or(false);
+            if !registered {
+                break;
+            }
+            block(WaitOn::Join(shared.id), None);
+        }
+    }
 }
 
 /// Why a join got no value.
@@ -900,28 +953,14 @@ impl<T> JoinHandle<T> {
     /// When called outside a fiber on the same scheduler, or by the fiber on itself.
     #[inline(never)]
     pub fn join(self) -> Result<T, JoinError> {
-        let me = current_id();
-        let shared = &self.fiber.shared;
-        assert!(me != 0, "join outside a fiber");
-        assert!(me != shared.id, "a fiber cannot join itself");
-        while !shared.is_dead() {
-            let registered = with_sched(|s| {
-                if let Some(slot) = s.slots.borrow_mut().get_mut(&shared.id) {
-                    if !slot.joiners.contains(&me) {
-                        slot.joiners.push(me);
-                    }
-                    true
-                } else {
-                    false
-                }
-            })
-            .unwrap_or(false);
-            if !registered {
-                break;
-            }
-            block(WaitOn::Join(shared.id), None);
-        }
+        self.fiber.wait();
         self.take_result().unwrap_or(Err(JoinError::Cancelled))
+    }
+
+    /// Gives up the result and keeps the fiber (for a host that tracks fibers by handle and
+    /// learns their outcome its own way; wait for the end with [`Fiber::wait`]).
+    pub fn into_fiber(self) -> Fiber {
+        self.fiber
     }
 
     /// The result, once (`join` and `block_on` consume the handle).

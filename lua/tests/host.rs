@@ -14,6 +14,7 @@ const KEEP: &[&str] = &[
     "sleep",
     "yield_now",
     "yield_to",
+    "yield_to_id",
     "f_sleep",
     "f_yield",
     "f_info",
@@ -608,4 +609,52 @@ R = tostring(type(t[f:id()]) == 'table') .. ' ' .. inside .. ' ' .. tostring(bac
         host.lua().globals().get::<String>("R").unwrap(),
         "true 0 true"
     );
+}
+
+#[test]
+fn a_creator_waits_in_fiber_create_while_its_child_runs_and_goes_on_right_after() {
+    let host = run(r#"local fiber = require('fiber')
+local main_id = fiber.id()
+ORDER = {}
+local function child()
+  RESULT = fiber.info()[main_id].backtrace
+  STATUS = fiber.info()[main_id].status
+  API_STATUS = fiber.find(main_id):status()
+  table.insert(ORDER, 'child')
+  fiber.yield()
+  table.insert(ORDER, 'child again')
+end
+local function starter()
+  fiber.create(child)
+  table.insert(ORDER, 'creator')
+end
+starter()
+fiber.yield()
+table.insert(ORDER, 'creator again')
+"#);
+    // The creator is suspended inside fiber.create, in its Lua caller, while the child runs.
+    assert_eq!(
+        result(&host, "RESULT"),
+        v(&[
+            "C yield_to_id",
+            "C f_create",
+            "L create in =[C]:-1",
+            "L starter in @t.lua:13",
+            "L main chunk in @t.lua:16",
+            "C call_in_thread",
+            "C run_main_fiber",
+        ])
+    );
+    let g = host.lua().globals();
+    // Ready to go on (info's own status), "suspended" in Tarantool's terms.
+    assert_eq!(g.get::<String>("STATUS").unwrap(), "ready");
+    assert_eq!(g.get::<String>("API_STATUS").unwrap(), "suspended");
+    // The child runs first; when it yields, the creator goes on at once.
+    let order: Vec<String> = g
+        .get::<Table>("ORDER")
+        .unwrap()
+        .sequence_values::<String>()
+        .map(|s| s.unwrap())
+        .collect();
+    assert_eq!(order, ["child", "creator", "child again", "creator again"]);
 }

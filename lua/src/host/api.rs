@@ -473,7 +473,7 @@ fn take_thread(h: &mut HostState) -> (*mut ffi::lua_State, c_int) {
 ///
 /// # Safety
 /// `l` is the calling state of a C function.
-unsafe fn spawn_lua(l: *mut ffi::lua_State, what: &str) -> Result<fibertrace_fiber::Fiber, String> {
+unsafe fn spawn_lua(l: *mut ffi::lua_State, what: &str) -> Result<FiberId, String> {
     // SAFETY: per the contract.
     if unsafe { type_of(l, 1) } != ffi::LUA_TFUNCTION {
         return Err(format!("fiber.{what}(function, ...): bad arguments"));
@@ -508,11 +508,13 @@ unsafe fn spawn_lua(l: *mut ffi::lua_State, what: &str) -> Result<fibertrace_fib
     } else {
         None
     };
-    let handle = Builder::new()
+    // The outcome is the record's `done` (see `lua_fiber_main`): the handle's result slot is
+    // not needed, and its fiber moves into the record.
+    let fiber = Builder::new()
         .shared_name(name)
         .parent_trace(parent)
-        .spawn(move || lua_fiber_main(t, nargs));
-    let fiber = handle.fiber().clone();
+        .spawn(move || lua_fiber_main(t, nargs))
+        .into_fiber();
     let fid = fiber.id();
     // The record and its object's slot in one visit to the host state.
     let (objs, mt, slot) = with_host(|h| {
@@ -523,8 +525,8 @@ unsafe fn spawn_lua(l: *mut ffi::lua_State, what: &str) -> Result<fibertrace_fib
         h.recs.insert(
             fid,
             Rec {
-                fiber: fiber.clone(),
-                handle: Some(handle),
+                fiber,
+                joining: false,
                 thread: t,
                 thread_ref: tref,
                 joinable: false,
@@ -549,15 +551,14 @@ unsafe fn spawn_lua(l: *mut ffi::lua_State, what: &str) -> Result<fibertrace_fib
         ffi::lua_rawseti(l, -2, slot as ffi::lua_Integer);
         ffi::lua_settop(l, -2);
     }
-    Ok(fiber)
+    Ok(fid)
 }
 
 unsafe fn create_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
-    let f = unsafe { spawn_lua(l, "create") }?;
+    let fid = unsafe { spawn_lua(l, "create") }?;
     // Start it now: it runs, and this fiber continues as soon as it yields.
-    fibertrace_fiber::yield_to(&f);
-    drop(f);
+    fibertrace_fiber::yield_to_id(fid);
     cancelled_check()?;
     Ok(1)
 }
@@ -608,7 +609,7 @@ pub(crate) fn run_main_fiber(
             fid,
             Rec {
                 fiber: me,
-                handle: None,
+                joining: false,
                 thread: t,
                 thread_ref: tref,
                 joinable: false,
@@ -869,18 +870,22 @@ unsafe fn join_body(l: *mut ffi::lua_State) -> LResult {
     if fid == fibertrace_fiber::current_id() {
         return Err("the fiber cannot join itself".into());
     }
-    let (joinable, handle) = with_host(|h| match h.recs.get_mut(&fid) {
-        Some(r) => (r.joinable, r.handle.take()),
+    let (joinable, fiber) = with_host(|h| match h.recs.get_mut(&fid) {
+        Some(r) if r.joinable && !r.joining => {
+            r.joining = true;
+            (true, Some(r.fiber.clone()))
+        }
+        Some(r) => (r.joinable, None),
         None => (false, None),
     })
     .ok_or_else(no_host)?;
     if !joinable {
         return Err("the fiber is not joinable".into());
     }
-    let Some(handle) = handle else {
+    let Some(fiber) = fiber else {
         return Err("the fiber is already being joined".into());
     };
-    let res = handle.join();
+    fiber.wait();
     cancelled_check()?;
     let rec = with_host(|h| remove_rec(h, fid)).flatten();
     let Some(rec) = rec else {
@@ -890,8 +895,9 @@ unsafe fn join_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: the joined fiber is dead; its thread holds [handler, results...] or
     // [handler, error]; they move to `l`.
     let n = unsafe {
-        match (res, rec.done) {
-            (Ok(()), Some(ok)) => {
+        // No outcome: it was cancelled before its function could finish.
+        match rec.done {
+            Some(ok) => {
                 let n = ffi::lua_gettop(t) - MSGH_SLOT;
                 ffi::lua_checkstack(l, n + 2);
                 ffi::lua_pushboolean(l, ok as c_int);

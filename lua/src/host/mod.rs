@@ -45,7 +45,8 @@ pub mod raw;
 /// One Lua fiber known to the host.
 pub(crate) struct Rec {
     pub fiber: fibertrace_fiber::Fiber,
-    pub handle: Option<fibertrace_fiber::JoinHandle<()>>,
+    /// Set while a `fiber.join` waits for it (one joiner at a time).
+    pub joining: bool,
     /// The fiber's own Lua thread (the root of its Lua activity).
     pub thread: *mut ffi::lua_State,
     pub thread_ref: c_int,
