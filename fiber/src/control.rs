@@ -422,7 +422,7 @@ impl FiberShared {
         let mut a = Arc::<FiberShared>::new_uninit();
         let slot = Arc::get_mut(&mut a).expect("a new Arc is unique");
         let (given, captured) = Self::split_parent(n);
-        let f = slot.write(FiberShared::new(&n, given));
+        let f = slot.write(FiberShared::new(n, given));
         f.fill_parent_frames(captured);
         // SAFETY: fully written just above.
         unsafe { a.assume_init() }
@@ -446,7 +446,7 @@ impl FiberShared {
             &mut *m.cast::<std::mem::MaybeUninit<FiberShared>>()
         };
         // Written in place, as in `new_shared` (a plain pointer write built a copy first).
-        slot.write(FiberShared::new(&n, given))
+        slot.write(FiberShared::new(n, given))
             .fill_parent_frames(captured);
     }
 
