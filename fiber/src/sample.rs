@@ -222,22 +222,6 @@ pub(crate) fn set_running(s: &SchedShared, f: &FiberShared, now_ticks: u64) {
     sm.running.store(f.id, Ordering::Release);
 }
 
-/// Publishes `f` as running again after a fiber it started at once suspended or finished:
-/// its run goes on (`run_since` kept, not counted as a resume; the started fiber's own run
-/// was one).
-#[inline]
-pub(crate) fn set_running_again(s: &SchedShared, f: &FiberShared, run_since: u64) {
-    let sm = &s.sampler;
-    sm.lo.store(f.stack.lo, Ordering::Relaxed);
-    sm.hi.store(f.stack.hi, Ordering::Relaxed);
-    sm.fiber.store(
-        f as *const FiberShared as *mut FiberShared,
-        Ordering::Relaxed,
-    );
-    sm.run_since.store(run_since, Ordering::Relaxed);
-    sm.running.store(f.id, Ordering::Release);
-}
-
 /// Publishes that no fiber runs (scheduler thread, after the switch back).
 #[inline]
 pub(crate) fn set_idle(s: &SchedShared) {

@@ -1,8 +1,11 @@
 //! The scheduler (a "cord"): one per OS thread, running its fibers cooperatively.
 //!
-//! Every suspension goes through [`suspend_current`], an `#[inline(never)]` wrapper that
-//! records the fiber's registers (when tracing is on) and publishes `SUSPENDED` before
-//! switching away, so that any thread can walk the fiber's stack from its saved context. The
+//! Every suspension goes through one of two `#[inline(never)]` points: [`suspend_current`]
+//! (back to the scheduler) and `Inner::run_nested` (running a ready fiber inside the caller's
+//! switch, as `fiber.create` does). Each records the fiber's registers (when tracing is on)
+//! and publishes `SUSPENDED` before switching away, so that any thread can walk the fiber's
+//! stack from its saved context; the switch count goes up before the fiber runs again, so a
+//! walk cached at one count is never reused for a later suspension. The
 //! fiber's entry frame pointer is recorded when it starts; walks end there, so the
 //! scheduler's and corosensei's frames never appear in a fiber's trace.
 //!
@@ -96,9 +99,9 @@ pub(crate) struct Inner {
     pub shared: Arc<SchedShared>,
     opts: RefCell<SchedulerOptions>,
     slots: RefCell<HashMap<FiberId, Slot, IdHash>>,
-    /// Clock ticks at the end of the last switch back to the scheduler (or of the last idle
-    /// wait): one counter read per switch serves both the fiber's CPU time and the next
-    /// fiber's start time.
+    /// Clock ticks at the last accounting point: the end of a fiber's run (or of an idle
+    /// wait) or the start of a nested one. One counter read per switch serves both the
+    /// finished share's CPU time and the next run's start time.
     last_tick: Cell<u64>,
     ready: RefCell<VecDeque<FiberId>>,
     timers: RefCell<BinaryHeap<std::cmp::Reverse<(Instant, u64, FiberId)>>>,
@@ -471,6 +474,9 @@ impl Inner {
         let shared = &ctx.shared;
         shared.begin_resume();
         shared.set_status(Status::Running);
+        // Counted before it runs: the count differs from the one of its last suspension
+        // (trace caches are keyed by it) as soon as it can suspend again.
+        shared.add_run(1, 0);
         self.current.set(fid);
         let prev = CURRENT.with(|c| c.replace(ctx_ptr));
         let _stack = fibertrace_core::enter_stack(shared.stack);
@@ -480,7 +486,7 @@ impl Inner {
         // Fibers this one started at once ran inside the resume and moved `last_tick`: the
         // time since is this fiber's.
         let t1 = crate::clock::ticks();
-        shared.add_run(1, t1.wrapping_sub(self.last_tick.get()));
+        shared.add_run(0, t1.wrapping_sub(self.last_tick.get()));
         self.last_tick.set(t1);
         CURRENT.with(|c| c.set(prev));
         match r {
@@ -525,40 +531,33 @@ impl Inner {
     #[inline(never)]
     fn run_nested(&self, me: &FiberCtx, target: FiberId) -> bool {
         let me_id = me.shared.id;
-        {
-            let mut ready = self.ready.borrow_mut();
-            // A fiber just spawned is at the back.
-            if ready.back() == Some(&target) {
-                ready.pop_back();
-            } else {
-                let Some(pos) = ready.iter().rposition(|&x| x == target) else {
-                    return false;
-                };
-                ready.remove(pos);
+        // A fiber just spawned is at the back.
+        let pos = {
+            let ready = self.ready.borrow();
+            match ready.back() {
+                Some(&b) if b == target => Some(ready.len() - 1),
+                _ => ready.iter().rposition(|&x| x == target),
             }
-        }
-        // A fiber in the ready queue is suspended: its coroutine is in its slot.
+        };
+        let Some(pos) = pos else {
+            return false;
+        };
+        // A fiber in the ready queue is suspended: its coroutine is in its slot (if not, it
+        // is left where it is).
         let Some((co, ctx_ptr)) = self.take_co(target) else {
             return false;
         };
+        self.ready.borrow_mut().remove(pos);
         if let Some(slot) = self.slots.borrow_mut().get_mut(&me_id) {
             slot.queued = true;
         }
         let shared = &me.shared;
         shared.record_suspension();
         shared.run.store(SUSPENDED, Ordering::Release);
-        // SAFETY: the context is boxed in its slot until the fiber finishes, and it has not
-        // run yet (taken from the ready queue just above).
-        let target_created = unsafe { &*ctx_ptr }.shared.created;
-        if target_created != self.last_tick.get() {
-            // `me` ran since the spawn's clock read (or `target` is not a fresh spawn): end
-            // `me`'s share here. Otherwise the spawn already did, and the time since is the
-            // started fiber's.
-            let t = crate::clock::ticks();
-            shared.add_run(0, t.wrapping_sub(self.last_tick.get()));
-            self.last_tick.set(t);
-        }
-        let run_since = self.shared.sampler.run_since.load(Ordering::Relaxed);
+        // `me`'s share of the CPU ends here.
+        let t = crate::clock::ticks();
+        shared.add_run(0, t.wrapping_sub(self.last_tick.get()));
+        self.last_tick.set(t);
         crate::sample::set_idle(&self.shared);
         self.run_co(target, co, ctx_ptr);
         // Back in `me`: its run goes on.
@@ -569,7 +568,8 @@ impl Inner {
         shared.begin_resume();
         shared.set_status(Status::Running);
         shared.add_run(1, 0);
-        crate::sample::set_running_again(&self.shared, shared, run_since);
+        // A new run for the sampler and the stall watchdog, from the end of the nested one.
+        crate::sample::set_running(&self.shared, shared, self.last_tick.get());
         true
     }
 }
@@ -630,9 +630,9 @@ pub(crate) fn current_shared() -> Option<Arc<FiberShared>> {
 /// Marker payload of the unwinding that cancels a fiber.
 pub(crate) struct Cancelled;
 
-/// Switches away from the running fiber. The only suspension point: records the registers
-/// (when tracing), publishes SUSPENDED, and switches. After the resume, raises the
-/// cancellation if the fiber was cancelled meanwhile.
+/// Switches away from the running fiber back to the scheduler (the other suspension point is
+/// `Inner::run_nested`): records the registers (when tracing), publishes SUSPENDED, and
+/// switches. After the resume, raises the cancellation if the fiber was cancelled meanwhile.
 #[inline(never)]
 pub(crate) fn suspend_current(why: Yield) {
     let ctx = current_ctx().expect("suspend outside a fiber");
@@ -1146,14 +1146,6 @@ impl Builder {
         let id = next_fiber_id();
         let name = self.name.unwrap_or_else(|| Arc::from(format!("fiber{id}")));
         let now = crate::clock::ticks();
-        if creator.is_some() && std::ptr::eq(SCHED.with(|s| s.get()), inner) {
-            // The creator's share of the CPU ends at this clock read, so that starting the
-            // new fiber at once needs none (see `run_nested`).
-            if let Some(c) = creator {
-                c.add_run(0, now.wrapping_sub(inner.last_tick.get()));
-            }
-            inner.last_tick.set(now);
-        }
         let mut n = NewFiber {
             id,
             now,
@@ -1258,8 +1250,13 @@ where
         };
         match result {
             Some(slot) => *slot.borrow_mut() = Some(out),
-            // No slot: a zero-sized value without a destructor, handed back by the join.
-            None => std::mem::forget(out),
+            // No slot: a zero-sized value without a destructor, handed back by the join
+            // (an error is dropped: the join reads the outcome and the stored report).
+            None => {
+                if let Ok(v) = out {
+                    std::mem::forget(v);
+                }
+            }
         }
         shared.outcome.store(code, Ordering::Release);
     };

@@ -670,3 +670,48 @@ fn yield_to_runs_the_fiber_inside_the_caller_twelve_levels_deep() {
     want.push("leaf woke".into());
     assert_eq!(*log, want);
 }
+
+#[inline(never)]
+fn park_briefly() {
+    fibertrace_fiber::sleep(Duration::from_millis(1));
+    black_box(());
+}
+
+#[inline(never)]
+fn start_reader(seen: Rc<RefCell<Vec<Vec<String>>>>, main: u64) {
+    let h = spawn(move || {
+        let fi = fiber_info(main, &InfoOptions::default()).unwrap();
+        seen.borrow_mut()
+            .push(info_names(fi.backtrace.as_ref().unwrap()));
+    });
+    fibertrace_fiber::yield_to(h.fiber());
+    black_box(());
+}
+
+#[test]
+fn info_read_at_one_suspension_is_not_reused_at_the_next() {
+    let seen = Rc::new(RefCell::new(Vec::new()));
+    let s2 = seen.clone();
+    Scheduler::new()
+        .block_on(move || {
+            let main = fibertrace_fiber::current_id();
+            let s3 = s2.clone();
+            spawn(move || {
+                yield_now();
+                // The main fiber sleeps in park_briefly: read (and cached) here.
+                let fi = fiber_info(main, &InfoOptions::default()).unwrap();
+                s3.borrow_mut()
+                    .push(info_names(fi.backtrace.as_ref().unwrap()));
+            });
+            yield_now();
+            park_briefly();
+            // Now it waits in yield_to, called from start_reader: a new trace.
+            start_reader(s2, main);
+        })
+        .unwrap();
+    let seen = seen.borrow();
+    assert_eq!(seen.len(), 2);
+    let at = |n: &[String], f: &str| n.iter().position(|x| x == f);
+    assert!(at(&seen[0], "park_briefly").is_some(), "{:?}", seen[0]);
+    assert_eq!(seen[1][..2], ["yield_to", "start_reader"], "{:?}", seen[1]);
+}

@@ -658,3 +658,51 @@ table.insert(ORDER, 'creator again')
         .collect();
     assert_eq!(order, ["child", "creator", "child again", "creator again"]);
 }
+
+#[test]
+fn a_trace_read_before_a_fiber_moved_on_is_not_reused_for_its_next_suspension() {
+    let host = run(r#"local fiber = require('fiber')
+local main_id = fiber.id()
+local function park()
+  fiber.sleep(0.001)
+end
+local function child()
+  SECOND = fiber.info()[main_id].backtrace
+end
+local function starter()
+  fiber.create(child)
+end
+fiber.create(function()
+  fiber.yield()
+  FIRST = fiber.info()[main_id].backtrace
+end)
+park()
+starter()
+"#);
+    // Read while the main fiber slept in park() (and cached), then read again while it
+    // waits inside fiber.create: a new suspension, a new trace.
+    assert_eq!(
+        result(&host, "FIRST"),
+        v(&[
+            "C sleep",
+            "C f_sleep",
+            "L sleep in =[C]:-1",
+            "L park in @t.lua:4",
+            "L main chunk in @t.lua:16",
+            "C call_in_thread",
+            "C run_main_fiber",
+        ])
+    );
+    assert_eq!(
+        result(&host, "SECOND"),
+        v(&[
+            "C yield_to_id",
+            "C f_create",
+            "L create in =[C]:-1",
+            "L starter in @t.lua:10",
+            "L main chunk in @t.lua:17",
+            "C call_in_thread",
+            "C run_main_fiber",
+        ])
+    );
+}

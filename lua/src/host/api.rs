@@ -885,8 +885,21 @@ unsafe fn join_body(l: *mut ffi::lua_State) -> LResult {
     let Some(fiber) = fiber else {
         return Err("the fiber is already being joined".into());
     };
+    // A joiner cancelled while it waits (an error or an unwinding) lets the next one join.
+    struct Joining(FiberId);
+    impl Drop for Joining {
+        fn drop(&mut self) {
+            with_host(|h| {
+                if let Some(r) = h.recs.get_mut(&self.0) {
+                    r.joining = false;
+                }
+            });
+        }
+    }
+    let joining = Joining(fid);
     fiber.wait();
     cancelled_check()?;
+    drop(joining);
     let rec = with_host(|h| remove_rec(h, fid)).flatten();
     let Some(rec) = rec else {
         return Err("the fiber is dead".into());
