@@ -459,7 +459,6 @@ impl Inner {
             return;
         };
         self.run_co(fid, co, ctx_ptr);
-        crate::sample::set_idle(&self.shared);
         self.current.set(0);
     }
 
@@ -531,14 +530,8 @@ impl Inner {
     #[inline(never)]
     fn run_nested(&self, me: &FiberCtx, target: FiberId) -> bool {
         let me_id = me.shared.id;
-        // A fiber just spawned is at the back.
-        let pos = {
-            let ready = self.ready.borrow();
-            match ready.back() {
-                Some(&b) if b == target => Some(ready.len() - 1),
-                _ => ready.iter().rposition(|&x| x == target),
-            }
-        };
+        // Searched from the back, where a fiber just spawned is.
+        let pos = self.ready.borrow().iter().rposition(|&x| x == target);
         let Some(pos) = pos else {
             return false;
         };
