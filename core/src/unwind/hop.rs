@@ -112,6 +112,13 @@ impl Hops {
         h
     }
 
+    /// Whether `ra` lies outside every hop (one subtraction and one compare: the span is
+    /// empty when no hop is registered).
+    #[inline(always)]
+    pub(crate) fn misses(&self, ra: u64) -> bool {
+        ra.wrapping_sub(self.lo) >= self.hi.wrapping_sub(self.lo)
+    }
+
     /// Where the caller's frame record is, given the record at `fp` whose return address is
     /// `ra`, and the saved frame pointer `next` read from it: `next` unless `ra` lies in a
     /// hop.
