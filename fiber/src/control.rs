@@ -327,8 +327,11 @@ pub struct FiberShared {
     pub(crate) parent: Option<FiberId>,
     pub(crate) parent_trace: Option<ParentTrace>,
     /// Clock ticks at creation (see [`crate::clock`]; reading the system clocks twice per
-    /// spawn cost more than the rest of the bookkeeping).
-    pub(crate) created: u64,
+    /// spawn cost more than the rest of the bookkeeping). With `created_at_start`, the
+    /// scheduler's last accounting point until the fiber first runs, then its start.
+    pub(crate) created: AtomicU64,
+    /// The creation time is taken when it first runs (see [`crate::Builder::created_at_start`]).
+    pub(crate) created_at_start: bool,
     pub(crate) run: AtomicU8,
     /// Written by the fiber before publishing SUSPENDED; read only under INSPECTING.
     ctx: UnsafeCell<SavedContext>,
@@ -346,7 +349,7 @@ pub struct FiberShared {
     /// no lock.
     wait_on: AtomicU64,
     /// Clock ticks when the current status began.
-    since: AtomicU64,
+    pub(crate) since: AtomicU64,
     pub(crate) csw: AtomicU64,
     pub(crate) cpu_ticks: AtomicU64,
     pub(crate) cancelled: AtomicBool,
@@ -402,15 +405,25 @@ pub(crate) struct NewFiber<'a> {
     pub id: FiberId,
     /// Clock ticks at its creation.
     pub now: u64,
+    /// `now` is provisional: the creation time is taken at the first run.
+    pub created_at_start: bool,
     pub sched: u64,
     pub name: Arc<str>,
-    pub parent: Option<FiberId>,
+    /// The creating fiber's id, 0 for none (a plain word: an `Option` of two words, just
+    /// written, was read back as one 16-byte load, which stalls on store forwarding).
+    pub parent: FiberId,
     pub parent_trace: ParentInit<'a>,
     pub stack: StackBounds,
     pub stack_size: usize,
     pub entry_fn: u64,
     pub entry_name: &'static str,
     pub traced: bool,
+}
+
+impl NewFiber<'_> {
+    fn parent(&self) -> Option<FiberId> {
+        (self.parent != 0).then_some(self.parent)
+    }
 }
 
 impl FiberShared {
@@ -437,21 +450,80 @@ impl FiberShared {
             return;
         };
         let (given, captured) = Self::split_parent(n);
-        let m: *mut FiberShared = m;
-        // SAFETY: `m` is the only reference to the block (Arc::get_mut above). The old
-        // contents are dropped, then new ones written at once: building them (`new`: field
-        // initialisers and an Arc clone) cannot panic, so the block is never read dropped.
-        let slot = unsafe {
-            std::ptr::drop_in_place(m);
-            &mut *m.cast::<std::mem::MaybeUninit<FiberShared>>()
-        };
-        // Written in place, as in `new_shared` (a plain pointer write built a copy first).
-        slot.write(FiberShared::new(n, given))
-            .fill_parent_frames(captured);
+        // Field by field, only what a new fiber changes: building a whole new block and
+        // moving it in copied its ~700 bytes (the inline parent-trace buffer included). The
+        // pattern names every field, so a field added later must be handled here too.
+        let FiberShared {
+            id,
+            sched,
+            name,
+            parent,
+            parent_trace,
+            created,
+            created_at_start,
+            run,
+            ctx,
+            entry_fp,
+            stack,
+            stack_size,
+            min_sp,
+            last_sp,
+            status,
+            wait_on,
+            since,
+            csw,
+            cpu_ticks,
+            cancelled,
+            entry_fn,
+            entry_name,
+            panic,
+            outcome,
+            trace_cache,
+            walked_csw,
+            traced,
+        } = m;
+        *id = n.id;
+        *sched = n.sched;
+        *name.get_mut().unwrap_or_else(|e| e.into_inner()) = n.name.clone();
+        *parent = n.parent();
+        // Only a given or captured trace is moved in; "none" is a store of the tag (moving
+        // a whole empty Option of this size was a 330-byte copy).
+        match given {
+            None => *parent_trace = None,
+            t => *parent_trace = t,
+        }
+        *created.get_mut() = n.now;
+        *created_at_start = n.created_at_start;
+        *run.get_mut() = NEW;
+        *ctx.get_mut() = SavedContext::new(n.stack);
+        *entry_fp.get_mut() = 0;
+        *stack = n.stack;
+        *stack_size = n.stack_size;
+        *min_sp.get_mut() = n.stack.hi;
+        *last_sp.get_mut() = n.stack.hi;
+        *status.get_mut() = Status::Ready.to_u8();
+        *wait_on.get_mut() = 0;
+        *since.get_mut() = n.now;
+        *csw.get_mut() = 0;
+        *cpu_ticks.get_mut() = 0;
+        *cancelled.get_mut() = false;
+        *entry_fn = n.entry_fn;
+        *entry_name = n.entry_name;
+        *panic.get_mut().unwrap_or_else(|e| e.into_inner()) = None;
+        *outcome.get_mut() = OUTCOME_NONE;
+        *trace_cache.get_mut().unwrap_or_else(|e| e.into_inner()) = None;
+        *walked_csw.get_mut() = u64::MAX;
+        *traced = n.traced;
+        m.fill_parent_frames(captured);
     }
 
     /// The parent trace to build, and the creator's return addresses to copy into it.
     fn split_parent<'a>(n: &mut NewFiber<'a>) -> (Option<ParentTrace>, Option<&'a [u64]>) {
+        // The usual case looks at the tag only: moving the whole value out, just written
+        // field by field, stalled on store forwarding.
+        if matches!(n.parent_trace, ParentInit::None) {
+            return (None, None);
+        }
         match std::mem::replace(&mut n.parent_trace, ParentInit::None) {
             ParentInit::None => (None, None),
             ParentInit::Given(t) => (Some(*t), None),
@@ -493,9 +565,10 @@ impl FiberShared {
             id: n.id,
             sched: n.sched,
             name: Mutex::new(n.name.clone()),
-            parent: n.parent,
+            parent: n.parent(),
             parent_trace,
-            created: now,
+            created: AtomicU64::new(now),
+            created_at_start: n.created_at_start,
             run: AtomicU8::new(NEW),
             ctx: UnsafeCell::new(SavedContext::new(n.stack)),
             entry_fp: AtomicU64::new(0),

@@ -128,6 +128,11 @@ pub fn fiber_info(id: FiberId, opts: &InfoOptions) -> Option<FiberInfo> {
     Some(one(&f, opts, None, &Now::new()))
 }
 
+/// Info about the fiber whose control block is `f` (no registry lookup).
+pub(crate) fn info_of(f: &Arc<FiberShared>, opts: &InfoOptions) -> Option<FiberInfo> {
+    Some(one(f, opts, None, &Now::new()))
+}
+
 /// The clocks read once per call (not once per fiber).
 struct Now {
     ticks: u64,
@@ -225,7 +230,7 @@ fn one(
         on,
         seconds: in_status,
     });
-    let age = now.since(f.created);
+    let age = now.since(f.created.load(Ordering::Relaxed));
     FiberInfo {
         id: f.id,
         name: f.name_arc(),
@@ -343,7 +348,7 @@ fn backtrace_of(
             if !sample_running {
                 return None;
             }
-            let (s, _) = registry::find(f.id)?;
+            let s = registry::scheduler(f.sched)?;
             let smp = crate::sample::sample(&s, Duration::from_millis(200))?;
             return (smp.fiber == f.id).then_some(smp.backtrace);
         }

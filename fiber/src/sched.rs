@@ -23,7 +23,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use corosensei::stack::DefaultStack;
 use corosensei::{Coroutine, CoroutineResult, Yielder};
 use fibertrace_core::{Backtrace, CaptureOptions, Frame, Unwinder};
 
@@ -31,7 +30,7 @@ use crate::control::{
     next_fiber_id, FiberId, FiberShared, NewFiber, PanicReport, ParentInit, ParentTrace, Status,
     WaitOn, DEAD, NEW, OUTCOME_CANCELLED, OUTCOME_OK, OUTCOME_PANICKED, RUNNING, SUSPENDED,
 };
-use crate::registry::{self, SchedShared};
+use crate::registry::{self, SchedShared, SlabIndex, SlabOwner};
 use crate::stack;
 
 /// Fiber ids are sequential: a multiplicative hash spreads them well and costs a few cycles
@@ -47,7 +46,7 @@ pub(crate) enum Yield {
     Blocked,
 }
 
-type Co = Coroutine<(), Yield, (), DefaultStack>;
+type Co = Coroutine<(), Yield, (), stack::FiberStack>;
 
 /// Per-fiber data owned by the scheduler (not shared with other threads).
 pub(crate) struct FiberCtx {
@@ -60,12 +59,17 @@ pub(crate) struct FiberCtx {
     pub dropping: Cell<bool>,
 }
 
+/// A fiber's slot. Boxed: its address (and its context's, which `CURRENT` and a running
+/// fiber's resume hold) stays put while the slot map grows, and the map moves a pointer, not
+/// the slot, when a fiber is added or removed. Finished fibers' boxes are reused.
 struct Slot {
-    ctx: Box<FiberCtx>,
+    ctx: FiberCtx,
     co: Option<Co>,
     queued: bool,
     timer_seq: u64,
     joiners: Vec<FiberId>,
+    /// Where its control block is in the registry.
+    reg: SlabIndex,
 }
 
 /// Options of a scheduler.
@@ -98,7 +102,9 @@ impl Default for SchedulerOptions {
 pub(crate) struct Inner {
     pub shared: Arc<SchedShared>,
     opts: RefCell<SchedulerOptions>,
-    slots: RefCell<HashMap<FiberId, Slot, IdHash>>,
+    slots: RefCell<HashMap<FiberId, Box<Slot>, IdHash>>,
+    /// The writing side of this scheduler's registry slab (`shared.fibers`).
+    reg: RefCell<SlabOwner>,
     /// Clock ticks at the last accounting point: the end of a fiber's run (or of an idle
     /// wait) or the start of a nested one. One counter read per switch serves both the
     /// finished share's CPU time and the next run's start time.
@@ -108,16 +114,15 @@ pub(crate) struct Inner {
     next_seq: Cell<u64>,
     current: Cell<FiberId>,
     pool: RefCell<stack::Pool>,
-    /// Boxes of finished fibers' contexts, reused by the next spawns (a fiber's context is
-    /// boxed so that its address holds while the slot map grows; one allocation and free
+    /// Boxes of finished fibers' slots, reused by the next spawns (one allocation and free
     /// less per fiber). A box keeps its last fiber's control block alive until reused.
-    // The boxes themselves are what is reused: they move between slots and this pool.
+    // The boxes themselves are what is reused: they move between the slot map and this pool.
     #[allow(clippy::vec_box)]
-    ctxs: RefCell<Vec<Box<FiberCtx>>>,
+    free_slots: RefCell<Vec<Box<Slot>>>,
 }
 
-/// Most context boxes kept for reuse.
-const CTX_POOL_MAX: usize = 64;
+/// Most slot boxes kept for reuse.
+const SLOT_POOL_MAX: usize = 64;
 
 thread_local! {
     /// Schedulers created on this thread, to wake their fibers from outside `run`.
@@ -178,13 +183,14 @@ impl Scheduler {
                 shared,
                 opts: RefCell::new(opts),
                 slots: RefCell::new(HashMap::default()),
+                reg: RefCell::new(SlabOwner::default()),
                 last_tick: Cell::new(crate::clock::ticks()),
                 ready: RefCell::new(VecDeque::new()),
                 timers: RefCell::new(BinaryHeap::new()),
                 next_seq: Cell::new(1),
                 current: Cell::new(0),
                 pool: RefCell::new(stack::Pool::new()),
-                ctxs: RefCell::new(Vec::new()),
+                free_slots: RefCell::new(Vec::new()),
             }),
         };
         ON_THREAD.with(|t| {
@@ -279,11 +285,11 @@ impl Drop for Scheduler {
         // Fibers still suspended are dropped: corosensei unwinds their stacks (running their
         // destructors). Mark each dead first, so no inspector walks a stack being freed.
         let _enter = Enter::new(&self.inner);
-        let slots: Vec<(FiberId, Slot)> = self.inner.slots.borrow_mut().drain().collect();
+        let slots: Vec<(FiberId, Box<Slot>)> = self.inner.slots.borrow_mut().drain().collect();
         for (_, mut slot) in slots {
             slot.ctx.shared.cancelled.store(true, Ordering::Relaxed);
             if let Some(mut co) = slot.co.take() {
-                CURRENT.with(|c| c.set(&*slot.ctx));
+                CURRENT.with(|c| c.set(&slot.ctx));
                 slot.ctx.unwinding.set(true);
                 slot.ctx.dropping.set(true);
                 if co.started() && !co.done() {
@@ -296,7 +302,11 @@ impl Drop for Scheduler {
                 slot.ctx.shared.mark_dead();
             }
             slot.ctx.shared.set_status(Status::Dead);
-            self.inner.shared.remove(slot.ctx.shared.id);
+            self.inner.shared.fibers.remove(
+                &mut self.inner.reg.borrow_mut(),
+                slot.reg,
+                slot.ctx.shared.id,
+            );
         }
         registry::unregister(&self.inner.shared);
     }
@@ -450,7 +460,7 @@ impl Inner {
         let slot = slots.get_mut(&fid)?;
         let co = slot.co.take()?;
         slot.queued = false;
-        Some((co, &*slot.ctx as *const FiberCtx))
+        Some((co, &slot.ctx as *const FiberCtx))
     }
 
     /// Resumes fiber `fid` from the scheduler loop.
@@ -473,6 +483,13 @@ impl Inner {
         let shared = &ctx.shared;
         shared.begin_resume();
         shared.set_status(Status::Running);
+        if shared.created_at_start && shared.csw.load(Ordering::Relaxed) == 0 {
+            // Its first run starts at the last accounting point (a nested start reads the
+            // clock just before): that is its creation time.
+            let t = self.last_tick.get();
+            shared.created.store(t, Ordering::Relaxed);
+            shared.since.store(t, Ordering::Relaxed);
+        }
         // Counted before it runs: the count differs from the one of its last suspension
         // (trace caches are keyed by it) as soon as it can suspend again.
         shared.add_run(1, 0);
@@ -503,17 +520,22 @@ impl Inner {
                 shared.mark_dead();
                 shared.set_status(Status::Dead);
                 let slot = self.slots.borrow_mut().remove(&fid);
-                self.shared.remove(fid);
+                if let Some(slot) = &slot {
+                    self.shared
+                        .fibers
+                        .remove(&mut self.reg.borrow_mut(), slot.reg, fid);
+                }
                 let stack = co.into_stack();
                 self.pool.borrow_mut().give(shared.stack_size, stack);
-                if let Some(slot) = slot {
+                if let Some(mut slot) = slot {
                     for &j in &slot.joiners {
                         self.make_ready(j);
                     }
                     // `ctx` and `shared` are not used past this point.
-                    let mut ctxs = self.ctxs.borrow_mut();
-                    if ctxs.len() < CTX_POOL_MAX {
-                        ctxs.push(slot.ctx);
+                    let mut free = self.free_slots.borrow_mut();
+                    if free.len() < SLOT_POOL_MAX {
+                        slot.joiners.clear();
+                        free.push(slot);
                     }
                 }
             }
@@ -996,6 +1018,7 @@ pub struct Builder {
     /// A trace given by hand (boxed: a builder is moved through several calls, and a
     /// trace is a few hundred bytes).
     parent_trace: Option<Option<Box<ParentTrace>>>,
+    created_at_start: bool,
 }
 
 /// A [`Builder`] bound to a scheduler (from [`Scheduler::builder`]).
@@ -1062,6 +1085,20 @@ impl Builder {
     #[inline]
     pub fn parent_trace(mut self, t: Option<ParentTrace>) -> Self {
         self.parent_trace = Some(t.map(Box::new));
+        self
+    }
+
+    /// Takes the fiber's creation time when it first runs, not when it is spawned: for a
+    /// fiber started at once ([`yield_to`] or [`yield_to_id`] right after the spawn, as
+    /// `fiber.create` does), where the clock reading that starts it also dates it — one
+    /// reading of the clock less per fiber (a `rdtsc` costs about 10 ns here, as much as a
+    /// tenth of a whole create and run). Until it runs, its creation time shows as the
+    /// scheduler's last accounting point (when the current run began, or the last one
+    /// ended), a moment before the spawn. Use it only for a fiber that is started right away:
+    /// otherwise its creation time is when it first ran.
+    #[inline]
+    pub fn created_at_start(mut self) -> Self {
+        self.created_at_start = true;
         self
     }
 
@@ -1138,13 +1175,18 @@ impl Builder {
         };
         let id = next_fiber_id();
         let name = self.name.unwrap_or_else(|| Arc::from(format!("fiber{id}")));
-        let now = crate::clock::ticks();
+        let now = if self.created_at_start {
+            inner.last_tick.get()
+        } else {
+            crate::clock::ticks()
+        };
         let mut n = NewFiber {
             id,
             now,
+            created_at_start: self.created_at_start,
             sched: inner.shared.id,
             name,
-            parent: creator.map(|c| c.id),
+            parent: creator.map_or(0, |c| c.id),
             parent_trace,
             stack: bounds,
             stack_size: size,
@@ -1152,42 +1194,45 @@ impl Builder {
             entry_name: std::any::type_name::<F>(),
             traced,
         };
-        // A finished fiber's context box, with its control block when nothing else holds it.
-        let recycled = inner.ctxs.borrow_mut().pop();
-        let ctx = match recycled {
-            Some(mut c) => {
-                FiberShared::renew(&mut c.shared, &mut n);
-                c.yielder.set(std::ptr::null());
-                c.unwinding.set(false);
-                c.dropping.set(false);
-                c
+        // A finished fiber's slot box, with its control block when nothing else holds it.
+        let recycled = inner.free_slots.borrow_mut().pop();
+        let mut slot = match recycled {
+            Some(mut b) => {
+                FiberShared::renew(&mut b.ctx.shared, &mut n);
+                b.ctx.yielder.set(std::ptr::null());
+                b.ctx.unwinding.set(false);
+                b.ctx.dropping.set(false);
+                b.queued = true;
+                b.timer_seq = 0;
+                b
             }
-            None => Box::new(FiberCtx {
-                shared: FiberShared::new_shared(&mut n),
-                yielder: Cell::new(std::ptr::null()),
-                unwinding: Cell::new(false),
-                dropping: Cell::new(false),
+            None => Box::new(Slot {
+                ctx: FiberCtx {
+                    shared: FiberShared::new_shared(&mut n),
+                    yielder: Cell::new(std::ptr::null()),
+                    unwinding: Cell::new(false),
+                    dropping: Cell::new(false),
+                },
+                co: None,
+                queued: true,
+                timer_seq: 0,
+                joiners: Vec::new(),
+                reg: SlabIndex::Overflow,
             }),
         };
-        let shared = ctx.shared.clone();
+        let shared = slot.ctx.shared.clone();
         let result: Option<ResultSlot<T>> = needs_slot::<T>().then(|| Rc::new(RefCell::new(None)));
         let slot_result = result.clone();
         let body = move |y: &Yielder<(), Yield>, ()| {
             fiber_body(y, f, slot_result.as_ref());
         };
-        let co = Co::with_stack(stack, body);
-        inner.slots.borrow_mut().insert(
-            id,
-            Slot {
-                ctx,
-                co: Some(co),
-                queued: true,
-                timer_seq: 0,
-                joiners: Vec::new(),
-            },
-        );
+        slot.co = Some(Co::with_stack(stack, body));
+        slot.reg = inner
+            .shared
+            .fibers
+            .add(&mut inner.reg.borrow_mut(), shared.clone());
+        inner.slots.borrow_mut().insert(id, slot);
         inner.ready.borrow_mut().push_back(id);
-        inner.shared.add(shared.clone());
         JoinHandle {
             fiber: Fiber { shared },
             result,

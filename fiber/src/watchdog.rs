@@ -313,9 +313,7 @@ fn run() {
                 continue;
             }
             in_window += 1;
-            let name = registry::find(fid)
-                .map(|(_, f)| f.name())
-                .unwrap_or_default();
+            let name = s.fiber(fid).map(|f| f.name()).unwrap_or_default();
             let annot = *st.annotator.lock().unwrap_or_else(|e| e.into_inner());
             let note = annot.and_then(|a| a(&sample.backtrace));
             let report = StallReport {
@@ -334,8 +332,10 @@ fn run() {
         if let Some(limit) = cfg.blocked_longer_than {
             if last_blocked_scan.elapsed() >= tick.max(Duration::from_millis(10)) {
                 last_blocked_scan = Instant::now();
+                let mut live = std::collections::HashSet::new();
                 for s in &scheds {
                     for f in s.fibers() {
+                        live.insert(f.id);
                         let (status, on, since) = f.status();
                         if on.is_none() || !crate::info::is_blocked(status) || since < limit {
                             continue;
@@ -345,14 +345,12 @@ fn run() {
                         if blocked_seen.insert(key, ()).is_some() {
                             continue;
                         }
-                        if let Some(fi) =
-                            crate::info::fiber_info(f.id, &crate::InfoOptions::default())
-                        {
+                        if let Some(fi) = crate::info::info_of(&f, &crate::InfoOptions::default()) {
                             deliver(&Report::Blocked(Box::new(fi)));
                         }
                     }
                 }
-                blocked_seen.retain(|(id, _), _| registry::find(*id).is_some());
+                blocked_seen.retain(|(id, _), _| live.contains(id));
             }
         }
     }

@@ -511,3 +511,120 @@ fn a_fiber_started_at_once_is_charged_its_own_cpu_time_not_its_creators() {
         })
         .unwrap();
 }
+
+/// The creation time of fiber `id`, in seconds since the epoch.
+fn created(id: fibertrace_fiber::FiberId) -> f64 {
+    let opts = fibertrace_fiber::InfoOptions {
+        backtrace: false,
+        ..Default::default()
+    };
+    fibertrace_fiber::info::fiber_info(id, &opts)
+        .expect("a live fiber")
+        .created
+}
+
+#[test]
+fn a_fiber_created_at_start_is_dated_by_its_first_run() {
+    Scheduler::new()
+        .block_on(|| {
+            // The last accounting point (this fiber's start) is well before the spawns.
+            spin_for(Duration::from_millis(20));
+            let plain = spawn(yield_now);
+            let at_start = fibertrace_fiber::Builder::new()
+                .created_at_start()
+                .spawn(yield_now);
+            let (plain_id, late_id) = (plain.fiber().id(), at_start.fiber().id());
+            let spawned = created(plain_id);
+            // Until it runs, it shows the scheduler's last accounting point: before the
+            // spawn. (Creation times are within a few microseconds: each reading converts
+            // the tick count with the clocks read then.)
+            let provisional = created(late_id);
+            assert!(provisional < spawned - 0.010, "{provisional} vs {spawned}");
+            // Busy, not suspended: the two wait in the ready queue.
+            spin_for(Duration::from_millis(40));
+            yield_to_both(&plain, &at_start);
+            // It first ran after the creator's 40 ms: that is its creation time now; the
+            // other keeps its spawn time.
+            let late = created(late_id);
+            assert!(late - spawned >= 0.030, "{late} vs {spawned}");
+            assert!((created(plain_id) - spawned).abs() < 0.005);
+            plain.join().unwrap();
+            at_start.join().unwrap();
+        })
+        .unwrap();
+}
+
+fn yield_to_both(a: &fibertrace_fiber::JoinHandle<()>, b: &fibertrace_fiber::JoinHandle<()>) {
+    fibertrace_fiber::yield_to(a.fiber());
+    fibertrace_fiber::yield_to(b.fiber());
+}
+
+/// Another thread reads the registry over and over while the scheduler spawns and ends
+/// fibers: no reading misses or repeats a fiber that lives through it, and none shows a
+/// fiber twice.
+#[test]
+fn registry_readers_on_another_thread_see_every_live_fiber_once() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    let stop = Arc::new(AtomicBool::new(false));
+    let stayers: Arc<Mutex<Vec<fibertrace_fiber::FiberId>>> = Arc::default();
+    let (s2, st2) = (stop.clone(), stayers.clone());
+    let sched_thread = std::thread::spawn(move || {
+        Scheduler::new()
+            .block_on(move || {
+                let keep: Vec<_> = (0..10)
+                    .map(|_| spawn(|| sleep(Duration::from_secs(3600))))
+                    .collect();
+                st2.lock()
+                    .unwrap()
+                    .extend(keep.iter().map(|h| h.fiber().id()));
+                let mut rounds = 0u64;
+                while !s2.load(Ordering::Relaxed) || rounds < 20 {
+                    let batch: Vec<_> = (0..500).map(|i| spawn(move || i)).collect();
+                    for h in batch {
+                        h.join().unwrap();
+                    }
+                    rounds += 1;
+                }
+                for h in &keep {
+                    h.fiber().cancel();
+                }
+            })
+            .unwrap();
+    });
+    let scheds = || {
+        fibertrace_fiber::registry::schedulers()
+            .into_iter()
+            .filter(|s| s.fibers().len() > 1)
+            .collect::<Vec<_>>()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while stayers.lock().unwrap().len() < 10 {
+        assert!(Instant::now() < deadline, "the scheduler did not start");
+        std::thread::yield_now();
+    }
+    let want = stayers.lock().unwrap().clone();
+    let mut readings = 0;
+    let mut churn_seen = 0;
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(300) || readings < 50 {
+        for s in scheds() {
+            if !want.iter().all(|id| s.fiber(*id).is_some()) {
+                continue; // another test's scheduler
+            }
+            let fibers = s.fibers();
+            let ids: Vec<_> = fibers.iter().map(|f| f.id()).collect();
+            assert!(ids.windows(2).all(|w| w[0] < w[1]), "sorted, no repeats");
+            for id in &want {
+                assert_eq!(ids.iter().filter(|x| *x == id).count(), 1, "{id}");
+            }
+            churn_seen += ids.len() - want.len();
+            readings += 1;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    sched_thread.join().unwrap();
+    assert!(readings >= 50);
+    // The readings did overlap the churn.
+    assert!(churn_seen > 0, "no short-lived fiber was ever seen");
+}

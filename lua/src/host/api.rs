@@ -470,10 +470,15 @@ fn take_thread(h: &mut HostState) -> (*mut ffi::lua_State, c_int) {
 
 /// `fiber.create(fn, ...)` / `fiber.new(fn, ...)`: the function and its arguments are the
 /// whole stack of `l`; they move to the new fiber, and its object is left in their place.
+/// `starts_now`: the caller starts it right after (`fiber.create`), which dates it.
 ///
 /// # Safety
 /// `l` is the calling state of a C function.
-unsafe fn spawn_lua(l: *mut ffi::lua_State, what: &str) -> Result<FiberId, String> {
+unsafe fn spawn_lua(
+    l: *mut ffi::lua_State,
+    what: &str,
+    starts_now: bool,
+) -> Result<FiberId, String> {
     // SAFETY: per the contract.
     if unsafe { type_of(l, 1) } != ffi::LUA_TFUNCTION {
         return Err(format!("fiber.{what}(function, ...): bad arguments"));
@@ -510,11 +515,12 @@ unsafe fn spawn_lua(l: *mut ffi::lua_State, what: &str) -> Result<FiberId, Strin
     };
     // The outcome is the record's `done` (see `lua_fiber_main`): the handle's result slot is
     // not needed, and its fiber moves into the record.
-    let fiber = Builder::new()
-        .shared_name(name)
-        .parent_trace(parent)
-        .spawn(move || lua_fiber_main(t, nargs))
-        .into_fiber();
+    let mut b = Builder::new().shared_name(name).parent_trace(parent);
+    if starts_now {
+        // Started as soon as its record and object exist: the start dates it.
+        b = b.created_at_start();
+    }
+    let fiber = b.spawn(move || lua_fiber_main(t, nargs)).into_fiber();
     let fid = fiber.id();
     // The record and its object's slot in one visit to the host state.
     let (objs, mt, slot) = with_host(|h| {
@@ -556,7 +562,7 @@ unsafe fn spawn_lua(l: *mut ffi::lua_State, what: &str) -> Result<FiberId, Strin
 
 unsafe fn create_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
-    let fid = unsafe { spawn_lua(l, "create") }?;
+    let fid = unsafe { spawn_lua(l, "create", true) }?;
     // Start it now: it runs, and this fiber continues as soon as it yields.
     fibertrace_fiber::yield_to_id(fid);
     cancelled_check()?;
@@ -566,7 +572,7 @@ lua_fn!(f_create, create_body);
 
 unsafe fn new_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
-    unsafe { spawn_lua(l, "new") }?;
+    unsafe { spawn_lua(l, "new", false) }?;
     Ok(1)
 }
 lua_fn!(f_new, new_body);
