@@ -57,6 +57,10 @@ pub(crate) struct FiberCtx {
     pub unwinding: Cell<bool>,
     /// Set while its scheduler drops it (corosensei force-unwinds the stack).
     pub dropping: Cell<bool>,
+    /// In the ready queue, or counted as ready (a fiber waiting in a nested start): a
+    /// wake-up changes nothing. (Here, not in the slot map, so that a nested start sets it
+    /// on the caller's context without a map lookup.)
+    queued: Cell<bool>,
 }
 
 /// A fiber's slot. Boxed: its address (and its context's, which `CURRENT` and a running
@@ -65,7 +69,6 @@ pub(crate) struct FiberCtx {
 struct Slot {
     ctx: FiberCtx,
     co: Option<Co>,
-    queued: bool,
     timer_seq: u64,
     joiners: Vec<FiberId>,
     /// Where its control block is in the registry.
@@ -436,8 +439,8 @@ impl Inner {
             return;
         };
         slot.timer_seq = 0;
-        if !slot.queued && fid != self.current.get() {
-            slot.queued = true;
+        if !slot.ctx.queued.get() && fid != self.current.get() {
+            slot.ctx.queued.set(true);
             slot.ctx.shared.set_status(Status::Ready);
             self.ready.borrow_mut().push_back(fid);
         }
@@ -459,7 +462,7 @@ impl Inner {
         let mut slots = self.slots.borrow_mut();
         let slot = slots.get_mut(&fid)?;
         let co = slot.co.take()?;
-        slot.queued = false;
+        slot.ctx.queued.set(false);
         Some((co, &slot.ctx as *const FiberCtx))
     }
 
@@ -510,8 +513,8 @@ impl Inner {
                 let mut slots = self.slots.borrow_mut();
                 if let Some(slot) = slots.get_mut(&fid) {
                     slot.co = Some(co);
-                    if y == Yield::Ready && !slot.queued {
-                        slot.queued = true;
+                    if y == Yield::Ready && !slot.ctx.queued.get() {
+                        slot.ctx.queued.set(true);
                         self.ready.borrow_mut().push_back(fid);
                     }
                 }
@@ -563,9 +566,7 @@ impl Inner {
             return false;
         };
         self.ready.borrow_mut().remove(pos);
-        if let Some(slot) = self.slots.borrow_mut().get_mut(&me_id) {
-            slot.queued = true;
-        }
+        me.queued.set(true);
         let shared = &me.shared;
         shared.record_suspension();
         shared.run.store(SUSPENDED, Ordering::Release);
@@ -576,9 +577,7 @@ impl Inner {
         crate::sample::set_idle(&self.shared);
         self.run_co(target, co, ctx_ptr);
         // Back in `me`: its run goes on.
-        if let Some(slot) = self.slots.borrow_mut().get_mut(&me_id) {
-            slot.queued = false;
-        }
+        me.queued.set(false);
         self.current.set(me_id);
         shared.begin_resume();
         shared.set_status(Status::Running);
@@ -1202,7 +1201,7 @@ impl Builder {
                 b.ctx.yielder.set(std::ptr::null());
                 b.ctx.unwinding.set(false);
                 b.ctx.dropping.set(false);
-                b.queued = true;
+                b.ctx.queued.set(true);
                 b.timer_seq = 0;
                 b
             }
@@ -1212,9 +1211,9 @@ impl Builder {
                     yielder: Cell::new(std::ptr::null()),
                     unwinding: Cell::new(false),
                     dropping: Cell::new(false),
+                    queued: Cell::new(true),
                 },
                 co: None,
-                queued: true,
                 timer_seq: 0,
                 joiners: Vec::new(),
                 reg: SlabIndex::Overflow,
