@@ -485,6 +485,7 @@ impl FiberShared {
         *id = n.id;
         *sched = n.sched;
         *name.get_mut().unwrap_or_else(|e| e.into_inner()) = n.name.clone();
+        name.clear_poison();
         *parent = n.parent();
         // Only a given or captured trace is moved in; "none" is a store of the tag (moving
         // a whole empty Option of this size was a 330-byte copy).
@@ -510,8 +511,10 @@ impl FiberShared {
         *entry_fn = n.entry_fn;
         *entry_name = n.entry_name;
         *panic.get_mut().unwrap_or_else(|e| e.into_inner()) = None;
+        panic.clear_poison();
         *outcome.get_mut() = OUTCOME_NONE;
         *trace_cache.get_mut().unwrap_or_else(|e| e.into_inner()) = None;
+        trace_cache.clear_poison();
         *walked_csw.get_mut() = u64::MAX;
         *traced = n.traced;
         m.fill_parent_frames(captured);

@@ -33,8 +33,11 @@ static SCHEDULERS: Mutex<Vec<Weak<SchedShared>>> = Mutex::new(Vec::new());
 
 /// Slots per chunk.
 const CHUNK: usize = 1024;
-/// Chunks per slab: at most `CHUNK * MAX_CHUNKS` (4 Mi) fibers live at once per scheduler.
+/// Chunks per slab: at most `CHUNK * MAX_CHUNKS` (4 Mi) fibers live at once per scheduler
+/// (more go to a locked overflow list).
 const MAX_CHUNKS: usize = 4096;
+/// Most references kept for readers before an exit waits for them to finish.
+const RETIRED_MAX: usize = 4096;
 
 type Chunk = [AtomicPtr<FiberShared>; CHUNK];
 
@@ -148,8 +151,19 @@ impl FiberSlab {
             }
             drop(f);
         } else {
-            lock(&self.retired).push(f);
+            let mut retired = lock(&self.retired);
+            retired.push(f);
             self.has_retired.store(true, Ordering::Relaxed);
+            if retired.len() >= RETIRED_MAX {
+                // Readers that keep overlapping would let the list grow without end: wait
+                // for a moment with none (a scan only clones pointers, and never waits for
+                // this thread).
+                while self.readers.load(Ordering::SeqCst) != 0 {
+                    std::thread::yield_now();
+                }
+                retired.clear();
+                self.has_retired.store(false, Ordering::Relaxed);
+            }
         }
     }
 

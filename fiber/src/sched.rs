@@ -359,6 +359,8 @@ impl Drop for Enter {
 
 impl Inner {
     fn run_loop(&self, mut done: impl FnMut() -> bool) -> Result<(), RunError> {
+        // Time between runs is nobody's: the first fiber's share starts now.
+        self.last_tick.set(crate::clock::ticks());
         loop {
             self.fire_timers();
             let next = self.ready.borrow_mut().pop_front();
@@ -1094,7 +1096,8 @@ impl Builder {
     /// tenth of a whole create and run). Until it runs, its creation time shows as the
     /// scheduler's last accounting point (when the current run began, or the last one
     /// ended), a moment before the spawn. Use it only for a fiber that is started right away:
-    /// otherwise its creation time is when it first ran.
+    /// otherwise its creation time is when it first ran. Outside a running fiber of the
+    /// scheduler it is spawned on, it has no effect.
     #[inline]
     pub fn created_at_start(mut self) -> Self {
         self.created_at_start = true;
@@ -1174,7 +1177,12 @@ impl Builder {
         };
         let id = next_fiber_id();
         let name = self.name.unwrap_or_else(|| Arc::from(format!("fiber{id}")));
-        let now = if self.created_at_start {
+        // Deferred only when spawned by a running fiber of this scheduler, whose run began
+        // at the last accounting point.
+        let deferred = self.created_at_start
+            && creator.is_some()
+            && std::ptr::eq(SCHED.with(|s| s.get()), inner);
+        let now = if deferred {
             inner.last_tick.get()
         } else {
             crate::clock::ticks()
@@ -1182,7 +1190,7 @@ impl Builder {
         let mut n = NewFiber {
             id,
             now,
-            created_at_start: self.created_at_start,
+            created_at_start: deferred,
             sched: inner.shared.id,
             name,
             parent: creator.map_or(0, |c| c.id),

@@ -628,3 +628,25 @@ fn registry_readers_on_another_thread_see_every_live_fiber_once() {
     // The readings did overlap the churn.
     assert!(churn_seen > 0, "no short-lived fiber was ever seen");
 }
+
+/// Started by the scheduler (not nested), a fiber created at start is dated by that run too.
+#[test]
+fn a_fiber_created_at_start_and_run_by_the_scheduler_is_dated_by_that_run() {
+    Scheduler::new()
+        .block_on(|| {
+            let marker = spawn(yield_now);
+            let spawned = created(marker.fiber().id());
+            let h = fibertrace_fiber::Builder::new()
+                .created_at_start()
+                .spawn(yield_now);
+            let id = h.fiber().id();
+            spin_for(Duration::from_millis(40));
+            // Through the ready queue: the scheduler runs both, then this fiber again.
+            yield_now();
+            let late = created(id);
+            assert!(late - spawned >= 0.030, "{late} vs {spawned}");
+            marker.join().unwrap();
+            h.join().unwrap();
+        })
+        .unwrap();
+}
