@@ -520,6 +520,45 @@ LOG = table.concat(log, '|')
     );
 }
 
+/// A fiber cancelled before it ever ran leaves nothing behind: not findable, its record,
+/// thread and object released (memory does not grow over many of them); a joinable one is
+/// joined as cancelled.
+#[test]
+fn a_fiber_cancelled_before_it_starts_is_released() {
+    let host = run(r#"local fiber = require('fiber')
+local f = fiber.new(function() end)
+local id = f:id()
+f:cancel()
+fiber.yield()
+local log = {f:status(), tostring(fiber.find(id))}
+local g = fiber.new(function() return 1 end)
+g:set_joinable(true)
+g:cancel()
+fiber.yield()
+local ok, err = g:join()
+log[#log + 1] = tostring(ok) .. ' ' .. tostring(err)
+local function churn(n)
+  for _ = 1, n do
+    local x = fiber.new(function() end)
+    x:cancel()
+    fiber.yield()
+  end
+  collectgarbage('collect')
+  collectgarbage('collect')
+end
+churn(500)
+local before = collectgarbage('count')
+churn(5000)
+local grew = collectgarbage('count') - before
+log[#log + 1] = grew < 200 and 'no growth' or ('grew ' .. grew .. ' KiB')
+LOG = table.concat(log, '|')
+"#);
+    assert_eq!(
+        host.lua().globals().get::<String>("LOG").unwrap(),
+        "dead|nil|false fiber is cancelled|no growth"
+    );
+}
+
 /// A fiber's object is the same while the fiber lives, and once the fiber is dead and no
 /// script holds the object, it is collected (a weak table keyed by fiber objects loses the
 /// entry), also when no fiber is created afterwards to reuse its slot.

@@ -437,6 +437,48 @@ fn lua_fiber_main(t: *mut ffi::lua_State, nargs: c_int) {
     }
 }
 
+/// A Lua fiber's body as handed to the scheduler. Run, it calls the function on the fiber's
+/// thread ([`lua_fiber_main`]). Dropped unrun — the fiber was cancelled before it started —
+/// it settles the fiber's record as the end of its function would: the record, its object's
+/// slot and its thread are released, except that a joinable fiber's record stays, with no
+/// outcome, for its joiner (who is told the fiber was cancelled).
+struct LuaBody {
+    t: *mut ffi::lua_State,
+    nargs: c_int,
+}
+
+impl LuaBody {
+    fn run(self) {
+        let me = std::mem::ManuallyDrop::new(self);
+        lua_fiber_main(me.t, me.nargs);
+    }
+}
+
+impl Drop for LuaBody {
+    fn drop(&mut self) {
+        let t = self.t;
+        // Dropped inside the fiber (cancelled before it started) the fiber is current; while
+        // a scheduler is dropped it is not, and the record is found by its thread.
+        let fid = fibertrace_fiber::current_id();
+        with_host(|h| {
+            let fid = if h.recs.get(&fid).is_some_and(|r| r.thread == t) {
+                fid
+            } else {
+                match h.recs.iter().find(|(_, r)| r.thread == t) {
+                    Some((&id, _)) => id,
+                    None => return,
+                }
+            };
+            if h.recs.get(&fid).is_some_and(|r| r.joinable) {
+                return;
+            }
+            if let Some(rec) = remove_rec(h, fid) {
+                release_thread(h, rec.thread, rec.thread_ref);
+            }
+        });
+    }
+}
+
 /// Gives a finished fiber's Lua thread back to the pool (or drops its reference).
 fn release_thread(h: &mut HostState, t: *mut ffi::lua_State, r: c_int) {
     // SAFETY: `t` is a thread of this host that no fiber runs any more: all above the
@@ -520,7 +562,8 @@ unsafe fn spawn_lua(
         // Started as soon as its record and object exist: the start dates it.
         b = b.created_at_start();
     }
-    let fiber = b.spawn(move || lua_fiber_main(t, nargs)).into_fiber();
+    let body = LuaBody { t, nargs };
+    let fiber = b.spawn(move || body.run()).into_fiber();
     let fid = fiber.id();
     // The record and its object's slot in one visit to the host state.
     let (objs, mt, slot) = with_host(|h| {
