@@ -348,6 +348,60 @@ mod tests {
         v
     }
 
+    /// One writer adds and removes (reusing slots) while reader threads scan and clone: every
+    /// reading is sorted, has no repeats and holds the fibers that live throughout; every
+    /// reference is released at the end.
+    #[test]
+    fn readers_and_the_writer_race_without_losing_or_freeing_early() {
+        let slab = Arc::new(FiberSlab::with_chunks(2));
+        let stayers: Vec<_> = (1..=8).map(block).collect();
+        let mut owner = SlabOwner::default();
+        for b in &stayers {
+            slab.add(&mut owner, b.clone());
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let readers: Vec<_> = (0..3)
+            .map(|_| {
+                let (slab, stop) = (slab.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    let mut n = 0u64;
+                    while !stop.load(Ordering::Relaxed) || n < 100 {
+                        let mut got = Vec::new();
+                        slab.scan(|f| {
+                            got.push(f.clone());
+                            true
+                        });
+                        let mut ids: Vec<_> = got.iter().map(|f| f.id).collect();
+                        ids.sort_unstable();
+                        assert!(ids.windows(2).all(|w| w[0] < w[1]));
+                        assert!((1..=8).all(|i| ids.binary_search(&i).is_ok()));
+                        n += 1;
+                    }
+                })
+            })
+            .collect();
+        let mut next = 100;
+        let mut live: Vec<(SlabIndex, Arc<FiberShared>)> = Vec::new();
+        for round in 0..20_000 {
+            if live.len() < 64 && round % 3 != 2 {
+                let b = block(next);
+                next += 1;
+                live.push((slab.add(&mut owner, b.clone()), b));
+            } else if let Some((at, b)) = live.pop() {
+                slab.remove(&mut owner, at, b.id);
+            }
+        }
+        for (at, b) in live.drain(..) {
+            slab.remove(&mut owner, at, b.id);
+        }
+        stop.store(true, Ordering::Relaxed);
+        for r in readers {
+            r.join().unwrap();
+        }
+        drop(Arc::try_unwrap(slab).ok().expect("readers gone"));
+        assert!(stayers.iter().all(|b| Arc::strong_count(b) == 1));
+    }
+
     /// Past its capacity the slab keeps fibers in its overflow list: none is lost, and each
     /// is removed from where it was put; slots freed are reused; every reference is
     /// released (the blocks are unique again at the end).
