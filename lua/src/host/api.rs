@@ -225,7 +225,7 @@ unsafe fn check_ud<T>(l: *mut ffi::lua_State, idx: c_int, mt_ref: c_int) -> Opti
         if ffi::lua_type(l, idx) != ffi::LUA_TUSERDATA || ffi::lua_getmetatable(l, idx) == 0 {
             return None;
         }
-        ffi::lua_rawgeti(l, REG, mt_ref as ffi::lua_Integer);
+        super::raw::rawgeti(l, REG, mt_ref as ffi::lua_Integer);
         let same = ffi::lua_rawequal(l, -1, -2) != 0;
         ffi::lua_settop(l, -3);
         same.then(|| ffi::lua_touserdata(l, idx).cast::<T>())
@@ -289,14 +289,14 @@ unsafe fn push_object(l: *mut ffi::lua_State, fid: FiberId) -> Result<(), String
         ffi::lua_checkstack(l, 4);
         match known {
             Some(slot) if slot > 0 => {
-                ffi::lua_rawgeti(l, REG, objs as ffi::lua_Integer);
-                ffi::lua_rawgeti(l, -1, slot as ffi::lua_Integer);
+                super::raw::rawgeti(l, REG, objs as ffi::lua_Integer);
+                super::raw::rawgeti(l, -1, slot as ffi::lua_Integer);
                 ffi::lua_replace(l, -2);
                 return Ok(());
             }
             None => {
-                ffi::lua_rawgeti(l, REG, weak as ffi::lua_Integer);
-                ffi::lua_rawgeti(l, -1, fid as ffi::lua_Integer);
+                super::raw::rawgeti(l, REG, weak as ffi::lua_Integer);
+                super::raw::rawgeti(l, -1, fid as ffi::lua_Integer);
                 if ffi::lua_type(l, -1) == ffi::LUA_TUSERDATA {
                     ffi::lua_replace(l, -2);
                     return Ok(());
@@ -307,7 +307,7 @@ unsafe fn push_object(l: *mut ffi::lua_State, fid: FiberId) -> Result<(), String
         }
         let p = ffi::lua_newuserdata(l, std::mem::size_of::<FiberUd>()).cast::<FiberUd>();
         p.write(FiberUd { fid });
-        ffi::lua_rawgeti(l, REG, fmt as ffi::lua_Integer);
+        super::raw::rawgeti(l, REG, fmt as ffi::lua_Integer);
         ffi::lua_setmetatable(l, -2);
         if known.is_some() {
             let slot = with_host(|h| {
@@ -321,14 +321,14 @@ unsafe fn push_object(l: *mut ffi::lua_State, fid: FiberId) -> Result<(), String
                 s
             })
             .ok_or_else(no_host)?;
-            ffi::lua_rawgeti(l, REG, objs as ffi::lua_Integer);
+            super::raw::rawgeti(l, REG, objs as ffi::lua_Integer);
             ffi::lua_pushvalue(l, -2);
-            ffi::lua_rawseti(l, -2, slot as ffi::lua_Integer);
+            super::raw::rawseti(l, -2, slot as ffi::lua_Integer);
             ffi::lua_settop(l, -2);
         } else {
-            ffi::lua_rawgeti(l, REG, weak as ffi::lua_Integer);
+            super::raw::rawgeti(l, REG, weak as ffi::lua_Integer);
             ffi::lua_pushvalue(l, -2);
-            ffi::lua_rawseti(l, -2, fid as ffi::lua_Integer);
+            super::raw::rawseti(l, -2, fid as ffi::lua_Integer);
             ffi::lua_settop(l, -2);
         }
     }
@@ -351,9 +351,9 @@ fn free_obj_slot(h: &mut HostState, rec: &Rec) {
         unsafe {
             let l = h.main_l;
             ffi::lua_checkstack(l, 2);
-            ffi::lua_rawgeti(l, REG, h.objs_ref as ffi::lua_Integer);
+            super::raw::rawgeti(l, REG, h.objs_ref as ffi::lua_Integer);
             ffi::lua_pushnil(l);
-            ffi::lua_rawseti(l, -2, rec.obj_slot as ffi::lua_Integer);
+            super::raw::rawseti(l, -2, rec.obj_slot as ffi::lua_Integer);
             ffi::lua_settop(l, -2);
         }
         h.obj_free.push(rec.obj_slot);
@@ -587,17 +587,18 @@ unsafe fn spawn_lua(
         (h.objs_ref, h.fiber_mt_ref, slot)
     })
     .ok_or_else(no_host)?;
-    // SAFETY: `l`'s stack is empty (everything moved to `t`); a fresh userdata with the
-    // fiber metatable goes into its slot of the host's object table and stays on top.
+    // SAFETY: `l`'s stack is empty (everything moved to `t`), and a C function is called
+    // with at least LUA_MINSTACK (20) free slots, so the four used here need no check; a
+    // fresh userdata with the fiber metatable goes into its slot of the host's object table
+    // and stays on top.
     unsafe {
-        ffi::lua_checkstack(l, 4);
         let p = ffi::lua_newuserdata(l, std::mem::size_of::<FiberUd>()).cast::<FiberUd>();
         p.write(FiberUd { fid });
-        ffi::lua_rawgeti(l, REG, mt as ffi::lua_Integer);
+        super::raw::rawgeti(l, REG, mt as ffi::lua_Integer);
         ffi::lua_setmetatable(l, -2);
-        ffi::lua_rawgeti(l, REG, objs as ffi::lua_Integer);
+        super::raw::rawgeti(l, REG, objs as ffi::lua_Integer);
         ffi::lua_pushvalue(l, -2);
-        ffi::lua_rawseti(l, -2, slot as ffi::lua_Integer);
+        super::raw::rawseti(l, -2, slot as ffi::lua_Integer);
         ffi::lua_settop(l, -2);
     }
     Ok(fid)
@@ -1110,7 +1111,7 @@ unsafe fn channel_body(l: *mut ffi::lua_State) -> LResult {
         p.write(ChannelUd {
             ch: Some(fibertrace_fiber::channel(cap)),
         });
-        ffi::lua_rawgeti(l, REG, cmt as ffi::lua_Integer);
+        super::raw::rawgeti(l, REG, cmt as ffi::lua_Integer);
         ffi::lua_setmetatable(l, -2);
     }
     Ok(1)
@@ -1164,7 +1165,7 @@ unsafe fn ch_get_body(l: *mut ffi::lua_State) -> LResult {
     unsafe {
         match got {
             Some(r) => {
-                ffi::lua_rawgeti(l, REG, r as ffi::lua_Integer);
+                super::raw::rawgeti(l, REG, r as ffi::lua_Integer);
                 ffi::luaL_unref(l, REG, r);
             }
             None => ffi::lua_pushnil(l),
@@ -1261,7 +1262,7 @@ unsafe fn cond_body(l: *mut ffi::lua_State) -> LResult {
         p.write(CondUd {
             cond: Some(fibertrace_fiber::Cond::new()),
         });
-        ffi::lua_rawgeti(l, REG, cmt as ffi::lua_Integer);
+        super::raw::rawgeti(l, REG, cmt as ffi::lua_Integer);
         ffi::lua_setmetatable(l, -2);
     }
     Ok(1)

@@ -161,7 +161,7 @@ impl Call {
             ffi::lua_createtable(l, 8, 0);
             let scratch = ffi::lua_gettop(l);
             let r = with_host(|h| h.info_ctor_ref).unwrap_or(ffi::LUA_REFNIL);
-            ffi::lua_rawgeti(l, ffi::LUA_REGISTRYINDEX, r as ffi::lua_Integer);
+            super::raw::rawgeti(l, ffi::LUA_REGISTRYINDEX, r as ffi::lua_Integer);
             Call {
                 base,
                 scratch,
@@ -222,13 +222,13 @@ impl Call {
         // SAFETY: per the contract.
         unsafe {
             if let Some(&k) = self.by_trace.get(frames) {
-                ffi::lua_rawgeti(l, self.scratch, k);
+                super::raw::rawgeti(l, self.scratch, k);
                 return;
             }
             self.push_entries(l, frames);
             let k = self.by_trace.len() as ffi::lua_Integer + 1;
             ffi::lua_pushvalue(l, -1);
-            ffi::lua_rawseti(l, self.scratch, k);
+            super::raw::rawseti(l, self.scratch, k);
             self.by_trace.insert(frames.clone(), k);
         }
     }
@@ -252,7 +252,7 @@ impl Call {
                 self.key(l, if is_c { K::C } else { K::L });
                 push_str(l, &s);
                 ffi::lua_rawset(l, arr + 1);
-                ffi::lua_rawseti(l, arr, n as ffi::lua_Integer);
+                super::raw::rawseti(l, arr, n as ffi::lua_Integer);
                 n += 1;
             }
         }
@@ -485,7 +485,7 @@ pub(crate) unsafe fn push_all(l: *mut ffi::lua_State, opts: &Opts) -> Result<(),
                 call.abort(l);
                 return Err(e);
             }
-            ffi::lua_rawseti(l, all, f.id() as ffi::lua_Integer);
+            super::raw::rawseti(l, all, f.id() as ffi::lua_Integer);
         }
         call.finish(l);
     }

@@ -15,6 +15,56 @@ use std::ffi::{c_int, CStr};
 
 use mlua::ffi;
 
+/// Pushes `t[n]` for the table `t` at `idx`, without a metamethod (`lua_rawgeti`). Under
+/// LuaJIT it calls the C function directly: mlua's Lua 5.1 compatibility wrapper also asks
+/// for the value's type, a second API call that every caller here throws away. A key past
+/// the C function's `int` (a fiber id can be) goes through `lua_rawget`, where the wrapper
+/// would panic.
+///
+/// # Safety
+/// `l` valid, with a table at `idx` and two free stack slots.
+#[inline(always)]
+pub(crate) unsafe fn rawgeti(l: *mut ffi::lua_State, idx: c_int, n: ffi::lua_Integer) {
+    // SAFETY: per the contract.
+    unsafe {
+        #[cfg(feature = "luajit")]
+        match c_int::try_from(n) {
+            Ok(i) => ffi::lua_rawgeti_(l, idx, i),
+            Err(_) => {
+                let t = ffi::lua_absindex(l, idx);
+                ffi::lua_pushinteger(l, n);
+                ffi::lua_rawget(l, t);
+            }
+        }
+        #[cfg(not(feature = "luajit"))]
+        ffi::lua_rawgeti(l, idx, n);
+    }
+}
+
+/// `t[n] = v` for the table `t` at `idx` and the value `v` on top, which is popped, without
+/// a metamethod (`lua_rawseti`); a key past `int` under LuaJIT as in [`rawgeti`].
+///
+/// # Safety
+/// `l` valid, with a table at `idx`, a value on top and a free stack slot.
+#[inline(always)]
+pub(crate) unsafe fn rawseti(l: *mut ffi::lua_State, idx: c_int, n: ffi::lua_Integer) {
+    // SAFETY: per the contract.
+    unsafe {
+        #[cfg(feature = "luajit")]
+        match c_int::try_from(n) {
+            Ok(i) => ffi::lua_rawseti_(l, idx, i),
+            Err(_) => {
+                let t = ffi::lua_absindex(l, idx);
+                ffi::lua_pushinteger(l, n);
+                ffi::lua_insert(l, -2);
+                ffi::lua_rawset(l, t);
+            }
+        }
+        #[cfg(not(feature = "luajit"))]
+        ffi::lua_rawseti(l, idx, n);
+    }
+}
+
 /// The result of a C function body: the number of results pushed, or an error message.
 pub(crate) type LResult = Result<c_int, String>;
 
@@ -150,4 +200,39 @@ pub(crate) unsafe fn error_text(l: *mut ffi::lua_State, idx: c_int) -> String {
     // SAFETY: lua_typename returns a static NUL-terminated name.
     let name = unsafe { CStr::from_ptr(ffi::lua_typename(l, t)) };
     format!("(error object is a {} value)", name.to_string_lossy())
+}
+
+#[cfg(test)]
+mod index_tests {
+    use super::*;
+
+    /// Keys inside and past `int` (a fiber id can be past it) store and load alike.
+    #[test]
+    fn raw_integer_keys_inside_and_past_int() {
+        // SAFETY: a fresh state of our own, closed at the end; every push has room (the
+        // stack starts with LUA_MINSTACK free slots and holds at most three values here).
+        unsafe {
+            let l = ffi::luaL_newstate();
+            assert!(!l.is_null());
+            ffi::lua_createtable(l, 0, 0);
+            let keys: [ffi::lua_Integer; 4] = [1, 7, 1 << 31, (1 << 40) + 3];
+            for (i, &k) in keys.iter().enumerate() {
+                ffi::lua_pushinteger(l, 100 + i as ffi::lua_Integer);
+                rawseti(l, 1, k);
+            }
+            assert_eq!(ffi::lua_gettop(l), 1);
+            for (i, &k) in keys.iter().enumerate() {
+                rawgeti(l, -1, k);
+                assert_eq!(
+                    ffi::lua_tointeger(l, -1),
+                    100 + i as ffi::lua_Integer,
+                    "{k}"
+                );
+                ffi::lua_settop(l, 1);
+            }
+            rawgeti(l, 1, 1 << 33);
+            assert_eq!(ffi::lua_type(l, -1), ffi::LUA_TNIL);
+            ffi::lua_close(l);
+        }
+    }
 }
