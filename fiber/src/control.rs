@@ -843,8 +843,14 @@ impl FiberShared {
 
     /// The status, what it waits on, and for how long.
     pub fn status(&self) -> (Status, Option<WaitOn>, std::time::Duration) {
+        self.status_at(crate::clock::ticks())
+    }
+
+    /// As [`FiberShared::status`], "how long" counted up to `now` (from
+    /// [`crate::clock::ticks`]): a caller reporting on many fibers reads the clock once.
+    pub fn status_at(&self, now: u64) -> (Status, Option<WaitOn>, std::time::Duration) {
         let (st, on, since) = self.status_raw();
-        (st, on, crate::clock::since(since))
+        (st, on, crate::clock::to_duration(now.saturating_sub(since)))
     }
 
     /// Whether the fiber has finished.

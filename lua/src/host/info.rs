@@ -137,6 +137,8 @@ pub(crate) struct Call {
     /// raising an error or switching fibers — while the constructor runs) and restored.
     hook: (Option<ffi::lua_Hook>, c_int, c_int),
     by_trace: HashMap<Rc<[Frame]>, ffi::lua_Integer, BuildHasherDefault<AddrHasher>>,
+    /// The clock, read once per call (see `fibertrace_fiber::clock`).
+    now: u64,
 }
 
 impl Call {
@@ -168,6 +170,7 @@ impl Call {
                 ctor: ffi::lua_gettop(l),
                 hook,
                 by_trace: HashMap::default(),
+                now: fibertrace_fiber::clock::ticks(),
             }
         }
     }
@@ -415,7 +418,7 @@ unsafe fn push_fiber(
     call: &mut Call,
 ) -> Result<(), String> {
     let sh = f.shared();
-    let (status, on, secs) = sh.status();
+    let (status, on, secs) = sh.status_at(call.now);
     // SAFETY: the constructor (a Lua function of this host) gets 12 plain values and
     // returns a fresh table.
     unsafe {
