@@ -442,7 +442,7 @@ impl FiberShared {
     }
 
     /// Makes `this` the control block of a new fiber: in place when nothing else holds the
-    /// old one (a finished fiber's block, kept by its recycled context box: one allocation
+    /// old one (a finished fiber's block, kept by its recycled slot box: one allocation
     /// and free less per spawn), else in a new allocation.
     pub(crate) fn renew(this: &mut Arc<Self>, n: &mut NewFiber<'_>) {
         let Some(m) = Arc::get_mut(this) else {
