@@ -382,10 +382,12 @@ mod tests {
             .collect();
         let mut next = 100;
         let mut live: Vec<(SlabIndex, Arc<FiberShared>)> = Vec::new();
+        let mut all = Vec::new();
         for round in 0..20_000 {
             if live.len() < 64 && round % 3 != 2 {
                 let b = block(next);
                 next += 1;
+                all.push(b.clone());
                 live.push((slab.add(&mut owner, b.clone()), b));
             } else if let Some((at, b)) = live.pop() {
                 slab.remove(&mut owner, at, b.id);
@@ -399,7 +401,9 @@ mod tests {
             r.join().unwrap();
         }
         drop(Arc::try_unwrap(slab).ok().expect("readers gone"));
+        // Every reference the slab took, retired ones included, is released.
         assert!(stayers.iter().all(|b| Arc::strong_count(b) == 1));
+        assert!(all.iter().all(|b| Arc::strong_count(b) == 1));
     }
 
     /// Past its capacity the slab keeps fibers in its overflow list: none is lost, and each

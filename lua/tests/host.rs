@@ -535,6 +535,8 @@ local g = fiber.new(function() return 1 end)
 g:set_joinable(true)
 g:cancel()
 fiber.yield()
+-- Dead, kept for its joiner only: not findable, cannot be made unjoinable.
+log[#log + 1] = tostring(fiber.find(g:id())) .. ' ' .. tostring(pcall(g.set_joinable, g, false))
 local ok, err = g:join()
 log[#log + 1] = tostring(ok) .. ' ' .. tostring(err)
 local function churn(n)
@@ -555,7 +557,7 @@ LOG = table.concat(log, '|')
 "#);
     assert_eq!(
         host.lua().globals().get::<String>("LOG").unwrap(),
-        "dead|nil|false fiber is cancelled|no growth"
+        "dead|nil|nil false|false fiber is cancelled|no growth"
     );
 }
 

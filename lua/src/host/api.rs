@@ -458,13 +458,16 @@ impl Drop for LuaBody {
     fn drop(&mut self) {
         let t = self.t;
         // Dropped inside the fiber (cancelled before it started) the fiber is current; while
-        // a scheduler is dropped it is not, and the record is found by its thread.
+        // a scheduler is dropped it is not, and the record is found by its thread — a dead
+        // fiber's (the scheduler marks a fiber dead before dropping its body): a thread that
+        // went back to the pool may run a live fiber now.
         let fid = fibertrace_fiber::current_id();
         with_host(|h| {
             let fid = if h.recs.get(&fid).is_some_and(|r| r.thread == t) {
                 fid
             } else {
-                match h.recs.iter().find(|(_, r)| r.thread == t) {
+                let dead = |r: &Rec| r.thread == t && r.fiber.shared().is_dead();
+                match h.recs.iter().find(|(_, r)| dead(r)) {
                     Some((&id, _)) => id,
                     None => return,
                 }
@@ -588,7 +591,7 @@ unsafe fn spawn_lua(
     })
     .ok_or_else(no_host)?;
     // SAFETY: `l`'s stack is empty (everything moved to `t`), and a C function is called
-    // with at least LUA_MINSTACK (20) free slots, so the four used here need no check; a
+    // with at least LUA_MINSTACK (20) free slots, so the three used here need no check; a
     // fresh userdata with the fiber metatable goes into its slot of the host's object table
     // and stays on top.
     unsafe {
@@ -756,7 +759,12 @@ lua_fn!(m_id, m_id_body);
 unsafe fn find_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
     let fid = unsafe { fiber_arg(l, 1) }.ok_or("fiber.find(id): bad arguments")?;
-    let alive = with_host(|h| h.recs.get(&fid).is_some_and(|r| r.done.is_none())).unwrap_or(false);
+    let alive = with_host(|h| {
+        h.recs
+            .get(&fid)
+            .is_some_and(|r| r.done.is_none() && !r.fiber.shared().is_dead())
+    })
+    .unwrap_or(false);
     if alive {
         // SAFETY: as above.
         unsafe { push_fiber_object(l, fid) }?;
@@ -901,7 +909,9 @@ unsafe fn set_joinable_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: as above.
     let on = unsafe { ffi::lua_toboolean(l, 2) } != 0;
     with_host(|h| match h.recs.get_mut(&fid) {
-        Some(r) if r.done.is_none() => {
+        // A joinable fiber cancelled before it started keeps its record (no outcome) for its
+        // joiner, but is dead: it cannot be made unjoinable any more.
+        Some(r) if r.done.is_none() && !r.fiber.shared().is_dead() => {
             r.joinable = on;
             Ok(())
         }

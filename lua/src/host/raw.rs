@@ -22,7 +22,7 @@ use mlua::ffi;
 /// would panic.
 ///
 /// # Safety
-/// `l` valid, with a table at `idx` and two free stack slots.
+/// `l` valid, with a table at `idx` and a free stack slot.
 #[inline(always)]
 pub(crate) unsafe fn rawgeti(l: *mut ffi::lua_State, idx: c_int, n: ffi::lua_Integer) {
     // SAFETY: per the contract.
@@ -45,7 +45,8 @@ pub(crate) unsafe fn rawgeti(l: *mut ffi::lua_State, idx: c_int, n: ffi::lua_Int
 /// a metamethod (`lua_rawseti`); a key past `int` under LuaJIT as in [`rawgeti`].
 ///
 /// # Safety
-/// `l` valid, with a table at `idx`, a value on top and a free stack slot.
+/// `l` valid, with a table at `idx` and a value on top; with a free stack slot when `n`
+/// is past `int` under LuaJIT.
 #[inline(always)]
 pub(crate) unsafe fn rawseti(l: *mut ffi::lua_State, idx: c_int, n: ffi::lua_Integer) {
     // SAFETY: per the contract.
