@@ -246,11 +246,29 @@ mod qsort {
     thread_local! {
         pub static CAPTURED: RefCell<Vec<Backtrace>> = const { RefCell::new(Vec::new()) };
         pub static MODE: std::cell::Cell<Unwinder> = const { std::cell::Cell::new(Unwinder::Auto) };
+        /// `Some(with_cache)`: capture as a signal handler would, from a saved context.
+        pub static IN_HANDLER: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     }
 
     #[inline(never)]
     fn q2() {
-        let bt = collect(&CaptureOptions::with_unwinder(MODE.with(|m| m.get())));
+        let opts = CaptureOptions::with_unwinder(MODE.with(|m| m.get()));
+        let bt = match IN_HANDLER.with(|h| h.get()) {
+            None => collect(&opts),
+            Some(with_cache) => {
+                let mut ctx = SavedContext::new(fibertrace_core::capture::thread_stack());
+                ctx.record();
+                let mut cache = fibertrace_core::unwind::DwarfCache::new();
+                let mut out = Backtrace::new();
+                fibertrace_core::capture::collect_from_in_handler(
+                    &ctx,
+                    &opts,
+                    with_cache.then_some(&mut cache),
+                    &mut out,
+                );
+                out
+            }
+        };
         CAPTURED.with(|c| c.borrow_mut().push(bt));
         black_box(());
     }
@@ -293,7 +311,9 @@ mod qsort {
 
 #[test]
 fn chain_through_glibc_qsort() {
-    for u in [Unwinder::Precise, Unwinder::Auto] {
+    // `Fast` too: its frame-pointer walk would stop (or go astray) in glibc, which keeps no
+    // frame pointers; it sees that and walks again with DWARF.
+    for u in [Unwinder::Fast, Unwinder::Precise, Unwinder::Auto] {
         let bt = qsort::sort_with_callback(u);
         let n = short_names(bt.frames());
         assert_eq!(&n[..3], ["q2", "q1", "compare"], "{u:?}: {n:?}");
@@ -308,10 +328,48 @@ fn chain_through_glibc_qsort() {
         );
         assert_eq!(n[sorter + 1], "chain_through_glibc_qsort", "{u:?}: {n:?}");
     }
-    // The frame-pointer walk alone cannot pass glibc: it must at least not lie about the
-    // frames before it.
-    let fast = qsort::sort_with_callback(Unwinder::Fast);
-    assert_eq!(&short_names(fast.frames())[..3], ["q2", "q1", "compare"]);
+}
+
+/// As a signal handler captures (no thread-local cache, the image table only if built): a
+/// `Fast` walk from a saved context into glibc's qsort cannot trust glibc's `rbp`. With a
+/// DWARF cache it walks again with DWARF; without one it ends right after the first glibc
+/// frame and says so with `Truncated`.
+#[test]
+fn fast_in_a_handler_through_glibc_falls_back_or_says_it_stopped() {
+    fibertrace_core::prepare();
+    let run = |with_cache: bool| {
+        qsort::IN_HANDLER.with(|h| h.set(Some(with_cache)));
+        let bt = qsort::sort_with_callback(Unwinder::Fast);
+        qsort::IN_HANDLER.with(|h| h.set(None));
+        bt
+    };
+    let table = fibertrace_core::image::table();
+    let in_libc = |f: &Frame| {
+        f.lookup_address()
+            .and_then(|a| table.code_image(a))
+            .is_some_and(|i| i.is_libc)
+    };
+
+    // Frame 0 is the recording point inside q2 (its innermost level is the inlined
+    // `SavedContext::record` where debug info says so).
+    let bt = run(false);
+    let n = short_names(bt.frames());
+    assert_eq!(&n[1..3], ["q1", "compare"], "{n:?}");
+    let f = bt.frames();
+    assert_eq!(f.last(), Some(&Frame::Truncated), "{n:?}");
+    assert_eq!(f.len(), 5, "one glibc frame, then the marker: {n:?}");
+    assert!(in_libc(&f[3]), "{n:?}");
+
+    let bt = run(true);
+    let n = short_names(bt.frames());
+    assert_eq!(&n[1..3], ["q1", "compare"], "{n:?}");
+    let sorter = n
+        .iter()
+        .position(|x| x == "sort_with_callback")
+        .unwrap_or_else(|| panic!("lost the caller of qsort: {n:?}"));
+    // And on past it, to the test harness (this test may be inlined there in release).
+    assert!(n.len() > sorter + 3, "{n:?}");
+    assert!(!bt.frames().contains(&Frame::Truncated), "{n:?}");
 }
 
 // ---- deep stacks: omitted and truncated ------------------------------------------------

@@ -335,8 +335,9 @@ pub struct FiberShared {
     pub(crate) run: AtomicU8,
     /// Written by the fiber before publishing SUSPENDED; read only under INSPECTING.
     ctx: UnsafeCell<SavedContext>,
-    /// Frame pointer of the runtime's entry frame on this fiber's stack (0 before start).
-    pub(crate) entry_fp: AtomicU64,
+    /// Stack pointer of the runtime's entry frame on this fiber's stack, at its call of the
+    /// user's code (0 before start): walks of this fiber end below it.
+    pub(crate) entry_sp: AtomicU64,
     pub(crate) stack: StackBounds,
     pub(crate) stack_size: usize,
     /// Lowest stack pointer seen at a suspension or sample.
@@ -463,7 +464,7 @@ impl FiberShared {
             created_at_start,
             run,
             ctx,
-            entry_fp,
+            entry_sp,
             stack,
             stack_size,
             min_sp,
@@ -497,7 +498,7 @@ impl FiberShared {
         *created_at_start = n.created_at_start;
         *run.get_mut() = NEW;
         *ctx.get_mut() = SavedContext::new(n.stack);
-        *entry_fp.get_mut() = 0;
+        *entry_sp.get_mut() = 0;
         *stack = n.stack;
         *stack_size = n.stack_size;
         *min_sp.get_mut() = n.stack.hi;
@@ -574,7 +575,7 @@ impl FiberShared {
             created_at_start: n.created_at_start,
             run: AtomicU8::new(NEW),
             ctx: UnsafeCell::new(SavedContext::new(n.stack)),
-            entry_fp: AtomicU64::new(0),
+            entry_sp: AtomicU64::new(0),
             stack: n.stack,
             stack_size: n.stack_size,
             min_sp: AtomicU64::new(n.stack.hi),
@@ -627,11 +628,11 @@ impl FiberShared {
         }
     }
 
-    /// Sets the entry frame pointer (once, when the fiber starts).
-    pub(crate) fn set_entry_fp(&self, fp: u64) {
-        self.entry_fp.store(fp, Ordering::Relaxed);
+    /// Sets the entry stack pointer (once, when the fiber starts).
+    pub(crate) fn set_entry_sp(&self, sp: u64) {
+        self.entry_sp.store(sp, Ordering::Relaxed);
         // SAFETY: called by the fiber itself while RUNNING (see record_suspension).
-        unsafe { (*self.ctx.get()).stop_fp = fp };
+        unsafe { (*self.ctx.get()).stop_sp = sp };
     }
 
     /// Walks the fiber's stack if it is suspended, never racing a resume. Returns `None` if

@@ -90,7 +90,9 @@ pub fn render_fiber(fi: &FiberInfo, out: &mut String) {
 }
 
 /// The whole process's fibers as text, scheduler by scheduler.
+#[inline(never)]
 pub fn dump_text() -> String {
+    report_entry!();
     let mut out = String::new();
     for s in crate::registry::schedulers() {
         scheduler_text(&s, &mut out);
@@ -99,7 +101,9 @@ pub fn dump_text() -> String {
 }
 
 /// One scheduler's fibers as text.
+#[inline(never)]
 pub fn scheduler_text(s: &crate::registry::SchedShared, out: &mut String) {
+    report_entry!();
     let fibers = info::scheduler_info(s, &InfoOptions::default());
     let _ = writeln!(
         out,
@@ -116,7 +120,9 @@ pub fn scheduler_text(s: &crate::registry::SchedShared, out: &mut String) {
 
 /// Fibers blocked (waiting on a channel, condition, join or wake-up, or sleeping) for at
 /// least `min`, with their traces, as text.
+#[inline(never)]
 pub fn blocked_text(min: Duration) -> String {
+    report_entry!();
     let mut out = String::new();
     for fi in info::info(&InfoOptions::default()) {
         if fi
@@ -132,7 +138,9 @@ pub fn blocked_text(min: Duration) -> String {
 }
 
 /// The whole process's fibers as JSON (an array of [`FiberInfo`]).
+#[inline(never)]
 pub fn dump_json() -> String {
+    report_entry!();
     serde_json::to_string_pretty(&info::info(&InfoOptions::default()))
         .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
 }

@@ -113,8 +113,51 @@ pub struct FiberInfo {
     pub parent_backtrace: Vec<ParentInfo>,
 }
 
+thread_local! {
+    /// Registers of the outermost report entry point running on this thread (sp 0: none).
+    static ORIGIN: std::cell::Cell<fibertrace_core::Registers> =
+        const { std::cell::Cell::new(fibertrace_core::Registers { ip: 0, sp: 0, fp: 0 }) };
+}
+
+/// The report entry point running on this thread (see `report_entry!`): set by the
+/// outermost one, cleared when it returns.
+pub(crate) struct ReportOrigin {
+    set: bool,
+}
+
+impl ReportOrigin {
+    #[inline(always)]
+    pub(crate) fn enter(regs: fibertrace_core::Registers) -> ReportOrigin {
+        let set = ORIGIN.with(|o| {
+            if o.get().sp == 0 {
+                o.set(regs);
+                true
+            } else {
+                false
+            }
+        });
+        ReportOrigin { set }
+    }
+
+    /// The registers of the outermost report entry point running now, if any.
+    pub(crate) fn current() -> Option<fibertrace_core::Registers> {
+        let r = ORIGIN.with(|o| o.get());
+        (r.sp != 0).then_some(r)
+    }
+}
+
+impl Drop for ReportOrigin {
+    fn drop(&mut self) {
+        if self.set {
+            ORIGIN.with(|o| o.set(fibertrace_core::Registers::default()));
+        }
+    }
+}
+
 /// Info about every fiber of every scheduler in the process.
+#[inline(never)]
 pub fn info(opts: &InfoOptions) -> Vec<FiberInfo> {
+    report_entry!();
     let mut out = Vec::new();
     for s in registry::schedulers() {
         out.extend(scheduler_info(&s, opts));
@@ -123,7 +166,9 @@ pub fn info(opts: &InfoOptions) -> Vec<FiberInfo> {
 }
 
 /// Info about one fiber (any scheduler).
+#[inline(never)]
 pub fn fiber_info(id: FiberId, opts: &InfoOptions) -> Option<FiberInfo> {
+    report_entry!();
     let (_, f) = registry::find(id)?;
     Some(one(&f, opts, None, &Now::new()))
 }
@@ -159,7 +204,9 @@ impl Now {
 const PREFETCH_AHEAD: usize = 4;
 
 /// Info about one scheduler's fibers.
+#[inline(never)]
 pub fn scheduler_info(s: &SchedShared, opts: &InfoOptions) -> Vec<FiberInfo> {
+    report_entry!();
     let fibers = s.fibers();
     // A running fiber on another thread: one sample for the whole scheduler.
     let running = s.sampler.running();

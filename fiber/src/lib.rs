@@ -21,6 +21,16 @@
 //! One scheduler runs per OS thread; several may run on several threads at once. Fibers
 //! are not moved between threads. Info and dumps work from any thread.
 
+/// Marks the function it is written in as a report's entry point: while it runs, a trace of
+/// the current fiber taken for the report starts at its caller (the user's code), whatever
+/// the report's own machinery inlined or not. The function must be `#[inline(never)]`.
+macro_rules! report_entry {
+    () => {
+        let _origin =
+            $crate::info::ReportOrigin::enter(fibertrace_core::__fibertrace_registers_here!());
+    };
+}
+
 pub mod clock;
 pub mod control;
 pub mod dump;

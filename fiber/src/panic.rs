@@ -36,7 +36,7 @@ fn capture(shared: &FiberShared, location: Option<String>) {
         unwinder: Unwinder::Auto,
         ..CaptureOptions::default()
     };
-    fibertrace_core::collect_until(&opts, shared.entry_fp.load(Ordering::Relaxed), &mut bt);
+    fibertrace_core::collect_until(&opts, shared.entry_sp.load(Ordering::Relaxed), &mut bt);
     // Drop the panic machinery's own frames: everything up to the last std::panicking frame.
     let frames = bt.frames();
     let cut = frames

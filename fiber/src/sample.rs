@@ -261,10 +261,10 @@ extern "C" fn on_signal(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut
         let stop = if f.is_null() {
             0
         } else {
-            // Its entry frame pointer is set once it started (0 before: the walk then ends
+            // Its entry stack pointer is set once it started (0 before: the walk then ends
             // at the stack bounds).
             // SAFETY: the fiber runs on this thread (we interrupted it): its block is alive.
-            unsafe { (*f).entry_fp.load(Ordering::Relaxed) }
+            unsafe { (*f).entry_sp.load(Ordering::Relaxed) }
         };
         let opts = CaptureOptions::with_unwinder(Unwinder::Auto);
         // SAFETY: as above, the cache is the handler's.
@@ -283,7 +283,7 @@ extern "C" fn on_signal(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut
                 offset: 1,
                 ..CaptureOptions::default()
             };
-            fibertrace_core::collect_from_into(&ctx, &opts, out);
+            fibertrace_core::capture::collect_from_in_handler(&ctx, &opts, cache, out);
         } else {
             // SAFETY: `uc` is the kernel's ucontext for this handler; the stack range is the
             // running fiber's stack, mapped while it runs (it cannot be freed while running).

@@ -6,8 +6,14 @@
 //! and publishes `SUSPENDED` before switching away, so that any thread can walk the fiber's
 //! stack from its saved context; the switch count goes up before the fiber runs again, so a
 //! walk cached at one count is never reused for a later suspension. The
-//! fiber's entry frame pointer is recorded when it starts; walks end there, so the
-//! scheduler's and corosensei's frames never appear in a fiber's trace.
+//! stack pointer of the fiber's entry frame (at its call of the user's code) is recorded when
+//! it starts; walks end below it, so the scheduler's and corosensei's frames never appear in
+//! a fiber's trace — in any build: a stack pointer means the same with or without frame
+//! pointers.
+//!
+//! Traces of the current fiber taken by a report (`dump_text`, `info`, `Fiber::backtrace`,
+//! ...) start at the caller of the report's public entry point, whose registers it records
+//! (`report_entry!`): the report's own frames never show, whatever the build inlined.
 //!
 //! How a trace can be wrong: a fiber whose user closure was not inlined into the runtime's
 //! trampoline shows the trampoline (`call_user`) as its last raw frame (renderers drop it); a
@@ -265,7 +271,9 @@ impl Scheduler {
     }
 
     /// Info about this scheduler's fibers.
+    #[inline(never)]
     pub fn info(&self, opts: &crate::info::InfoOptions) -> Vec<crate::info::FiberInfo> {
+        report_entry!();
         crate::info::scheduler_info(&self.inner.shared, opts)
     }
 
@@ -867,7 +875,9 @@ impl Fiber {
     /// Its backtrace now: the current fiber's own stack, a suspended fiber's saved context,
     /// the entry function of one that never ran, a sample of one running on another thread;
     /// `None` for a dead fiber.
+    #[inline(never)]
     pub fn backtrace(&self, unwinder: Unwinder) -> Option<Backtrace> {
+        report_entry!();
         crate::info::fiber_backtrace(&self.shared, unwinder)
     }
 
@@ -1263,17 +1273,46 @@ fn capture_parent_trace(
     skip: usize,
     ras: &mut [u64; crate::control::PARENT_FRAMES],
 ) -> usize {
-    let n = match creator {
-        // A fiber: its own stack, up to its entry. The lean walk (no thread-local access,
-        // no allocation) keeps spawning with parent traces within a few percent of without.
-        Some(c) => {
-            fibertrace_core::collect_raw(skip, c.entry_fp.load(Ordering::Relaxed), c.stack, ras)
-        }
-        None => {
-            fibertrace_core::collect_raw(skip, 0, fibertrace_core::capture::thread_stack(), ras)
-        }
+    let (stop, stack) = match creator {
+        // A fiber: its own stack, up to its entry.
+        Some(c) => (c.entry_sp.load(Ordering::Relaxed), c.stack),
+        None => (0, fibertrace_core::capture::thread_stack()),
+    };
+    // The lean frame-pointer walk (no thread-local access, no allocation) keeps spawning
+    // with parent traces within a few percent of without; code built without frame
+    // pointers (a user's crate) gets the DWARF walk instead.
+    let n = match fibertrace_core::collect_raw(skip, stop, stack, ras) {
+        Some(n) => n,
+        None => parent_trace_dwarf(skip, stop, ras),
     };
     // Not a tail call: this frame is one of the `skip` ones at every optimisation level.
+    no_tail_call(n)
+}
+
+/// [`capture_parent_trace`]'s walk where frame pointers cannot be trusted. Called from the
+/// same frame as `collect_raw` would be, so `skip` means the same frames.
+#[inline(never)]
+fn parent_trace_dwarf(
+    skip: usize,
+    stop_sp: u64,
+    ras: &mut [u64; crate::control::PARENT_FRAMES],
+) -> usize {
+    let opts = CaptureOptions {
+        unwinder: Unwinder::Auto,
+        // This function's own frame stands where `collect_raw`'s would not: one more.
+        offset: skip + 1,
+        limit: ras.len(),
+        top: 0,
+    };
+    let mut bt = Backtrace::new();
+    fibertrace_core::collect_until(&opts, stop_sp, &mut bt);
+    let mut n = 0;
+    for f in bt.frames() {
+        if let Frame::Ra(a) = f {
+            ras[n] = *a;
+            n += 1;
+        }
+    }
     no_tail_call(n)
 }
 
@@ -1309,12 +1348,13 @@ where
         finish(Err(JoinError::Cancelled));
         return;
     }
-    // The indirect call keeps `call_user` a real frame; the frame pointer of the function
-    // that calls it (whatever was inlined into it) is where the fiber's trace ends.
+    // The indirect call keeps `call_user` a real frame; the stack pointer of the function
+    // that calls it (whatever was inlined into it), at the call, is where the fiber's trace
+    // ends: that function's stack pointer does not move between the read and the call.
     let call: fn(F) -> T = std::hint::black_box(call_user::<F, T>);
     let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
         let here = fibertrace_core::__fibertrace_registers_here!();
-        shared.set_entry_fp(here.fp);
+        shared.set_entry_sp(here.sp);
         call(f)
     }));
     if r.is_err() && ctx.dropping.get() {
@@ -1368,15 +1408,25 @@ pub(crate) fn entry_frame(shared: &FiberShared) -> Frame {
     Frame::Pc(shared.entry_fn)
 }
 
-/// The current fiber's trace (from inside it), cut at its entry.
+/// The current fiber's trace (from inside it), cut at its entry. Inside a report (see
+/// `report_entry!`) it starts at the caller of the report's entry point.
 #[inline(never)]
 pub(crate) fn current_backtrace(shared: &FiberShared, unwinder: Unwinder) -> Backtrace {
     let mut bt = Backtrace::new();
-    let opts = CaptureOptions {
-        unwinder,
-        offset: 2, // this function and info's caller
-        ..CaptureOptions::default()
-    };
-    fibertrace_core::collect_until(&opts, shared.entry_fp.load(Ordering::Relaxed), &mut bt);
+    let stop = shared.entry_sp.load(Ordering::Relaxed);
+    match crate::info::ReportOrigin::current() {
+        Some(origin) => {
+            let opts = CaptureOptions::with_unwinder(unwinder);
+            fibertrace_core::collect_from_origin(origin, &opts, stop, &mut bt);
+        }
+        None => {
+            let opts = CaptureOptions {
+                unwinder,
+                offset: 2, // this function and info's caller
+                ..CaptureOptions::default()
+            };
+            fibertrace_core::collect_until(&opts, stop, &mut bt);
+        }
+    }
     bt
 }

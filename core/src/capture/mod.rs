@@ -75,9 +75,10 @@ pub struct SavedContext {
     pub regs: Registers,
     /// The coroutine's stack. Walks read only `[regs.sp, stack.hi)`.
     pub stack: StackBounds,
-    /// When nonzero, the frame pointer of the runtime's entry frame on this stack: the trace
-    /// ends with the frame that entry function called (see [`collect_until`]).
-    pub stop_fp: u64,
+    /// When nonzero, the stack pointer of the runtime's entry frame on this stack (at its
+    /// call of the user's code): the trace ends with the frame that entry function called
+    /// (see [`collect_until`]).
+    pub stop_sp: u64,
 }
 
 impl SavedContext {
@@ -90,7 +91,7 @@ impl SavedContext {
                 fp: 0,
             },
             stack,
-            stop_fp: 0,
+            stop_sp: 0,
         }
     }
 
@@ -272,32 +273,96 @@ pub fn collect_into(opts: &CaptureOptions, out: &mut Backtrace) {
     std::hint::black_box(&mut *out);
 }
 
-/// Captures the current stack up to a runtime's entry frame: `stop_fp` is the frame pointer
-/// of the runtime's function that called the user's code (recorded by the runtime when the
-/// coroutine started); the trace ends with the user's outermost frame. With `stop_fp == 0`
-/// this is [`collect_into`].
+/// Captures the current stack up to a runtime's entry frame: `stop_sp` is the stack pointer
+/// of the runtime's function that called the user's code, at that call (recorded by the
+/// runtime when the coroutine started); the trace ends with the user's outermost frame.
+/// With `stop_sp == 0` this is [`collect_into`].
 #[inline(never)]
-pub fn collect_until(opts: &CaptureOptions, stop_fp: u64, out: &mut Backtrace) {
+pub fn collect_until(opts: &CaptureOptions, stop_sp: u64, out: &mut Backtrace) {
     let regs = crate::__fibertrace_registers_here!();
-    collect_current_impl(regs, opts, stop_fp, out);
+    collect_current_impl(regs, opts, stop_sp, out);
     std::hint::black_box(&mut *out);
 }
 
+/// Captures the current stack from an outer frame of it: `origin` are registers recorded
+/// (with `fibertrace_core::__fibertrace_registers_here!()`, which reads them in the function
+/// it is written in) by a function that is still running on this thread — the
+/// trace starts with that function's caller, so the frames below it (a report's own
+/// machinery, say) never appear, whatever was inlined. `stop_sp` as in [`collect_until`].
+///
+/// Registers that are not of a live frame of this thread give a wrong (but memory-safe:
+/// reads stay inside this thread's known stacks) trace.
+#[inline(never)]
+pub fn collect_from_origin(
+    origin: Registers,
+    opts: &CaptureOptions,
+    stop_sp: u64,
+    out: &mut Backtrace,
+) {
+    let here = crate::__fibertrace_registers_here!();
+    // The origin must lie above this frame on the current stack; anything else is not a live
+    // frame of this thread, and the walk starts here instead.
+    let regs = if origin.sp >= here.sp && same_stack(origin.sp, here.sp) {
+        origin
+    } else {
+        here
+    };
+    collect_current_impl(regs, opts, stop_sp, out);
+    std::hint::black_box(&mut *out);
+}
+
+/// Whether two stack addresses lie in the same known stack of this thread.
+fn same_stack(a: u64, b: u64) -> bool {
+    let mut buf = [StackBounds::default(); MAX_ENTERED + 1];
+    let n = fill_current_stacks(&mut buf);
+    buf[..n].iter().any(|s| s.contains(a) && s.contains(b))
+}
+
+/// Whether `collect_raw`'s own code keeps frame pointers (0: not known yet, 1: yes, 2: no).
+static RAW_FP: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
 /// The leanest capture: return addresses of the current stack by frame-pointer walk into
 /// `out`, skipping `skip` frames (the first is the caller of this function), ending at the
-/// frame whose caller's frame pointer is `stop_fp` (0: none), reading only `stack` (which
-/// must contain the current stack pointer). No thread-local access, no allocation, no
-/// omission markers: what a runtime uses on a hot path (a parent trace at spawn).
-/// Returns how many addresses were written.
+/// frame whose caller's stack pointer reaches `stop_sp` (0: none; see [`collect_until`]),
+/// reading only `stack` (which must contain the current stack pointer). No thread-local
+/// access, no omission markers, no allocation once the image table is built (the first
+/// call may build it): what a runtime uses on a hot path (a parent trace at spawn).
+///
+/// Returns how many addresses were written, or `None` when the frame-pointer chain cannot
+/// be trusted: this code, or a caller on the way, keeps no frame pointers (a crate built
+/// without `force-frame-pointers`). Use [`collect_until`] with `Auto` then.
 #[inline(never)]
-pub fn collect_raw(skip: usize, stop_fp: u64, stack: StackBounds, out: &mut [u64]) -> usize {
+pub fn collect_raw(
+    skip: usize,
+    stop_sp: u64,
+    stack: StackBounds,
+    out: &mut [u64],
+) -> Option<usize> {
     let regs = crate::__fibertrace_registers_here!();
+    let table = crate::image::table();
+    match RAW_FP.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => {}
+        2 => return None,
+        _ => {
+            let ok = table.frame_pointer_code(regs.ip);
+            RAW_FP.store(if ok { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
+            if !ok {
+                return None;
+            }
+        }
+    }
+    let hops = crate::unwind::hop::Hops::snapshot();
+    let (mut ok_lo, mut ok_hi) = (0u64, 0u64);
     let lo = regs.sp.max(stack.lo);
     let hi = stack.hi;
+    let stops = stop_sp != 0 && stop_sp >= lo && stop_sp <= hi;
     let mut fp = regs.fp;
     let (mut n, mut skipped) = (0usize, 0usize);
     while n < out.len() {
         if !fp.is_multiple_of(8) || fp < lo || fp.saturating_add(16) > hi {
+            break;
+        }
+        if stops && fp + 16 >= stop_sp {
             break;
         }
         // SAFETY: [fp, fp+16) lies in `stack` above our own stack pointer: the live part of
@@ -308,8 +373,17 @@ pub fn collect_raw(skip: usize, stop_fp: u64, stack: StackBounds, out: &mut [u64
                 std::ptr::read_volatile((fp + 8) as *const u64),
             )
         };
-        if ra == 0 || (stop_fp != 0 && next == stop_fp) {
+        if ra == 0 {
             break;
+        }
+        // The caller must keep frame pointers for its record to be `next`.
+        let at = ra - 1;
+        if (at < ok_lo || at >= ok_hi) && hops.misses(ra) {
+            match table.code_range(at) {
+                Some((s, e, true)) => (ok_lo, ok_hi) = (s, e),
+                Some((_, _, false)) => return None,
+                None => {}
+            }
         }
         if skipped < skip {
             skipped += 1;
@@ -317,20 +391,20 @@ pub fn collect_raw(skip: usize, stop_fp: u64, stack: StackBounds, out: &mut [u64
             out[n] = ra;
             n += 1;
         }
+        let next = hops.next_record(fp, ra, next);
         if next <= fp {
             break;
         }
         fp = next;
     }
-    std::hint::black_box(&mut *out);
-    n
+    Some(n)
 }
 
 fn collect_current(regs: Registers, opts: &CaptureOptions, out: &mut Backtrace) {
     collect_current_impl(regs, opts, 0, out)
 }
 
-fn collect_current_impl(regs: Registers, opts: &CaptureOptions, stop_fp: u64, out: &mut Backtrace) {
+fn collect_current_impl(regs: Registers, opts: &CaptureOptions, stop_sp: u64, out: &mut Backtrace) {
     let mut buf = [StackBounds::default(); MAX_ENTERED + 1];
     let n = fill_current_stacks(&mut buf);
     let stacks = &mut buf[..n];
@@ -342,7 +416,7 @@ fn collect_current_impl(regs: Registers, opts: &CaptureOptions, stop_fp: u64, ou
         regs,
         emit_ip: false,
         first_step_dwarf: false,
-        stop_fp,
+        stop_sp,
     };
     walk_with_refresh(start, &Stacks::new(stacks), opts, out);
 }
@@ -356,24 +430,24 @@ fn walk_with_refresh(
     out: &mut Backtrace,
 ) {
     let mut ring = new_ring();
-    if opts.unwinder == crate::Unwinder::Fast {
-        let mut sink = FrameSink::new(out, &mut ring, opts);
-        let end = unwind::walk(start, stacks, opts.unwinder, None, None, &mut sink);
-        sink.finish(end.cut);
-        return;
-    }
     let mut table = crate::image::table();
+    let mut mode = opts.unwinder;
+    if mode == crate::Unwinder::Fast {
+        let mut sink = FrameSink::new(out, &mut ring, opts);
+        let end = unwind::walk(start, stacks, mode, Some(table), None, &mut sink);
+        sink.finish(end.cut);
+        if !end.fp_unsafe {
+            return;
+        }
+        // The chain went through code without frame pointers: what it gave past there
+        // cannot be trusted. DWARF can.
+        out.clear();
+        mode = crate::Unwinder::Auto;
+    }
     loop {
         let mut sink = FrameSink::new(out, &mut ring, opts);
         let end = with_thread_cache(|cache| {
-            unwind::walk(
-                start,
-                stacks,
-                opts.unwinder,
-                Some(table),
-                Some(cache),
-                &mut sink,
-            )
+            unwind::walk(start, stacks, mode, Some(table), Some(cache), &mut sink)
         });
         sink.finish(end.cut);
         if !end.unknown_code {
@@ -406,9 +480,64 @@ pub fn collect_from_into(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Ba
         regs: ctx.regs,
         emit_ip: true,
         first_step_dwarf: false,
-        stop_fp: ctx.stop_fp,
+        stop_sp: ctx.stop_sp,
     };
     walk_with_refresh(start, &Stacks::new(&bounds), opts, out);
+}
+
+/// [`collect_from_into`] for a signal handler: async-signal-safe (no lock, no allocation, no
+/// thread-local access). Uses the image table only if one was built ([`prepare`]) and the
+/// caller's DWARF cache; a `Fast` walk that meets code without frame pointers walks again
+/// with `Auto` when a cache is given, and otherwise ends with `Truncated`.
+pub fn collect_from_in_handler(
+    ctx: &SavedContext,
+    opts: &CaptureOptions,
+    cache: Option<&mut DwarfCache>,
+    out: &mut Backtrace,
+) {
+    out.clear();
+    if !ctx.is_recorded() {
+        return;
+    }
+    let bounds = [StackBounds::new(ctx.regs.sp, ctx.stack.hi)];
+    let start = Start {
+        regs: ctx.regs,
+        emit_ip: true,
+        first_step_dwarf: false,
+        stop_sp: ctx.stop_sp,
+    };
+    walk_in_handler(start, &Stacks::new(&bounds), opts, cache, out);
+}
+
+/// A walk that a signal handler may run (see [`collect_from_ucontext`]).
+fn walk_in_handler(
+    start: Start,
+    stacks: &Stacks<'_>,
+    opts: &CaptureOptions,
+    cache: Option<&mut DwarfCache>,
+    out: &mut Backtrace,
+) {
+    let table = crate::image::published();
+    let mut ring = new_ring();
+    let mut mode = opts.unwinder;
+    if mode == crate::Unwinder::Fast {
+        let mut sink = FrameSink::new(out, &mut ring, opts);
+        let end = unwind::walk(start, stacks, mode, table, None, &mut sink);
+        if !end.fp_unsafe {
+            sink.finish(end.cut);
+            return;
+        }
+        if cache.is_none() {
+            // Nothing better here: say that the trace ends early.
+            sink.finish(true);
+            return;
+        }
+        out.clear();
+        mode = crate::Unwinder::Auto;
+    }
+    let mut sink = FrameSink::new(out, &mut ring, opts);
+    let end = unwind::walk(start, stacks, mode, table, cache, &mut sink);
+    sink.finish(end.cut);
 }
 
 /// Captures an interrupted context from inside a signal handler: async-signal-safe.
@@ -418,6 +547,9 @@ pub fn collect_from_into(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Ba
 /// coroutine's — a runtime publishes them where the handler can find them). `cache` is a
 /// DWARF cache owned by the caller (one per thread that may be interrupted); with `None`, or
 /// before the image table was built ([`prepare`]), only the frame-pointer walk is used.
+/// `stop_sp` as in [`collect_until`]. A `Fast` walk that meets code without frame pointers
+/// walks again with `Auto` when it has a cache, and otherwise ends with `Truncated` after the
+/// last frame it can vouch for.
 ///
 /// # Safety
 /// `uc` must be the `ucontext_t` given to an `SA_SIGINFO` handler, and every range in
@@ -425,34 +557,20 @@ pub fn collect_from_into(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Ba
 pub unsafe fn collect_from_ucontext(
     uc: *const libc::c_void,
     stacks: &[StackBounds],
-    stop_fp: u64,
+    stop_sp: u64,
     opts: &CaptureOptions,
     cache: Option<&mut DwarfCache>,
     out: &mut Backtrace,
 ) {
     // SAFETY: forwarded from the caller's contract.
     let regs = unsafe { registers_from_ucontext(uc) };
-    let table = match opts.unwinder {
-        crate::Unwinder::Fast => None,
-        _ => crate::image::published(),
-    };
-    let mut ring = new_ring();
-    let mut sink = FrameSink::new(out, &mut ring, opts);
     let start = Start {
         regs,
         emit_ip: true,
         first_step_dwarf: true,
-        stop_fp,
+        stop_sp,
     };
-    let end = unwind::walk(
-        start,
-        &Stacks::new(stacks),
-        opts.unwinder,
-        table,
-        cache,
-        &mut sink,
-    );
-    sink.finish(end.cut);
+    walk_in_handler(start, &Stacks::new(stacks), opts, cache, out);
 }
 
 /// Builds what signal-time capture needs ahead of time: the image table with its DWARF
@@ -501,7 +619,7 @@ mod tests {
             regs,
             emit_ip: false,
             first_step_dwarf: false,
-            stop_fp: 0,
+            stop_sp: 0,
         };
         let table = crate::image::table();
         let end = unwind::walk(

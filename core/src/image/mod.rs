@@ -10,9 +10,15 @@
 //! wrong image.
 //!
 //! Each image keeps a copy of its `.eh_frame` / `.eh_frame_hdr` (read from memory, so it is
-//! exactly what runs, also for the vDSO and for deleted binaries) and a flag saying whether its
-//! code keeps frame pointers, judged from its call-frame information: when most functions
-//! define their CFA through `rbp`, a frame-pointer walk can be trusted through that image.
+//! exactly what runs, also for the vDSO and for deleted binaries). Which code keeps frame
+//! pointers is judged *per function* from that call-frame information: a function whose CFA
+//! rule moves to `rbp` sets up a frame record; one that never does (glibc, a Rust crate built
+//! without `force-frame-pointers`, hand-written assembly) does not, and a frame-pointer step
+//! out of it would skip its caller or follow garbage. The table splits each image's code into
+//! ranges of the one kind or the other ([`ImageTable::code_range`]), so that one image may mix
+//! both — a Rust binary built without frame pointers still links the prebuilt standard
+//! library, which keeps them. Code without call-frame information counts as keeping frame
+//! pointers (a frame-pointer step is then the only one possible).
 
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex};
@@ -40,13 +46,26 @@ pub struct Image {
     pub exec: Vec<(u64, u64)>,
     /// GNU build id, if the image has one.
     pub build_id: Option<Vec<u8>>,
-    /// Whether a frame-pointer walk can be trusted through this image's code.
+    /// Whether most of this image's functions keep frame pointers (at least 70% of those
+    /// with call-frame information). Walks do not go by this: they go by the function
+    /// (see [`ImageTable::code_range`]).
     pub keeps_frame_pointers: bool,
+    /// How many of its functions (with call-frame information) set up no frame record.
+    pub functions_without_frame_pointers: usize,
     /// Whether the image has call-frame information for the DWARF unwinder.
     pub has_unwind_info: bool,
     /// Whether the image is the C library, home of the signal-return trampoline that a
     /// signal handler returns to (walks look for signal frames only in its code).
     pub is_libc: bool,
+    /// Its functions without frame pointers, as merged address ranges.
+    no_fp: NoFp,
+}
+
+/// An image's functions that keep no frame pointers: sorted, merged address ranges.
+#[derive(Clone, Debug, Default)]
+struct NoFp {
+    ranges: Arc<[(u64, u64)]>,
+    functions: usize,
 }
 
 impl Image {
@@ -107,6 +126,9 @@ pub struct ImageTable {
     images: Vec<Arc<Image>>,
     /// Executable ranges sorted by start: (start, end, index into `images`).
     code: Vec<(u64, u64, u32)>,
+    /// The same code split by whether its functions keep frame pointers, sorted and
+    /// covering `code` exactly: (start, end, keeps frame pointers).
+    fp_ranges: Vec<(u64, u64, bool)>,
     /// Executable ranges of the C library (where the signal-return trampoline lives).
     pub(crate) libc_code: Vec<(u64, u64)>,
     /// The span of `libc_code` (lowest start, highest end): one test per frame rules out
@@ -150,15 +172,24 @@ impl ImageTable {
             .or_else(|| self.images.iter().find(|i| i.contains(addr)))
     }
 
-    /// The executable range containing `addr`, with whether frame pointers are kept there.
+    /// The largest range of code around `addr` whose functions all keep frame pointers, or
+    /// all do not: `(start, end, keeps)`. `None` outside every image's code.
     #[inline]
-    pub(crate) fn code_range(&self, addr: u64) -> Option<(u64, u64, bool)> {
-        let i = self.code.partition_point(|&(s, _, _)| s <= addr);
+    pub fn code_range(&self, addr: u64) -> Option<(u64, u64, bool)> {
+        let i = self.fp_ranges.partition_point(|&(s, _, _)| s <= addr);
         if i == 0 {
             return None;
         }
-        let (s, e, idx) = self.code[i - 1];
-        (addr >= s && addr < e).then(|| (s, e, self.images[idx as usize].keeps_frame_pointers))
+        let r = self.fp_ranges[i - 1];
+        (addr >= r.0 && addr < r.1).then_some(r)
+    }
+
+    /// Whether a frame-pointer step out of the function at `addr` can be trusted: it keeps
+    /// frame pointers, or it lies outside every known image (JIT code: frame pointers are
+    /// then the only hope).
+    #[inline]
+    pub fn frame_pointer_code(&self, addr: u64) -> bool {
+        self.code_range(addr).is_none_or(|r| r.2)
     }
 
     /// The call-frame information of the image whose code contains `addr`.
@@ -243,13 +274,15 @@ fn build(prev: Option<&'static ImageTable>) -> &'static ImageTable {
                 .find(|i| i.start == r.start && i.path == path)
                 .cloned()
         });
-        let keeps_fp = match &known {
-            Some(k) => k.keeps_frame_pointers,
+        let judged = match &known {
+            Some(k) => (k.keeps_frame_pointers, k.no_fp.clone()),
             None => r
                 .eh_frame
                 .as_ref()
-                .is_some_and(|(addr, data)| judge_frame_pointers(*addr, data)),
+                .map(|(addr, data)| judge_frame_pointers(*addr, data))
+                .unwrap_or_default(),
         };
+        let (keeps_fp, no_fp) = judged;
         let has_unwind_info = r.eh_frame.is_some() && r.eh_frame_hdr.is_some();
         let mut image_cfi = None;
         if let (Some((hdr_addr, hdr)), Some((eh_addr, eh))) = (r.eh_frame_hdr, r.eh_frame) {
@@ -289,6 +322,8 @@ fn build(prev: Option<&'static ImageTable>) -> &'static ImageTable {
             exec: r.exec,
             build_id: r.build_id,
             keeps_frame_pointers: keeps_fp,
+            functions_without_frame_pointers: no_fp.functions,
+            no_fp,
             has_unwind_info,
             is_libc,
         }));
@@ -299,6 +334,7 @@ fn build(prev: Option<&'static ImageTable>) -> &'static ImageTable {
         .flat_map(|(i, img)| img.exec.iter().map(move |&(s, e)| (s, e, i as u32)))
         .collect();
     code.sort_unstable();
+    let fp_ranges = split_by_frame_pointers(&code, &images);
     let libc_code: Vec<(u64, u64)> = images
         .iter()
         .filter(|i| i.is_libc)
@@ -307,6 +343,7 @@ fn build(prev: Option<&'static ImageTable>) -> &'static ImageTable {
     let table: &'static ImageTable = Box::leak(Box::new(ImageTable {
         images,
         code,
+        fp_ranges,
         libc_span: libc_code
             .iter()
             .fold((u64::MAX, 0), |(lo, hi), &(s, e)| (lo.min(s), hi.max(e))),
@@ -319,9 +356,41 @@ fn build(prev: Option<&'static ImageTable>) -> &'static ImageTable {
     table
 }
 
-/// Judges from call-frame information whether an image keeps frame pointers: it does when
-/// most functions (of the first few hundred) move their CFA rule to `rbp`.
-fn judge_frame_pointers(eh_addr: u64, data: &[u8]) -> bool {
+/// Splits each executable range into runs of code that keeps frame pointers and code that
+/// does not (the image's functions without them, clipped to the range).
+fn split_by_frame_pointers(
+    code: &[(u64, u64, u32)],
+    images: &[Arc<Image>],
+) -> Vec<(u64, u64, bool)> {
+    let mut out = Vec::with_capacity(code.len());
+    for &(s, e, idx) in code {
+        let no_fp = &images[idx as usize].no_fp.ranges;
+        let mut at = s;
+        let first = no_fp.partition_point(|&(_, ne)| ne <= s);
+        for &(ns, ne) in &no_fp[first..] {
+            if ns >= e {
+                break;
+            }
+            let (ns, ne) = (ns.max(at), ne.min(e));
+            if ns > at {
+                out.push((at, ns, true));
+            }
+            if ne > ns {
+                out.push((ns, ne, false));
+                at = ne;
+            }
+        }
+        if at < e {
+            out.push((at, e, true));
+        }
+    }
+    out
+}
+
+/// Judges from call-frame information which functions of an image keep frame pointers: those
+/// whose CFA rule moves to `rbp` at some point. Returns whether most do (70%), and the
+/// ranges of those that do not.
+fn judge_frame_pointers(eh_addr: u64, data: &[u8]) -> (bool, NoFp) {
     use addr2line::gimli::{
         BaseAddresses, CallFrameInstruction, CieOrFde, EhFrame, LittleEndian, UnwindSection,
     };
@@ -329,33 +398,55 @@ fn judge_frame_pointers(eh_addr: u64, data: &[u8]) -> bool {
     let eh = EhFrame::new(data, LittleEndian);
     let bases = BaseAddresses::default().set_eh_frame(eh_addr);
     let mut entries = eh.entries(&bases);
-    let (mut fdes, mut with_fp) = (0u32, 0u32);
-    while fdes < 400 {
-        let entry = match entries.next() {
-            Ok(Some(e)) => e,
-            _ => break,
-        };
+    let (mut fdes, mut with_fp) = (0usize, 0usize);
+    let mut without: Vec<(u64, u64)> = Vec::new();
+    while let Ok(Some(entry)) = entries.next() {
         let CieOrFde::Fde(partial) = entry else {
             continue;
         };
         let Ok(fde) = partial.parse(EhFrame::cie_from_offset) else {
             continue;
         };
+        if fde.len() == 0 {
+            continue;
+        }
         fdes += 1;
+        let mut uses_rbp = false;
         let mut ins = fde.instructions(&eh, &bases);
         while let Ok(Some(i)) = ins.next() {
-            let uses_rbp = match i {
+            uses_rbp = match i {
                 CallFrameInstruction::DefCfaRegister { register } => register.0 == RBP,
                 CallFrameInstruction::DefCfa { register, .. } => register.0 == RBP,
                 _ => false,
             };
             if uses_rbp {
-                with_fp += 1;
                 break;
             }
         }
+        if uses_rbp {
+            with_fp += 1;
+        } else {
+            let start = fde.initial_address();
+            without.push((start, start.saturating_add(fde.len())));
+        }
     }
-    fdes > 0 && with_fp * 10 >= fdes * 7
+    let functions = without.len();
+    without.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(without.len());
+    for (s, e) in without {
+        match merged.last_mut() {
+            // Functions separated by alignment padding only form one range.
+            Some(last) if s <= last.1.saturating_add(16) => last.1 = last.1.max(e),
+            _ => merged.push((s, e)),
+        }
+    }
+    (
+        fdes > 0 && with_fp * 10 >= fdes * 7,
+        NoFp {
+            ranges: merged.into(),
+            functions,
+        },
+    )
 }
 
 /// Parses ELF note bytes and returns the GNU build id (note type 3, owner "GNU").
@@ -441,13 +532,64 @@ mod tests {
             .find(|i| i.name().starts_with("libc.so"))
             .expect("libc listed");
         assert!(libc_img.has_unwind_info);
-        // Debian's glibc is built without frame pointers.
+        // Debian's glibc is built without frame pointers: judged per function too.
         assert!(!libc_img.keeps_frame_pointers);
+        assert!(libc_img.functions_without_frame_pointers > 100);
+        let qsort = libc::qsort as *const () as usize as u64;
+        assert_eq!(t.code_range(qsort).map(|r| r.2), Some(false));
+        assert!(!t.frame_pointer_code(qsort));
+        let ours = executable_and_libc_are_listed_with_build_ids as *const () as usize as u64;
+        assert_eq!(t.code_range(ours).map(|r| r.2), Some(true));
+        // Outside every image: frame pointers are the only hope.
+        assert!(t.code_range(8).is_none() && t.frame_pointer_code(8));
         let q = libc::qsort as *const () as usize as u64;
         assert!(std::ptr::eq(&**t.code_image(q).unwrap(), &**libc_img));
         // Only libc's code is searched for the signal-return trampoline.
         assert!(libc_img.is_libc && !exe.is_libc);
         assert!(t.libc_code.iter().any(|&(s, e)| q >= s && q < e));
+    }
+
+    fn image(exec: Vec<(u64, u64)>, no_fp: &[(u64, u64)]) -> Arc<Image> {
+        Arc::new(Image {
+            path: String::new(),
+            base: 0,
+            start: exec.first().map_or(0, |r| r.0),
+            end: exec.last().map_or(0, |r| r.1),
+            exec,
+            build_id: None,
+            keeps_frame_pointers: true,
+            functions_without_frame_pointers: no_fp.len(),
+            has_unwind_info: true,
+            is_libc: false,
+            no_fp: NoFp {
+                ranges: no_fp.into(),
+                functions: no_fp.len(),
+            },
+        })
+    }
+
+    #[test]
+    fn code_is_split_exactly_by_functions_without_frame_pointers() {
+        let a = image(
+            vec![(100, 200), (300, 400)],
+            &[(90, 110), (150, 160), (190, 310)],
+        );
+        let b = image(vec![(500, 600)], &[]);
+        let code = vec![(100, 200, 0), (300, 400, 0), (500, 600, 1)];
+        let got = split_by_frame_pointers(&code, &[a, b]);
+        assert_eq!(
+            got,
+            [
+                (100, 110, false),
+                (110, 150, true),
+                (150, 160, false),
+                (160, 190, true),
+                (190, 200, false),
+                (300, 310, false),
+                (310, 400, true),
+                (500, 600, true),
+            ]
+        );
     }
 
     #[test]

@@ -24,6 +24,22 @@ pub struct Symbol {
     pub inlined: bool,
 }
 
+/// Whether a function name has a path (`a::b`), not counting paths inside its generic
+/// arguments (`call_user<app::{closure_env#0}, u32>` has none).
+fn has_path(name: &str) -> bool {
+    let mut depth = 0i32;
+    let b = name.as_bytes();
+    for (i, &c) in b.iter().enumerate() {
+        match c {
+            b'<' => depth += 1,
+            b'>' => depth -= 1,
+            b':' if depth == 0 && b.get(i + 1) == Some(&b':') => return true,
+            _ => {}
+        }
+    }
+    false
+}
+
 /// Errors opening a file for symbolization.
 #[derive(Debug)]
 pub struct OpenError {
@@ -137,6 +153,17 @@ impl ElfSymbols {
             out.function_start = Some(sym.address());
             let demangled = addr2line::demangle_auto(sym.name().into(), None).into_owned();
             match out.symbols.last_mut() {
+                // Debug info with line tables only names functions without their path
+                // (`main`, `recv_until<u32>`); the symbol table has the whole name of the
+                // outermost one.
+                Some(outer)
+                    if outer
+                        .name
+                        .as_deref()
+                        .is_some_and(|n| !has_path(n) && has_path(&demangled)) =>
+                {
+                    outer.name = Some(demangled)
+                }
                 Some(outer) if outer.name.is_some() => {}
                 Some(outer) => outer.name = Some(demangled),
                 None => out.symbols.push(Symbol {
@@ -184,4 +211,20 @@ pub(crate) fn read_build_id(data: &[u8]) -> Result<Option<Vec<u8>>, String> {
         }
     }
     Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::has_path;
+
+    #[test]
+    fn a_path_inside_generic_arguments_is_not_the_names_path() {
+        assert!(has_path("fibertrace_fiber::sched::call_user"));
+        assert!(has_path(
+            "<&dyn core::ops::Fn<()> as core::ops::FnOnce<()>>::call_once"
+        ));
+        assert!(!has_path("call_user<app::{closure_env#0}, u32>"));
+        assert!(!has_path("main"));
+        assert!(!has_path("{closure#0}<()>"));
+    }
 }

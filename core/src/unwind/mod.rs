@@ -9,9 +9,23 @@
 //!   compact form, through framehop. Both are allocation-free.
 //!
 //! `Fast` takes only frame-pointer steps, `Precise` only DWARF steps. `Auto` takes
-//! frame-pointer steps while the code it is in keeps frame pointers (judged per image, see
-//! [`crate::image`]) and DWARF steps where it does not (glibc), and tries a DWARF step
-//! wherever a frame-pointer step fails.
+//! frame-pointer steps while the function it is in keeps frame pointers (judged per function
+//! from its call-frame information, see [`crate::image`]) and DWARF steps where it does not
+//! (glibc, a crate built without frame pointers), and tries a DWARF step wherever a
+//! frame-pointer step fails.
+//!
+//! `Fast` never steps out of a function that keeps no frame pointers (its `rbp` is not a frame
+//! record: the step would skip its caller or follow garbage): when the image table is known,
+//! the walk ends after such a frame and reports it ([`WalkEnd::fp_unsafe`]); the capture
+//! functions then walk again with `Auto`, or, where they cannot (no DWARF cache), end the
+//! trace with `Truncated`. Without an image table (a signal handler before [`crate::prepare`])
+//! nothing can be judged and `Fast` trusts every frame record.
+//!
+//! The stop frame: a runtime that calls user code on a coroutine gives the stack pointer of
+//! its function that made the call (`stop_sp`); the walk ends with the frame whose caller's
+//! stack pointer (its CFA) is at or above it on that stack, so neither the runtime's frames
+//! nor anything above them appear. A stack pointer, not a frame pointer: in code built without
+//! frame pointers `rbp` is an ordinary register that may hold the same value for many frames.
 //!
 //! Frame-pointer steps honour registered [`hop`]s (code such as LuaJIT's interpreter that
 //! calls out with a fixed C frame and no frame record of its own).
@@ -139,10 +153,11 @@ pub(crate) struct Start {
     /// Take the first step with DWARF when available (an interrupted context may be in a
     /// prologue, where the frame pointer is not set up yet).
     pub first_step_dwarf: bool,
-    /// When nonzero: the frame pointer of a runtime's entry frame. The walk ends at the frame
-    /// whose caller's frame pointer is this value, without emitting the return address into
-    /// the entry function (the runtime's frames are not the user's).
-    pub stop_fp: u64,
+    /// When nonzero: the stack pointer of a runtime's entry frame (the function that called
+    /// the user's code, at the call). The walk ends with the frame whose caller's stack
+    /// pointer is at or above this value on the stack holding it, without emitting the
+    /// return address into the entry function (the runtime's frames are not the user's).
+    pub stop_sp: u64,
 }
 
 /// How a walk ended.
@@ -153,6 +168,9 @@ pub(crate) struct WalkEnd {
     /// Met a code address outside every known image (a library loaded after the image
     /// table was built, or JIT code): a refreshed table may do better.
     pub unknown_code: bool,
+    /// A `Fast` walk ended after a frame in code that keeps no frame pointers (the frames
+    /// emitted are right; the ones beyond could not be trusted).
+    pub fp_unsafe: bool,
 }
 
 /// Walks from `start`, feeding `sink`.
@@ -165,16 +183,14 @@ pub(crate) fn walk(
     sink: &mut FrameSink<'_>,
 ) -> WalkEnd {
     let mut end = WalkEnd::default();
-    end.cut = walk_inner(
-        start,
-        stacks,
-        mode,
-        table,
-        cache,
-        sink,
-        &mut end.unknown_code,
-    );
+    end.cut = walk_inner(start, stacks, mode, table, cache, sink, &mut end);
     end
+}
+
+/// Whether a walk at stack pointer `sp`, in the stack `[lo, hi)`, has reached the stop frame.
+#[inline(always)]
+fn at_stop(stop_sp: u64, sp: u64, lo: u64, hi: u64) -> bool {
+    stop_sp != 0 && sp >= stop_sp && stop_sp >= lo && stop_sp <= hi
 }
 
 fn walk_inner(
@@ -184,14 +200,27 @@ fn walk_inner(
     table: Option<&ImageTable>,
     mut cache: Option<&mut DwarfCache>,
     sink: &mut FrameSink<'_>,
-    unknown_code: &mut bool,
+    end: &mut WalkEnd,
 ) -> bool {
     let Registers { ip, sp, fp } = start.regs;
     if start.emit_ip && !sink.push(Frame::Pc(ip)) {
         return false;
     }
     if mode == Unwinder::Fast || table.is_none() || cache.is_none() {
-        return fp_walk(fp, sp, start.stop_fp, stacks, sink);
+        // The first frame record read is that of the function at `ip`.
+        if table.is_some_and(|t| !t.frame_pointer_code(ip) && hop::Hops::snapshot().misses(ip)) {
+            end.fp_unsafe = true;
+            return false;
+        }
+        return fp_walk(
+            fp,
+            sp,
+            start.stop_sp,
+            stacks,
+            table,
+            sink,
+            &mut end.fp_unsafe,
+        );
     }
     let table = table.expect("checked");
     let mut regs = UnwindRegsX86_64::new(ip, sp, fp);
@@ -207,6 +236,8 @@ fn walk_inner(
             Unwinder::Precise => false,
             _ if (first && start.first_step_dwarf) || after_signal => false,
             _ if pc >= fp_range.0 && pc < fp_range.1 => true,
+            // A registered hop steps its code's frames (LuaJIT's interpreter).
+            _ if !cur.hops.misses(pc) => true,
             _ => match table.code_range(pc) {
                 Some((s, e, true)) => {
                     fp_range = (s, e);
@@ -216,7 +247,7 @@ fn walk_inner(
                 // Code outside any image (JIT, a library loaded since the table was
                 // built, or a bad address): frame pointers are the only hope.
                 None => {
-                    *unknown_code = true;
+                    end.unknown_code = true;
                     true
                 }
             },
@@ -240,9 +271,7 @@ fn walk_inner(
             )
         });
         let Some(ra) = step else { return false };
-        if ra == 0
-            || (start.stop_fp != 0 && regs.bp() == start.stop_fp)
-            || !sink.push(Frame::Ra(ra))
+        if ra == 0 || at_stop(start.stop_sp, regs.sp(), cur.lo, cur.hi) || !sink.push(Frame::Ra(ra))
         {
             return false;
         }
@@ -456,11 +485,18 @@ fn apply(rule: rules::Rule, stacks: &Stacks<'_>, regs: &mut UnwindRegsX86_64) ->
 /// checked first, so a step reads without checking.
 struct FpWalk<'s, 'a> {
     stacks: &'s Stacks<'a>,
-    stop_fp: u64,
+    stop_sp: u64,
     /// The highest address the next record may start at on the fast path: `hi - 16`, or
-    /// just below `stop_fp` when that lies in this segment (so that the fast path never
-    /// has to look for the stop frame itself).
+    /// lower when `stop_sp` lies in this segment (a record whose caller's stack pointer,
+    /// 16 above it, reaches `stop_sp` ends the walk; the fast path never looks for it).
     top: u64,
+    /// Code known to keep frame pointers, `[ok_lo, ok_lo + ok_len)` (all code when no
+    /// image table is given): a return address there may be stepped out of on the fast path.
+    ok_lo: u64,
+    ok_len: u64,
+    table: Option<&'s ImageTable>,
+    /// Set when the walk ended after a return address into code without frame pointers.
+    fp_unsafe: bool,
     lo: u64,
     hi: u64,
     seg: usize,
@@ -471,10 +507,20 @@ struct FpWalk<'s, 'a> {
 impl<'s, 'a> FpWalk<'s, 'a> {
     /// A walk whose first frame record is `fp`, in segment `seg`; returns it with the frame
     /// pointer to start from (0 when the record at `fp` may not be read).
-    fn new(stacks: &'s Stacks<'a>, fp: u64, stop_fp: u64, seg: usize) -> (Self, u64) {
+    fn new(
+        stacks: &'s Stacks<'a>,
+        fp: u64,
+        stop_sp: u64,
+        seg: usize,
+        table: Option<&'s ImageTable>,
+    ) -> (Self, u64) {
         let mut w = FpWalk {
             stacks,
-            stop_fp,
+            stop_sp,
+            ok_lo: 0,
+            ok_len: if table.is_some() { 0 } else { u64::MAX },
+            table,
+            fp_unsafe: false,
             top: 0,
             lo: 0,
             hi: 0,
@@ -483,8 +529,18 @@ impl<'s, 'a> FpWalk<'s, 'a> {
             hops: hop::Hops::snapshot(),
         };
         w.enter(seg);
-        let fp = w.readable(fp);
+        let mut fp = w.readable(fp);
+        if fp != 0 && w.stops_at(fp) {
+            fp = 0;
+        }
         (w, fp)
+    }
+
+    /// Whether the frame whose record is at `fp` (in the current segment) is the last: its
+    /// caller's stack pointer, `fp + 16`, reaches the stop.
+    #[inline]
+    fn stops_at(&self, fp: u64) -> bool {
+        at_stop(self.stop_sp, fp.saturating_add(16), self.lo, self.hi)
     }
 
     /// Makes `seg` the current segment.
@@ -495,8 +551,9 @@ impl<'s, 'a> FpWalk<'s, 'a> {
         self.lo = b.lo;
         self.hi = b.hi;
         self.top = b.hi.saturating_sub(16);
-        if self.stop_fp > b.lo && self.stop_fp <= self.top {
-            self.top = self.stop_fp.saturating_sub(8);
+        if self.stop_sp != 0 && self.stop_sp >= b.lo && self.stop_sp <= b.hi {
+            // A record at or above `stop_sp - 16` is the stop frame's: the slow path.
+            self.top = self.top.min(self.stop_sp.saturating_sub(24));
         }
     }
 
@@ -537,7 +594,8 @@ impl<'s, 'a> FpWalk<'s, 'a> {
         // top, so that one unsigned compare checks both. (When `at` is above `top`, which
         // only a stop frame below the start can cause, the bound is 0: always the slow path.)
         let up = next.wrapping_sub(at + 8).rotate_right(3) < (self.top.saturating_sub(at) >> 3);
-        if up & (ra != 0) & self.hops.misses(ra) {
+        let fp_code = ra.wrapping_sub(1).wrapping_sub(self.ok_lo) < self.ok_len;
+        if up & (ra != 0) & self.hops.misses(ra) & fp_code {
             *fp = next;
             return Some(ra);
         }
@@ -553,21 +611,46 @@ impl<'s, 'a> FpWalk<'s, 'a> {
     #[cold]
     #[inline(never)]
     fn step_slow(&mut self, at: u64, next: u64, ra: u64) -> (Option<u64>, u64) {
-        if ra == 0 || (self.stop_fp != 0 && next == self.stop_fp) {
+        if ra == 0 {
             return (None, 0);
+        }
+        // The caller (at `ra`) must keep frame pointers for its own record to be `next`; a
+        // hop knows its code's frames.
+        if self.hops.misses(ra) && ra.wrapping_sub(1).wrapping_sub(self.ok_lo) >= self.ok_len {
+            if let Some(t) = self.table {
+                match t.code_range(ra.wrapping_sub(1)) {
+                    Some((s, e, true)) => (self.ok_lo, self.ok_len) = (s, e - s),
+                    Some((_, _, false)) => {
+                        // Right as far as it goes; the caller's caller cannot be found
+                        // this way.
+                        self.fp_unsafe = true;
+                        return (Some(ra), 0);
+                    }
+                    // Outside every image (JIT code): frame pointers are the only hope.
+                    None => {}
+                }
+            }
         }
         let next = self.hops.next_record(at, ra, next);
         if next > at && next < self.hi {
             // Up in the same stack (possibly through a hop); the next step ends the walk
-            // unless the record there may be read.
-            return (Some(ra), self.readable(next));
+            // unless the record there may be read, or it is the stop frame's.
+            let next = self.readable(next);
+            if next != 0 && self.stops_at(next) {
+                return (Some(ra), 0);
+            }
+            return (Some(ra), next);
         }
         // Leaving this stack (a coroutine's frame chain continues in its resumer's stack):
         // allowed once per stack. Otherwise the walk ends after this frame.
         if let Some(s) = self.stacks.find(next) {
             if s != self.seg && self.visited & (1 << (s % 64)) == 0 {
                 self.enter(s);
-                return (Some(ra), self.readable(next));
+                let next = self.readable(next);
+                if next != 0 && self.stops_at(next) {
+                    return (Some(ra), 0);
+                }
+                return (Some(ra), next);
             }
         }
         (Some(ra), 0)
@@ -579,14 +662,28 @@ impl<'s, 'a> FpWalk<'s, 'a> {
 /// While the frames fit, they are written straight into the backtrace; past that, through
 /// a small local buffer. Either way the loop is a tight dependent-load chain of about a
 /// nanosecond per frame.
-fn fp_walk(fp: u64, sp: u64, stop_fp: u64, stacks: &Stacks<'_>, sink: &mut FrameSink<'_>) -> bool {
+fn fp_walk(
+    fp: u64,
+    sp: u64,
+    stop_sp: u64,
+    stacks: &Stacks<'_>,
+    table: Option<&ImageTable>,
+    sink: &mut FrameSink<'_>,
+    fp_unsafe: &mut bool,
+) -> bool {
     let Some(seg) = stacks.find(fp) else {
         return false;
     };
     if stacks.find(sp) == Some(seg) && fp < sp {
         return false;
     }
-    let (mut w, mut fp) = FpWalk::new(stacks, fp, stop_fp, seg);
+    let (mut w, fp) = FpWalk::new(stacks, fp, stop_sp, seg, table);
+    let cut = fp_walk_loop(&mut w, fp, sink);
+    *fp_unsafe = w.fp_unsafe;
+    cut
+}
+
+fn fp_walk_loop(w: &mut FpWalk<'_, '_>, mut fp: u64, sink: &mut FrameSink<'_>) -> bool {
     let mut total = 0usize;
     // Direct phase.
     let room = sink.direct_room();
@@ -644,7 +741,7 @@ mod tests {
 
     /// The frame-pointer walk as first written (every check on every step, the frame pointer
     /// in the walk's state): the oracle the fast-path walk must agree with exactly.
-    fn reference(stacks: &Stacks<'_>, fp0: u64, stop_fp: u64, seg0: usize) -> Vec<u64> {
+    fn reference(stacks: &Stacks<'_>, fp0: u64, stop_sp: u64, seg0: usize) -> Vec<u64> {
         let hops = hop::Hops::snapshot();
         let (mut fp, mut seg) = (fp0, seg0);
         let (mut lo, mut hi) = (stacks.segs[seg].lo, stacks.segs[seg].hi);
@@ -654,8 +751,13 @@ mod tests {
             if !fp.is_multiple_of(8) || fp < lo || fp + 16 > hi {
                 break;
             }
+            // The stop frame: its caller's stack pointer reaches `stop_sp`, in the stop's stack.
+            let seg_b = stacks.segs[seg];
+            if stop_sp != 0 && stop_sp >= seg_b.lo && stop_sp <= seg_b.hi && fp + 16 >= stop_sp {
+                break;
+            }
             let (next, ra) = (stacks.read(fp).unwrap(), stacks.read(fp + 8).unwrap());
-            if ra == 0 || (stop_fp != 0 && next == stop_fp) {
+            if ra == 0 {
                 break;
             }
             let next = hops.next_record(fp, ra, next);
@@ -678,8 +780,8 @@ mod tests {
         out
     }
 
-    fn walked(stacks: &Stacks<'_>, fp0: u64, stop_fp: u64, seg0: usize) -> Vec<u64> {
-        let (mut w, mut fp) = FpWalk::new(stacks, fp0, stop_fp, seg0);
+    fn walked(stacks: &Stacks<'_>, fp0: u64, stop_sp: u64, seg0: usize) -> Vec<u64> {
+        let (mut w, mut fp) = FpWalk::new(stacks, fp0, stop_sp, seg0, None);
         let mut out = Vec::new();
         while out.len() < 1000 {
             match w.step(&mut fp) {
@@ -717,8 +819,8 @@ mod tests {
                 StackBounds::new(base[0], base[0] + 8 * WORDS as u64),
                 StackBounds::new(base[1], hi1),
             ];
-            let stop_fp = match rnd(3) {
-                0 => 0,
+            let stop_sp = match rnd(3) {
+                0 | 1 => 0,
                 _ => base[rnd(2) as usize] + 8 * rnd(WORDS as u64),
             };
             for s in 0..2 {
@@ -730,7 +832,7 @@ mod tests {
                         1 => here + up + 3,
                         2 => here.wrapping_sub(up),
                         3 => base[1 - s] + 8 * rnd(WORDS as u64),
-                        4 => stop_fp,
+                        4 => stop_sp.saturating_sub(16),
                         5 => u64::MAX - 7,
                         6 => here,
                         _ => here + up,
@@ -745,8 +847,8 @@ mod tests {
             let stacks = Stacks::new(&segs);
             let seg0 = rnd(2) as usize;
             let fp0 = base[seg0] + 8 * rnd(WORDS as u64) + [0, 0, 0, 4][rnd(4) as usize];
-            let want = reference(&stacks, fp0, stop_fp, seg0);
-            let got = walked(&stacks, fp0, stop_fp, seg0);
+            let want = reference(&stacks, fp0, stop_sp, seg0);
+            let got = walked(&stacks, fp0, stop_sp, seg0);
             long_walks += usize::from(want.len() >= 8);
             if want != got {
                 disagreements.push((round, want, got));
