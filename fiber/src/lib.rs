@@ -46,9 +46,9 @@ pub mod watchdog;
 pub use control::{FiberId, PanicReport, ParentTrace, Status, WaitOn};
 pub use info::{FiberInfo, InfoOptions};
 pub use sched::{
-    current, current_id, is_cancelled, sleep, spawn, suspend, testcancel, yield_now, yield_to,
-    yield_to_id, BlockOnError, Builder, Fiber, JoinError, JoinHandle, RunError, Scheduler,
-    SchedulerOptions,
+    cancellation_caught, current, current_id, is_cancelled, sleep, spawn, suspend, testcancel,
+    yield_now, yield_to, yield_to_id, BlockOnError, Builder, Fiber, JoinError, JoinHandle,
+    RunError, Scheduler, SchedulerOptions,
 };
 pub use sync::{channel, Channel, ChannelError, Cond};
 

@@ -678,11 +678,39 @@ fn check_cancel(ctx: &FiberCtx) {
     }
 }
 
+/// Tells the runtime that the cancellation's unwinding of the current fiber was caught and
+/// turned into an error of the host's own (a Lua error the script may catch): the fiber's
+/// next suspension raises it again, as Tarantool does at every yield of a cancelled fiber.
+/// (Until then, a cancelled fiber's suspensions do not raise: its destructors may block
+/// while it unwinds.)
+pub fn cancellation_caught() {
+    if let Some(ctx) = current_ctx() {
+        ctx.unwinding.set(false);
+    }
+}
+
 /// Raises the cancellation now if this fiber was cancelled (Tarantool's `fiber.testcancel`).
 pub fn testcancel() {
     if let Some(ctx) = current_ctx() {
         check_cancel(ctx);
     }
+}
+
+/// Whether fiber `fid` of scheduler `sched` (the one running on this thread) was cancelled;
+/// false for an unknown fiber or another thread's scheduler.
+pub(crate) fn is_cancelled_fiber(sched: u64, fid: FiberId) -> bool {
+    with_sched(|s| {
+        s.shared.id == sched
+            && s.slots
+                .try_borrow()
+                .ok()
+                .and_then(|m| {
+                    m.get(&fid)
+                        .map(|slot| slot.ctx.shared.cancelled.load(Ordering::Relaxed))
+                })
+                .unwrap_or(false)
+    })
+    .unwrap_or(false)
 }
 
 /// Whether the current fiber was cancelled.
@@ -773,6 +801,9 @@ pub(crate) fn block(on: WaitOn, deadline: Option<Instant>) {
     let Some(ctx) = current_ctx() else {
         return;
     };
+    // A cancelled fiber does not start a wait (Tarantool: a channel or condition wait of a
+    // cancelled fiber fails at once); what completes without waiting still completes.
+    check_cancel(ctx);
     let fid = ctx.shared.id;
     if let Some(d) = deadline {
         with_sched(|s| s.add_timer(fid, d));

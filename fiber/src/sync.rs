@@ -1,6 +1,17 @@
 //! Channels and condition variables for fibers of one scheduler. Blocking operations suspend
 //! the calling fiber (recorded as waiting on the channel or condition, for info and dumps);
 //! other fibers run meanwhile.
+//!
+//! What a channel guarantees, whatever ends an operation (a value, a timeout, `close`, the
+//! fiber's cancellation unwinding out of its wait):
+//! * a value is delivered at most once, and a send reports success exactly when its value
+//!   was queued (buffered channel) or taken by a receiver (rendezvous, capacity 0); a
+//!   rendezvous send that fails takes its value back out of the channel
+//!   ([`Channel::send_back`] hands it to the caller; otherwise it is dropped), so a value
+//!   never stays queued for a sender that was told it was not sent;
+//! * a receive that took a value returns it;
+//! * a wake-up meant for a fiber that leaves by unwinding is passed on to the next waiter,
+//!   so no value sits in a channel while a receiver sleeps.
 
 use std::cell::{Cell, RefCell};
 use std::collections::{HashSet, VecDeque};
@@ -74,10 +85,6 @@ impl WaitQueue {
             self.q.retain(|(_, t)| live.contains(t));
         }
     }
-
-    fn is_empty(&self) -> bool {
-        self.live.is_empty()
-    }
 }
 
 /// Leaves a wait queue when dropped: after the wait ends normally, and also when it ends by
@@ -143,12 +150,25 @@ impl std::fmt::Display for ChannelError {
 
 impl std::error::Error for ChannelError {}
 
+/// A failed send, with the value when it is still the sender's: not queued, or taken back
+/// out of a rendezvous channel. `None` when the channel's values were discarded
+/// ([`Channel::close_discarding`]) with it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct SendError<T> {
+    /// Why.
+    pub error: ChannelError,
+    /// The value, when it was not sent.
+    pub value: Option<T>,
+}
+
 struct ChanInner<T> {
     id: u64,
     cap: usize,
-    buf: RefCell<VecDeque<T>>,
+    /// Queued values with their tickets (increasing).
+    buf: RefCell<VecDeque<(u64, T)>>,
     closed: Cell<bool>,
-    /// Items taken so far (rendezvous senders wait for theirs to be taken).
+    /// Ticket of the last value a receiver took (values leave in order: every ticket up to
+    /// it was taken, taken back by its sender, or discarded).
     taken: Cell<u64>,
     pushed: Cell<u64>,
     receivers: RefCell<WaitQueue>,
@@ -216,22 +236,52 @@ impl<T> Channel<T> {
         self.inner.closed.get()
     }
 
-    /// Closes it: blocked senders and receivers wake up; buffered values can still be read.
+    /// Closes it: blocked senders and receivers wake up; buffered values can still be read
+    /// (a blocked rendezvous sender takes its value back and fails).
     pub fn close(&self) {
         self.inner.closed.set(true);
         wake_all(&self.inner.receivers);
         wake_all(&self.inner.senders);
     }
 
+    /// Closes it and drops every queued value (Tarantool's close before 2.10): blocked
+    /// senders fail, receivers get nothing more.
+    pub fn close_discarding(&self) {
+        self.close();
+        let dropped = std::mem::take(&mut *self.inner.buf.borrow_mut());
+        // Dropped outside the borrow: a value's destructor may use the channel.
+        drop(dropped);
+    }
+
+    /// Whether a fiber is blocked receiving (and not cancelled).
+    pub fn has_readers(&self) -> bool {
+        has_live_waiters(&self.inner.receivers)
+    }
+
+    /// Whether a fiber is blocked sending (and not cancelled).
+    pub fn has_writers(&self) -> bool {
+        has_live_waiters(&self.inner.senders)
+    }
+
     /// Sends, waiting while the channel is full.
     #[inline(never)]
     pub fn send(&self, v: T) -> Result<(), ChannelError> {
-        self.send_until(v, None)
+        self.send_until(v, None).map_err(|e| e.error)
     }
 
     /// Sends, waiting at most `d`.
     pub fn send_timeout(&self, v: T, d: Duration) -> Result<(), ChannelError> {
         self.send_until(v, Some(Instant::now() + d))
+            .map_err(|e| e.error)
+    }
+
+    /// Sends, waiting at most `timeout` (forever: `None`); a send that fails hands its value
+    /// back when it is still the sender's (see [`SendError`]).
+    #[inline(never)]
+    pub fn send_back(&self, v: T, timeout: Option<Duration>) -> Result<(), SendError<T>> {
+        let r = self.send_until(v, timeout.map(|d| Instant::now() + d));
+        std::hint::black_box(());
+        r
     }
 
     /// Sends only if there is room now.
@@ -240,7 +290,7 @@ impl<T> Channel<T> {
         if c.closed.get() {
             return Err(ChannelError::Closed);
         }
-        if c.buf.borrow().len() >= c.cap.max(1) || (c.cap == 0 && c.receivers.borrow().is_empty()) {
+        if c.buf.borrow().len() >= c.cap.max(1) || (c.cap == 0 && !self.has_readers()) {
             return Err(ChannelError::WouldBlock);
         }
         self.push(v);
@@ -249,35 +299,67 @@ impl<T> Channel<T> {
 
     fn push(&self, v: T) -> u64 {
         let c = &self.inner;
-        c.buf.borrow_mut().push_back(v);
-        c.pushed.set(c.pushed.get() + 1);
+        let ticket = c.pushed.get() + 1;
+        c.pushed.set(ticket);
+        c.buf.borrow_mut().push_back((ticket, v));
         wake_one(&c.receivers);
-        c.pushed.get()
+        ticket
+    }
+
+    /// Takes the value with `ticket` back out of the queue, if it is still there (the room
+    /// it leaves goes to the next waiting sender).
+    fn withdraw(&self, ticket: u64) -> Option<T> {
+        let mut buf = self.inner.buf.borrow_mut();
+        let i = buf.binary_search_by_key(&ticket, |(t, _)| *t).ok()?;
+        let v = buf.remove(i).map(|(_, v)| v);
+        drop(buf);
+        wake_one(&self.inner.senders);
+        v
     }
 
     #[inline(never)]
-    fn send_until(&self, v: T, deadline: Option<Instant>) -> Result<(), ChannelError> {
+    fn send_until(&self, v: T, deadline: Option<Instant>) -> Result<(), SendError<T>> {
         let c = &self.inner;
         let me = current_id();
+        let fail = |error, v| Err(SendError { error, value: v });
         loop {
             if c.closed.get() {
-                return Err(ChannelError::Closed);
+                return fail(ChannelError::Closed, Some(v));
             }
             if c.buf.borrow().len() < c.cap.max(1) {
                 break;
             }
-            self.wait_as_sender(me, deadline)?;
+            // (Unwinding out of this wait drops `v`: it was never queued.)
+            if let Err(e) = self.wait_as_sender(me, deadline) {
+                return fail(e, Some(v));
+            }
         }
         let ticket = self.push(v);
         if c.cap == 0 {
-            // Rendezvous: wait until our value is taken.
-            while c.taken.get() < ticket {
-                if c.closed.get() {
-                    return Err(ChannelError::Closed);
+            // Rendezvous: wait until our value is taken. Whatever ends the wait otherwise
+            // (close, timeout, cancellation unwinding) takes it back out first.
+            let guard = Unqueue { ch: self, ticket };
+            loop {
+                if c.taken.get() >= ticket {
+                    std::mem::forget(guard);
+                    return Ok(());
                 }
-                self.wait_as_sender(me, deadline)?;
+                let err = if c.closed.get() {
+                    Some(ChannelError::Closed)
+                } else {
+                    self.wait_as_sender(me, deadline).err()
+                };
+                if let Some(e) = err {
+                    std::mem::forget(guard);
+                    if c.taken.get() >= ticket {
+                        return Ok(());
+                    }
+                    return fail(e, self.withdraw(ticket));
+                }
             }
         }
+        // A sender woken for room that leaves by unwinding passes the room on (see
+        // `wait_as_sender`); one that queued passes nothing.
         Ok(())
     }
 
@@ -290,9 +372,16 @@ impl<T> Channel<T> {
         if deadline.is_some_and(|d| Instant::now() >= d) {
             return Err(ChannelError::Timeout);
         }
+        // Declared first, dropped last: an unwinding waiter leaves the queue before it wakes
+        // the next one.
+        let pass_on = PassOn {
+            ch: self,
+            senders: true,
+        };
         let waiting = enter(&c.senders);
         sched::block(WaitOn::ChannelSend(c.id), deadline);
         drop(waiting);
+        std::mem::forget(pass_on);
         if deadline.is_some_and(|d| Instant::now() >= d) && !c.closed.get() {
             return Err(ChannelError::Timeout);
         }
@@ -321,16 +410,14 @@ impl<T> Channel<T> {
 
     fn take(&self) -> Option<T> {
         let c = &self.inner;
-        let v = c.buf.borrow_mut().pop_front();
-        if v.is_some() {
-            c.taken.set(c.taken.get() + 1);
-            if c.cap == 0 {
-                wake_all(&c.senders);
-            } else {
-                wake_one(&c.senders);
-            }
+        let (ticket, v) = c.buf.borrow_mut().pop_front()?;
+        c.taken.set(ticket);
+        if c.cap == 0 {
+            wake_all(&c.senders);
+        } else {
+            wake_one(&c.senders);
         }
-        v
+        Some(v)
     }
 
     #[inline(never)]
@@ -354,11 +441,68 @@ impl<T> Channel<T> {
                 // A rendezvous sender may be waiting for a receiver to show up.
                 wake_one(&c.senders);
             }
+            // Declared first, dropped last (see `wait_as_sender`).
+            let pass_on = PassOn {
+                ch: self,
+                senders: false,
+            };
             let waiting = enter(&c.receivers);
             sched::block(WaitOn::ChannelReceive(c.id), deadline);
             drop(waiting);
+            std::mem::forget(pass_on);
         }
     }
+}
+
+/// Takes a rendezvous sender's value back out of the channel when its wait ends by
+/// unwinding (cancellation): nobody will be told it was sent.
+struct Unqueue<'a, T> {
+    ch: &'a Channel<T>,
+    ticket: u64,
+}
+
+impl<T> Drop for Unqueue<'_, T> {
+    fn drop(&mut self) {
+        if let Ok(mut buf) = self.ch.inner.buf.try_borrow_mut() {
+            if let Ok(i) = buf.binary_search_by_key(&self.ticket, |(t, _)| *t) {
+                let v = buf.remove(i);
+                drop(buf);
+                wake_one(&self.ch.inner.senders);
+                drop(v);
+            }
+        }
+    }
+}
+
+/// Passes a wake-up on when a waiter leaves by unwinding (cancellation): a receiver woken
+/// for a value (or a sender woken for room) that never uses it must not leave the next
+/// waiter asleep.
+struct PassOn<'a, T> {
+    ch: &'a Channel<T>,
+    senders: bool,
+}
+
+impl<T> Drop for PassOn<'_, T> {
+    fn drop(&mut self) {
+        let c = &self.ch.inner;
+        let Ok(buf) = c.buf.try_borrow() else {
+            return;
+        };
+        let (has_value, has_room) = (!buf.is_empty(), buf.len() < c.cap.max(1));
+        drop(buf);
+        if self.senders && has_room {
+            wake_one(&c.senders);
+        } else if !self.senders && has_value {
+            wake_one(&c.receivers);
+        }
+    }
+}
+
+/// Whether a queue holds a waiter that still waits and is not cancelled.
+fn has_live_waiters(q: &RefCell<WaitQueue>) -> bool {
+    let q = q.borrow();
+    q.q.iter()
+        .any(|((s, id), t)| q.live.contains(t) && !sched::is_cancelled_fiber(*s, *id))
 }
 
 /// A condition variable for fibers of one scheduler.

@@ -1097,7 +1097,7 @@ unsafe extern "C-unwind" fn c_time64(l: *mut ffi::lua_State) -> c_int {
 
 /// A channel's userdata: the runtime's channel of registry references to the values.
 struct ChannelUd {
-    ch: Option<fibertrace_fiber::Channel<c_int>>,
+    ch: Option<fibertrace_fiber::Channel<Msg>>,
 }
 
 struct CondUd {
@@ -1130,11 +1130,31 @@ lua_fn!(f_channel, channel_body);
 
 /// # Safety
 /// `l` valid.
-unsafe fn channel_arg(l: *mut ffi::lua_State) -> Result<fibertrace_fiber::Channel<c_int>, String> {
+unsafe fn channel_arg(l: *mut ffi::lua_State) -> Result<fibertrace_fiber::Channel<Msg>, String> {
     let (_, cmt, _) = mt_refs().ok_or_else(no_host)?;
     // SAFETY: per the contract; the block was initialised by `channel_body`.
     unsafe { check_ud::<ChannelUd>(l, 1, cmt).and_then(|p| (*p).ch.clone()) }
         .ok_or_else(|| "usage: channel:method(...)".to_string())
+}
+
+/// A value in a channel: a reference in the registry, released when the message is dropped —
+/// whoever drops it (a receiver after pushing the value, a send that failed, a channel that
+/// is closed or collected with values in it, a sender's cancellation). A message is owned by
+/// exactly one place at a time, so its reference is released exactly once and never while
+/// it is still queued.
+pub(crate) struct Msg(c_int);
+
+impl Drop for Msg {
+    fn drop(&mut self) {
+        // The registry is shared by all threads of the state: the main state will do. Without
+        // a host (it is being torn down, its state about to close) the reference goes with
+        // the state.
+        if let Some(l) = with_host(|h| h.main_l) {
+            // SAFETY: the main state of this thread's host; the reference was made by
+            // `ch_put_body` and is released only here.
+            unsafe { ffi::luaL_unref(l, REG, self.0) };
+        }
+    }
 }
 
 unsafe fn ch_put_body(l: *mut ffi::lua_State) -> LResult {
@@ -1143,19 +1163,22 @@ unsafe fn ch_put_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: as above.
     let timeout = unsafe { raw::opt_timeout(l, 3, "channel:put") }?;
     // SAFETY: as above: the message (nil if absent) is referenced in the registry.
-    let r = unsafe {
+    let msg = Msg(unsafe {
         ffi::lua_settop(l, 2);
         ffi::luaL_ref(l, REG)
+    });
+    // A send that completed is reported as such, even if the fiber was cancelled meanwhile
+    // (Tarantool's rule); a failed one drops its message (releasing it) unless the channel
+    // discarded it already. Cancellation while blocked unwinds out of the send, dropping the
+    // message on the way (see `fibertrace_fiber::sync`).
+    let sent = match ch.send_back(msg, timeout) {
+        Ok(()) => true,
+        Err(e) => {
+            drop(e);
+            cancelled_check()?;
+            false
+        }
     };
-    let sent = match timeout {
-        None => ch.send(r).is_ok(),
-        Some(d) => ch.send_timeout(r, d).is_ok(),
-    };
-    if !sent {
-        // SAFETY: the reference was not stored.
-        unsafe { ffi::luaL_unref(l, REG, r) };
-    }
-    cancelled_check()?;
     // SAFETY: as above.
     unsafe { ffi::lua_pushboolean(l, sent as c_int) };
     Ok(1)
@@ -1171,36 +1194,28 @@ unsafe fn ch_get_body(l: *mut ffi::lua_State) -> LResult {
         None => ch.recv(),
         Some(d) => ch.recv_timeout(d).ok(),
     };
-    // SAFETY: as above; the reference is pushed and released.
-    unsafe {
-        match got {
-            Some(r) => {
-                super::raw::rawgeti(l, REG, r as ffi::lua_Integer);
-                ffi::luaL_unref(l, REG, r);
-            }
-            None => ffi::lua_pushnil(l),
+    match got {
+        // A value taken is returned, even if the fiber was cancelled meanwhile.
+        // SAFETY: as above; the message's value is pushed, then the message released.
+        Some(msg) => unsafe {
+            super::raw::rawgeti(l, REG, msg.0 as ffi::lua_Integer);
+            drop(msg);
+        },
+        None => {
+            cancelled_check()?;
+            // SAFETY: as above.
+            unsafe { ffi::lua_pushnil(l) };
         }
     }
-    cancelled_check()?;
     Ok(1)
 }
 lua_fn!(ch_get, ch_get_body);
 
-/// # Safety
-/// `l` valid.
-unsafe fn drain(l: *mut ffi::lua_State, ch: &fibertrace_fiber::Channel<c_int>) {
-    while let Ok(r) = ch.try_recv() {
-        // SAFETY: every queued reference was made by `ch_put_body`.
-        unsafe { ffi::luaL_unref(l, REG, r) };
-    }
-}
-
 unsafe fn ch_close_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
     let ch = unsafe { channel_arg(l) }?;
-    ch.close();
-    // SAFETY: as above.
-    unsafe { drain(l, &ch) };
+    // Tarantool 2.6: queued messages are dropped; blocked senders and receivers fail.
+    ch.close_discarding();
     Ok(0)
 }
 lua_fn!(ch_close, ch_close_body);
@@ -1255,9 +1270,9 @@ unsafe fn ch_gc_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: __gc is called with our userdata; its block is taken out once.
     unsafe {
         if let Some(p) = check_ud::<ChannelUd>(l, 1, cmt) {
-            if let Some(ch) = (*p).ch.take() {
-                drain(l, &ch);
-            }
+            // The last handle's drop releases the queued messages (a blocked fiber holds a
+            // handle, so this is not the last while one waits).
+            drop((*p).ch.take());
         }
     }
     Ok(0)

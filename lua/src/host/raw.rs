@@ -95,6 +95,9 @@ macro_rules! lua_fn {
                 Err(payload) => {
                     drop(payload);
                     let msg = if fibertrace_fiber::is_cancelled() {
+                        // The unwinding ends here, as a Lua error: the next yield of this
+                        // fiber raises it again.
+                        fibertrace_fiber::cancellation_caught();
                         "fiber is cancelled"
                     } else {
                         "fibertrace: internal error (Rust panic)"

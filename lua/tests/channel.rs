@@ -1,0 +1,187 @@
+//! Lua channels under timeouts, close and cancellation: every message delivered at most
+//! once and only on its own channel, its registry reference released exactly once (never
+//! while it is still queued), and Tarantool's rule that an operation that completed returns
+//! its result.
+
+use fibertrace_lua::LuaHost;
+
+fn run(src: &str) -> LuaHost {
+    let host = LuaHost::new().unwrap();
+    if let Err(e) = host.run_main("@t.lua", src.as_bytes(), &[]) {
+        panic!("script failed: {e}");
+    }
+    host
+}
+
+fn global<T: mlua::FromLua>(host: &LuaHost, name: &str) -> T {
+    host.lua().globals().get(name).unwrap()
+}
+
+/// Counts registry references that hold a test message (tables marked `msg = true`).
+const LIVE: &str = r#"
+local function live()
+  collectgarbage()
+  local n = 0
+  for _, v in pairs(debug.getregistry()) do
+    if type(v) == 'table' and rawget(v, 'msg') == true then n = n + 1 end
+  end
+  return n
+end
+"#;
+
+/// The issue's pool: unbuffered channels (Tarantool's default), workers taking messages,
+/// producers handing off with a timeout and dropping what nobody took. A put that timed out
+/// used to release its message's reference while the message was still queued: the next
+/// put reused the reference, and workers received other channels' messages, then crashed.
+#[test]
+fn hand_off_with_timeout_delivers_only_own_messages_and_leaks_no_reference() {
+    let host = run(&format!(
+        r#"{LIVE}
+local fiber = require('fiber')
+local chans = {{fiber.channel(), fiber.channel()}}
+FOREIGN, GOT, DROPPED, SENT = 0, 0, 0, 0
+local seen = {{}}
+DUP = 0
+for c = 1, 2 do
+  for _ = 1, 2 do
+    fiber.create(function()
+      while true do
+        local m = chans[c]:get()
+        if m == nil then return end
+        if m.ch ~= c then FOREIGN = FOREIGN + 1 end
+        if seen[m.i] then DUP = DUP + 1 end
+        seen[m.i] = true
+        GOT = GOT + 1
+        if m.i % 3 == 0 then fiber.sleep(0.0003) end
+      end
+    end)
+  end
+end
+for i = 1, 4000 do
+  local c = i % 2 + 1
+  if chans[c]:put({{msg = true, ch = c, i = i}}, 0.0001) then
+    SENT = SENT + 1
+  else
+    DROPPED = DROPPED + 1
+  end
+end
+for c = 1, 2 do chans[c]:close() end
+fiber.sleep(0.01)
+LIVE_AFTER = live()
+"#
+    ));
+    let g = |n: &str| global::<i64>(&host, n);
+    assert_eq!(g("FOREIGN"), 0, "messages of another channel delivered");
+    assert_eq!(g("DUP"), 0, "a message delivered twice");
+    assert_eq!(
+        g("GOT"),
+        g("SENT"),
+        "a put reported true for each message taken"
+    );
+    assert_eq!(g("SENT") + g("DROPPED"), 4000);
+    assert!(g("DROPPED") > 0, "some hand-offs timed out");
+    assert_eq!(
+        g("LIVE_AFTER"),
+        0,
+        "message references left in the registry"
+    );
+}
+
+/// A writer blocked on an unbuffered channel gets false when the channel closes (nobody read
+/// its message), and the message's reference is released.
+#[test]
+fn a_writer_blocked_on_an_unbuffered_channel_gets_false_at_close() {
+    let host = run(&format!(
+        r#"{LIVE}
+local fiber = require('fiber')
+local ch = fiber.channel()
+local f = fiber.create(function() R = ch:put({{msg = true}}) end)
+fiber.yield()
+LIVE_BEFORE = live()
+ch:close()
+fiber.yield()
+LIVE_AFTER = live()
+"#
+    ));
+    assert!(!global::<bool>(&host, "R"));
+    assert_eq!(global::<i64>(&host, "LIVE_BEFORE"), 1);
+    assert_eq!(global::<i64>(&host, "LIVE_AFTER"), 0);
+}
+
+/// A fiber cancelled while blocked in `put` on a full channel raises, and its message's
+/// reference is released (it used to stay referenced forever); the channel keeps only what
+/// was queued before.
+#[test]
+fn a_writer_cancelled_while_blocked_keeps_nothing_referenced() {
+    let host = run(&format!(
+        r#"{LIVE}
+local fiber = require('fiber')
+local ch = fiber.channel(1)
+ch:put({{msg = true, i = 1}})
+local w = fiber.create(function() ch:put({{msg = true, i = 2}}) end)
+w:set_joinable(true)
+fiber.yield()
+fiber.cancel(w)
+local ok, err = w:join()
+OK, ERR = ok, tostring(err)
+FIRST = ch:get().i
+LIVE_AFTER = live()
+COUNT = ch:count()
+"#
+    ));
+    assert!(!global::<bool>(&host, "OK"));
+    assert!(global::<String>(&host, "ERR").contains("cancel"));
+    assert_eq!(global::<i64>(&host, "FIRST"), 1);
+    assert_eq!(global::<i64>(&host, "COUNT"), 0);
+    assert_eq!(global::<i64>(&host, "LIVE_AFTER"), 0);
+}
+
+/// A fiber that was cancelled and caught the error still gets the next message it takes
+/// (a receive that took a value returns it); the one after, with nothing queued, raises.
+#[test]
+fn a_cancelled_fiber_that_caught_the_error_gets_the_message_it_takes() {
+    let host = run(r#"local fiber = require('fiber')
+local ch = fiber.channel(4)
+local r = fiber.create(function()
+  local ok, e = pcall(function() ch:get() end)
+  FIRST_OK, FIRST_ERR = ok, tostring(e)
+  ch:put('queued after the cancel') -- succeeds: the buffer has room
+  GOT = ch:get()
+  local ok2, e2 = pcall(function() return ch:get(5) end)
+  SECOND_OK, SECOND_ERR = ok2, tostring(e2)
+end)
+fiber.yield()
+fiber.cancel(r)
+fiber.yield()
+fiber.yield()
+STATUS = r:status()
+"#);
+    assert_eq!(global::<String>(&host, "STATUS"), "dead");
+    assert!(!global::<bool>(&host, "FIRST_OK"));
+    assert!(global::<String>(&host, "FIRST_ERR").contains("cancel"));
+    assert_eq!(global::<String>(&host, "GOT"), "queued after the cancel");
+    assert!(!global::<bool>(&host, "SECOND_OK"));
+    assert!(global::<String>(&host, "SECOND_ERR").contains("cancel"));
+}
+
+/// Messages left in a channel that is closed, or collected, are released.
+#[test]
+fn closed_and_collected_channels_release_their_messages() {
+    let host = run(&format!(
+        r#"{LIVE}
+local fiber = require('fiber')
+local a = fiber.channel(3)
+for i = 1, 3 do a:put({{msg = true, i = i}}) end
+AFTER_PUT = live()
+a:close()
+AFTER_CLOSE = live()
+local b = fiber.channel(3)
+for i = 1, 3 do b:put({{msg = true, i = i}}) end
+b = nil
+AFTER_GC = live()
+"#
+    ));
+    assert_eq!(global::<i64>(&host, "AFTER_PUT"), 3);
+    assert_eq!(global::<i64>(&host, "AFTER_CLOSE"), 0);
+    assert_eq!(global::<i64>(&host, "AFTER_GC"), 0);
+}
