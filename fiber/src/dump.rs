@@ -231,7 +231,7 @@ pub fn install_signal(sig: i32) -> Result<(), InstallError> {
                 }
                 wait_for_handlers();
                 let text = dump_text();
-                eprint!("{text}");
+                crate::watchdog::write_stderr(&text);
             }
         })
         .map_err(|e| InstallError(format!("dump thread: {e}")))?;

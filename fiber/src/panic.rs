@@ -92,5 +92,5 @@ pub(crate) fn print_report(shared: &FiberShared, r: &PanicReport) {
     }
     s.push_str(&format!(": {}\n", r.message));
     s.push_str(&crate::dump::render_frames(r.backtrace.frames()));
-    eprint!("{s}");
+    crate::watchdog::write_stderr(&s);
 }

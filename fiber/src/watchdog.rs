@@ -7,7 +7,8 @@
 //! [`crate::sample`]: capture inside the handler, on an alternate stack, no lock, no
 //! allocation) and reports, outside the handler, `fiber 7 "worker" has run 250 ms without
 //! yielding:` and the symbolized frames. While the stall lasts it reports again at 2×, 4×…
-//! the threshold. Reports are rate-limited; the next one says how many were suppressed.
+//! the threshold. Reports are rate-limited; the next one says how many were suppressed (or,
+//! when no report follows within the second, a [`Report::Suppressed`] does).
 //!
 //! A run is measured in the CPU time of the scheduler's thread, so a thread the OS
 //! preempted under load is not taken for a hogging fiber. A fiber blocked in the kernel (a
@@ -102,6 +103,33 @@ pub enum Report {
     Stall(Box<StallReport>),
     /// A fiber has been blocked longer than the configured limit.
     Blocked(Box<crate::info::FiberInfo>),
+    /// Stall reports dropped by the rate limit in a window of a second with no report
+    /// after them to carry the count (a burst that ended): nothing is dropped unsaid.
+    Suppressed(u64),
+}
+
+impl Report {
+    /// The report as text, as the default handler prints it.
+    pub fn to_text(&self) -> String {
+        match self {
+            Report::Stall(s) => s.to_text(),
+            Report::Blocked(fi) => {
+                let mut s = String::from("blocked: ");
+                crate::dump::render_fiber(fi, &mut s);
+                s
+            }
+            Report::Suppressed(n) => {
+                format!("fibertrace: {n} more stall reports suppressed by the rate limit\n")
+            }
+        }
+    }
+}
+
+/// Writes to standard error; one that cannot be written (closed, full) loses the text, never
+/// the program.
+pub(crate) fn write_stderr(text: &str) {
+    use std::io::Write as _;
+    let _ = std::io::stderr().write_all(text.as_bytes());
 }
 
 type Handler = Box<dyn Fn(&Report) + Send + Sync>;
@@ -215,14 +243,7 @@ fn deliver(r: &Report) {
     let h = st.handler.lock().unwrap_or_else(|e| e.into_inner());
     match &*h {
         Some(f) => f(r),
-        None => match r {
-            Report::Stall(s) => eprint!("{}", s.to_text()),
-            Report::Blocked(fi) => {
-                let mut s = String::from("blocked: ");
-                crate::dump::render_fiber(fi, &mut s);
-                eprint!("{s}");
-            }
-        },
+        None => write_stderr(&r.to_text()),
     }
 }
 
@@ -243,6 +264,13 @@ fn run() {
     let mut last_blocked_scan = Instant::now();
     while !st.stop.load(Ordering::Relaxed) {
         let cfg = st.config.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        // A window that closed with reports suppressed and no report since to carry the
+        // count: say it now.
+        if suppressed > 0 && window_start.elapsed() >= Duration::from_secs(1) {
+            deliver(&Report::Suppressed(std::mem::take(&mut suppressed)));
+            window_start = Instant::now();
+            in_window = 0;
+        }
         let tick = (cfg.threshold / 4).clamp(Duration::from_micros(500), Duration::from_millis(50));
         std::thread::sleep(tick);
         let scheds = registry::schedulers();

@@ -424,3 +424,63 @@ fn an_idle_scheduler_waiting_for_a_timer_is_not_a_stall() {
         .count();
     assert_eq!(stalls, 0);
 }
+
+/// A burst of stalls over the rate limit that ends: the suppressed ones are counted in a
+/// report of their own, not lost for want of a later report to carry the count.
+#[test]
+fn stalls_suppressed_by_the_rate_limit_are_counted_when_the_burst_ends() {
+    let _t = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let got = collect_reports();
+    watchdog::start(Config {
+        threshold: Duration::from_millis(10),
+        max_reports_per_sec: 2,
+        ..Config::default()
+    });
+    std::thread::spawn(|| {
+        Scheduler::new()
+            .block_on(|| {
+                for i in 0..12 {
+                    Builder::new()
+                        .name(&format!("burst-{i}"))
+                        .spawn(|| busy_1(Instant::now() + Duration::from_millis(30)))
+                        .join()
+                        .unwrap();
+                }
+            })
+            .unwrap()
+    })
+    .join()
+    .unwrap();
+    // The window of the burst closes within a second; the watchdog then says what it dropped.
+    std::thread::sleep(Duration::from_millis(1500));
+    watchdog::stop();
+    let got = got.lock().unwrap();
+    let stalls = got
+        .iter()
+        .filter(|(_, r)| matches!(r, Report::Stall(s) if s.name.starts_with("burst-")))
+        .count() as u64;
+    let carried: u64 = got
+        .iter()
+        .map(|(_, r)| match r {
+            Report::Stall(s) => s.suppressed,
+            _ => 0,
+        })
+        .sum();
+    let alone: u64 = got
+        .iter()
+        .map(|(_, r)| match r {
+            Report::Suppressed(n) => *n,
+            _ => 0,
+        })
+        .sum();
+    assert!(stalls >= 2, "{stalls} stall reports");
+    assert!(alone > 0, "no Suppressed report after the burst: {got:?}");
+    // Every stall was either reported or counted as suppressed.
+    assert!(
+        stalls + carried + alone >= 12,
+        "{stalls} + {carried} + {alone} < 12"
+    );
+    assert!(got.iter().any(|(_, r)| r
+        .to_text()
+        .contains("more stall reports suppressed by the rate limit")));
+}

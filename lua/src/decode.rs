@@ -11,6 +11,14 @@
 //!
 //! With `cbf_lines`, the first word of every line is also taken as CBF (hex or base64), as in
 //! the CBF vector files.
+//!
+//! Input is hostile: a token may decode to at most [`MAX_TOKEN_FRAMES`] frames (a CBF
+//! repeat count can ask a 15-byte token for 2^64 frames), and a line to at most
+//! [`MAX_LINE_FRAMES`] (many small tokens that each expand); a token over the first, or
+//! malformed, is an error for that token alone, and the line's other tokens and the next
+//! lines go on; past the second, the rest of the line is one error that counts the tokens
+//! left. Results are handed out one by one ([`LineDecoder::decode_line_each`]), never held
+//! for a whole line. Work is linear in the line's length plus the frames produced.
 
 use fibertrace_core::codec::native::{self, ImageTable};
 use fibertrace_core::codec::{base64, cbf, lws, text, Error};
@@ -47,6 +55,10 @@ impl Decoded {
     }
 }
 
+/// Where [`LineDecoder::decode_line_each`] hands its results.
+trait Sink: FnMut(Result<Decoded, String>, Option<&ImageTable>) {}
+impl<F: FnMut(Result<Decoded, String>, Option<&ImageTable>)> Sink for F {}
+
 /// Decoder state across lines (the current image table).
 #[derive(Debug, Default)]
 pub struct LineDecoder {
@@ -58,6 +70,14 @@ pub struct LineDecoder {
 fn is_token_char(c: u8) -> bool {
     base64::is_base64_char(c)
 }
+
+/// The most frames one token may decode to (65,536: far above any real trace, 1 MiB of
+/// frames).
+pub const MAX_TOKEN_FRAMES: usize = 1 << 16;
+
+/// The most frames the tokens of one line may decode to together (16 tokens at the
+/// per-token limit).
+pub const MAX_LINE_FRAMES: usize = 1 << 20;
 
 fn decode_cbf(data: &str) -> Result<Vec<Frame>, Error> {
     let bytes = if data.starts_with('0') {
@@ -82,7 +102,7 @@ fn decode_cbf(data: &str) -> Result<Vec<Frame>, Error> {
     } else {
         base64::decode(data)?
     };
-    Ok(cbf::decode(&bytes)?.frames)
+    Ok(cbf::decode_with_limit(&bytes, MAX_TOKEN_FRAMES)?.frames)
 }
 
 impl LineDecoder {
@@ -103,14 +123,52 @@ impl LineDecoder {
     /// not stop the others.
     pub fn decode_line(&mut self, line: &str) -> Vec<Result<Decoded, String>> {
         let mut out = Vec::new();
+        self.decode_line_each(line, |r, _| out.push(r));
+        out
+    }
+
+    /// [`LineDecoder::decode_line`], handing each result to `f` as soon as it is decoded,
+    /// with the image table in force for it (see [`LineDecoder::table`]).
+    pub fn decode_line_each(
+        &mut self,
+        line: &str,
+        mut f: impl FnMut(Result<Decoded, String>, Option<&ImageTable>),
+    ) {
+        let mut budget = MAX_LINE_FRAMES;
+        let mut left = 0u64;
+        let give = |r: Result<Decoded, String>,
+                    table: Option<&ImageTable>,
+                    f: &mut dyn Sink,
+                    budget: &mut usize,
+                    left: &mut u64| {
+            if *left > 0 {
+                *left += 1;
+                return;
+            }
+            let n = match &r {
+                Ok(Decoded::Frames(v)) => v.len(),
+                Ok(Decoded::Lws(t)) => t.addrs.len(),
+                _ => 0,
+            };
+            if n > *budget {
+                *left = 1;
+                return;
+            }
+            *budget -= n;
+            f(r, table)
+        };
         let b = line.as_bytes();
         if self.cbf_lines {
             if let Some(w) = line.split_whitespace().next() {
                 if !w.starts_with('~') {
-                    out.push(
+                    give(
                         decode_cbf(w)
                             .map(Decoded::Frames)
                             .map_err(|e| format!("CBF {}: {e}", abbreviate(w))),
+                        self.table.as_ref(),
+                        &mut f,
+                        &mut budget,
+                        &mut left,
                     );
                 }
             }
@@ -126,6 +184,12 @@ impl LineDecoder {
                 }
                 let tok = &line[start..end];
                 let lead = &line[i..start];
+                if left > 0 {
+                    // Past the line's budget: counted, not decoded.
+                    left += 1;
+                    i = end.max(i + 1);
+                    continue;
+                }
                 let res = if tok.is_empty() {
                     Err(Error::Syntax("nothing after the lead-in".into()))
                 } else {
@@ -142,18 +206,37 @@ impl LineDecoder {
                                     "module-relative trace but no ~i# image table before it".into(),
                                 ))
                             } else {
-                                native::decode(&bytes, self.table.as_ref()).map(Decoded::Frames)
+                                native::decode_located(
+                                    &bytes,
+                                    self.table.as_ref(),
+                                    MAX_TOKEN_FRAMES,
+                                )
+                                .map(|v| Decoded::Frames(v.into_iter().map(|l| l.frame).collect()))
                             }
                         }),
                     }
                 };
-                out.push(res.map_err(|e| format!("{lead}{}: {e}", abbreviate(tok))));
+                give(
+                    res.map_err(|e| format!("{lead}{}: {e}", abbreviate(tok))),
+                    self.table.as_ref(),
+                    &mut f,
+                    &mut budget,
+                    &mut left,
+                );
                 i = end.max(i + 1);
             } else {
                 i += 1;
             }
         }
-        out
+        if left > 0 {
+            f(
+                Err(format!(
+                    "the line's tokens decode to more than {MAX_LINE_FRAMES} frames: its last \
+                 {left} tokens are not shown"
+                )),
+                self.table.as_ref(),
+            );
+        }
     }
 }
 

@@ -8,6 +8,69 @@ use fibertrace_lua::LuaHost;
 use std::io::{self, BufRead, BufReader, Write};
 use std::process::ExitCode;
 
+/// Writes a line to standard error; a standard error that cannot be written (closed, full)
+/// loses the message, never the program.
+macro_rules! err {
+    ($($t:tt)*) => {{
+        let _ = writeln!(io::stderr(), $($t)*);
+    }};
+}
+
+/// The longest input line `decode` reads whole (1 MiB); a longer one is reported and skipped
+/// without being stored, and decoding goes on with the next line.
+const MAX_LINE: usize = 1 << 20;
+
+/// The most errors reported for one line; the rest are counted in one line.
+const MAX_LINE_ERRORS: usize = 100;
+
+/// One line of input, read with a bounded buffer.
+enum Line {
+    /// The line (without its newline).
+    Text(Vec<u8>),
+    /// A line longer than [`MAX_LINE`], skipped: its length in bytes.
+    TooLong(u64),
+}
+
+/// Reads the next line into `buf` (cleared first), storing at most [`MAX_LINE`] bytes of it.
+/// `Ok(None)` at the end of the input.
+fn read_line(r: &mut dyn BufRead, buf: &mut Vec<u8>) -> io::Result<Option<Line>> {
+    buf.clear();
+    let mut total = 0u64;
+    let mut any = false;
+    loop {
+        let avail = match r.fill_buf() {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if avail.is_empty() {
+            break;
+        }
+        any = true;
+        let (chunk, done) = match avail.iter().position(|&c| c == b'\n') {
+            Some(i) => (&avail[..i], Some(i + 1)),
+            None => (avail, None),
+        };
+        total += chunk.len() as u64;
+        if total as usize <= MAX_LINE {
+            buf.extend_from_slice(chunk);
+        } else if !buf.is_empty() {
+            // Over the limit: what was kept is of no use; stop storing.
+            *buf = Vec::new();
+        }
+        let used = done.unwrap_or(avail.len());
+        r.consume(used);
+        if done.is_some() {
+            break;
+        }
+    }
+    Ok(match (any, total as usize > MAX_LINE) {
+        (false, _) => None,
+        (true, true) => Some(Line::TooLong(total)),
+        (true, false) => Some(Line::Text(std::mem::take(buf))),
+    })
+}
+
 fn cli() -> Command {
     Command::new("fibertrace")
         .about("Tools for fibertrace backtraces")
@@ -19,7 +82,10 @@ fn cli() -> Command {
                     "Run a Lua script as the main fiber, with Tarantool's `fiber` and `clock` \
                      modules (require 'fiber'); `arg` is set as `lua` sets it. Exits when the \
                      main chunk returns (or on os.exit(n)); on an error prints it with an \
-                     interleaved native + Lua traceback and exits with 1",
+                     interleaved native + Lua traceback and exits with 1. SIGQUIT prints \
+                     every fiber's trace to stderr and the script goes on; SIGINT and \
+                     SIGTERM flush what the script printed and exit with 130 and 143. \
+                     Options go before the script: everything after it is the script's",
                 )
                 .arg(
                     Arg::new("stall-ms")
@@ -32,18 +98,18 @@ fn cli() -> Command {
                         ),
                 )
                 .arg(
+                    // The script and its arguments as one list, so that option parsing stops
+                    // at the script: `run s.lua -h` passes `-h` to the script.
                     Arg::new("script")
-                        .value_name("SCRIPT.lua")
+                        .value_name("SCRIPT.lua [ARGS]...")
                         .required(true)
-                        .help("The script (`-` for standard input)"),
-                )
-                .arg(
-                    Arg::new("args")
-                        .value_name("ARGS")
-                        .num_args(0..)
+                        .num_args(1..)
                         .trailing_var_arg(true)
                         .allow_hyphen_values(true)
-                        .help("Arguments for the script (arg[1], arg[2], ... and `...`)"),
+                        .help(
+                            "The script (`-` for standard input), then its arguments \
+                             (arg[1], arg[2], ... and `...`)",
+                        ),
                 ),
         )
         .subcommand(
@@ -88,6 +154,67 @@ fn main() -> ExitCode {
     }
 }
 
+/// The write end of the pipe the SIGINT/SIGTERM handler writes the signal number to.
+static EXIT_PIPE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+
+extern "C" fn on_exit_signal(sig: libc::c_int) {
+    let fd = EXIT_PIPE.load(std::sync::atomic::Ordering::Relaxed);
+    if fd >= 0 {
+        let b = [sig as u8];
+        // SAFETY: write(2) is async-signal-safe; the fd is our pipe.
+        unsafe { libc::write(fd, b.as_ptr().cast(), 1) };
+    }
+}
+
+/// The signals of `run`, whatever dispositions were inherited: SIGQUIT prints every fiber's
+/// trace and the program goes on; SIGINT and SIGTERM flush what the script printed (C stdio
+/// buffers included: Lua's `print` and `io.write` use them) and exit with 128 + the signal.
+/// The handlers only write to pipes; threads do the work outside them.
+fn install_signals() -> Result<(), String> {
+    fibertrace_fiber::dump::install_signal(libc::SIGQUIT).map_err(|e| e.to_string())?;
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe2 fills two fds.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(format!("pipe: {}", io::Error::last_os_error()));
+    }
+    let (rd, wr) = (fds[0], fds[1]);
+    EXIT_PIPE.store(wr, std::sync::atomic::Ordering::Relaxed);
+    std::thread::Builder::new()
+        .name("fibertrace-exit".into())
+        .spawn(move || loop {
+            let mut b = [0u8; 1];
+            // SAFETY: reads one byte from our own pipe into a local buffer.
+            let n = unsafe { libc::read(rd, b.as_mut_ptr().cast(), 1) };
+            if n == 1 {
+                let _ = io::stdout().flush();
+                // SAFETY: fflush(NULL) flushes every C output stream; the thread holds no
+                // stream lock itself.
+                unsafe { libc::fflush(std::ptr::null_mut()) };
+                // SAFETY: ends the process at once, without running Lua or Rust destructors
+                // (fibers may be suspended with Lua frames on their stacks).
+                unsafe { libc::_exit(128 + i32::from(b[0])) };
+            }
+            if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return;
+        })
+        .map_err(|e| format!("exit thread: {e}"))?;
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: installs a handler that only calls write(2).
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_exit_signal as *const () as usize;
+            sa.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut sa.sa_mask);
+            if libc::sigaction(sig, &sa, std::ptr::null_mut()) != 0 {
+                return Err(format!("sigaction: {}", io::Error::last_os_error()));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn run(m: &clap::ArgMatches) -> ExitCode {
     if let Some(&ms) = m.get_one::<u64>("stall-ms") {
         fibertrace_fiber::watchdog::start(fibertrace_fiber::watchdog::Config {
@@ -95,15 +222,21 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
             ..Default::default()
         });
     }
-    let script = m.get_one::<String>("script").cloned().unwrap_or_default();
-    let args: Vec<String> = m
-        .get_many::<String>("args")
-        .map(|v| v.cloned().collect())
-        .unwrap_or_default();
+    let mut all = m
+        .get_many::<String>("script")
+        .map(|v| v.cloned().collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter();
+    let script = all.next().unwrap_or_default();
+    let args: Vec<String> = all.collect();
+    if let Err(e) = install_signals() {
+        err!("fibertrace: {e}");
+        return ExitCode::from(1);
+    }
     let source = if script == "-" {
         let mut b = Vec::new();
         if let Err(e) = io::Read::read_to_end(&mut io::stdin(), &mut b) {
-            eprintln!("fibertrace: <stdin>: {e}");
+            err!("fibertrace: <stdin>: {e}");
             return ExitCode::from(1);
         }
         b
@@ -111,7 +244,7 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
         match std::fs::read(&script) {
             Ok(b) => b,
             Err(e) => {
-                eprintln!("fibertrace: {script}: {e}");
+                err!("fibertrace: {script}: {e}");
                 return ExitCode::from(1);
             }
         }
@@ -121,7 +254,7 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
     let host = match unsafe { LuaHost::new_with_own_allocator() } {
         Ok(h) => h,
         Err(e) => {
-            eprintln!("fibertrace: {e}");
+            err!("fibertrace: {e}");
             return ExitCode::from(1);
         }
     };
@@ -137,7 +270,7 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
     let code = match host.run_main(&chunk, &source, &args) {
         Ok(()) => 0,
         Err(e) => {
-            eprintln!("{e}");
+            err!("{e}");
             1
         }
     };
@@ -146,6 +279,21 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
     // still suspended keep their Lua frames and are never unwound.
     std::mem::forget(host);
     std::process::exit(code)
+}
+
+/// Standard output could not be written. A reader that went away (a closed pipe: `| head`)
+/// ends the program quietly, keeping what was written (exit 0, or 1 if a line had failed
+/// before); any other failure (a full disk) is an error.
+fn output_failed(e: &io::Error, failed: bool) -> ExitCode {
+    if e.kind() == io::ErrorKind::BrokenPipe {
+        return if failed {
+            ExitCode::from(1)
+        } else {
+            ExitCode::SUCCESS
+        };
+    }
+    err!("fibertrace: standard output: {e}");
+    ExitCode::from(1)
 }
 
 fn decode(m: &clap::ArgMatches) -> ExitCode {
@@ -168,7 +316,7 @@ fn decode(m: &clap::ArgMatches) -> ExitCode {
         match Symbolizer::new(&exes) {
             Ok(s) => Some(s),
             Err(e) => {
-                eprintln!("fibertrace: {e}");
+                err!("fibertrace: {e}");
                 return ExitCode::from(2);
             }
         }
@@ -184,48 +332,87 @@ fn decode(m: &clap::ArgMatches) -> ExitCode {
             match std::fs::File::open(name) {
                 Ok(f) => Box::new(BufReader::new(f)),
                 Err(e) => {
-                    eprintln!("fibertrace: {name}: {e}");
+                    err!("fibertrace: {name}: {e}");
                     failed = true;
                     continue;
                 }
             }
         };
         let shown = if name == "-" { "<stdin>" } else { name };
-        for (n, line) in reader.split(b'\n').enumerate() {
-            let line = match line {
-                Ok(l) => l,
+        let mut reader = reader;
+        let mut buf = Vec::new();
+        let mut n = 0u64;
+        loop {
+            let line = match read_line(&mut *reader, &mut buf) {
+                Ok(Some(Line::Text(l))) => l,
+                Ok(Some(Line::TooLong(len))) => {
+                    n += 1;
+                    let _ = out.flush();
+                    err!(
+                        "fibertrace: {shown}:{n}: line of {len} bytes is longer than {MAX_LINE}: skipped"
+                    );
+                    failed = true;
+                    continue;
+                }
+                Ok(None) => break,
                 Err(e) => {
-                    eprintln!("fibertrace: {shown}: read error: {e}");
+                    err!("fibertrace: {shown}: read error: {e}");
                     failed = true;
                     break;
                 }
             };
+            n += 1;
             // Logs may hold bytes that are not UTF-8 around the tokens.
-            let line = String::from_utf8_lossy(&line);
-            for r in dec.decode_line(line.trim_end_matches('\r')) {
+            let text = String::from_utf8_lossy(&line);
+            let mut write_error: Option<io::Error> = None;
+            let mut errors = 0usize;
+            dec.decode_line_each(text.trim_end_matches('\r'), |r, table| {
+                if write_error.is_some() {
+                    return;
+                }
                 match r {
                     Ok(d) => {
                         let mut lines: Vec<String> = d.line().into_iter().collect();
                         if let Some(s) = sym.as_mut() {
-                            lines.extend(s.lines(&d.frames(), dec.table()));
+                            lines.extend(s.lines(&d.frames(), table));
                         }
                         for l in lines {
-                            if writeln!(out, "{l}").is_err() {
-                                return ExitCode::from(1);
+                            if let Err(e) = writeln!(out, "{l}") {
+                                write_error = Some(e);
+                                return;
                             }
                         }
                     }
                     Err(e) => {
-                        let _ = out.flush();
-                        eprintln!("fibertrace: {shown}:{}: {e}", n + 1);
                         failed = true;
+                        errors += 1;
+                        if errors > MAX_LINE_ERRORS {
+                            return;
+                        }
+                        // What was decoded before goes out before the error about this line.
+                        if let Err(e) = out.flush() {
+                            write_error = Some(e);
+                            return;
+                        }
+                        err!("fibertrace: {shown}:{n}: {e}");
                     }
                 }
+            });
+            if let Some(e) = write_error {
+                return output_failed(&e, failed);
             }
+            if errors > MAX_LINE_ERRORS {
+                err!(
+                    "fibertrace: {shown}:{n}: {} more errors on this line not shown",
+                    errors - MAX_LINE_ERRORS
+                );
+            }
+            drop(text);
+            buf = line;
         }
     }
-    if out.flush().is_err() {
-        return ExitCode::from(1);
+    if let Err(e) = out.flush() {
+        return output_failed(&e, failed);
     }
     if failed {
         ExitCode::from(1)

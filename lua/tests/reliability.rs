@@ -1,0 +1,316 @@
+//! The `fibertrace` program against hostile inputs and signals: nothing crashes, hangs or
+//! grows without bound, each bad input gets a clear error that names it, and nothing
+//! printed before is lost. (The channel and cancellation classes are in `channel.rs`.)
+
+use std::io::{Read, Write};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fibertrace_core::codec::{base64, cbf};
+use fibertrace_core::Frame;
+
+const EXE: &str = env!("CARGO_BIN_EXE_fibertrace");
+
+struct Out {
+    stdout: String,
+    stderr: String,
+    code: Option<i32>,
+}
+
+/// Runs the program with `stdin`, bounded in time (a hang fails the test, not the suite).
+fn run(args: &[&str], stdin: &[u8]) -> Out {
+    let mut c = Command::new(EXE)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut sin = c.stdin.take().unwrap();
+    let input = stdin.to_vec();
+    let feeder = std::thread::spawn(move || {
+        let _ = sin.write_all(&input);
+    });
+    let mut sout = c.stdout.take().unwrap();
+    let mut serr = c.stderr.take().unwrap();
+    let out = std::thread::spawn(move || {
+        let mut o = Vec::new();
+        let _ = sout.read_to_end(&mut o);
+        o
+    });
+    let err = std::thread::spawn(move || {
+        let mut e = Vec::new();
+        let _ = serr.read_to_end(&mut e);
+        e
+    });
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = c.try_wait().unwrap() {
+            break s;
+        }
+        if t0.elapsed() > Duration::from_secs(60) {
+            let _ = c.kill();
+            panic!("fibertrace {args:?} did not finish in 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let _ = feeder.join();
+    Out {
+        stdout: String::from_utf8_lossy(&out.join().unwrap()).into_owned(),
+        stderr: String::from_utf8_lossy(&err.join().unwrap()).into_owned(),
+        code: status.code(),
+    }
+}
+
+/// A CBF token (base64) of one address repeated `n` times: a few bytes that expand.
+fn rep_token(n: usize) -> String {
+    let frames = vec![Frame::Pc(0x1000); n];
+    let bytes = cbf::encode(&frames, cbf::WordSize::W64).unwrap();
+    format!("~c#{}", base64::encode(&bytes))
+}
+
+const GOOD: &str = "~m#IF0BmUQugNCkgCnkhdAYpQa6wAAV";
+const GOOD_OUT: &str = "~b#size: 7520, 0x406651 0x406852 0x406c1b 0x406294 ";
+
+#[test]
+fn an_overlong_line_is_skipped_with_an_error_and_the_next_one_decodes() {
+    let mut input = vec![b'x'; 3 << 20];
+    input.extend_from_slice(format!("\nlog {GOOD}\n").as_bytes());
+    let o = run(&["decode"], &input);
+    assert_eq!(o.stdout, format!("{GOOD_OUT}\n"));
+    assert_eq!(
+        o.stderr,
+        "fibertrace: <stdin>:1: line of 3145728 bytes is longer than 1048576: skipped\n"
+    );
+    assert_eq!(o.code, Some(1));
+}
+
+#[test]
+fn a_line_without_end_is_read_in_bounded_memory() {
+    // 64 MiB without a newline, under an address-space limit far below what storing it
+    // whole (and the old decoder's doubling buffer) needs.
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -v 300000; head -c 67108864 /dev/zero | {EXE} decode; echo \"rc=$?\" >&2"
+        ))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(
+        err,
+        "fibertrace: <stdin>:1: line of 67108864 bytes is longer than 1048576: skipped\nrc=1\n"
+    );
+}
+
+#[test]
+fn a_token_that_expands_past_the_limit_is_an_error_and_its_neighbours_decode() {
+    let bomb = rep_token(100_000);
+    assert!(bomb.len() < 32, "{bomb}");
+    let input = format!("a {GOOD} b {bomb} c {GOOD}\n");
+    let o = run(&["decode"], input.as_bytes());
+    assert_eq!(o.stdout, format!("{GOOD_OUT}\n{GOOD_OUT}\n"));
+    let abbreviated: String = bomb[3..].chars().take(24).collect();
+    let tail = if bomb.len() - 3 > 24 { "…" } else { "" };
+    assert_eq!(
+        o.stderr,
+        format!(
+            "fibertrace: <stdin>:1: ~c#{abbreviated}{tail}: number of frames exceeds the \
+             decoder's limit of 65536\n"
+        )
+    );
+    assert_eq!(o.code, Some(1));
+}
+
+#[test]
+fn a_line_of_many_expanding_tokens_stops_at_its_budget_and_says_how_many_it_left() {
+    // Each token is 60,000 frames (under the per-token limit); 17 fit the line's 2^20.
+    let tok = rep_token(60_000);
+    let line: Vec<String> = (0..40).map(|_| tok.clone()).collect();
+    let o = run(
+        &["decode"],
+        format!("{}\n{GOOD}\n", line.join(" ")).as_bytes(),
+    );
+    let lines: Vec<&str> = o.stdout.lines().collect();
+    assert_eq!(lines.len(), 17 + 1, "{} lines", lines.len());
+    assert_eq!(lines[17], GOOD_OUT, "the next line decodes");
+    assert_eq!(
+        o.stderr,
+        "fibertrace: <stdin>:1: the line's tokens decode to more than 1048576 frames: its \
+         last 23 tokens are not shown\n"
+    );
+    assert_eq!(o.code, Some(1));
+}
+
+#[test]
+fn thousands_of_bad_tokens_on_a_line_give_a_bounded_report() {
+    let line: Vec<&str> = (0..5000).map(|_| "~m#AAAA").collect();
+    let o = run(&["decode"], format!("{}\n", line.join(" ")).as_bytes());
+    let err: Vec<&str> = o.stderr.lines().collect();
+    assert_eq!(err.len(), 101, "100 errors and a count");
+    assert_eq!(
+        err[100],
+        "fibertrace: <stdin>:1: 4900 more errors on this line not shown"
+    );
+    assert_eq!(o.code, Some(1));
+}
+
+#[test]
+fn a_closed_output_pipe_ends_decode_quietly() {
+    // `decode | head -c1`: the reader goes away; what was written stays written, and the
+    // program ends without an error of its own.
+    let input: String = (0..20_000).map(|_| format!("{GOOD}\n")).collect();
+    let o = Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "{EXE} decode 2>/tmp/ft-rel-pipe.err | head -c 10; echo \" rc=${{PIPESTATUS[0]}}\""
+        ))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            let mut sin = c.stdin.take().unwrap();
+            let _ = sin.write_all(input.as_bytes());
+            drop(sin);
+            c.wait_with_output()
+        })
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(out, "~b#size: 7 rc=0\n");
+    let err = std::fs::read_to_string("/tmp/ft-rel-pipe.err").unwrap_or_default();
+    assert_eq!(err, "", "nothing said about the closed pipe");
+}
+
+/// A script's error while standard error is full (`2>/dev/full`) is an exit 1, not a panic
+/// (exit 101) of the program's own error reporting.
+#[test]
+fn an_unwritable_stderr_loses_messages_not_the_program() {
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "printf 'error(\"boom\")' > /tmp/ft-rel-err.lua; {EXE} run /tmp/ft-rel-err.lua 2>/dev/full; echo \"rc=$?\""
+        ))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "rc=1\n");
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "printf '~m#AAAA\\n{GOOD}\\n' | {EXE} decode 2>/dev/full; echo \"rc=$?\""
+        ))
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        format!("{GOOD_OUT}\nrc=1\n")
+    );
+}
+
+/// Arguments after the script are the script's, options included.
+#[test]
+fn options_after_the_script_are_the_scripts_arguments() {
+    let path = std::env::temp_dir().join("ft-rel-args.lua");
+    std::fs::write(&path, "print(select('#', ...), ...)").unwrap();
+    let p = path.to_str().unwrap();
+    let o = run(&["run", p, "--stall-ms", "5", "-h", "x"], b"");
+    assert_eq!(o.stdout, "4\t--stall-ms\t5\t-h\tx\n");
+    assert_eq!(o.code, Some(0));
+    let o = run(&["run", "--stall-ms", "50", p, "a"], b"");
+    assert_eq!(o.stdout, "1\ta\n");
+}
+
+/// A script that printed and then waits; the signal arrives once both lines are out of
+/// the script (in C stdio's buffer: stdout is a file here).
+fn signalled(sig: i32, ignore_first: bool) -> (String, String, Option<i32>, Option<i32>) {
+    let dir = std::env::temp_dir();
+    let script = dir.join(format!("ft-rel-sig-{sig}.lua"));
+    let out = dir.join(format!("ft-rel-sig-{sig}.out"));
+    let ready = dir.join(format!("ft-rel-sig-{sig}.ready"));
+    let _ = std::fs::remove_file(&ready);
+    std::fs::write(
+        &script,
+        format!(
+            "local fiber = require('fiber')\nprint('line one')\nio.write('line two\\n')\n\
+             fiber.create(function() fiber.sleep(100) end)\n\
+             local f = io.open('{}', 'w') f:write('x') f:close()\nfiber.sleep(100)\n",
+            ready.display()
+        ),
+    )
+    .unwrap();
+    // `trap '' QUIT` makes the program inherit an ignored SIGQUIT.
+    let trap = if ignore_first { "trap '' QUIT; " } else { "" };
+    let mut c = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "{trap}exec {EXE} run {} > {}",
+            script.display(),
+            out.display()
+        ))
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while !ready.exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the script never started"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let pid = c.id() as i32;
+    // SAFETY: signals a child process of this test.
+    unsafe { libc::kill(pid, sig) };
+    let mut still = None;
+    if sig == libc::SIGQUIT {
+        // The dump is printed and the program goes on: end it with SIGTERM.
+        std::thread::sleep(Duration::from_millis(500));
+        still = c.try_wait().unwrap().map(|s| s.code().unwrap_or(-1));
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+    }
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = c.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "did not exit after the signal"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut err = String::new();
+    c.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    (
+        std::fs::read_to_string(&out).unwrap(),
+        err,
+        status.code(),
+        still,
+    )
+}
+
+#[test]
+fn sigint_and_sigterm_keep_what_was_printed_and_exit_130_and_143() {
+    for (sig, code) in [(libc::SIGINT, 130), (libc::SIGTERM, 143)] {
+        let (out, err, status, _) = signalled(sig, false);
+        assert_eq!(out, "line one\nline two\n", "signal {sig}");
+        assert_eq!(err, "", "signal {sig}");
+        assert_eq!(status, Some(code), "signal {sig}");
+    }
+}
+
+#[test]
+fn sigquit_dumps_every_fiber_and_the_script_goes_on_even_if_it_was_ignored() {
+    for ignored in [false, true] {
+        let (out, err, status, still) = signalled(libc::SIGQUIT, ignored);
+        assert_eq!(
+            still, None,
+            "SIGQUIT ended the program (ignored: {ignored})"
+        );
+        assert!(err.contains("fiber 1 \"main\" [sleep, "), "{err}");
+        assert!(err.contains("fibertrace_fiber::sched::sleep"), "{err}");
+        assert_eq!(err.matches("\nfiber ").count(), 2, "two fibers: {err}");
+        assert_eq!(out, "line one\nline two\n");
+        assert_eq!(status, Some(143));
+    }
+}
