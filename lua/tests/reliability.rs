@@ -314,3 +314,49 @@ fn sigquit_dumps_every_fiber_and_the_script_goes_on_even_if_it_was_ignored() {
         assert_eq!(status, Some(143));
     }
 }
+
+/// An error deep in a fiber: the traceback keeps the innermost frames and the fiber's entry
+/// function, and says exactly how many it left out in between (levels past the 126th used to
+/// drop the entry function, with the same wrong count at every depth).
+#[test]
+fn a_deep_traceback_keeps_the_entry_function_and_counts_what_it_omits() {
+    let path = std::env::temp_dir().join("ft-rel-deep.lua");
+    std::fs::write(
+        &path,
+        "local fiber = require('fiber')\n\
+         local function rec(n) if n == 0 then error('deep') end local r = rec(n - 1) return r end\n\
+         local f = fiber.create(function() rec(tonumber(arg[1])) end)\n",
+    )
+    .unwrap();
+    let p = path.to_str().unwrap();
+    let omitted = |depth: u64| -> (u64, Vec<String>) {
+        let o = run(&["run", p, &depth.to_string()], b"");
+        assert_eq!(o.code, Some(0), "{}", o.stderr);
+        let lines: Vec<String> = o.stderr.lines().map(str::to_string).collect();
+        let n = lines
+            .iter()
+            .find_map(|l| {
+                l.split_once(" ... ")
+                    .and_then(|(_, r)| r.strip_suffix(" frames omitted"))
+                    .map(|n| n.parse::<u64>().unwrap())
+            })
+            .unwrap_or(0);
+        (n, lines)
+    };
+    let (base, _) = omitted(60);
+    for depth in [200, 5000] {
+        let (n, lines) = omitted(depth);
+        // Every extra level is counted, none twice.
+        assert_eq!(n, base + depth - 60, "depth {depth}");
+        let last_lua = lines
+            .iter()
+            .rev()
+            .find(|l| l.contains(" in @"))
+            .map(|l| l.split_once(' ').unwrap().1.trim_start().to_string());
+        assert_eq!(
+            last_lua.as_deref(),
+            Some(format!("function <{p}:3> in @{p}:3").as_str()),
+            "depth {depth}: {lines:?}"
+        );
+    }
+}

@@ -10,9 +10,12 @@
 //! `lua_getstack`/`lua_getinfo("Slnf")`, and for C levels the `lua_CFunction` with
 //! `lua_tocfunction`.
 //!
-//! Invariants: at most [`MAX_LEVELS`] levels and [`MAX_THREADS`] threads are read (a Lua
-//! `lua_getstack(L, n)` costs O(n), so a full capture is O(n²)); each level's strings are
-//! interned, not copied ([`intern`]); the Lua stacks are left as they were found.
+//! Invariants: at most [`MAX_LEVELS`] levels and [`MAX_THREADS`] threads are read: the
+//! innermost [`HEAD_LEVELS`] and the outermost [`MAX_LEVELS`]` - HEAD_LEVELS` (so a deep
+//! stack still shows the function the fiber started with), the ones between counted in
+//! [`LuaStack::omitted`]. `lua_getstack(L, n)` costs O(n): a thread's depth is found by a
+//! binary search, so a capture costs O(depth · log depth), not O(depth²). Each level's strings
+//! are interned, not copied ([`intern`]); the Lua stacks are left as they were found.
 //!
 //! How a result can be wrong or incomplete:
 //! * a coroutine resumed from Rust (mlua's `Thread::resume`) rather than by
@@ -23,7 +26,8 @@
 //! * LuaJIT drops a Lua function that tail-calls a C function; Lua 5.4 drops every
 //!   tail-calling Lua function (the callee's name is then unknown and falls back to
 //!   `function <src:line>`);
-//! * a level beyond [`MAX_LEVELS`] is dropped and [`LuaStack::truncated`] is set.
+//! * on a stack deeper than [`MAX_LEVELS`] the middle levels are left out and counted
+//!   ([`LuaStack::omitted`], at [`LuaStack::omitted_at`]; [`LuaStack::truncated`] is set).
 
 use std::ffi::{c_int, CStr};
 
@@ -37,6 +41,14 @@ use intern::{LuaKind, RawInfo};
 
 /// Most Lua levels one capture reads (over all threads of the chain).
 pub const MAX_LEVELS: usize = 128;
+
+/// Of [`MAX_LEVELS`], how many innermost levels a deeper stack keeps (the rest of the room
+/// goes to its outermost levels).
+pub const HEAD_LEVELS: usize = 96;
+
+/// The deepest level a thread's depth is searched to (LuaJIT's and Lua's own stack limits
+/// are far below).
+const MAX_DEPTH: c_int = 1 << 24;
 
 /// Most Lua threads one capture follows.
 pub const MAX_THREADS: usize = 16;
@@ -71,6 +83,10 @@ pub struct LuaStack {
     pub threads: usize,
     /// Whether levels were left out ([`MAX_LEVELS`] reached).
     pub truncated: bool,
+    /// How many levels were left out between the innermost and the outermost ones kept.
+    pub omitted: u64,
+    /// Where in `levels` they were left out (the index of the first level after the gap).
+    pub omitted_at: usize,
 }
 
 impl LuaStack {
@@ -84,6 +100,8 @@ impl LuaStack {
         self.levels.clear();
         self.threads = 0;
         self.truncated = false;
+        self.omitted = 0;
+        self.omitted_at = 0;
     }
 }
 
@@ -121,29 +139,84 @@ pub unsafe fn capture_lua_stack(root: *mut ffi::lua_State, out: &mut LuaStack) {
     }
     out.threads = chain.len();
     let mut ar = zeroed_debug();
-    'threads: for (t, &l) in chain.iter().rev().enumerate() {
+    // Each thread's depth, innermost thread first; the levels kept are the first HEAD_LEVELS
+    // and the last (MAX_LEVELS - HEAD_LEVELS) of all of them in that order.
+    let mut depths: SmallVec<[(*mut ffi::lua_State, c_int); 4]> = SmallVec::new();
+    for &l in chain.iter().rev() {
+        // SAFETY: as above: the debug API on a state of this universe.
+        depths.push((l, unsafe { depth(l, &mut ar) }));
+    }
+    let total: u64 = depths.iter().map(|&(_, d)| d as u64).sum();
+    let (head, tail_from) = if total <= MAX_LEVELS as u64 {
+        (total, total)
+    } else {
+        (
+            HEAD_LEVELS as u64,
+            total - (MAX_LEVELS - HEAD_LEVELS) as u64,
+        )
+    };
+    let mut g = 0u64; // global index of the thread's level 0
+    for (t, &(l, d)) in depths.iter().enumerate() {
+        let d64 = d as u64;
         // SAFETY: as above; lua_checkstack only grows the stack of `l` if needed.
-        if unsafe { ffi::lua_checkstack(l, 2) } == 0 {
+        if d == 0 || unsafe { ffi::lua_checkstack(l, 2) } == 0 {
+            g += d64;
             continue;
         }
-        let mut level: c_int = 0;
-        loop {
+        for level in 0..d {
+            let at = g + level as u64;
+            if at >= head && at < tail_from {
+                if at == head {
+                    out.truncated = true;
+                    out.omitted = tail_from - head;
+                    out.omitted_at = out.levels.len();
+                }
+                continue;
+            }
             // SAFETY: `ar` is a valid lua_Debug owned by this function.
             if unsafe { ffi::lua_getstack(l, level, &mut ar) } == 0 {
                 break;
-            }
-            if out.levels.len() >= MAX_LEVELS {
-                out.truncated = true;
-                break 'threads;
             }
             // SAFETY: `ar` was filled by lua_getstack for this state just above.
             let lv = unsafe { read_level(l, &mut ar, t as u8) };
             if let Some(lv) = lv {
                 out.levels.push(lv);
             }
-            level += 1;
+        }
+        g += d64;
+    }
+}
+
+/// How many levels thread `l` has: `lua_getstack` succeeds exactly for the levels below it.
+/// Found by doubling then bisecting: O(depth · log depth) steps in all, where reading every
+/// level would take O(depth²).
+///
+/// # Safety
+/// `l` a valid state used by no one else during the call (see [`capture_lua_stack`]).
+unsafe fn depth(l: *mut ffi::lua_State, ar: &mut ffi::lua_Debug) -> c_int {
+    // SAFETY: per the contract; lua_getstack only reads the state.
+    let has = |k: c_int, ar: &mut ffi::lua_Debug| unsafe { ffi::lua_getstack(l, k, ar) } != 0;
+    if !has(0, ar) {
+        return 0;
+    }
+    // has(lo) holds, has(hi) does not.
+    let (mut lo, mut hi) = (0 as c_int, 1 as c_int);
+    while hi < MAX_DEPTH && has(hi, ar) {
+        lo = hi;
+        hi = hi.saturating_mul(2);
+    }
+    if hi >= MAX_DEPTH && has(MAX_DEPTH - 1, ar) {
+        return MAX_DEPTH;
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if has(mid, ar) {
+            lo = mid;
+        } else {
+            hi = mid;
         }
     }
+    lo + 1
 }
 
 /// Reads one level whose `ar` was filled by `lua_getstack`.

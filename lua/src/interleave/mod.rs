@@ -62,7 +62,8 @@ impl InterleaveOptions {
 /// Merges native frames with captured Lua levels (see the module docs).
 pub fn interleave(native: &[Frame], lua: &LuaStack, opts: &InterleaveOptions) -> Backtrace {
     let mut out: SmallVec<[Frame; 192]> = SmallVec::new();
-    merge(native, &lua.levels, vm_map(), opts.show_vm, &mut out);
+    let gap = (lua.omitted > 0).then_some((lua.omitted_at, lua.omitted));
+    merge_with_gap(native, &lua.levels, gap, vm_map(), opts.show_vm, &mut out);
     Backtrace::from_frames(&out)
 }
 
@@ -165,6 +166,29 @@ pub fn merge<const N: usize>(
 ) where
     [Frame; N]: smallvec::Array<Item = Frame>,
 {
+    merge_with_gap(native, lua, None, map, show_vm, out)
+}
+
+/// [`merge`] of a Lua stack whose levels have a gap: `gap = (at, n)` puts `Omitted(n)` before
+/// level `at` (see [`LuaStack::omitted`]).
+pub fn merge_with_gap<const N: usize>(
+    native: &[Frame],
+    lua: &[LuaLevel],
+    gap: Option<(usize, u64)>,
+    map: &VmMap,
+    show_vm: bool,
+    out: &mut SmallVec<[Frame; N]>,
+) where
+    [Frame; N]: smallvec::Array<Item = Frame>,
+{
+    let lua_frame = |j: usize, out: &mut SmallVec<[Frame; N]>| {
+        if let Some((at, n)) = gap {
+            if at == j {
+                out.push(Frame::Omitted(n));
+            }
+        }
+        out.push(Frame::Lua(lua[j].id));
+    };
     let n = native.len();
     let vm: SmallVec<[bool; 64]> = native
         .iter()
@@ -192,7 +216,7 @@ pub fn merge<const N: usize>(
     if !lua.is_empty() {
         if let Some(k) = find_anchor(0, next(0, true), 0) {
             out.extend_from_slice(&native[..=k]);
-            out.push(Frame::Lua(lua[0].id));
+            lua_frame(0, out);
             i = k + 1;
             j = 1;
         }
@@ -213,7 +237,7 @@ pub fn merge<const N: usize>(
                 anchor = Some(k);
                 break;
             }
-            out.push(Frame::Lua(lua[j].id));
+            lua_frame(j, out);
             j += 1;
         }
         if show_vm {
@@ -222,7 +246,7 @@ pub fn merge<const N: usize>(
         i = v_end;
         if let Some(k) = anchor {
             out.extend_from_slice(&native[v_end..=k]);
-            out.push(Frame::Lua(lua[j].id));
+            lua_frame(j, out);
             i = k + 1;
             j += 1;
         }
@@ -233,7 +257,12 @@ pub fn merge<const N: usize>(
         if trailing {
             out.pop();
         }
-        out.extend(lua[j..].iter().map(|l| Frame::Lua(l.id)));
+        for k in j..lua.len() {
+            lua_frame(k, out);
+        }
+        if gap.is_some_and(|(at, _)| at == lua.len()) {
+            out.push(Frame::Omitted(gap.map_or(0, |g| g.1)));
+        }
         if trailing {
             out.push(Frame::Truncated);
         }
