@@ -144,6 +144,7 @@ pub(crate) fn enter_thread(s: &SchedShared) {
         }
     }
     ensure_altstack();
+    crate::overflow::install();
     SAMPLER.with(|p| p.set(sampler as *const Sampler));
 }
 
@@ -200,6 +201,26 @@ fn install() {
             libc::sigaction(SIGNAL.load(Ordering::Relaxed), &sa, std::ptr::null_mut());
         }
     });
+}
+
+/// The fiber running on this thread and its usable stack `(id, lo, hi)`, for a signal
+/// handler (no lock, no allocation).
+pub(crate) fn running_stack() -> Option<(u64, u64, u64)> {
+    let p = SAMPLER.with(|p| p.get());
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: SAMPLER points at the Sampler of the scheduler running on this thread (cleared
+    // by `leave_thread` before it stops); only atomics are read.
+    let sm = unsafe { &*p };
+    let fid = sm.running.load(Ordering::Acquire);
+    (fid != 0).then(|| {
+        (
+            fid,
+            sm.lo.load(Ordering::Relaxed),
+            sm.hi.load(Ordering::Relaxed),
+        )
+    })
 }
 
 /// Called when the scheduler stops running on this thread: the handler forgets it.

@@ -1,26 +1,92 @@
-//! Fiber stacks: mmap'd with a guard page (corosensei's `DefaultStack`), kept in a per-
-//! scheduler pool so that spawning reuses a stack instead of two system calls.
+//! Fiber stacks: mmap'd with a guard region below them, kept in a per-scheduler pool so that
+//! spawning reuses a stack instead of system calls.
+//!
+//! The guard is [`GUARD`] bytes of inaccessible memory, not one page: a C function with a
+//! large frame (LuaJIT's `string.gsub` keeps an 8 KiB buffer on the stack) could step over
+//! a single page into whatever is mapped below. An overflow into the guard faults, and
+//! [`crate::overflow`] says which fiber overflowed before the process stops. The memory is
+//! reserved without commitment (`MAP_NORESERVE`): untouched stack pages cost no memory.
 
-use corosensei::stack::{DefaultStack, Stack, StackPointer};
+use corosensei::stack::{Stack, StackPointer};
 use fibertrace_core::StackBounds;
 
-/// A fiber's stack: corosensei's `DefaultStack`, boxed so that handing it between the pool
-/// and a coroutine moves one pointer (moving the stack object itself, a few words written
-/// one way and read another, stalled on store forwarding at every spawn and exit).
-pub(crate) struct FiberStack(Box<DefaultStack>);
+/// Bytes of inaccessible memory below every fiber stack.
+pub(crate) const GUARD: usize = 64 * 1024;
 
-// SAFETY: delegates to `DefaultStack`, which upholds the trait's contract (a valid, aligned
-// stack range that stays allocated while the value lives); the box neither moves nor changes
-// the stack it holds.
+const PAGE: usize = 4096;
+
+/// A fiber's stack: `[GUARD | usable]` in one private anonymous mapping, unmapped on drop.
+pub(crate) struct FiberStack {
+    /// Start of the mapping (the guard's start).
+    map: usize,
+    /// Length of the mapping.
+    len: usize,
+}
+
+impl FiberStack {
+    fn new(size: usize) -> std::io::Result<FiberStack> {
+        let usable = size
+            .max(PAGE)
+            .checked_next_multiple_of(PAGE)
+            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+        let len = usable
+            .checked_add(GUARD)
+            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+        // SAFETY: a new private anonymous mapping (no address hint, no file); the result is
+        // checked before use.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_STACK,
+                -1,
+                0,
+            )
+        };
+        if map == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let stack = FiberStack {
+            map: map as usize,
+            len,
+        };
+        // SAFETY: the range lies inside the mapping just made (GUARD is page-aligned).
+        let rc = unsafe {
+            libc::mprotect(
+                (stack.map + GUARD) as *mut libc::c_void,
+                usable,
+                libc::PROT_READ | libc::PROT_WRITE,
+            )
+        };
+        if rc != 0 {
+            // (Dropping `stack` unmaps it.)
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(stack)
+    }
+}
+
+impl Drop for FiberStack {
+    fn drop(&mut self) {
+        // SAFETY: the mapping was made by `new` and is unmapped once, here; no coroutine runs
+        // on it any more (corosensei drops its stack only after the coroutine is done).
+        unsafe { libc::munmap(self.map as *mut libc::c_void, self.len) };
+    }
+}
+
+// SAFETY: base and limit bound the read-write part of a mapping this value owns for its whole
+// life; base is 16-byte aligned (page-aligned) and above limit.
 unsafe impl Stack for FiberStack {
     #[inline]
     fn base(&self) -> StackPointer {
-        self.0.base()
+        StackPointer::new(self.map + self.len).expect("a mapping is not at address 0")
     }
 
+    /// The whole mapping's start: corosensei's limit includes the guard.
     #[inline]
     fn limit(&self) -> StackPointer {
-        self.0.limit()
+        StackPointer::new(self.map).expect("a mapping is not at address 0")
     }
 }
 
@@ -47,7 +113,7 @@ impl Pool {
     #[cold]
     #[inline(never)]
     fn new_stack(size: usize) -> std::io::Result<FiberStack> {
-        DefaultStack::new(size).map(|s| FiberStack(Box::new(s)))
+        FiberStack::new(size)
     }
 
     pub fn give(&mut self, size: usize, stack: FiberStack) {
@@ -57,9 +123,12 @@ impl Pool {
     }
 }
 
-/// The usable bounds of a stack. The top 16 bytes hold corosensei's parent link, which is
-/// stale while the coroutine is suspended: walks never read it.
+/// The usable bounds of a stack: above the guard, and below the top 16 bytes, which hold
+/// corosensei's parent link (stale while the coroutine is suspended: walks never read it).
 #[inline]
 pub(crate) fn bounds(stack: &FiberStack) -> StackBounds {
-    StackBounds::new(stack.limit().get() as u64, stack.base().get() as u64 - 16)
+    StackBounds::new(
+        (stack.limit().get() + GUARD) as u64,
+        stack.base().get() as u64 - 16,
+    )
 }

@@ -264,13 +264,9 @@ fn run() {
     let mut last_blocked_scan = Instant::now();
     while !st.stop.load(Ordering::Relaxed) {
         let cfg = st.config.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        // A window that closed with reports suppressed and no report since to carry the
-        // count: say it now.
-        if suppressed > 0 && window_start.elapsed() >= Duration::from_secs(1) {
-            deliver(&Report::Suppressed(std::mem::take(&mut suppressed)));
-            window_start = Instant::now();
-            in_window = 0;
-        }
+        // Whether some run is over the threshold now (its next report will carry the count
+        // of suppressed ones).
+        let mut ongoing = false;
         let tick = (cfg.threshold / 4).clamp(Duration::from_micros(500), Duration::from_millis(50));
         std::thread::sleep(tick);
         let scheds = registry::schedulers();
@@ -315,6 +311,7 @@ fn run() {
                 (Some(a), Some(b)) => b.saturating_sub(a) + w.cpu_credit,
                 _ => wall,
             };
+            ongoing |= cpu >= cfg.threshold || wall >= wall_limit(cfg.threshold);
             let running_for = if cpu >= w.next_report {
                 w.next_report = w.next_report.saturating_mul(2);
                 cpu
@@ -356,6 +353,13 @@ fn run() {
                 note,
             };
             deliver(&Report::Stall(Box::new(report)));
+        }
+        // The burst is over (no run over the threshold) in a window that closed with reports
+        // suppressed: no later report will carry their count, so say it now.
+        if suppressed > 0 && !ongoing && window_start.elapsed() >= Duration::from_secs(1) {
+            deliver(&Report::Suppressed(std::mem::take(&mut suppressed)));
+            window_start = Instant::now();
+            in_window = 0;
         }
         if let Some(limit) = cfg.blocked_longer_than {
             if last_blocked_scan.elapsed() >= tick.max(Duration::from_millis(10)) {

@@ -195,6 +195,10 @@ impl LuaHost {
             parent_traces: false,
             report_panics: false,
             name: "lua".into(),
+            // Twice Tarantool's 512 KiB: LuaJIT's C functions nest deep (a `string.gsub`
+            // callback level takes over 8 KiB). Reserved, not committed: an untouched page
+            // costs no memory.
+            stack_size: 1 << 20,
             ..SchedulerOptions::default()
         });
         // SAFETY: `l` is the main state of a Lua just created on this thread, used by nothing
