@@ -225,6 +225,13 @@ impl Scheduler {
         self.inner.opts.borrow().parent_traces
     }
 
+    /// Timer entries held (live and stale): bounded by twice the number of fibers, whatever
+    /// happened to the fibers that set them. For tests.
+    #[doc(hidden)]
+    pub fn timer_entries(&self) -> usize {
+        self.inner.timers.borrow().len()
+    }
+
     /// Spawns a fiber (it runs when the scheduler runs).
     #[inline(never)]
     pub fn spawn<F, T>(&self, f: F) -> JoinHandle<T>
@@ -462,9 +469,18 @@ impl Inner {
         if let Some(s) = self.slots.borrow_mut().get_mut(&fid) {
             s.timer_seq = seq;
         }
-        self.timers
-            .borrow_mut()
-            .push(std::cmp::Reverse((when, seq, fid)));
+        let mut timers = self.timers.borrow_mut();
+        timers.push(std::cmp::Reverse((when, seq, fid)));
+        // A fiber woken early (or cancelled, or gone) leaves its timer in the heap until the
+        // timer's time comes: a fiber that sleeps an hour and is cancelled at once, a million
+        // times, would leave a million. Each fiber has at most one live timer, so past twice
+        // the number of fibers the stale ones are dropped (amortized O(1) a timer).
+        let slots = self.slots.borrow();
+        if timers.len() > 2 * slots.len() + 64 {
+            timers.retain(|std::cmp::Reverse((_, seq, fid))| {
+                slots.get(fid).is_some_and(|s| s.timer_seq == *seq)
+            });
+        }
     }
 
     /// Takes fiber `fid`'s coroutine out of its slot to resume it (`None`: gone, or running).

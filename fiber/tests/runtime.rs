@@ -650,3 +650,22 @@ fn a_fiber_created_at_start_and_run_by_the_scheduler_is_dated_by_that_run() {
         })
         .unwrap();
 }
+
+/// A fiber that sleeps long and is cancelled at once leaves a stale timer behind; a million
+/// such fibers must not leave a million timers (the heap is compacted past twice the
+/// number of fibers).
+#[test]
+fn timers_of_cancelled_sleepers_do_not_accumulate() {
+    let s = Scheduler::new();
+    s.block_on(move || {
+        for _ in 0..20_000 {
+            let h = spawn(|| fibertrace_fiber::sleep(Duration::from_secs(3600)));
+            yield_now();
+            h.fiber().cancel();
+            let _ = h.join();
+        }
+    })
+    .unwrap();
+    // At most two fibers lived at a time: the heap never held more than 2 * 2 + 64 + 1.
+    assert!(s.timer_entries() <= 69, "{} timers", s.timer_entries());
+}
