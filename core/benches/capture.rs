@@ -152,8 +152,18 @@ fn suspended(c: &mut Criterion) {
     let bounds = StackBounds::new(stack.limit().get() as u64, stack.base().get() as u64 - 16);
     let ctx = std::rc::Rc::new(std::cell::Cell::new(SavedContext::new(bounds)));
     let c2 = ctx.clone();
-    // 27 levels of `park` + the closure + catch_unwind + the trampoline = 30 frames.
-    let mut co = Coroutine::with_stack(stack, move |y: &Yielder<(), ()>, ()| park(y, &c2, 26));
+    // 27 levels of `park` and the recording point, ending where a runtime's walk ends: at the
+    // entry closure's stack pointer (`stop_sp`, as fibertrace-fiber records it), so that
+    // neither the closure nor corosensei's trampoline (code without frame pointers, which a
+    // `Fast` walk would go on through with DWARF) is walked.
+    let mut co = Coroutine::with_stack(stack, move |y: &Yielder<(), ()>, ()| {
+        let here = fibertrace_core::__fibertrace_registers_here!();
+        let mut c = c2.get();
+        c.stop_sp = here.sp;
+        c2.set(c);
+        park(y, &c2, 26);
+        black_box(());
+    });
     co.resume(());
     let saved = ctx.get();
     let mut bt = Backtrace::new();

@@ -318,19 +318,28 @@ fn same_stack(a: u64, b: u64) -> bool {
     buf[..n].iter().any(|s| s.contains(a) && s.contains(b))
 }
 
+thread_local! {
+    /// `collect_raw`'s code ranges (see `RangeCache`), and the one it was last in.
+    static RAW_RANGES: RefCell<crate::unwind::RangeCache> =
+        const { RefCell::new(crate::unwind::RangeCache::new()) };
+    static RAW_RANGE: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+}
+
 /// Whether `collect_raw`'s own code keeps frame pointers (0: not known yet, 1: yes, 2: no).
 static RAW_FP: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 /// The leanest capture: return addresses of the current stack by frame-pointer walk into
 /// `out`, skipping `skip` frames (the first is the caller of this function), ending at the
 /// frame whose caller's stack pointer reaches `stop_sp` (0: none; see [`collect_until`]),
-/// reading only `stack` (which must contain the current stack pointer). No thread-local
-/// access, no omission markers, no allocation once the image table is built (the first
-/// call may build it): what a runtime uses on a hot path (a parent trace at spawn).
+/// reading only `stack` (which must contain the current stack pointer). No omission
+/// markers, no allocation once the image table is built (the first call may build it): what
+/// a runtime uses on a hot path (a parent trace at spawn). Not for signal handlers (it keeps
+/// a per-thread cache of which code keeps frame pointers).
 ///
 /// Returns how many addresses were written, or `None` when the frame-pointer chain cannot
 /// be trusted: this code, or a caller on the way, keeps no frame pointers (a crate built
-/// without `force-frame-pointers`). Use [`collect_until`] with `Auto` then.
+/// without `force-frame-pointers`). Use [`collect_until`] with `Auto` then. A caller in the
+/// C library (a thread's start code, mostly) ends the trace after its frame instead.
 #[inline(never)]
 pub fn collect_raw(
     skip: usize,
@@ -352,7 +361,7 @@ pub fn collect_raw(
         }
     }
     let hops = crate::unwind::hop::Hops::snapshot();
-    let (mut ok_lo, mut ok_hi) = (0u64, 0u64);
+    let (mut ok_lo, mut ok_hi) = RAW_RANGE.with(|r| r.get());
     let lo = regs.sp.max(stack.lo);
     let hi = stack.hi;
     let stops = stop_sp != 0 && stop_sp >= lo && stop_sp <= hi;
@@ -378,9 +387,16 @@ pub fn collect_raw(
         }
         // The caller must keep frame pointers for its record to be `next`.
         let at = ra - 1;
+        let mut last = false;
         if (at < ok_lo || at >= ok_hi) && hops.misses(ra) {
-            match table.code_range(at) {
-                Some((s, e, true)) => (ok_lo, ok_hi) = (s, e),
+            match RAW_RANGES.with(|c| c.borrow_mut().range(table, at)) {
+                Some((s, e, true)) => {
+                    (ok_lo, ok_hi) = (s, e);
+                    RAW_RANGE.with(|r| r.set((s, e)));
+                }
+                Some((_, _, false)) if table.code_image(at).is_some_and(|i| i.is_libc) => {
+                    last = true;
+                }
                 Some((_, _, false)) => return None,
                 None => {}
             }
@@ -390,6 +406,9 @@ pub fn collect_raw(
         } else {
             out[n] = ra;
             n += 1;
+        }
+        if last {
+            break;
         }
         let next = hops.next_record(fp, ra, next);
         if next <= fp {
@@ -431,19 +450,8 @@ fn walk_with_refresh(
 ) {
     let mut ring = new_ring();
     let mut table = crate::image::table();
-    let mut mode = opts.unwinder;
-    if mode == crate::Unwinder::Fast {
-        let mut sink = FrameSink::new(out, &mut ring, opts);
-        let end = unwind::walk(start, stacks, mode, Some(table), None, &mut sink);
-        sink.finish(end.cut);
-        if !end.fp_unsafe {
-            return;
-        }
-        // The chain went through code without frame pointers: what it gave past there
-        // cannot be trusted. DWARF can.
-        out.clear();
-        mode = crate::Unwinder::Auto;
-    }
+    // (`Fast` gets the cache too: it goes on with DWARF where frame pointers end.)
+    let mode = opts.unwinder;
     loop {
         let mut sink = FrameSink::new(out, &mut ring, opts);
         let end = with_thread_cache(|cache| {
@@ -487,8 +495,8 @@ pub fn collect_from_into(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Ba
 
 /// [`collect_from_into`] for a signal handler: async-signal-safe (no lock, no allocation, no
 /// thread-local access). Uses the image table only if one was built ([`prepare`]) and the
-/// caller's DWARF cache; a `Fast` walk that meets code without frame pointers walks again
-/// with `Auto` when a cache is given, and otherwise ends with `Truncated`.
+/// caller's DWARF cache; a `Fast` walk that meets code without frame pointers goes on with
+/// DWARF when a cache is given, and otherwise ends with `Truncated`.
 pub fn collect_from_in_handler(
     ctx: &SavedContext,
     opts: &CaptureOptions,
@@ -519,25 +527,11 @@ fn walk_in_handler(
 ) {
     let table = crate::image::published();
     let mut ring = new_ring();
-    let mut mode = opts.unwinder;
-    if mode == crate::Unwinder::Fast {
-        let mut sink = FrameSink::new(out, &mut ring, opts);
-        let end = unwind::walk(start, stacks, mode, table, None, &mut sink);
-        if !end.fp_unsafe {
-            sink.finish(end.cut);
-            return;
-        }
-        if cache.is_none() {
-            // Nothing better here: say that the trace ends early.
-            sink.finish(true);
-            return;
-        }
-        out.clear();
-        mode = crate::Unwinder::Auto;
-    }
     let mut sink = FrameSink::new(out, &mut ring, opts);
-    let end = unwind::walk(start, stacks, mode, table, cache, &mut sink);
-    sink.finish(end.cut);
+    let end = unwind::walk(start, stacks, opts.unwinder, table, cache, &mut sink);
+    // A walk that met code without frame pointers and had no DWARF cache to go on with says
+    // that the trace ends early.
+    sink.finish(end.cut || end.fp_unsafe);
 }
 
 /// Captures an interrupted context from inside a signal handler: async-signal-safe.
@@ -548,8 +542,8 @@ fn walk_in_handler(
 /// DWARF cache owned by the caller (one per thread that may be interrupted); with `None`, or
 /// before the image table was built ([`prepare`]), only the frame-pointer walk is used.
 /// `stop_sp` as in [`collect_until`]. A `Fast` walk that meets code without frame pointers
-/// walks again with `Auto` when it has a cache, and otherwise ends with `Truncated` after the
-/// last frame it can vouch for.
+/// goes on with DWARF when it has a cache, and otherwise ends with `Truncated` after the last
+/// frame it can vouch for.
 ///
 /// # Safety
 /// `uc` must be the `ucontext_t` given to an `SA_SIGINFO` handler, and every range in

@@ -16,10 +16,11 @@
 //!
 //! `Fast` never steps out of a function that keeps no frame pointers (its `rbp` is not a frame
 //! record: the step would skip its caller or follow garbage): when the image table is known,
-//! the walk ends after such a frame and reports it ([`WalkEnd::fp_unsafe`]); the capture
-//! functions then walk again with `Auto`, or, where they cannot (no DWARF cache), end the
-//! trace with `Truncated`. Without an image table (a signal handler before [`crate::prepare`])
-//! nothing can be judged and `Fast` trusts every frame record.
+//! the frame-pointer walk stops at such a frame and the walk goes on from there as `Auto`
+//! (DWARF for that frame, frame pointers again where the code keeps them), or, without a
+//! DWARF cache, ends and reports it ([`WalkEnd::fp_unsafe`]; the capture functions then end
+//! the trace with `Truncated`). Without an image table (a signal handler before
+//! [`crate::prepare`]) nothing can be judged and `Fast` trusts every frame record.
 //!
 //! The stop frame: a runtime that calls user code on a coroutine gives the stack pointer of
 //! its function that made the call (`stop_sp`); the walk ends with the frame whose caller's
@@ -80,6 +81,8 @@ pub struct DwarfCache {
     framehop: [CacheX86_64<MustNotAllocateDuringUnwind>; RULE_CACHES],
     pub(crate) compact: rules::RuleCache,
     use_compact: bool,
+    /// Which code keeps frame pointers, for the walks that use this cache.
+    pub(crate) ranges: RangeCache,
 }
 
 impl DwarfCache {
@@ -88,6 +91,7 @@ impl DwarfCache {
         DwarfCache {
             framehop: std::array::from_fn(|_| CacheX86_64::new_in()),
             compact: rules::RuleCache::new(),
+            ranges: RangeCache::new(),
             use_compact: true,
         }
     }
@@ -206,29 +210,49 @@ fn walk_inner(
     if start.emit_ip && !sink.push(Frame::Pc(ip)) {
         return false;
     }
+    let mut regs = UnwindRegsX86_64::new(ip, sp, fp);
+    let mut addr = FrameAddress::from_instruction_pointer(ip);
+    let mut first = true;
+    let mut mode = mode;
     if mode == Unwinder::Fast || table.is_none() || cache.is_none() {
         // The first frame record read is that of the function at `ip`.
-        if table.is_some_and(|t| !t.frame_pointer_code(ip) && hop::Hops::snapshot().misses(ip)) {
+        let ip_ok = match table {
+            None => true,
+            Some(t) => {
+                let range = match cache.as_deref_mut() {
+                    Some(c) => c.ranges.range(t, ip),
+                    None => t.code_range(ip),
+                };
+                range.is_none_or(|r| r.2) || !hop::Hops::snapshot().misses(ip)
+            }
+        };
+        if ip_ok {
+            let ranges = cache.as_deref_mut().map(|c| &mut c.ranges);
+            match fp_walk(fp, sp, start.stop_sp, stacks, table, ranges, sink) {
+                FpEnd::Done(cut) => return cut,
+                // Stopped at a return address into code without frame pointers (emitted):
+                // the walk goes on from its caller's state.
+                FpEnd::NotFp { ra, sp, bp } => {
+                    regs = UnwindRegsX86_64::new(ra, sp, bp);
+                    match FrameAddress::from_return_address(ra) {
+                        Some(a) => addr = a,
+                        None => return false,
+                    }
+                    first = false;
+                }
+            }
+        }
+        // Code without frame pointers: DWARF from here on, if there is a cache to do it with.
+        if table.is_none() || cache.is_none() {
             end.fp_unsafe = true;
             return false;
         }
-        return fp_walk(
-            fp,
-            sp,
-            start.stop_sp,
-            stacks,
-            table,
-            sink,
-            &mut end.fp_unsafe,
-        );
+        mode = Unwinder::Auto;
     }
     let table = table.expect("checked");
-    let mut regs = UnwindRegsX86_64::new(ip, sp, fp);
-    let mut addr = FrameAddress::from_instruction_pointer(ip);
-    let mut cur = SegCursor::at(stacks, sp);
+    let mut cur = SegCursor::at(stacks, regs.sp());
     let mut fp_range: (u64, u64) = (0, 0); // last code range known to keep frame pointers
-    let mut first = true;
-    // Just resumed from a signal frame: the interrupted code may be in a prologue.
+                                           // Just resumed from a signal frame: the interrupted code may be in a prologue.
     let mut after_signal = false;
     for _ in 0..MAX_WALK {
         let pc = addr.address();
@@ -238,7 +262,8 @@ fn walk_inner(
             _ if pc >= fp_range.0 && pc < fp_range.1 => true,
             // A registered hop steps its code's frames (LuaJIT's interpreter).
             _ if !cur.hops.misses(pc) => true,
-            _ => match table.code_range(pc) {
+            // (The cache is there: the walk came here only with one.)
+            _ => match cache.as_deref_mut().and_then(|c| c.ranges.range(table, pc)) {
                 Some((s, e, true)) => {
                     fp_range = (s, e);
                     true
@@ -297,6 +322,52 @@ fn walk_inner(
         }
     }
     true
+}
+
+/// The last code ranges walks met, with whether their functions keep frame pointers: walks
+/// go back and forth between a handful of them (the program's, the standard library's, the
+/// C library's), and a lookup in the table is a binary search over thousands of ranges. Kept
+/// across walks (in a [`DwarfCache`], or per thread); entries belong to one image table and
+/// are dropped when another is used.
+pub(crate) struct RangeCache {
+    r: [(u64, u64, bool); RANGES],
+    /// The image table the entries come from (its address).
+    table: usize,
+}
+
+const RANGES: usize = 16;
+
+impl RangeCache {
+    pub(crate) const fn new() -> Self {
+        RangeCache {
+            r: [(0, 0, false); RANGES],
+            table: 0,
+        }
+    }
+
+    /// The range holding `pc` (see [`ImageTable::code_range`]).
+    #[inline]
+    pub(crate) fn range(&mut self, table: &ImageTable, pc: u64) -> Option<(u64, u64, bool)> {
+        let t = table as *const ImageTable as usize;
+        if self.table != t {
+            *self = RangeCache::new();
+            self.table = t;
+        }
+        for (i, &r) in self.r.iter().enumerate() {
+            if pc >= r.0 && pc < r.1 {
+                // Most recently found first next time.
+                if i != 0 {
+                    self.r.swap(0, i);
+                }
+                return Some(r);
+            }
+        }
+        let r = table.code_range(pc)?;
+        // Newest in front; the last one goes.
+        self.r.copy_within(0..RANGES - 1, 1);
+        self.r[0] = r;
+        Some(r)
+    }
 }
 
 /// The interrupted context when `ra` is the signal-return trampoline (its code checked
@@ -495,8 +566,10 @@ struct FpWalk<'s, 'a> {
     ok_lo: u64,
     ok_len: u64,
     table: Option<&'s ImageTable>,
-    /// Set when the walk ended after a return address into code without frame pointers.
-    fp_unsafe: bool,
+    ranges: &'s mut RangeCache,
+    /// Set when the walk ended after a return address into code without frame pointers:
+    /// that frame's state (its pc, its stack pointer, `rbp` as saved by its callee).
+    not_fp: Option<(u64, u64, u64)>,
     lo: u64,
     hi: u64,
     seg: usize,
@@ -513,6 +586,7 @@ impl<'s, 'a> FpWalk<'s, 'a> {
         stop_sp: u64,
         seg: usize,
         table: Option<&'s ImageTable>,
+        ranges: &'s mut RangeCache,
     ) -> (Self, u64) {
         let mut w = FpWalk {
             stacks,
@@ -520,7 +594,8 @@ impl<'s, 'a> FpWalk<'s, 'a> {
             ok_lo: 0,
             ok_len: if table.is_some() { 0 } else { u64::MAX },
             table,
-            fp_unsafe: false,
+            ranges,
+            not_fp: None,
             top: 0,
             lo: 0,
             hi: 0,
@@ -618,12 +693,14 @@ impl<'s, 'a> FpWalk<'s, 'a> {
         // hop knows its code's frames.
         if self.hops.misses(ra) && ra.wrapping_sub(1).wrapping_sub(self.ok_lo) >= self.ok_len {
             if let Some(t) = self.table {
-                match t.code_range(ra.wrapping_sub(1)) {
+                let pc = ra.wrapping_sub(1);
+                match self.ranges.range(t, pc) {
+                    // The fast path's range from now on.
                     Some((s, e, true)) => (self.ok_lo, self.ok_len) = (s, e - s),
                     Some((_, _, false)) => {
                         // Right as far as it goes; the caller's caller cannot be found
-                        // this way.
-                        self.fp_unsafe = true;
+                        // this way, but from the caller's state DWARF can go on.
+                        self.not_fp = Some((ra, at + 16, next));
                         return (Some(ra), 0);
                     }
                     // Outside every image (JIT code): frame pointers are the only hope.
@@ -662,25 +739,38 @@ impl<'s, 'a> FpWalk<'s, 'a> {
 /// While the frames fit, they are written straight into the backtrace; past that, through
 /// a small local buffer. Either way the loop is a tight dependent-load chain of about a
 /// nanosecond per frame.
+/// How a frame-pointer walk ended.
+enum FpEnd {
+    /// For good (`true`: cut at [`MAX_WALK`]).
+    Done(bool),
+    /// After emitting `ra`, a return address into code that keeps no frame pointers: the
+    /// state of that frame, from which a DWARF step can go on.
+    NotFp { ra: u64, sp: u64, bp: u64 },
+}
+
 fn fp_walk(
     fp: u64,
     sp: u64,
     stop_sp: u64,
     stacks: &Stacks<'_>,
     table: Option<&ImageTable>,
+    ranges: Option<&mut RangeCache>,
     sink: &mut FrameSink<'_>,
-    fp_unsafe: &mut bool,
-) -> bool {
+) -> FpEnd {
     let Some(seg) = stacks.find(fp) else {
-        return false;
+        return FpEnd::Done(false);
     };
     if stacks.find(sp) == Some(seg) && fp < sp {
-        return false;
+        return FpEnd::Done(false);
     }
-    let (mut w, fp) = FpWalk::new(stacks, fp, stop_sp, seg, table);
+    let mut own = RangeCache::new();
+    let ranges = ranges.unwrap_or(&mut own);
+    let (mut w, fp) = FpWalk::new(stacks, fp, stop_sp, seg, table, ranges);
     let cut = fp_walk_loop(&mut w, fp, sink);
-    *fp_unsafe = w.fp_unsafe;
-    cut
+    match w.not_fp {
+        Some((ra, sp, bp)) if !cut => FpEnd::NotFp { ra, sp, bp },
+        _ => FpEnd::Done(cut),
+    }
 }
 
 fn fp_walk_loop(w: &mut FpWalk<'_, '_>, mut fp: u64, sink: &mut FrameSink<'_>) -> bool {
@@ -781,7 +871,8 @@ mod tests {
     }
 
     fn walked(stacks: &Stacks<'_>, fp0: u64, stop_sp: u64, seg0: usize) -> Vec<u64> {
-        let (mut w, mut fp) = FpWalk::new(stacks, fp0, stop_sp, seg0, None);
+        let mut ranges = RangeCache::new();
+        let (mut w, mut fp) = FpWalk::new(stacks, fp0, stop_sp, seg0, None, &mut ranges);
         let mut out = Vec::new();
         while out.len() < 1000 {
             match w.step(&mut fp) {
