@@ -5,9 +5,11 @@
 //! `string.gsub` callbacks, say) ended the process with no word.
 //!
 //! The handler runs on the scheduler thread's alternate signal stack (set up by
-//! [`crate::sample`]), touches only atomics and the stack, and writes with `write(2)`. A fault
-//! anywhere else is handed to the disposition that was there before (the standard library's
-//! own stack-overflow report for threads, or the default).
+//! [`crate::sample`]), touches only atomics and the stack, and writes with `write(2)`. It stays
+//! installed: a fault anywhere else is handed to the handler that was there before (the
+//! standard library's own stack-overflow report for threads), called directly; with no such
+//! handler, the default action ends the process (a fault re-executes; a signal sent by
+//! `kill` is raised again).
 //!
 //! How it can be wrong: a frame larger than the guard (64 KiB) can step over it into other
 //! memory; such an overflow is not caught here (and may not fault at all).
@@ -32,18 +34,20 @@ pub(crate) fn install() {
             // disposition is saved first, before any fault can reach the new handler, and is
             // only read by the handler afterwards.
             unsafe {
+                let prev = std::ptr::addr_of_mut!(PREVIOUS[i]).cast::<libc::sigaction>();
+                // The previous disposition is read first, then ours installed.
+                libc::sigaction(sig, std::ptr::null(), prev);
                 let mut sa: libc::sigaction = std::mem::zeroed();
                 sa.sa_sigaction = on_fault as *const () as usize;
                 sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
                 libc::sigemptyset(&mut sa.sa_mask);
-                let prev = std::ptr::addr_of_mut!(PREVIOUS[i]).cast::<libc::sigaction>();
-                libc::sigaction(sig, &sa, prev);
+                libc::sigaction(sig, &sa, std::ptr::null_mut());
             }
         }
     });
 }
 
-extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, _uc: *mut libc::c_void) {
+extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, uc: *mut libc::c_void) {
     // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler.
     let addr = unsafe { (*info).si_addr() } as u64;
     if let Some((fid, lo, hi)) = crate::sample::running_stack() {
@@ -61,28 +65,47 @@ extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, _uc: *mut l
             let n = w.len;
             // SAFETY: write(2) of a local buffer to stderr is async-signal-safe.
             unsafe { libc::write(2, buf.as_ptr().cast(), n) };
-            default_action(sig);
+            default_action(sig, info);
             return;
         }
     }
-    // Not ours: the previous disposition takes the repeated fault.
+    // Not ours: the handler that was there before.
     let i = usize::from(sig == libc::SIGBUS);
-    // SAFETY: PREVIOUS[i] was written by `install` before this handler was installed.
-    unsafe {
-        let prev = std::ptr::addr_of!(PREVIOUS[i]).cast::<libc::sigaction>();
-        libc::sigaction(sig, prev, std::ptr::null_mut());
+    // SAFETY: PREVIOUS[i] was written by `install` before this handler was installed, and is
+    // never written again.
+    let prev = unsafe { *std::ptr::addr_of!(PREVIOUS[i]).cast::<libc::sigaction>() };
+    match prev.sa_sigaction {
+        libc::SIG_DFL => default_action(sig, info),
+        libc::SIG_IGN => {}
+        h if prev.sa_flags & libc::SA_SIGINFO != 0 => {
+            // SAFETY: an SA_SIGINFO handler installed by someone else, called as the kernel
+            // would have called it.
+            let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
+                unsafe { std::mem::transmute(h) };
+            f(sig, info, uc);
+        }
+        h => {
+            // SAFETY: a plain handler installed by someone else, called as the kernel would.
+            let f: extern "C" fn(libc::c_int) = unsafe { std::mem::transmute(h) };
+            f(sig);
+        }
     }
 }
 
-/// Restores the default action: returning re-executes the faulting access, which then ends
-/// the process as the fault would have.
-fn default_action(sig: libc::c_int) {
-    // SAFETY: sigaction with a zeroed (SIG_DFL) disposition is async-signal-safe.
+/// The default action: for a fault, returning re-executes the faulting access, which then
+/// ends the process as the fault would have; a signal sent by a process (`si_code <= 0`) is
+/// raised again.
+fn default_action(sig: libc::c_int, info: *mut libc::siginfo_t) {
+    // SAFETY: sigaction with a zeroed (SIG_DFL) disposition, and raise, are async-signal-safe;
+    // `info` is the kernel's siginfo for this handler.
     unsafe {
         let mut sa: libc::sigaction = std::mem::zeroed();
         sa.sa_sigaction = libc::SIG_DFL;
         libc::sigemptyset(&mut sa.sa_mask);
         libc::sigaction(sig, &sa, std::ptr::null_mut());
+        if (*info).si_code <= 0 {
+            libc::raise(sig);
+        }
     }
 }
 

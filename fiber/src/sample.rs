@@ -223,6 +223,12 @@ pub(crate) fn running_stack() -> Option<(u64, u64, u64)> {
     })
 }
 
+/// Called when a scheduler entered inside another one's fiber stops: the handler goes back to
+/// the outer scheduler's sampler (the inner one's is about to be freed).
+pub(crate) fn restore_thread(outer: &SchedShared) {
+    SAMPLER.with(|p| p.set(&outer.sampler as *const Sampler));
+}
+
 /// Called when the scheduler stops running on this thread: the handler forgets it.
 pub(crate) fn leave_thread() {
     SAMPLER.with(|p| p.set(std::ptr::null()));
@@ -324,7 +330,9 @@ extern "C" fn on_signal(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut
                         offset: 1,
                         ..CaptureOptions::default()
                     };
-                    fibertrace_core::collect_from_into(&ctx, &opts, out);
+                    // SAFETY: as above, the cache is the handler's.
+                    let cache = unsafe { (*sm.cache.get()).as_deref_mut() };
+                    fibertrace_core::capture::collect_from_in_handler(&ctx, &opts, cache, out);
                 }
             }
         }

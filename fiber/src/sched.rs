@@ -368,6 +368,10 @@ impl Drop for Enter {
         SCHED.with(|s| s.set(self.prev));
         if self.prev.is_null() {
             crate::sample::leave_thread();
+        } else {
+            // SAFETY: `prev` is the scheduler whose fiber entered this one: it runs on this
+            // thread, outside us, and outlives this guard.
+            crate::sample::restore_thread(unsafe { &(*self.prev).shared });
         }
     }
 }

@@ -109,11 +109,14 @@ fn enter(q: &RefCell<WaitQueue>) -> Leave<'_> {
     Leave { q, ticket }
 }
 
-fn wake_one(q: &RefCell<WaitQueue>) {
+/// Wakes the first waiter still waiting; whether there was one.
+fn wake_one(q: &RefCell<WaitQueue>) -> bool {
     let w = q.borrow_mut().pop();
     if let Some((s, id)) = w {
         sched::wake(s, id);
+        return true;
     }
+    false
 }
 
 fn wake_all(q: &RefCell<WaitQueue>) {
@@ -161,10 +164,15 @@ pub struct SendError<T> {
     pub value: Option<T>,
 }
 
+/// The bit of a queued value's ticket that says it was handed to a waiting receiver.
+const HANDED: u64 = 1 << 63;
+
 struct ChanInner<T> {
     id: u64,
     cap: usize,
-    /// Queued values with their tickets (increasing).
+    /// Queued values with their tickets (increasing). A ticket with [`HANDED`] set is a
+    /// value handed to a receiver that was waiting for it: a discarding close keeps it for
+    /// that receiver.
     buf: RefCell<VecDeque<(u64, T)>>,
     closed: Cell<bool>,
     /// Ticket of the last value a receiver took (values leave in order: every ticket up to
@@ -248,7 +256,12 @@ impl<T> Channel<T> {
     /// senders fail, receivers get nothing more.
     pub fn close_discarding(&self) {
         self.close();
-        let dropped = std::mem::take(&mut *self.inner.buf.borrow_mut());
+        let all = std::mem::take(&mut *self.inner.buf.borrow_mut());
+        // Values already handed to a receiver stay for it (Tarantool hands them over
+        // directly: the close does not take them back).
+        let (kept, dropped): (VecDeque<_>, VecDeque<_>) =
+            all.into_iter().partition(|(t, _)| t & HANDED != 0);
+        *self.inner.buf.borrow_mut() = kept;
         // Dropped outside the borrow: a value's destructor may use the channel.
         drop(dropped);
     }
@@ -293,24 +306,32 @@ impl<T> Channel<T> {
         if c.buf.borrow().len() >= c.cap.max(1) || (c.cap == 0 && !self.has_readers()) {
             return Err(ChannelError::WouldBlock);
         }
-        self.push(v);
+        let _ = self.push(v);
         Ok(())
     }
 
-    fn push(&self, v: T) -> u64 {
+    /// Queues `v`; its ticket, and whether a waiting receiver was woken for it.
+    fn push(&self, v: T) -> (u64, bool) {
         let c = &self.inner;
         let ticket = c.pushed.get() + 1;
         c.pushed.set(ticket);
         c.buf.borrow_mut().push_back((ticket, v));
-        wake_one(&c.receivers);
-        ticket
+        let woke = wake_one(&c.receivers);
+        if woke {
+            if let Some(last) = c.buf.borrow_mut().back_mut() {
+                last.0 |= HANDED;
+            }
+        }
+        (ticket, woke)
     }
 
     /// Takes the value with `ticket` back out of the queue, if it is still there (the room
     /// it leaves goes to the next waiting sender).
     fn withdraw(&self, ticket: u64) -> Option<T> {
         let mut buf = self.inner.buf.borrow_mut();
-        let i = buf.binary_search_by_key(&ticket, |(t, _)| *t).ok()?;
+        let i = buf
+            .binary_search_by_key(&ticket, |(t, _)| t & !HANDED)
+            .ok()?;
         let v = buf.remove(i).map(|(_, v)| v);
         drop(buf);
         wake_one(&self.inner.senders);
@@ -334,10 +355,13 @@ impl<T> Channel<T> {
                 return fail(e, Some(v));
             }
         }
-        let ticket = self.push(v);
-        if c.cap == 0 {
-            // Rendezvous: wait until our value is taken. Whatever ends the wait otherwise
-            // (close, timeout, cancellation unwinding) takes it back out first.
+        let (ticket, woke) = self.push(v);
+        if c.cap == 0 && !woke {
+            // Rendezvous with nobody waiting: wait until our value is taken. Whatever ends
+            // the wait otherwise (close, timeout, cancellation unwinding) takes it back out
+            // first. (With a receiver waiting, the value is handed to it, as Tarantool does:
+            // even a zero timeout succeeds; were that receiver cancelled before it runs, the
+            // wake-up and the value pass to the next receiver.)
             let guard = Unqueue { ch: self, ticket };
             loop {
                 if c.taken.get() >= ticket {
@@ -383,6 +407,10 @@ impl<T> Channel<T> {
         drop(waiting);
         std::mem::forget(pass_on);
         if deadline.is_some_and(|d| Instant::now() >= d) && !c.closed.get() {
+            // A wake-up for room may have come with the timeout: pass it on.
+            if c.buf.borrow().len() < c.cap.max(1) {
+                wake_one(&c.senders);
+            }
             return Err(ChannelError::Timeout);
         }
         Ok(())
@@ -411,7 +439,7 @@ impl<T> Channel<T> {
     fn take(&self) -> Option<T> {
         let c = &self.inner;
         let (ticket, v) = c.buf.borrow_mut().pop_front()?;
-        c.taken.set(ticket);
+        c.taken.set(ticket & !HANDED);
         if c.cap == 0 {
             wake_all(&c.senders);
         } else {
@@ -464,7 +492,7 @@ struct Unqueue<'a, T> {
 impl<T> Drop for Unqueue<'_, T> {
     fn drop(&mut self) {
         if let Ok(mut buf) = self.ch.inner.buf.try_borrow_mut() {
-            if let Ok(i) = buf.binary_search_by_key(&self.ticket, |(t, _)| *t) {
+            if let Ok(i) = buf.binary_search_by_key(&self.ticket, |(t, _)| t & !HANDED) {
                 let v = buf.remove(i);
                 drop(buf);
                 wake_one(&self.ch.inner.senders);

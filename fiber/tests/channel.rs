@@ -241,3 +241,28 @@ fn hand_off_with_timeout_pools_deliver_each_value_once_to_its_own_channel() {
         })
         .unwrap();
 }
+
+/// A rendezvous send to a waiting receiver hands the value over, even with a zero timeout
+/// (Tarantool's `ch:put(v, 0)` to a reader that waits).
+#[test]
+fn a_zero_timeout_send_to_a_waiting_receiver_hands_the_value_over() {
+    Scheduler::new()
+        .block_on(|| {
+            let ch = channel::<u32>(0);
+            let rx = ch.clone();
+            let r = spawn(move || rx.recv());
+            yield_now(); // the receiver waits
+            assert_eq!(ch.send_back(9, Some(Duration::ZERO)), Ok(()));
+            assert_eq!(r.join().unwrap(), Some(9));
+            // With nobody waiting, the same send times out and keeps its value.
+            match ch.send_back(10, Some(Duration::ZERO)) {
+                Err(SendError {
+                    error: ChannelError::Timeout,
+                    value: Some(10),
+                }) => {}
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(ch.len(), 0);
+        })
+        .unwrap();
+}

@@ -255,7 +255,8 @@ fn walk_inner(
                                            // Just resumed from a signal frame: the interrupted code may be in a prologue.
     let mut after_signal = false;
     for _ in 0..MAX_WALK {
-        let pc = addr.address();
+        // (`ra - 1` for a return address: a call may be a function's last instruction.)
+        let pc = addr.address_for_lookup();
         let use_fp = match mode {
             Unwinder::Precise => false,
             _ if (first && start.first_step_dwarf) || after_signal => false,

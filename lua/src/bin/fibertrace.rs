@@ -161,8 +161,13 @@ extern "C" fn on_exit_signal(sig: libc::c_int) {
     let fd = EXIT_PIPE.load(std::sync::atomic::Ordering::Relaxed);
     if fd >= 0 {
         let b = [sig as u8];
-        // SAFETY: write(2) is async-signal-safe; the fd is our pipe.
-        unsafe { libc::write(fd, b.as_ptr().cast(), 1) };
+        // SAFETY: write(2) is async-signal-safe; the fd is our (non-blocking) pipe; errno is
+        // put back for the interrupted code.
+        unsafe {
+            let e = *libc::__errno_location();
+            libc::write(fd, b.as_ptr().cast(), 1);
+            *libc::__errno_location() = e;
+        }
     }
 }
 
@@ -178,6 +183,12 @@ fn install_signals() -> Result<(), String> {
         return Err(format!("pipe: {}", io::Error::last_os_error()));
     }
     let (rd, wr) = (fds[0], fds[1]);
+    // The handler must never block on a full pipe (a burst of signals).
+    // SAFETY: fcntl on our own fd.
+    unsafe {
+        let fl = libc::fcntl(wr, libc::F_GETFL);
+        libc::fcntl(wr, libc::F_SETFL, fl | libc::O_NONBLOCK);
+    }
     EXIT_PIPE.store(wr, std::sync::atomic::Ordering::Relaxed);
     std::thread::Builder::new()
         .name("fibertrace-exit".into())
@@ -186,13 +197,22 @@ fn install_signals() -> Result<(), String> {
             // SAFETY: reads one byte from our own pipe into a local buffer.
             let n = unsafe { libc::read(rd, b.as_mut_ptr().cast(), 1) };
             if n == 1 {
+                let code = 128 + i32::from(b[0]);
+                // Flushing waits for the streams' locks: a thread blocked holding one (a
+                // script in io.read(), a write to a full pipe) would hold the exit forever.
+                // The process ends within a second whatever happens.
+                std::thread::spawn(move || {
+                    std::thread::sleep(std::time::Duration::from_secs(1));
+                    // SAFETY: ends the process at once.
+                    unsafe { libc::_exit(code) };
+                });
                 let _ = io::stdout().flush();
                 // SAFETY: fflush(NULL) flushes every C output stream; the thread holds no
                 // stream lock itself.
                 unsafe { libc::fflush(std::ptr::null_mut()) };
                 // SAFETY: ends the process at once, without running Lua or Rust destructors
                 // (fibers may be suspended with Lua frames on their stacks).
-                unsafe { libc::_exit(128 + i32::from(b[0])) };
+                unsafe { libc::_exit(code) };
             }
             if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
                 continue;

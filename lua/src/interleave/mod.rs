@@ -260,11 +260,14 @@ pub fn merge_with_gap<const N: usize>(
         for k in j..lua.len() {
             lua_frame(k, out);
         }
-        if gap.is_some_and(|(at, _)| at == lua.len()) {
-            out.push(Frame::Omitted(gap.map_or(0, |g| g.1)));
-        }
         if trailing {
             out.push(Frame::Truncated);
+        }
+    }
+    // A gap after the last level kept (the outermost levels could not be read).
+    if let Some((at, n)) = gap {
+        if at == lua.len() {
+            out.push(Frame::Omitted(n));
         }
     }
 }
