@@ -5,7 +5,8 @@
 //! What a channel guarantees, whatever ends an operation (a value, a timeout, `close`, the
 //! fiber's cancellation unwinding out of its wait):
 //! * a value is delivered at most once, and a send reports success exactly when its value
-//!   was queued (buffered channel) or taken by a receiver (rendezvous, capacity 0); a
+//!   was queued (buffered channel), or taken by a receiver or handed to one that was waiting
+//!   for it (rendezvous, capacity 0; a discarding close keeps what was handed over); a
 //!   rendezvous send that fails takes its value back out of the channel
 //!   ([`Channel::send_back`] hands it to the caller; otherwise it is dropped), so a value
 //!   never stays queued for a sender that was told it was not sent;
