@@ -79,6 +79,40 @@ struct Slot {
     joiners: Vec<FiberId>,
     /// Where its control block is in the registry.
     reg: SlabIndex,
+    /// Its `fiber.top()` figures (kept up to date only while top is on).
+    top: TopStat,
+}
+
+/// One row of `fiber.top()` as the scheduler keeps it: CPU ticks at the end of the last loop
+/// turn, the ticks of that turn, their moving average over turns, and the ticks when top was
+/// turned on (its time counts from there).
+#[derive(Clone, Copy, Default)]
+struct TopStat {
+    last: u64,
+    prev: u64,
+    acc: f64,
+    base: u64,
+}
+
+impl TopStat {
+    /// Closes a turn in which the row ran `delta` ticks (Tarantool's moving average: a
+    /// sixteenth of the new turn, fifteen sixteenths of the old average).
+    fn close_turn(&mut self, delta: u64) {
+        self.acc = delta as f64 / 16.0 + self.acc * 15.0 / 16.0;
+        self.prev = delta;
+    }
+}
+
+/// A row of [`top`]: shares of the scheduler's time (percent) and the CPU time counted since
+/// top was turned on.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TopRow {
+    /// Moving average over loop turns of the share of each turn it ran, in percent.
+    pub average: f64,
+    /// Its share of the last loop turn, in percent.
+    pub instant: f64,
+    /// Time it ran since top was turned on.
+    pub time: Duration,
 }
 
 /// Options of a scheduler.
@@ -128,6 +162,18 @@ pub(crate) struct Inner {
     // The boxes themselves are what is reused: they move between the slot map and this pool.
     #[allow(clippy::vec_box)]
     free_slots: RefCell<Vec<Box<Slot>>>,
+    /// Loop turns so far: a turn runs the fibers that were ready when it began (those made
+    /// ready meanwhile run in the next one), as one iteration of Tarantool's event loop.
+    turn: Cell<u64>,
+    /// Fibers of the current turn not run yet.
+    turn_left: Cell<usize>,
+    /// `fiber.top()`: whether on, the clock ticks when the current turn began, and the
+    /// scheduler's own row (the time of a turn no fiber ran, waiting included) and the
+    /// whole turn's (the sum of every row).
+    top_on: Cell<bool>,
+    turn_start: Cell<u64>,
+    top_sched: Cell<TopStat>,
+    top_total: Cell<TopStat>,
 }
 
 /// Most slot boxes kept for reuse.
@@ -200,6 +246,12 @@ impl Scheduler {
                 current: Cell::new(0),
                 pool: RefCell::new(stack::Pool::new()),
                 free_slots: RefCell::new(Vec::new()),
+                turn: Cell::new(1),
+                turn_left: Cell::new(0),
+                top_on: Cell::new(false),
+                turn_start: Cell::new(0),
+                top_sched: Cell::new(TopStat::default()),
+                top_total: Cell::new(TopStat::default()),
             }),
         };
         ON_THREAD.with(|t| {
@@ -382,7 +434,22 @@ impl Inner {
         self.last_tick.set(crate::clock::ticks());
         loop {
             self.fire_timers();
-            let next = self.ready.borrow_mut().pop_front();
+            let next = {
+                let mut ready = self.ready.borrow_mut();
+                let mut left = self.turn_left.get();
+                if left == 0 {
+                    // A new turn, of the fibers ready now.
+                    left = ready.len();
+                    self.turn.set(self.turn.get().wrapping_add(1));
+                    if self.top_on.get() {
+                        self.close_top_turn();
+                    }
+                }
+                let next = ready.pop_front();
+                self.turn_left
+                    .set(if next.is_some() { left - 1 } else { 0 });
+                next
+            };
             if let Some(fid) = next {
                 self.resume(fid);
                 continue;
@@ -410,6 +477,41 @@ impl Inner {
                     return Err(RunError::Deadlock { fibers });
                 }
             }
+        }
+    }
+
+    /// With top on, closes every row's figures for the turn that ends (as Tarantool does at
+    /// each loop iteration).
+    #[cold]
+    fn close_top_turn(&self) {
+        let now = crate::clock::ticks();
+        let total = now.wrapping_sub(self.turn_start.get());
+        self.turn_start.set(now);
+        let mut ran = 0u64;
+        for slot in self.slots.borrow_mut().values_mut() {
+            let ticks = slot.ctx.shared.cpu_ticks.load(Ordering::Relaxed);
+            let delta = ticks.wrapping_sub(slot.top.last);
+            slot.top.last = ticks;
+            slot.top.close_turn(delta);
+            ran = ran.wrapping_add(delta);
+        }
+        let mut sched = self.top_sched.get();
+        let own = total.saturating_sub(ran);
+        sched.last = sched.last.wrapping_add(own);
+        sched.close_turn(own);
+        self.top_sched.set(sched);
+        let mut all = self.top_total.get();
+        all.close_turn(ran.wrapping_add(own));
+        self.top_total.set(all);
+    }
+
+    fn top_row(&self, t: &TopStat) -> TopRow {
+        let all = self.top_total.get();
+        let share = |x: f64, of: f64| if of > 0.0 { x / of * 100.0 } else { 0.0 };
+        TopRow {
+            average: share(t.acc, all.acc),
+            instant: share(t.prev as f64, all.prev as f64),
+            time: crate::clock::to_duration(t.last.wrapping_sub(t.base)),
         }
     }
 
@@ -641,6 +743,74 @@ pub(crate) fn wake(sched: u64, fid: FiberId) {
     if let Some(inner) = inner {
         inner.make_ready(fid);
     }
+}
+
+/// The scheduler running on this thread and its loop turn (`(0, 0)`: none). It changes
+/// between two runs of a fiber that yielded (a fiber suspended in a turn runs again in a
+/// later one), never within one run: a clock read once per turn, as Tarantool's
+/// `fiber.time()` and `fiber.clock()` read the event loop's cached time, is one value per
+/// turn.
+#[inline]
+pub fn loop_turn() -> (u64, u64) {
+    with_sched(|s| (s.shared.id, s.turn.get())).unwrap_or((0, 0))
+}
+
+/// How long the current fiber has run since it was last switched to (`None` outside a
+/// fiber): what Tarantool's fiber slices measure.
+pub fn current_run_time() -> Option<Duration> {
+    current_ctx()?;
+    with_sched(|s| crate::clock::since(s.last_tick.get()))
+}
+
+/// Turns `fiber.top()`-style accounting on for the scheduler running on this thread: from
+/// now on, at the end of every loop turn, each fiber's share of the turn and a moving average
+/// of it are updated (a pass over the fibers per turn; nothing per switch: CPU time is
+/// counted at every switch anyway). Turning it on resets every figure. Returns false outside
+/// a running scheduler.
+pub fn top_enable() -> bool {
+    with_sched(|s| {
+        if s.top_on.get() {
+            return;
+        }
+        s.top_on.set(true);
+        s.turn_start.set(crate::clock::ticks());
+        s.top_sched.set(TopStat::default());
+        s.top_total.set(TopStat::default());
+        for slot in s.slots.borrow_mut().values_mut() {
+            let ticks = slot.ctx.shared.cpu_ticks.load(Ordering::Relaxed);
+            slot.top = TopStat {
+                last: ticks,
+                base: ticks,
+                ..TopStat::default()
+            };
+        }
+    })
+    .is_some()
+}
+
+/// Turns `fiber.top()` accounting off (the figures stay as they were).
+pub fn top_disable() {
+    with_sched(|s| s.top_on.set(false));
+}
+
+/// Whether `fiber.top()` accounting is on for the scheduler running on this thread.
+pub fn top_enabled() -> bool {
+    with_sched(|s| s.top_on.get()).unwrap_or(false)
+}
+
+/// The scheduler's own row of `fiber.top()`: the time of its turns no fiber ran (switching,
+/// timers, and waiting for them).
+pub fn top_sched_row() -> Option<TopRow> {
+    with_sched(|s| s.top_row(&s.top_sched.get()))
+}
+
+/// Fiber `fid`'s row of `fiber.top()` (`None`: not a fiber of the scheduler running here).
+pub fn top_fiber_row(fid: FiberId) -> Option<TopRow> {
+    with_sched(|s| {
+        let top = s.slots.try_borrow().ok()?.get(&fid).map(|slot| slot.top)?;
+        Some(s.top_row(&top))
+    })
+    .flatten()
 }
 
 /// The id of the scheduler running on this thread (0: none).
@@ -953,11 +1123,71 @@ impl Fiber {
     /// When called outside a fiber, or by the fiber on itself.
     #[inline(never)]
     pub fn wait(&self) {
+        self.wait_until(None);
+    }
+
+    /// Waits as [`Fiber::wait`], at most until `deadline`; returns whether the fiber has
+    /// finished. Several fibers may wait for one; they are woken in the order they began to
+    /// wait. A waiter that gives up (deadline, cancellation) is no longer counted as one.
+    ///
+    /// # Panics
+    /// As [`Fiber::wait`].
+    #[inline(never)]
+    pub fn wait_until(&self, deadline: Option<Instant>) -> bool {
+        let r = self.wait_inner(deadline);
+        std::hint::black_box(());
+        r
+    }
+
+    /// As [`Fiber::wait_until`], but a cancellation of the waiting fiber does not end the
+    /// wait (Tarantool's `fiber_join`): it is raised at the waiter's next suspension after
+    /// the wait.
+    ///
+    /// # Panics
+    /// As [`Fiber::wait`].
+    #[inline(never)]
+    pub fn wait_until_ignoring_cancel(&self, deadline: Option<Instant>) -> bool {
+        /// Restores the waiter's raising of its cancellation (unless its scheduler is
+        /// dropping it: that unwinding must not raise again).
+        struct Restore(&'static FiberCtx, bool);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                if !self.0.dropping.get() {
+                    self.0.unwinding.set(self.1);
+                }
+            }
+        }
+        let ctx = current_ctx().expect("join outside a fiber");
+        // `unwinding` set: suspensions do not raise the cancellation.
+        let _restore = Restore(ctx, ctx.unwinding.replace(true));
+        let r = self.wait_inner(deadline);
+        std::hint::black_box(());
+        r
+    }
+
+    fn wait_inner(&self, deadline: Option<Instant>) -> bool {
         let me = current_id();
         let shared = &self.shared;
         assert!(me != 0, "join outside a fiber");
         assert!(me != shared.id, "a fiber cannot join itself");
+        /// Leaves the fiber's joiners however the wait ends.
+        struct Leave(FiberId, FiberId);
+        impl Drop for Leave {
+            fn drop(&mut self) {
+                with_sched(|s| {
+                    if let Ok(mut slots) = s.slots.try_borrow_mut() {
+                        if let Some(slot) = slots.get_mut(&self.0) {
+                            slot.joiners.retain(|&j| j != self.1);
+                        }
+                    }
+                });
+            }
+        }
+        let _leave = Leave(shared.id, me);
         while !shared.is_dead() {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return false;
+            }
             let registered = with_sched(|s| {
                 if let Some(slot) = s.slots.borrow_mut().get_mut(&shared.id) {
                     if !slot.joiners.contains(&me) {
@@ -972,8 +1202,9 @@ impl Fiber {
             if !registered {
                 break;
             }
-            block(WaitOn::Join(shared.id), None);
+            block(WaitOn::Join(shared.id), deadline);
         }
+        true
     }
 }
 
@@ -1272,6 +1503,7 @@ impl Builder {
                 b.ctx.dropping.set(false);
                 b.ctx.queued.set(true);
                 b.timer_seq = 0;
+                b.top = TopStat::default();
                 b
             }
             None => Box::new(Slot {
@@ -1286,6 +1518,7 @@ impl Builder {
                 timer_seq: 0,
                 joiners: Vec::new(),
                 reg: SlabIndex::Overflow,
+                top: TopStat::default(),
             }),
         };
         let shared = slot.ctx.shared.clone();

@@ -1,20 +1,29 @@
 //! The `fiber` and `clock` modules: Tarantool's API over fibertrace fibers, as raw
-//! `lua_CFunction`s (see [`super::raw`] for the error discipline).
+//! `lua_CFunction`s (see [`super::raw`] for the error discipline), with Tarantool 2.6's
+//! argument checks, error texts and their order, plus the fiber functions added after 2.6
+//! (slices, `fiber_object:info()`/`csw()`, join with a timeout, `__serialize`, ...).
+//!
+//! How fibers are found (Tarantool's `fiber_find`): a fiber is found while its function runs,
+//! and also, once it has ended, while it is joinable and not joined yet ("ended": its
+//! status reads `suspended`, `cancel` and `wakeup` do nothing, as in Tarantool); a fiber
+//! found by no record is dead. Invariants of the records: a record is removed exactly once
+//! (by the end of a non-joinable fiber's function, by its join, or by making an ended fiber
+//! unjoinable), and whoever removes it releases its object slot, storage and thread.
 
 use std::collections::hash_map::Entry;
 use std::ffi::{c_int, CStr};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use fibertrace_fiber::{Builder, FiberId, ParentTrace};
 use mlua::ffi;
 
-use super::raw::{self, push_str, set_field, to_number, type_of, LResult};
-use super::{with_host, HostState, Rec, ScriptError};
+use super::raw::{self, push_str, set_field, to_number, type_of, LErr, LResult};
+use super::{with_host, HostState, Rec, ScriptError, Slice};
 use crate::lua_fn;
 
-const REG: c_int = ffi::LUA_REGISTRYINDEX;
-/// Longest fiber name, as Tarantool's `FIBER_NAME_MAX`.
-const NAME_MAX: usize = 255;
+pub(crate) const REG: c_int = ffi::LUA_REGISTRYINDEX;
+/// Longest fiber name with its terminating NUL, as Tarantool's `FIBER_NAME_MAX`.
+const NAME_MAX: usize = 256;
 /// Finished Lua threads kept for reuse.
 const POOL_MAX: usize = 4096;
 
@@ -27,8 +36,37 @@ struct FiberUd {
     fid: FiberId,
 }
 
-fn no_host() -> String {
-    "fibertrace: no Lua host on this thread".to_string()
+pub(crate) fn no_host() -> LErr {
+    LErr::plain("fibertrace: no Lua host on this thread")
+}
+
+/// Runs a Lua chunk made from `src` with `nargs` arguments (on the stack) and `nres` results,
+/// protected; the error as text.
+///
+/// # Safety
+/// `l` valid with the arguments on top.
+unsafe fn run_chunk(
+    l: *mut ffi::lua_State,
+    src: &str,
+    name: &CStr,
+    nargs: c_int,
+    nres: c_int,
+) -> Result<(), String> {
+    // SAFETY: per the contract; the chunk goes below its arguments before the call.
+    unsafe {
+        if ffi::luaL_loadbuffer(l, src.as_ptr().cast(), src.len(), name.as_ptr()) != ffi::LUA_OK {
+            let e = raw::error_text(l, -1);
+            ffi::lua_settop(l, -(nargs + 2));
+            return Err(e);
+        }
+        ffi::lua_insert(l, -(nargs + 1));
+        if ffi::lua_pcall(l, nargs, nres, 0) != ffi::LUA_OK {
+            let e = raw::error_text(l, -1);
+            ffi::lua_settop(l, -2);
+            return Err(e);
+        }
+    }
+    Ok(())
 }
 
 /// Creates the modules and metatables in the main state `l`.
@@ -38,15 +76,10 @@ fn no_host() -> String {
 pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String> {
     // SAFETY: plain table construction on a valid state (fresh tables: no metamethods).
     unsafe {
-        ffi::lua_checkstack(l, 8);
+        ffi::lua_checkstack(l, 16);
         let base = ffi::lua_gettop(l);
         // The constructor of `fiber.info()` entries (see `info::push_fiber`).
-        let src = super::info::ENTRY_CTOR;
-        if ffi::luaL_loadbuffer(l, src.as_ptr().cast(), src.len(), c"=fiber.info".as_ptr())
-            != ffi::LUA_OK
-            || ffi::lua_pcall(l, 0, 1, 0) != ffi::LUA_OK
-        {
-            let e = raw::error_text(l, -1);
+        if let Err(e) = run_chunk(l, super::info::ENTRY_CTOR, c"=fiber.info", 0, 1) {
             ffi::lua_settop(l, base);
             return Err(format!("fibertrace: cannot set up fiber.info: {e}"));
         }
@@ -64,46 +97,12 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
         ffi::lua_setmetatable(l, base + 1);
         let weak_objs_ref = ffi::luaL_ref(l, REG);
 
-        // Fiber objects.
-        let fiber_mt_ref = new_metatable(
-            l,
-            &[
-                (c"id", m_id),
-                (c"name", f_name),
-                (c"status", f_status),
-                (c"info", m_info),
-                (c"cancel", f_cancel),
-                (c"kill", f_cancel),
-                (c"join", f_join),
-                (c"set_joinable", f_set_joinable),
-                (c"wakeup", f_wakeup),
-                (c"csw", m_csw),
-            ],
-            &[(c"__tostring", m_tostring)],
-        );
-        let channel_mt_ref = new_metatable(
-            l,
-            &[
-                (c"put", ch_put),
-                (c"get", ch_get),
-                (c"close", ch_close),
-                (c"is_closed", ch_is_closed),
-                (c"count", ch_count),
-                (c"size", ch_size),
-                (c"is_empty", ch_is_empty),
-                (c"is_full", ch_is_full),
-            ],
-            &[(c"__gc", ch_gc), (c"__tostring", ch_tostring)],
-        );
-        let cond_mt_ref = new_metatable(
-            l,
-            &[
-                (c"wait", cond_wait),
-                (c"signal", cond_signal),
-                (c"broadcast", cond_broadcast),
-            ],
-            &[(c"__gc", cond_gc), (c"__tostring", cond_tostring)],
-        );
+        // Fiber objects: methods found through `__index` (a C function: `storage` is a
+        // per-fiber value), as Tarantool's.
+        let fiber_mt_ref = new_metatable(l, c"fiber", FIBER_METHODS, FIBER_META, Some(f_index));
+        let channel_mt_ref =
+            new_metatable(l, c"fiber.channel", CHANNEL_METHODS, CHANNEL_META, None);
+        let cond_mt_ref = new_metatable(l, c"fiber.cond", COND_METHODS, COND_META, None);
 
         // The modules, in package.loaded.
         ffi::lua_getfield(l, REG, c"_LOADED".as_ptr());
@@ -112,49 +111,44 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
             ffi::lua_settop(l, base);
             return Err("fibertrace: package library not loaded".into());
         }
-        let fiber_fns: &[(&CStr, ffi::lua_CFunction)] = &[
-            (c"create", f_create),
-            (c"new", f_new),
-            (c"yield", f_yield),
-            (c"sleep", f_sleep),
-            (c"self", f_self),
-            (c"id", f_id),
-            (c"find", f_find),
-            (c"status", f_status),
-            (c"name", f_name),
-            (c"info", f_info),
-            (c"kill", f_cancel),
-            (c"cancel", f_cancel),
-            (c"testcancel", f_testcancel),
-            (c"wakeup", f_wakeup),
-            (c"join", f_join),
-            (c"set_joinable", f_set_joinable),
-            (c"time", c_time),
-            (c"time64", c_time64),
-            (c"clock", c_monotonic),
-            (c"clock64", c_monotonic64),
-            (c"channel", f_channel),
-            (c"cond", f_cond),
-            (c"parent_backtrace_enable", f_pbt_enable),
-            (c"parent_backtrace_disable", f_pbt_disable),
-            (c"set_max_slice", f_set_max_slice),
-        ];
-        push_lib(l, fiber_fns);
+        push_lib(l, FIBER_FNS);
+        let fiber_t = ffi::lua_gettop(l);
+        for (k, f) in super::clock::FIBER_CLOCK_FNS {
+            ffi::lua_pushcfunction(l, *f);
+            set_field(l, fiber_t, k);
+        }
+        ffi::lua_pushvalue(l, fiber_t);
         set_field(l, loaded, c"fiber");
-        let clock_fns: &[(&CStr, ffi::lua_CFunction)] = &[
-            (c"monotonic", c_monotonic),
-            (c"monotonic64", c_monotonic64),
-            (c"time", c_time),
-            (c"realtime", c_time),
-            (c"time64", c_time64),
-            (c"realtime64", c_time64),
-            (c"proc", c_proc),
-            (c"proc64", c_proc64),
-            (c"thread", c_thread),
-            (c"thread64", c_thread64),
-        ];
-        push_lib(l, clock_fns);
+        push_lib(l, super::clock::CLOCK_FNS);
+        let clock_t = ffi::lua_gettop(l);
+        ffi::lua_pushvalue(l, clock_t);
         set_field(l, loaded, c"clock");
+
+        // The Lua part (see `prelude`): (fiber, clock, hidden) -> make_error, info metatable.
+        ffi::lua_pushvalue(l, fiber_t);
+        ffi::lua_pushvalue(l, clock_t);
+        ffi::lua_createtable(l, 0, 3);
+        let hidden = ffi::lua_gettop(l);
+        ffi::lua_pushcfunction(l, f_stall);
+        set_field(l, hidden, c"stall");
+        ffi::lua_pushcfunction(l, f_set_close_mode);
+        set_field(l, hidden, c"set_close_mode");
+        if cfg!(feature = "luajit") {
+            let ptrs = super::clock::ffi_pointers();
+            ffi::lua_createtable(l, 0, ptrs.len() as c_int);
+            for (name, p) in ptrs {
+                push_str(l, name);
+                ffi::lua_pushlightuserdata(l, p);
+                ffi::lua_rawset(l, -3);
+            }
+            set_field(l, hidden, c"ptr");
+        }
+        if let Err(e) = run_chunk(l, super::prelude::PRELUDE, c"=fiber", 3, 2) {
+            ffi::lua_settop(l, base);
+            return Err(format!("fibertrace: cannot set up the fiber module: {e}"));
+        }
+        let info_mt_ref = ffi::luaL_ref(l, REG);
+        let error_ctor_ref = ffi::luaL_ref(l, REG);
         ffi::lua_settop(l, base);
         Ok(HostState {
             main_l: l,
@@ -162,6 +156,8 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
             parent_backtrace: false,
             pool: Vec::new(),
             info_ctor_ref,
+            info_mt_ref,
+            error_ctor_ref,
             objs_ref,
             weak_objs_ref,
             obj_free: Vec::new(),
@@ -171,9 +167,65 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
             cond_mt_ref,
             report_errors: true,
             fiber_name: std::sync::Arc::from("lua"),
+            default_slice: Slice::NONE,
+            run_slice: None,
+            watchdog_by_slice: false,
+            graceful_close: false,
         })
     }
 }
+
+/// The functions of the `fiber` module (the clocks come from [`super::clock`]).
+const FIBER_FNS: &[(&CStr, ffi::lua_CFunction)] = &[
+    (c"create", f_create),
+    (c"new", f_new),
+    (c"yield", f_yield),
+    (c"sleep", f_sleep),
+    (c"self", f_self),
+    (c"id", f_id),
+    (c"find", f_find),
+    (c"status", f_status),
+    (c"name", f_name),
+    (c"info", f_info),
+    (c"top", f_top),
+    (c"top_enable", f_top_enable),
+    (c"top_disable", f_top_disable),
+    (c"kill", f_cancel),
+    (c"cancel", f_cancel),
+    (c"testcancel", f_testcancel),
+    (c"wakeup", f_wakeup),
+    (c"join", f_join),
+    (c"set_joinable", f_set_joinable),
+    (c"channel", f_channel),
+    (c"cond", f_cond),
+    (c"parent_backtrace_enable", f_pbt_enable),
+    (c"parent_backtrace_disable", f_pbt_disable),
+    (c"check_slice", f_check_slice),
+    (c"set_slice", f_set_slice),
+    (c"extend_slice", f_extend_slice),
+    (c"set_max_slice", f_set_max_slice),
+];
+
+/// The methods of fiber objects (Tarantool's `lbox_fiber_meta`).
+const FIBER_METHODS: &[(&CStr, ffi::lua_CFunction)] = &[
+    (c"id", f_id),
+    (c"name", f_name),
+    (c"cancel", f_cancel),
+    (c"status", f_status),
+    (c"testcancel", f_testcancel),
+    (c"info", m_info),
+    (c"csw", m_csw),
+    (c"join", f_join),
+    (c"set_joinable", f_set_joinable),
+    (c"set_max_slice", f_set_max_slice),
+    (c"wakeup", f_wakeup),
+    (c"__serialize", m_serialize),
+    (c"__tostring", m_tostring),
+];
+
+/// The metamethods of fiber objects.
+const FIBER_META: &[(&CStr, ffi::lua_CFunction)] =
+    &[(c"__tostring", m_tostring), (c"__serialize", m_serialize)];
 
 /// # Safety
 /// `l` valid, room for 3 values.
@@ -189,27 +241,34 @@ unsafe fn push_lib(l: *mut ffi::lua_State, fns: &[(&CStr, ffi::lua_CFunction)]) 
     }
 }
 
-/// A metatable with `__index` = a table of methods, plus metamethods; returns its registry
+/// A metatable with its methods (found through a table `__index`, or through the C
+/// function `index` given the methods table as its upvalue), metamethods, and `__metatable`
+/// = `name` (what `getmetatable` shows, as Tarantool's type names); returns its registry
 /// reference.
 ///
 /// # Safety
-/// `l` valid, room for 3 values.
+/// `l` valid, room for 4 values.
 unsafe fn new_metatable(
     l: *mut ffi::lua_State,
+    name: &CStr,
     methods: &[(&CStr, ffi::lua_CFunction)],
     meta: &[(&CStr, ffi::lua_CFunction)],
+    index: Option<ffi::lua_CFunction>,
 ) -> c_int {
     // SAFETY: fresh tables, plain sets.
     unsafe {
-        ffi::lua_createtable(l, 0, meta.len() as c_int + 1);
+        ffi::lua_createtable(l, 0, meta.len() as c_int + 2);
         let mt = ffi::lua_gettop(l);
         push_lib(l, methods);
+        if let Some(f) = index {
+            ffi::lua_pushcclosure(l, f, 1);
+        }
         set_field(l, mt, c"__index");
         for (k, f) in meta {
             ffi::lua_pushcfunction(l, *f);
             set_field(l, mt, k);
         }
-        ffi::lua_pushboolean(l, 0);
+        ffi::lua_pushstring(l, name.as_ptr());
         set_field(l, mt, c"__metatable");
         ffi::luaL_ref(l, REG)
     }
@@ -219,7 +278,11 @@ unsafe fn new_metatable(
 ///
 /// # Safety
 /// `l` valid, room for 2 values.
-unsafe fn check_ud<T>(l: *mut ffi::lua_State, idx: c_int, mt_ref: c_int) -> Option<*mut T> {
+pub(crate) unsafe fn check_ud<T>(
+    l: *mut ffi::lua_State,
+    idx: c_int,
+    mt_ref: c_int,
+) -> Option<*mut T> {
     // SAFETY: plain stack reads; both pushed values are popped.
     unsafe {
         if ffi::lua_type(l, idx) != ffi::LUA_TUSERDATA || ffi::lua_getmetatable(l, idx) == 0 {
@@ -232,49 +295,99 @@ unsafe fn check_ud<T>(l: *mut ffi::lua_State, idx: c_int, mt_ref: c_int) -> Opti
     }
 }
 
-fn mt_refs() -> Option<(c_int, c_int, c_int)> {
+pub(crate) fn mt_refs() -> Option<(c_int, c_int, c_int)> {
     with_host(|h| (h.fiber_mt_ref, h.channel_mt_ref, h.cond_mt_ref))
 }
 
-/// The fiber id named by the argument at `idx`: a fiber object or a number.
+/// The id of the fiber object at `idx`, if it is one.
 ///
 /// # Safety
 /// `l` valid.
-unsafe fn fiber_arg(l: *mut ffi::lua_State, idx: c_int) -> Option<FiberId> {
+unsafe fn fiber_ud(l: *mut ffi::lua_State, idx: c_int) -> Option<FiberId> {
     let (fmt, _, _) = mt_refs()?;
     // SAFETY: per the contract.
-    unsafe {
-        if let Some(p) = check_ud::<FiberUd>(l, idx, fmt) {
-            return Some((*p).fid);
+    unsafe { check_ud::<FiberUd>(l, idx, fmt).map(|p| (*p).fid) }
+}
+
+/// The fiber object at `idx` (`luaL_checkudata`): its id, or the bad-argument error.
+///
+/// # Safety
+/// `l` is the calling state of a C function.
+unsafe fn check_fiber_id(l: *mut ffi::lua_State, idx: c_int) -> Result<FiberId, LErr> {
+    // SAFETY: per the contract.
+    unsafe { fiber_ud(l, idx).ok_or_else(|| raw::type_error(l, idx, "fiber")) }
+}
+
+/// A fiber id from a number: truncated, as Tarantool converts it (`None`: no fiber's id).
+fn id_of_number(n: f64) -> Option<FiberId> {
+    (0.0..18_446_744_073_709_551_616.0)
+        .contains(&n)
+        .then_some(n as FiberId)
+}
+
+/// How a fiber is found (see the module docs).
+#[derive(Clone)]
+enum Found {
+    /// Its function runs (or has not started yet).
+    Live(fibertrace_fiber::Fiber),
+    /// Its function ended; joinable, not joined yet.
+    Ended,
+}
+
+fn find(fid: FiberId) -> Option<Found> {
+    with_host(|h| {
+        let r = h.recs.get(&fid)?;
+        if r.done.is_some() {
+            Some(Found::Ended)
+        } else if r.fiber.shared().is_dead() {
+            // Cancelled before it started: kept for its joiner only.
+            None
+        } else {
+            Some(Found::Live(r.fiber.clone()))
         }
+    })
+    .flatten()
+}
+
+/// The fiber at `idx`, a fiber object or an id (Tarantool's `lbox_checkfiber`): found, or
+/// `the fiber is dead` (with the caller's position when `at`); anything else is a bad
+/// argument.
+///
+/// # Safety
+/// `l` is the calling state of a C function.
+unsafe fn check_fiber(
+    l: *mut ffi::lua_State,
+    idx: c_int,
+    at: bool,
+) -> Result<(FiberId, Found), LErr> {
+    // SAFETY: per the contract.
+    let fid = unsafe {
         if type_of(l, idx) == ffi::LUA_TNUMBER {
-            return to_number(l, idx).map(|n| n as FiberId);
+            to_number(l, idx).and_then(id_of_number)
+        } else {
+            Some(check_fiber_id(l, idx)?)
         }
+    };
+    match fid.and_then(|f| find(f).map(|x| (f, x))) {
+        Some(found) => Ok(found),
+        None if at => Err(LErr::At("the fiber is dead".into())),
+        None => Err(LErr::plain("the fiber is dead")),
     }
-    None
 }
 
 /// Pushes the fiber object of `fid`: the same object every time while the fiber lives.
-///
-/// # Safety
-/// `l` valid.
-unsafe fn push_fiber_object(l: *mut ffi::lua_State, fid: FiberId) -> Result<(), String> {
-    // SAFETY: per the contract.
-    unsafe { push_object(l, fid) }
-}
-
-/// As [`push_fiber_object`]. (`fiber.create` and `fiber.new` make the object of a new
-/// fiber together with its record, in [`spawn_lua`].)
 ///
 /// A live fiber's object is held in the array part of one host table, at a slot kept in
 /// the fiber's record and freed (for the next fiber) when the record goes. So it lives as
 /// long as the fiber, and making one costs an array store, not an insert into a growing
 /// hash (a weak table by id) or a registry reference. A fiber without a record (a fiber made
-/// by Rust code that calls into Lua) keeps its object in a weak table by id.
+/// by Rust code that calls into Lua) keeps its object in a weak table by id. (`fiber.create`
+/// and `fiber.new` make the object of a new fiber together with its record, in
+/// [`spawn_lua`].)
 ///
 /// # Safety
 /// `l` valid.
-unsafe fn push_object(l: *mut ffi::lua_State, fid: FiberId) -> Result<(), String> {
+unsafe fn push_fiber_object(l: *mut ffi::lua_State, fid: FiberId) -> Result<(), LErr> {
     let (known, objs, weak, fmt) = with_host(|h| {
         (
             h.recs.get(&fid).map(|r| r.obj_slot),
@@ -335,10 +448,12 @@ unsafe fn push_object(l: *mut ffi::lua_State, fid: FiberId) -> Result<(), String
     Ok(())
 }
 
-/// Removes a fiber's record, freeing its object's slot (the thread is the caller's).
+/// Removes a fiber's record, freeing its object's slot and storage (the thread is the
+/// caller's).
 fn remove_rec(h: &mut HostState, fid: FiberId) -> Option<Rec> {
-    let rec = h.recs.remove(&fid)?;
+    let mut rec = h.recs.remove(&fid)?;
     free_obj_slot(h, &rec);
+    release_storage(h, &mut rec);
     Some(rec)
 }
 
@@ -360,9 +475,20 @@ fn free_obj_slot(h: &mut HostState, rec: &Rec) {
     }
 }
 
-fn cancelled_check() -> Result<(), String> {
+/// Drops a fiber's `storage` table (when its function ends, as Tarantool's `on_stop`).
+fn release_storage(h: &HostState, rec: &mut Rec) {
+    if rec.storage_ref > 0 {
+        // SAFETY: the reference was made by `storage` in this host's registry.
+        unsafe { ffi::luaL_unref(h.main_l, REG, rec.storage_ref) };
+        rec.storage_ref = 0;
+    }
+}
+
+/// Raises `fiber is cancelled` if the current fiber was cancelled (Tarantool raises it as an
+/// error object, so without a position).
+pub(crate) fn cancelled_check() -> Result<(), LErr> {
     if fibertrace_fiber::is_cancelled() {
-        Err("fiber is cancelled".into())
+        Err(LErr::plain("fiber is cancelled"))
     } else {
         Ok(())
     }
@@ -415,18 +541,27 @@ fn lua_fiber_main(t: *mut ffi::lua_State, nargs: c_int) {
     // SAFETY: the thread is ours and idle now.
     let msg = (!ok).then(|| unsafe { raw::error_text(t, -1) });
     let report = with_host(|h| {
-        // One lookup: a joinable fiber's record stays for its joiner.
-        let rec = match h.recs.entry(fid) {
+        // One lookup: a joinable fiber's record stays for its joiner. Its storage goes now.
+        let mut rec = match h.recs.entry(fid) {
             Entry::Occupied(e) if e.get().joinable => {
-                e.into_mut().done = Some(ok);
+                let r = e.into_mut();
+                r.done = Some(ok);
+                let storage = std::mem::take(&mut r.storage_ref);
+                if storage > 0 {
+                    // SAFETY: the reference was made by `storage` in this host's registry.
+                    unsafe { ffi::luaL_unref(h.main_l, REG, storage) };
+                }
                 return None;
             }
             Entry::Occupied(e) => e.remove(),
             Entry::Vacant(_) => return None,
         };
         free_obj_slot(h, &rec);
+        release_storage(h, &mut rec);
         release_thread(h, rec.thread, rec.thread_ref);
-        (h.report_errors && !ok).then(|| rec.fiber.name())
+        // A cancelled fiber's error is not a failure to report (Tarantool's rule).
+        let report = h.report_errors && !ok && !rec.fiber.shared().is_cancelled();
+        report.then(|| rec.fiber.name())
     })
     .flatten();
     if let (Some(name), Some(msg)) = (report, msg) {
@@ -519,17 +654,13 @@ fn take_thread(h: &mut HostState) -> (*mut ffi::lua_State, c_int) {
 ///
 /// # Safety
 /// `l` is the calling state of a C function.
-unsafe fn spawn_lua(
-    l: *mut ffi::lua_State,
-    what: &str,
-    starts_now: bool,
-) -> Result<FiberId, String> {
+unsafe fn spawn_lua(l: *mut ffi::lua_State, what: &str, starts_now: bool) -> Result<FiberId, LErr> {
     // SAFETY: per the contract.
     if unsafe { type_of(l, 1) } != ffi::LUA_TFUNCTION {
-        return Err(format!("fiber.{what}(function, ...): bad arguments"));
+        return Err(format!("fiber.{what}(function, ...): bad arguments").into());
     }
     if fibertrace_fiber::current_id() == 0 {
-        return Err(format!("fiber.{what}: not in a fiber"));
+        return Err(format!("fiber.{what}: not in a fiber").into());
     }
     let (t, tref, parent_bt, creator_root, name) = with_host(|h| {
         let (t, r) = take_thread(h);
@@ -578,13 +709,14 @@ unsafe fn spawn_lua(
             fid,
             Rec {
                 fiber,
-                joining: false,
                 thread: t,
                 thread_ref: tref,
                 joinable: false,
                 done: None,
                 trace_cache: None,
                 obj_slot: slot,
+                storage_ref: 0,
+                max_slice: None,
             },
         );
         (h.objs_ref, h.fiber_mt_ref, slot)
@@ -634,7 +766,8 @@ pub(crate) fn run_main_fiber(
         message: m,
         traceback: String::new(),
     };
-    let (t, tref) = with_host(take_thread).ok_or_else(|| err(no_host()))?;
+    let (t, tref) = with_host(take_thread)
+        .ok_or_else(|| err("fibertrace: no Lua host on this thread".into()))?;
     let Some(me) = fibertrace_fiber::current() else {
         return Err(err("fibertrace: not in a fiber".into()));
     };
@@ -662,13 +795,14 @@ pub(crate) fn run_main_fiber(
             fid,
             Rec {
                 fiber: me,
-                joining: false,
                 thread: t,
                 thread_ref: tref,
                 joinable: false,
                 done: None,
                 trace_cache: None,
                 obj_slot: 0,
+                storage_ref: 0,
+                max_slice: None,
             },
         )
     });
@@ -699,27 +833,59 @@ unsafe fn yield_body(_l: *mut ffi::lua_State) -> LResult {
 }
 lua_fn!(f_yield, yield_body);
 
+/// `fiber.sleep(delay)`: exactly one argument, a number or numeric string; zero or less
+/// yields; NaN or a billion seconds or more sleeps until woken (Tarantool's timer never
+/// fires for NaN either).
 unsafe fn sleep_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
-    let s = unsafe { to_number(l, 1) }.ok_or("fiber.sleep(delay): bad arguments")?;
-    if s.is_nan() {
-        return Err("fiber.sleep(delay): bad arguments".into());
+    let s = unsafe {
+        if ffi::lua_gettop(l) != 1 {
+            None
+        } else {
+            to_number(l, 1)
+        }
     }
+    .ok_or("fiber.sleep(delay): bad arguments")?;
     if s <= 0.0 {
         fibertrace_fiber::yield_now();
     } else {
-        fibertrace_fiber::sleep(Duration::from_secs_f64(s.min(1e9)));
+        match raw::seconds(s) {
+            Some(d) => fibertrace_fiber::sleep(d),
+            None => fibertrace_fiber::suspend(),
+        }
     }
     cancelled_check()?;
     Ok(0)
 }
 lua_fn!(f_sleep, sleep_body);
 
-unsafe fn testcancel_body(_l: *mut ffi::lua_State) -> LResult {
+unsafe fn testcancel_body(l: *mut ffi::lua_State) -> LResult {
+    // SAFETY: C function contract.
+    if unsafe { ffi::lua_gettop(l) } != 0 {
+        return Err("fiber.testcancel(): bad arguments".into());
+    }
     cancelled_check()?;
     Ok(0)
 }
 lua_fn!(f_testcancel, testcancel_body);
+
+/// The hidden `stall` of the task worker (Tarantool's): waits for a wakeup, outside the
+/// timers.
+unsafe fn stall_body(_l: *mut ffi::lua_State) -> LResult {
+    fibertrace_fiber::suspend();
+    cancelled_check()?;
+    Ok(0)
+}
+lua_fn!(f_stall, stall_body);
+
+/// The hidden setter of compat's `fiber_channel_close_mode` (true: graceful).
+unsafe fn set_close_mode_body(l: *mut ffi::lua_State) -> LResult {
+    // SAFETY: C function contract.
+    let graceful = unsafe { ffi::lua_toboolean(l, 1) } != 0;
+    with_host(|h| h.graceful_close = graceful);
+    Ok(0)
+}
+lua_fn!(f_set_close_mode, set_close_mode_body);
 
 // ---- identity, names, status ----
 
@@ -734,12 +900,16 @@ unsafe fn self_body(l: *mut ffi::lua_State) -> LResult {
 }
 lua_fn!(f_self, self_body);
 
+/// `fiber.id([fiber])` and `fiber_object:id()`: no argument is the current fiber (so
+/// `fiber.self().id()` too); otherwise a fiber object (of a dead fiber too).
 unsafe fn id_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
-    let fid = match unsafe { type_of(l, 1) } {
-        t if t <= ffi::LUA_TNIL => fibertrace_fiber::current_id(),
-        // SAFETY: as above.
-        _ => unsafe { fiber_arg(l, 1) }.ok_or("fiber.id([fiber]): bad arguments")?,
+    let fid = unsafe {
+        if ffi::lua_gettop(l) == 0 {
+            fibertrace_fiber::current_id()
+        } else {
+            check_fiber_id(l, 1)?
+        }
     };
     // SAFETY: as above.
     unsafe { ffi::lua_pushinteger(l, fid as ffi::lua_Integer) };
@@ -747,60 +917,43 @@ unsafe fn id_body(l: *mut ffi::lua_State) -> LResult {
 }
 lua_fn!(f_id, id_body);
 
-unsafe fn m_id_body(l: *mut ffi::lua_State) -> LResult {
-    // SAFETY: C function contract.
-    let fid = unsafe { fiber_arg(l, 1) }.ok_or("usage: fiber:id()")?;
-    // SAFETY: as above.
-    unsafe { ffi::lua_pushinteger(l, fid as ffi::lua_Integer) };
-    Ok(1)
-}
-lua_fn!(m_id, m_id_body);
-
+/// `fiber.find(id)`: exactly one argument; a number or numeric string (truncated) names a
+/// fiber; anything else names none.
 unsafe fn find_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
-    let fid = unsafe { fiber_arg(l, 1) }.ok_or("fiber.find(id): bad arguments")?;
-    let alive = with_host(|h| {
-        h.recs
-            .get(&fid)
-            .is_some_and(|r| r.done.is_none() && !r.fiber.shared().is_dead())
-    })
-    .unwrap_or(false);
-    if alive {
+    if unsafe { ffi::lua_gettop(l) } != 1 {
+        return Err("fiber.find(id): bad arguments".into());
+    }
+    // SAFETY: as above.
+    let fid = unsafe { to_number(l, 1) }.and_then(id_of_number);
+    match fid.filter(|&f| find(f).is_some()) {
         // SAFETY: as above.
-        unsafe { push_fiber_object(l, fid) }?;
-    } else {
+        Some(fid) => unsafe { push_fiber_object(l, fid) }?,
         // SAFETY: as above.
-        unsafe { ffi::lua_pushnil(l) };
+        None => unsafe { ffi::lua_pushnil(l) },
     }
     Ok(1)
 }
 lua_fn!(f_find, find_body);
 
-fn live_fiber(fid: FiberId) -> Option<fibertrace_fiber::Fiber> {
-    with_host(|h| {
-        h.recs
-            .get(&fid)
-            .filter(|r| r.done.is_none() && !r.fiber.shared().is_dead())
-            .map(|r| r.fiber.clone())
-    })
-    .flatten()
-}
-
-/// Tarantool's status words: running, suspended, dead.
+/// Tarantool's status words: running, suspended (an ended fiber not joined yet too), dead.
 pub(crate) fn status_word(fid: FiberId) -> &'static str {
-    match live_fiber(fid) {
+    match find(fid) {
         None => "dead",
-        Some(_) if fid == fibertrace_fiber::current_id() => "running",
+        Some(Found::Live(_)) if fid == fibertrace_fiber::current_id() => "running",
         Some(_) => "suspended",
     }
 }
 
+/// `fiber.status([fiber])`: no argument is the current fiber; otherwise a fiber object.
 unsafe fn status_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
-    let fid = match unsafe { type_of(l, 1) } {
-        t if t <= ffi::LUA_TNIL => fibertrace_fiber::current_id(),
-        // SAFETY: as above.
-        _ => unsafe { fiber_arg(l, 1) }.ok_or("fiber.status([fiber]): bad arguments")?,
+    let fid = unsafe {
+        if ffi::lua_gettop(l) == 0 {
+            fibertrace_fiber::current_id()
+        } else {
+            check_fiber_id(l, 1)?
+        }
     };
     // SAFETY: as above.
     unsafe { push_str(l, status_word(fid)) };
@@ -808,93 +961,216 @@ unsafe fn status_body(l: *mut ffi::lua_State) -> LResult {
 }
 lua_fn!(f_status, status_body);
 
-/// `fiber.name([fiber,] [name [, {truncate = true}]])` and `fiber_object:name(...)`.
+/// The record's fiber handle of a found fiber, for name reads and writes (an ended fiber
+/// keeps its control block in the record).
+fn rec_fiber(fid: FiberId) -> Option<fibertrace_fiber::Fiber> {
+    with_host(|h| h.recs.get(&fid).map(|r| r.fiber.clone())).flatten()
+}
+
+/// `fiber.name([fiber,] [name [, {truncate = true}]])` and `fiber_object:name(...)`, as
+/// Tarantool 2.6: a fiber object first names the fiber; then one or two more arguments set
+/// the name (a string or a number; too long raises unless `truncate`; cut at a NUL byte),
+/// and any other count reads it.
 unsafe fn name_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract (all reads below).
-    let (fid, at) = match unsafe { type_of(l, 1) } {
-        ffi::LUA_TUSERDATA => (
-            // SAFETY: as above.
-            unsafe { fiber_arg(l, 1) }.ok_or("fiber.name(): bad arguments")?,
-            2,
-        ),
-        _ => (fibertrace_fiber::current_id(), 1),
+    let (fid, name_at) = unsafe {
+        if type_of(l, 1) == ffi::LUA_TUSERDATA {
+            (check_fiber(l, 1, true)?.0, 2)
+        } else {
+            (fibertrace_fiber::current_id(), 1)
+        }
     };
-    let f = live_fiber(fid).ok_or("the fiber is dead")?;
+    let f = rec_fiber(fid).ok_or("the fiber is dead")?;
     // SAFETY: as above.
-    match unsafe { type_of(l, at) } {
-        t if t <= ffi::LUA_TNIL => {
-            // SAFETY: as above.
-            unsafe { push_str(l, &f.name()) };
-            Ok(1)
-        }
-        ffi::LUA_TSTRING => {
-            // SAFETY: as above.
-            let mut name = unsafe { raw::to_string(l, at) }.unwrap_or_default();
-            if name.len() > NAME_MAX {
-                // SAFETY: as above; a raw read of a field of the options table.
-                let truncate = unsafe {
-                    ffi::lua_type(l, at + 1) == ffi::LUA_TTABLE && {
-                        push_str(l, "truncate");
-                        ffi::lua_rawget(l, at + 1);
-                        let b = ffi::lua_toboolean(l, -1) != 0;
-                        ffi::lua_settop(l, -2);
-                        b
-                    }
-                };
-                if !truncate {
-                    return Err("Fiber name is too long".into());
-                }
-                let mut cut = NAME_MAX;
-                while !name.is_char_boundary(cut) {
-                    cut -= 1;
-                }
-                name.truncate(cut);
-            }
-            f.set_name(&name);
-            Ok(0)
-        }
-        _ => Err("fiber.name(name): name must be a string".into()),
+    let top = unsafe { ffi::lua_gettop(l) };
+    if top != name_at && top != name_at + 1 {
+        // SAFETY: as above.
+        unsafe { push_str(l, &f.shared().name_arc()) };
+        return Ok(1);
     }
+    // SAFETY: as above.
+    let t = unsafe { type_of(l, name_at) };
+    if t != ffi::LUA_TSTRING && t != ffi::LUA_TNUMBER {
+        // SAFETY: as above.
+        return Err(unsafe { raw::type_error(l, name_at, "string") });
+    }
+    // SAFETY: as above; a number is converted in place, as `luaL_checkstring` does.
+    let mut name = unsafe { raw::to_string(l, name_at) }.unwrap_or_default();
+    if let Some(nul) = name.find('\0') {
+        name.truncate(nul);
+    }
+    if name.len() + 1 > NAME_MAX {
+        // SAFETY: as above; a raw read of a field of the options table.
+        let truncate = unsafe {
+            top == name_at + 1 && ffi::lua_type(l, top) == ffi::LUA_TTABLE && {
+                push_str(l, "truncate");
+                ffi::lua_rawget(l, top);
+                let b = ffi::lua_type(l, -1) == ffi::LUA_TBOOLEAN && ffi::lua_toboolean(l, -1) != 0;
+                ffi::lua_settop(l, -2);
+                b
+            }
+        };
+        if !truncate {
+            return Err("Fiber name is too long".into());
+        }
+        let mut cut = NAME_MAX - 1;
+        while !name.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        name.truncate(cut);
+    }
+    f.set_name(&name);
+    Ok(0)
 }
 lua_fn!(f_name, name_body);
 
+/// `tostring(fiber_object)`: `fiber: N`, with ` (dead)` once it is not found.
 unsafe fn tostring_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
-    let fid = unsafe { fiber_arg(l, 1) }.ok_or("bad fiber object")?;
+    let fid = unsafe { check_fiber_id(l, 1) }?;
+    let dead = if find(fid).is_none() { " (dead)" } else { "" };
     // SAFETY: as above.
-    unsafe { push_str(l, &format!("fiber: {fid}")) };
+    unsafe { push_str(l, &format!("fiber: {fid}{dead}")) };
     Ok(1)
 }
 lua_fn!(m_tostring, tostring_body);
 
+/// `fiber_object:__serialize()`: `{id, name, status}`, or `{id, status = 'dead'}` for a
+/// fiber no longer found.
+unsafe fn serialize_body(l: *mut ffi::lua_State) -> LResult {
+    // SAFETY: C function contract.
+    let fid = unsafe { check_fiber_id(l, 1) }?;
+    let name = find(fid)
+        .and_then(|_| rec_fiber(fid))
+        .map(|f| f.shared().name_arc());
+    // SAFETY: as above; a fresh table.
+    unsafe {
+        ffi::lua_createtable(l, 0, 3);
+        ffi::lua_pushinteger(l, fid as ffi::lua_Integer);
+        ffi::lua_setfield(l, -2, c"id".as_ptr());
+        if let Some(name) = name {
+            push_str(l, &name);
+            ffi::lua_setfield(l, -2, c"name".as_ptr());
+        }
+        push_str(l, status_word(fid));
+        ffi::lua_setfield(l, -2, c"status".as_ptr());
+    }
+    Ok(1)
+}
+lua_fn!(m_serialize, serialize_body);
+
+/// The context switches of a fiber as Tarantool counts them: switches away from it (its
+/// yields, and its starts of other fibers). The runtime counts switches into it, one more
+/// while it runs.
+pub(crate) fn lua_csw(f: &fibertrace_fiber::Fiber) -> u64 {
+    let n = f.shared().csw();
+    n.saturating_sub((f.id() == fibertrace_fiber::current_id()) as u64)
+}
+
+/// A live fiber of `fiber_object:info()`/`csw()` (`the fiber is dead` without position, as
+/// those functions raise since Tarantool 2.10): no argument is the current fiber.
+///
+/// # Safety
+/// `l` is the calling state of a C function.
+unsafe fn live_arg(l: *mut ffi::lua_State) -> Result<fibertrace_fiber::Fiber, LErr> {
+    // SAFETY: per the contract.
+    let fid = unsafe {
+        if ffi::lua_gettop(l) == 0 {
+            fibertrace_fiber::current_id()
+        } else {
+            check_fiber_id(l, 1)?
+        }
+    };
+    match find(fid) {
+        Some(Found::Live(f)) => Ok(f),
+        _ => Err(LErr::plain("the fiber is dead")),
+    }
+}
+
 unsafe fn csw_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
-    let fid = unsafe { fiber_arg(l, 1) }.ok_or("usage: fiber:csw()")?;
-    let f = live_fiber(fid).ok_or("the fiber is dead")?;
+    let f = unsafe { live_arg(l) }?;
     // SAFETY: as above.
-    unsafe { ffi::lua_pushinteger(l, f.shared().csw() as ffi::lua_Integer) };
+    unsafe { ffi::lua_pushinteger(l, lua_csw(&f) as ffi::lua_Integer) };
     Ok(1)
 }
 lua_fn!(m_csw, csw_body);
 
+// ---- storage and the fiber object's index ----
+
+/// `fiber_object.storage`: the fiber's table, made on first use (from any fiber), dropped
+/// when its function ends.
+///
+/// # Safety
+/// `l` is the calling state of a C function; the object at index 1.
+unsafe fn push_storage(l: *mut ffi::lua_State) -> LResult {
+    // SAFETY: per the contract.
+    let (fid, found) = unsafe { check_fiber(l, 1, true) }?;
+    if !matches!(found, Found::Live(_)) {
+        return Err("the fiber is dead".into());
+    }
+    let r = with_host(|h| h.recs.get(&fid).map(|r| r.storage_ref))
+        .flatten()
+        .unwrap_or(0);
+    // SAFETY: per the contract; a registry reference of this host.
+    unsafe {
+        if r > 0 {
+            super::raw::rawgeti(l, REG, r as ffi::lua_Integer);
+        } else {
+            ffi::lua_createtable(l, 0, 0);
+            ffi::lua_pushvalue(l, -1);
+            let r = ffi::luaL_ref(l, REG);
+            with_host(|h| {
+                if let Some(rec) = h.recs.get_mut(&fid) {
+                    rec.storage_ref = r;
+                }
+            });
+        }
+    }
+    Ok(1)
+}
+
+/// `__index` of fiber objects: `storage`, or a method (the methods table is the upvalue).
+unsafe fn index_body(l: *mut ffi::lua_State) -> LResult {
+    // SAFETY: C function contract.
+    unsafe {
+        if ffi::lua_gettop(l) < 2 {
+            return Ok(0);
+        }
+        if ffi::lua_type(l, 2) == ffi::LUA_TSTRING {
+            let mut len = 0usize;
+            let p = ffi::lua_tolstring(l, 2, &mut len);
+            if std::slice::from_raw_parts(p.cast::<u8>(), len) == b"storage" {
+                return push_storage(l);
+            }
+        }
+        ffi::lua_pushvalue(l, 2);
+        ffi::lua_rawget(l, ffi::lua_upvalueindex(1));
+    }
+    Ok(1)
+}
+lua_fn!(f_index, index_body);
+
 // ---- cancel, wakeup, join ----
 
+/// `fiber.cancel(f)` / `fiber.kill(f)` / `f:cancel()`: a fiber object or id; an ended fiber
+/// is left as it is; then the caller's own cancellation is raised (so cancelling oneself
+/// raises at once).
 unsafe fn cancel_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
-    let fid = unsafe { fiber_arg(l, 1) }.ok_or("fiber.cancel(fiber): bad arguments")?;
-    let f = live_fiber(fid).ok_or("the fiber is dead")?;
-    f.cancel();
-    if fid == fibertrace_fiber::current_id() {
-        cancelled_check()?;
+    let (_, found) = unsafe { check_fiber(l, 1, true) }?;
+    if let Found::Live(f) = found {
+        f.cancel();
     }
+    cancelled_check()?;
     Ok(0)
 }
 lua_fn!(f_cancel, cancel_body);
 
 unsafe fn wakeup_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
-    let fid = unsafe { fiber_arg(l, 1) }.ok_or("fiber.wakeup(fiber): bad arguments")?;
-    if let Some(f) = live_fiber(fid) {
+    let (fid, found) = unsafe { check_fiber(l, 1, true) }?;
+    if let Found::Live(f) = found {
         if fid != fibertrace_fiber::current_id() {
             f.wakeup();
         }
@@ -903,84 +1179,149 @@ unsafe fn wakeup_body(l: *mut ffi::lua_State) -> LResult {
 }
 lua_fn!(f_wakeup, wakeup_body);
 
+/// `fiber.set_joinable(f, yesno)`: exactly two arguments. Making an ended fiber unjoinable
+/// releases it (nobody may join it any more).
 unsafe fn set_joinable_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
-    let fid = unsafe { fiber_arg(l, 1) }.ok_or("fiber.set_joinable(fiber, bool): bad arguments")?;
+    if unsafe { ffi::lua_gettop(l) } != 2 {
+        return Err("fiber.set_joinable(id, yesno): bad arguments".into());
+    }
+    // SAFETY: as above.
+    let (fid, found) = unsafe { check_fiber(l, 1, true) }?;
     // SAFETY: as above.
     let on = unsafe { ffi::lua_toboolean(l, 2) } != 0;
-    with_host(|h| match h.recs.get_mut(&fid) {
-        // A joinable fiber cancelled before it started keeps its record (no outcome) for its
-        // joiner, but is dead: it cannot be made unjoinable any more.
-        Some(r) if r.done.is_none() && !r.fiber.shared().is_dead() => {
-            r.joinable = on;
-            Ok(())
+    with_host(|h| match found {
+        Found::Live(_) => {
+            if let Some(r) = h.recs.get_mut(&fid) {
+                r.joinable = on;
+            }
         }
-        _ => Err("the fiber is dead".to_string()),
+        Found::Ended if !on => {
+            if let Some(rec) = remove_rec(h, fid) {
+                release_thread(h, rec.thread, rec.thread_ref);
+            }
+        }
+        Found::Ended => {}
     })
-    .ok_or_else(no_host)??;
+    .ok_or_else(no_host)?;
     Ok(0)
 }
 lua_fn!(f_set_joinable, set_joinable_body);
 
-/// `fiber.join(f[, timeout])`: waits for a joinable fiber; returns `true, results...` or
-/// `false, error`.
+/// Pushes an error object (see [`super::prelude`]) of `etype` made from the value on top,
+/// which it replaces.
+///
+/// # Safety
+/// `l` valid, with a value on top and room for 3 more.
+unsafe fn to_error_object(l: *mut ffi::lua_State, etype: &str) {
+    let ctor = with_host(|h| h.error_ctor_ref).unwrap_or(ffi::LUA_REFNIL);
+    // SAFETY: per the contract; the constructor is a Lua function of this host, called
+    // protected (it only allocates and calls `tostring`).
+    unsafe {
+        super::raw::rawgeti(l, REG, ctor as ffi::lua_Integer);
+        push_str(l, etype);
+        ffi::lua_pushvalue(l, -3);
+        if ffi::lua_pcall(l, 2, 1, 0) != ffi::LUA_OK {
+            // Out of memory, or a `__tostring` that failed: the value as it is.
+            ffi::lua_settop(l, -2);
+            return;
+        }
+        ffi::lua_replace(l, -2);
+    }
+}
+
+/// `fiber.join(f [, timeout])` / `f:join([timeout])`: waits for a joinable fiber; returns
+/// `true, results...`, or `false, error object` (its error, `fiber is cancelled`, or `timed
+/// out` when the timeout passed). Checks, in Tarantool's order: found (`the fiber is dead`),
+/// joinable, not itself, the timeout; a fiber another joiner took while this one waited is
+/// an error.
 unsafe fn join_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
-    let fid = unsafe { fiber_arg(l, 1) }.ok_or("fiber.join(fiber): bad arguments")?;
-    if fid == fibertrace_fiber::current_id() {
-        return Err("the fiber cannot join itself".into());
-    }
-    let (joinable, fiber) = with_host(|h| match h.recs.get_mut(&fid) {
-        Some(r) if r.joinable && !r.joining => {
-            r.joining = true;
-            (true, Some(r.fiber.clone()))
+    let fid = unsafe {
+        if type_of(l, 1) == ffi::LUA_TNUMBER {
+            to_number(l, 1).and_then(id_of_number)
+        } else {
+            Some(check_fiber_id(l, 1)?)
         }
-        Some(r) => (r.joinable, None),
-        None => (false, None),
-    })
-    .ok_or_else(no_host)?;
+    };
+    let rec = fid.and_then(|fid| {
+        with_host(|h| h.recs.get(&fid).map(|r| (r.joinable, r.fiber.clone()))).flatten()
+    });
+    let (Some(fid), Some((joinable, fiber))) = (fid, rec) else {
+        return Err("the fiber is dead".into());
+    };
     if !joinable {
         return Err("the fiber is not joinable".into());
     }
-    let Some(fiber) = fiber else {
-        return Err("the fiber is already being joined".into());
-    };
-    // A joiner cancelled while it waits (an error or an unwinding) lets the next one join.
-    struct Joining(FiberId);
-    impl Drop for Joining {
-        fn drop(&mut self) {
-            with_host(|h| {
-                if let Some(r) = h.recs.get_mut(&self.0) {
-                    r.joining = false;
-                }
-            });
-        }
+    if fid == fibertrace_fiber::current_id() {
+        return Err(LErr::plain("cannot join itself"));
     }
-    let joining = Joining(fid);
-    fiber.wait();
-    cancelled_check()?;
-    drop(joining);
-    let rec = with_host(|h| remove_rec(h, fid)).flatten();
-    let Some(rec) = rec else {
-        return Err("the fiber is dead".into());
+    // SAFETY: as above.
+    let timeout = unsafe {
+        match type_of(l, 2) {
+            t if t <= ffi::LUA_TNIL => None,
+            _ => match to_number(l, 2) {
+                Some(s) if s.is_nan() || s >= 0.0 => raw::seconds(s),
+                _ => return Err(LErr::plain("fiber:join(timeout): bad arguments")),
+            },
+        }
+    };
+    let deadline = timeout.and_then(|d| Instant::now().checked_add(d));
+    // A cancellation of this fiber does not end the wait (Tarantool's join).
+    if !fiber.wait_until_ignoring_cancel(deadline) {
+        // SAFETY: as above.
+        unsafe {
+            ffi::lua_checkstack(l, 4);
+            ffi::lua_pushboolean(l, 0);
+            push_str(l, "timed out");
+            to_error_object(l, "TimedOut");
+        }
+        return Ok(2);
+    }
+    let Some(rec) = with_host(|h| remove_rec(h, fid)).flatten() else {
+        return Err(LErr::plain(
+            "the fiber is already joined by concurrent fiber:join()",
+        ));
     };
     let t = rec.thread;
+    let cancelled = rec.fiber.shared().is_cancelled();
     // SAFETY: the joined fiber is dead; its thread holds [handler, results...] or
     // [handler, error]; they move to `l`.
     let n = unsafe {
-        // No outcome: it was cancelled before its function could finish.
         match rec.done {
-            Some(ok) => {
-                let n = ffi::lua_gettop(t) - MSGH_SLOT;
+            Some(true) => {
+                let n = (ffi::lua_gettop(t) - MSGH_SLOT).max(0);
                 ffi::lua_checkstack(l, n + 2);
-                ffi::lua_pushboolean(l, ok as c_int);
-                ffi::lua_xmove(t, l, n.max(0));
-                n.max(0) + 1
+                ffi::lua_pushboolean(l, 1);
+                ffi::lua_xmove(t, l, n);
+                n + 1
             }
-            _ => {
-                ffi::lua_checkstack(l, 2);
+            Some(false) => {
+                ffi::lua_checkstack(l, 5);
+                ffi::lua_pushboolean(l, 0);
+                ffi::lua_xmove(t, l, 1);
+                let is_cancel = cancelled && {
+                    let mut len = 0usize;
+                    let p = ffi::lua_tolstring(l, -1, &mut len);
+                    ffi::lua_type(l, -1) == ffi::LUA_TSTRING
+                        && std::slice::from_raw_parts(p.cast::<u8>(), len) == b"fiber is cancelled"
+                };
+                to_error_object(
+                    l,
+                    if is_cancel {
+                        "FiberIsCancelled"
+                    } else {
+                        "LuajitError"
+                    },
+                );
+                2
+            }
+            // No outcome: it was cancelled before its function could start.
+            None => {
+                ffi::lua_checkstack(l, 5);
                 ffi::lua_pushboolean(l, 0);
                 push_str(l, "fiber is cancelled");
+                to_error_object(l, "FiberIsCancelled");
                 2
             }
         }
@@ -990,45 +1331,298 @@ unsafe fn join_body(l: *mut ffi::lua_State) -> LResult {
 }
 lua_fn!(f_join, join_body);
 
-// ---- info ----
+// ---- info, top ----
 
 unsafe fn info_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
     let opts = unsafe { super::info::read_opts(l, 1) };
     // SAFETY: as above.
     unsafe { super::info::push_all(l, &opts) }?;
+    let mt = with_host(|h| h.info_mt_ref).ok_or_else(no_host)?;
+    // SAFETY: as above; the shared `{__serialize = 'mapping'}` of this host.
+    unsafe {
+        super::raw::rawgeti(l, REG, mt as ffi::lua_Integer);
+        ffi::lua_setmetatable(l, -2);
+    }
     Ok(1)
 }
 lua_fn!(f_info, info_body);
 
+/// `fiber_object:info([opts])`: no argument is the current fiber.
 unsafe fn m_info_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
-    let fid = unsafe { fiber_arg(l, 1) }.ok_or("usage: fiber:info([opts])")?;
-    live_fiber(fid).ok_or("the fiber is dead")?;
+    let f = unsafe { live_arg(l) }?;
     // SAFETY: as above.
     let opts = unsafe { super::info::read_opts(l, 2) };
     // SAFETY: as above.
-    unsafe { super::info::push_one(l, fid, &opts) }?;
+    unsafe { super::info::push_one(l, f.id(), &opts) }?;
     Ok(1)
 }
 lua_fn!(m_info, m_info_body);
 
-/// `fiber.set_max_slice(seconds)`: a fiber that runs longer than this without yielding is
-/// reported (with its native frames) by the stall detector, which this starts.
+/// Pushes one `fiber.top()` row.
+///
+/// # Safety
+/// `l` valid, room for 3 values.
+unsafe fn push_top_row(l: *mut ffi::lua_State, row: &fibertrace_fiber::sched::TopRow) {
+    // SAFETY: a fresh table; plain sets.
+    unsafe {
+        ffi::lua_createtable(l, 0, 3);
+        ffi::lua_pushnumber(l, row.average);
+        ffi::lua_setfield(l, -2, c"average".as_ptr());
+        ffi::lua_pushnumber(l, row.instant);
+        ffi::lua_setfield(l, -2, c"instant".as_ptr());
+        ffi::lua_pushnumber(l, row.time.as_secs_f64());
+        ffi::lua_setfield(l, -2, c"time".as_ptr());
+    }
+}
+
+/// `fiber.top()`: `{cpu_misses = 0, cpu = {["1/sched"] = row, ["id/name"] = row, ...}}` for
+/// the scheduler and every live Lua fiber; an error while it is off.
+unsafe fn top_body(l: *mut ffi::lua_State) -> LResult {
+    if !fibertrace_fiber::sched::top_enabled() {
+        return Err("fiber.top() is disabled. Enable it with fiber.top_enable() first".into());
+    }
+    let fibers: Vec<(FiberId, std::sync::Arc<str>)> = with_host(|h| {
+        h.recs
+            .values()
+            .filter(|r| r.done.is_none() && !r.fiber.shared().is_dead())
+            .map(|r| (r.fiber.id(), r.fiber.shared().name_arc()))
+            .collect()
+    })
+    .ok_or_else(no_host)?;
+    // SAFETY: C function contract; fresh tables.
+    unsafe {
+        ffi::lua_checkstack(l, 8);
+        ffi::lua_createtable(l, 0, 2);
+        ffi::lua_pushnumber(l, 0.0);
+        ffi::lua_setfield(l, -2, c"cpu_misses".as_ptr());
+        ffi::lua_createtable(l, 0, fibers.len() as c_int + 1);
+        if let Some(row) = fibertrace_fiber::sched::top_sched_row() {
+            push_top_row(l, &row);
+            ffi::lua_setfield(l, -2, c"1/sched".as_ptr());
+        }
+        for (fid, name) in &fibers {
+            if let Some(row) = fibertrace_fiber::sched::top_fiber_row(*fid) {
+                push_str(l, &format!("{fid}/{name}"));
+                push_top_row(l, &row);
+                ffi::lua_rawset(l, -3);
+            }
+        }
+        ffi::lua_setfield(l, -2, c"cpu".as_ptr());
+    }
+    Ok(1)
+}
+lua_fn!(f_top, top_body);
+
+unsafe fn top_enable_body(_l: *mut ffi::lua_State) -> LResult {
+    fibertrace_fiber::sched::top_enable();
+    Ok(0)
+}
+lua_fn!(f_top_enable, top_enable_body);
+
+unsafe fn top_disable_body(_l: *mut ffi::lua_State) -> LResult {
+    fibertrace_fiber::sched::top_disable();
+    Ok(0)
+}
+lua_fn!(f_top_disable, top_disable_body);
+
+// ---- slices ----
+
+const BAD_SLICE: &str = "slice must be a number or a table {warn = <number>, err = <number>}";
+
+/// Reads a slice argument: a number (the error part; no warning) or `{warn = n, err = n}`
+/// (numbers or numeric strings, read raw); each part `>= 0` (NaN is not).
+///
+/// # Safety
+/// `l` valid.
+unsafe fn slice_arg(l: *mut ffi::lua_State, idx: c_int) -> Result<Slice, LErr> {
+    // SAFETY: per the contract; raw reads of two fields, popped.
+    let slice = unsafe {
+        if ffi::lua_type(l, idx) == ffi::LUA_TTABLE {
+            let part = |k: &str| {
+                push_str(l, k);
+                ffi::lua_rawget(l, idx);
+                let v = if ffi::lua_type(l, -1) == ffi::LUA_TNUMBER
+                    || ffi::lua_type(l, -1) == ffi::LUA_TSTRING
+                {
+                    to_number(l, -1)
+                } else {
+                    None
+                };
+                ffi::lua_settop(l, -2);
+                v
+            };
+            match (part("warn"), part("err")) {
+                (Some(warn), Some(err)) => Slice { warn, err },
+                _ => return Err(LErr::plain(BAD_SLICE)),
+            }
+        } else if let Some(err) = to_number(l, idx) {
+            Slice {
+                warn: Slice::INFINITE,
+                err,
+            }
+        } else {
+            return Err(LErr::plain(BAD_SLICE));
+        }
+    };
+    if !(slice.warn >= 0.0 && slice.err >= 0.0) {
+        return Err(LErr::plain("slice value must be >= 0"));
+    }
+    Ok(slice)
+}
+
+/// The current run of the current fiber: its id and the switch count the run began with.
+fn current_run() -> (FiberId, u64) {
+    match fibertrace_fiber::current() {
+        Some(f) => (f.id(), f.shared().csw()),
+        None => (0, 0),
+    }
+}
+
+/// The slice of the current run (its max slice unless set or extended in this run).
+fn run_slice(h: &HostState, run: (FiberId, u64)) -> Slice {
+    match h.run_slice {
+        Some((r, s)) if r == run => s,
+        _ => h
+            .recs
+            .get(&run.0)
+            .and_then(|r| r.max_slice)
+            .unwrap_or(h.default_slice),
+    }
+}
+
+unsafe fn set_slice_body(l: *mut ffi::lua_State) -> LResult {
+    // SAFETY: C function contract.
+    if unsafe { ffi::lua_gettop(l) } != 1 {
+        return Err(LErr::plain("fiber.set_slice(slice): bad arguments"));
+    }
+    // SAFETY: as above.
+    let s = unsafe { slice_arg(l, 1) }?;
+    let run = current_run();
+    with_host(|h| h.run_slice = Some((run, s)));
+    Ok(0)
+}
+lua_fn!(f_set_slice, set_slice_body);
+
+unsafe fn extend_slice_body(l: *mut ffi::lua_State) -> LResult {
+    // SAFETY: C function contract.
+    if unsafe { ffi::lua_gettop(l) } != 1 {
+        return Err(LErr::plain("fiber.extend_slice(slice): bad arguments"));
+    }
+    // SAFETY: as above.
+    let s = unsafe { slice_arg(l, 1) }?;
+    let run = current_run();
+    with_host(|h| {
+        let cur = run_slice(h, run);
+        let ext = Slice {
+            warn: cur.warn + s.warn,
+            err: cur.err + s.err,
+        };
+        h.run_slice = Some((run, ext));
+    });
+    Ok(0)
+}
+lua_fn!(f_extend_slice, extend_slice_body);
+
+/// `fiber.check_slice()`: warns once per run (stderr) past the warning part, raises `fiber
+/// slice is exceeded` past the error part, counted from when the fiber last got the CPU.
+unsafe fn check_slice_body(l: *mut ffi::lua_State) -> LResult {
+    // SAFETY: C function contract.
+    if unsafe { ffi::lua_gettop(l) } != 0 {
+        return Err(LErr::plain("fiber.check_slice(): bad arguments"));
+    }
+    let Some(ran) = fibertrace_fiber::sched::current_run_time() else {
+        return Ok(0);
+    };
+    let ran = ran.as_secs_f64();
+    let run = current_run();
+    let warn = with_host(|h| {
+        let mut s = run_slice(h, run);
+        let warn = (s.warn < ran).then_some(s.warn);
+        if warn.is_some() {
+            s.warn = Slice::INFINITE;
+            h.run_slice = Some((run, s));
+        }
+        (warn, s.err < ran)
+    })
+    .ok_or_else(no_host)?;
+    if let Some(w) = warn.0 {
+        let name = fibertrace_fiber::current()
+            .map(|f| f.name())
+            .unwrap_or_default();
+        eprintln!(
+            "fibertrace: fiber {} \"{name}\": fiber has not yielded for more than {w:.3} seconds",
+            run.0
+        );
+    }
+    if warn.1 {
+        return Err(LErr::plain("fiber slice is exceeded"));
+    }
+    Ok(0)
+}
+lua_fn!(f_check_slice, check_slice_body);
+
+/// `fiber.set_max_slice(slice)` (the default of fibers without their own) and
+/// `fiber.set_max_slice(f, slice)` / `f:set_max_slice(slice)` (a fiber's own). A new max
+/// slice applies to the current run at once when it is the current fiber's.
+///
+/// The default also drives fibertrace's stall detector (an addition to Tarantool): while it
+/// has a finite part, a fiber that runs longer than that (the warning part, else the error
+/// part) without yielding is reported with its stack, whether or not it calls
+/// `check_slice()`.
 unsafe fn set_max_slice_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
-    let s = unsafe { to_number(l, 1) }.ok_or("fiber.set_max_slice(seconds): bad arguments")?;
-    if !(s.is_finite() && s > 0.0) {
-        return Err("fiber.set_max_slice(seconds): a positive number of seconds".into());
+    let top = unsafe { ffi::lua_gettop(l) };
+    if top != 1 && top != 2 {
+        return Err(LErr::plain(
+            "fiber.set_max_slice([id,] slice): bad arguments",
+        ));
     }
-    let threshold = Duration::from_secs_f64(s.min(1e6));
-    if fibertrace_fiber::watchdog::is_running() {
-        fibertrace_fiber::watchdog::set_threshold(threshold);
-    } else {
-        fibertrace_fiber::watchdog::start(fibertrace_fiber::watchdog::Config {
-            threshold,
-            ..Default::default()
+    // SAFETY: as above.
+    let s = unsafe { slice_arg(l, top) }?;
+    let run = current_run();
+    if top == 2 {
+        // SAFETY: as above.
+        let (fid, _) = unsafe { check_fiber(l, 1, false) }?;
+        with_host(|h| {
+            if let Some(r) = h.recs.get_mut(&fid) {
+                r.max_slice = Some(s);
+            }
+            if fid == run.0 {
+                h.run_slice = Some((run, s));
+            }
         });
+        return Ok(0);
+    }
+    let started_by_us = with_host(|h| {
+        h.default_slice = s;
+        let own = h.recs.get(&run.0).and_then(|r| r.max_slice).is_some();
+        if !own {
+            h.run_slice = Some((run, s));
+        }
+        h.watchdog_by_slice
+    })
+    .ok_or_else(no_host)?;
+    let part = if s.warn < Slice::INFINITE {
+        s.warn
+    } else {
+        s.err
+    };
+    if part < Slice::INFINITE && part > 0.0 {
+        let threshold = Duration::from_secs_f64(part);
+        if fibertrace_fiber::watchdog::is_running() {
+            fibertrace_fiber::watchdog::set_threshold(threshold);
+        } else {
+            fibertrace_fiber::watchdog::start(fibertrace_fiber::watchdog::Config {
+                threshold,
+                ..Default::default()
+            });
+            with_host(|h| h.watchdog_by_slice = true);
+        }
+    } else if started_by_us && part >= Slice::INFINITE {
+        fibertrace_fiber::watchdog::stop();
+        with_host(|h| h.watchdog_by_slice = false);
     }
     Ok(0)
 }
@@ -1046,72 +1640,39 @@ unsafe fn pbt_disable_body(_l: *mut ffi::lua_State) -> LResult {
 }
 lua_fn!(f_pbt_disable, pbt_disable_body);
 
-// ---- clocks ----
-
-fn clock_ns(id: libc::clockid_t) -> i64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid out-pointer; the clock ids used are supported on Linux.
-    unsafe { libc::clock_gettime(id, &mut ts) };
-    ts.tv_sec * 1_000_000_000 + ts.tv_nsec
-}
-
-macro_rules! clock_fns {
-    ($($secs:ident, $int:ident, $clock:expr, $div:expr;)*) => {$(
-        unsafe extern "C-unwind" fn $secs(l: *mut ffi::lua_State) -> c_int {
-            // SAFETY: pushes one number on the calling state.
-            unsafe { ffi::lua_pushnumber(l, clock_ns($clock) as f64 / 1e9) };
-            1
-        }
-        unsafe extern "C-unwind" fn $int(l: *mut ffi::lua_State) -> c_int {
-            // SAFETY: pushes one number on the calling state.
-            unsafe { ffi::lua_pushinteger(l, (clock_ns($clock) / $div) as ffi::lua_Integer) };
-            1
-        }
-    )*};
-}
-
-clock_fns! {
-    c_monotonic, c_monotonic64, libc::CLOCK_MONOTONIC, 1;
-    c_time, c_time64_ns, libc::CLOCK_REALTIME, 1;
-    c_proc, c_proc64, libc::CLOCK_PROCESS_CPUTIME_ID, 1;
-    c_thread, c_thread64, libc::CLOCK_THREAD_CPUTIME_ID, 1;
-}
-
-/// `fiber.time64()`: microseconds (Tarantool's unit for it).
-unsafe extern "C-unwind" fn c_time64(l: *mut ffi::lua_State) -> c_int {
-    let _ = c_time64_ns;
-    // SAFETY: pushes one number on the calling state.
-    unsafe {
-        ffi::lua_pushinteger(
-            l,
-            (clock_ns(libc::CLOCK_REALTIME) / 1000) as ffi::lua_Integer,
-        )
-    };
-    1
-}
-
 // ---- channels and conditions ----
+//
+// `fiber.channel` and `fiber.cond`: Tarantool's channel and condition objects over the
+// runtime's `Channel` and `Cond`, with Tarantool 2.6's argument checks and texts.
+// Invariants: a channel's values are registry references owned by exactly one `Msg` at a
+// time (released exactly once, never while queued); a channel or condition object's block
+// is initialised before its metatable (with `__gc`) is set, and emptied once by `__gc`; a
+// blocked operation keeps its object alive (it stays at index 1 of the call).
 
 /// A channel's userdata: the runtime's channel of registry references to the values.
-struct ChannelUd {
+pub(crate) struct ChannelUd {
     ch: Option<fibertrace_fiber::Channel<Msg>>,
 }
 
-struct CondUd {
+pub(crate) struct CondUd {
     cond: Option<fibertrace_fiber::Cond>,
 }
 
+/// `fiber.channel([size])`: absent or nil is 0; a number or numeric string is truncated to an
+/// integer (`lua_tointeger`'s way: NaN and numbers past the 64-bit range are taken as
+/// negative, as on x86_64); negative is an error. Room is not reserved up front, so any size
+/// is accepted.
 unsafe fn channel_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
     let cap = match unsafe { type_of(l, 1) } {
         t if t <= ffi::LUA_TNIL => 0,
         // SAFETY: as above.
         _ => match unsafe { to_number(l, 1) } {
-            Some(n) if (0.0..1e9).contains(&n) => n as usize,
-            _ => return Err("fiber.channel(size): bad arguments".into()),
+            Some(n) if n.is_finite() && (-9.3e18..9.2e18).contains(&n) && n.trunc() >= 0.0 => {
+                n.trunc() as usize
+            }
+            Some(_) => return Err("fiber.channel(size): negative size".into()),
+            None => return Err("fiber.channel(size): bad arguments".into()),
         },
     };
     let (_, cmt, _) = mt_refs().ok_or_else(no_host)?;
@@ -1128,13 +1689,29 @@ unsafe fn channel_body(l: *mut ffi::lua_State) -> LResult {
 }
 lua_fn!(f_channel, channel_body);
 
+/// The channel at index 1 (Tarantool's `luaT_checkfiberchannel`): none there is `usage:
+/// <usage>`; anything but a channel is a bad argument.
+///
 /// # Safety
-/// `l` valid.
-unsafe fn channel_arg(l: *mut ffi::lua_State) -> Result<fibertrace_fiber::Channel<Msg>, String> {
+/// `l` is the calling state of a C function.
+unsafe fn channel_arg(
+    l: *mut ffi::lua_State,
+    usage: &str,
+) -> Result<fibertrace_fiber::Channel<Msg>, LErr> {
     let (_, cmt, _) = mt_refs().ok_or_else(no_host)?;
     // SAFETY: per the contract; the block was initialised by `channel_body`.
-    unsafe { check_ud::<ChannelUd>(l, 1, cmt).and_then(|p| (*p).ch.clone()) }
-        .ok_or_else(|| "usage: channel:method(...)".to_string())
+    unsafe {
+        if ffi::lua_gettop(l) < 1 {
+            return Err(format!("usage: {usage}").into());
+        }
+        match check_ud::<ChannelUd>(l, 1, cmt) {
+            Some(p) => (*p)
+                .ch
+                .clone()
+                .ok_or_else(|| format!("usage: {usage}").into()),
+            None => Err(raw::type_error(l, 1, "fiber.channel")),
+        }
+    }
 }
 
 /// A value in a channel: a reference in the registry, released when the message is dropped —
@@ -1157,12 +1734,19 @@ impl Drop for Msg {
     }
 }
 
+const PUT_USAGE: &str = "usage: channel:put(var [, timeout])";
+const GET_USAGE: &str = "usage: channel:get([timeout])";
+
 unsafe fn ch_put_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract (all Lua calls below).
-    let ch = unsafe { channel_arg(l) }?;
+    let ch = unsafe { channel_arg(l, "channel:put(var [, timeout])") }?;
     // SAFETY: as above.
-    let timeout = unsafe { raw::opt_timeout(l, 3, "channel:put") }?;
-    // SAFETY: as above: the message (nil if absent) is referenced in the registry.
+    if unsafe { ffi::lua_gettop(l) } < 2 {
+        return Err(PUT_USAGE.into());
+    }
+    // SAFETY: as above.
+    let timeout = unsafe { raw::opt_timeout(l, 3, PUT_USAGE) }?;
+    // SAFETY: as above: the message is referenced in the registry.
     let msg = Msg(unsafe {
         ffi::lua_settop(l, 2);
         ffi::luaL_ref(l, REG)
@@ -1187,9 +1771,9 @@ lua_fn!(ch_put, ch_put_body);
 
 unsafe fn ch_get_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract (all Lua calls below).
-    let ch = unsafe { channel_arg(l) }?;
+    let ch = unsafe { channel_arg(l, "channel:get([timeout])") }?;
     // SAFETY: as above.
-    let timeout = unsafe { raw::opt_timeout(l, 2, "channel:get") }?;
+    let timeout = unsafe { raw::opt_timeout(l, 2, GET_USAGE) }?;
     let got = match timeout {
         None => ch.recv(),
         Some(d) => ch.recv_timeout(d).ok(),
@@ -1213,18 +1797,23 @@ lua_fn!(ch_get, ch_get_body);
 
 unsafe fn ch_close_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
-    let ch = unsafe { channel_arg(l) }?;
-    // Tarantool 2.6: queued messages are dropped; blocked senders and receivers fail.
-    ch.close_discarding();
+    let ch = unsafe { channel_arg(l, "channel:close()") }?;
+    if with_host(|h| h.graceful_close).unwrap_or(false) {
+        // Graceful (compat 'new'): queued values stay readable; blocked senders fail.
+        ch.close();
+    } else {
+        // Tarantool 2.6: queued messages are dropped; blocked senders and receivers fail.
+        ch.close_discarding();
+    }
     Ok(0)
 }
 lua_fn!(ch_close, ch_close_body);
 
 macro_rules! ch_query {
-    ($name:ident, $body:ident, |$ch:ident, $l:ident| $e:expr) => {
+    ($name:ident, $body:ident, $usage:literal, |$ch:ident, $l:ident| $e:expr) => {
         unsafe fn $body($l: *mut ffi::lua_State) -> LResult {
             // SAFETY: C function contract.
-            let $ch = unsafe { channel_arg($l) }?;
+            let $ch = unsafe { channel_arg($l, $usage) }?;
             // SAFETY: as above.
             unsafe { $e };
             Ok(1)
@@ -1235,30 +1824,47 @@ macro_rules! ch_query {
 ch_query!(
     ch_is_closed,
     ch_is_closed_body,
+    "channel:is_closed()",
     |c, l| ffi::lua_pushboolean(l, c.is_closed() as c_int)
 );
-ch_query!(ch_count, ch_count_body, |c, l| ffi::lua_pushinteger(
-    l,
-    c.len() as ffi::lua_Integer
-));
-ch_query!(ch_size, ch_size_body, |c, l| ffi::lua_pushinteger(
-    l,
-    c.capacity() as ffi::lua_Integer
-));
-ch_query!(ch_is_empty, ch_is_empty_body, |c, l| ffi::lua_pushboolean(
-    l,
-    c.is_empty() as c_int
-));
-ch_query!(ch_is_full, ch_is_full_body, |c, l| ffi::lua_pushboolean(
-    l,
-    c.is_full() as c_int
-));
+ch_query!(ch_count, ch_count_body, "channel:count()", |c, l| {
+    ffi::lua_pushinteger(l, c.len() as ffi::lua_Integer)
+});
+ch_query!(ch_size, ch_size_body, "channel:size()", |c, l| {
+    ffi::lua_pushinteger(l, c.capacity() as ffi::lua_Integer)
+});
+ch_query!(
+    ch_is_empty,
+    ch_is_empty_body,
+    "channel:is_empty()",
+    |c, l| ffi::lua_pushboolean(l, c.is_empty() as c_int)
+);
+ch_query!(ch_is_full, ch_is_full_body, "channel:is_full()", |c, l| {
+    ffi::lua_pushboolean(l, c.is_full() as c_int)
+});
+ch_query!(
+    ch_has_readers,
+    ch_has_readers_body,
+    "channel:has_readers()",
+    |c, l| ffi::lua_pushboolean(l, c.has_readers() as c_int)
+);
+ch_query!(
+    ch_has_writers,
+    ch_has_writers_body,
+    "channel:has_writers()",
+    |c, l| ffi::lua_pushboolean(l, c.has_writers() as c_int)
+);
 
 unsafe fn ch_tostring_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
-    let ch = unsafe { channel_arg(l) }?;
+    let ch = unsafe { channel_arg(l, "") }?;
+    let text = if ch.is_closed() {
+        "channel: closed".to_string()
+    } else {
+        format!("channel: {}", ch.len())
+    };
     // SAFETY: as above.
-    unsafe { push_str(l, &format!("channel: {}", ch.len())) };
+    unsafe { push_str(l, &text) };
     Ok(1)
 }
 lua_fn!(ch_tostring, ch_tostring_body);
@@ -1279,6 +1885,24 @@ unsafe fn ch_gc_body(l: *mut ffi::lua_State) -> LResult {
 }
 lua_fn!(ch_gc, ch_gc_body);
 
+/// The methods of channel objects.
+pub(crate) const CHANNEL_METHODS: &[(&std::ffi::CStr, ffi::lua_CFunction)] = &[
+    (c"put", ch_put),
+    (c"get", ch_get),
+    (c"close", ch_close),
+    (c"is_closed", ch_is_closed),
+    (c"count", ch_count),
+    (c"size", ch_size),
+    (c"is_empty", ch_is_empty),
+    (c"is_full", ch_is_full),
+    (c"has_readers", ch_has_readers),
+    (c"has_writers", ch_has_writers),
+];
+
+/// The metamethods of channel objects.
+pub(crate) const CHANNEL_META: &[(&std::ffi::CStr, ffi::lua_CFunction)] =
+    &[(c"__gc", ch_gc), (c"__tostring", ch_tostring)];
+
 unsafe fn cond_body(l: *mut ffi::lua_State) -> LResult {
     let (_, _, cmt) = mt_refs().ok_or_else(no_host)?;
     // SAFETY: a new userdata block is initialised before its metatable (with __gc) is set.
@@ -1294,22 +1918,40 @@ unsafe fn cond_body(l: *mut ffi::lua_State) -> LResult {
 }
 lua_fn!(f_cond, cond_body);
 
+/// The condition at index 1 (Tarantool's `luaT_checkfibercond`), as [`channel_arg`].
+///
 /// # Safety
-/// `l` valid.
-unsafe fn cond_arg(l: *mut ffi::lua_State) -> Result<*const fibertrace_fiber::Cond, String> {
+/// `l` is the calling state of a C function.
+unsafe fn cond_arg(
+    l: *mut ffi::lua_State,
+    usage: &str,
+) -> Result<*const fibertrace_fiber::Cond, LErr> {
     let (_, _, cmt) = mt_refs().ok_or_else(no_host)?;
     // SAFETY: per the contract; the block was initialised by `cond_body`.
-    unsafe { check_ud::<CondUd>(l, 1, cmt).and_then(|p| (*p).cond.as_ref().map(|c| c as *const _)) }
-        .ok_or_else(|| "usage: cond:method(...)".to_string())
+    unsafe {
+        if ffi::lua_gettop(l) < 1 {
+            return Err(format!("usage: {usage}").into());
+        }
+        match check_ud::<CondUd>(l, 1, cmt) {
+            Some(p) => (*p)
+                .cond
+                .as_ref()
+                .map(|c| c as *const _)
+                .ok_or_else(|| format!("usage: {usage}").into()),
+            None => Err(raw::type_error(l, 1, "fiber.cond")),
+        }
+    }
 }
+
+const WAIT_USAGE: &str = "usage: cond:wait([timeout])";
 
 unsafe fn cond_wait_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
-    let c = unsafe { cond_arg(l) }?;
+    let c = unsafe { cond_arg(l, "cond:wait([timeout])") }?;
     // SAFETY: as above.
-    let timeout = unsafe { raw::opt_timeout(l, 2, "cond:wait") }?;
-    // Keep the userdata alive across the wait: it stays at index 1 of this call.
-    // SAFETY: the Cond lives in the userdata at index 1, which this call's frame references.
+    let timeout = unsafe { raw::opt_timeout(l, 2, WAIT_USAGE) }?;
+    // SAFETY: the Cond lives in the userdata at index 1, which this call's frame references
+    // across the wait.
     let signalled = unsafe {
         match timeout {
             None => {
@@ -1319,7 +1961,11 @@ unsafe fn cond_wait_body(l: *mut ffi::lua_State) -> LResult {
             Some(d) => (*c).wait_timeout(d),
         }
     };
-    cancelled_check()?;
+    if !signalled {
+        cancelled_check()?;
+    }
+    // Woken (not timed out) in a cancelled fiber: Tarantool returns true; the next
+    // cancellation point raises.
     // SAFETY: as above.
     unsafe { ffi::lua_pushboolean(l, signalled as c_int) };
     Ok(1)
@@ -1328,23 +1974,23 @@ lua_fn!(cond_wait, cond_wait_body);
 
 unsafe fn cond_signal_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract; the userdata is at index 1.
-    unsafe { (*cond_arg(l)?).signal() };
+    unsafe { (*cond_arg(l, "cond:signal()")?).signal() };
     Ok(0)
 }
 lua_fn!(cond_signal, cond_signal_body);
 
 unsafe fn cond_broadcast_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract; the userdata is at index 1.
-    unsafe { (*cond_arg(l)?).broadcast() };
+    unsafe { (*cond_arg(l, "cond:broadcast()")?).broadcast() };
     Ok(0)
 }
 lua_fn!(cond_broadcast, cond_broadcast_body);
 
 unsafe fn cond_tostring_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
-    let c = unsafe { cond_arg(l) }?;
+    unsafe { cond_arg(l, "") }?;
     // SAFETY: as above.
-    unsafe { push_str(l, &format!("cond: {}", (*c).id())) };
+    unsafe { push_str(l, "cond") };
     Ok(1)
 }
 lua_fn!(cond_tostring, cond_tostring_body);
@@ -1362,3 +2008,14 @@ unsafe fn cond_gc_body(l: *mut ffi::lua_State) -> LResult {
     Ok(0)
 }
 lua_fn!(cond_gc, cond_gc_body);
+
+/// The methods of condition objects.
+pub(crate) const COND_METHODS: &[(&std::ffi::CStr, ffi::lua_CFunction)] = &[
+    (c"wait", cond_wait),
+    (c"signal", cond_signal),
+    (c"broadcast", cond_broadcast),
+];
+
+/// The metamethods of condition objects.
+pub(crate) const COND_META: &[(&std::ffi::CStr, ffi::lua_CFunction)] =
+    &[(c"__gc", cond_gc), (c"__tostring", cond_tostring)];

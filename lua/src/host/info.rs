@@ -1,6 +1,7 @@
 //! `fiber.info()`: one table per Lua fiber, keyed by fiber id, with Tarantool's keys (`fid`,
-//! `name`, `csw`, `time`, `memory = {used, total}`, `backtrace`) and fibertrace's (`status`,
-//! `waiting = {on, seconds}`, `parent`, `parent_backtrace`).
+//! `name`, `csw`, `time`, `memory = {used, total}`, `backtrace`, `max_slice` when finite) and
+//! fibertrace's (`status`, `waiting = {on, seconds}`, `parent`, `parent_backtrace`). `csw`
+//! counts switches away from the fiber, as Tarantool's.
 //!
 //! Each backtrace is the fiber's native stack (the running fiber's own, or a suspended one's
 //! from its saved context, frame-pointer walk) interleaved with the Lua stack of the fiber's
@@ -26,7 +27,7 @@ use fibertrace_fiber::{FiberId, Status, WaitOn};
 use mlua::ffi;
 
 use super::raw::push_str;
-use super::with_host;
+use super::{with_host, Slice};
 use crate::render::TarantoolEntry;
 
 /// Options of `fiber.info([opts])`.
@@ -139,6 +140,8 @@ pub(crate) struct Call {
     by_trace: HashMap<Rc<[Frame]>, ffi::lua_Integer, BuildHasherDefault<AddrHasher>>,
     /// The clock, read once per call (see `fibertrace_fiber::clock`).
     now: u64,
+    /// The running fiber.
+    me: FiberId,
 }
 
 impl Call {
@@ -171,6 +174,7 @@ impl Call {
                 hook,
                 by_trace: HashMap::default(),
                 now: fibertrace_fiber::clock::ticks(),
+                me: fibertrace_fiber::current_id(),
             }
         }
     }
@@ -414,6 +418,7 @@ unsafe fn push_fiber(
     l: *mut ffi::lua_State,
     f: &fibertrace_fiber::Fiber,
     root: *mut ffi::lua_State,
+    slice: Slice,
     opts: &Opts,
     call: &mut Call,
 ) -> Result<(), String> {
@@ -426,11 +431,14 @@ unsafe fn push_fiber(
         ffi::lua_pushvalue(l, call.ctor);
         ffi::lua_pushinteger(l, f.id() as ffi::lua_Integer);
         push_str(l, &sh.name_arc());
-        ffi::lua_pushinteger(l, sh.csw() as ffi::lua_Integer);
+        // Tarantool counts switches away: the runtime's count of switches in, one less
+        // for the running fiber.
+        let csw = sh.csw() - (f.id() == call.me && sh.csw() > 0) as u64;
+        ffi::lua_pushinteger(l, csw as ffi::lua_Integer);
         ffi::lua_pushnumber(l, sh.cpu_time().as_secs_f64());
         ffi::lua_pushinteger(l, sh.stack_used() as ffi::lua_Integer);
         ffi::lua_pushinteger(l, sh.stack_size() as ffi::lua_Integer);
-        let status = if f.id() == fibertrace_fiber::current_id() {
+        let status = if f.id() == call.me {
             Status::Running
         } else {
             status
@@ -460,6 +468,18 @@ unsafe fn push_fiber(
             ffi::lua_settop(l, -2);
             return Err(format!("fiber.info: {e}"));
         }
+        // The effective max slice when it has a finite part (only those parts, as
+        // Tarantool shows it).
+        if slice.warn < Slice::INFINITE || slice.err < Slice::INFINITE {
+            ffi::lua_createtable(l, 0, 2);
+            for (k, part) in [(c"warn", slice.warn), (c"err", slice.err)] {
+                if part < Slice::INFINITE {
+                    ffi::lua_pushnumber(l, part);
+                    ffi::lua_setfield(l, -2, k.as_ptr());
+                }
+            }
+            ffi::lua_setfield(l, -2, c"max_slice".as_ptr());
+        }
     }
     Ok(())
 }
@@ -469,11 +489,15 @@ unsafe fn push_fiber(
 /// # Safety
 /// `l` valid.
 pub(crate) unsafe fn push_all(l: *mut ffi::lua_State, opts: &Opts) -> Result<(), String> {
-    let fibers: Vec<(fibertrace_fiber::Fiber, *mut ffi::lua_State)> = with_host(|h| {
+    type Entry = (fibertrace_fiber::Fiber, *mut ffi::lua_State, Slice);
+    let fibers: Vec<Entry> = with_host(|h| {
         h.recs
             .values()
             .filter(|r| r.done.is_none() && !r.fiber.shared().is_dead())
-            .map(|r| (r.fiber.clone(), r.thread))
+            .map(|r| {
+                let slice = r.max_slice.unwrap_or(h.default_slice);
+                (r.fiber.clone(), r.thread, slice)
+            })
             .collect()
     })
     .ok_or("fibertrace: no Lua host on this thread")?;
@@ -483,8 +507,8 @@ pub(crate) unsafe fn push_all(l: *mut ffi::lua_State, opts: &Opts) -> Result<(),
         let mut call = Call::new(l);
         ffi::lua_createtable(l, 0, fibers.len() as c_int);
         let all = ffi::lua_gettop(l);
-        for (f, root) in &fibers {
-            if let Err(e) = push_fiber(l, f, *root, opts, &mut call) {
+        for (f, root, slice) in &fibers {
+            if let Err(e) = push_fiber(l, f, *root, *slice, opts, &mut call) {
                 call.abort(l);
                 return Err(e);
             }
@@ -504,13 +528,18 @@ pub(crate) unsafe fn push_one(
     fid: FiberId,
     opts: &Opts,
 ) -> Result<(), String> {
-    let (f, root) = with_host(|h| h.recs.get(&fid).map(|r| (r.fiber.clone(), r.thread)))
-        .flatten()
-        .ok_or("the fiber is dead")?;
+    let (f, root, slice) = with_host(|h| {
+        h.recs.get(&fid).map(|r| {
+            let slice = r.max_slice.unwrap_or(h.default_slice);
+            (r.fiber.clone(), r.thread, slice)
+        })
+    })
+    .flatten()
+    .ok_or("the fiber is dead")?;
     // SAFETY: per the contract; the call's slots are removed after.
     unsafe {
         let mut call = Call::new(l);
-        if let Err(e) = push_fiber(l, &f, root, opts, &mut call) {
+        if let Err(e) = push_fiber(l, &f, root, slice, opts, &mut call) {
             call.abort(l);
             return Err(e);
         }

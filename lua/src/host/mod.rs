@@ -38,27 +38,53 @@ use fibertrace_fiber::{FiberId, Scheduler, SchedulerOptions};
 use mlua::ffi;
 
 pub(crate) mod api;
+mod clock;
 pub mod info;
+mod prelude;
 #[doc(hidden)]
 pub mod raw;
+
+/// A fiber slice (Tarantool's `{warn = seconds, err = seconds}`): a fiber that runs longer
+/// than `warn` without yielding is warned about when it calls `fiber.check_slice()`, and
+/// longer than `err` fails there. [`Slice::INFINITE`] parts never trigger.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Slice {
+    pub warn: f64,
+    pub err: f64,
+}
+
+impl Slice {
+    /// Tarantool's `TIMEOUT_INFINITY` (100 years): a part this long or longer never triggers.
+    pub const INFINITE: f64 = 100.0 * 365.0 * 86400.0;
+    /// No limit.
+    pub const NONE: Slice = Slice {
+        warn: Slice::INFINITE,
+        err: Slice::INFINITE,
+    };
+}
 
 /// One Lua fiber known to the host.
 pub(crate) struct Rec {
     pub fiber: fibertrace_fiber::Fiber,
-    /// Set while a `fiber.join` waits for it (one joiner at a time).
-    pub joining: bool,
     /// The fiber's own Lua thread (the root of its Lua activity).
     pub thread: *mut ffi::lua_State,
     pub thread_ref: c_int,
     pub joinable: bool,
     /// Set when its function returned: `Some(true)` success, `Some(false)` error; results (or
-    /// the error) stay on the thread's stack from index 2 until joined.
+    /// the error) stay on the thread's stack from index 2 until joined. A joinable fiber with
+    /// an outcome is "ended": still found (as Tarantool finds a dead fiber nobody joined yet)
+    /// until joined.
     pub done: Option<bool>,
     /// The fiber's last interleaved trace and its context-switch count then: a fiber that
     /// has not run since has the same trace (see [`info`]).
     pub trace_cache: Option<(u64, std::rc::Rc<[fibertrace_core::Frame]>)>,
     /// Slot of the fiber's Lua object in the host's object table once made (0 before).
     pub obj_slot: c_int,
+    /// Registry reference of its `storage` table (0: none yet); released when its function
+    /// ends.
+    pub storage_ref: c_int,
+    /// Its own max slice (`fiber_object:set_max_slice`), if set.
+    pub max_slice: Option<Slice>,
 }
 
 /// The host's per-thread state.
@@ -71,6 +97,11 @@ pub(crate) struct HostState {
     pub pool: Vec<(*mut ffi::lua_State, c_int)>,
     /// Registry ref: the Lua function that makes one `fiber.info()` entry.
     pub info_ctor_ref: c_int,
+    /// Registry ref: the metatable of `fiber.info()`'s result (`{__serialize = 'mapping'}`).
+    pub info_mt_ref: c_int,
+    /// Registry ref: `make_error(type, value)`, the constructor of error objects (see
+    /// [`prelude`]).
+    pub error_ctor_ref: c_int,
     /// Registry ref: live fibers' objects by slot; free slots; the highest slot used.
     pub objs_ref: c_int,
     /// Registry ref: objects of fibers without a record, by id (weak values).
@@ -85,6 +116,16 @@ pub(crate) struct HostState {
     pub report_errors: bool,
     /// The name of fibers made by `fiber.create`/`fiber.new` ("lua", as Tarantool's), shared.
     pub fiber_name: std::sync::Arc<str>,
+    /// The default max slice (`fiber.set_max_slice(slice)`).
+    pub default_slice: Slice,
+    /// The slice of the current run of a fiber, once set or checked in that run: the run
+    /// (fiber id, switch count when it began) and its slice. A slice of another run is stale:
+    /// a new run starts with the fiber's max slice (no work per switch).
+    pub run_slice: Option<((FiberId, u64), Slice)>,
+    /// The stall detector was started by `fiber.set_max_slice` (not by the program).
+    pub watchdog_by_slice: bool,
+    /// `channel:close()` keeps queued values (compat `fiber_channel_close_mode = 'new'`).
+    pub graceful_close: bool,
 }
 
 thread_local! {

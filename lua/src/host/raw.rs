@@ -1,11 +1,18 @@
 //! Small helpers over the raw Lua API for the host's C functions.
 //!
 //! Every Lua-visible function of the host is a plain `lua_CFunction` written with
-//! [`lua_fn!`](crate::lua_fn): its body returns `Result<c_int, String>` and never raises a Lua
+//! [`lua_fn!`](crate::lua_fn): its body returns `Result<c_int, LErr>` and never raises a Lua
 //! error itself (no `luaL_check*`, no `lua_error`); the wrapper turns an `Err` (or a Rust
 //! panic, e.g. the fiber runtime's cancellation) into a Lua error *after* every Rust value of
 //! the body is dropped, so Lua's error unwinding (a C++-style exception in LuaJIT, a longjmp in
 //! Lua 5.4) crosses only the wrapper's frame, which owns nothing.
+//!
+//! Error texts follow Tarantool 2.6, which raises most argument errors with `luaL_error`: the
+//! message gets the position of the Lua code that called the function (`file.lua:12: `) when
+//! a Lua function called it directly, nothing when it was called from C (`pcall(f, ...)`) or
+//! as a tail call ([`LErr::At`], what a `String` or `&str` converts to). Errors Tarantool
+//! raises as error objects (`fiber is cancelled`, and every error of the functions added after
+//! 2.6) carry no position ([`LErr::Plain`]).
 //!
 //! The only Lua API calls the bodies make that can still raise are allocations (a memory
 //! error while pushing a string or creating a table): those would unwind through Rust frames.
@@ -66,8 +73,116 @@ pub(crate) unsafe fn rawseti(l: *mut ffi::lua_State, idx: c_int, n: ffi::lua_Int
     }
 }
 
-/// The result of a C function body: the number of results pushed, or an error message.
-pub(crate) type LResult = Result<c_int, String>;
+/// A C function body's error.
+#[derive(Debug)]
+pub(crate) enum LErr {
+    /// Raised with the calling Lua line's position in front (`luaL_error`).
+    At(String),
+    /// Raised as it is.
+    Plain(String),
+}
+
+impl LErr {
+    /// An error raised as it is (no position).
+    pub(crate) fn plain(msg: impl Into<String>) -> LErr {
+        LErr::Plain(msg.into())
+    }
+}
+
+impl From<String> for LErr {
+    fn from(s: String) -> LErr {
+        LErr::At(s)
+    }
+}
+
+impl From<&str> for LErr {
+    fn from(s: &str) -> LErr {
+        LErr::At(s.to_string())
+    }
+}
+
+/// The result of a C function body: the number of results pushed, or an error.
+pub(crate) type LResult = Result<c_int, LErr>;
+
+/// Pushes the message of `e` on `l` (with the caller's position for [`LErr::At`]), for the
+/// wrapper of [`lua_fn!`](crate::lua_fn) to raise.
+///
+/// # Safety
+/// `l` is the calling state of a C function.
+#[inline(never)]
+pub(crate) unsafe fn push_error(l: *mut ffi::lua_State, e: LErr) {
+    // SAFETY: per the contract; `luaL_where` only pushes a string.
+    unsafe {
+        match e {
+            LErr::At(msg) => {
+                ffi::luaL_where(l, 1);
+                push_str(l, &msg);
+                ffi::lua_concat(l, 2);
+            }
+            LErr::Plain(msg) => push_str(l, &msg),
+        }
+    }
+}
+
+/// The type name of the value at `idx`, as `luaL_typename` (`no value` past the top).
+///
+/// # Safety
+/// `l` valid.
+pub(crate) unsafe fn type_name(l: *mut ffi::lua_State, idx: c_int) -> String {
+    // SAFETY: per the contract; lua_typename returns a static NUL-terminated name.
+    unsafe {
+        let t = if idx > ffi::lua_gettop(l) {
+            ffi::LUA_TNONE
+        } else {
+            ffi::lua_type(l, idx)
+        };
+        CStr::from_ptr(ffi::lua_typename(l, t))
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
+/// The error of a bad argument `narg` of the running C function, worded as LuaJIT's
+/// `luaL_argerror` words it: `bad argument #1 to 'name' (msg)` — the name as the caller
+/// called it, `?` when not known (called from C) — or, for the object of a method call,
+/// `calling 'name' on bad self (msg)`; with the caller's position (see [`LErr::At`]).
+///
+/// # Safety
+/// `l` is the calling state of a C function.
+pub(crate) unsafe fn arg_error(l: *mut ffi::lua_State, narg: c_int, msg: &str) -> LErr {
+    // SAFETY: a zeroed lua_Debug is a valid out-parameter; level 0 is the running function.
+    let (name, method) = unsafe {
+        let mut ar: ffi::lua_Debug = std::mem::zeroed();
+        if ffi::lua_getstack(l, 0, &mut ar) != 0 && ffi::lua_getinfo(l, c"n".as_ptr(), &mut ar) != 0
+        {
+            let name = (!ar.name.is_null())
+                .then(|| CStr::from_ptr(ar.name).to_string_lossy().into_owned());
+            let method = !ar.namewhat.is_null() && CStr::from_ptr(ar.namewhat) == c"method";
+            (name, method)
+        } else {
+            (None, false)
+        }
+    };
+    let name = name.unwrap_or_else(|| "?".to_string());
+    if method && narg == 1 {
+        LErr::At(format!("calling '{name}' on bad self ({msg})"))
+    } else {
+        let narg = if method { narg - 1 } else { narg };
+        LErr::At(format!("bad argument #{narg} to '{name}' ({msg})"))
+    }
+}
+
+/// The error of argument `narg` not being a `what` (`luaL_checkudata`'s).
+///
+/// # Safety
+/// `l` is the calling state of a C function.
+pub(crate) unsafe fn type_error(l: *mut ffi::lua_State, narg: c_int, what: &str) -> LErr {
+    // SAFETY: per the contract.
+    unsafe {
+        let got = type_name(l, narg);
+        arg_error(l, narg, &format!("{what} expected, got {got}"))
+    }
+}
 
 /// Defines a `lua_CFunction` named `$name` from a body `fn(*mut lua_State) -> LResult`.
 #[macro_export]
@@ -84,11 +199,10 @@ macro_rules! lua_fn {
             }));
             match r {
                 Ok(Ok(n)) => n,
-                Ok(Err(msg)) => {
-                    // SAFETY: `l` is the calling state; the message is pushed and then raised,
-                    // with nothing owned by this frame left alive.
-                    unsafe { $crate::host::raw::push_str(l, &msg) };
-                    drop(msg);
+                Ok(Err(e)) => {
+                    // SAFETY: `l` is the calling state; the message is pushed (and the error
+                    // dropped) before it is raised, with nothing owned by this frame alive.
+                    unsafe { $crate::host::raw::push_error(l, e) };
                     // SAFETY: as above: raising from a C function is how Lua errors are made.
                     unsafe { mlua::ffi::lua_error(l) }
                 }
@@ -167,26 +281,38 @@ pub(crate) unsafe fn type_of(l: *mut ffi::lua_State, idx: c_int) -> c_int {
     unsafe { ffi::lua_type(l, idx) }
 }
 
-/// An optional timeout argument in seconds (nil or absent: none).
+/// An optional timeout argument in seconds, as Tarantool's channel and condition methods
+/// read it: absent or nil is no timeout; a number or a numeric string is taken (NaN and
+/// anything past a billion seconds wait forever, zero or less than a nanosecond does not
+/// wait); a negative number or anything else is `usage` (with the caller's position).
 ///
 /// # Safety
 /// `l` is valid.
 pub(crate) unsafe fn opt_timeout(
     l: *mut ffi::lua_State,
     idx: c_int,
-    what: &str,
-) -> Result<Option<std::time::Duration>, String> {
+    usage: &str,
+) -> Result<Option<std::time::Duration>, LErr> {
     // SAFETY: per the contract.
     if unsafe { type_of(l, idx) } <= ffi::LUA_TNIL {
         return Ok(None);
     }
     // SAFETY: per the contract.
     match unsafe { to_number(l, idx) } {
-        Some(s) if s.is_nan() => Err(format!("{what}: timeout is not a number")),
-        Some(s) if s <= 0.0 => Ok(Some(std::time::Duration::ZERO)),
-        Some(s) if s >= 1e9 => Ok(None),
-        Some(s) => Ok(Some(std::time::Duration::from_secs_f64(s))),
-        None => Err(format!("{what}: timeout must be a number")),
+        Some(s) if s.is_nan() => Ok(None),
+        Some(s) if s < 0.0 => Err(LErr::At(usage.to_string())),
+        Some(s) => Ok(seconds(s)),
+        None => Err(LErr::At(usage.to_string())),
+    }
+}
+
+/// A non-negative number of seconds as a timeout (`None`: forever, for NaN and anything past
+/// a billion seconds; `Duration::from_secs_f64` would panic past its range).
+pub(crate) fn seconds(s: f64) -> Option<std::time::Duration> {
+    if s.is_nan() || s >= 1e9 {
+        None
+    } else {
+        Some(std::time::Duration::from_secs_f64(s.max(0.0)))
     }
 }
 
