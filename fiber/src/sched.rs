@@ -557,16 +557,26 @@ impl Inner {
     }
 
     pub(crate) fn make_ready(&self, fid: FiberId) {
+        self.make_ready_if(fid, false);
+    }
+
+    /// Makes `fid` ready, unless `live_only` and it was cancelled (its cancellation woke it
+    /// already). Returns whether it is a fiber here that was made (or was) ready.
+    fn make_ready_if(&self, fid: FiberId, live_only: bool) -> bool {
         let mut slots = self.slots.borrow_mut();
         let Some(slot) = slots.get_mut(&fid) else {
-            return;
+            return false;
         };
+        if live_only && slot.ctx.shared.cancelled.load(Ordering::Relaxed) {
+            return false;
+        }
         slot.timer_seq = 0;
         if !slot.ctx.queued.get() && fid != self.current.get() {
             slot.ctx.queued.set(true);
             slot.ctx.shared.set_status(Status::Ready);
             self.ready.borrow_mut().push_back(fid);
         }
+        true
     }
 
     fn add_timer(&self, fid: FiberId, when: Instant) {
@@ -743,6 +753,22 @@ pub(crate) fn wake(sched: u64, fid: FiberId) {
     if let Some(inner) = inner {
         inner.make_ready(fid);
     }
+}
+
+/// As [`wake`], but a fiber that was cancelled (or is gone) is left alone: returns whether
+/// the fiber was woken (one lookup, as `wake`'s).
+pub(crate) fn wake_live(sched: u64, fid: FiberId) -> bool {
+    let running = with_sched(|s| (s.shared.id == sched).then(|| s.make_ready_if(fid, true)));
+    if let Some(Some(woke)) = running {
+        return woke;
+    }
+    let inner = ON_THREAD.with(|t| {
+        t.borrow()
+            .iter()
+            .find(|(id, _)| *id == sched)
+            .and_then(|(_, w)| w.upgrade())
+    });
+    inner.is_some_and(|inner| inner.make_ready_if(fid, true))
 }
 
 /// The scheduler running on this thread and its loop turn (`(0, 0)`: none). It changes

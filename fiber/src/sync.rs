@@ -111,13 +111,22 @@ fn enter(q: &RefCell<WaitQueue>) -> Leave<'_> {
 }
 
 /// Wakes the first waiter still waiting; whether there was one.
+/// Wakes the first waiter still waiting that was not cancelled (a cancelled one was woken
+/// by its cancellation and leaves by unwinding: as in Tarantool, where waking a fiber takes
+/// it off the list it waited on, a value or a signal goes to the next waiter). Returns
+/// whether it woke one.
 fn wake_one(q: &RefCell<WaitQueue>) -> bool {
-    let w = q.borrow_mut().pop();
-    if let Some((s, id)) = w {
-        sched::wake(s, id);
-        return true;
+    loop {
+        let w = q.borrow_mut().pop();
+        match w {
+            Some((s, id)) => {
+                if sched::wake_live(s, id) {
+                    return true;
+                }
+            }
+            None => return false,
+        }
     }
-    false
 }
 
 fn wake_all(q: &RefCell<WaitQueue>) {
