@@ -12,6 +12,7 @@
 
 use std::collections::hash_map::Entry;
 use std::ffi::{c_int, CStr};
+use std::io::Write;
 use std::time::{Duration, Instant};
 
 use fibertrace_fiber::{Builder, FiberId, ParentTrace};
@@ -565,7 +566,9 @@ fn lua_fiber_main(t: *mut ffi::lua_State, nargs: c_int) {
     })
     .flatten();
     if let (Some(name), Some(msg)) = (report, msg) {
-        eprintln!(
+        // (A closed stderr is no reason to fail: the write's error is dropped.)
+        let _ = writeln!(
+            std::io::stderr(),
             "fibertrace: fiber {fid} \"{name}\" failed: {msg}\nstack traceback:\n{}",
             trace.unwrap_or_default()
         );
@@ -1551,7 +1554,8 @@ unsafe fn check_slice_body(l: *mut ffi::lua_State) -> LResult {
         let name = fibertrace_fiber::current()
             .map(|f| f.name())
             .unwrap_or_default();
-        eprintln!(
+        let _ = writeln!(
+            std::io::stderr(),
             "fibertrace: fiber {} \"{name}\": fiber has not yielded for more than {w:.3} seconds",
             run.0
         );
