@@ -1173,19 +1173,7 @@ impl Fiber {
     /// As [`Fiber::wait`].
     #[inline(never)]
     pub fn wait_until_ignoring_cancel(&self, deadline: Option<Instant>) -> bool {
-        /// Restores the waiter's raising of its cancellation (unless its scheduler is
-        /// dropping it: that unwinding must not raise again).
-        struct Restore(&'static FiberCtx, bool);
-        impl Drop for Restore {
-            fn drop(&mut self) {
-                if !self.0.dropping.get() {
-                    self.0.unwinding.set(self.1);
-                }
-            }
-        }
-        let ctx = current_ctx().expect("join outside a fiber");
-        // `unwinding` set: suspensions do not raise the cancellation.
-        let _restore = Restore(ctx, ctx.unwinding.replace(true));
+        let _quiet = CancelQuiet::new();
         let r = self.wait_inner(deadline);
         std::hint::black_box(());
         r
@@ -1231,6 +1219,37 @@ impl Fiber {
             block(WaitOn::Join(shared.id), deadline);
         }
         true
+    }
+}
+
+/// While it lives, the current fiber's suspensions do not raise its cancellation (for code
+/// that is no cancellation point in Tarantool: `fiber_join`, `fiber.create`'s start of the
+/// new fiber); dropped, they raise it again, at the next one. Outside a fiber it does
+/// nothing.
+pub struct CancelQuiet(Option<(&'static FiberCtx, bool)>);
+
+impl CancelQuiet {
+    /// Quiets the current fiber's cancellation until dropped.
+    pub fn new() -> CancelQuiet {
+        // `unwinding` set: suspensions do not raise the cancellation (as while it unwinds).
+        CancelQuiet(current_ctx().map(|c| (c, c.unwinding.replace(true))))
+    }
+}
+
+impl Default for CancelQuiet {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for CancelQuiet {
+    fn drop(&mut self) {
+        // Not while its scheduler drops the fiber: that unwinding must not raise again.
+        if let Some((c, prev)) = self.0 {
+            if !c.dropping.get() {
+                c.unwinding.set(prev);
+            }
+        }
     }
 }
 

@@ -957,3 +957,28 @@ fn the_slice_warning_is_printed_once_per_run() {
     );
     assert_eq!(err.lines().count(), 1, "{err}");
 }
+
+/// `fiber.create` is no cancellation point (Tarantool's `fiber_start`): a creator that its
+/// new fiber cancels gets the new fiber, and the cancellation at its next yield.
+#[test]
+fn create_is_not_a_cancellation_point() {
+    let (got, _) = run(r#"
+local me = fiber.self()
+local r
+local f = fiber.create(function()
+  local child = fiber.create(function() fiber.self():cancel() end)
+  r = {pcall(fiber.create, function() me:cancel() end)}
+end)
+out(r[1], type(r[2]), fiber.status())
+out(pcall(fiber.yield))
+out(pcall(fiber.testcancel))
+"#);
+    check(
+        &got,
+        &s(&[
+            "true userdata running",
+            "false fiber is cancelled",
+            "false fiber is cancelled",
+        ]),
+    );
+}

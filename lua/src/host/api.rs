@@ -745,9 +745,12 @@ unsafe fn spawn_lua(l: *mut ffi::lua_State, what: &str, starts_now: bool) -> Res
 unsafe fn create_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
     let fid = unsafe { spawn_lua(l, "create", true) }?;
-    // Start it now: it runs, and this fiber continues as soon as it yields.
+    // Start it now: it runs, and this fiber continues as soon as it yields. Not a
+    // cancellation point (Tarantool's `fiber_start`): a cancellation of this fiber meanwhile
+    // is raised at its next one.
+    let quiet = fibertrace_fiber::sched::CancelQuiet::new();
     fibertrace_fiber::yield_to_id(fid);
-    cancelled_check()?;
+    drop(quiet);
     Ok(1)
 }
 lua_fn!(f_create, create_body);
