@@ -932,10 +932,8 @@ fn a_cancelled_fiber_is_not_reported_as_failed() {
          print('done')\n",
     );
     assert_eq!((code, out.as_str()), (0, "done\n"), "{err}");
-    assert!(
-        err.starts_with("fibertrace: fiber ") && err.contains("\"lua\" failed: boom\n"),
-        "{err}"
-    );
+    assert!(err.contains("\"lua\" failed: boom\n"), "{err}");
+    assert!(!err.contains("cancelled"), "{err}");
     assert_eq!(err.matches(" failed: ").count(), 1, "{err}");
 }
 
@@ -955,7 +953,7 @@ fn the_slice_warning_is_printed_once_per_run() {
         err.ends_with("\"main\": fiber has not yielded for more than 0.010 seconds\n"),
         "{err}"
     );
-    assert_eq!(err.lines().count(), 1, "{err}");
+    assert_eq!(err.matches("has not yielded").count(), 1, "{err}");
 }
 
 /// `fiber.create` is no cancellation point (Tarantool's `fiber_start`): a creator that its
