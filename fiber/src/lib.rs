@@ -35,7 +35,7 @@ pub mod clock;
 pub mod control;
 pub mod dump;
 pub mod info;
-mod overflow;
+pub mod overflow;
 mod panic;
 pub mod registry;
 pub mod sample;

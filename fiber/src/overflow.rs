@@ -11,10 +11,168 @@
 //! handler, the default action ends the process (a fault re-executes; a signal sent by
 //! `kill` is raised again).
 //!
+//! **Recovering.** A thread may register an [`OverflowHandler`] ([`set_thread_handler`]; the
+//! Lua host does). A fault in a running fiber's *reserve* (the inaccessible region between its
+//! usable stack and its guard, see [`crate::stack`]) then opens the reserve (`mprotect`),
+//! records it in a fixed table of open reserves, calls the handler and returns: the faulting
+//! instruction runs again, now with room. The handler only arms something (the Lua host sets
+//! a Lua hook) that, at a point where the fiber's own code is in a consistent state, asks
+//! [`poll`] and raises an error there; the stack unwinds, and a later [`poll`] (or the stack's
+//! return to the pool) closes the reserve again, so the next overflow is caught the same way.
+//!
 //! How it can be wrong: a frame larger than the guard (64 KiB) can step over it into other
-//! memory; such an overflow is not caught here (and may not fault at all).
+//! memory; such an overflow is not caught here (and may not fault at all). Code that uses up
+//! the whole reserve (256 KiB) before the handler's safe point comes (C code recursing with no
+//! Lua instruction between) reaches the guard, and the process stops as without a handler.
+//! At most [`MAX_OPEN`] reserves are open at once; past that an overflow stops the process.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Once;
+
+/// Called from the fault handler (on the alternate signal stack, with the fault's thread
+/// interrupted anywhere) after a fiber's reserve was opened: `(context, fiber id)`. It must be
+/// async-signal-safe: it may only arm something to run later.
+pub type OverflowHandler = unsafe fn(usize, u64);
+
+std::thread_local! {
+    /// This thread's overflow handler and its context (a plain pair: read in a signal handler).
+    static HANDLER: std::cell::Cell<Option<(OverflowHandler, usize)>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// Sets (or with `None` removes) the handler called when a fiber of a scheduler on this thread
+/// overflows into its reserve. Without one, such an overflow stops the process with a report.
+pub fn set_thread_handler(handler: Option<(OverflowHandler, usize)>) {
+    HANDLER.with(|h| h.set(handler));
+}
+
+/// Reserves open at once, at most.
+pub const MAX_OPEN: usize = 32;
+
+/// One open reserve: its start (0: free slot), the fiber that overflowed, whether [`poll`]
+/// has told it to raise its error.
+struct Open {
+    base: AtomicU64,
+    fid: AtomicU64,
+    raised: AtomicBool,
+}
+
+#[allow(clippy::declare_interior_mutable_const)]
+const FREE: Open = Open {
+    base: AtomicU64::new(0),
+    fid: AtomicU64::new(0),
+    raised: AtomicBool::new(false),
+};
+
+static OPEN: [Open; MAX_OPEN] = [FREE; MAX_OPEN];
+/// How many slots of [`OPEN`] are taken (a fast "none" for the common path).
+static OPEN_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// Opens the reserve starting at `base` for fiber `fid`: false when the table is full or
+/// `mprotect` failed (the overflow is then fatal). Async-signal-safe.
+fn open_reserve(base: u64, fid: u64) -> bool {
+    for slot in &OPEN {
+        if slot
+            .base
+            .compare_exchange(0, base, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            // SAFETY: [base, base + RESERVE) is the reserve of the running fiber's stack, a
+            // mapping that stays alive while the fiber runs; mprotect is a plain system call.
+            let rc = unsafe {
+                libc::mprotect(
+                    base as *mut libc::c_void,
+                    crate::stack::RESERVE,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                )
+            };
+            if rc != 0 {
+                slot.base.store(0, Ordering::Release);
+                return false;
+            }
+            slot.fid.store(fid, Ordering::Relaxed);
+            slot.raised.store(false, Ordering::Relaxed);
+            OPEN_COUNT.fetch_add(1, Ordering::AcqRel);
+            return true;
+        }
+    }
+    false
+}
+
+/// Closes (when `reprotect`) and forgets the reserve at `base`, if it is open: a stack going
+/// back to the pool, or being unmapped.
+pub(crate) fn forget_reserve(base: u64, reprotect: bool) {
+    if OPEN_COUNT.load(Ordering::Acquire) == 0 {
+        return;
+    }
+    for slot in &OPEN {
+        if slot.base.load(Ordering::Acquire) == base {
+            if reprotect {
+                // SAFETY: the reserve of a stack no fiber runs on (it is being pooled).
+                unsafe {
+                    libc::mprotect(
+                        base as *mut libc::c_void,
+                        crate::stack::RESERVE,
+                        libc::PROT_NONE,
+                    )
+                };
+            }
+            slot.base.store(0, Ordering::Release);
+            OPEN_COUNT.fetch_sub(1, Ordering::AcqRel);
+            return;
+        }
+    }
+}
+
+/// What the running fiber should do about an overflow (the answer of [`poll`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Overflow {
+    /// Nothing is open anywhere: the caller can stop polling.
+    None,
+    /// This fiber overflowed and has not raised yet: raise the error now (once).
+    Raise,
+    /// A reserve is still open (this fiber's stack is still deep, or another fiber's): poll
+    /// again later.
+    Pending,
+}
+
+/// Whether some open reserve's fiber has not been told to raise yet.
+pub fn unraised() -> bool {
+    OPEN_COUNT.load(Ordering::Acquire) != 0
+        && OPEN
+            .iter()
+            .any(|s| s.base.load(Ordering::Acquire) != 0 && !s.raised.load(Ordering::Acquire))
+}
+
+/// Asked by the running fiber at a safe point, with its current stack pointer `sp`: whether to
+/// raise its overflow error, and (once `sp` is back above its reserve by a margin) closes its
+/// reserve again.
+pub fn poll(sp: usize) -> Overflow {
+    if OPEN_COUNT.load(Ordering::Acquire) == 0 {
+        return Overflow::None;
+    }
+    let Some((_, lo, _)) = crate::sample::running_stack() else {
+        return Overflow::Pending;
+    };
+    for slot in &OPEN {
+        if slot.base.load(Ordering::Acquire) != lo {
+            continue;
+        }
+        if !slot.raised.swap(true, Ordering::AcqRel) {
+            return Overflow::Raise;
+        }
+        // Closed once the caller's stack is back a margin above the reserve (8 KiB: room for
+        // the rest of the caller's frame and this call).
+        if (sp as u64) >= lo + (crate::stack::RESERVE + 8 * 1024) as u64 {
+            forget_reserve(lo, true);
+            if OPEN_COUNT.load(Ordering::Acquire) == 0 {
+                return Overflow::None;
+            }
+        }
+        return Overflow::Pending;
+    }
+    Overflow::Pending
+}
 
 static INSTALL: Once = Once::new();
 
@@ -51,7 +209,17 @@ extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, uc: *mut li
     // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler.
     let addr = unsafe { (*info).si_addr() } as u64;
     if let Some((fid, lo, hi)) = crate::sample::running_stack() {
-        if addr < lo && addr >= lo.saturating_sub(crate::stack::GUARD as u64) {
+        let reserve = lo..lo + crate::stack::RESERVE as u64;
+        if reserve.contains(&addr) {
+            if let Some((handler, ctx)) = HANDLER.with(|h| h.get()) {
+                if open_reserve(lo, fid) {
+                    // SAFETY: the handler was registered for this thread as async-signal-safe.
+                    unsafe { handler(ctx, fid) };
+                    return;
+                }
+            }
+        }
+        if addr < reserve.end && addr >= lo.saturating_sub(crate::stack::GUARD as u64) {
             let mut buf = [0u8; 160];
             let mut w = Writer {
                 buf: &mut buf,
@@ -60,7 +228,7 @@ extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, uc: *mut li
             w.put(b"fibertrace: fiber ");
             w.num(fid);
             w.put(b" overflowed its stack of ");
-            w.num(hi.saturating_sub(lo) + 16);
+            w.num(hi.saturating_sub(lo) + 16 - crate::stack::RESERVE as u64);
             w.put(b" bytes (calls nested too deep); the process stops\n");
             let n = w.len;
             // SAFETY: write(2) of a local buffer to stderr is async-signal-safe.

@@ -1,11 +1,20 @@
 //! Fiber stacks: mmap'd with a guard region below them, kept in a per-scheduler pool so that
 //! spawning reuses a stack instead of system calls.
 //!
-//! The guard is [`GUARD`] bytes of inaccessible memory, not one page: a C function with a
-//! large frame (LuaJIT's `string.gsub` keeps an 8 KiB buffer on the stack) could step over
-//! a single page into whatever is mapped below. An overflow into the guard faults, and
-//! [`crate::overflow`] says which fiber overflowed before the process stops. The memory is
-//! reserved without commitment (`MAP_NORESERVE`): untouched stack pages cost no memory.
+//! A stack is one mapping, `[guard | reserve | usable]`, from low to high addresses:
+//! - the usable part is the size asked for;
+//! - the reserve ([`RESERVE`] bytes) is inaccessible until the fiber overflows into it: then
+//!   [`crate::overflow`] opens it, if the scheduler has an overflow handler (the Lua host's
+//!   raises LuaJIT's `C stack overflow` at the next Lua instruction, and the reserve is the
+//!   room that error needs), and closes it again once the stack has unwound; without a
+//!   handler, a fault there is an overflow like one into the guard;
+//! - the guard is [`GUARD`] bytes of inaccessible memory, not one page: a C function with a
+//!   large frame (LuaJIT's `string.gsub` keeps an 8 KiB buffer on the stack) could step over
+//!   a single page into whatever is mapped below. A fault in it is reported (which fiber) and
+//!   the process stops.
+//!
+//! The memory is reserved without commitment (`MAP_NORESERVE`): untouched stack pages cost
+//! no memory. [`bounds`] include the reserve (frames may live there while it is open).
 
 use corosensei::stack::{Stack, StackPointer};
 use fibertrace_core::StackBounds;
@@ -13,9 +22,13 @@ use fibertrace_core::StackBounds;
 /// Bytes of inaccessible memory below every fiber stack.
 pub(crate) const GUARD: usize = 64 * 1024;
 
+/// Bytes between the guard and the usable part, opened only to recover from an overflow.
+pub(crate) const RESERVE: usize = 256 * 1024;
+
 const PAGE: usize = 4096;
 
-/// A fiber's stack: `[GUARD | usable]` in one private anonymous mapping, unmapped on drop.
+/// A fiber's stack: `[GUARD | RESERVE | usable]` in one private anonymous mapping, unmapped on
+/// drop.
 pub(crate) struct FiberStack {
     /// Start of the mapping (the guard's start).
     map: usize,
@@ -30,7 +43,7 @@ impl FiberStack {
             .checked_next_multiple_of(PAGE)
             .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
         let len = usable
-            .checked_add(GUARD)
+            .checked_add(GUARD + RESERVE)
             .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
         // SAFETY: a new private anonymous mapping (no address hint, no file); the result is
         // checked before use.
@@ -51,10 +64,11 @@ impl FiberStack {
             map: map as usize,
             len,
         };
-        // SAFETY: the range lies inside the mapping just made (GUARD is page-aligned).
+        // SAFETY: the range lies inside the mapping just made (GUARD and RESERVE are
+        // page-aligned).
         let rc = unsafe {
             libc::mprotect(
-                (stack.map + GUARD) as *mut libc::c_void,
+                (stack.map + GUARD + RESERVE) as *mut libc::c_void,
                 usable,
                 libc::PROT_READ | libc::PROT_WRITE,
             )
@@ -67,8 +81,17 @@ impl FiberStack {
     }
 }
 
+impl FiberStack {
+    /// The start of the reserve (the lowest address of [`bounds`]).
+    fn reserve(&self) -> u64 {
+        (self.map + GUARD) as u64
+    }
+}
+
 impl Drop for FiberStack {
     fn drop(&mut self) {
+        // An overflow handled in this stack may have left its reserve open.
+        crate::overflow::forget_reserve(self.reserve(), false);
         // SAFETY: the mapping was made by `new` and is unmapped once, here; no coroutine runs
         // on it any more (corosensei drops its stack only after the coroutine is done).
         unsafe { libc::munmap(self.map as *mut libc::c_void, self.len) };
@@ -117,14 +140,17 @@ impl Pool {
     }
 
     pub fn give(&mut self, size: usize, stack: FiberStack) {
+        // The next fiber gets the reserve closed, whatever this one did.
+        crate::overflow::forget_reserve(stack.reserve(), true);
         if self.free.len() < POOL_MAX {
             self.free.push((size, stack));
         }
     }
 }
 
-/// The usable bounds of a stack: above the guard, and below the top 16 bytes, which hold
-/// corosensei's parent link (stale while the coroutine is suspended: walks never read it).
+/// The bounds of a stack: above the guard (the reserve included), and below the top 16 bytes,
+/// which hold corosensei's parent link (stale while the coroutine is suspended: walks never
+/// read it).
 #[inline]
 pub(crate) fn bounds(stack: &FiberStack) -> StackBounds {
     StackBounds::new(

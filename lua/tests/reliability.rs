@@ -360,30 +360,3 @@ fn a_deep_traceback_keeps_the_entry_function_and_counts_what_it_omits() {
         );
     }
 }
-
-/// C code that recurses past a fiber's stack (nested `string.gsub` callbacks) is caught in
-/// the guard below the stack: the process says which fiber overflowed before it stops by the
-/// fault (it used to die with no word). The stack is deep enough for well over Tarantool's
-/// 57 levels of this.
-#[test]
-fn a_c_stack_overflow_says_which_fiber_before_the_process_stops() {
-    let path = std::env::temp_dir().join("ft-rel-gsub.lua");
-    std::fs::write(
-        &path,
-        "local function r(n) if n == 0 then return 'x' end \
-         return (string.gsub('a', 'a', function() return r(n - 1) end)) end\n\
-         local fiber = require('fiber')\n\
-         local f = fiber.create(function() print(pcall(r, tonumber(arg[1]))) end)\n",
-    )
-    .unwrap();
-    let p = path.to_str().unwrap();
-    let o = run(&["run", p, "90"], b"");
-    assert_eq!((o.stdout.as_str(), o.code), ("true\tx\n", Some(0)));
-    let o = run(&["run", p, "100000"], b"");
-    assert_eq!(o.code, None, "ended by the fault");
-    assert_eq!(
-        o.stderr,
-        "fibertrace: fiber 2 overflowed its stack of 1048576 bytes (calls nested too deep); \
-         the process stops\n"
-    );
-}

