@@ -4,6 +4,9 @@
 //! before the error is at least Tarantool's (measured with Tarantool 2.6 on the same machine:
 //! nested `string.gsub` 58 levels, `table.sort` 2,147, `load` readers 947, `__tostring` in
 //! `string.format` 2,300, `coroutine.wrap` 6,439, each a crash there).
+//!
+//! LuaJIT only: Lua 5.4 counts its C levels itself and raises its own error at 200.
+#![cfg(feature = "luajit")]
 
 use std::process::Command;
 
