@@ -42,7 +42,12 @@ std::thread_local! {
 
 /// Sets (or with `None` removes) the handler called when a fiber of a scheduler on this thread
 /// overflows into its reserve. Without one, such an overflow stops the process with a report.
-pub fn set_thread_handler(handler: Option<(OverflowHandler, usize)>) {
+///
+/// # Safety
+/// The handler runs inside a SIGSEGV handler, with this thread stopped at any instruction: it
+/// must be async-signal-safe (no lock, no allocation), and its context must stay valid while
+/// it is registered.
+pub unsafe fn set_thread_handler(handler: Option<(OverflowHandler, usize)>) {
     HANDLER.with(|h| h.set(handler));
 }
 

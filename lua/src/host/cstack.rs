@@ -31,12 +31,16 @@ const WHERE_LEVELS: c_int = 8;
 
 /// Registers the overflow handler for this thread's fibers, with `l` (the main state).
 pub(crate) fn install(l: *mut ffi::lua_State) {
-    fibertrace_fiber::overflow::set_thread_handler(Some((on_overflow, l as usize)));
+    // SAFETY: `on_overflow` only reads and sets Lua hook fields (what Lua allows a signal
+    // handler); `l`, the host's main state, outlives the registration (`uninstall` runs first
+    // when the host is dropped).
+    unsafe { fibertrace_fiber::overflow::set_thread_handler(Some((on_overflow, l as usize))) };
 }
 
 /// Removes it (the host is going away).
 pub(crate) fn uninstall() {
-    fibertrace_fiber::overflow::set_thread_handler(None);
+    // SAFETY: removing the handler asks nothing.
+    unsafe { fibertrace_fiber::overflow::set_thread_handler(None) };
 }
 
 /// The hook found before ours: function, mask, count (restored when no reserve is open).
