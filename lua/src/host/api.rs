@@ -636,18 +636,21 @@ fn release_thread(h: &mut HostState, t: *mut ffi::lua_State, r: c_int) {
 
 /// Takes a clean Lua thread (from the pool or new). Its stack holds only the message handler
 /// ([`MSGH_SLOT`], made once per thread, not once per fiber: pushing a C function allocates a
-/// closure); the fiber's function and arguments go above it.
-fn take_thread(h: &mut HostState) -> (*mut ffi::lua_State, c_int) {
-    if let Some(t) = h.pool.pop() {
-        return t;
+/// closure); the fiber's function and arguments go above it. A new one is made outside the
+/// host state's borrow: an allocation can run `__gc` finalizers, which may use the host
+/// (`fiber.create`). `None` without a host.
+fn take_thread() -> Option<(*mut ffi::lua_State, c_int)> {
+    let (pooled, main_l) = with_host(|h| (h.pool.pop(), h.main_l))?;
+    if pooled.is_some() {
+        return pooled;
     }
     // SAFETY: main state of this host; lua_newthread pushes the thread, luaL_ref pops it.
     unsafe {
-        ffi::lua_checkstack(h.main_l, 2);
-        let t = ffi::lua_newthread(h.main_l);
-        let r = ffi::luaL_ref(h.main_l, REG);
+        ffi::lua_checkstack(main_l, 2);
+        let t = ffi::lua_newthread(main_l);
+        let r = ffi::luaL_ref(main_l, REG);
         ffi::lua_pushcfunction(t, f_msgh);
-        (t, r)
+        Some((t, r))
     }
 }
 
@@ -665,8 +668,8 @@ unsafe fn spawn_lua(l: *mut ffi::lua_State, what: &str, starts_now: bool) -> Res
     if fibertrace_fiber::current_id() == 0 {
         return Err(format!("fiber.{what}: not in a fiber").into());
     }
-    let (t, tref, parent_bt, creator_root, name) = with_host(|h| {
-        let (t, r) = take_thread(h);
+    let (t, tref) = take_thread().ok_or_else(no_host)?;
+    let (parent_bt, creator_root, name) = with_host(|h| {
         let root = if h.parent_backtrace {
             h.recs
                 .get(&fibertrace_fiber::current_id())
@@ -674,7 +677,7 @@ unsafe fn spawn_lua(l: *mut ffi::lua_State, what: &str, starts_now: bool) -> Res
         } else {
             None
         };
-        (t, r, h.parent_backtrace, root, h.fiber_name.clone())
+        (h.parent_backtrace, root, h.fiber_name.clone())
     })
     .ok_or_else(no_host)?;
     // SAFETY: `t` is a clean thread; the function and arguments move from `l` to it.
@@ -745,6 +748,11 @@ unsafe fn spawn_lua(l: *mut ffi::lua_State, what: &str, starts_now: bool) -> Res
 unsafe fn create_body(l: *mut ffi::lua_State) -> LResult {
     // SAFETY: C function contract.
     let fid = unsafe { spawn_lua(l, "create", true) }?;
+    // Inside a finalizer it starts at this fiber's next switch (see `finalize`).
+    // SAFETY: C function contract.
+    if !unsafe { super::finalize::may_switch(l) } {
+        return Ok(1);
+    }
     // Start it now: it runs, and this fiber continues as soon as it yields. Not a
     // cancellation point (Tarantool's `fiber_start`): a cancellation of this fiber meanwhile
     // is raised at its next one.
@@ -772,8 +780,8 @@ pub(crate) fn run_main_fiber(
         message: m,
         traceback: String::new(),
     };
-    let (t, tref) = with_host(take_thread)
-        .ok_or_else(|| err("fibertrace: no Lua host on this thread".into()))?;
+    let (t, tref) =
+        take_thread().ok_or_else(|| err("fibertrace: no Lua host on this thread".into()))?;
     let Some(me) = fibertrace_fiber::current() else {
         return Err(err("fibertrace: not in a fiber".into()));
     };
@@ -832,7 +840,9 @@ pub(crate) fn run_main_fiber(
 
 // ---- switching ----
 
-unsafe fn yield_body(_l: *mut ffi::lua_State) -> LResult {
+unsafe fn yield_body(l: *mut ffi::lua_State) -> LResult {
+    // SAFETY: C function contract.
+    unsafe { super::finalize::check_switch(l, "fiber.yield") }?;
     fibertrace_fiber::yield_now();
     cancelled_check()?;
     Ok(0)
@@ -852,6 +862,8 @@ unsafe fn sleep_body(l: *mut ffi::lua_State) -> LResult {
         }
     }
     .ok_or("fiber.sleep(delay): bad arguments")?;
+    // SAFETY: C function contract.
+    unsafe { super::finalize::check_switch(l, "fiber.sleep") }?;
     if s <= 0.0 {
         fibertrace_fiber::yield_now();
     } else {
@@ -877,7 +889,9 @@ lua_fn!(f_testcancel, testcancel_body);
 
 /// The hidden `stall` of the task worker (Tarantool's): waits for a wakeup, outside the
 /// timers.
-unsafe fn stall_body(_l: *mut ffi::lua_State) -> LResult {
+unsafe fn stall_body(l: *mut ffi::lua_State) -> LResult {
+    // SAFETY: C function contract.
+    unsafe { super::finalize::check_switch(l, "fiber.stall") }?;
     fibertrace_fiber::suspend();
     cancelled_check()?;
     Ok(0)
@@ -1272,6 +1286,9 @@ unsafe fn join_body(l: *mut ffi::lua_State) -> LResult {
             },
         }
     };
+    let waits = !fiber.shared().is_dead() && timeout != Some(std::time::Duration::ZERO);
+    // SAFETY: C function contract.
+    unsafe { super::finalize::check_wait(l, "fiber:join", waits) }?;
     let deadline = timeout.and_then(|d| Instant::now().checked_add(d));
     // A cancellation of this fiber does not end the wait (Tarantool's join).
     if !fiber.wait_until_ignoring_cancel(deadline) {
@@ -1753,6 +1770,9 @@ unsafe fn ch_put_body(l: *mut ffi::lua_State) -> LResult {
     }
     // SAFETY: as above.
     let timeout = unsafe { raw::opt_timeout(l, 3, PUT_USAGE) }?;
+    let waits = super::finalize::channel_would_wait(&ch, true, timeout);
+    // SAFETY: as above.
+    unsafe { super::finalize::check_wait(l, "channel:put", waits) }?;
     // SAFETY: as above: the message is referenced in the registry.
     let msg = Msg(unsafe {
         ffi::lua_settop(l, 2);
@@ -1781,6 +1801,9 @@ unsafe fn ch_get_body(l: *mut ffi::lua_State) -> LResult {
     let ch = unsafe { channel_arg(l, "channel:get([timeout])") }?;
     // SAFETY: as above.
     let timeout = unsafe { raw::opt_timeout(l, 2, GET_USAGE) }?;
+    let waits = super::finalize::channel_would_wait(&ch, false, timeout);
+    // SAFETY: as above.
+    unsafe { super::finalize::check_wait(l, "channel:get", waits) }?;
     let got = match timeout {
         None => ch.recv(),
         Some(d) => ch.recv_timeout(d).ok(),
@@ -1957,6 +1980,8 @@ unsafe fn cond_wait_body(l: *mut ffi::lua_State) -> LResult {
     let c = unsafe { cond_arg(l, "cond:wait([timeout])") }?;
     // SAFETY: as above.
     let timeout = unsafe { raw::opt_timeout(l, 2, WAIT_USAGE) }?;
+    // SAFETY: as above.
+    unsafe { super::finalize::check_switch(l, "cond:wait") }?;
     // SAFETY: the Cond lives in the userdata at index 1, which this call's frame references
     // across the wait.
     let signalled = unsafe {

@@ -17,6 +17,10 @@
 //! * a fiber's Lua thread is anchored in the registry while the fiber lives (and, for a
 //!   joinable fiber, until it is joined), and is only read from other fibers through the
 //!   debug API while it is suspended (same OS thread, so it cannot run meanwhile);
+//! * a `__gc` finalizer never switches fibers: inside one, the fiber functions that would
+//!   switch raise an error, and `fiber.create` starts its fiber at the next switch
+//!   (`finalize`); no host state is borrowed across a Lua allocation (which can run
+//!   finalizers that use the host);
 //! * suspended fibers are never dropped with Lua frames on their stacks: dropping the host
 //!   cancels them and runs them to their end first (pitfall 2 of `notes/lua.md`); a fiber that
 //!   refuses to end is leaked with the Lua state.
@@ -41,6 +45,7 @@ pub(crate) mod api;
 mod clock;
 #[cfg(feature = "luajit")]
 mod cstack;
+mod finalize;
 pub mod info;
 mod prelude;
 #[doc(hidden)]
@@ -258,6 +263,8 @@ impl LuaHost {
             }
         };
         HOST.with(|h| *h.borrow_mut() = Some(st));
+        // SAFETY: the main state just made, running nothing.
+        unsafe { finalize::install(l) };
         #[cfg(feature = "luajit")]
         cstack::install(l);
         fibertrace_fiber::watchdog::set_annotator(stall_note);
@@ -376,6 +383,8 @@ impl Drop for LuaHost {
             // and the last mlua handle is gone; mlua's data in it goes with it.
             unsafe { ffi::lua_close(l) };
         }
+        // (After the close: finalizers run by it may still not switch.)
+        finalize::uninstall();
     }
 }
 
