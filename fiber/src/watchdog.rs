@@ -8,7 +8,9 @@
 //! allocation) and reports, outside the handler, `fiber 7 "worker" has run 250 ms without
 //! yielding:` and the symbolized frames. While the stall lasts it reports again at 2×, 4×…
 //! the threshold. Reports are rate-limited; the next one says how many were suppressed (or,
-//! when no report follows within the second, a [`Report::Suppressed`] does).
+//! when no report follows within the second, a [`Report::Suppressed`] does). A count still
+//! pending when the program ends is the program's to say: [`take_suppressed`] (or
+//! [`stop`], which delivers it).
 //!
 //! A run is measured in the CPU time of the scheduler's thread, so a thread the OS
 //! preempted under load is not taken for a hogging fiber. A fiber blocked in the kernel (a
@@ -143,6 +145,8 @@ struct State {
     running: AtomicBool,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     reports: AtomicU64,
+    /// Stall reports dropped by the rate limit and not yet counted in a delivered report.
+    suppressed: AtomicU64,
 }
 
 fn state() -> &'static State {
@@ -155,6 +159,7 @@ fn state() -> &'static State {
         running: AtomicBool::new(false),
         thread: Mutex::new(None),
         reports: AtomicU64::new(0),
+        suppressed: AtomicU64::new(0),
     })
 }
 
@@ -177,7 +182,8 @@ pub fn start(config: Config) {
     );
 }
 
-/// Stops the watchdog and waits for its thread to end (at most one tick).
+/// Stops the watchdog and waits for its thread to end (at most one tick); a count of
+/// suppressed reports still pending is delivered ([`Report::Suppressed`]).
 pub fn stop() {
     let st = state();
     let mut t = st.thread.lock().unwrap_or_else(|e| e.into_inner());
@@ -185,6 +191,17 @@ pub fn stop() {
     if let Some(h) = t.take() {
         let _ = h.join();
     }
+    let n = take_suppressed();
+    if n > 0 {
+        deliver(&Report::Suppressed(n));
+    }
+}
+
+/// Takes the count of stall reports suppressed by the rate limit that no delivered report
+/// has counted yet (0 if none), for a program that ends to say it: the watchdog will not
+/// count them again. Safe to call from any thread at any time.
+pub fn take_suppressed() -> u64 {
+    state().suppressed.swap(0, Ordering::AcqRel)
 }
 
 /// Whether the watchdog runs.
@@ -258,7 +275,8 @@ fn run() {
     let mut watches: Vec<Watch> = Vec::new();
     let mut window_start = Instant::now();
     let mut in_window = 0u32;
-    let mut suppressed = 0u64;
+    // (The count of suppressed reports is `st.suppressed`: a program that ends takes what
+    // is pending, see `take_suppressed`.)
     let mut blocked_seen: std::collections::HashMap<(FiberId, u64), ()> =
         std::collections::HashMap::new();
     let mut last_blocked_scan = Instant::now();
@@ -327,7 +345,7 @@ fn run() {
                 in_window = 0;
             }
             if in_window >= cfg.max_reports_per_sec {
-                suppressed += 1;
+                st.suppressed.fetch_add(1, Ordering::AcqRel);
                 continue;
             }
             let Some(sample) = crate::sample::sample(s, Duration::from_millis(500)) else {
@@ -349,15 +367,21 @@ fn run() {
                 backtrace: sample.backtrace,
                 latency: sample.latency,
                 handler_time: sample.handler_time,
-                suppressed: std::mem::take(&mut suppressed),
+                suppressed: take_suppressed(),
                 note,
             };
             deliver(&Report::Stall(Box::new(report)));
         }
         // The burst is over (no run over the threshold) in a window that closed with reports
         // suppressed: no later report will carry their count, so say it now.
-        if suppressed > 0 && !ongoing && window_start.elapsed() >= Duration::from_secs(1) {
-            deliver(&Report::Suppressed(std::mem::take(&mut suppressed)));
+        if !ongoing
+            && window_start.elapsed() >= Duration::from_secs(1)
+            && st.suppressed.load(Ordering::Acquire) > 0
+        {
+            let n = take_suppressed();
+            if n > 0 {
+                deliver(&Report::Suppressed(n));
+            }
             window_start = Instant::now();
             in_window = 0;
         }

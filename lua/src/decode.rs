@@ -17,7 +17,8 @@
 //! [`MAX_LINE_FRAMES`] (many small tokens that each expand); a token over the first, or
 //! malformed, is an error for that token alone, and the line's other tokens and the next
 //! lines go on; past the second, the rest of the line is one error that counts the tokens
-//! left. Results are handed out one by one ([`LineDecoder::decode_line_each`]), never held
+//! left (image tables excepted: they yield no frames, and are read wherever they are, so
+//! that the tokens after them decode against the right table). Results are handed out one by one ([`LineDecoder::decode_line_each`]), never held
 //! for a whole line. Work is linear in the line's length plus the frames produced.
 
 use fibertrace_core::codec::native::{self, ImageTable};
@@ -136,12 +137,14 @@ impl LineDecoder {
     ) {
         let mut budget = MAX_LINE_FRAMES;
         let mut left = 0u64;
+        // (An image table's result, or its error, is given even past the budget.)
         let give = |r: Result<Decoded, String>,
                     table: Option<&ImageTable>,
                     f: &mut dyn Sink,
                     budget: &mut usize,
-                    left: &mut u64| {
-            if *left > 0 {
+                    left: &mut u64,
+                    image_table: bool| {
+            if *left > 0 && !image_table {
                 *left += 1;
                 return;
             }
@@ -169,6 +172,7 @@ impl LineDecoder {
                         &mut f,
                         &mut budget,
                         &mut left,
+                        false,
                     );
                 }
             }
@@ -184,8 +188,9 @@ impl LineDecoder {
                 }
                 let tok = &line[start..end];
                 let lead = &line[i..start];
-                if left > 0 {
-                    // Past the line's budget: counted, not decoded.
+                if left > 0 && kind != b'i' {
+                    // Past the line's budget: counted, not decoded. (An image table yields
+                    // no frames and is still read: later tokens and lines decode with it.)
                     left += 1;
                     i = end.max(i + 1);
                     continue;
@@ -222,6 +227,7 @@ impl LineDecoder {
                     &mut f,
                     &mut budget,
                     &mut left,
+                    kind == b'i',
                 );
                 i = end.max(i + 1);
             } else {

@@ -126,3 +126,117 @@ fn symbolizes_with_e() {
         "{err}"
     );
 }
+
+const GOOD: &str = "~m#IF0BmUQugNCkgCnkhdAYpQa6wAAV";
+const GOOD_OUT: &str = "~b#size: 7520, 0x406651 0x406852 0x406c1b 0x406294 ";
+
+/// A line with no end (`yes a | tr -d '\n' | fibertrace decode`) is reported once, as soon
+/// as it passes the 1 MiB bound — while it still streams in — and skipped to its end without
+/// being stored; the next line decodes.
+#[test]
+fn an_endless_line_is_reported_once_as_it_streams_and_the_next_line_decodes() {
+    use std::io::Read;
+    use std::time::{Duration, Instant};
+    let mut c = Command::new(env!("CARGO_BIN_EXE_fibertrace"))
+        .arg("decode")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut sin = c.stdin.take().unwrap();
+    let mut serr = c.stderr.take().unwrap();
+    let mut sout = c.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
+    let err_reader = std::thread::spawn(move || {
+        let mut b = [0u8; 4096];
+        loop {
+            match serr.read(&mut b) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    let _ = tx.send(b[..n].to_vec());
+                }
+            }
+        }
+    });
+    let out_reader = std::thread::spawn(move || {
+        let mut o = String::new();
+        let _ = sout.read_to_string(&mut o);
+        o
+    });
+    let chunk = vec![b'a'; 1 << 16];
+    // 2 MiB without a newline, and the input stays open.
+    for _ in 0..32 {
+        sin.write_all(&chunk).unwrap();
+    }
+    let want = "fibertrace: <stdin>:1: line longer than 1048576 bytes: skipped to its end\n";
+    let mut err = Vec::new();
+    let t0 = Instant::now();
+    while err.len() < want.len() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "no report while the line streams: {:?}",
+            String::from_utf8_lossy(&err)
+        );
+        if let Ok(b) = rx.recv_timeout(Duration::from_millis(100)) {
+            err.extend_from_slice(&b);
+        }
+    }
+    assert_eq!(String::from_utf8_lossy(&err), want);
+    // 64 MiB more of the same line, then its end and a good line.
+    for _ in 0..1024 {
+        sin.write_all(&chunk).unwrap();
+    }
+    sin.write_all(format!("\nlog {GOOD}\n").as_bytes()).unwrap();
+    drop(sin);
+    let status = c.wait().unwrap();
+    err_reader.join().unwrap();
+    while let Ok(b) = rx.try_recv() {
+        err.extend_from_slice(&b);
+    }
+    assert_eq!(String::from_utf8_lossy(&err), want, "said once");
+    assert_eq!(out_reader.join().unwrap(), format!("{GOOD_OUT}\n"));
+    assert_eq!(status.code(), Some(1));
+}
+
+/// An image table (`~i#`) on a line whose tokens pass the line's frame budget is still
+/// read (it yields no frames): the module-relative trace on the next line decodes with it.
+/// (It used to be counted among the tokens not shown, and dropped: the next line then had
+/// no table.)
+#[test]
+fn an_image_table_past_the_lines_frame_budget_is_still_read() {
+    use fibertrace_core::codec::native::{self, ImageRef, ImageTable};
+    use fibertrace_core::codec::{base64, cbf};
+    use fibertrace_core::Frame;
+    let table = ImageTable::new(vec![ImageRef {
+        base: 0x5555_0000_0000,
+        end: 0x5555_0010_0000,
+        build_id: vec![0xab; 20],
+        path: "/usr/bin/app".into(),
+    }]);
+    let rel = format!(
+        "~n#{}",
+        base64::encode(&native::encode(
+            &[Frame::Pc(0x5555_0000_1234), Frame::Ra(0x5555_0000_5678)],
+            Some(&table)
+        ))
+    );
+    // 16 tokens of 65,536 frames fill the line's 2^20; the 17th passes it.
+    let big = cbf::encode(&vec![Frame::Pc(0x1000); 1 << 16], cbf::WordSize::W64).unwrap();
+    let big = format!("~c#{}", base64::encode(&big));
+    let mut line: Vec<String> = (0..17).map(|_| big.clone()).collect();
+    line.push(table.to_line());
+    line.push(rel.clone());
+    let input = format!("{}\n{rel}\n{GOOD}\n", line.join(" "));
+    let (out, err, code) = run(&["decode"], &input);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 16 + 2, "{} lines", lines.len());
+    assert_eq!(lines[16], "pc:0x555500001234 ra:0x555500005678");
+    assert_eq!(lines[17], GOOD_OUT);
+    assert_eq!(
+        err,
+        "fibertrace: <stdin>:1: the line's tokens decode to more than 1048576 frames: its \
+         last 2 tokens are not shown\n"
+    );
+    assert_eq!(code, 1);
+}

@@ -80,7 +80,7 @@ fn an_overlong_line_is_skipped_with_an_error_and_the_next_one_decodes() {
     assert_eq!(o.stdout, format!("{GOOD_OUT}\n"));
     assert_eq!(
         o.stderr,
-        "fibertrace: <stdin>:1: line of 3145728 bytes is longer than 1048576: skipped\n"
+        "fibertrace: <stdin>:1: line longer than 1048576 bytes: skipped to its end\n"
     );
     assert_eq!(o.code, Some(1));
 }
@@ -99,7 +99,7 @@ fn a_line_without_end_is_read_in_bounded_memory() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(
         err,
-        "fibertrace: <stdin>:1: line of 67108864 bytes is longer than 1048576: skipped\nrc=1\n"
+        "fibertrace: <stdin>:1: line longer than 1048576 bytes: skipped to its end\nrc=1\n"
     );
 }
 
@@ -359,4 +359,85 @@ fn a_deep_traceback_keeps_the_entry_function_and_counts_what_it_omits() {
             "depth {depth}: {lines:?}"
         );
     }
+}
+
+/// Stall reports the rate limit suppressed that no report counted yet are said when the
+/// program ends — at the script's end, its error, `os.exit` and SIGTERM — not lost.
+#[test]
+fn stall_reports_still_suppressed_at_exit_are_counted() {
+    let dir = std::env::temp_dir();
+    let script = dir.join(format!("ft-rel-suppressed-{}.lua", std::process::id()));
+    let ready = dir.join(format!("ft-rel-suppressed-{}.ready", std::process::id()));
+    // 300 runs of 3 ms under a 1 ms threshold, and the end comes in the middle of one: two
+    // stalls a run, ten reported a second, the others counted — in the next report that
+    // gets through, or when the program ends.
+    std::fs::write(
+        &script,
+        format!(
+            "local fiber = require('fiber')\n\
+             local function spin(ms) local t = os.clock() + ms / 1000 while os.clock() < t do end end\n\
+             for i = 1, 300 do spin(3) fiber.yield() end\n\
+             spin(3)\n\
+             if arg[1] == 'exit' then os.exit(3) end\n\
+             if arg[1] == 'error' then error('late') end\n\
+             if arg[1] == 'wait' then local f = io.open('{}', 'w') f:close() fiber.sleep(100) end\n",
+            ready.display()
+        ),
+    )
+    .unwrap();
+    let s = script.to_str().unwrap();
+    let said_at_exit = |stderr: &str| -> bool {
+        let last = stderr.lines().last().unwrap_or_default();
+        last.strip_prefix("fibertrace: ")
+            .and_then(|r| r.strip_suffix(" stall reports suppressed"))
+            .and_then(|n| n.parse::<u64>().ok())
+            .is_some_and(|n| n > 0)
+    };
+    let wait_with_sigterm = || -> (Option<i32>, String) {
+        let _ = std::fs::remove_file(&ready);
+        let mut c = Command::new(EXE)
+            .args(["run", "--stall-ms", "1", s, "wait"])
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut serr = c.stderr.take().unwrap();
+        let err = std::thread::spawn(move || {
+            let mut e = String::new();
+            let _ = serr.read_to_string(&mut e);
+            e
+        });
+        let t0 = Instant::now();
+        while !ready.exists() {
+            assert!(t0.elapsed() < Duration::from_secs(30), "never ready");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        // SAFETY: signals a child process of this test.
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        let status = c.wait().unwrap();
+        (status.code(), err.join().unwrap())
+    };
+    for (how, code) in [("end", 0), ("exit", 3), ("error", 1), ("wait", 143)] {
+        // A count is pending at the end unless the end falls in the first few milliseconds
+        // of a rate window (when reports still get through and carry it): a few tries.
+        let mut said = false;
+        for _ in 0..4 {
+            let (status, stderr) = if how == "wait" {
+                wait_with_sigterm()
+            } else {
+                let o = run(&["run", "--stall-ms", "1", s, how], b"");
+                (o.code, o.stderr)
+            };
+            assert_eq!(status, Some(code), "{how}");
+            if how == "error" {
+                assert!(stderr.contains(": late\nstack traceback:\n"), "{stderr}");
+            }
+            if said_at_exit(&stderr) {
+                said = true;
+                break;
+            }
+        }
+        assert!(said, "{how}: no count of suppressed reports at the end");
+    }
+    let _ = std::fs::remove_file(&ready);
+    let _ = std::fs::remove_file(&script);
 }

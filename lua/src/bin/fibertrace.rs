@@ -16,8 +16,9 @@ macro_rules! err {
     }};
 }
 
-/// The longest input line `decode` reads whole (1 MiB); a longer one is reported and skipped
-/// without being stored, and decoding goes on with the next line.
+/// The longest input line `decode` reads whole (1 MiB); a longer one is reported as soon as
+/// it passes the bound (an endless one too) and skipped to its end without being stored, and
+/// decoding goes on with the next line.
 const MAX_LINE: usize = 1 << 20;
 
 /// The most errors reported for one line; the rest are counted in one line.
@@ -27,48 +28,65 @@ const MAX_LINE_ERRORS: usize = 100;
 enum Line {
     /// The line (without its newline).
     Text(Vec<u8>),
-    /// A line longer than [`MAX_LINE`], skipped: its length in bytes.
-    TooLong(u64),
+    /// A line that has just passed [`MAX_LINE`] bytes: the next read skips the rest of it.
+    TooLong,
 }
 
-/// Reads the next line into `buf` (cleared first), storing at most [`MAX_LINE`] bytes of it.
-/// `Ok(None)` at the end of the input.
-fn read_line(r: &mut dyn BufRead, buf: &mut Vec<u8>) -> io::Result<Option<Line>> {
-    buf.clear();
-    let mut total = 0u64;
-    let mut any = false;
-    loop {
-        let avail = match r.fill_buf() {
-            Ok(b) => b,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        if avail.is_empty() {
-            break;
-        }
-        any = true;
-        let (chunk, done) = match avail.iter().position(|&c| c == b'\n') {
-            Some(i) => (&avail[..i], Some(i + 1)),
-            None => (avail, None),
-        };
-        total += chunk.len() as u64;
-        if total as usize <= MAX_LINE {
-            buf.extend_from_slice(chunk);
-        } else if !buf.is_empty() {
-            // Over the limit: what was kept is of no use; stop storing.
-            *buf = Vec::new();
-        }
-        let used = done.unwrap_or(avail.len());
-        r.consume(used);
-        if done.is_some() {
-            break;
-        }
+/// Reads lines of at most [`MAX_LINE`] bytes.
+struct LineReader<R> {
+    r: R,
+    /// The rest of an overlong line is still to be skipped.
+    skipping: bool,
+}
+
+impl<R: BufRead> LineReader<R> {
+    fn new(r: R) -> Self {
+        Self { r, skipping: false }
     }
-    Ok(match (any, total as usize > MAX_LINE) {
-        (false, _) => None,
-        (true, true) => Some(Line::TooLong(total)),
-        (true, false) => Some(Line::Text(std::mem::take(buf))),
-    })
+
+    /// Reads the next line into `buf` (cleared first), storing at most [`MAX_LINE`] bytes of
+    /// it: a longer line is [`Line::TooLong`] as soon as it passes the bound — an endless one
+    /// too — and what follows of it is skipped by the next call, without being stored.
+    /// `Ok(None)` at the end of the input.
+    fn read_line(&mut self, buf: &mut Vec<u8>) -> io::Result<Option<Line>> {
+        buf.clear();
+        let mut any = false;
+        loop {
+            let avail = match self.r.fill_buf() {
+                Ok(b) => b,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            };
+            if avail.is_empty() {
+                self.skipping = false;
+                break;
+            }
+            let (chunk, done) = match avail.iter().position(|&c| c == b'\n') {
+                Some(i) => (&avail[..i], Some(i + 1)),
+                None => (avail, None),
+            };
+            let used = done.unwrap_or(avail.len());
+            if self.skipping {
+                self.r.consume(used);
+                self.skipping = done.is_none();
+                continue;
+            }
+            any = true;
+            if buf.len() + chunk.len() > MAX_LINE {
+                // Over the bound: what was kept is of no use; the rest is skipped next time.
+                *buf = Vec::new();
+                self.r.consume(used);
+                self.skipping = done.is_none();
+                return Ok(Some(Line::TooLong));
+            }
+            buf.extend_from_slice(chunk);
+            self.r.consume(used);
+            if done.is_some() {
+                break;
+            }
+        }
+        Ok(any.then(|| Line::Text(std::mem::take(buf))))
+    }
 }
 
 fn cli() -> Command {
@@ -154,6 +172,23 @@ fn main() -> ExitCode {
     }
 }
 
+/// Says how many stall reports the rate limit suppressed that no report has counted yet
+/// (`fibertrace: N stall reports suppressed`), if any: at every exit of `run` — the end of
+/// the script, its error, `os.exit` (C `exit`, through `atexit`), SIGINT and SIGTERM.
+fn say_suppressed() {
+    let n = fibertrace_fiber::watchdog::take_suppressed();
+    if n > 0 {
+        let msg = format!("fibertrace: {n} stall reports suppressed\n");
+        // SAFETY: write(2) of a local buffer to standard error; no lock is taken (this runs in
+        // `atexit` and on the signal exit path, where a stream lock may be held forever).
+        unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
+    }
+}
+
+extern "C" fn say_suppressed_at_exit() {
+    say_suppressed();
+}
+
 /// The write end of the pipe the SIGINT/SIGTERM handler writes the signal number to.
 static EXIT_PIPE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
 
@@ -190,6 +225,33 @@ fn install_signals() -> Result<(), String> {
         libc::fcntl(wr, libc::F_SETFL, fl | libc::O_NONBLOCK);
     }
     EXIT_PIPE.store(wr, std::sync::atomic::Ordering::Relaxed);
+    // Flushing waits for the streams' locks: a thread blocked holding one (a script in
+    // io.read(), a write to a full pipe) would hold the exit forever. So the process ends
+    // within a second of the signal whatever happens: a thread made now (not at the signal,
+    // when making one can fail — out of memory) waits for the exit code, then a second.
+    let mut tfds = [0i32; 2];
+    // SAFETY: pipe2 fills two fds.
+    if unsafe { libc::pipe2(tfds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(format!("pipe: {}", io::Error::last_os_error()));
+    }
+    let (timer_rd, timer_wr) = (tfds[0], tfds[1]);
+    std::thread::Builder::new()
+        .name("fibertrace-exit-timer".into())
+        .spawn(move || loop {
+            let mut b = [0u8; 1];
+            // SAFETY: reads one byte from our own pipe into a local buffer.
+            let n = unsafe { libc::read(timer_rd, b.as_mut_ptr().cast(), 1) };
+            if n == 1 {
+                std::thread::sleep(std::time::Duration::from_secs(1));
+                // SAFETY: ends the process at once.
+                unsafe { libc::_exit(i32::from(b[0])) };
+            }
+            if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return;
+        })
+        .map_err(|e| format!("exit thread: {e}"))?;
     std::thread::Builder::new()
         .name("fibertrace-exit".into())
         .spawn(move || loop {
@@ -197,15 +259,12 @@ fn install_signals() -> Result<(), String> {
             // SAFETY: reads one byte from our own pipe into a local buffer.
             let n = unsafe { libc::read(rd, b.as_mut_ptr().cast(), 1) };
             if n == 1 {
+                // 128 + SIGINT or SIGTERM: fits a byte.
                 let code = 128 + i32::from(b[0]);
-                // Flushing waits for the streams' locks: a thread blocked holding one (a
-                // script in io.read(), a write to a full pipe) would hold the exit forever.
-                // The process ends within a second whatever happens.
-                std::thread::spawn(move || {
-                    std::thread::sleep(std::time::Duration::from_secs(1));
-                    // SAFETY: ends the process at once.
-                    unsafe { libc::_exit(code) };
-                });
+                let c = [code as u8];
+                // SAFETY: writes one byte from a local buffer to our own pipe.
+                unsafe { libc::write(timer_wr, c.as_ptr().cast(), 1) };
+                say_suppressed();
                 let _ = io::stdout().flush();
                 // SAFETY: fflush(NULL) flushes every C output stream; the thread holds no
                 // stream lock itself.
@@ -253,6 +312,8 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
         err!("fibertrace: {e}");
         return ExitCode::from(1);
     }
+    // SAFETY: registers a function that only takes a count and writes it with write(2).
+    unsafe { libc::atexit(say_suppressed_at_exit) };
     let source = if script == "-" {
         let mut b = Vec::new();
         if let Err(e) = io::Read::read_to_end(&mut io::stdin(), &mut b) {
@@ -359,17 +420,20 @@ fn decode(m: &clap::ArgMatches) -> ExitCode {
             }
         };
         let shown = if name == "-" { "<stdin>" } else { name };
-        let mut reader = reader;
+        let mut reader = LineReader::new(reader);
         let mut buf = Vec::new();
         let mut n = 0u64;
         loop {
-            let line = match read_line(&mut *reader, &mut buf) {
+            let line = match reader.read_line(&mut buf) {
                 Ok(Some(Line::Text(l))) => l,
-                Ok(Some(Line::TooLong(len))) => {
+                Ok(Some(Line::TooLong)) => {
                     n += 1;
-                    let _ = out.flush();
+                    // What was decoded before goes out before the error.
+                    if let Err(e) = out.flush() {
+                        return output_failed(&e, true);
+                    }
                     err!(
-                        "fibertrace: {shown}:{n}: line of {len} bytes is longer than {MAX_LINE}: skipped"
+                        "fibertrace: {shown}:{n}: line longer than {MAX_LINE} bytes: skipped to its end"
                     );
                     failed = true;
                     continue;
