@@ -18,9 +18,18 @@
 //! A walk that starts right after the fiber published `SUSPENDED` but before it finished
 //! switching away is still sound: the frames it reads (the suspend wrapper's and its callers')
 //! no longer change; the switch itself only writes below the recorded stack pointer.
+//!
+//! Parent traces ([`ParentTrace`]): each fiber's creation segment (its creator's frames at the
+//! spawn) is captured once, inline in its control block, and the chain of ancestors is a
+//! chain of links through the creators' control blocks, shared by every descendant. So a
+//! report over a chain of D fibers costs O(D) (each entry shows at most
+//! [`PARENT_DEPTH_SHOWN`] ancestors and counts the rest), and a lineage of any length keeps at
+//! most [`PARENT_DEPTH_KEPT`] ancestors alive. What can be wrong: a linked creator is named by
+//! its name now, a copied one by its name when copied; ancestors past the kept chain are only
+//! counted.
 
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use fibertrace_core::{Backtrace, CaptureOptions, Frame, SavedContext, StackBounds};
@@ -147,22 +156,81 @@ const PREFETCH_STACK: usize = 1024;
 /// Frames kept of a creator's stack.
 pub const PARENT_FRAMES: usize = 16;
 
+/// Ancestors shown per fiber (fiber info, dumps, Lua's `parent_backtrace`): the nearest ones.
+/// The ones past them are counted, never silently dropped: a dump ends the list with
+/// `... N more parent fibers`, fiber info says `parent_backtrace_omitted: N`.
+pub const PARENT_DEPTH_SHOWN: usize = 8;
+
+/// Most ancestors a parent trace keeps reachable (and so in memory). A spawn whose creator's
+/// chain already holds this many links the child to a copy of the creator's nearest
+/// [`PARENT_DEPTH_SHOWN`]` - 1` ancestors instead (made once per such creator and shared by
+/// all its children), so a lineage of any length keeps at most this many ancestors alive, and
+/// the copying costs `PARENT_DEPTH_SHOWN` small allocations once every
+/// `PARENT_DEPTH_KEPT - PARENT_DEPTH_SHOWN + 1` generations: constant per spawn on average.
+pub const PARENT_DEPTH_KEPT: usize = 2 * PARENT_DEPTH_SHOWN;
+
+/// Copies of ancestors' traces alive now (see [`PARENT_DEPTH_KEPT`]).
+static COPIES: AtomicUsize = AtomicUsize::new(0);
+
+/// How many copied ancestor traces are alive in the process: the memory parent traces hold
+/// beyond the control blocks they link, which must stay bounded by the number of live fibers
+/// (not by the number of generations that ever ran). For tests and soaks.
+pub fn parent_trace_copies() -> usize {
+    COPIES.load(Ordering::Relaxed)
+}
+
 /// A parent trace: the creator's own frames at the moment it spawned the child (cut at the
 /// creator's entry), and a link to the creator, whose own parent trace continues the chain
-/// (grandparents are shared by reference, never copied). Kept inline in the child's control
-/// block: spawning with parent traces costs one short frame-pointer walk and no allocation.
+/// (grandparents are shared by reference, never copied per child). Kept inline in the child's
+/// control block: spawning with parent traces costs one short frame-pointer walk and no
+/// allocation.
 ///
 /// The link keeps the creator's control block (a few hundred bytes, not its stack) alive as
-/// long as a descendant lives, so an ancestor that has exited is still named.
+/// long as a descendant lives, so an ancestor that has exited is still named. A block so held
+/// is never reused for another fiber (a block is renewed in place only when nothing else
+/// holds it), so a link never names the wrong fiber.
+///
+/// # Caps, and how the result can be wrong
+///
+/// - Each trace keeps [`PARENT_FRAMES`] of the creator's frames (the middle of a deeper stack
+///   is replaced by one `Omitted(n)` frame).
+/// - At most [`PARENT_DEPTH_KEPT`] ancestors are reachable from a trace ([`ParentTrace::chain`]);
+///   [`ParentTrace::depth`] still counts them all. Past that the chain continues through
+///   copies of the nearest ancestors' traces (see [`PARENT_DEPTH_KEPT`]), whose names are the
+///   ones the ancestors had when the copy was made (a linked creator's name is read when
+///   asked). So a fiber deep in a lineage reaches between [`PARENT_DEPTH_SHOWN`] and
+///   [`PARENT_DEPTH_KEPT`] ancestors, never fewer than `min(depth, PARENT_DEPTH_SHOWN)`.
+/// - Reports show the nearest [`PARENT_DEPTH_SHOWN`] ([`ParentTrace::shown`]) and count the
+///   rest ([`ParentTrace::omitted`]).
 pub struct ParentTrace {
     /// The creating fiber (`None`: a thread outside any fiber).
     pub fiber: Option<FiberId>,
-    creator: Option<Arc<FiberShared>>,
-    thread_name: Option<Arc<str>>,
+    up: Up,
     frames: SmallVec<[Frame; PARENT_FRAMES]>,
     /// The frames as fiber info hands them out (raw, resolved), each made on first request
     /// (the trace never changes).
     info: [OnceLock<Arc<[crate::info::FrameInfo]>>; 2],
+    /// Ancestors reachable from this trace, its own creator included (1..=PARENT_DEPTH_KEPT).
+    kept: u32,
+    /// Ancestors in all, its own creator included (the ones no longer reachable too).
+    depth: u64,
+    /// A copy of this trace and its nearest ancestors, for children spawned once this chain is
+    /// [`PARENT_DEPTH_KEPT`] long (made by the first such spawn, shared by the next ones).
+    cut: OnceLock<Arc<ParentTrace>>,
+    /// This is such a copy (counted in [`COPIES`]).
+    copy: bool,
+}
+
+/// How a chain continues past a trace.
+enum Up {
+    /// The creating fiber's control block: its name now, and its own parent trace.
+    Creator(Arc<FiberShared>),
+    /// A name fixed when the trace was made (a thread's) or copied (a fiber's), and the copied
+    /// chain beyond it (`None`: the chain ends here; [`ParentTrace::depth`] counts the rest).
+    Fixed {
+        name: Arc<str>,
+        parent: Option<Arc<ParentTrace>>,
+    },
 }
 
 impl std::fmt::Debug for ParentTrace {
@@ -171,7 +239,17 @@ impl std::fmt::Debug for ParentTrace {
             .field("fiber", &self.fiber)
             .field("name", &self.name())
             .field("frames", &self.frames)
+            .field("kept", &self.kept)
+            .field("depth", &self.depth)
             .finish()
+    }
+}
+
+impl Drop for ParentTrace {
+    fn drop(&mut self) {
+        if self.copy {
+            COPIES.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -180,30 +258,98 @@ impl ParentTrace {
     /// At most [`PARENT_FRAMES`] frames are kept (the middle is omitted when longer).
     pub fn new(creator: Option<&crate::Fiber>, frames: &[Frame]) -> ParentTrace {
         let creator = creator.map(|c| c.shared().clone());
-        ParentTrace {
-            fiber: creator.as_ref().map(|c| c.id),
-            thread_name: creator
-                .is_none()
-                .then(|| Arc::from(std::thread::current().name().unwrap_or("thread"))),
-            creator,
-            frames: fit_frames(frames),
-            info: [OnceLock::new(), OnceLock::new()],
-        }
+        let thread_name = creator
+            .is_none()
+            .then(|| Arc::from(std::thread::current().name().unwrap_or("thread")));
+        Self::from_parts(creator, thread_name, frames)
     }
 
-    #[allow(dead_code)]
     pub(crate) fn from_parts(
         creator: Option<Arc<FiberShared>>,
         thread_name: Option<Arc<str>>,
         frames: &[Frame],
     ) -> ParentTrace {
+        let mut t = Self::linked(creator, thread_name);
+        t.frames = fit_frames(frames);
+        t
+    }
+
+    /// A trace without frames yet, linked to its creator (or naming the thread): the link, or
+    /// when the creator's chain is [`PARENT_DEPTH_KEPT`] long, its copy cut shorter.
+    #[inline]
+    fn linked(creator: Option<Arc<FiberShared>>, thread_name: Option<Arc<str>>) -> ParentTrace {
+        let fiber = creator.as_ref().map(|c| c.id);
+        let (up, kept, depth) = match creator {
+            None => (
+                Up::Fixed {
+                    name: thread_name.unwrap_or_else(|| Arc::from("thread")),
+                    parent: None,
+                },
+                1,
+                1,
+            ),
+            Some(c) => {
+                let above = c.parent_trace.as_ref().map(|t| (t.kept, t.depth));
+                match above {
+                    None => (Up::Creator(c), 1, 1),
+                    Some((kept, depth)) if (kept as usize) < PARENT_DEPTH_KEPT => {
+                        (Up::Creator(c), kept + 1, depth + 1)
+                    }
+                    Some((_, depth)) => {
+                        let cut = c.parent_trace.as_ref().map(ParentTrace::cut_copy);
+                        let kept = cut.as_ref().map_or(0, |p| p.kept) + 1;
+                        let name = c.name_arc();
+                        (Up::Fixed { name, parent: cut }, kept, depth + 1)
+                    }
+                }
+            }
+        };
         ParentTrace {
-            fiber: creator.as_ref().map(|c| c.id),
-            creator,
-            thread_name,
-            frames: fit_frames(frames),
+            fiber,
+            up,
+            frames: SmallVec::new(),
             info: [OnceLock::new(), OnceLock::new()],
+            kept,
+            depth,
+            cut: OnceLock::new(),
+            copy: false,
         }
+    }
+
+    /// This trace and its nearest ancestors, `PARENT_DEPTH_SHOWN - 1` in all, copied once
+    /// (cold: once every several generations of a lineage).
+    #[cold]
+    fn cut_copy(&self) -> Arc<ParentTrace> {
+        self.cut
+            .get_or_init(|| self.copy_chain(PARENT_DEPTH_SHOWN - 1))
+            .clone()
+    }
+
+    /// A copy of this trace and the next `levels - 1` ancestors (`levels` ≥ 1), with the
+    /// names they have now; the copy's chain ends there.
+    fn copy_chain(&self, levels: usize) -> Arc<ParentTrace> {
+        let nodes: SmallVec<[&ParentTrace; PARENT_DEPTH_KEPT]> =
+            self.chain().take(levels.max(1)).collect();
+        let mut parent: Option<Arc<ParentTrace>> = None;
+        // From the farthest: each copy links the one made before it.
+        for t in nodes.iter().rev() {
+            let kept = parent.as_ref().map_or(0, |p| p.kept) + 1;
+            COPIES.fetch_add(1, Ordering::Relaxed);
+            parent = Some(Arc::new(ParentTrace {
+                fiber: t.fiber,
+                up: Up::Fixed {
+                    name: t.name(),
+                    parent: parent.take(),
+                },
+                frames: t.frames.clone(),
+                info: t.info.clone(),
+                kept,
+                depth: t.depth,
+                cut: OnceLock::new(),
+                copy: true,
+            }));
+        }
+        parent.expect("at least one level is copied")
     }
 
     /// The creator's frames, innermost first.
@@ -219,32 +365,60 @@ impl ParentTrace {
             .clone()
     }
 
-    /// The creator's name (its current name; the thread's name for a thread).
+    /// The creator's name (its current name; as it was when copied for a copied ancestor; the
+    /// thread's name for a thread).
     pub fn name(&self) -> Arc<str> {
-        match (&self.creator, &self.thread_name) {
-            (Some(c), _) => c.name_arc(),
-            (None, Some(t)) => t.clone(),
-            (None, None) => Arc::from("thread"),
+        match &self.up {
+            Up::Creator(c) => c.name_arc(),
+            Up::Fixed { name, .. } => name.clone(),
         }
     }
 
-    /// The creator's own parent trace.
+    /// The creator's own parent trace (`None` at the first fiber, a thread, or where the kept
+    /// chain ends: see [`ParentTrace::depth`]).
     pub fn parent(&self) -> Option<&ParentTrace> {
-        self.creator.as_ref()?.parent_trace.as_ref()
+        match &self.up {
+            Up::Creator(c) => c.parent_trace.as_ref(),
+            Up::Fixed { parent, .. } => parent.as_deref(),
+        }
     }
 
-    /// The chain as one list: each ancestor's frames after a [`Frame::Parent`] marker naming
-    /// it (the first marker names the direct parent; 0 names a thread).
+    /// How many ancestors there are from this trace's creator up, all of them, including
+    /// those the chain no longer reaches.
+    pub fn depth(&self) -> u64 {
+        self.depth
+    }
+
+    /// How many ancestors [`ParentTrace::chain`] reaches (at most [`PARENT_DEPTH_KEPT`]).
+    pub fn kept(&self) -> usize {
+        self.kept as usize
+    }
+
+    /// How many ancestors reports leave out: [`ParentTrace::depth`] minus the
+    /// [`ParentTrace::shown`] ones.
+    pub fn omitted(&self) -> u64 {
+        self.depth - self.kept.min(PARENT_DEPTH_SHOWN as u32) as u64
+    }
+
+    /// The nearest ancestors, direct parent first: the [`PARENT_DEPTH_SHOWN`] reports show.
+    pub fn shown(&self) -> impl Iterator<Item = &ParentTrace> {
+        self.chain().take(PARENT_DEPTH_SHOWN)
+    }
+
+    /// The shown chain as one list: each ancestor's frames after a [`Frame::Parent`] marker
+    /// naming it (the first marker names the direct parent; 0 names a thread). At most
+    /// [`PARENT_DEPTH_SHOWN`] ancestors; [`ParentTrace::omitted`] counts the others.
     pub fn flatten(&self) -> Vec<Frame> {
         let mut out = Vec::new();
-        for t in self.chain() {
+        for t in self.shown() {
             out.push(Frame::Parent(t.fiber.unwrap_or(0)));
             out.extend_from_slice(t.frames());
         }
         out
     }
 
-    /// Ancestors from the direct parent up.
+    /// Every ancestor the chain reaches, from the direct parent up (at most
+    /// [`PARENT_DEPTH_KEPT`]).
     pub fn chain(&self) -> impl Iterator<Item = &ParentTrace> {
         let mut cur = Some(self);
         std::iter::from_fn(move || {
@@ -535,16 +709,7 @@ impl FiberShared {
                 creator,
                 thread_name,
                 ras,
-            } => (
-                Some(ParentTrace {
-                    fiber: creator.as_ref().map(|c| c.id),
-                    creator,
-                    thread_name,
-                    frames: SmallVec::new(),
-                    info: [OnceLock::new(), OnceLock::new()],
-                }),
-                Some(ras),
-            ),
+            } => (Some(ParentTrace::linked(creator, thread_name)), Some(ras)),
         }
     }
 
@@ -599,6 +764,11 @@ impl FiberShared {
     /// The fiber's id.
     pub fn id(&self) -> FiberId {
         self.id
+    }
+
+    /// The trace of its creator at the spawn, with the creator's ancestors chained.
+    pub fn parent_trace(&self) -> Option<&ParentTrace> {
+        self.parent_trace.as_ref()
     }
 
     /// The fiber's name.

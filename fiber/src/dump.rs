@@ -8,6 +8,11 @@
 //! #0  0x55d4c3a01400 in app::main::{closure#0}+0x22 at src/app.rs:12
 //! ```
 //!
+//! A fiber's creators are listed nearest first, at most
+//! [`crate::control::PARENT_DEPTH_SHOWN`] of them; a longer ancestry ends with
+//! `... N more parent fibers` (N counts every ancestor left out, also those whose traces are
+//! no longer kept: see [`crate::control::ParentTrace`]).
+//!
 //! [`install_signal`] makes a signal (SIGQUIT by default) print the dump to stderr while the
 //! process goes on running: the handler only writes a byte to a pipe; a dumper thread builds
 //! the dump (sampling running fibers, see [`crate::sample`]) outside the handler.
@@ -87,6 +92,19 @@ pub fn render_fiber(fi: &FiberInfo, out: &mut String) {
             &TextOptions::default(),
         ));
     }
+    if fi.parent_backtrace_omitted > 0 {
+        out.push_str(&more_parents_line(fi.parent_backtrace_omitted));
+        out.push('\n');
+    }
+}
+
+/// The line that ends a parent list cut at [`crate::control::PARENT_DEPTH_SHOWN`] ancestors:
+/// `... N more parent fibers` (`fiber` for one), without a line end.
+pub fn more_parents_line(n: u64) -> String {
+    format!(
+        "... {n} more parent {}",
+        if n == 1 { "fiber" } else { "fibers" }
+    )
 }
 
 /// The whole process's fibers as text, scheduler by scheduler.

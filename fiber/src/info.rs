@@ -109,8 +109,12 @@ pub struct FiberInfo {
     /// Its backtrace (innermost first). Shared: a fiber that has not run since an earlier
     /// call hands out the same list.
     pub backtrace: Option<Arc<[FrameInfo]>>,
-    /// Its ancestors' traces, direct parent first.
+    /// Its nearest ancestors' traces, direct parent first: at most
+    /// [`crate::control::PARENT_DEPTH_SHOWN`].
     pub parent_backtrace: Vec<ParentInfo>,
+    /// How many more ancestors it has past those in `parent_backtrace` (not shown: the cap).
+    #[serde(default)]
+    pub parent_backtrace_omitted: u64,
 }
 
 thread_local! {
@@ -255,21 +259,20 @@ fn one(
     } else {
         None
     };
-    let parent_backtrace = if opts.backtrace && opts.parent_backtrace {
-        f.parent_trace
-            .as_ref()
-            .map(|t| {
-                t.chain()
-                    .map(|p| ParentInfo {
-                        fiber: p.fiber,
-                        name: p.name(),
-                        frames: p.frames_info(opts.resolve),
-                    })
-                    .collect()
-            })
-            .unwrap_or_default()
-    } else {
-        Vec::new()
+    // The nearest ancestors only (each one's frames a list shared by all its descendants):
+    // over a chain of D fibers the whole call is O(D), not O(D²).
+    let (parent_backtrace, parent_backtrace_omitted) = match &f.parent_trace {
+        Some(t) if opts.backtrace && opts.parent_backtrace => (
+            t.shown()
+                .map(|p| ParentInfo {
+                    fiber: p.fiber,
+                    name: p.name(),
+                    frames: p.frames_info(opts.resolve),
+                })
+                .collect(),
+            t.omitted(),
+        ),
+        _ => (Vec::new(), 0),
     };
     let hi = f.stack.hi;
     let waiting = on.map(|on| Waiting {
@@ -296,6 +299,7 @@ fn one(
         entry: Cow::Borrowed(f.entry_name),
         backtrace,
         parent_backtrace,
+        parent_backtrace_omitted,
     }
 }
 
