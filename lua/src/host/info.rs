@@ -8,10 +8,18 @@
 //! Lua thread and the coroutines running in it ([`crate::interleave`]), in Tarantool's entry
 //! format (`{C = "#1  0x… in name+off"}`, `{L = "#2  leaf in @script.lua:2"}`), numbered
 //! from 1. Rendered entries are cached by (number, frame); a fiber's trace is cached with its
-//! context-switch count (a fiber that has not run since has the same stacks); and fibers with
-//! identical traces share one `backtrace` array within a result (treat it as read-only).
+//! context-switch count (a fiber that has not run since has the same stacks); fibers with
+//! identical traces share one `backtrace` array within a result, and arrays share equal
+//! entries' tables (treat them as read-only).
 //!
-//! How results can be wrong: as [`crate::interleave`]; `memory.used` is the fiber's stack in
+//! `parent_backtrace` lists the creators' traces at their `fiber.create` calls, nearest first,
+//! numbered on from 1, at most `fibertrace_fiber::control::PARENT_DEPTH_SHOWN` creators; a
+//! longer ancestry ends with a `{C = "#N ... K more parent fibers"}` entry counting the
+//! creators left out (see `fibertrace_fiber::ParentTrace` for the ancestry kept in memory).
+//! So one call costs O(fibers), whatever the depth of their ancestry.
+//!
+//! How results can be wrong: as [`crate::interleave`]; a creator's frames past 16 are cut in
+//! the middle (`... N frames omitted`); `memory.used` is the fiber's stack in
 //! use at its last suspension (there is no per-fiber heap region as in Tarantool), `total` its
 //! stack size; `time` is the CPU time it ran.
 
@@ -137,7 +145,14 @@ pub(crate) struct Call {
     /// The caller's debug hook, switched off during the call (so no hook runs Lua code —
     /// raising an error or switching fibers — while the constructor runs) and restored.
     hook: (Option<ffi::lua_Hook>, c_int, c_int),
-    by_trace: HashMap<Rc<[Frame]>, ffi::lua_Integer, BuildHasherDefault<AddrHasher>>,
+    /// By frames and the count of parent fibers left out after them (0 for a fiber's own
+    /// trace).
+    by_trace: HashMap<(Rc<[Frame]>, u64), ffi::lua_Integer, BuildHasherDefault<AddrHasher>>,
+    /// The entry tables already built, by (number, frame): arrays share them (a deep fiber's
+    /// parent part repeats its ancestors' entries).
+    by_entry: HashMap<(u32, Frame), ffi::lua_Integer, BuildHasherDefault<AddrHasher>>,
+    /// Slots used in the scratch table.
+    slots: ffi::lua_Integer,
     /// The clock, read once per call (see `fibertrace_fiber::clock`).
     now: u64,
     /// The running fiber.
@@ -173,6 +188,8 @@ impl Call {
                 ctor: ffi::lua_gettop(l),
                 hook,
                 by_trace: HashMap::default(),
+                by_entry: HashMap::default(),
+                slots: 0,
                 now: fibertrace_fiber::clock::ticks(),
                 me: fibertrace_fiber::current_id(),
             }
@@ -221,46 +238,75 @@ impl Call {
         unsafe { ffi::lua_pushvalue(l, self.base + i) };
     }
 
-    /// Pushes the entries array of `frames` (shared with earlier identical traces).
+    /// Pushes the entries array of `frames`, ended by a `... N more parent fibers` entry when
+    /// `more` > 0 (shared with earlier identical traces).
     ///
     /// # Safety
     /// `l` valid; the scratch table is still at its index.
-    unsafe fn push(&mut self, l: *mut ffi::lua_State, frames: &Rc<[Frame]>) {
+    unsafe fn push(&mut self, l: *mut ffi::lua_State, frames: &Rc<[Frame]>, more: u64) {
         // SAFETY: per the contract.
         unsafe {
-            if let Some(&k) = self.by_trace.get(frames) {
+            let key = (frames.clone(), more);
+            if let Some(&k) = self.by_trace.get(&key) {
                 super::raw::rawgeti(l, self.scratch, k);
                 return;
             }
-            self.push_entries(l, frames);
-            let k = self.by_trace.len() as ffi::lua_Integer + 1;
-            ffi::lua_pushvalue(l, -1);
-            super::raw::rawseti(l, self.scratch, k);
-            self.by_trace.insert(frames.clone(), k);
+            self.push_entries(l, frames, more);
+            let k = self.keep(l);
+            self.by_trace.insert(key, k);
         }
     }
 
-    /// Pushes an array of entries for `frames`.
+    /// Keeps the value on top in the next scratch slot (the value stays on top); its slot.
+    ///
+    /// # Safety
+    /// `l` valid; the scratch table is still at its index.
+    unsafe fn keep(&mut self, l: *mut ffi::lua_State) -> ffi::lua_Integer {
+        self.slots += 1;
+        // SAFETY: per the contract.
+        unsafe {
+            ffi::lua_pushvalue(l, -1);
+            super::raw::rawseti(l, self.scratch, self.slots);
+        }
+        self.slots
+    }
+
+    /// Pushes an array of entries for `frames`, and the `more` entry (see [`Call::push`]).
     ///
     /// # Safety
     /// `l` valid.
-    unsafe fn push_entries(&self, l: *mut ffi::lua_State, frames: &[Frame]) {
-        // SAFETY: fresh tables; plain sets.
+    unsafe fn push_entries(&mut self, l: *mut ffi::lua_State, frames: &[Frame], more: u64) {
+        // SAFETY: fresh tables (or entry tables of this call, kept in the scratch table);
+        // plain sets.
         unsafe {
             ffi::lua_checkstack(l, 4);
-            ffi::lua_createtable(l, frames.len() as c_int, 0);
+            ffi::lua_createtable(l, frames.len() as c_int + (more > 0) as c_int, 0);
             let arr = ffi::lua_gettop(l);
             let mut n = 1u32;
             for f in frames {
-                let Some((is_c, s)) = entry(n, f) else {
-                    continue;
-                };
-                ffi::lua_createtable(l, 0, 1);
-                self.key(l, if is_c { K::C } else { K::L });
-                push_str(l, &s);
-                ffi::lua_rawset(l, arr + 1);
+                if let Some(&k) = self.by_entry.get(&(n, *f)) {
+                    super::raw::rawgeti(l, self.scratch, k);
+                } else {
+                    let Some((is_c, s)) = entry(n, f) else {
+                        continue;
+                    };
+                    ffi::lua_createtable(l, 0, 1);
+                    self.key(l, if is_c { K::C } else { K::L });
+                    push_str(l, &s);
+                    ffi::lua_rawset(l, arr + 1);
+                    let k = self.keep(l);
+                    self.by_entry.insert((n, *f), k);
+                }
                 super::raw::rawseti(l, arr, n as ffi::lua_Integer);
                 n += 1;
+            }
+            if more > 0 {
+                ffi::lua_createtable(l, 0, 1);
+                self.key(l, K::C);
+                let line = fibertrace_fiber::dump::more_parents_line(more);
+                push_str(l, &format!("#{n:<2} {line}"));
+                ffi::lua_rawset(l, arr + 1);
+                super::raw::rawseti(l, arr, n as ffi::lua_Integer);
             }
         }
     }
@@ -455,11 +501,12 @@ unsafe fn push_fiber(
             None => ffi::lua_pushnil(l),
         }
         match opts.backtrace.then(|| fiber_frames(f, root)).flatten() {
-            Some(frames) => call.push(l, &frames),
+            Some(frames) => call.push(l, &frames, 0),
             None => ffi::lua_pushnil(l),
         }
+        // The nearest ancestors only, and a count of the others: bounded per fiber.
         match opts.backtrace.then(|| f.parent_trace()).flatten() {
-            Some(pt) => call.push(l, &Rc::from(pt.flatten())),
+            Some(pt) => call.push(l, &Rc::from(pt.flatten()), pt.omitted()),
             None => ffi::lua_pushnil(l),
         }
         // Protected: an error (out of memory) must not unwind through these Rust frames.
