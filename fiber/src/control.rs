@@ -165,7 +165,7 @@ pub const PARENT_DEPTH_SHOWN: usize = 8;
 /// chain already holds this many links the child to a copy of the creator's nearest
 /// [`PARENT_DEPTH_SHOWN`]` - 1` ancestors instead (made once per such creator and shared by
 /// all its children), so a lineage of any length keeps at most this many ancestors alive, and
-/// the copying costs `PARENT_DEPTH_SHOWN` small allocations once every
+/// the copying costs `PARENT_DEPTH_SHOWN - 1` small allocations once every
 /// `PARENT_DEPTH_KEPT - PARENT_DEPTH_SHOWN + 1` generations: constant per spawn on average.
 pub const PARENT_DEPTH_KEPT: usize = 2 * PARENT_DEPTH_SHOWN;
 
