@@ -32,6 +32,7 @@
 //! the Lua state: while a finalizer is suspended in another fiber (which no fiber function
 //! allows; only a Rust callback that switches could), every fiber's switches are refused.
 
+#[cfg(feature = "luajit")]
 use std::cell::Cell;
 #[cfg(feature = "luajit")]
 use std::io::Write;
