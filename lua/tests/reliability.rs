@@ -441,3 +441,66 @@ fn stall_reports_still_suppressed_at_exit_are_counted() {
     let _ = std::fs::remove_file(&ready);
     let _ = std::fs::remove_file(&script);
 }
+
+/// A script that prints into `| head`: once the reader is gone the program ends by SIGPIPE,
+/// quietly, as `lua` does, with what was read kept — it used to print into nothing forever
+/// (SIGPIPE ignored, `print` dropping the write errors). A standard error without a reader
+/// only loses the messages: the script goes on.
+#[test]
+fn a_script_printing_into_a_closed_pipe_ends_and_a_closed_stderr_pipe_does_not() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = std::env::temp_dir();
+    let script = dir.join(format!("ft-rel-pipe-{}.lua", std::process::id()));
+    std::fs::write(
+        &script,
+        "local fiber = require('fiber')\n\
+         if arg[1] == 'stdout' then local i = 0 while true do i = i + 1 print(i) end end\n\
+         for i = 1, 2000 do io.stderr:write('message ', i, string.rep('.', 100), '\\n') if i % 20 == 0 then fiber.sleep(0.001) end end\n\
+         print('went on')\n",
+    )
+    .unwrap();
+    let s = script.to_str().unwrap();
+    let mut c = Command::new(EXE)
+        .args(["run", s, "stdout"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut sout = c.stdout.take().unwrap();
+    let mut first = [0u8; 4];
+    sout.read_exact(&mut first).unwrap();
+    assert_eq!(&first, b"1\n2\n");
+    drop(sout);
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = c.try_wait().unwrap() {
+            break st;
+        }
+        if t0.elapsed() > Duration::from_secs(20) {
+            let _ = c.kill();
+            panic!("still printing into a closed pipe after 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert_eq!(status.signal(), Some(libc::SIGPIPE));
+    let mut err = String::new();
+    c.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert_eq!(err, "");
+    // Standard error's reader goes away after one line; the script goes on to its end.
+    let mut c = Command::new(EXE)
+        .args(["run", s, "stderr"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut serr = c.stderr.take().unwrap();
+    // (220 KB in all: more than a pipe holds, so later writes find no reader.)
+    let mut line = [0u8; 10];
+    serr.read_exact(&mut line).unwrap();
+    assert_eq!(&line, b"message 1.");
+    drop(serr);
+    let o = c.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "went on\n");
+    assert_eq!(o.status.code(), Some(0));
+    let _ = std::fs::remove_file(&script);
+}

@@ -189,6 +189,30 @@ extern "C" fn say_suppressed_at_exit() {
     say_suppressed();
 }
 
+/// SIGPIPE in `run`: a write to a pipe nobody reads. When standard output is that pipe (the
+/// script prints into `| head`), the program ends by SIGPIPE as `lua` and Tarantool do — what
+/// was written stays written — instead of printing into nothing forever (Rust ignores
+/// SIGPIPE, and Lua's `print` drops write errors). Any other pipe (standard error gone, a
+/// pipe the script opened) only fails that write: a report lost, not the program.
+extern "C" fn on_sigpipe(_sig: libc::c_int) {
+    let mut p = libc::pollfd {
+        fd: 1,
+        events: 0,
+        revents: 0,
+    };
+    // SAFETY: poll(2), signal(2) and raise(3) are async-signal-safe; errno is put back for
+    // the interrupted code. A pipe without a reader polls POLLERR on its write end. SIGPIPE is
+    // blocked while this handler runs: the raised one ends the process once it returns.
+    unsafe {
+        let e = *libc::__errno_location();
+        if libc::poll(&mut p, 1, 0) == 1 && p.revents & (libc::POLLERR | libc::POLLHUP) != 0 {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+            libc::raise(libc::SIGPIPE);
+        }
+        *libc::__errno_location() = e;
+    }
+}
+
 /// The write end of the pipe the SIGINT/SIGTERM handler writes the signal number to.
 static EXIT_PIPE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
 
@@ -208,7 +232,8 @@ extern "C" fn on_exit_signal(sig: libc::c_int) {
 
 /// The signals of `run`, whatever dispositions were inherited: SIGQUIT prints every fiber's
 /// trace and the program goes on; SIGINT and SIGTERM flush what the script printed (C stdio
-/// buffers included: Lua's `print` and `io.write` use them) and exit with 128 + the signal.
+/// buffers included: Lua's `print` and `io.write` use them) and exit with 128 + the signal;
+/// SIGPIPE ends the program when standard output has no reader any more ([`on_sigpipe`]).
 /// The handlers only write to pipes; threads do the work outside them.
 fn install_signals() -> Result<(), String> {
     fibertrace_fiber::dump::install_signal(libc::SIGQUIT).map_err(|e| e.to_string())?;
@@ -279,11 +304,15 @@ fn install_signals() -> Result<(), String> {
             return;
         })
         .map_err(|e| format!("exit thread: {e}"))?;
-    for sig in [libc::SIGINT, libc::SIGTERM] {
-        // SAFETY: installs a handler that only calls write(2).
+    for (sig, handler) in [
+        (libc::SIGINT, on_exit_signal as extern "C" fn(libc::c_int)),
+        (libc::SIGTERM, on_exit_signal),
+        (libc::SIGPIPE, on_sigpipe),
+    ] {
+        // SAFETY: installs a handler that only calls async-signal-safe functions.
         unsafe {
             let mut sa: libc::sigaction = std::mem::zeroed();
-            sa.sa_sigaction = on_exit_signal as *const () as usize;
+            sa.sa_sigaction = handler as *const () as usize;
             sa.sa_flags = libc::SA_RESTART;
             libc::sigemptyset(&mut sa.sa_mask);
             if libc::sigaction(sig, &sa, std::ptr::null_mut()) != 0 {
