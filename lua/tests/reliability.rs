@@ -504,3 +504,23 @@ fn a_script_printing_into_a_closed_pipe_ends_and_a_closed_stderr_pipe_does_not()
     assert_eq!(o.status.code(), Some(0));
     let _ = std::fs::remove_file(&script);
 }
+
+/// An endless script (`run /dev/zero`, `yes | run -`) is an error once past 256 MiB, in
+/// bounded memory: it used to be read until memory ran out (24 GB, then the OOM killer).
+#[test]
+fn an_endless_script_is_an_error_not_a_read_until_memory_runs_out() {
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -v 1500000; {EXE} run /dev/zero; echo \"rc=$?\"; \
+             yes 'print(1)' | {EXE} run -; echo \"rc=$?\""
+        ))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "rc=1\nrc=1\n");
+    assert_eq!(
+        String::from_utf8_lossy(&o.stderr),
+        "fibertrace: /dev/zero: script longer than 268435456 bytes\n\
+         fibertrace: <stdin>: script longer than 268435456 bytes\n"
+    );
+}

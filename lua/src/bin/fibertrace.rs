@@ -323,6 +323,22 @@ fn install_signals() -> Result<(), String> {
     Ok(())
 }
 
+/// The longest script `run` reads (256 MiB): an endless one (`run /dev/zero`, `yes | run -`)
+/// is an error once past it, not a read until memory runs out.
+const MAX_SCRIPT: u64 = 256 << 20;
+
+/// Reads a whole script of at most [`MAX_SCRIPT`] bytes.
+fn read_script(r: impl io::Read) -> io::Result<Vec<u8>> {
+    let mut b = Vec::new();
+    io::Read::read_to_end(&mut r.take(MAX_SCRIPT + 1), &mut b)?;
+    if b.len() as u64 > MAX_SCRIPT {
+        return Err(io::Error::other(format!(
+            "script longer than {MAX_SCRIPT} bytes"
+        )));
+    }
+    Ok(b)
+}
+
 fn run(m: &clap::ArgMatches) -> ExitCode {
     if let Some(&ms) = m.get_one::<u64>("stall-ms") {
         fibertrace_fiber::watchdog::start(fibertrace_fiber::watchdog::Config {
@@ -343,20 +359,19 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
     }
     // SAFETY: registers a function that only takes a count and writes it with write(2).
     unsafe { libc::atexit(say_suppressed_at_exit) };
-    let source = if script == "-" {
-        let mut b = Vec::new();
-        if let Err(e) = io::Read::read_to_end(&mut io::stdin(), &mut b) {
-            err!("fibertrace: <stdin>: {e}");
-            return ExitCode::from(1);
-        }
-        b
+    let (shown, read) = if script == "-" {
+        ("<stdin>", read_script(io::stdin().lock()))
     } else {
-        match std::fs::read(&script) {
-            Ok(b) => b,
-            Err(e) => {
-                err!("fibertrace: {script}: {e}");
-                return ExitCode::from(1);
-            }
+        (
+            script.as_str(),
+            std::fs::File::open(&script).and_then(read_script),
+        )
+    };
+    let source = match read {
+        Ok(b) => b,
+        Err(e) => {
+            err!("fibertrace: {shown}: {e}");
+            return ExitCode::from(1);
         }
     };
     // SAFETY: nothing in this program clones the host's `mlua::Lua`; it is used only through
