@@ -240,3 +240,46 @@ fn an_image_table_past_the_lines_frame_budget_is_still_read() {
     );
     assert_eq!(code, 1);
 }
+
+/// Decoding a log as it grows (`tail -f log | fibertrace decode`): each line's result goes
+/// out before decode waits for more input, not once 8 KiB have piled up (or never, for a
+/// program interrupted meanwhile).
+#[test]
+fn each_line_is_written_out_before_waiting_for_more_input() {
+    use std::io::{BufRead, BufReader};
+    use std::time::{Duration, Instant};
+    let mut c = Command::new(env!("CARGO_BIN_EXE_fibertrace"))
+        .arg("decode")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut sin = c.stdin.take().unwrap();
+    let sout = c.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let reader = std::thread::spawn(move || {
+        for l in BufReader::new(sout).lines() {
+            let Ok(l) = l else { return };
+            let _ = tx.send(l);
+        }
+    });
+    for i in 0..3 {
+        sin.write_all(format!("line {i} {GOOD}\n").as_bytes())
+            .unwrap();
+        sin.flush().unwrap();
+        let t0 = Instant::now();
+        let got = rx.recv_timeout(Duration::from_secs(20));
+        assert_eq!(
+            got.as_deref(),
+            Ok(GOOD_OUT),
+            "line {i} after {:?}",
+            t0.elapsed()
+        );
+    }
+    drop(sin);
+    let o = c.wait_with_output().unwrap();
+    reader.join().unwrap();
+    assert_eq!(String::from_utf8_lossy(&o.stderr), "");
+    assert_eq!(o.status.code(), Some(0));
+}

@@ -451,11 +451,11 @@ fn decode(m: &clap::ArgMatches) -> ExitCode {
     let mut out = io::BufWriter::new(stdout.lock());
     let mut failed = false;
     for name in &files {
-        let reader: Box<dyn BufRead> = if name == "-" {
-            Box::new(BufReader::new(io::stdin()))
+        let reader: Box<dyn io::Read> = if name == "-" {
+            Box::new(io::stdin())
         } else {
             match std::fs::File::open(name) {
-                Ok(f) => Box::new(BufReader::new(f)),
+                Ok(f) => Box::new(f),
                 Err(e) => {
                     err!("fibertrace: {name}: {e}");
                     failed = true;
@@ -464,10 +464,18 @@ fn decode(m: &clap::ArgMatches) -> ExitCode {
             }
         };
         let shown = if name == "-" { "<stdin>" } else { name };
-        let mut reader = LineReader::new(reader);
+        let mut reader = LineReader::new(BufReader::new(reader));
         let mut buf = Vec::new();
         let mut n = 0u64;
         loop {
+            // Before a read that may wait (nothing read ahead is left: `tail -f log |
+            // fibertrace decode`), what was decoded goes out, not when 8 KiB have piled up
+            // (or never, for a program killed meanwhile).
+            if reader.r.buffer().is_empty() {
+                if let Err(e) = out.flush() {
+                    return output_failed(&e, failed);
+                }
+            }
             let line = match reader.read_line(&mut buf) {
                 Ok(Some(Line::Text(l))) => l,
                 Ok(Some(Line::TooLong)) => {
