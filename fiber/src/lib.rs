@@ -48,8 +48,8 @@ pub use control::{FiberId, PanicReport, ParentTrace, Status, WaitOn};
 pub use info::{FiberInfo, InfoOptions};
 pub use sched::{
     cancellation_caught, current, current_id, is_cancelled, sleep, spawn, suspend, testcancel,
-    yield_now, yield_to, yield_to_id, BlockOnError, Builder, Fiber, JoinError, JoinHandle,
-    RunError, Scheduler, SchedulerOptions,
+    try_spawn, yield_now, yield_to, yield_to_id, BlockOnError, Builder, Fiber, JoinError,
+    JoinHandle, RunError, Scheduler, SchedulerOptions, SpawnError, SpawnErrorKind,
 };
 pub use sync::{channel, Channel, ChannelError, Cond};
 

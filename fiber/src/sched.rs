@@ -52,7 +52,7 @@ pub(crate) enum Yield {
     Blocked,
 }
 
-type Co = Coroutine<(), Yield, (), stack::FiberStack>;
+type Co = Coroutine<(), Yield, (), HeldStack>;
 
 /// Per-fiber data owned by the scheduler (not shared with other threads).
 pub(crate) struct FiberCtx {
@@ -291,6 +291,18 @@ impl Scheduler {
         F: FnOnce() -> T + 'static,
         T: 'static,
     {
+        no_tail_call(Builder::new().spawn_on(&self.inner, f, 3)).unwrap_or_else(|e| spawn_failed(e))
+    }
+
+    /// Spawns a fiber, or says why it cannot: its stack cannot be mapped (out of memory, the
+    /// address-space limit) or the process has as many fiber stacks as `vm.max_map_count`
+    /// allows (see [`SpawnError`]). Nothing is left behind by a failure; `f` is dropped.
+    #[inline(never)]
+    pub fn try_spawn<F, T>(&self, f: F) -> Result<JoinHandle<T>, SpawnError>
+    where
+        F: FnOnce() -> T + 'static,
+        T: 'static,
+    {
         no_tail_call(Builder::new().spawn_on(&self.inner, f, 3))
     }
 
@@ -316,7 +328,10 @@ impl Scheduler {
         F: FnOnce() -> T + 'static,
         T: 'static,
     {
-        let h = Builder::new().name("main").spawn_on(&self.inner, f, 3);
+        let h = Builder::new()
+            .name("main")
+            .spawn_on(&self.inner, f, 3)
+            .map_err(BlockOnError::Spawn)?;
         let _enter = Enter::new(&self.inner);
         let done = h.fiber.shared.clone();
         if let Err(e) = self.inner.run_loop(|| done.is_dead()) {
@@ -389,6 +404,8 @@ pub enum BlockOnError {
     Run(RunError),
     /// The main fiber did not return a value.
     Join(JoinError),
+    /// The main fiber could not be made.
+    Spawn(SpawnError),
 }
 
 impl std::fmt::Display for BlockOnError {
@@ -396,6 +413,7 @@ impl std::fmt::Display for BlockOnError {
         match self {
             BlockOnError::Run(e) => e.fmt(f),
             BlockOnError::Join(e) => e.fmt(f),
+            BlockOnError::Spawn(e) => e.fmt(f),
         }
     }
 }
@@ -670,7 +688,7 @@ impl Inner {
                         .fibers
                         .remove(&mut self.reg.borrow_mut(), slot.reg, fid);
                 }
-                let stack = co.into_stack();
+                let stack = co.into_stack().into_inner();
                 self.pool.borrow_mut().give(shared.stack_size, stack);
                 if let Some(mut slot) = slot {
                     for &j in &slot.joiners {
@@ -1056,14 +1074,35 @@ pub fn current() -> Option<Fiber> {
 /// Spawns a fiber on the current thread's scheduler.
 ///
 /// # Panics
-/// Outside a running scheduler.
+/// Outside a running scheduler, and when the fiber cannot be made (see [`try_spawn`]).
 #[inline(never)]
 pub fn spawn<F, T>(f: F) -> JoinHandle<T>
 where
     F: FnOnce() -> T + 'static,
     T: 'static,
 {
+    no_tail_call(Builder::new().spawn_inner(f, 3)).unwrap_or_else(|e| spawn_failed(e))
+}
+
+/// Spawns a fiber on the current thread's scheduler, or says why it cannot (see
+/// [`SpawnError`]).
+///
+/// # Panics
+/// Outside a running scheduler.
+#[inline(never)]
+pub fn try_spawn<F, T>(f: F) -> Result<JoinHandle<T>, SpawnError>
+where
+    F: FnOnce() -> T + 'static,
+    T: 'static,
+{
     no_tail_call(Builder::new().spawn_inner(f, 3))
+}
+
+/// The panic of the spawn functions that cannot fail: the reason, said plainly.
+#[cold]
+#[inline(never)]
+fn spawn_failed(e: SpawnError) -> ! {
+    panic!("{e}")
 }
 
 /// A fiber handle without its result type: id, name, wakeup, cancel, backtrace.
@@ -1091,6 +1130,16 @@ impl Fiber {
     /// Renames the fiber.
     pub fn set_name(&self, name: &str) {
         *self.shared.name.lock().unwrap_or_else(|e| e.into_inner()) = Arc::from(name);
+    }
+
+    /// Renames the fiber with any bytes, kept exactly (see [`name_from_bytes`]).
+    pub fn set_name_bytes(&self, name: &[u8]) {
+        self.set_name(&name_from_bytes(name));
+    }
+
+    /// The fiber's name as the bytes it was given (see [`name_from_bytes`]).
+    pub fn name_bytes(&self) -> Vec<u8> {
+        name_to_bytes(&self.shared.name_arc()).into_owned()
     }
 
     /// Its status.
@@ -1379,8 +1428,21 @@ impl SchedBuilder<'_> {
     }
 
     /// Spawns it.
+    ///
+    /// # Panics
+    /// When the fiber cannot be made (see [`SchedBuilder::try_spawn`]).
     #[inline(never)]
     pub fn spawn<F, T>(self, f: F) -> JoinHandle<T>
+    where
+        F: FnOnce() -> T + 'static,
+        T: 'static,
+    {
+        no_tail_call(self.b.spawn_on(&self.sched.inner, f, 3)).unwrap_or_else(|e| spawn_failed(e))
+    }
+
+    /// Spawns it, or says why it cannot (see [`SpawnError`]).
+    #[inline(never)]
+    pub fn try_spawn<F, T>(self, f: F) -> Result<JoinHandle<T>, SpawnError>
     where
         F: FnOnce() -> T + 'static,
         T: 'static,
@@ -1400,6 +1462,13 @@ impl Builder {
     #[inline]
     pub fn name(mut self, name: &str) -> Self {
         self.name = Some(Arc::from(name));
+        self
+    }
+
+    /// Names the fiber with any bytes, kept exactly (see [`name_from_bytes`]).
+    #[inline]
+    pub fn name_bytes(mut self, name: &[u8]) -> Self {
+        self.name = Some(Arc::from(name_from_bytes(name)));
         self
     }
 
@@ -1444,9 +1513,24 @@ impl Builder {
     /// Spawns on the current thread's scheduler.
     ///
     /// # Panics
-    /// Outside a running scheduler.
+    /// Outside a running scheduler, and when the fiber cannot be made (see
+    /// [`Builder::try_spawn`]).
     #[inline(never)]
     pub fn spawn<F, T>(self, f: F) -> JoinHandle<T>
+    where
+        F: FnOnce() -> T + 'static,
+        T: 'static,
+    {
+        no_tail_call(self.spawn_inner(f, 3)).unwrap_or_else(|e| spawn_failed(e))
+    }
+
+    /// Spawns on the current thread's scheduler, or says why it cannot (see
+    /// [`SpawnError`]); a failure leaves nothing behind, and `f` is dropped.
+    ///
+    /// # Panics
+    /// Outside a running scheduler.
+    #[inline(never)]
+    pub fn try_spawn<F, T>(self, f: F) -> Result<JoinHandle<T>, SpawnError>
     where
         F: FnOnce() -> T + 'static,
         T: 'static,
@@ -1455,7 +1539,7 @@ impl Builder {
     }
 
     #[inline(never)]
-    fn spawn_inner<F, T>(self, f: F, skip: usize) -> JoinHandle<T>
+    fn spawn_inner<F, T>(self, f: F, skip: usize) -> Result<JoinHandle<T>, SpawnError>
     where
         F: FnOnce() -> T + 'static,
         T: 'static,
@@ -1468,7 +1552,12 @@ impl Builder {
     }
 
     #[inline(never)]
-    fn spawn_on<F, T>(self, inner: &Rc<Inner>, f: F, skip: usize) -> JoinHandle<T>
+    fn spawn_on<F, T>(
+        self,
+        inner: &Rc<Inner>,
+        f: F,
+        skip: usize,
+    ) -> Result<JoinHandle<T>, SpawnError>
     where
         F: FnOnce() -> T + 'static,
         T: 'static,
@@ -1477,7 +1566,7 @@ impl Builder {
     }
 
     #[inline(never)]
-    fn spawn_with<F, T>(self, inner: &Inner, f: F, skip: usize) -> JoinHandle<T>
+    fn spawn_with<F, T>(self, inner: &Inner, f: F, skip: usize) -> Result<JoinHandle<T>, SpawnError>
     where
         F: FnOnce() -> T + 'static,
         T: 'static,
@@ -1487,12 +1576,9 @@ impl Builder {
             (o.traced, o.parent_traces, o.stack_size)
         };
         let size = self.stack_size.unwrap_or(default_size);
-        let stack = inner
-            .pool
-            .borrow_mut()
-            .take(size)
-            .unwrap_or_else(|e| panic!("cannot allocate a {size}-byte fiber stack: {e}"));
+        let stack = take_stack(inner, size)?;
         let bounds = stack::bounds(&stack);
+        let stack = HeldStack::new(stack);
         // Borrowed: the creator's control block is cloned only into a parent trace (each
         // clone and drop is an atomic operation on a shared count).
         let creator = current_ctx().map(|c| &c.shared);
@@ -1579,12 +1665,281 @@ impl Builder {
             .add(&mut inner.reg.borrow_mut(), shared.clone());
         inner.slots.borrow_mut().insert(id, slot);
         inner.ready.borrow_mut().push_back(id);
-        JoinHandle {
+        Ok(JoinHandle {
             fiber: Fiber { shared },
             result,
+        })
+    }
+}
+
+// ---- names of any bytes ----
+
+/// The first of the 128 code points that stand for the bytes 0x80..=0xFF in a name that is
+/// not UTF-8 (U+10FF80..=U+10FFFF, private use).
+const NAME_ESC: u32 = 0x10FF00;
+
+fn is_name_esc(c: char) -> bool {
+    (NAME_ESC + 0x80..=NAME_ESC + 0xFF).contains(&(c as u32))
+}
+
+fn push_name_byte(out: &mut String, b: u8) {
+    // (0x80..=0xFF: every code point made is a valid one.)
+    out.extend(char::from_u32(NAME_ESC + b as u32));
+}
+
+/// A fiber name of any bytes as the text the runtime keeps (names are `str`): UTF-8 as it
+/// is; each byte of an invalid sequence as the private-use code point U+10FF00 + byte, and a
+/// name's own characters of that range as their four bytes so, so that [`name_to_bytes`]
+/// gives the exact bytes back. Reports made by the runtime show such a byte as that code
+/// point; a host gives the bytes back with [`name_to_bytes`].
+pub fn name_from_bytes(b: &[u8]) -> std::borrow::Cow<'_, str> {
+    if let Ok(s) = std::str::from_utf8(b) {
+        if !b.contains(&0xF4) || !s.chars().any(is_name_esc) {
+            return std::borrow::Cow::Borrowed(s);
+        }
+    }
+    let mut out = String::with_capacity(b.len() * 2);
+    let valid = |out: &mut String, s: &str| {
+        for c in s.chars() {
+            if is_name_esc(c) {
+                c.encode_utf8(&mut [0; 4])
+                    .bytes()
+                    .for_each(|x| push_name_byte(out, x));
+            } else {
+                out.push(c);
+            }
+        }
+    };
+    let mut rest = b;
+    loop {
+        match std::str::from_utf8(rest) {
+            Ok(s) => {
+                valid(&mut out, s);
+                break;
+            }
+            Err(e) => {
+                let (ok, bad) = rest.split_at(e.valid_up_to());
+                // (`valid_up_to` bytes are UTF-8.)
+                valid(&mut out, std::str::from_utf8(ok).unwrap_or_default());
+                let n = e.error_len().unwrap_or(bad.len());
+                bad[..n].iter().for_each(|&x| push_name_byte(&mut out, x));
+                rest = &bad[n..];
+            }
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// The bytes of a name made by [`name_from_bytes`] (any other text: its UTF-8).
+pub fn name_to_bytes(s: &str) -> std::borrow::Cow<'_, [u8]> {
+    if !s.as_bytes().contains(&0xF4) || !s.chars().any(is_name_esc) {
+        return std::borrow::Cow::Borrowed(s.as_bytes());
+    }
+    let mut out = Vec::with_capacity(s.len());
+    for c in s.chars() {
+        if is_name_esc(c) {
+            out.push((c as u32 - NAME_ESC) as u8);
+        } else {
+            out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes());
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+// ---- fiber stacks and the limits on them ----
+
+/// Fiber stacks held by fibers, process-wide: each is two memory mappings (its inaccessible
+/// guard and reserve, and its usable part). Stacks kept in the schedulers' pools are not
+/// counted (at most a few dozen per scheduler).
+static STACKS_HELD: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Memory mappings a fiber stack takes.
+const MAPS_PER_STACK: usize = 2;
+
+/// A fiber's stack while a fiber holds it (counted in [`STACKS_HELD`]).
+pub(crate) struct HeldStack(std::mem::ManuallyDrop<stack::FiberStack>);
+
+impl HeldStack {
+    fn new(s: stack::FiberStack) -> HeldStack {
+        STACKS_HELD.fetch_add(1, Ordering::Relaxed);
+        HeldStack(std::mem::ManuallyDrop::new(s))
+    }
+
+    /// The stack, no longer held by a fiber (for the pool).
+    fn into_inner(self) -> stack::FiberStack {
+        let mut me = std::mem::ManuallyDrop::new(self);
+        STACKS_HELD.fetch_sub(1, Ordering::Relaxed);
+        // SAFETY: `me` is never dropped, so the stack is taken out exactly once.
+        unsafe { std::mem::ManuallyDrop::take(&mut me.0) }
+    }
+}
+
+impl Drop for HeldStack {
+    fn drop(&mut self) {
+        STACKS_HELD.fetch_sub(1, Ordering::Relaxed);
+        // SAFETY: dropped once, here (`into_inner` forgets `self` instead).
+        unsafe { std::mem::ManuallyDrop::drop(&mut self.0) };
+    }
+}
+
+// SAFETY: the bounds are the wrapped stack's, which this value owns for its whole life.
+unsafe impl corosensei::stack::Stack for HeldStack {
+    #[inline]
+    fn base(&self) -> corosensei::stack::StackPointer {
+        self.0.base()
+    }
+
+    #[inline]
+    fn limit(&self) -> corosensei::stack::StackPointer {
+        self.0.limit()
+    }
+}
+
+/// The most fiber stacks the process may hold: `vm.max_map_count` (read once) less a reserve
+/// of mappings for everything else the process maps (the allocators' arenas, the Lua heap,
+/// libraries, threads' stacks): past it, an allocation anywhere in the process would fail
+/// (and a Rust one aborts the process), not only the next spawn. The reserve is a sixteenth
+/// of the limit, at least 1,024 and at most 8,192 mappings.
+fn stacks_allowed() -> (usize, usize, usize) {
+    static LIMIT: std::sync::OnceLock<(usize, usize, usize)> = std::sync::OnceLock::new();
+    *LIMIT.get_or_init(|| {
+        let max = std::fs::read_to_string("/proc/sys/vm/max_map_count")
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok())
+            .unwrap_or(65530);
+        let reserve = (max / 16).clamp(1024, 8192);
+        (max.saturating_sub(reserve) / MAPS_PER_STACK, max, reserve)
+    })
+}
+
+/// A stack for a new fiber: from the pool, or mapped; within the mapping limit.
+fn take_stack(inner: &Inner, size: usize) -> Result<stack::FiberStack, SpawnError> {
+    let held = STACKS_HELD.load(Ordering::Relaxed);
+    let (allowed, max_maps, reserve) = stacks_allowed();
+    let err = |kind, errno, limit| SpawnError {
+        kind,
+        stack_size: size,
+        stacks: held,
+        errno,
+        limit,
+        reserve,
+    };
+    if held >= allowed {
+        return Err(err(SpawnErrorKind::MapCount, 0, max_maps as u64));
+    }
+    inner.pool.borrow_mut().take(size).map_err(|e| {
+        let errno = e.raw_os_error().unwrap_or(0);
+        if e.kind() == std::io::ErrorKind::InvalidInput || errno == libc::EINVAL {
+            return err(SpawnErrorKind::StackSize, errno, 0);
+        }
+        if errno != libc::ENOMEM {
+            return err(SpawnErrorKind::Other, errno, 0);
+        }
+        if (held + 1) * MAPS_PER_STACK + reserve / 2 >= max_maps {
+            return err(SpawnErrorKind::MapCount, errno, max_maps as u64);
+        }
+        let mut rl = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: a plain query into a local.
+        let limited = unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut rl) } == 0
+            && rl.rlim_cur != libc::RLIM_INFINITY;
+        if limited {
+            err(SpawnErrorKind::AddressSpace, errno, rl.rlim_cur)
+        } else {
+            err(SpawnErrorKind::OutOfMemory, errno, 0)
+        }
+    })
+}
+
+/// Which limit a spawn hit (see [`SpawnError`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SpawnErrorKind {
+    /// The stack could not be mapped: out of memory.
+    OutOfMemory,
+    /// The stack does not fit in the address-space limit (`RLIMIT_AS`, `ulimit -v`).
+    AddressSpace,
+    /// The process holds as many fiber stacks as `vm.max_map_count` allows, less a reserve of
+    /// mappings for the rest of the process.
+    MapCount,
+    /// The stack size asked for is too large to map.
+    StackSize,
+    /// The mapping failed otherwise (see [`SpawnError::errno`]).
+    Other,
+}
+
+/// Why a fiber could not be made: which limit, the stack size, and the system's error.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpawnError {
+    kind: SpawnErrorKind,
+    stack_size: usize,
+    stacks: usize,
+    errno: i32,
+    limit: u64,
+    reserve: usize,
+}
+
+impl SpawnError {
+    /// Which limit was hit.
+    pub fn kind(&self) -> SpawnErrorKind {
+        self.kind
+    }
+
+    /// The size of the stack the fiber was to get.
+    pub fn stack_size(&self) -> usize {
+        self.stack_size
+    }
+
+    /// Fiber stacks held by fibers in the process when the spawn failed.
+    pub fn fiber_stacks(&self) -> usize {
+        self.stacks
+    }
+
+    /// The `errno` of the failed mapping (0 when the spawn was refused before mapping).
+    pub fn errno(&self) -> i32 {
+        self.errno
+    }
+}
+
+impl std::fmt::Display for SpawnError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let size = self.stack_size;
+        let n = self.stacks;
+        let os = std::io::Error::from_raw_os_error(self.errno);
+        match self.kind {
+            SpawnErrorKind::OutOfMemory => write!(
+                f,
+                "cannot create a fiber: out of memory for its {size}-byte stack ({os}; {n} \
+                 fiber stacks in use)"
+            ),
+            SpawnErrorKind::AddressSpace => write!(
+                f,
+                "cannot create a fiber: its {size}-byte stack does not fit in the \
+                 address-space limit (RLIMIT_AS, ulimit -v) of {} bytes ({os}; {n} fiber \
+                 stacks in use)",
+                self.limit
+            ),
+            SpawnErrorKind::MapCount => write!(
+                f,
+                "cannot create a fiber: {n} fiber stacks in use, as many as vm.max_map_count \
+                 ({}) allows at {MAPS_PER_STACK} memory mappings each, with {} kept for the \
+                 rest of the process",
+                self.limit, self.reserve
+            ),
+            SpawnErrorKind::StackSize => {
+                write!(f, "cannot create a fiber: a {size}-byte stack is too large")
+            }
+            SpawnErrorKind::Other => write!(
+                f,
+                "cannot create a fiber: cannot map its {size}-byte stack ({os})"
+            ),
         }
     }
 }
+
+impl std::error::Error for SpawnError {}
 
 /// Keeps the spawn functions' frames on the stack (no tail call), so that the number of
 /// frames to skip when capturing the creator's trace is the same at every optimisation level.
