@@ -14,9 +14,16 @@
 //! raises as error objects (`fiber is cancelled`, and every error of the functions added after
 //! 2.6) carry no position ([`LErr::Plain`]).
 //!
-//! The only Lua API calls the bodies make that can still raise are allocations (a memory
-//! error while pushing a string or creating a table): those would unwind through Rust frames.
-//! They are not handled (the process is out of memory then).
+//! The Lua API calls that can raise by themselves are the allocating ones (a string, a table,
+//! a userdata, a reference, a stack that must grow): `not enough memory` when the Lua heap is
+//! full. LuaJIT raises with the system unwinder, which a body's frame cannot let through (the
+//! wrapper's `catch_unwind` would abort the process on it). So a body makes every allocating
+//! call inside [`protect`]: a protected call of its own, from which the error comes back as
+//! [`LErr::Raised`], raised by the wrapper as it is, so `pcall` gets `not enough memory`.
+//! What needs no protection: pushes of numbers, booleans, nil, light userdata and values that
+//! exist (`lua_pushvalue`, `rawgeti`), within the `LUA_MINSTACK` slots a C function is given
+//! or a successful `lua_checkstack`; `lua_xmove` into room so checked; stores into slots that
+//! exist; `luaL_unref` (the registry's free-list slot is made at install).
 
 use std::ffi::{c_int, CStr};
 
@@ -80,6 +87,8 @@ pub(crate) enum LErr {
     At(String),
     /// Raised as it is.
     Plain(String),
+    /// The error value of a failed [`protect`] is on top of the stack: raised as it is.
+    Raised,
 }
 
 impl LErr {
@@ -111,16 +120,113 @@ pub(crate) type LResult = Result<c_int, LErr>;
 /// `l` is the calling state of a C function.
 #[inline(never)]
 pub(crate) unsafe fn push_error(l: *mut ffi::lua_State, e: LErr) {
-    // SAFETY: per the contract; `luaL_where` only pushes a string.
+    // SAFETY: per the contract; the message is made in a protected call (its allocation can
+    // fail), whose error value is then the one raised.
     unsafe {
-        match e {
-            LErr::At(msg) => {
-                ffi::luaL_where(l, 1);
-                push_str(l, &msg);
-                ffi::lua_concat(l, 2);
-            }
-            LErr::Plain(msg) => push_str(l, &msg),
+        if matches!(e, LErr::Raised) {
+            return;
         }
+        let mut e = Some(e);
+        let _ = protect(l, &[], &mut |l| {
+            match e.take() {
+                Some(LErr::At(msg)) => {
+                    // Level 0 is the trampoline, 1 the C function, 2 its caller.
+                    ffi::luaL_where(l, 2);
+                    push_str(l, &msg);
+                    ffi::lua_concat(l, 2);
+                }
+                Some(LErr::Plain(msg)) => push_str(l, &msg),
+                _ => ffi::lua_pushnil(l),
+            }
+            1
+        });
+    }
+}
+
+thread_local! {
+    /// Registry reference of [`protect`]'s trampoline in this thread's host state (0: none).
+    static TRAMPOLINE: std::cell::Cell<c_int> = const { std::cell::Cell::new(0) };
+}
+
+/// A protected call's body as the trampoline gets it.
+type ProtectFn<'a> = &'a mut dyn FnMut(*mut ffi::lua_State) -> c_int;
+
+/// The C function [`protect`] calls: runs the closure whose address is its first argument,
+/// with its other arguments at 1..; returns what the closure pushed.
+unsafe extern "C-unwind" fn trampoline(l: *mut ffi::lua_State) -> c_int {
+    // SAFETY: `protect` passes a pointer to a live `ProtectFn` as the first argument, and
+    // calls this function only through its own `lua_pcall`.
+    unsafe {
+        let f = ffi::lua_touserdata(l, 1).cast::<ProtectFn<'_>>();
+        ffi::lua_remove(l, 1);
+        (*f)(l)
+    }
+}
+
+/// Makes [`protect`] work on the main state `l` of this thread's host (one reference in its
+/// registry), and the registry's free-list slot, so that `luaL_unref` never allocates.
+///
+/// # Safety
+/// `l` is a host's main state, running nothing, with room for 2 values.
+pub(crate) unsafe fn install_protect(l: *mut ffi::lua_State) {
+    // SAFETY: per the contract; pushed values are popped (luaL_ref pops its value).
+    unsafe {
+        ffi::lua_pushcfunction(l, trampoline);
+        let r = ffi::luaL_ref(l, ffi::LUA_REGISTRYINDEX);
+        TRAMPOLINE.with(|t| t.set(r));
+        ffi::lua_pushboolean(l, 1);
+        let tmp = ffi::luaL_ref(l, ffi::LUA_REGISTRYINDEX);
+        ffi::luaL_unref(l, ffi::LUA_REGISTRYINDEX, tmp);
+    }
+}
+
+/// Runs `f` on `l` in a protected call, for Lua work that can raise (allocations): `f` runs
+/// in a C frame of its own, with copies of the values at `args` (indexes of the caller's
+/// frame) at 1.. and nothing else; the values it pushes (it returns how many) are then
+/// left on top of the caller's stack. A Lua error inside (`not enough memory`, a full stack)
+/// ends it: its error value is left on top and `Err(LErr::Raised)` returned, for the body to
+/// return at once. `f` must not panic nor switch fibers; its Rust values are dropped if an
+/// error unwinds through it.
+///
+/// # Safety
+/// `l` is a running Lua thread of this thread's host (or idle, made by it), and `args`
+/// acceptable indexes of its current frame.
+pub(crate) unsafe fn protect(
+    l: *mut ffi::lua_State,
+    args: &[c_int],
+    f: &mut dyn FnMut(*mut ffi::lua_State) -> c_int,
+) -> Result<c_int, LErr> {
+    let tr = TRAMPOLINE.with(|t| t.get());
+    // SAFETY: per the contract; the trampoline is a C function in this state's registry, and
+    // the closure outlives the call.
+    unsafe {
+        if ffi::lua_checkstack(l, args.len() as c_int + 2) == 0 {
+            return Err(LErr::plain("stack overflow"));
+        }
+        let base = ffi::lua_gettop(l);
+        let abs: [c_int; 4] = std::array::from_fn(|i| {
+            args.get(i).map_or(0, |&a| {
+                if a < 0 && a > ffi::LUA_REGISTRYINDEX {
+                    base + 1 + a
+                } else {
+                    a
+                }
+            })
+        });
+        if tr == 0 {
+            ffi::lua_pushcfunction(l, trampoline);
+        } else {
+            rawgeti(l, ffi::LUA_REGISTRYINDEX, tr as ffi::lua_Integer);
+        }
+        let mut f: ProtectFn<'_> = f;
+        ffi::lua_pushlightuserdata(l, (&mut f as *mut ProtectFn<'_>).cast());
+        for &a in &abs[..args.len().min(4)] {
+            ffi::lua_pushvalue(l, a);
+        }
+        if ffi::lua_pcall(l, args.len().min(4) as c_int + 1, ffi::LUA_MULTRET, 0) != ffi::LUA_OK {
+            return Err(LErr::Raised);
+        }
+        Ok(ffi::lua_gettop(l) - base)
     }
 }
 
@@ -216,8 +322,10 @@ macro_rules! lua_fn {
                     } else {
                         "fibertrace: internal error (Rust panic)"
                     };
-                    // SAFETY: as above.
-                    unsafe { $crate::host::raw::push_str(l, msg) };
+                    // SAFETY: as above (the message is pushed in a protected call).
+                    unsafe {
+                        $crate::host::raw::push_error(l, $crate::host::raw::LErr::plain(msg))
+                    };
                     // SAFETY: as above.
                     unsafe { mlua::ffi::lua_error(l) }
                 }
@@ -226,13 +334,16 @@ macro_rules! lua_fn {
     };
 }
 
-/// Pushes a Rust string.
+/// Pushes a Rust string: its bytes, except that a fiber name's bytes that are not UTF-8 (kept
+/// as private-use code points, see [`fibertrace_fiber::sched::name_from_bytes`]) are given
+/// back as they were, wherever the text shows the name.
 ///
 /// # Safety
-/// `l` is a valid state with room for one value.
+/// `l` is a valid state with room for one value; allocates (see [`protect`]).
 pub(crate) unsafe fn push_str(l: *mut ffi::lua_State, s: &str) {
-    // SAFETY: the pointer and length describe `s`; Lua copies the bytes.
-    unsafe { ffi::lua_pushlstring(l, s.as_ptr().cast(), s.len()) };
+    let b = fibertrace_fiber::sched::name_to_bytes(s);
+    // SAFETY: the pointer and length describe `b`; Lua copies the bytes.
+    unsafe { ffi::lua_pushlstring(l, b.as_ptr().cast(), b.len()) };
 }
 
 /// Sets `t[k] = v` for the value on top (popped) on the table at `idx` (a fresh table with no
@@ -323,13 +434,47 @@ pub(crate) fn seconds(s: f64) -> Option<std::time::Duration> {
 pub(crate) unsafe fn error_text(l: *mut ffi::lua_State, idx: c_int) -> String {
     // SAFETY: per the contract.
     let t = unsafe { type_of(l, idx) };
-    if t == ffi::LUA_TSTRING || t == ffi::LUA_TNUMBER {
+    if t == ffi::LUA_TSTRING {
         // SAFETY: per the contract.
         return unsafe { to_string(l, idx) }.unwrap_or_default();
+    }
+    if t == ffi::LUA_TNUMBER {
+        // As Lua writes it, without converting it in place (an allocation).
+        #[cfg(not(feature = "luajit"))]
+        // SAFETY: per the contract.
+        if unsafe { ffi::lua_isinteger(l, idx) } != 0 {
+            // SAFETY: per the contract.
+            return unsafe { ffi::lua_tointeger(l, idx) }.to_string();
+        }
+        // SAFETY: per the contract.
+        return number_text(unsafe { ffi::lua_tonumber(l, idx) });
     }
     // SAFETY: lua_typename returns a static NUL-terminated name.
     let name = unsafe { CStr::from_ptr(ffi::lua_typename(l, t)) };
     format!("(error object is a {} value)", name.to_string_lossy())
+}
+
+/// A number as Lua writes it (`%.14g`).
+fn number_text(n: f64) -> String {
+    let mut buf = [0u8; 64];
+    // SAFETY: the buffer and its length are given; the format takes one double.
+    let len = unsafe { libc::snprintf(buf.as_mut_ptr().cast(), buf.len(), c"%.14g".as_ptr(), n) };
+    String::from_utf8_lossy(&buf[..(len.max(0) as usize).min(buf.len() - 1)]).into_owned()
+}
+
+/// Pushes a Rust string in a protected call (see [`protect`]).
+///
+/// # Safety
+/// As [`protect`].
+pub(crate) unsafe fn push_str_p(l: *mut ffi::lua_State, s: &str) -> Result<(), LErr> {
+    // SAFETY: per the contract.
+    unsafe {
+        protect(l, &[], &mut |l| {
+            push_str(l, s);
+            1
+        })
+    }
+    .map(|_| ())
 }
 
 #[cfg(test)]
