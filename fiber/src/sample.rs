@@ -61,6 +61,8 @@ pub(crate) struct Sampler {
     requested: AtomicBool,
     seq: AtomicU64,
     sample_fid: AtomicU64,
+    /// `resumes` when the sample was taken (which run of the fiber it belongs to).
+    sample_resumes: AtomicU64,
     handler_ns: AtomicU64,
     out: UnsafeCell<Backtrace>,
     cache: UnsafeCell<Option<Box<DwarfCache>>>,
@@ -86,6 +88,7 @@ impl Sampler {
             requested: AtomicBool::new(false),
             seq: AtomicU64::new(0),
             sample_fid: AtomicU64::new(0),
+            sample_resumes: AtomicU64::new(0),
             handler_ns: AtomicU64::new(0),
             out: UnsafeCell::new(Backtrace::new()),
             cache: UnsafeCell::new(None),
@@ -338,6 +341,8 @@ extern "C" fn on_signal(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut
         }
     }
     sm.sample_fid.store(fid, Ordering::Relaxed);
+    sm.sample_resumes
+        .store(sm.resumes.load(Ordering::Relaxed), Ordering::Relaxed);
     sm.handler_ns
         .store(crate::clock::ticks().wrapping_sub(t0), Ordering::Relaxed);
     sm.seq.fetch_add(1, Ordering::Release);
@@ -348,6 +353,9 @@ extern "C" fn on_signal(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut
 pub struct Sample {
     /// The fiber that was running (0: the scheduler was between fibers).
     pub fiber: FiberId,
+    /// The scheduler's resume count at the interrupt: which run of that fiber was caught (a
+    /// fiber that yielded and was resumed again has the same id but a later count).
+    pub resumes: u64,
     /// Its stack at the interrupt, cut at its entry.
     pub backtrace: Backtrace,
     /// Time from the request to the sample being readable.
@@ -401,6 +409,7 @@ pub fn sample(s: &SchedShared, timeout: Duration) -> Option<Sample> {
     let backtrace = unsafe { (*sm.out.get()).clone() };
     Some(Sample {
         fiber: sm.sample_fid.load(Ordering::Relaxed),
+        resumes: sm.sample_resumes.load(Ordering::Relaxed),
         backtrace,
         latency,
         handler_time: crate::clock::to_duration(sm.handler_ns.load(Ordering::Relaxed)),

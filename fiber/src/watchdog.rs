@@ -325,7 +325,14 @@ fn run() {
             // The same run goes on. How long it has used the CPU (and how long in wall time,
             // for a fiber blocked in the kernel).
             let wall = crate::clock::since(w.run_since).max(w.seen_at.elapsed());
-            let cpu = match (w.cpu_seen, sm.thread_cpu_time()) {
+            let cpu_now = sm.thread_cpu_time();
+            if sm.resumes.load(Ordering::Relaxed) != resumes {
+                // It switched between our two reads (this thread may have been descheduled
+                // in between, for longer than the threshold): the CPU time read belongs to
+                // several runs. Start over at the next tick.
+                continue;
+            }
+            let cpu = match (w.cpu_seen, cpu_now) {
                 (Some(a), Some(b)) => b.saturating_sub(a) + w.cpu_credit,
                 _ => wall,
             };
@@ -351,8 +358,9 @@ fn run() {
             let Some(sample) = crate::sample::sample(s, Duration::from_millis(500)) else {
                 continue;
             };
-            if sample.fiber != fid {
-                // It yielded meanwhile: not a stall after all.
+            if sample.fiber != fid || sample.resumes != resumes {
+                // It yielded meanwhile (and maybe was resumed again): the sample is of
+                // another run, and this one ended under the threshold's next multiple.
                 continue;
             }
             in_window += 1;
