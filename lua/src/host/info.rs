@@ -34,7 +34,7 @@ use fibertrace_core::{Frame, Unwinder};
 use fibertrace_fiber::{FiberId, Status, WaitOn};
 use mlua::ffi;
 
-use super::raw::push_str;
+use super::raw::{push_str, LErr};
 use super::{with_host, Slice};
 use crate::render::TarantoolEntry;
 
@@ -142,9 +142,6 @@ pub(crate) struct Call {
     scratch: c_int,
     /// Absolute index of the entry constructor ([`ENTRY_CTOR`]).
     ctor: c_int,
-    /// The caller's debug hook, switched off during the call (so no hook runs Lua code —
-    /// raising an error or switching fibers — while the constructor runs) and restored.
-    hook: (Option<ffi::lua_Hook>, c_int, c_int),
     /// By frames and the count of parent fibers left out after them (0 for a fiber's own
     /// trace).
     by_trace: HashMap<(Rc<[Frame]>, u64), ffi::lua_Integer, BuildHasherDefault<AddrHasher>>,
@@ -157,22 +154,18 @@ pub(crate) struct Call {
     now: u64,
     /// The running fiber.
     me: FiberId,
+    /// The running fiber's trace, taken before the protected call (see [`push_all`]).
+    current: Option<Rc<[Frame]>>,
 }
 
 impl Call {
     /// Pushes the strings and a scratch table; [`Call::finish`] removes them.
     ///
     /// # Safety
-    /// `l` valid.
-    unsafe fn new(l: *mut ffi::lua_State) -> Call {
+    /// `l` valid, in a protected call (this allocates).
+    unsafe fn new(l: *mut ffi::lua_State, current: Option<Rc<[Frame]>>) -> Call {
         // SAFETY: per the contract.
         unsafe {
-            let hook = (
-                ffi::lua_gethook(l),
-                ffi::lua_gethookmask(l),
-                ffi::lua_gethookcount(l),
-            );
-            ffi::lua_sethook(l, None, 0, 0);
             ffi::lua_checkstack(l, TEXTS.len() as c_int + 16);
             let base = ffi::lua_gettop(l) + 1;
             for t in TEXTS {
@@ -186,12 +179,12 @@ impl Call {
                 base,
                 scratch,
                 ctor: ffi::lua_gettop(l),
-                hook,
                 by_trace: HashMap::default(),
                 by_entry: HashMap::default(),
                 slots: 0,
                 now: fibertrace_fiber::clock::ticks(),
                 me: fibertrace_fiber::current_id(),
+                current,
             }
         }
     }
@@ -205,19 +198,6 @@ impl Call {
         unsafe {
             ffi::lua_replace(l, self.base);
             ffi::lua_settop(l, self.base);
-            ffi::lua_sethook(l, self.hook.0, self.hook.1, self.hook.2);
-        }
-    }
-
-    /// Drops everything the call pushed (after a failure) and restores the hook.
-    ///
-    /// # Safety
-    /// `l` valid; the slots pushed by [`Call::new`] are still in place.
-    unsafe fn abort(self, l: *mut ffi::lua_State) {
-        // SAFETY: per the contract.
-        unsafe {
-            ffi::lua_settop(l, self.base - 1);
-            ffi::lua_sethook(l, self.hook.0, self.hook.1, self.hook.2);
         }
     }
 
@@ -377,6 +357,20 @@ pub(crate) unsafe fn current_frames(root: *mut ffi::lua_State, upto: &'static st
     fibertrace_fiber::info::user_frames(bt.frames()).to_vec()
 }
 
+/// The running fiber's trace for `fiber.info()` or `fiber_object:info()`, from the Lua call
+/// on: taken before the result is built in a protected call, whose trampoline would show as
+/// a Lua level of its own.
+///
+/// # Safety
+/// As [`current_frames`].
+#[inline(never)]
+unsafe fn running_frames(root: *mut ffi::lua_State) -> Rc<[Frame]> {
+    // SAFETY: per the contract.
+    let v = unsafe { current_frames(root, "f_info") };
+    let k = cut_to(&v, "m_info");
+    Rc::from(&v[k..])
+}
+
 /// A fiber's interleaved trace now: recomputed only when it has run since the last time
 /// (a suspended fiber's native stack and Lua stack change only when it runs).
 ///
@@ -385,12 +379,10 @@ pub(crate) unsafe fn current_frames(root: *mut ffi::lua_State, upto: &'static st
 unsafe fn fiber_frames(
     f: &fibertrace_fiber::Fiber,
     root: *mut ffi::lua_State,
+    call: &Call,
 ) -> Option<Rc<[Frame]>> {
-    if f.id() == fibertrace_fiber::current_id() {
-        // SAFETY: per the contract.
-        let v = unsafe { current_frames(root, "f_info") };
-        let k = cut_to(&v, "m_info");
-        return Some(Rc::from(&v[k..]));
+    if f.id() == call.me {
+        return call.current.clone();
     }
     let csw = f.shared().csw();
     let cached = with_host(|h| {
@@ -456,10 +448,11 @@ return function(fid, name, csw, time, used, total, status, on, seconds, parent, 
           backtrace = bt, parent_backtrace = pbt}
 end";
 
-/// Pushes one fiber's info table; on an error (out of memory) pushes nothing.
+/// Pushes one fiber's info table.
 ///
 /// # Safety
-/// `l` valid; `root` the fiber's Lua thread; `call` made on `l`.
+/// `l` valid, in a protected call (an error, out of memory, is raised); `root` the fiber's
+/// Lua thread; `call` made on `l`.
 unsafe fn push_fiber(
     l: *mut ffi::lua_State,
     f: &fibertrace_fiber::Fiber,
@@ -467,7 +460,7 @@ unsafe fn push_fiber(
     slice: Slice,
     opts: &Opts,
     call: &mut Call,
-) -> Result<(), String> {
+) {
     let sh = f.shared();
     let (status, on, secs) = sh.status_at(call.now);
     // SAFETY: the constructor (a Lua function of this host) gets 12 plain values and
@@ -500,7 +493,11 @@ unsafe fn push_fiber(
             Some(p) => ffi::lua_pushinteger(l, p as ffi::lua_Integer),
             None => ffi::lua_pushnil(l),
         }
-        match opts.backtrace.then(|| fiber_frames(f, root)).flatten() {
+        match opts
+            .backtrace
+            .then(|| fiber_frames(f, root, call))
+            .flatten()
+        {
             Some(frames) => call.push(l, &frames, 0),
             None => ffi::lua_pushnil(l),
         }
@@ -509,12 +506,8 @@ unsafe fn push_fiber(
             Some(pt) => call.push(l, &Rc::from(pt.flatten()), pt.omitted()),
             None => ffi::lua_pushnil(l),
         }
-        // Protected: an error (out of memory) must not unwind through these Rust frames.
-        if ffi::lua_pcall(l, 12, 1, 0) != ffi::LUA_OK {
-            let e = super::raw::error_text(l, -1);
-            ffi::lua_settop(l, -2);
-            return Err(format!("fiber.info: {e}"));
-        }
+        // An error (out of memory) ends the protected call this runs in.
+        ffi::lua_call(l, 12, 1);
         // The effective max slice when it has a finite part (only those parts, as
         // Tarantool shows it).
         if slice.warn < Slice::INFINITE || slice.err < Slice::INFINITE {
@@ -528,14 +521,42 @@ unsafe fn push_fiber(
             ffi::lua_setfield(l, -2, c"max_slice".as_ptr());
         }
     }
-    Ok(())
 }
 
-/// Pushes `fiber.info()`'s table: every live Lua fiber of this host by id.
+/// Runs `build` in a protected call on `l` with the debug hook off (no hook runs Lua code —
+/// raising an error or switching fibers — while entries are built), restored whatever
+/// happens: a full Lua heap gives `not enough memory`, raised by the caller.
 ///
 /// # Safety
-/// `l` valid.
-pub(crate) unsafe fn push_all(l: *mut ffi::lua_State, opts: &Opts) -> Result<(), String> {
+/// `l` valid, running the calling C function; `build` pushes one value and raises only Lua
+/// errors.
+unsafe fn built(
+    l: *mut ffi::lua_State,
+    build: &mut dyn FnMut(*mut ffi::lua_State),
+) -> Result<(), LErr> {
+    // SAFETY: per the contract; the hook is put back before returning.
+    unsafe {
+        let hook = (
+            ffi::lua_gethook(l),
+            ffi::lua_gethookmask(l),
+            ffi::lua_gethookcount(l),
+        );
+        ffi::lua_sethook(l, None, 0, 0);
+        let r = super::raw::protect(l, &[], &mut |l| {
+            build(l);
+            1
+        });
+        ffi::lua_sethook(l, hook.0, hook.1, hook.2);
+        r.map(|_| ())
+    }
+}
+
+/// Pushes `fiber.info()`'s table: every live Lua fiber of this host by id; a full Lua heap
+/// is `Err(LErr::Raised)` with `not enough memory` on top.
+///
+/// # Safety
+/// `l` valid, running the calling C function (`f_info`).
+pub(crate) unsafe fn push_all(l: *mut ffi::lua_State, opts: &Opts) -> Result<(), LErr> {
     type Entry = (fibertrace_fiber::Fiber, *mut ffi::lua_State, Slice);
     let fibers: Vec<Entry> = with_host(|h| {
         h.recs
@@ -547,34 +568,39 @@ pub(crate) unsafe fn push_all(l: *mut ffi::lua_State, opts: &Opts) -> Result<(),
             })
             .collect()
     })
-    .ok_or("fibertrace: no Lua host on this thread")?;
+    .ok_or_else(|| LErr::plain("fibertrace: no Lua host on this thread"))?;
+    let me = fibertrace_fiber::current_id();
+    let current = fibers
+        .iter()
+        .find(|(f, _, _)| opts.backtrace && f.id() == me)
+        // SAFETY: the running fiber's own Lua thread.
+        .map(|(_, root, _)| unsafe { running_frames(*root) });
     // SAFETY: fresh tables; each fiber's table is set under its id; the call's slots (below
-    // the result) are removed at the end.
+    // the result) are removed at the end; in a protected call.
     unsafe {
-        let mut call = Call::new(l);
-        ffi::lua_createtable(l, 0, fibers.len() as c_int);
-        let all = ffi::lua_gettop(l);
-        for (f, root, slice) in &fibers {
-            if let Err(e) = push_fiber(l, f, *root, *slice, opts, &mut call) {
-                call.abort(l);
-                return Err(e);
+        built(l, &mut |l| {
+            let mut call = Call::new(l, current.clone());
+            ffi::lua_createtable(l, 0, fibers.len() as c_int);
+            let all = ffi::lua_gettop(l);
+            for (f, root, slice) in &fibers {
+                push_fiber(l, f, *root, *slice, opts, &mut call);
+                super::raw::rawseti(l, all, f.id() as ffi::lua_Integer);
             }
-            super::raw::rawseti(l, all, f.id() as ffi::lua_Integer);
-        }
-        call.finish(l);
+            call.finish(l);
+        })
     }
-    Ok(())
 }
 
-/// Pushes one fiber's info table (`fiber_object:info()`).
+/// Pushes one fiber's info table (`fiber_object:info()`); a full Lua heap is
+/// `Err(LErr::Raised)` as for [`push_all`].
 ///
 /// # Safety
-/// `l` valid.
+/// `l` valid, running the calling C function (`m_info`).
 pub(crate) unsafe fn push_one(
     l: *mut ffi::lua_State,
     fid: FiberId,
     opts: &Opts,
-) -> Result<(), String> {
+) -> Result<(), LErr> {
     let (f, root, slice) = with_host(|h| {
         h.recs.get(&fid).map(|r| {
             let slice = r.max_slice.unwrap_or(h.default_slice);
@@ -583,14 +609,15 @@ pub(crate) unsafe fn push_one(
     })
     .flatten()
     .ok_or("the fiber is dead")?;
-    // SAFETY: per the contract; the call's slots are removed after.
+    let current = (opts.backtrace && fid == fibertrace_fiber::current_id())
+        // SAFETY: the running fiber's own Lua thread.
+        .then(|| unsafe { running_frames(root) });
+    // SAFETY: per the contract; the call's slots are removed after; in a protected call.
     unsafe {
-        let mut call = Call::new(l);
-        if let Err(e) = push_fiber(l, &f, root, slice, opts, &mut call) {
-            call.abort(l);
-            return Err(e);
-        }
-        call.finish(l);
+        built(l, &mut |l| {
+            let mut call = Call::new(l, current.clone());
+            push_fiber(l, &f, root, slice, opts, &mut call);
+            call.finish(l);
+        })
     }
-    Ok(())
 }

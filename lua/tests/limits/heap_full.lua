@@ -28,6 +28,8 @@ local calls = {
   {'clock.monotonic', clock.monotonic}, {'fiber.time64', fiber.time64}, {'clock.time64', clock.time64},
   {'fiber.set_slice', fiber.set_slice, {warn = 10, err = 20}},
   {'joinable:join', joinable.join, joinable},
+  {'fiber.info', fiber.info}, {'fiber.info{bt=false}', fiber.info, {backtrace = false}},
+  {'other:info', other.info, other}, {'fiber.self():info', function() return fiber.self():info() end},
 }
 local results = table_new(#calls, 0)
 local holder = table_new(1000000, 0)
@@ -62,5 +64,7 @@ collectgarbage('restart') collectgarbage()
 for i = 1, #calls do
   print(calls[i][1], oks[i], type(errs[i]) == 'string' and errs[i] or type(errs[i]))
 end
+local info = fiber.info()
+print('info again', info[fiber.id()] ~= nil and #info[fiber.id()].backtrace > 0, info[other:id()].status)
 print("after")
 os.exit(0)
