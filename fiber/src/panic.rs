@@ -37,8 +37,15 @@ fn capture(shared: &FiberShared, location: Option<String>) {
         ..CaptureOptions::default()
     };
     fibertrace_core::collect_until(&opts, shared.entry_sp.load(Ordering::Relaxed), &mut bt);
-    // Drop the panic machinery's own frames: everything up to the last std::panicking frame.
-    let frames = bt.frames();
+    // Only addresses here: the panic may come from code that holds the symbolizer's lock
+    // (a report being written), which is released once the panic has unwound. The panic
+    // machinery's frames are cut in `take_report`.
+    LAST.with(|l| *l.borrow_mut() = Some((location, bt)));
+}
+
+/// `frames` without the panic machinery's own: everything up to the last std::panicking
+/// frame.
+fn without_machinery(frames: &[fibertrace_core::Frame]) -> Backtrace {
     let cut = frames
         .iter()
         .rposition(|f| {
@@ -47,8 +54,7 @@ fn capture(shared: &FiberShared, location: Option<String>) {
                 .unwrap_or(false)
         })
         .map_or(0, |i| i + 1);
-    let bt = Backtrace::from_frames(&frames[cut..]);
-    LAST.with(|l| *l.borrow_mut() = Some((location, bt)));
+    Backtrace::from_frames(&frames[cut..])
 }
 
 fn is_panic_machinery(name: &str) -> bool {
@@ -75,7 +81,9 @@ pub(crate) fn take_report(
     };
     let (location, backtrace) = LAST
         .with(|l| l.borrow_mut().take())
-        .unwrap_or((None, Backtrace::new()));
+        .map_or((None, Backtrace::new()), |(loc, bt)| {
+            (loc, without_machinery(bt.frames()))
+        });
     let _ = shared;
     PanicReport {
         message,
@@ -86,7 +94,11 @@ pub(crate) fn take_report(
 
 /// Prints `fiber N "name" panicked at LOCATION: MESSAGE` and the trace to stderr.
 pub(crate) fn print_report(shared: &FiberShared, r: &PanicReport) {
-    let mut s = format!("fiber {} \"{}\" panicked", shared.id, shared.name());
+    let mut s = format!(
+        "fiber {} {} panicked",
+        shared.id,
+        crate::sched::quoted_name(&shared.name())
+    );
     if let Some(loc) = &r.location {
         s.push_str(&format!(" at {loc}"));
     }
