@@ -62,9 +62,9 @@ fn status_words(fi: &FiberInfo) -> String {
 pub fn render_fiber(fi: &FiberInfo, out: &mut String) {
     let _ = writeln!(
         out,
-        "fiber {} \"{}\" [{}]:",
+        "fiber {} {} [{}]:",
         fi.id,
-        fi.name,
+        crate::sched::quoted_name(&fi.name),
         status_words(fi)
     );
     if fi.csw == 0 {
@@ -80,10 +80,18 @@ pub fn render_fiber(fi: &FiberInfo, out: &mut String) {
     for p in &fi.parent_backtrace {
         match p.fiber {
             Some(id) => {
-                let _ = writeln!(out, "created by fiber {id} \"{}\" at:", p.name);
+                let _ = writeln!(
+                    out,
+                    "created by fiber {id} {} at:",
+                    crate::sched::quoted_name(&p.name)
+                );
             }
             None => {
-                let _ = writeln!(out, "created by thread \"{}\" at:", p.name);
+                let _ = writeln!(
+                    out,
+                    "created by thread {} at:",
+                    crate::sched::quoted_name(&p.name)
+                );
             }
         }
         let raw: Vec<Frame> = p.frames.iter().map(|f| f.frame).collect();
@@ -125,9 +133,9 @@ pub fn scheduler_text(s: &crate::registry::SchedShared, out: &mut String) {
     let fibers = info::scheduler_info(s, &InfoOptions::default());
     let _ = writeln!(
         out,
-        "scheduler {} \"{}\": {} fibers\n",
+        "scheduler {} {}: {} fibers\n",
         s.id,
-        s.name,
+        crate::sched::quoted_name(&s.name),
         fibers.len()
     );
     for fi in &fibers {

@@ -1730,6 +1730,37 @@ pub fn name_from_bytes(b: &[u8]) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
+/// A fiber name in double quotes as the runtime's text reports write it, so that the exact
+/// bytes can be read back and a name cannot break a report's lines: a byte that is not UTF-8
+/// (see [`name_from_bytes`]) is `\xNN`, a control character `\n`, `\t`, `\r` or `\xNN`,
+/// and `"` and `\` are escaped with a backslash; everything else as it is.
+pub fn quoted_name(s: &str) -> QuotedName<'_> {
+    QuotedName(s)
+}
+
+/// See [`quoted_name`].
+pub struct QuotedName<'a>(&'a str);
+
+impl std::fmt::Display for QuotedName<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use std::fmt::Write as _;
+        f.write_char('"')?;
+        for c in self.0.chars() {
+            match c {
+                '"' => f.write_str("\\\"")?,
+                '\\' => f.write_str("\\\\")?,
+                '\n' => f.write_str("\\n")?,
+                '\t' => f.write_str("\\t")?,
+                '\r' => f.write_str("\\r")?,
+                c if is_name_esc(c) => write!(f, "\\x{:02x}", c as u32 - NAME_ESC)?,
+                c if (c as u32) < 0x20 || c as u32 == 0x7f => write!(f, "\\x{:02x}", c as u32)?,
+                c => f.write_char(c)?,
+            }
+        }
+        f.write_char('"')
+    }
+}
+
 /// The bytes of a name made by [`name_from_bytes`] (any other text: its UTF-8).
 pub fn name_to_bytes(s: &str) -> std::borrow::Cow<'_, [u8]> {
     if !s.as_bytes().contains(&0xF4) || !s.chars().any(is_name_esc) {

@@ -82,9 +82,9 @@ impl StallReport {
     /// The report as text: a header line and the frames.
     pub fn to_text(&self) -> String {
         let mut s = format!(
-            "fiber {} \"{}\" has run {} without yielding:\n",
+            "fiber {} {} has run {} without yielding:\n",
             self.fiber,
-            self.name,
+            crate::sched::quoted_name(&self.name),
             crate::dump::human(self.running_for)
         );
         s.push_str(&crate::dump::render_frames(self.backtrace.frames()));

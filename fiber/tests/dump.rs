@@ -173,3 +173,26 @@ fn dump_signal_works_while_a_fiber_spins_and_the_process_goes_on() {
     assert!(worker.contains(" in fiber_dump::wait_for_job"), "{worker}");
     assert!(worker.contains(" in fiber_dump::worker_loop"), "{worker}");
 }
+
+#[test]
+fn names_in_text_reports_are_quoted_so_their_bytes_read_back() {
+    Scheduler::new()
+        .block_on(|| {
+            let h = spawn(|| fibertrace_fiber::sleep(Duration::from_secs(60)));
+            yield_now();
+            let f = h.fiber().clone();
+            f.set_name_bytes(b"a\xff\"b\\c\nd\x01");
+            assert_eq!(f.name_bytes(), b"a\xff\"b\\c\nd\x01");
+            let text = dump::dump_text();
+            let head = format!("fiber {} \"a\\xff\\\"b\\\\c\\nd\\x01\" [sleep, ", h.id());
+            assert!(text.lines().any(|l| l.starts_with(&head)), "{head}\n{text}");
+            // The line end in the name did not break the report's line.
+            assert!(!text.lines().any(|l| l.starts_with("d\u{1}")), "{text}");
+            f.cancel();
+        })
+        .unwrap();
+    assert_eq!(
+        fibertrace_fiber::sched::quoted_name("plain name").to_string(),
+        "\"plain name\""
+    );
+}

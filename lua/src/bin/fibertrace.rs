@@ -395,7 +395,10 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
     let code = match host.run_main(&chunk, &source, &args) {
         Ok(()) => 0,
         Err(e) => {
-            err!("{e}");
+            // The message as its bytes (a script's error need not be UTF-8).
+            let mut b = e.to_bytes();
+            b.push(b'\n');
+            let _ = io::stderr().write_all(&b);
             1
         }
     };

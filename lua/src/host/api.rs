@@ -564,7 +564,7 @@ fn lua_fiber_main(t: *mut ffi::lua_State, nargs: c_int) {
     let fid = fibertrace_fiber::current_id();
     let trace = if ok { None } else { super::take_last_trace() };
     // SAFETY: the thread is ours and idle now.
-    let msg = (!ok).then(|| unsafe { raw::error_text(t, -1) });
+    let msg = (!ok).then(|| unsafe { raw::error_bytes(t, -1) });
     let report = with_host(|h| {
         // One lookup: a joinable fiber's record stays for its joiner. Its storage goes now.
         let mut rec = match h.recs.entry(fid) {
@@ -595,13 +595,9 @@ fn lua_fiber_main(t: *mut ffi::lua_State, nargs: c_int) {
         let mut err = std::io::stderr().lock();
         let _ = write!(err, "fibertrace: fiber {fid} \"")
             .and_then(|()| err.write_all(&fibertrace_fiber::sched::name_to_bytes(&name)))
-            .and_then(|()| {
-                writeln!(
-                    err,
-                    "\" failed: {msg}\nstack traceback:\n{}",
-                    trace.unwrap_or_default()
-                )
-            });
+            .and_then(|()| err.write_all(b"\" failed: "))
+            .and_then(|()| err.write_all(&msg))
+            .and_then(|()| writeln!(err, "\nstack traceback:\n{}", trace.unwrap_or_default()));
     }
 }
 
@@ -877,10 +873,7 @@ pub(crate) fn run_main_fiber(
     source: &[u8],
     args: &[String],
 ) -> Result<(), ScriptError> {
-    let err = |m: String| ScriptError {
-        message: m,
-        traceback: String::new(),
-    };
+    let err = ScriptError::text;
     let Some(main_l) = with_host(|h| h.main_l) else {
         return Err(err("fibertrace: no Lua host on this thread".into()));
     };
@@ -962,9 +955,11 @@ pub(crate) fn run_main_fiber(
     let r = if ok {
         Ok(())
     } else {
+        // SAFETY: the error is on top of our idle thread.
+        let b = unsafe { raw::error_bytes(t, -1) };
         Err(ScriptError {
-            // SAFETY: the error is on top of our idle thread.
-            message: unsafe { raw::error_text(t, -1) },
+            message: String::from_utf8_lossy(&b).into_owned(),
+            message_bytes: b,
             traceback: super::take_last_trace().unwrap_or_default(),
         })
     };
@@ -1528,8 +1523,6 @@ lua_fn!(f_join, join_body);
 // ---- info, top ----
 
 unsafe fn info_body(l: *mut ffi::lua_State) -> LResult {
-    // (Not in a protected call: a trace taken inside one would show its trampoline as a
-    // Lua level. Out of memory here still ends the process; see the README.)
     // SAFETY: C function contract.
     let opts = unsafe { super::info::read_opts(l, 1) };
     // SAFETY: as above.
@@ -1550,7 +1543,7 @@ unsafe fn m_info_body(l: *mut ffi::lua_State) -> LResult {
     let f = unsafe { live_arg(l) }?;
     // SAFETY: as above.
     let opts = unsafe { super::info::read_opts(l, 2) };
-    // SAFETY: as above (not protected: see `info_body`).
+    // SAFETY: as above.
     unsafe { super::info::push_one(l, f.id(), &opts) }?;
     Ok(1)
 }

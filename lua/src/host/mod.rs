@@ -152,8 +152,11 @@ pub(crate) fn with_host<R>(f: impl FnOnce(&mut HostState) -> R) -> Option<R> {
 /// A script's failure: its error message and the interleaved traceback at the error.
 #[derive(Clone, Debug)]
 pub struct ScriptError {
-    /// The error value as text.
+    /// The error value as text (as `lua` shows it: a value with `__tostring` as that
+    /// returns; bytes that are not UTF-8 replaced, see `message_bytes`).
     pub message: String,
+    /// The same message as its bytes, exactly.
+    pub message_bytes: Vec<u8>,
     /// The trace at the point of the error, Tarantool's format, one frame a line.
     pub traceback: String,
 }
@@ -169,6 +172,27 @@ impl std::fmt::Display for ScriptError {
 }
 
 impl std::error::Error for ScriptError {}
+
+impl ScriptError {
+    /// An error of the host's own (no traceback).
+    pub(crate) fn text(message: String) -> ScriptError {
+        ScriptError {
+            message_bytes: message.clone().into_bytes(),
+            message,
+            traceback: String::new(),
+        }
+    }
+
+    /// The error as `lua` prints it, as bytes: the message exactly, then the traceback.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut v = self.message_bytes.clone();
+        if !self.traceback.is_empty() {
+            v.extend_from_slice(b"\nstack traceback:\n");
+            v.extend_from_slice(self.traceback.as_bytes());
+        }
+        v
+    }
+}
 
 /// A Lua state whose fibers are fibertrace fibers, with the `fiber` and `clock` modules.
 pub struct LuaHost {
@@ -304,15 +328,11 @@ impl LuaHost {
             Ok(r) => r,
             Err(fibertrace_fiber::BlockOnError::Run(fibertrace_fiber::RunError::Deadlock {
                 ..
-            })) => Err(ScriptError {
+            })) => {
                 // The report names every fiber, what it waits on, and where.
-                message: self.scheduler().deadlock_report(),
-                traceback: String::new(),
-            }),
-            Err(e) => Err(ScriptError {
-                message: format!("fibertrace: {e}"),
-                traceback: String::new(),
-            }),
+                Err(ScriptError::text(self.scheduler().deadlock_report()))
+            }
+            Err(e) => Err(ScriptError::text(format!("fibertrace: {e}"))),
         }
     }
 

@@ -356,22 +356,6 @@ pub(crate) unsafe fn set_field(l: *mut ffi::lua_State, idx: c_int, k: &CStr) {
     unsafe { ffi::lua_setfield(l, idx, k.as_ptr()) };
 }
 
-/// The string at `idx` (a string or a number, converted in place as Lua does), lossily.
-///
-/// # Safety
-/// `l` is valid and `idx` an acceptable index.
-pub(crate) unsafe fn to_string(l: *mut ffi::lua_State, idx: c_int) -> Option<String> {
-    let mut len = 0usize;
-    // SAFETY: lua_tolstring returns null or a pointer to `len` bytes owned by the value.
-    let p = unsafe { ffi::lua_tolstring(l, idx, &mut len) };
-    if p.is_null() {
-        return None;
-    }
-    // SAFETY: as above; the bytes are copied before any other Lua call.
-    let b = unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len) };
-    Some(String::from_utf8_lossy(b).into_owned())
-}
-
 /// The number at `idx`, if it is a number (or a numeric string).
 ///
 /// # Safety
@@ -427,16 +411,34 @@ pub(crate) fn seconds(s: f64) -> Option<std::time::Duration> {
     }
 }
 
-/// A readable description of an error value (strings and numbers as they are).
+/// A readable description of an error value, as [`error_bytes`] (bytes that are not UTF-8
+/// replaced).
 ///
 /// # Safety
-/// `l` is valid.
+/// As [`error_bytes`].
 pub(crate) unsafe fn error_text(l: *mut ffi::lua_State, idx: c_int) -> String {
+    // SAFETY: per the contract.
+    let b = unsafe { error_bytes(l, idx) };
+    match String::from_utf8(b) {
+        Ok(s) => s,
+        Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+    }
+}
+
+/// An error value as `lua` shows it, as bytes: a string as it is, a number as Lua writes it,
+/// a value whose metatable has `__tostring` as the string that returns (Lua code, run in a
+/// protected call here), anything else (or a `__tostring` that fails or returns no string)
+/// `(error object is a T value)`.
+///
+/// # Safety
+/// `l` is a Lua thread of this thread's host, running or idle, and `idx` an acceptable index
+/// of its current frame.
+pub(crate) unsafe fn error_bytes(l: *mut ffi::lua_State, idx: c_int) -> Vec<u8> {
     // SAFETY: per the contract.
     let t = unsafe { type_of(l, idx) };
     if t == ffi::LUA_TSTRING {
         // SAFETY: per the contract.
-        return unsafe { to_string(l, idx) }.unwrap_or_default();
+        return unsafe { to_bytes(l, idx) }.unwrap_or_default();
     }
     if t == ffi::LUA_TNUMBER {
         // As Lua writes it, without converting it in place (an allocation).
@@ -444,14 +446,59 @@ pub(crate) unsafe fn error_text(l: *mut ffi::lua_State, idx: c_int) -> String {
         // SAFETY: per the contract.
         if unsafe { ffi::lua_isinteger(l, idx) } != 0 {
             // SAFETY: per the contract.
-            return unsafe { ffi::lua_tointeger(l, idx) }.to_string();
+            return unsafe { ffi::lua_tointeger(l, idx) }
+                .to_string()
+                .into_bytes();
         }
         // SAFETY: per the contract.
-        return number_text(unsafe { ffi::lua_tonumber(l, idx) });
+        return number_text(unsafe { ffi::lua_tonumber(l, idx) }).into_bytes();
+    }
+    if t != ffi::LUA_TNONE {
+        // SAFETY: per the contract; the metamethod runs in a protected call whose results
+        // are read and popped here.
+        unsafe {
+            if ffi::lua_checkstack(l, 4) != 0 {
+                let r = protect(l, &[idx], &mut |l| {
+                    if ffi::luaL_getmetafield(l, 1, c"__tostring".as_ptr()) == 0 {
+                        return 0;
+                    }
+                    ffi::lua_pushvalue(l, 1);
+                    ffi::lua_call(l, 1, 1);
+                    1
+                });
+                match r {
+                    Ok(n) => {
+                        let b = (n == 1 && type_of(l, -1) == ffi::LUA_TSTRING)
+                            .then(|| to_bytes(l, -1))
+                            .flatten();
+                        ffi::lua_settop(l, -(n + 1));
+                        if let Some(b) = b {
+                            return b;
+                        }
+                    }
+                    Err(_) => ffi::lua_settop(l, -2),
+                }
+            }
+        }
     }
     // SAFETY: lua_typename returns a static NUL-terminated name.
     let name = unsafe { CStr::from_ptr(ffi::lua_typename(l, t)) };
-    format!("(error object is a {} value)", name.to_string_lossy())
+    format!("(error object is a {} value)", name.to_string_lossy()).into_bytes()
+}
+
+/// The bytes of the string (or number) at `idx`.
+///
+/// # Safety
+/// `l` is valid and `idx` an acceptable index.
+pub(crate) unsafe fn to_bytes(l: *mut ffi::lua_State, idx: c_int) -> Option<Vec<u8>> {
+    let mut len = 0usize;
+    // SAFETY: lua_tolstring returns null or a pointer to `len` bytes owned by the value.
+    let p = unsafe { ffi::lua_tolstring(l, idx, &mut len) };
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: as above; the bytes are copied before any other Lua call.
+    Some(unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len) }.to_vec())
 }
 
 /// A number as Lua writes it (`%.14g`).

@@ -1,0 +1,164 @@
+//! How `fibertrace run` shows a script's errors: as `lua` does (a value with `__tostring`
+//! shown through it, anything else without one named by its type) and byte-exact (an error
+//! message, or a fiber name, that is not UTF-8 is written as its bytes). Fiber names in the
+//! runtime's own text reports are quoted with escapes, so their bytes can be read back.
+
+use std::process::{Command, Stdio};
+
+const EXE: &str = env!("CARGO_BIN_EXE_fibertrace");
+
+/// Runs `src` as a script file; (stdout, stderr, exit code), as bytes.
+fn run(name: &str, src: &[u8]) -> (Vec<u8>, Vec<u8>, Option<i32>) {
+    let dir = std::env::temp_dir().join(format!("ft-errors-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, src).unwrap();
+    let o = Command::new(EXE)
+        .arg("run")
+        .arg(&path)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    (o.stdout, o.stderr, o.status.code())
+}
+
+/// The first line of `b` (without its end).
+fn first_line(b: &[u8]) -> &[u8] {
+    b.split(|&c| c == b'\n').next().unwrap()
+}
+
+#[test]
+fn a_main_script_error_object_is_shown_through_its_tostring() {
+    let (out, err, code) = run(
+        "tostring_main.lua",
+        b"print('before')\n\
+          error(setmetatable({}, {__tostring = function() return 'custom error 42' end}))\n",
+    );
+    assert_eq!(out, b"before\n");
+    assert_eq!(
+        first_line(&err),
+        b"custom error 42",
+        "{}",
+        String::from_utf8_lossy(&err)
+    );
+    assert_eq!(
+        err.split(|&c| c == b'\n').nth(1),
+        Some(&b"stack traceback:"[..])
+    );
+    assert_eq!(code, Some(1));
+}
+
+#[test]
+fn an_error_object_without_a_usable_tostring_is_named_by_its_type() {
+    for (what, src, shown) in [
+        (
+            "plain table",
+            "error({code = 1})",
+            "(error object is a table value)",
+        ),
+        (
+            "failing __tostring",
+            "error(setmetatable({}, {__tostring = function() error('inner') end}))",
+            "(error object is a table value)",
+        ),
+        (
+            "__tostring returning a table",
+            "error(setmetatable({}, {__tostring = function() return {} end}))",
+            "(error object is a table value)",
+        ),
+        (
+            "boolean",
+            "error(true)",
+            "(error object is a boolean value)",
+        ),
+        ("nil", "error(nil)", "(error object is a nil value)"),
+        ("number", "error(12.5, 0)", "12.5"),
+    ] {
+        let (_, err, code) = run("typed.lua", src.as_bytes());
+        assert_eq!(
+            first_line(&err),
+            shown.as_bytes(),
+            "{what}: {}",
+            String::from_utf8_lossy(&err)
+        );
+        assert_eq!(code, Some(1), "{what}");
+    }
+}
+
+#[test]
+fn a_fiber_error_object_is_reported_through_its_tostring() {
+    let (out, err, code) = run(
+        "tostring_fiber.lua",
+        b"local fiber = require('fiber')\n\
+          local f = fiber.create(function()\n\
+            fiber.name('worker')\n\
+            error(setmetatable({}, {__tostring = function() return 'obj boom' end}))\n\
+          end)\n\
+          print('after', f:status())\n",
+    );
+    assert_eq!(out, b"after\tdead\n");
+    let err = String::from_utf8(err).unwrap();
+    let first = err.lines().next().unwrap();
+    let id = first
+        .strip_prefix("fibertrace: fiber ")
+        .and_then(|r| r.split_once(' '))
+        .map(|(id, _)| id)
+        .unwrap_or_else(|| panic!("{err}"));
+    assert_eq!(
+        first,
+        format!("fibertrace: fiber {id} \"worker\" failed: obj boom")
+    );
+    assert_eq!(err.lines().nth(1), Some("stack traceback:"));
+    assert_eq!(code, Some(0));
+}
+
+#[test]
+fn error_messages_and_fiber_names_that_are_not_utf8_are_written_as_their_bytes() {
+    // A fiber's error, under a name that is not UTF-8.
+    let (_, err, code) = run(
+        "bytes_fiber.lua",
+        b"local fiber = require('fiber')\n\
+          fiber.create(function() fiber.name('w\\255\\254') error('bad \\200\\201 bytes', 0) end)\n",
+    );
+    let line = first_line(&err);
+    assert!(
+        line.ends_with(b" \"w\xff\xfe\" failed: bad \xc8\xc9 bytes"),
+        "{line:?}"
+    );
+    assert_eq!(code, Some(0));
+    // The main script's error.
+    let (_, err, code) = run("bytes_main.lua", b"error('main \\255 end', 0)\n");
+    assert_eq!(first_line(&err), b"main \xff end");
+    assert_eq!(code, Some(1));
+    // Through __tostring.
+    let (_, err, code) = run(
+        "bytes_tostring.lua",
+        b"error(setmetatable({}, {__tostring = function() return '\\192\\193' end}))\n",
+    );
+    assert_eq!(first_line(&err), b"\xc0\xc1");
+    assert_eq!(code, Some(1));
+}
+
+#[test]
+fn the_signal_dump_quotes_names_so_their_bytes_read_back() {
+    // (The signal is sent from the background: `system` ignores SIGQUIT while it waits.)
+    // SIGQUIT's dump is written by the runtime: names are quoted with escapes (a byte that
+    // is not UTF-8 as \xNN, a quote, a backslash and a line end escaped).
+    let (_, err, code) = run(
+        "dump_names.lua",
+        b"local fiber = require('fiber')\n\
+          local f = fiber.create(function() fiber.name('a\\255\"b\\\\c\\nd') fiber.sleep(10) end)\n\
+          local pid = io.open('/proc/self/stat'):read('*n')\n\
+          fiber.yield()\n\
+          os.execute('(sleep 0.05; kill -QUIT ' .. pid .. ') &')\n\
+          fiber.sleep(1)\n\
+          os.exit(0)\n",
+    );
+    let err = String::from_utf8(err).unwrap();
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("fiber ") && l.contains(r#" "a\xff\"b\\c\nd" ["#)),
+        "{err}"
+    );
+    assert_eq!(code, Some(0));
+}
