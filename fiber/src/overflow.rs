@@ -55,18 +55,25 @@ pub unsafe fn set_thread_handler(handler: Option<(OverflowHandler, usize)>) {
 pub const MAX_OPEN: usize = 32;
 
 /// One open reserve: its start (0: free slot), the fiber that overflowed, whether [`poll`]
-/// has told it to raise its error.
+/// has told it to raise its error, and the stack pointer it last told it at.
 struct Open {
     base: AtomicU64,
     fid: AtomicU64,
     raised: AtomicBool,
+    raised_sp: AtomicU64,
 }
+
+/// How much deeper into an open reserve a fiber must go, past where it was last told to
+/// raise, to be told again (a quarter of the reserve): code that catches the error and
+/// recurses again inside the reserve gets another error before the guard.
+pub const RAISE_AGAIN_BELOW: usize = crate::stack::RESERVE / 4;
 
 #[allow(clippy::declare_interior_mutable_const)]
 const FREE: Open = Open {
     base: AtomicU64::new(0),
     fid: AtomicU64::new(0),
     raised: AtomicBool::new(false),
+    raised_sp: AtomicU64::new(0),
 };
 
 static OPEN: [Open; MAX_OPEN] = [FREE; MAX_OPEN];
@@ -134,7 +141,8 @@ pub(crate) fn forget_reserve(base: u64, reprotect: bool) {
 pub enum Overflow {
     /// Nothing is open anywhere: the caller can stop polling.
     None,
-    /// This fiber overflowed and has not raised yet: raise the error now (once).
+    /// This fiber overflowed and has not raised yet (or went [`RAISE_AGAIN_BELOW`] deeper
+    /// since it last raised): raise the error now.
     Raise,
     /// A reserve is still open (this fiber's stack is still deep, or another fiber's): poll
     /// again later.
@@ -164,6 +172,14 @@ pub fn poll(sp: usize) -> Overflow {
             continue;
         }
         if !slot.raised.swap(true, Ordering::AcqRel) {
+            slot.raised_sp.store(sp as u64, Ordering::Relaxed);
+            return Overflow::Raise;
+        }
+        if (sp as u64).saturating_add(RAISE_AGAIN_BELOW as u64)
+            < slot.raised_sp.load(Ordering::Relaxed)
+        {
+            // Deeper again, by a quarter of the reserve, since the last error.
+            slot.raised_sp.store(sp as u64, Ordering::Relaxed);
             return Overflow::Raise;
         }
         // Closed once the caller's stack is back a margin above the reserve (8 KiB: room for

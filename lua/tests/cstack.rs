@@ -148,3 +148,46 @@ fn an_uncaught_overflow_is_the_scripts_error() {
         "{err}"
     );
 }
+
+/// After the error, going a quarter of the reserve deeper again gets another one: code that
+/// catches the error deep in the stack and recurses again ends in an error, not in the guard.
+/// (An `xpcall` message handler that recurses again still reaches the guard: it runs inside
+/// the hook that raised the error, where LuaJIT calls no hook.)
+#[test]
+fn recursing_again_after_the_error_raises_again_instead_of_reaching_the_guard() {
+    let src = r#"
+jit.off()
+local function deep(n)
+  string.gsub('a', 'a', function() deep(n + 1) end)
+end
+-- Caught deep (a pcall at every level), then deeper again from where it was caught.
+local again = 0
+local function catcher(n)
+  string.gsub('a', 'a', function()
+    local ok, e = pcall(catcher, n + 1)
+    if not ok then
+      if again < 3 then
+        again = again + 1
+        local ok2, e2 = pcall(deep, 0)
+        print('again', again, ok2, tostring(e2):sub(-16))
+      end
+      error(e, 0)
+    end
+  end)
+end
+local okc, ec = pcall(catcher, 0)
+print('caught', okc, tostring(ec):sub(-16))
+print('end')
+"#;
+    let (out, err, code) = run("again.lua", src, &[]);
+    assert_eq!(
+        out,
+        "again\t1\tfalse\tC stack overflow\n\
+         again\t2\tfalse\tC stack overflow\n\
+         again\t3\tfalse\tC stack overflow\n\
+         caught\tfalse\tC stack overflow\n\
+         end\n",
+        "{err}"
+    );
+    assert_eq!(code, Some(0), "{err}");
+}
