@@ -9,9 +9,12 @@ use fibertrace_core::codec::cbf::{self, WordSize};
 use fibertrace_core::codec::intern::StackStore;
 use fibertrace_core::codec::lws::LwsTrace;
 use fibertrace_core::codec::native::{self, ImageTable};
-use fibertrace_core::codec::synth::{self, Program, Rng};
+#[path = "../tests/synth/mod.rs"]
+mod synth;
+
 use fibertrace_core::Frame;
 use std::time::Instant;
+use synth::{Program, Rng};
 
 const LWS_TSV: &str = include_str!("../tests/data/lws-vectors.tsv");
 

@@ -2,8 +2,10 @@
 //! concurrency.
 
 use fibertrace_core::codec::intern::{StackId, StackStore};
-use fibertrace_core::codec::synth::{Program, Rng};
+mod synth;
+
 use std::sync::Arc;
+use synth::{Program, Rng};
 
 #[test]
 fn hundred_thousand_traces() {

@@ -3,7 +3,7 @@
 
 use fibertrace_core::codec::lws::LwsTrace;
 use fibertrace_core::codec::native;
-use fibertrace_core::codec::synth;
+mod synth;
 use fibertrace_core::codec::{cbf, Error};
 use fibertrace_core::Frame;
 

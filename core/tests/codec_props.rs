@@ -5,7 +5,9 @@
 #[allow(dead_code)]
 mod fuzz;
 
-use fibertrace_core::codec::synth::Rng;
+mod synth;
+
+use synth::Rng;
 
 fn inputs(seed: u64, n: usize) -> Vec<Vec<u8>> {
     let mut r = Rng::new(seed);

@@ -326,7 +326,7 @@ fn thousand_fibers_come_and_go_while_info_is_read_from_another_thread() {
             })
             .unwrap()
     });
-    let (mut reads, mut seen) = (0, 0usize);
+    let (mut reads, mut seen, mut checked) = (0, 0usize, 0u64);
     while !done.load(Ordering::Acquire) {
         let all = fibertrace_fiber::info::info(&InfoOptions {
             sample_running: false,
@@ -344,13 +344,14 @@ fn thousand_fibers_come_and_go_while_info_is_read_from_another_thread() {
                     n.iter().any(|x| x.contains("closure")) || n.iter().any(|x| x == "call_user"),
                     "{n:?}"
                 );
+                checked += 1;
             }
         }
     }
     assert_eq!(t.join().unwrap(), 499_500);
     assert!(
-        reads > 0 && seen > 1,
-        "reads {reads}, most fibers seen {seen}"
+        reads > 0 && seen > 1 && checked > 0,
+        "reads {reads}, most fibers seen {seen}, suspended traces checked {checked}"
     );
 }
 
@@ -484,14 +485,26 @@ fn parent_chain_of_depth_four() {
 fn parent_traces_can_be_turned_off() {
     let s = Scheduler::new();
     s.set_parent_traces(false);
-    let h = s.spawn(|| {
-        fibertrace_fiber::current()
-            .unwrap()
-            .parent_trace()
-            .is_none()
+    let off = s.block_on(|| {
+        let h = spawn(|| {
+            let none = fibertrace_fiber::current()
+                .unwrap()
+                .parent_trace()
+                .is_none();
+            yield_now();
+            none
+        });
+        // Seen from outside too: no parent section in its info.
+        yield_now();
+        let info = fiber_info(h.id(), &InfoOptions::default()).unwrap();
+        assert!(
+            info.parent_backtrace.is_empty(),
+            "{:?}",
+            info.parent_backtrace
+        );
+        h.join().unwrap()
     });
-    s.run().unwrap();
-    let _ = h;
+    assert!(off.unwrap(), "parent traces off, yet the fiber has one");
     let s = Scheduler::new();
     let on = s.block_on(|| {
         spawn(|| {

@@ -20,6 +20,4 @@ pub use error::Error;
 pub mod cbf;
 pub mod intern;
 pub mod native;
-#[doc(hidden)]
-pub mod synth;
 pub mod text;

@@ -9,8 +9,11 @@
 //! call sites (Zipf-weighted: a function's first site is taken most often) until it stops (12%
 //! per step) or reaches 48 frames, and ends in a 2-frame allocator wrapper.
 
-use super::native::{ImageRef, ImageTable};
-use crate::Frame;
+// Each test crate and the codec bench use a different part of it.
+#![allow(dead_code)]
+
+use fibertrace_core::codec::native::{ImageRef, ImageTable};
+use fibertrace_core::Frame;
 use std::collections::BTreeMap;
 
 /// A deterministic xorshift64* generator.
@@ -205,7 +208,9 @@ pub fn infer_tables(traces: &[Vec<Frame>]) -> Vec<ImageTable> {
 pub fn lws_corpus(tsv: &str) -> Vec<Vec<Frame>> {
     tsv.lines()
         .take(200)
-        .filter_map(|l| super::lws::LwsTrace::from_m_line(l.split('\t').next()?).ok())
+        .filter_map(|l| {
+            fibertrace_core::codec::lws::LwsTrace::from_m_line(l.split('\t').next()?).ok()
+        })
         .map(|t| t.to_frames())
         .collect()
 }
