@@ -63,9 +63,10 @@ struct Open {
     raised_sp: AtomicU64,
 }
 
-/// How much deeper into an open reserve a fiber must go, past where it was last told to
-/// raise, to be told again (a quarter of the reserve): code that catches the error and
-/// recurses again inside the reserve gets another error before the guard.
+/// How much deeper into an open reserve a fiber must go, past the shallowest point it came
+/// back to since it was last told to raise, to be told again (a quarter of the reserve): code
+/// that catches the error and recurses again inside the reserve (or a message handler that
+/// does, again and again) gets another error each time, before the guard.
 pub const RAISE_AGAIN_BELOW: usize = crate::stack::RESERVE / 4;
 
 #[allow(clippy::declare_interior_mutable_const)]
@@ -175,10 +176,14 @@ pub fn poll(sp: usize) -> Overflow {
             slot.raised_sp.store(sp as u64, Ordering::Relaxed);
             return Overflow::Raise;
         }
-        if (sp as u64).saturating_add(RAISE_AGAIN_BELOW as u64)
-            < slot.raised_sp.load(Ordering::Relaxed)
-        {
-            // Deeper again, by a quarter of the reserve, since the last error.
+        // The shallowest point since the last error: where it was caught, or a message
+        // handler running where it was raised.
+        let from = slot
+            .raised_sp
+            .fetch_max(sp as u64, Ordering::Relaxed)
+            .max(sp as u64);
+        if (sp as u64).saturating_add(RAISE_AGAIN_BELOW as u64) < from {
+            // Deeper again, by a quarter of the reserve, than it came back to.
             slot.raised_sp.store(sp as u64, Ordering::Relaxed);
             return Overflow::Raise;
         }

@@ -5,8 +5,9 @@
 //! nested `string.gsub` 58 levels, `table.sort` 2,147, `load` readers 947, `__tostring` in
 //! `string.format` 2,300, `coroutine.wrap` 6,439, each a crash there).
 //!
-//! LuaJIT only: Lua 5.4 counts its C levels itself and raises its own error at 200.
-#![cfg(feature = "luajit")]
+//! Lua 5.4 counts its C levels itself and raises its own error at 200: its fibers' stacks
+//! must hold those 200 levels on every path, also when Lua's C code is built without
+//! optimization (the last test).
 
 use std::process::Command;
 
@@ -33,6 +34,7 @@ fn run(name: &str, src: &str, args: &[&str]) -> (String, String, Option<i32>) {
 }
 
 /// One script per path: recursion through the C function until the error, counted.
+#[cfg(feature = "luajit")]
 const PATHS: &str = r#"
 local kind, jit_on = arg[1], arg[2] == 'on'
 if not jit_on then jit.off() end
@@ -62,6 +64,7 @@ print(ok, err:sub(-16), n)
 "#;
 
 #[test]
+#[cfg(feature = "luajit")]
 fn every_c_path_raises_c_stack_overflow_past_tarantools_depth() {
     // (path, Tarantool's depth at its crash)
     let paths = [
@@ -95,6 +98,7 @@ fn every_c_path_raises_c_stack_overflow_past_tarantools_depth() {
 /// had set is back afterwards; an overflow nobody catches ends its fiber with the error, and
 /// the program goes on.
 #[test]
+#[cfg(feature = "luajit")]
 fn overflows_are_caught_again_in_every_fiber_and_the_program_goes_on() {
     let src = r#"local fiber = require('fiber')
 local function r() fiber.yield(); return (string.gsub('a', 'a', function() return r() end)) end
@@ -135,6 +139,7 @@ print('after')
 /// A script whose main chunk overflows without catching it fails as with any error: the
 /// message, exit code 1, and what it printed before is kept.
 #[test]
+#[cfg(feature = "luajit")]
 fn an_uncaught_overflow_is_the_scripts_error() {
     let src = "print('before')\n\
                local function r() return (string.gsub('a', 'a', function() return r() end)) end\n\
@@ -154,6 +159,7 @@ fn an_uncaught_overflow_is_the_scripts_error() {
 /// (An `xpcall` message handler that recurses again still reaches the guard: it runs inside
 /// the hook that raised the error, where LuaJIT calls no hook.)
 #[test]
+#[cfg(feature = "luajit")]
 fn recursing_again_after_the_error_raises_again_instead_of_reaching_the_guard() {
     let src = r#"
 jit.off()
@@ -186,6 +192,156 @@ print('end')
          again\t2\tfalse\tC stack overflow\n\
          again\t3\tfalse\tC stack overflow\n\
          caught\tfalse\tC stack overflow\n\
+         end\n",
+        "{err}"
+    );
+    assert_eq!(code, Some(0), "{err}");
+}
+
+#[test]
+#[cfg(feature = "luajit")]
+fn an_overflow_inside_a_gc_finalizer_is_the_finalizers_error_and_the_program_goes_on() {
+    // LuaJIT runs finalizers with hooks off; the overflow must still become an error there.
+    let src = r#"
+jit.off()
+local depth = 0
+local function f() depth = depth + 1; string.gsub('a', 'a', f) end
+local p = newproxy(true)
+getmetatable(p).__gc = function()
+  local ok, e = pcall(f)
+  print('in finalizer', ok, tostring(e):sub(-16), depth > 50)
+  depth = 0
+  f() -- uncaught: the finalizer's error
+end
+p = nil
+collectgarbage()
+collectgarbage()
+-- The next overflow, outside any finalizer, is caught as before.
+depth = 0
+local ok, e = pcall(f)
+print('after', ok, tostring(e):sub(-16), depth > 50)
+print('end')
+"#;
+    let (out, err, code) = run("gc.lua", src, &[]);
+    assert_eq!(
+        out,
+        "in finalizer\tfalse\tC stack overflow\ttrue\n\
+         after\tfalse\tC stack overflow\ttrue\n\
+         end\n",
+        "{err}"
+    );
+    assert!(
+        err.contains("ERROR in finalizer: ") && err.contains("C stack overflow"),
+        "{err}"
+    );
+    assert_eq!(code, Some(0), "{err}");
+}
+
+#[test]
+#[cfg(feature = "luajit")]
+fn a_message_handler_that_overflows_again_gets_error_in_error_handling() {
+    // The handler runs inside the hook that raised the first error, deep in the reserve; one
+    // that catches each new overflow gets it again every time, not the guard.
+    let src = r#"
+jit.off()
+local function f() string.gsub('a', 'a', f) end
+local calls = 0
+local function handler(e)
+  calls = calls + 1
+  f()
+  return e
+end
+local ok, e = xpcall(f, handler)
+print('xpcall', ok, e, calls)
+-- A handler that catches each new overflow and nests again, five times.
+local caught = 0
+local function patient(e)
+  for _ = 1, 5 do
+    local okf, ef = pcall(f)
+    if not okf and tostring(ef):sub(-16) == 'C stack overflow' then caught = caught + 1 end
+  end
+  return 'handled ' .. caught
+end
+print('patient', xpcall(f, patient))
+local ok2, e2 = pcall(f)
+print('after', ok2, tostring(e2):sub(-16))
+print('end')
+"#;
+    let (out, err, code) = run("handler.lua", src, &[]);
+    assert_eq!(
+        out,
+        "xpcall\tfalse\terror in error handling\t1\n\
+         patient\tfalse\thandled 5\n\
+         after\tfalse\tC stack overflow\n\
+         end\n",
+        "{err}"
+    );
+    assert_eq!(code, Some(0), "{err}");
+}
+
+#[test]
+#[cfg(feature = "lua54")]
+fn lua54_raises_its_own_c_stack_overflow_on_every_path_inside_the_fiber_stack() {
+    let src = r#"
+local function gsub(n) string.gsub('a', 'a', function() gsub(n + 1) end) end
+local function sort(n) table.sort({1, 2}, function(a, b) sort(n + 1) return a < b end) end
+local mt = {}
+mt.__tostring = function() return string.format('%s', setmetatable({}, mt)) end
+local function format() return tostring(setmetatable({}, mt)) end
+local function coro() coroutine.wrap(coro)() end
+local function reader()
+  local done = false
+  local g, e = load(function() if done then return nil end done = true; reader(); return 'return 1' end)
+  if not g then error(e, 0) end
+end
+local ix = {}
+ix.__index = function(t, k) return setmetatable({}, ix)[k] end
+local function index() return setmetatable({}, ix).x end
+local function parse() assert(load(string.rep('(', 250) .. '1' .. string.rep(')', 250))) end
+for _, c in ipairs({gsub, sort, format, coro, reader, index, parse}) do
+  for _ = 1, 2 do
+    local ok, e = pcall(c, 0)
+    io.write(tostring(ok), ' ', tostring(e):sub(-16), ';')
+  end
+  print()
+end
+print('end')
+"#;
+    let (out, err, code) = run("paths54.lua", src, &[]);
+    let line = "false C stack overflow;false C stack overflow;\n";
+    assert_eq!(out, format!("{}end\n", line.repeat(7)), "{err}");
+    assert_eq!(code, Some(0), "{err}");
+}
+
+#[test]
+#[cfg(feature = "luajit")]
+fn a_hook_set_while_the_reserve_is_open_waits_and_the_next_overflow_is_still_caught() {
+    // debug.sethook deep down (in a message handler, before the stack unwinds) must not
+    // replace the hook that closes the reserve: it is set once the reserve is closed.
+    let src = r#"
+jit.off()
+local function f() string.gsub('a', 'a', f) end
+local count = 0
+local function h() count = count + 1 end
+print(xpcall(f, function(e) debug.sethook(h, '', 100) return 'handled' end))
+local ok, e = pcall(f)
+print(ok, tostring(e):sub(-16))
+print(count > 0, debug.gethook() == h)
+debug.sethook()
+print(xpcall(f, function(e) debug.sethook() return 'handled' end))
+print(pcall(f))
+print(debug.gethook())
+print('end')
+"#;
+    let (out, err, code) = run("sethook.lua", src, &[]);
+    assert_eq!(
+        out,
+        "false\thandled\n\
+         false\tC stack overflow\n\
+         true\ttrue\n\
+         false\thandled\n\
+         false\tsethook.lua:3: C stack overflow\n\
+         nil\t\t0\n\
          end\n",
         "{err}"
     );

@@ -52,7 +52,8 @@ fn vm_size_kb(fibers: usize) -> u64 {
 
 #[test]
 fn fiber_create_past_the_address_space_limit_is_a_lua_error_and_the_program_goes_on() {
-    // Room for about 40 fiber stacks (1 MiB each, plus 320 KiB of reserve and guard).
+    // Room for about 40 fiber stacks (plus 320 KiB of reserve and guard each).
+    let stack = fibertrace_lua::LuaHost::FIBER_STACK;
     let base = vm_size_kb(0);
     let src = r#"
         local fiber = require('fiber')
@@ -73,15 +74,20 @@ fn fiber_create_past_the_address_space_limit_is_a_lua_error_and_the_program_goes
         print('again', again == n)
         os.exit(0)
     "#;
-    let o = run("as_limit.lua", src, &[], Some(base + 40 * 1320));
+    let o = run(
+        "as_limit.lua",
+        src,
+        &[],
+        Some(base + 40 * (stack as u64 / 1024 + 320)),
+    );
     let lines: Vec<&str> = o.stdout.lines().collect();
     assert_eq!(lines.first(), Some(&"before"), "{}", o.stdout);
     let err = lines.get(1).copied().unwrap_or_default();
     assert!(
-        err.starts_with(
-            "false\tfiber.create: cannot create a fiber: its 1048576-byte stack does not fit in \
+        err.starts_with(&format!(
+            "false\tfiber.create: cannot create a fiber: its {stack}-byte stack does not fit in \
              the address-space limit (RLIMIT_AS, ulimit -v) of "
-        ) && err.contains(" bytes (Cannot allocate memory (os error 12); "),
+        )) && err.contains(" bytes (Cannot allocate memory (os error 12); "),
         "{err}"
     );
     assert_eq!(

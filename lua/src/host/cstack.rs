@@ -11,11 +11,26 @@
 //! consistent, and `pcall` catches it as any error. Later hook calls close the reserve once the
 //! stack has unwound above it, and then put back the hook that was there before.
 //!
+//! **Where LuaJIT calls no hook.** LuaJIT runs `__gc` finalizers, and a hook's own code
+//! (with it an `xpcall` message handler run for an error the hook raised), with its
+//! "hook active" flag set, and calls no hook while it is set: an overflow there would reach
+//! the guard. The flag is a bit of `global_State::hookmask`, which the public API does not
+//! show; [`install`] finds that byte by probing (it checks the state's allocator fields at the
+//! start of `global_State`, then sets hook masks and looks for the one byte that follows them
+//! all). When found, the fault handler clears the flag before it sets the hook, and the hook
+//! clears it before it raises: the error is then raised inside the finalizer (reported as the
+//! finalizer's error; the program goes on) or inside the message handler (`error in error
+//! handling`, which `xpcall` returns). LuaJIT puts the flag back as it leaves the finalizer or
+//! the hook. Inside a finalizer or a hook that caught such an error, hooks (ours, or the
+//! script's) may then run for the rest of it. When the probe finds nothing (another LuaJIT
+//! layout), those overflows reach the guard as before.
+//!
 //! How it can be wrong: while a reserve is open, a hook set before ours is not called (it is
-//! restored afterwards), and one set meanwhile by the script (`debug.sethook`) replaces ours,
-//! so the reserve stays open until the fiber ends: a second overflow of that fiber then stops
-//! the process. JIT-compiled code calls no hooks: the error comes when the trace exits to the
-//! interpreter. C code that recurses through the whole reserve (256 KiB) without running a Lua
+//! restored afterwards), nor one the script sets meanwhile with `debug.sethook` (which the
+//! host wraps: the new hook is kept and set once no reserve is open). A hook set meanwhile
+//! from C (`lua_sethook`) replaces ours, so the reserve stays open until the fiber ends: a
+//! second overflow of that fiber then stops the process. JIT-compiled code calls no hooks:
+//! the error comes when the trace exits to the interpreter. C code that recurses through the whole reserve (256 KiB) without running a Lua
 //! instruction reaches the guard, and the process stops with the overflow report. The main
 //! Lua state's stack (code run outside any fiber, through [`crate::LuaHost::lua`]) has no
 //! reserve.
@@ -25,22 +40,173 @@
 
 use mlua::ffi;
 use std::ffi::c_int;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Levels looked at for the error's position.
 const WHERE_LEVELS: c_int = 8;
 
 /// Registers the overflow handler for this thread's fibers, with `l` (the main state).
 pub(crate) fn install(l: *mut ffi::lua_State) {
+    if HOOKMASK_AT.load(Ordering::Relaxed) == 0 {
+        // SAFETY: `l` is the host's main state, running nothing (see `probe_hookmask`).
+        if let Some(at) = unsafe { probe_hookmask(l) } {
+            HOOKMASK_AT.store(at, Ordering::Relaxed);
+        }
+    }
+    // SAFETY: `l` is the host's main state, running nothing; the stack is put back.
+    unsafe { keep_sethook(l) };
     // SAFETY: `on_overflow` only reads and sets Lua hook fields (what Lua allows a signal
     // handler); `l`, the host's main state, outlives the registration (`uninstall` runs first
     // when the host is dropped).
     unsafe { fibertrace_fiber::overflow::set_thread_handler(Some((on_overflow, l as usize))) };
 }
 
+/// Wraps `debug.sethook` (when the state has it) so that a hook the script sets while a
+/// reserve is open does not replace ours: it is kept as the hook to put back once no reserve
+/// is open, as a hook set before the overflow is. Without this, the reserve would stay open
+/// and the fiber's next overflow would reach the guard. (Meanwhile `debug.gethook()` answers
+/// `external hook`.)
+///
+/// # Safety
+/// `l` is a live LuaJIT state running nothing.
+unsafe fn keep_sethook(l: *mut ffi::lua_State) {
+    // SAFETY: plain stack operations on a live state; the stack's top is restored.
+    unsafe {
+        let top = ffi::lua_gettop(l);
+        ffi::lua_getglobal(l, c"debug".as_ptr());
+        if ffi::lua_type(l, -1) == ffi::LUA_TTABLE {
+            ffi::lua_getfield(l, -1, c"sethook".as_ptr());
+            if ffi::lua_type(l, -1) == ffi::LUA_TFUNCTION {
+                ffi::lua_pushcclosure(l, sethook_kept, 1);
+                ffi::lua_setfield(l, -2, c"sethook".as_ptr());
+            }
+        }
+        ffi::lua_settop(l, top);
+    }
+}
+
+/// `debug.sethook` as wrapped by [`keep_sethook`]: the original (upvalue 1) is called with
+/// the same arguments; if our hook was set before it and is not after, the new hook is saved
+/// to be put back later and ours is set again.
+unsafe extern "C-unwind" fn sethook_kept(l: *mut ffi::lua_State) -> c_int {
+    // SAFETY: `l` is the calling state; an error of the original propagates through this
+    // frame, which owns nothing to drop. SAVED is written on this thread outside any fault
+    // handler: `on_overflow` writes it only while our hook is not set, and here it is.
+    unsafe {
+        let ours = Some(hook as ffi::lua_Hook as usize);
+        let was_ours = ffi::lua_gethook(l).map(|f| f as usize) == ours;
+        let n = ffi::lua_gettop(l);
+        ffi::lua_pushvalue(l, ffi::lua_upvalueindex(1));
+        ffi::lua_insert(l, 1);
+        ffi::lua_call(l, n, 0);
+        if was_ours && ffi::lua_gethook(l).map(|f| f as usize) != ours {
+            let saved = &mut *std::ptr::addr_of_mut!(SAVED);
+            saved.hook = ffi::lua_gethook(l);
+            saved.mask = ffi::lua_gethookmask(l);
+            saved.count = ffi::lua_gethookcount(l);
+            ffi::lua_sethook(l, Some(hook), ffi::LUA_MASKCOUNT | ffi::LUA_MASKCALL, 1);
+        }
+        0
+    }
+}
+
 /// Removes it (the host is going away).
 pub(crate) fn uninstall() {
     // SAFETY: removing the handler asks nothing.
     unsafe { fibertrace_fiber::overflow::set_thread_handler(None) };
+}
+
+/// LuaJIT's "hook active" bit of `global_State::hookmask` (`HOOK_ACTIVE` in `lj_obj.h`).
+const HOOK_ACTIVE: u8 = 0x10;
+/// Offset of `lua_State::glref` (the pointer to `global_State`) with 64-bit GC references:
+/// after the GC header (`nextgc`, `marked`, `gct`), `dummy_ffid` and `status`.
+const GLREF_AT: usize = 16;
+/// Bytes of `global_State` searched for the hook mask (it follows the allocator, the GC
+/// state and the empty string, about 100 bytes in; the structure is several KiB long).
+const PROBE_BYTES: usize = 256;
+
+/// Offset of `hookmask` in `global_State` (0: not found, the flag is left alone).
+static HOOKMASK_AT: AtomicUsize = AtomicUsize::new(0);
+
+/// The address of `global_State::hookmask` of `l`'s Lua universe, when it was found.
+///
+/// # Safety
+/// `l` is a live LuaJIT state.
+unsafe fn hookmask(l: *mut ffi::lua_State) -> Option<*mut u8> {
+    let at = HOOKMASK_AT.load(Ordering::Relaxed);
+    if at == 0 {
+        return None;
+    }
+    // SAFETY: the probe checked that the word at GLREF_AT of a state is its global_State
+    // (its allocator fields matched), a structure longer than PROBE_BYTES.
+    unsafe {
+        let g = (l as *const u8)
+            .add(GLREF_AT)
+            .cast::<*mut u8>()
+            .read_unaligned();
+        Some(g.add(at))
+    }
+}
+
+/// Finds `hookmask` in `l`'s `global_State`: the word at [`GLREF_AT`] must point to a
+/// structure that starts with the state's allocator function and data (as `lua_getallocf`
+/// gives them), and exactly one byte of its first [`PROBE_BYTES`] must read as the event mask
+/// of every hook set in turn. The hook that was set is put back.
+///
+/// # Safety
+/// `l` is a live LuaJIT state running nothing (no hook active).
+unsafe fn probe_hookmask(l: *mut ffi::lua_State) -> Option<usize> {
+    unsafe extern "C-unwind" fn nothing(_l: *mut ffi::lua_State, _ar: *mut ffi::lua_Debug) {}
+    // SAFETY: `l` is live; the reads stay inside the global_State once its first two words
+    // are known to be the allocator's (the pointer is not followed before that check
+    // passes, and is non-null); the hook calls are the public API.
+    unsafe {
+        let g = (l as *const u8)
+            .add(GLREF_AT)
+            .cast::<*const u8>()
+            .read_unaligned();
+        if g.is_null() || !g.cast::<usize>().is_aligned() {
+            return None;
+        }
+        let mut ud = std::ptr::null_mut();
+        let allocf = ffi::lua_getallocf(l, &mut ud);
+        let words = g.cast::<usize>();
+        if words.read() != allocf as usize || words.add(1).read() != ud as usize {
+            return None;
+        }
+        let before = (
+            ffi::lua_gethook(l),
+            ffi::lua_gethookmask(l),
+            ffi::lua_gethookcount(l),
+        );
+        let masks = [
+            ffi::LUA_MASKCALL,
+            ffi::LUA_MASKRET,
+            ffi::LUA_MASKLINE,
+            ffi::LUA_MASKCOUNT,
+            ffi::LUA_MASKCALL | ffi::LUA_MASKCOUNT,
+            0,
+        ];
+        let mut candidates = [true; PROBE_BYTES];
+        candidates[..2 * std::mem::size_of::<usize>()].fill(false);
+        for mask in masks {
+            let hook = if mask == 0 {
+                None
+            } else {
+                Some(nothing as ffi::lua_Hook)
+            };
+            ffi::lua_sethook(l, hook, mask, 1000);
+            for (i, c) in candidates.iter_mut().enumerate() {
+                *c = *c && g.add(i).read() & 0x0f == mask as u8;
+            }
+        }
+        ffi::lua_sethook(l, before.0, before.1, before.2);
+        let mut found = candidates.iter().enumerate().filter(|(_, c)| **c);
+        match (found.next(), found.next()) {
+            (Some((i, _)), None) => Some(i),
+            _ => None,
+        }
+    }
 }
 
 /// The hook found before ours: function, mask, count (restored when no reserve is open).
@@ -64,7 +230,9 @@ unsafe fn on_overflow(ctx: usize, _fid: u64) {
     // the hook fields and `lua_sethook` are what Lua allows in a signal handler. SAVED is
     // written here and read by the hook, both on this thread, never at once (the hook runs
     // between instructions; a fault inside the hook finds our hook installed and skips the
-    // write).
+    // write). The hook mask byte (when found) is written as `lua_sethook` writes its
+    // neighbour bits: a plain store on the interrupted thread, whose faulting instruction
+    // was a stack access, not an update of that byte.
     unsafe {
         // (Compared by address: `hook` is taken in this module only.)
         if ffi::lua_gethook(l).map(|f| f as usize) != Some(hook as ffi::lua_Hook as usize) {
@@ -72,6 +240,10 @@ unsafe fn on_overflow(ctx: usize, _fid: u64) {
             saved.hook = ffi::lua_gethook(l);
             saved.mask = ffi::lua_gethookmask(l);
             saved.count = ffi::lua_gethookcount(l);
+        }
+        // In a finalizer or a hook (see the module docs), let the hook run.
+        if let Some(mask) = hookmask(l) {
+            *mask &= !HOOK_ACTIVE;
         }
         ffi::lua_sethook(l, Some(hook), ffi::LUA_MASKCOUNT | ffi::LUA_MASKCALL, 1);
     }
@@ -86,7 +258,8 @@ unsafe extern "C-unwind" fn hook(l: *mut ffi::lua_State, _ar: *mut ffi::lua_Debu
     match fibertrace_fiber::overflow::poll(sp) {
         fibertrace_fiber::overflow::Overflow::Raise => {
             // SAFETY: `l` is the running state (a hook's argument); the message is built on
-            // its stack and raised from this C-unwind frame, which owns nothing to drop.
+            // its stack and raised from this C-unwind frame, which owns nothing to drop. The
+            // hook mask byte belongs to `l`'s universe and is written on its own thread.
             unsafe {
                 // Where: the innermost Lua function with a line (at a call hook the running
                 // one has none yet; its caller may be a C function).
@@ -99,6 +272,11 @@ unsafe extern "C-unwind" fn hook(l: *mut ffi::lua_State, _ar: *mut ffi::lua_Debu
                 }
                 ffi::lua_pushstring(l, c"C stack overflow".as_ptr());
                 ffi::lua_concat(l, 2);
+                // Hooks stay callable while the error is handled (a message handler that
+                // nests C calls again), and where the error is caught inside a finalizer.
+                if let Some(mask) = hookmask(l) {
+                    *mask &= !HOOK_ACTIVE;
+                }
                 ffi::lua_error(l);
             }
         }

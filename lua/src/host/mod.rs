@@ -256,6 +256,18 @@ impl LuaHost {
         Self::make(true)
     }
 
+    /// The stack size of every Lua fiber (reserved, not committed: an untouched page costs
+    /// no memory). LuaJIT: 1 MiB, twice Tarantool's 512 KiB (its C functions nest deep: a
+    /// `string.gsub` callback level takes over 8 KiB; past the stack, the fiber gets
+    /// `C stack overflow`). Lua 5.4: 4 MiB, so that the 200 C levels after which Lua raises
+    /// `C stack overflow` itself fit on every path, also when Lua's C code is built without
+    /// optimization (a level then takes up to ~5.5 KiB).
+    pub const FIBER_STACK: usize = if cfg!(feature = "luajit") {
+        1 << 20
+    } else {
+        4 << 20
+    };
+
     fn make(own_allocator: bool) -> Result<LuaHost, String> {
         crate::prepare();
         if HOST.with(|h| h.borrow().is_some()) {
@@ -267,10 +279,8 @@ impl LuaHost {
             parent_traces: false,
             report_panics: false,
             name: "lua".into(),
-            // Twice Tarantool's 512 KiB: LuaJIT's C functions nest deep (a `string.gsub`
-            // callback level takes over 8 KiB). Reserved, not committed: an untouched page
-            // costs no memory.
-            stack_size: 1 << 20,
+            // Reserved, not committed: an untouched page costs no memory.
+            stack_size: Self::FIBER_STACK,
             ..SchedulerOptions::default()
         });
         // SAFETY: `l` is the main state of a Lua just created on this thread, used by nothing
