@@ -162,3 +162,41 @@ fn the_signal_dump_quotes_names_so_their_bytes_read_back() {
     );
     assert_eq!(code, Some(0));
 }
+
+#[test]
+fn script_names_and_arguments_that_are_not_utf8_reach_the_script_as_their_bytes() {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = std::env::temp_dir().join(format!("ft-errors-args-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let name = std::ffi::OsStr::from_bytes(b"n\xfe.lua");
+    std::fs::write(
+        dir.join(name),
+        b"io.write(arg[0], '|', select('#', ...), '|', arg[1], '|', arg[2], '|', ..., '\\n')\n\
+          error('bad \\255 ' .. arg[1])\n",
+    )
+    .unwrap();
+    let o = Command::new(EXE)
+        .arg("run")
+        .arg(name)
+        .arg(std::ffi::OsStr::from_bytes(b"a\xffb"))
+        .arg("-h")
+        .current_dir(&dir)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(o.stdout, b"n\xfe.lua|2|a\xffb|-h|a\xffb\n");
+    assert_eq!(first_line(&o.stderr), b"n\xfe.lua:2: bad \xff a\xffb");
+    assert_eq!(o.status.code(), Some(1));
+    // A script that cannot be opened is named by its bytes too.
+    let o = Command::new(EXE)
+        .arg("run")
+        .arg(std::ffi::OsStr::from_bytes(b"no\xfe.lua"))
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert_eq!(
+        o.stderr,
+        b"fibertrace: no\xfe.lua: No such file or directory (os error 2)\n"
+    );
+    assert_eq!(o.status.code(), Some(1));
+}

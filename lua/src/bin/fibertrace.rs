@@ -124,6 +124,8 @@ fn cli() -> Command {
                         .num_args(1..)
                         .trailing_var_arg(true)
                         .allow_hyphen_values(true)
+                        // Any bytes, as `lua` takes them (a file name need not be UTF-8).
+                        .value_parser(clap::value_parser!(std::ffi::OsString))
                         .help(
                             "The script (`-` for standard input), then its arguments \
                              (arg[1], arg[2], ... and `...`)",
@@ -347,30 +349,36 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
         });
     }
     let mut all = m
-        .get_many::<String>("script")
+        .get_many::<std::ffi::OsString>("script")
         .map(|v| v.cloned().collect::<Vec<_>>())
         .unwrap_or_default()
         .into_iter();
     let script = all.next().unwrap_or_default();
-    let args: Vec<String> = all.collect();
+    let args: Vec<Vec<u8>> = all.map(|a| a.into_encoded_bytes()).collect();
+    let args: Vec<&[u8]> = args.iter().map(|a| a.as_slice()).collect();
     if let Err(e) = install_signals() {
         err!("fibertrace: {e}");
         return ExitCode::from(1);
     }
     // SAFETY: registers a function that only takes a count and writes it with write(2).
     unsafe { libc::atexit(say_suppressed_at_exit) };
-    let (shown, read) = if script == "-" {
-        ("<stdin>", read_script(io::stdin().lock()))
+    let script_bytes = script.as_encoded_bytes();
+    let (shown, read): (&[u8], _) = if script == "-" {
+        (b"<stdin>", read_script(io::stdin().lock()))
     } else {
         (
-            script.as_str(),
+            script_bytes,
             std::fs::File::open(&script).and_then(read_script),
         )
     };
     let source = match read {
         Ok(b) => b,
         Err(e) => {
-            err!("fibertrace: {shown}: {e}");
+            // The name as its bytes, as the shell passed it.
+            let mut m = b"fibertrace: ".to_vec();
+            m.extend_from_slice(shown);
+            m.extend_from_slice(format!(": {e}\n").as_bytes());
+            let _ = io::stderr().write_all(&m);
             return ExitCode::from(1);
         }
     };
@@ -383,14 +391,15 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let interpreter = std::env::args()
+    // (`args_os`: an interpreter path that is not UTF-8 is kept, not a panic.)
+    let interpreter = std::env::args_os()
         .next()
         .unwrap_or_else(|| "fibertrace".into());
-    host.set_arg(&interpreter, &script, &args);
+    host.set_arg(interpreter.as_encoded_bytes(), script_bytes, &args);
     let chunk = if script == "-" {
-        "=stdin".to_string()
+        b"=stdin".to_vec()
     } else {
-        format!("@{script}")
+        [b"@", script_bytes].concat()
     };
     let code = match host.run_main(&chunk, &source, &args) {
         Ok(()) => 0,

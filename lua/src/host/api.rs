@@ -869,9 +869,9 @@ lua_fn!(f_new, new_body);
 
 /// Runs the main chunk in the current fiber (the scheduler's main fiber).
 pub(crate) fn run_main_fiber(
-    name: &str,
+    name: &[u8],
     source: &[u8],
-    args: &[String],
+    args: &[Vec<u8>],
 ) -> Result<(), ScriptError> {
     let err = ScriptError::text;
     let Some(main_l) = with_host(|h| h.main_l) else {
@@ -898,7 +898,12 @@ pub(crate) fn run_main_fiber(
         return Err(err("fibertrace: not in a fiber".into()));
     };
     let fid = me.id();
-    let chunkname = std::ffi::CString::new(name.replace('\0', "?")).unwrap_or_default();
+    let chunkname = std::ffi::CString::new(
+        name.iter()
+            .map(|&b| if b == 0 { b'?' } else { b })
+            .collect::<Vec<u8>>(),
+    )
+    .unwrap_or_default();
     // SAFETY: `t` is a clean thread of this host, idle; the source bytes outlive the load.
     // The arguments are pushed in a protected call (as many as the stack takes: past it, or
     // out of memory, the script does not start, with the error said).
@@ -915,7 +920,7 @@ pub(crate) fn run_main_fiber(
                 }
                 // (LuaJIT grows the stack at each push, or raises `stack overflow`.)
                 for a in args {
-                    push_str(t, a);
+                    ffi::lua_pushlstring(t, a.as_ptr().cast(), a.len());
                 }
                 args.len() as c_int
             });

@@ -327,10 +327,15 @@ impl LuaHost {
     /// # Errors
     /// The script's error with its traceback; a syntax error; a deadlock (every fiber waits
     /// and no timer is set).
-    pub fn run_main(&self, name: &str, source: &[u8], args: &[String]) -> Result<(), ScriptError> {
-        let name = name.to_string();
+    pub fn run_main(
+        &self,
+        name: impl AsRef<[u8]>,
+        source: &[u8],
+        args: &[&[u8]],
+    ) -> Result<(), ScriptError> {
+        let name = name.as_ref().to_vec();
         let source = source.to_vec();
-        let args = args.to_vec();
+        let args: Vec<Vec<u8>> = args.iter().map(|a| a.to_vec()).collect();
         let r = self
             .scheduler()
             .block_on(move || api::run_main_fiber(&name, &source, &args));
@@ -355,20 +360,30 @@ impl LuaHost {
     }
 
     /// Sets `arg` as the `lua` interpreter does: `arg[0]` the script, `arg[1..]` its
-    /// arguments, `arg[-1]` the interpreter.
-    pub fn set_arg(&self, interpreter: &str, script: &str, args: &[String]) {
+    /// arguments, `arg[-1]` the interpreter, each as its bytes (UTF-8 or not).
+    pub fn set_arg(
+        &self,
+        interpreter: impl AsRef<[u8]>,
+        script: impl AsRef<[u8]>,
+        args: &[&[u8]],
+    ) {
+        /// Pushes `b` as a Lua string (`l` is a live state with room on its stack).
+        unsafe fn push(l: *mut ffi::lua_State, b: &[u8]) {
+            // SAFETY: the pointer and length describe `b`; Lua copies the bytes.
+            unsafe { ffi::lua_pushlstring(l, b.as_ptr().cast(), b.len()) };
+        }
         let Some(l) = with_host(|h| h.main_l) else {
             return;
         };
         // SAFETY: main state of this thread's host, no Lua running on it from here.
         unsafe {
             ffi::lua_createtable(l, args.len() as c_int, 2);
-            raw::push_str(l, interpreter);
+            push(l, interpreter.as_ref());
             ffi::lua_rawseti(l, -2, -1);
-            raw::push_str(l, script);
+            push(l, script.as_ref());
             ffi::lua_rawseti(l, -2, 0);
             for (i, a) in args.iter().enumerate() {
-                raw::push_str(l, a);
+                push(l, a);
                 ffi::lua_rawseti(l, -2, i as ffi::lua_Integer + 1);
             }
             ffi::lua_setglobal(l, c"arg".as_ptr());
