@@ -361,12 +361,7 @@ impl LuaHost {
 
     /// Sets `arg` as the `lua` interpreter does: `arg[0]` the script, `arg[1..]` its
     /// arguments, `arg[-1]` the interpreter, each as its bytes (UTF-8 or not).
-    pub fn set_arg(
-        &self,
-        interpreter: impl AsRef<[u8]>,
-        script: impl AsRef<[u8]>,
-        args: &[&[u8]],
-    ) {
+    pub fn set_arg(&self, interpreter: impl AsRef<[u8]>, script: impl AsRef<[u8]>, args: &[&[u8]]) {
         /// Pushes `b` as a Lua string (`l` is a live state with room on its stack).
         unsafe fn push(l: *mut ffi::lua_State, b: &[u8]) {
             // SAFETY: the pointer and length describe `b`; Lua copies the bytes.
