@@ -33,10 +33,10 @@ fn hex(b: &[u8]) -> String {
 
 impl Symbolizer {
     /// Opens the files (directories are searched later, by build id).
-    pub fn new(paths: &[String]) -> Result<Self, String> {
+    pub fn new<P: AsRef<std::path::Path>>(paths: &[P]) -> Result<Self, String> {
         let mut s = Self::default();
         for p in paths {
-            let pb = PathBuf::from(p);
+            let pb = p.as_ref().to_path_buf();
             if pb.is_dir() {
                 s.dirs.push(pb);
             } else {

@@ -283,3 +283,29 @@ fn each_line_is_written_out_before_waiting_for_more_input() {
     assert_eq!(String::from_utf8_lossy(&o.stderr), "");
     assert_eq!(o.status.code(), Some(0));
 }
+
+#[test]
+fn file_names_that_are_not_utf8_are_opened() {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = std::env::temp_dir().join(format!("ft-decode-names-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let name = std::ffi::OsStr::from_bytes(b"log\xfe.txt");
+    std::fs::write(dir.join(name), "alloc ~m#IF0BmUQugNCkgCnkhdAYpQa6wAAV\n").unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_fibertrace"))
+        .arg("decode")
+        .arg(name)
+        .arg(std::ffi::OsStr::from_bytes(b"missing\xfe.txt"))
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8(o.stdout).unwrap(),
+        "~b#size: 7520, 0x406651 0x406852 0x406c1b 0x406294 \n"
+    );
+    // The missing one is named (not UTF-8: shown with a replacement character).
+    assert_eq!(
+        String::from_utf8(o.stderr).unwrap(),
+        "fibertrace: missing\u{fffd}.txt: No such file or directory (os error 2)\n"
+    );
+    assert_eq!(o.status.code(), Some(1));
+}

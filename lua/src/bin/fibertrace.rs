@@ -151,6 +151,7 @@ fn cli() -> Command {
                         .long("exe")
                         .value_name("BINARY")
                         .action(ArgAction::Append)
+                        .value_parser(clap::value_parser!(std::ffi::OsString))
                         .help(
                             "Symbolize each frame like `addr2line -a -f -p -i` with this ELF \
                              file or build-id directory (repeatable)",
@@ -160,6 +161,7 @@ fn cli() -> Command {
                     Arg::new("files")
                         .value_name("FILE")
                         .num_args(0..)
+                        .value_parser(clap::value_parser!(std::ffi::OsString))
                         .help("Input files (standard input when none; `-` for standard input)"),
                 ),
         )
@@ -434,17 +436,18 @@ fn output_failed(e: &io::Error, failed: bool) -> ExitCode {
 }
 
 fn decode(m: &clap::ArgMatches) -> ExitCode {
-    let files: Vec<String> = m
-        .get_many::<String>("files")
+    // File names as the shell passed them (not necessarily UTF-8).
+    let files: Vec<std::ffi::OsString> = m
+        .get_many::<std::ffi::OsString>("files")
         .map(|v| v.cloned().collect())
         .unwrap_or_default();
     let files = if files.is_empty() {
-        vec!["-".to_string()]
+        vec!["-".into()]
     } else {
         files
     };
-    let exes: Vec<String> = m
-        .get_many::<String>("exe")
+    let exes: Vec<std::ffi::OsString> = m
+        .get_many::<std::ffi::OsString>("exe")
         .map(|v| v.cloned().collect())
         .unwrap_or_default();
     let mut sym = if exes.is_empty() {
@@ -469,13 +472,17 @@ fn decode(m: &clap::ArgMatches) -> ExitCode {
             match std::fs::File::open(name) {
                 Ok(f) => Box::new(f),
                 Err(e) => {
-                    err!("fibertrace: {name}: {e}");
+                    err!("fibertrace: {}: {e}", name.display());
                     failed = true;
                     continue;
                 }
             }
         };
-        let shown = if name == "-" { "<stdin>" } else { name };
+        let shown = if name == "-" {
+            "<stdin>".into()
+        } else {
+            name.display().to_string()
+        };
         let mut reader = LineReader::new(BufReader::new(reader));
         let mut buf = Vec::new();
         let mut n = 0u64;
