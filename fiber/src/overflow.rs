@@ -160,7 +160,9 @@ pub fn unraised() -> bool {
 
 /// Asked by the running fiber at a safe point, with its current stack pointer `sp`: whether to
 /// raise its overflow error, and (once `sp` is back above its reserve by a margin) closes its
-/// reserve again.
+/// reserve again. A fiber already back above its reserve at its first safe point (C code that
+/// went deep and returned before any) is not told to raise: the code that overflowed ended
+/// well.
 pub fn poll(sp: usize) -> Overflow {
     if OPEN_COUNT.load(Ordering::Acquire) == 0 {
         return Overflow::None;
@@ -172,7 +174,21 @@ pub fn poll(sp: usize) -> Overflow {
         if slot.base.load(Ordering::Acquire) != lo {
             continue;
         }
-        if !slot.raised.swap(true, Ordering::AcqRel) {
+        // Back a margin above the reserve (8 KiB: room for the rest of the caller's frame and
+        // this call).
+        let back = (sp as u64) >= lo + (crate::stack::RESERVE + 8 * 1024) as u64;
+        if !slot.raised.load(Ordering::Acquire) {
+            if back {
+                // The code that used the reserve has returned (C code that nested deep with
+                // no Lua instruction in between, then finished): nothing to raise.
+                forget_reserve(lo, true);
+                return if OPEN_COUNT.load(Ordering::Acquire) == 0 {
+                    Overflow::None
+                } else {
+                    Overflow::Pending
+                };
+            }
+            slot.raised.store(true, Ordering::Release);
             slot.raised_sp.store(sp as u64, Ordering::Relaxed);
             return Overflow::Raise;
         }
@@ -187,9 +203,8 @@ pub fn poll(sp: usize) -> Overflow {
             slot.raised_sp.store(sp as u64, Ordering::Relaxed);
             return Overflow::Raise;
         }
-        // Closed once the caller's stack is back a margin above the reserve (8 KiB: room for
-        // the rest of the caller's frame and this call).
-        if (sp as u64) >= lo + (crate::stack::RESERVE + 8 * 1024) as u64 {
+        // Closed once the caller's stack is back above the reserve.
+        if back {
             forget_reserve(lo, true);
             if OPEN_COUNT.load(Ordering::Acquire) == 0 {
                 return Overflow::None;

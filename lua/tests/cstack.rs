@@ -347,3 +347,36 @@ print('end')
     );
     assert_eq!(code, Some(0), "{err}");
 }
+
+#[test]
+#[cfg(feature = "luajit")]
+fn c_declarations_nested_deeper_than_64_braces_are_refused_before_parsing() {
+    // LuaJIT's C parser nests a C call per level of braces with no Lua in between: a few
+    // hundred levels ran into the guard.
+    let src = r#"
+local ffi = require('ffi')
+local function nested(n) return string.rep('struct { ', n) .. 'int x;' .. string.rep('} a;', n) end
+print(pcall(ffi.cdef, 'typedef ' .. string.rep('struct { ', 64) .. 'int x;'
+  .. string.rep('} a;', 63) .. '} deep64_t;'))
+print(ffi.sizeof('deep64_t'))
+for _, f in ipairs({'cdef', 'typeof', 'new', 'cast', 'sizeof', 'alignof', 'istype', 'metatype'}) do
+  local ok, e = pcall(ffi[f], nested(5000), 1)
+  print(f, ok, e)
+end
+print(pcall(ffi.new, 'int[?]', 3))
+print('end')
+"#;
+    let (out, err, code) = run("cdecl.lua", src, &[]);
+    let mut want = String::from("true\n4\n");
+    for f in [
+        "cdef", "typeof", "new", "cast", "sizeof", "alignof", "istype", "metatype",
+    ] {
+        want += &format!(
+            "{f}\tfalse\tffi.{f}: C declaration nested too deep (more than 64 levels of braces)\n"
+        );
+    }
+    want += "true\tcdata<int [?]>: ";
+    assert!(out.starts_with(&want), "{out}\n{err}");
+    assert!(out.ends_with("\nend\n"), "{out}\n{err}");
+    assert_eq!(code, Some(0), "{err}");
+}

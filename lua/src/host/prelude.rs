@@ -37,6 +37,47 @@ if ptr ~= nil and jit ~= nil then
     fiber.clock64 = function() return clk64() end
 end
 
+-- LuaJIT's C declaration parser nests one C call per level of struct or union braces, with no
+-- limit and no Lua instruction in between (where a C stack overflow could be raised): a
+-- declaration nested a few hundred levels deep would run a fiber's stack into its guard.
+-- The functions that parse a declaration refuse one nested deeper than C requires compilers
+-- to take (63 levels; the limit is 64), before parsing it. A declaration without a brace costs one search.
+if jit ~= nil then
+    local ok, ffi = pcall(require, 'ffi')
+    if ok and type(ffi) == 'table' then
+        local find, byte, error, type = string.find, string.byte, error, type
+        local MAX_BRACES = 64
+        local function check(name, decl)
+            if type(decl) ~= 'string' or not find(decl, '{', 1, true) then
+                return
+            end
+            local depth = 0
+            for i = 1, #decl do
+                local c = byte(decl, i)
+                if c == 123 then
+                    depth = depth + 1
+                    if depth > MAX_BRACES then
+                        error('ffi.' .. name .. ': C declaration nested too deep (more than '
+                            .. MAX_BRACES .. ' levels of braces)', 3)
+                    end
+                elseif c == 125 then
+                    depth = depth - 1
+                end
+            end
+        end
+        for _, name in ipairs({'cdef', 'typeof', 'new', 'cast', 'sizeof', 'alignof',
+                               'offsetof', 'istype', 'metatype'}) do
+            local f = ffi[name]
+            if type(f) == 'function' then
+                ffi[name] = function(decl, ...)
+                    check(name, decl)
+                    return f(decl, ...)
+                end
+            end
+        end
+    end
+end
+
 -- clock.bench(fun, ...): {CPU seconds of the call, its results...}.
 local proc = clock.proc
 clock.bench = function(fun, ...)
