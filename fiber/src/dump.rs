@@ -60,6 +60,16 @@ fn status_words(fi: &FiberInfo) -> String {
 
 /// One fiber as text.
 pub fn render_fiber(fi: &FiberInfo, out: &mut String) {
+    render_fiber_with(fi, None, out);
+}
+
+/// One fiber as text, its frames from `source` (a layer above the runtime, on the fiber's
+/// scheduler's thread: see [`crate::inspect`]) when it has them.
+fn render_fiber_with(
+    fi: &FiberInfo,
+    source: Option<&dyn crate::inspect::FrameSource>,
+    out: &mut String,
+) {
     let _ = writeln!(
         out,
         "fiber {} {} [{}]:",
@@ -73,7 +83,22 @@ pub fn render_fiber(fi: &FiberInfo, out: &mut String) {
     match &fi.backtrace {
         Some(frames) => {
             let raw: Vec<Frame> = frames.iter().map(|f| f.frame).collect();
-            out.push_str(&format::text(&raw, &TextOptions::default()));
+            let added = source
+                .filter(|_| fi.status != Status::Running)
+                .and_then(|src| Some((src.frames(fi.id, &raw)?, src)));
+            match added {
+                Some((frames, src)) => {
+                    let namer = |id| src.name(id);
+                    out.push_str(&format::text(
+                        &frames,
+                        &TextOptions {
+                            lua: Some(&namer),
+                            ..TextOptions::default()
+                        },
+                    ));
+                }
+                None => out.push_str(&format::text(&raw, &TextOptions::default())),
+            }
         }
         None => out.push_str("    (no backtrace)\n"),
     }
@@ -138,8 +163,10 @@ pub fn scheduler_text(s: &crate::registry::SchedShared, out: &mut String) {
         crate::sched::quoted_name(&s.name),
         fibers.len()
     );
+    // A layer above's frames (Lua), when this is the scheduler's own thread.
+    let source = crate::inspect::source(s.id);
     for fi in &fibers {
-        render_fiber(fi, out);
+        render_fiber_with(fi, source.as_deref(), out);
         out.push('\n');
     }
 }

@@ -35,6 +35,7 @@ pub mod clock;
 pub mod control;
 pub mod dump;
 pub mod info;
+pub mod inspect;
 pub mod overflow;
 mod panic;
 pub mod registry;

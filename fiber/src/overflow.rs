@@ -158,6 +158,18 @@ pub fn unraised() -> bool {
             .any(|s| s.base.load(Ordering::Acquire) != 0 && !s.raised.load(Ordering::Acquire))
 }
 
+/// Whether the fiber running on this thread has its reserve open (it overflowed and is not
+/// back above the reserve yet, or has not reached a safe point since).
+pub fn running_fiber_open() -> bool {
+    if OPEN_COUNT.load(Ordering::Acquire) == 0 {
+        return false;
+    }
+    let Some((_, lo, _)) = crate::sample::running_stack() else {
+        return false;
+    };
+    OPEN.iter().any(|s| s.base.load(Ordering::Acquire) == lo)
+}
+
 /// Asked by the running fiber at a safe point, with its current stack pointer `sp`: whether to
 /// raise its overflow error, and (once `sp` is back above its reserve by a margin) closes its
 /// reserve again. A fiber already back above its reserve at its first safe point (C code that

@@ -351,6 +351,14 @@ impl Scheduler {
         crate::info::scheduler_info(&self.inner.shared, opts)
     }
 
+    /// Sets (or with `None` removes) the source of frames that a layer above the runtime
+    /// adds to this scheduler's fibers (a Lua host: their Lua frames), used by the text
+    /// reports built on this scheduler's thread, the deadlock report among them. See
+    /// [`crate::inspect`].
+    pub fn set_frame_source(&self, source: Option<std::rc::Rc<dyn crate::inspect::FrameSource>>) {
+        crate::inspect::set(self.inner.shared.id, source);
+    }
+
     /// The report for a deadlock returned by [`Scheduler::run`]: `all fibers are asleep —
     /// deadlock!` and the dump of this scheduler's fibers (what each waits on, and where).
     pub fn deadlock_report(&self) -> String {
@@ -369,6 +377,7 @@ impl Drop for Scheduler {
     fn drop(&mut self) {
         // Fibers still suspended are dropped: corosensei unwinds their stacks (running their
         // destructors). Mark each dead first, so no inspector walks a stack being freed.
+        crate::inspect::set(self.inner.shared.id, None);
         let _enter = Enter::new(&self.inner);
         let slots: Vec<(FiberId, Box<Slot>)> = self.inner.slots.borrow_mut().drain().collect();
         for (_, mut slot) in slots {

@@ -331,6 +331,15 @@ debug.sethook()
 print(xpcall(f, function(e) debug.sethook() return 'handled' end))
 print(pcall(f))
 print(debug.gethook())
+-- The kept hook is what debug.gethook answers meanwhile: saving and restoring it deep down
+-- keeps it.
+debug.sethook(h, 'c', 7)
+print(xpcall(f, function(e) debug.sethook(debug.gethook()) return 'kept' end))
+local gh, gm, gc = debug.gethook()
+print(gh == h, gm, gc)
+debug.sethook()
+-- Errors name the function and the caller's line, as the original's do.
+print(pcall(function() debug.sethook(h) end))
 print('end')
 "#;
     let (out, err, code) = run("sethook.lua", src, &[]);
@@ -342,6 +351,9 @@ print('end')
          false\thandled\n\
          false\tsethook.lua:3: C stack overflow\n\
          nil\t\t0\n\
+         false\tkept\n\
+         true\tc\t7\n\
+         false\tsethook.lua:22: bad argument #2 to 'sethook' (string expected, got no value)\n\
          end\n",
         "{err}"
     );
@@ -363,6 +375,11 @@ for _, f in ipairs({'cdef', 'typeof', 'new', 'cast', 'sizeof', 'alignof', 'istyp
   local ok, e = pcall(ffi[f], nested(5000), 1)
   print(f, ok, e)
 end
+-- Braces in comments and literals are not levels; one that hides a real level is seen.
+print(pcall(ffi.cdef, '/* {{{{ */ typedef struct { int y; /* } */ } t2_t; // }}}\n'))
+print(ffi.sizeof('t2_t'))
+print(pcall(ffi.cdef, 'struct s {' .. string.rep('struct { /*}*/ ', 3000) .. 'int x;'
+  .. string.rep('} a;', 3000) .. '};'))
 print(pcall(ffi.new, 'int[?]', 3))
 print('end')
 "#;
@@ -375,7 +392,9 @@ print('end')
             "{f}\tfalse\tffi.{f}: C declaration nested too deep (more than 64 levels of braces)\n"
         );
     }
-    want += "true\tcdata<int [?]>: ";
+    want += "true\n4\n\
+             false\tffi.cdef: C declaration nested too deep (more than 64 levels of braces)\n\
+             true\tcdata<int [?]>: ";
     assert!(out.starts_with(&want), "{out}\n{err}");
     assert!(out.ends_with("\nend\n"), "{out}\n{err}");
     assert_eq!(code, Some(0), "{err}");

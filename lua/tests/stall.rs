@@ -84,9 +84,27 @@ ping:set_joinable(true)
 ping:join()
 "#;
 
+/// The Lua frames of a report's fiber block (`#N  name in source:line` lines whose body is
+/// not a native frame's `0x...`), without their numbers.
+fn lua_frames(block: &str) -> Vec<String> {
+    block
+        .lines()
+        .filter_map(|l| l.strip_prefix('#'))
+        .map(|l| {
+            l.trim_start_matches(|c: char| c.is_ascii_digit())
+                .trim_start()
+        })
+        .filter(|body| !body.starts_with("0x"))
+        .map(str::to_string)
+        .collect()
+}
+
 #[test]
 fn a_channel_deadlock_between_two_lua_fibers_exits_with_the_report() {
     let (code, _out, err) = run_script(&[], DEADLOCK);
+    let dir = std::env::temp_dir().join(format!("fibertrace-stall-{}", std::process::id()));
+    let script = dir.join(format!("s{}.lua", DEADLOCK.len()));
+    let script = script.to_str().unwrap();
     assert_ne!(code, 0, "{err}");
     assert!(
         err.starts_with("all fibers are asleep — deadlock!"),
@@ -102,12 +120,31 @@ fn a_channel_deadlock_between_two_lua_fibers_exits_with_the_report() {
             block.contains(" in fibertrace_lua::host::api::ch_get"),
             "{block}"
         );
+        // The Lua frames, interleaved where they ran (as fiber.info() shows them): the
+        // channel's get, called from the fiber's function.
+        let line = if name == "ping" { 4 } else { 6 };
+        assert_eq!(
+            lua_frames(block),
+            [
+                "get in =[C]:-1".to_string(),
+                format!("function <{script}:{line}> in @{script}:{line}")
+            ],
+            "{block}"
+        );
     }
     let main = err
         .split("\n\n")
         .find(|b| b.contains("\"main\" ["))
         .unwrap_or_else(|| panic!("{err}"));
     assert!(main.contains("[join fiber "), "{main}");
+    assert_eq!(
+        lua_frames(main),
+        [
+            "join in =[C]:-1".to_string(),
+            format!("main chunk in @{script}:9")
+        ],
+        "{main}"
+    );
 }
 
 const SLICE: &str = r#"

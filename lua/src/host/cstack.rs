@@ -22,16 +22,22 @@
 //! finalizer's error; the program goes on) or inside the message handler (`error in error
 //! handling`, which `xpcall` returns). LuaJIT puts the flag back as it leaves the finalizer or
 //! the hook. Inside a finalizer or a hook that caught such an error, hooks (ours, or the
-//! script's) may then run for the rest of it. When the probe finds nothing (another LuaJIT
-//! layout), those overflows reach the guard as before.
+//! script's) may then run for the rest of it; so may they inside one whose deep C call used
+//! the reserve and returned before any Lua instruction (the flag was cleared at the fault,
+//! and nothing was raised). When the probe finds nothing (another LuaJIT layout), those
+//! overflows reach the guard as before.
 //!
 //! How it can be wrong: while a reserve is open, a hook set before ours is not called (it is
 //! restored afterwards), nor one the script sets meanwhile with `debug.sethook` (which the
-//! host wraps: the new hook is kept and set once no reserve is open). A hook set meanwhile
-//! from C (`lua_sethook`) replaces ours, so the reserve stays open until the fiber ends: a
-//! second overflow of that fiber then stops the process. JIT-compiled code calls no hooks:
-//! the error comes when the trace exits to the interpreter. C code that recurses through the whole reserve (256 KiB) without running a Lua
-//! instruction reaches the guard, and the process stops with the overflow report. The main
+//! host wraps, with `debug.gethook`: the new hook is kept and set once no reserve is open).
+//! A hook set meanwhile from C (`lua_sethook`) replaces ours, so the reserve stays open until
+//! the fiber ends: a second overflow of that fiber then stops the process. JIT-compiled code
+//! calls no hooks: the error comes when the trace exits to the interpreter. C code that
+//! recurses through the whole reserve (256 KiB) without running a Lua instruction reaches the
+//! guard, and the process stops with the overflow report (LuaJIT's FFI has such paths: its C
+//! declaration parser, guarded in the prelude by a limit on braces, and the conversion of
+//! nested tables to a struct nested as deep, which is not guarded; the FFI can stop the
+//! process in other ways anyway, a null pointer read among them). The main
 //! Lua state's stack (code run outside any fiber, through [`crate::LuaHost::lua`]) has no
 //! reserve.
 //!
@@ -61,45 +67,71 @@ pub(crate) fn install(l: *mut ffi::lua_State) {
     unsafe { fibertrace_fiber::overflow::set_thread_handler(Some((on_overflow, l as usize))) };
 }
 
-/// Wraps `debug.sethook` (when the state has it) so that a hook the script sets while a
-/// reserve is open does not replace ours: it is kept as the hook to put back once no reserve
-/// is open, as a hook set before the overflow is. Without this, the reserve would stay open
-/// and the fiber's next overflow would reach the guard. (Meanwhile `debug.gethook()` answers
-/// `external hook`.)
+/// Wraps `debug.sethook` and `debug.gethook` (when the state has them) so that the script's
+/// hooks and ours do not get in each other's way while a reserve is open: a hook the script
+/// sets then is kept as the hook to put back once no reserve is open (as a hook set before
+/// the overflow is), and `debug.gethook()` answers with that kept hook, not ours. Without
+/// this, the script's hook would replace ours, the reserve would stay open and the fiber's
+/// next overflow would reach the guard.
 ///
 /// # Safety
 /// `l` is a live LuaJIT state running nothing.
 unsafe fn keep_sethook(l: *mut ffi::lua_State) {
+    let wrappers: [(&std::ffi::CStr, ffi::lua_CFunction); 2] =
+        [(c"sethook", sethook_kept), (c"gethook", gethook_kept)];
     // SAFETY: plain stack operations on a live state; the stack's top is restored.
     unsafe {
         let top = ffi::lua_gettop(l);
         ffi::lua_getglobal(l, c"debug".as_ptr());
         if ffi::lua_type(l, -1) == ffi::LUA_TTABLE {
-            ffi::lua_getfield(l, -1, c"sethook".as_ptr());
-            if ffi::lua_type(l, -1) == ffi::LUA_TFUNCTION {
-                ffi::lua_pushcclosure(l, sethook_kept, 1);
-                ffi::lua_setfield(l, -2, c"sethook".as_ptr());
+            for (name, wrapper) in wrappers {
+                ffi::lua_getfield(l, -1, name.as_ptr());
+                if ffi::lua_type(l, -1) == ffi::LUA_TFUNCTION {
+                    ffi::lua_pushcclosure(l, wrapper, 1);
+                    ffi::lua_setfield(l, -2, name.as_ptr());
+                } else {
+                    ffi::lua_settop(l, -2);
+                }
             }
         }
         ffi::lua_settop(l, top);
     }
 }
 
-/// `debug.sethook` as wrapped by [`keep_sethook`]: the original (upvalue 1) is called with
-/// the same arguments; if our hook was set before it and is not after, the new hook is saved
-/// to be put back later and ours is set again.
+/// Whether `l`'s hook is ours.
+///
+/// # Safety
+/// `l` is a live state.
+unsafe fn ours_set(l: *mut ffi::lua_State) -> bool {
+    // SAFETY: reads the hook field.
+    unsafe { ffi::lua_gethook(l).map(|f| f as usize) == Some(hook as ffi::lua_Hook as usize) }
+}
+
+/// `debug.sethook` as wrapped by [`keep_sethook`]: the original (upvalue 1) runs on this
+/// frame's arguments (called directly when it is a C function, so its errors name `sethook`
+/// and the caller's line as before); if our hook was set before, or this fiber has a reserve
+/// open now (it may have opened during the call), and ours is not set after, the new hook is
+/// kept to be put back later and ours is set again.
 unsafe extern "C-unwind" fn sethook_kept(l: *mut ffi::lua_State) -> c_int {
-    // SAFETY: `l` is the calling state; an error of the original propagates through this
-    // frame, which owns nothing to drop. SAVED is written on this thread outside any fault
-    // handler: `on_overflow` writes it only while our hook is not set, and here it is.
+    // SAFETY: `l` is the calling state, with this C function's frame: the original reads the
+    // same arguments as if it had been called. An error of the original propagates through
+    // this frame, which owns nothing to drop. SAVED is written on this thread, in no fault
+    // handler; a fault between its write and our `lua_sethook` (a fault handler writing it
+    // too) writes the same hook, the script's, read from the same state.
     unsafe {
-        let ours = Some(hook as ffi::lua_Hook as usize);
-        let was_ours = ffi::lua_gethook(l).map(|f| f as usize) == ours;
-        let n = ffi::lua_gettop(l);
-        ffi::lua_pushvalue(l, ffi::lua_upvalueindex(1));
-        ffi::lua_insert(l, 1);
-        ffi::lua_call(l, n, 0);
-        if was_ours && ffi::lua_gethook(l).map(|f| f as usize) != ours {
+        let was_ours = ours_set(l);
+        match ffi::lua_tocfunction(l, ffi::lua_upvalueindex(1)) {
+            Some(original) => {
+                original(l);
+            }
+            None => {
+                let n = ffi::lua_gettop(l);
+                ffi::lua_pushvalue(l, ffi::lua_upvalueindex(1));
+                ffi::lua_insert(l, 1);
+                ffi::lua_call(l, n, 0);
+            }
+        }
+        if (was_ours || fibertrace_fiber::overflow::running_fiber_open()) && !ours_set(l) {
             let saved = &mut *std::ptr::addr_of_mut!(SAVED);
             saved.hook = ffi::lua_gethook(l);
             saved.mask = ffi::lua_gethookmask(l);
@@ -107,6 +139,33 @@ unsafe extern "C-unwind" fn sethook_kept(l: *mut ffi::lua_State) -> c_int {
             ffi::lua_sethook(l, Some(hook), ffi::LUA_MASKCOUNT | ffi::LUA_MASKCALL, 1);
         }
         0
+    }
+}
+
+/// `debug.gethook` as wrapped by [`keep_sethook`]: while our hook is set, the original
+/// (upvalue 1) answers about the hook kept to be put back (set for the call, in a protected
+/// call, and ours set again whatever happens).
+unsafe extern "C-unwind" fn gethook_kept(l: *mut ffi::lua_State) -> c_int {
+    // SAFETY: `l` is the calling state; the original is called through the API on this
+    // frame's arguments; an error is raised again only after our hook is back. SAVED is read
+    // on this thread; no fault handler writes it while our hook is set.
+    unsafe {
+        let ours = ours_set(l);
+        if ours {
+            let saved = &*std::ptr::addr_of!(SAVED);
+            ffi::lua_sethook(l, saved.hook, saved.mask, saved.count);
+        }
+        let n = ffi::lua_gettop(l);
+        ffi::lua_pushvalue(l, ffi::lua_upvalueindex(1));
+        ffi::lua_insert(l, 1);
+        let status = ffi::lua_pcall(l, n, ffi::LUA_MULTRET, 0);
+        if ours {
+            ffi::lua_sethook(l, Some(hook), ffi::LUA_MASKCOUNT | ffi::LUA_MASKCALL, 1);
+        }
+        if status != ffi::LUA_OK {
+            ffi::lua_error(l);
+        }
+        ffi::lua_gettop(l)
     }
 }
 
@@ -157,9 +216,12 @@ unsafe fn hookmask(l: *mut ffi::lua_State) -> Option<*mut u8> {
 /// `l` is a live LuaJIT state running nothing (no hook active).
 unsafe fn probe_hookmask(l: *mut ffi::lua_State) -> Option<usize> {
     unsafe extern "C-unwind" fn nothing(_l: *mut ffi::lua_State, _ar: *mut ffi::lua_Debug) {}
-    // SAFETY: `l` is live; the reads stay inside the global_State once its first two words
-    // are known to be the allocator's (the pointer is not followed before that check
-    // passes, and is non-null); the hook calls are the public API.
+    // SAFETY: `l` is live and a lua_State is longer than GLREF_AT + 8 bytes. The word there
+    // is `glref` with LuaJIT's 64-bit GC references (the x86_64 default), a pointer to the
+    // global_State, which is several KiB long; in a build without them it is `L->base`, a
+    // pointer into the live Lua stack: either way a non-null, aligned pointer to readable
+    // memory of at least two words, so the allocator check may read them. Only once they
+    // match (a global_State) are PROBE_BYTES read. The hook calls are the public API.
     unsafe {
         let g = (l as *const u8)
             .add(GLREF_AT)

@@ -621,3 +621,30 @@ pub(crate) unsafe fn push_one(
         })
     }
 }
+
+/// The Lua host's frames for the runtime's own text reports (the deadlock report, a dump
+/// taken on this thread): each suspended Lua fiber's native frames interleaved with its Lua
+/// stack, as `fiber.info()` shows them (see [`fibertrace_fiber::inspect`]).
+pub(crate) struct LuaFrames;
+
+impl fibertrace_fiber::inspect::FrameSource for LuaFrames {
+    fn frames(&self, fiber: fibertrace_fiber::FiberId, native: &[Frame]) -> Option<Vec<Frame>> {
+        let root = with_host(|h| {
+            h.recs
+                .get(&fiber)
+                .filter(|r| r.done.is_none())
+                .map(|r| r.thread)
+        })
+        .flatten()?;
+        let native = fibertrace_core::Backtrace::from_frames(native);
+        // SAFETY: the runtime asks on this (the scheduler's) thread about a fiber that is
+        // suspended or never ran (the `FrameSource` contract), so its Lua thread is not
+        // running; it is read through the debug API only.
+        let bt = unsafe { crate::capture_interleaved(&native, root) };
+        Some(fibertrace_fiber::info::user_frames(bt.frames()).to_vec())
+    }
+
+    fn name(&self, id: fibertrace_core::LuaFrameId) -> Option<String> {
+        crate::render::lua_line(id)
+    }
+}

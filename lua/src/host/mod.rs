@@ -302,6 +302,9 @@ impl LuaHost {
         #[cfg(feature = "luajit")]
         cstack::install(l);
         fibertrace_fiber::watchdog::set_annotator(stall_note);
+        // The runtime's own reports built on this thread (the deadlock report) show the Lua
+        // frames of Lua fibers.
+        sched.set_frame_source(Some(std::rc::Rc::new(info::LuaFrames)));
         Ok(LuaHost {
             lua: Some(lua),
             sched: Some(sched),

@@ -47,22 +47,49 @@ if jit ~= nil then
     if ok and type(ffi) == 'table' then
         local find, byte, error, type = string.find, string.byte, error, type
         local MAX_BRACES = 64
+        -- Braces are counted as LuaJIT's C lexer sees them: not inside comments or
+        -- string and character literals.
         local function check(name, decl)
             if type(decl) ~= 'string' or not find(decl, '{', 1, true) then
                 return
             end
-            local depth = 0
-            for i = 1, #decl do
+            local depth, i, n = 0, 1, #decl
+            while i <= n do
                 local c = byte(decl, i)
-                if c == 123 then
+                if c == 123 then -- {
                     depth = depth + 1
                     if depth > MAX_BRACES then
                         error('ffi.' .. name .. ': C declaration nested too deep (more than '
                             .. MAX_BRACES .. ' levels of braces)', 3)
                     end
-                elseif c == 125 then
-                    depth = depth - 1
+                elseif c == 125 then -- }
+                    if depth > 0 then depth = depth - 1 end
+                elseif c == 47 then -- /
+                    local d = byte(decl, i + 1)
+                    if d == 42 then -- /* to */
+                        local e = find(decl, '*/', i + 2, true)
+                        if e == nil then return end
+                        i = e + 1
+                    elseif d == 47 then -- // to the end of the line
+                        local e = find(decl, '\n', i + 2, true)
+                        if e == nil then return end
+                        i = e
+                    end
+                elseif c == 34 or c == 39 then -- " or '
+                    local j = i + 1
+                    while j <= n do
+                        local d = byte(decl, j)
+                        if d == 92 then -- backslash
+                            j = j + 2
+                        elseif d == c or d == 10 then
+                            break
+                        else
+                            j = j + 1
+                        end
+                    end
+                    i = j
                 end
+                i = i + 1
             end
         end
         for _, name in ipairs({'cdef', 'typeof', 'new', 'cast', 'sizeof', 'alignof',

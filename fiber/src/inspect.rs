@@ -1,0 +1,63 @@
+//! Frame sources: what a layer above the runtime (the Lua host) adds to the frames of the
+//! fibers it runs, so that the runtime's own reports show them as `fiber.info()` does.
+//!
+//! The runtime sees native frames only. A Lua fiber's native stack holds the interpreter's
+//! frames, and its Lua frames are in its Lua thread, which only the host can read. A host
+//! registers a [`FrameSource`] for its scheduler ([`crate::Scheduler::set_frame_source`]);
+//! the text reports built *on that scheduler's thread* (the deadlock report, a
+//! [`crate::dump::dump_text`] called from a fiber) then ask it for each fiber's frames — the
+//! native ones with the host's interleaved — and for the names of the frames it added.
+//!
+//! The source is kept per thread: it reads state (a Lua thread) that only its scheduler's
+//! thread may touch, and only while the fiber is suspended. A report built on another thread
+//! (the dump signal's thread, the stall watchdog) does not see it and shows native frames.
+//!
+//! How a result can be wrong: the source is asked only for fibers that are suspended (or
+//! never ran) when the report reads them; it answers from the fiber's state at that moment.
+//! A source that fails keeps the native frames (the report says nothing of the failure).
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use fibertrace_core::{Frame, LuaFrameId};
+
+use crate::control::FiberId;
+
+/// Frames a layer above the runtime contributes for the fibers of one scheduler.
+pub trait FrameSource {
+    /// The frames of fiber `fiber` (innermost first) with this layer's frames interleaved
+    /// into its native ones `native` (as the runtime walked them, innermost first); `None`
+    /// keeps the native frames. Called on the scheduler's thread while the fiber is
+    /// suspended (or has not run yet), never while it runs.
+    fn frames(&self, fiber: FiberId, native: &[Frame]) -> Option<Vec<Frame>>;
+
+    /// The body of a line for a frame this layer made (`name in source:line`), or `None`.
+    fn name(&self, id: LuaFrameId) -> Option<String>;
+}
+
+std::thread_local! {
+    /// The sources of the schedulers of this thread, by scheduler id.
+    static SOURCES: RefCell<Vec<(u64, Rc<dyn FrameSource>)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Sets (or with `None` removes) the source of scheduler `sched` on this thread.
+pub(crate) fn set(sched: u64, source: Option<Rc<dyn FrameSource>>) {
+    SOURCES.with(|s| {
+        let mut s = s.borrow_mut();
+        s.retain(|(id, _)| *id != sched);
+        if let Some(src) = source {
+            s.push((sched, src));
+        }
+    });
+}
+
+/// The source of scheduler `sched`, when it runs on this thread and has one.
+pub(crate) fn source(sched: u64) -> Option<Rc<dyn FrameSource>> {
+    SOURCES.with(|s| {
+        s.try_borrow()
+            .ok()?
+            .iter()
+            .find(|(id, _)| *id == sched)
+            .map(|(_, src)| src.clone())
+    })
+}
