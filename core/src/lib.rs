@@ -16,6 +16,7 @@
 #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
 compile_error!("fibertrace-core supports x86_64 Linux only for now (aarch64 would add leaf files)");
 
+pub mod arch;
 pub mod backtrace;
 pub mod capture;
 pub mod codec;

@@ -23,92 +23,10 @@
 
 use std::cell::{Cell, RefCell};
 
-use serde::{Deserialize, Serialize};
-
 use crate::backtrace::{new_ring, Backtrace, CaptureOptions, FrameSink};
 use crate::unwind::{self, DwarfCache, Stacks, Start};
 
-pub mod x86_64;
-pub use x86_64::{prefetch, registers_from_ucontext};
-
-/// The registers a walk starts from.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[repr(C)]
-pub struct Registers {
-    /// Instruction pointer.
-    pub ip: u64,
-    /// Stack pointer.
-    pub sp: u64,
-    /// Frame pointer (`rbp`).
-    pub fp: u64,
-}
-
-/// A stack's address range `[lo, hi)`; `hi` is the stack's base (stacks grow down).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[repr(C)]
-pub struct StackBounds {
-    /// Lowest address.
-    pub lo: u64,
-    /// One past the highest address.
-    pub hi: u64,
-}
-
-impl StackBounds {
-    /// Bounds `[lo, hi)`.
-    pub const fn new(lo: u64, hi: u64) -> Self {
-        StackBounds { lo, hi }
-    }
-
-    /// Whether `addr` lies inside.
-    #[inline]
-    pub fn contains(&self, addr: u64) -> bool {
-        addr >= self.lo && addr < self.hi
-    }
-}
-
-/// The saved context of a suspended coroutine: registers at its suspension point and the
-/// bounds of its stack.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[repr(C)]
-pub struct SavedContext {
-    /// Registers recorded at the suspension point.
-    pub regs: Registers,
-    /// The coroutine's stack. Walks read only `[regs.sp, stack.hi)`.
-    pub stack: StackBounds,
-    /// When nonzero, the stack pointer of the runtime's entry frame on this stack (at its
-    /// call of the user's code): the trace ends with the frame that entry function called
-    /// (see [`collect_until`]).
-    pub stop_sp: u64,
-}
-
-impl SavedContext {
-    /// A context for a stack whose registers are not recorded yet.
-    pub const fn new(stack: StackBounds) -> Self {
-        SavedContext {
-            regs: Registers {
-                ip: 0,
-                sp: 0,
-                fp: 0,
-            },
-            stack,
-            stop_sp: 0,
-        }
-    }
-
-    /// Records the registers of the calling function (inlined: three register reads and
-    /// three stores). Call it in the runtime's `#[inline(never)]` suspend wrapper just before
-    /// switching away; the wrapper is then the first frame of [`collect_from`] (skip it with
-    /// `offset: 1`).
-    #[inline(always)]
-    pub fn record(&mut self) {
-        self.regs = crate::__fibertrace_registers_here!();
-    }
-
-    /// Whether registers were recorded (a context never suspended has none).
-    pub fn is_recorded(&self) -> bool {
-        self.regs.sp != 0 && self.stack.contains(self.regs.sp)
-    }
-}
+pub use crate::arch::{prefetch, registers_from_ucontext, Registers, SavedContext, StackBounds};
 
 /// Most entered coroutine stacks a walk of the current stack follows (the innermost ones).
 const MAX_ENTERED: usize = 8;

@@ -7,7 +7,7 @@
 
 use unwind::{get_context, Cursor, RegNum};
 
-use crate::capture::SavedContext;
+use crate::arch::SavedContext;
 
 /// Return addresses of the current stack as libunwind sees them, starting with the caller
 /// of this function (so the list lines up with [`crate::collect`]'s).

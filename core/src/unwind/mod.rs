@@ -46,8 +46,8 @@
 use framehop::x86_64::{CacheX86_64, UnwindRegsX86_64};
 use framehop::{FrameAddress, MustNotAllocateDuringUnwind, Unwinder as _};
 
+use crate::arch::{Registers, StackBounds};
 use crate::backtrace::{FrameSink, Unwinder};
-use crate::capture::{Registers, StackBounds};
 use crate::frame::Frame;
 use crate::image::ImageTable;
 
@@ -385,10 +385,10 @@ fn signal_frame(table: &ImageTable, stacks: &Stacks<'_>, ra: u64, sp: u64) -> Op
     }
     // SAFETY: [ra, ra+9) lies inside a loaded image's code, which stays mapped while the
     // image table lists it.
-    if !unsafe { crate::capture::x86_64::is_sigreturn(ra) } {
+    if !unsafe { crate::arch::is_sigreturn(ra) } {
         return None;
     }
-    let (ip, rsp, rbp) = crate::capture::x86_64::UCONTEXT_REGS;
+    let (ip, rsp, rbp) = crate::arch::UCONTEXT_REGS;
     Some(Registers {
         ip: stacks.read(sp.checked_add(ip)?)?,
         sp: stacks.read(sp.checked_add(rsp)?)?,

@@ -23,7 +23,7 @@ macro_rules! __fibertrace_registers_here {
                 options(nomem, nostack, preserves_flags)
             );
         }
-        $crate::capture::Registers { ip, sp, fp }
+        $crate::arch::Registers { ip, sp, fp }
     }};
 }
 
