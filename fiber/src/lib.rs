@@ -26,33 +26,39 @@
 /// the report's own machinery inlined or not. The function must be `#[inline(never)]`.
 macro_rules! report_entry {
     () => {
-        let _origin =
-            $crate::info::ReportOrigin::enter(fibertrace_core::__fibertrace_registers_here!());
+        let _origin = $crate::inspect::info::ReportOrigin::enter(
+            fibertrace_core::__fibertrace_registers_here!(),
+        );
     };
 }
 
+// The machinery, from the bottom up (see `inspect`'s module doc for the layers).
 pub mod clock;
-pub mod control;
-pub mod dump;
-pub mod info;
-pub mod inspect;
+pub mod frames;
 pub mod overflow;
-mod panic;
 pub mod registry;
-pub mod sample;
+mod running;
 pub mod sched;
 mod stack;
 pub mod sync;
-pub mod watchdog;
+mod task;
+// Above the machinery: the snapshot and the reports.
+pub mod inspect;
+// The constructors that wire the two.
+mod runtime;
 
-pub use control::{FiberId, PanicReport, ParentTrace, Status, WaitOn};
-pub use info::{FiberInfo, InfoOptions};
+pub use inspect::{dump, info, sample, watchdog};
+pub use inspect::{FiberInfo, FrameSource, InfoOptions, Snapshot};
 pub use sched::{
     cancellation_caught, current, current_id, is_cancelled, sleep, spawn, suspend, testcancel,
     try_spawn, yield_now, yield_to, yield_to_id, BlockOnError, Builder, Fiber, JoinError,
     JoinHandle, RunError, Scheduler, SchedulerOptions, SpawnError, SpawnErrorKind,
 };
 pub use sync::{channel, Channel, ChannelError, Cond};
+pub use task::{
+    parent_trace_copies, ControlBlock, FiberId, PanicReport, ParentTrace, Status, WaitOn,
+    PARENT_DEPTH_KEPT, PARENT_DEPTH_SHOWN, PARENT_FRAMES,
+};
 
 /// The README's examples, compiled and run as doctests so that they stay true.
 #[cfg(doctest)]

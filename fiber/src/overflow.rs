@@ -29,6 +29,12 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Once;
 
+/// Bytes of inaccessible memory below every fiber stack.
+pub(crate) const GUARD: usize = 64 * 1024;
+
+/// Bytes between the guard and the usable part, opened only to recover from an overflow.
+pub(crate) const RESERVE: usize = 256 * 1024;
+
 /// Called from the fault handler (on the alternate signal stack, with the fault's thread
 /// interrupted anywhere) after a fiber's reserve was opened: `(context, fiber id)`. It must be
 /// async-signal-safe: it may only arm something to run later.
@@ -67,7 +73,7 @@ struct Open {
 /// back to since it was last told to raise, to be told again (a quarter of the reserve): code
 /// that catches the error and recurses again inside the reserve (or a message handler that
 /// does, again and again) gets another error each time, before the guard.
-pub const RAISE_AGAIN_BELOW: usize = crate::stack::RESERVE / 4;
+pub const RAISE_AGAIN_BELOW: usize = RESERVE / 4;
 
 #[allow(clippy::declare_interior_mutable_const)]
 const FREE: Open = Open {
@@ -95,7 +101,7 @@ fn open_reserve(base: u64, fid: u64) -> bool {
             let rc = unsafe {
                 libc::mprotect(
                     base as *mut libc::c_void,
-                    crate::stack::RESERVE,
+                    RESERVE,
                     libc::PROT_READ | libc::PROT_WRITE,
                 )
             };
@@ -122,13 +128,7 @@ pub(crate) fn forget_reserve(base: u64, reprotect: bool) {
         if slot.base.load(Ordering::Acquire) == base {
             if reprotect {
                 // SAFETY: the reserve of a stack no fiber runs on (it is being pooled).
-                unsafe {
-                    libc::mprotect(
-                        base as *mut libc::c_void,
-                        crate::stack::RESERVE,
-                        libc::PROT_NONE,
-                    )
-                };
+                unsafe { libc::mprotect(base as *mut libc::c_void, RESERVE, libc::PROT_NONE) };
             }
             slot.base.store(0, Ordering::Release);
             OPEN_COUNT.fetch_sub(1, Ordering::AcqRel);
@@ -164,7 +164,7 @@ pub fn running_fiber_open() -> bool {
     if OPEN_COUNT.load(Ordering::Acquire) == 0 {
         return false;
     }
-    let Some((_, lo, _)) = crate::sample::running_stack() else {
+    let Some((_, lo, _)) = crate::running::running_stack() else {
         return false;
     };
     OPEN.iter().any(|s| s.base.load(Ordering::Acquire) == lo)
@@ -179,7 +179,7 @@ pub fn poll(sp: usize) -> Overflow {
     if OPEN_COUNT.load(Ordering::Acquire) == 0 {
         return Overflow::None;
     }
-    let Some((_, lo, _)) = crate::sample::running_stack() else {
+    let Some((_, lo, _)) = crate::running::running_stack() else {
         return Overflow::Pending;
     };
     for slot in &OPEN {
@@ -188,7 +188,7 @@ pub fn poll(sp: usize) -> Overflow {
         }
         // Back a margin above the reserve (8 KiB: room for the rest of the caller's frame and
         // this call).
-        let back = (sp as u64) >= lo + (crate::stack::RESERVE + 8 * 1024) as u64;
+        let back = (sp as u64) >= lo + (RESERVE + 8 * 1024) as u64;
         if !slot.raised.load(Ordering::Acquire) {
             if back {
                 // The code that used the reserve has returned (C code that nested deep with
@@ -261,8 +261,8 @@ pub(crate) fn install() {
 extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, uc: *mut libc::c_void) {
     // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler.
     let addr = unsafe { (*info).si_addr() } as u64;
-    if let Some((fid, lo, hi)) = crate::sample::running_stack() {
-        let reserve = lo..lo + crate::stack::RESERVE as u64;
+    if let Some((fid, lo, hi)) = crate::running::running_stack() {
+        let reserve = lo..lo + RESERVE as u64;
         if reserve.contains(&addr) {
             if let Some((handler, ctx)) = HANDLER.with(|h| h.get()) {
                 if open_reserve(lo, fid) {
@@ -272,7 +272,7 @@ extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, uc: *mut li
                 }
             }
         }
-        if addr < reserve.end && addr >= lo.saturating_sub(crate::stack::GUARD as u64) {
+        if addr < reserve.end && addr >= lo.saturating_sub(GUARD as u64) {
             let mut buf = [0u8; 160];
             let mut w = Writer {
                 buf: &mut buf,
@@ -281,7 +281,7 @@ extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, uc: *mut li
             w.put(b"fibertrace: fiber ");
             w.num(fid);
             w.put(b" overflowed its stack of ");
-            w.num(hi.saturating_sub(lo) + 16 - crate::stack::RESERVE as u64);
+            w.num(hi.saturating_sub(lo) + 16 - RESERVE as u64);
             w.put(b" bytes (calls nested too deep); the process stops\n");
             let n = w.len;
             // SAFETY: write(2) of a local buffer to stderr is async-signal-safe.

@@ -25,8 +25,8 @@
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use crate::control::{FiberId, FiberShared};
-use crate::sample::Sampler;
+use crate::running::OnThread;
+use crate::task::{ControlBlock, FiberId};
 
 static NEXT_SCHED: AtomicU64 = AtomicU64::new(1);
 static SCHEDULERS: Mutex<Vec<Weak<SchedShared>>> = Mutex::new(Vec::new());
@@ -39,7 +39,7 @@ const MAX_CHUNKS: usize = 4096;
 /// Most references kept for readers before an exit waits for them to finish.
 const RETIRED_MAX: usize = 4096;
 
-type Chunk = [AtomicPtr<FiberShared>; CHUNK];
+type Chunk = [AtomicPtr<ControlBlock>; CHUNK];
 
 /// A scheduler's live fibers: see the module docs.
 pub(crate) struct FiberSlab {
@@ -52,9 +52,9 @@ pub(crate) struct FiberSlab {
     /// Whether `retired` holds anything (read without its lock on every exit).
     has_retired: AtomicBool,
     /// References taken out of slots while a reader was scanning.
-    retired: Mutex<Vec<Arc<FiberShared>>>,
+    retired: Mutex<Vec<Arc<ControlBlock>>>,
     /// Fibers past the slab's capacity (a mutex and a list: never used in practice).
-    overflow: Mutex<Vec<Arc<FiberShared>>>,
+    overflow: Mutex<Vec<Arc<ControlBlock>>>,
 }
 
 /// Where a fiber is in its scheduler's slab.
@@ -91,7 +91,7 @@ impl FiberSlab {
 
     /// The slot of index `i` (its chunk must exist).
     #[inline]
-    fn slot(&self, i: usize) -> &AtomicPtr<FiberShared> {
+    fn slot(&self, i: usize) -> &AtomicPtr<ControlBlock> {
         let c = self.chunks[i / CHUNK].load(Ordering::Acquire);
         debug_assert!(!c.is_null());
         // SAFETY: a chunk pointer, once stored, stays valid until the slab is dropped; the
@@ -100,7 +100,7 @@ impl FiberSlab {
     }
 
     /// Adds a fiber; returns where, for [`FiberSlab::remove`].
-    pub(crate) fn add(&self, owner: &mut SlabOwner, f: Arc<FiberShared>) -> SlabIndex {
+    pub(crate) fn add(&self, owner: &mut SlabOwner, f: Arc<ControlBlock>) -> SlabIndex {
         let i = match owner.free.pop() {
             Some(i) => i as usize,
             None => {
@@ -168,7 +168,7 @@ impl FiberSlab {
     }
 
     /// Calls `each` with every live fiber (see the module docs for what "every" means).
-    fn scan(&self, mut each: impl FnMut(&Arc<FiberShared>) -> bool) {
+    fn scan(&self, mut each: impl FnMut(&Arc<ControlBlock>) -> bool) {
         struct Reading<'a>(&'a AtomicUsize);
         impl Drop for Reading<'_> {
             fn drop(&mut self) {
@@ -234,7 +234,7 @@ pub struct SchedShared {
     /// Its name.
     pub name: String,
     pub(crate) fibers: FiberSlab,
-    pub(crate) sampler: Sampler,
+    pub(crate) on_thread: OnThread,
     /// Whether it is idle, waiting for a timer (a stall detector must not fire then).
     pub(crate) idle: AtomicBool,
 }
@@ -250,7 +250,7 @@ impl std::fmt::Debug for SchedShared {
 
 impl SchedShared {
     /// Its live fibers, in id order.
-    pub fn fibers(&self) -> Vec<Arc<FiberShared>> {
+    pub fn fibers(&self) -> Vec<Arc<ControlBlock>> {
         let mut v = Vec::with_capacity(self.fibers.len.load(Ordering::Relaxed));
         self.fibers.scan(|f| {
             v.push(f.clone());
@@ -262,7 +262,7 @@ impl SchedShared {
     }
 
     /// Its live fiber `id`, if it has one.
-    pub fn fiber(&self, id: FiberId) -> Option<Arc<FiberShared>> {
+    pub fn fiber(&self, id: FiberId) -> Option<Arc<ControlBlock>> {
         let mut found = None;
         self.fibers.scan(|f| {
             if f.id == id {
@@ -279,7 +279,7 @@ pub(crate) fn register(name: String) -> Arc<SchedShared> {
         id: NEXT_SCHED.fetch_add(1, Ordering::Relaxed),
         name,
         fibers: FiberSlab::new(),
-        sampler: Sampler::new(),
+        on_thread: OnThread::new(),
         idle: AtomicBool::new(false),
     });
     let mut all = SCHEDULERS.lock().unwrap_or_else(|e| e.into_inner());
@@ -304,7 +304,7 @@ pub fn schedulers() -> Vec<Arc<SchedShared>> {
 }
 
 /// Finds a fiber by id in any scheduler (a scan of each scheduler's fibers).
-pub fn find(id: FiberId) -> Option<(Arc<SchedShared>, Arc<FiberShared>)> {
+pub fn find(id: FiberId) -> Option<(Arc<SchedShared>, Arc<ControlBlock>)> {
     schedulers()
         .into_iter()
         .find_map(|s| s.fiber(id).map(|f| (s, f)))
@@ -318,11 +318,11 @@ pub fn scheduler(id: u64) -> Option<Arc<SchedShared>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::control::{NewFiber, ParentInit};
+    use crate::task::{NewFiber, ParentInit};
     use fibertrace_core::StackBounds;
 
-    fn block(id: FiberId) -> Arc<FiberShared> {
-        FiberShared::new_shared(&mut NewFiber {
+    fn block(id: FiberId) -> Arc<ControlBlock> {
+        ControlBlock::new_shared(&mut NewFiber {
             id,
             now: 0,
             created_at_start: false,
@@ -381,7 +381,7 @@ mod tests {
             })
             .collect();
         let mut next = 100;
-        let mut live: Vec<(SlabIndex, Arc<FiberShared>)> = Vec::new();
+        let mut live: Vec<(SlabIndex, Arc<ControlBlock>)> = Vec::new();
         let mut all = Vec::new();
         for round in 0..20_000 {
             if live.len() < 64 && round % 3 != 2 {

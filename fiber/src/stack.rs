@@ -19,11 +19,7 @@
 use corosensei::stack::{Stack, StackPointer};
 use fibertrace_core::StackBounds;
 
-/// Bytes of inaccessible memory below every fiber stack.
-pub(crate) const GUARD: usize = 64 * 1024;
-
-/// Bytes between the guard and the usable part, opened only to recover from an overflow.
-pub(crate) const RESERVE: usize = 256 * 1024;
+pub(crate) use crate::overflow::{GUARD, RESERVE};
 
 const PAGE: usize = 4096;
 

@@ -23,8 +23,8 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::control::{FiberId, WaitOn};
 use crate::sched::{self, current_id};
+use crate::task::{FiberId, WaitOn};
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 

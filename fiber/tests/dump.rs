@@ -67,7 +67,24 @@ fn text_dump_reads_like_a_goroutine_dump_and_json_parses() {
             );
 
             let json: serde_json::Value = serde_json::from_str(&dump::dump_json()).unwrap();
-            let me = json
+            assert_eq!(json["version"], fibertrace_fiber::inspect::SNAPSHOT_VERSION);
+            let scheds = json["schedulers"].as_array().unwrap();
+            let mine = scheds
+                .iter()
+                .find(|s| {
+                    s["fibers"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .any(|f| f["name"] == "consumer")
+                })
+                .expect("the scheduler of the consumer");
+            assert!(mine["thread"].as_i64().unwrap() > 0, "{mine}");
+            assert_eq!(
+                mine["running"].as_u64(),
+                Some(fibertrace_fiber::current_id())
+            );
+            let me = mine["fibers"]
                 .as_array()
                 .unwrap()
                 .iter()

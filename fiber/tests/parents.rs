@@ -9,11 +9,11 @@ use std::rc::Rc;
 use std::sync::{Arc, Mutex, Weak};
 
 use common::{info_names, names};
-use fibertrace_fiber::control::{parent_trace_copies, FiberShared};
 use fibertrace_fiber::info::{fiber_info, user_frames, InfoOptions};
 use fibertrace_fiber::{
     channel, current, spawn, yield_now, Builder, Channel, JoinHandle, Scheduler, SchedulerOptions,
 };
+use fibertrace_fiber::{parent_trace_copies, ControlBlock};
 
 /// The caps as the README and the docs state them: ancestors shown per fiber, and ancestors
 /// kept in memory per lineage (the bounds below are these numbers, not the constants, so a
@@ -23,14 +23,8 @@ const PARENT_DEPTH_KEPT: usize = 16;
 
 #[test]
 fn the_caps_are_the_documented_ones() {
-    assert_eq!(
-        fibertrace_fiber::control::PARENT_DEPTH_SHOWN,
-        PARENT_DEPTH_SHOWN
-    );
-    assert_eq!(
-        fibertrace_fiber::control::PARENT_DEPTH_KEPT,
-        PARENT_DEPTH_KEPT
-    );
+    assert_eq!(fibertrace_fiber::PARENT_DEPTH_SHOWN, PARENT_DEPTH_SHOWN);
+    assert_eq!(fibertrace_fiber::PARENT_DEPTH_KEPT, PARENT_DEPTH_KEPT);
 }
 
 /// Tests that make or count copied ancestor traces run one at a time (the count is global).
@@ -155,7 +149,7 @@ fn three_deep_chain_shows_each_creator_at_its_spawn_in_order() {
         .unwrap();
 }
 
-fn f_parent(f: &Arc<FiberShared>) -> &fibertrace_fiber::ParentTrace {
+fn f_parent(f: &Arc<ControlBlock>) -> &fibertrace_fiber::ParentTrace {
     f.parent_trace().expect("a parent trace")
 }
 
@@ -244,15 +238,15 @@ fn a_chain_deeper_than_the_cap_shows_the_nearest_and_counts_the_rest() {
 /// their control blocks are still alive at the end, how many copied ancestor traces, and the
 /// last generation's (depth, kept) from its parent trace.
 fn generations(n: usize) -> (usize, usize, u64, usize) {
-    let blocks: Rc<RefCell<Vec<Weak<FiberShared>>>> = Rc::default();
+    let blocks: Rc<RefCell<Vec<Weak<ControlBlock>>>> = Rc::default();
     let last = Rc::new(RefCell::new((0u64, 0usize)));
     fn generation(
         left: usize,
-        blocks: Rc<RefCell<Vec<Weak<FiberShared>>>>,
+        blocks: Rc<RefCell<Vec<Weak<ControlBlock>>>>,
         last: Rc<RefCell<(u64, usize)>>,
     ) {
         let me = current().unwrap();
-        blocks.borrow_mut().push(Arc::downgrade(me.shared()));
+        blocks.borrow_mut().push(Arc::downgrade(me.control_block()));
         if left > 1 {
             spawn(move || generation(left - 1, blocks, last));
         } else {
@@ -302,15 +296,15 @@ fn a_live_descendant_keeps_a_bounded_ancestry() {
     let _g = copies_lock();
     let base = parent_trace_copies();
     for n in [100usize, 5_000] {
-        let blocks: Rc<RefCell<Vec<Weak<FiberShared>>>> = Rc::default();
+        let blocks: Rc<RefCell<Vec<Weak<ControlBlock>>>> = Rc::default();
         let seen = Rc::new(RefCell::new((0usize, 0usize, 0u64)));
         fn generation(
             left: usize,
-            blocks: Rc<RefCell<Vec<Weak<FiberShared>>>>,
+            blocks: Rc<RefCell<Vec<Weak<ControlBlock>>>>,
             seen: Rc<RefCell<(usize, usize, u64)>>,
         ) {
             let me = current().unwrap();
-            blocks.borrow_mut().push(Arc::downgrade(me.shared()));
+            blocks.borrow_mut().push(Arc::downgrade(me.control_block()));
             if left > 1 {
                 spawn(move || generation(left - 1, blocks, seen));
                 return;

@@ -480,15 +480,15 @@ fn a_fiber_started_at_once_is_charged_its_own_cpu_time_not_its_creators() {
             // A switch settles the time this fiber ran so far (its CPU time is charged at
             // each accounting point).
             yield_now();
-            let before = me.shared().cpu_time();
+            let before = me.control_block().cpu_time();
             let h = spawn(|| spin_for(Duration::from_millis(30)));
             let child = h.fiber().clone();
             fibertrace_fiber::yield_to(h.fiber());
             assert!(h.is_finished());
-            let mine = me.shared().cpu_time() - before;
+            let mine = me.control_block().cpu_time() - before;
             // Compared with each other, not with wall time: the tick rate is calibrated
             // while the process is young, and may be off by a few percent.
-            let theirs = child.shared().cpu_time();
+            let theirs = child.control_block().cpu_time();
             assert!(
                 theirs >= Duration::from_millis(15),
                 "child charged {theirs:?}"
@@ -496,13 +496,13 @@ fn a_fiber_started_at_once_is_charged_its_own_cpu_time_not_its_creators() {
             assert!(theirs > mine * 10, "child {theirs:?}, creator {mine:?}");
             // The creator's own work before the start is its own.
             yield_now();
-            let before = me.shared().cpu_time();
+            let before = me.control_block().cpu_time();
             spin_for(Duration::from_millis(20));
             let h = spawn(|| ());
             let child = h.fiber().clone();
             fibertrace_fiber::yield_to(h.fiber());
-            let mine = me.shared().cpu_time() - before;
-            let theirs = child.shared().cpu_time();
+            let mine = me.control_block().cpu_time() - before;
+            let theirs = child.control_block().cpu_time();
             assert!(
                 mine >= Duration::from_millis(10),
                 "creator charged {mine:?}"

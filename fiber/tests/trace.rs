@@ -153,7 +153,8 @@ fn a_fiber_that_never_ran_shows_its_entry_and_a_dead_one_nothing() {
     assert!(matches!(bt.frames()[0], Frame::Pc(_)));
     let r = fibertrace_core::resolve(&bt.frames()[0]).unwrap();
     let name = r.function().unwrap();
-    assert_eq!(name, "fibertrace_fiber::sched::call_user");
+    assert_eq!(name, "fibertrace_fiber::frames::call_user");
+    assert_eq!(name, fibertrace_fiber::frames::TRAMPOLINE);
     // A closure has no symbol: info names it by type.
     let fi = fiber_info(h.id(), &InfoOptions::default()).unwrap();
     assert_eq!(fi.status, Status::Ready);
@@ -668,10 +669,10 @@ fn yield_to_runs_the_fiber_inside_the_caller_twelve_levels_deep() {
     sched
         .block_on(move || {
             let me = fibertrace_fiber::current().unwrap();
-            let csw = me.shared().csw();
+            let csw = me.control_block().csw();
             start_nested(12, Vec::new(), l);
             // Two switches back in: after the started fiber suspended, after the join's wait.
-            assert_eq!(me.shared().csw() - csw, 2);
+            assert_eq!(me.control_block().csw() - csw, 2);
         })
         .unwrap();
     let log = log.borrow();

@@ -8,7 +8,7 @@
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex, Weak};
 
-use fibertrace_fiber::control::{parent_trace_copies, FiberShared};
+use fibertrace_fiber::{parent_trace_copies, ControlBlock};
 use fibertrace_lua::LuaHost;
 use mlua::Table;
 
@@ -83,12 +83,12 @@ fn run(src: &str) -> LuaHost {
 
 thread_local! {
     /// The control blocks of the fibers that called `tcb_watch`.
-    static WATCHED: RefCell<Vec<Weak<FiberShared>>> = const { RefCell::new(Vec::new()) };
+    static WATCHED: RefCell<Vec<Weak<ControlBlock>>> = const { RefCell::new(Vec::new()) };
 }
 
 fn watch() {
     let me = fibertrace_fiber::current().expect("in a fiber");
-    WATCHED.with(|w| w.borrow_mut().push(Arc::downgrade(me.shared())));
+    WATCHED.with(|w| w.borrow_mut().push(Arc::downgrade(me.control_block())));
 }
 
 fn live_blocks() -> usize {

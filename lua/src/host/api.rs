@@ -342,7 +342,7 @@ fn find(fid: FiberId) -> Option<Found> {
         let r = h.recs.get(&fid)?;
         if r.done.is_some() {
             Some(Found::Ended)
-        } else if r.fiber.shared().is_dead() {
+        } else if r.fiber.control_block().is_dead() {
             // Cancelled before it started: kept for its joiner only.
             None
         } else {
@@ -585,7 +585,7 @@ fn lua_fiber_main(t: *mut ffi::lua_State, nargs: c_int) {
         release_storage(h, &mut rec);
         release_thread(h, rec.thread, rec.thread_ref);
         // A cancelled fiber's error is not a failure to report (Tarantool's rule).
-        let report = h.report_errors && !ok && !rec.fiber.shared().is_cancelled();
+        let report = h.report_errors && !ok && !rec.fiber.control_block().is_cancelled();
         report.then(|| rec.fiber.name())
     })
     .flatten();
@@ -634,7 +634,7 @@ impl Drop for LuaBody {
             let fid = if h.recs.get(&fid).is_some_and(|r| r.thread == t) {
                 fid
             } else {
-                let dead = |r: &Rec| r.thread == t && r.fiber.shared().is_dead();
+                let dead = |r: &Rec| r.thread == t && r.fiber.control_block().is_dead();
                 match h.recs.iter().find(|(_, r)| dead(r)) {
                     Some((&id, _)) => id,
                     None => return,
@@ -1142,7 +1142,7 @@ unsafe fn name_body(l: *mut ffi::lua_State) -> LResult {
     let top = unsafe { ffi::lua_gettop(l) };
     if top != name_at && top != name_at + 1 {
         // SAFETY: as above.
-        unsafe { raw::push_str_p(l, &f.shared().name_arc()) }?;
+        unsafe { raw::push_str_p(l, &f.control_block().name_arc()) }?;
         return Ok(1);
     }
     // SAFETY: as above.
@@ -1209,7 +1209,7 @@ unsafe fn serialize_body(l: *mut ffi::lua_State) -> LResult {
     let fid = unsafe { check_fiber_id(l, 1) }?;
     let name = find(fid)
         .and_then(|_| rec_fiber(fid))
-        .map(|f| f.shared().name_arc());
+        .map(|f| f.control_block().name_arc());
     let status = status_word(fid);
     // SAFETY: as above; a fresh table, made in a protected call.
     unsafe {
@@ -1234,7 +1234,7 @@ lua_fn!(m_serialize, serialize_body);
 /// yields, and its starts of other fibers). The runtime counts switches into it, one more
 /// while it runs.
 pub(crate) fn lua_csw(f: &fibertrace_fiber::Fiber) -> u64 {
-    let n = f.shared().csw();
+    let n = f.control_block().csw();
     n.saturating_sub((f.id() == fibertrace_fiber::current_id()) as u64)
 }
 
@@ -1458,7 +1458,7 @@ unsafe fn join_body(l: *mut ffi::lua_State) -> LResult {
             },
         }
     };
-    let waits = !fiber.shared().is_dead() && timeout != Some(std::time::Duration::ZERO);
+    let waits = !fiber.control_block().is_dead() && timeout != Some(std::time::Duration::ZERO);
     // SAFETY: C function contract.
     unsafe { super::finalize::check_wait(l, "fiber:join", waits) }?;
     let deadline = timeout.and_then(|d| Instant::now().checked_add(d));
@@ -1477,7 +1477,7 @@ unsafe fn join_body(l: *mut ffi::lua_State) -> LResult {
         ));
     };
     let t = rec.thread;
-    let cancelled = rec.fiber.shared().is_cancelled();
+    let cancelled = rec.fiber.control_block().is_cancelled();
     // SAFETY: the joined fiber is dead; its thread holds [handler, results...] or
     // [handler, error]; they move to `l`.
     let n = unsafe {
@@ -1580,8 +1580,8 @@ unsafe fn top_body(l: *mut ffi::lua_State) -> LResult {
     let fibers: Vec<(FiberId, std::sync::Arc<str>)> = with_host(|h| {
         h.recs
             .values()
-            .filter(|r| r.done.is_none() && !r.fiber.shared().is_dead())
-            .map(|r| (r.fiber.id(), r.fiber.shared().name_arc()))
+            .filter(|r| r.done.is_none() && !r.fiber.control_block().is_dead())
+            .map(|r| (r.fiber.id(), r.fiber.control_block().name_arc()))
             .collect()
     })
     .ok_or_else(no_host)?;
@@ -1693,7 +1693,7 @@ unsafe fn slice_arg(l: *mut ffi::lua_State, idx: c_int) -> Result<Slice, LErr> {
 /// The current run of the current fiber: its id and the switch count the run began with.
 fn current_run() -> (FiberId, u64) {
     match fibertrace_fiber::current() {
-        Some(f) => (f.id(), f.shared().csw()),
+        Some(f) => (f.id(), f.control_block().csw()),
         None => (0, 0),
     }
 }

@@ -13,7 +13,7 @@
 //! entries' tables (treat them as read-only).
 //!
 //! `parent_backtrace` lists the creators' traces at their `fiber.create` calls, nearest first,
-//! numbered on from 1, at most `fibertrace_fiber::control::PARENT_DEPTH_SHOWN` creators; a
+//! numbered on from 1, at most `fibertrace_fiber::PARENT_DEPTH_SHOWN` creators; a
 //! longer ancestry ends with a `{C = "#N ... K more parent fibers"}` entry counting the
 //! creators left out (see `fibertrace_fiber::ParentTrace` for the ancestry kept in memory).
 //! So one call costs O(fibers), whatever the depth of their ancestry.
@@ -384,7 +384,7 @@ unsafe fn fiber_frames(
     if f.id() == call.me {
         return call.current.clone();
     }
-    let csw = f.shared().csw();
+    let csw = f.control_block().csw();
     let cached = with_host(|h| {
         h.recs
             .get(&f.id())
@@ -403,7 +403,7 @@ unsafe fn fiber_frames(
     let t: Rc<[Frame]> = Rc::from(fibertrace_fiber::info::user_frames(bt.frames()));
     // The count is read again: the capture may not race with a resume on this thread, but
     // the cache must only hold a trace taken while the fiber was suspended.
-    if f.shared().csw() == csw && f.shared().status().0 != Status::Running {
+    if f.control_block().csw() == csw && f.control_block().status().0 != Status::Running {
         with_host(|h| {
             if let Some(r) = h.recs.get_mut(&f.id()) {
                 r.trace_cache = Some((csw, t.clone()));
@@ -461,7 +461,7 @@ unsafe fn push_fiber(
     opts: &Opts,
     call: &mut Call,
 ) {
-    let sh = f.shared();
+    let sh = f.control_block();
     let (status, on, secs) = sh.status_at(call.now);
     // SAFETY: the constructor (a Lua function of this host) gets 12 plain values and
     // returns a fresh table.
@@ -561,7 +561,7 @@ pub(crate) unsafe fn push_all(l: *mut ffi::lua_State, opts: &Opts) -> Result<(),
     let fibers: Vec<Entry> = with_host(|h| {
         h.recs
             .values()
-            .filter(|r| r.done.is_none() && !r.fiber.shared().is_dead())
+            .filter(|r| r.done.is_none() && !r.fiber.control_block().is_dead())
             .map(|r| {
                 let slice = r.max_slice.unwrap_or(h.default_slice);
                 (r.fiber.clone(), r.thread, slice)

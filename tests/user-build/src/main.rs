@@ -237,7 +237,7 @@ fn check_consumer(got: &[Level], lines: bool) -> Result<(), String> {
         // (An inlined closure has no path with line tables only.)
         let closure = l.name.starts_with("user_build::spawner_inner::{{closure}}")
             || l.name.starts_with("{closure");
-        let trampoline = l.name.starts_with("fibertrace_fiber::sched::call_user");
+        let trampoline = l.name.starts_with("fibertrace_fiber::frames::call_user");
         if !(closure || trampoline) {
             return Err(format!("{:?} below level1: {}", l.name, all()));
         }
@@ -325,8 +325,7 @@ fn json_levels(frames: &serde_json::Value) -> Vec<Level> {
 
 fn check_report_start(got: &[Level], entry: &str, lines: bool) -> Result<(), String> {
     if let Some(l) = got.iter().find(|l| {
-        l.name.starts_with("fibertrace_fiber::dump::")
-            || l.name.starts_with("fibertrace_fiber::info::")
+        l.name.starts_with("fibertrace_fiber::inspect::")
     }) {
         return Err(format!(
             "the report's machinery shows: {:?} in {:?}",
@@ -427,9 +426,11 @@ fn main() {
             match serde_json::from_str::<serde_json::Value>(&json) {
                 Ok(v) => {
                     let by_id = |id: u64| {
-                        v.as_array()
+                        v["schedulers"]
+                            .as_array()
                             .into_iter()
                             .flatten()
+                            .flat_map(|s| s["fibers"].as_array().into_iter().flatten())
                             .find(|f| f["id"].as_u64() == Some(id))
                             .cloned()
                     };

@@ -1,50 +1,36 @@
-//! The fiber control block: what other threads may read about a fiber, and the handshake
-//! that keeps a walk of its stack from racing a resume.
+//! The fiber itself, as every thread may see it: its control block ([`ControlBlock`]), its
+//! run state ([`state`]) and its parent trace ([`parent`]).
 //!
-//! Run states (one atomic byte):
+//! The control block is what other threads read about a fiber (status, wait, counters, stack
+//! bounds, saved registers); the scheduler's thread is its only writer. The registers are
+//! read only under an inspection ([`state::RunCell::inspect`]), the one primitive every walk
+//! of a parked stack goes through ([`ControlBlock::with_parked`]).
 //!
-//! ```text
-//!   NEW --resume--> RUNNING --suspend--> SUSPENDED --resume--> RUNNING ... --return--> DEAD
-//!                                        SUSPENDED <--inspect--> INSPECTING
-//! ```
-//!
-//! The fiber itself records its registers and then publishes `SUSPENDED` (release) just
-//! before switching away. An inspector — any thread — moves `SUSPENDED → INSPECTING` with a
-//! compare-and-swap, walks the stack, and moves it back. The scheduler resumes only with a
-//! `SUSPENDED → RUNNING` swap, waiting while an inspection is under way (a walk takes well
-//! under a microsecond), and frees a stack only after `SUSPENDED → DEAD` or `RUNNING →
-//! DEAD`. So a walk never overlaps a resume, and never reads a freed stack: the invariant.
-//!
-//! A walk that starts right after the fiber published `SUSPENDED` but before it finished
-//! switching away is still sound: the frames it reads (the suspend wrapper's and its callers')
-//! no longer change; the switch itself only writes below the recorded stack pointer.
-//!
-//! Parent traces ([`ParentTrace`]): each fiber's creation segment (its creator's frames at the
-//! spawn) is captured once, inline in its control block, and the chain of ancestors is a
-//! chain of links through the creators' control blocks, shared by every descendant. So a
-//! report over a chain of D fibers costs O(D) (each entry shows at most
-//! [`PARENT_DEPTH_SHOWN`] ancestors and counts the rest), and a lineage of any length keeps at
-//! most [`PARENT_DEPTH_KEPT`] ancestors alive. What can be wrong: a linked creator is named by
-//! its name now, a copied one by its name when copied; ancestors past the kept chain are only
-//! counted.
+//! How a result can be wrong: fields other than the registers are read without a lock, each
+//! on its own, so a report may combine a status and a switch count from two moments a few
+//! nanoseconds apart; a walk is exact for the suspension it reads (a cached walk is reused
+//! only at the same switch count).
+
+pub(crate) mod parent;
+pub(crate) mod state;
+
+pub use parent::{
+    parent_trace_copies, ParentTrace, PARENT_DEPTH_KEPT, PARENT_DEPTH_SHOWN, PARENT_FRAMES,
+};
+pub(crate) use state::{RunCell, RunState};
 
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
 
 use fibertrace_core::{Backtrace, CaptureOptions, Frame, SavedContext, StackBounds};
-use smallvec::SmallVec;
+
+use crate::frames::FrameInfo;
 
 use serde::{Deserialize, Serialize};
 
 /// Identifier of a fiber, unique in the process (never reused).
 pub type FiberId = u64;
-
-pub(crate) const NEW: u8 = 0;
-pub(crate) const RUNNING: u8 = 1;
-pub(crate) const SUSPENDED: u8 = 2;
-pub(crate) const INSPECTING: u8 = 3;
-pub(crate) const DEAD: u8 = 4;
 
 /// How a fiber's function ended (its control block's `outcome`): not yet, returned, cancelled,
 /// panicked.
@@ -153,302 +139,6 @@ impl std::fmt::Display for WaitOn {
 /// Bytes of a parked stack prefetched ahead of its walk (from the stack pointer up).
 const PREFETCH_STACK: usize = 1024;
 
-/// Frames kept of a creator's stack.
-pub const PARENT_FRAMES: usize = 16;
-
-/// Ancestors shown per fiber (fiber info, dumps, Lua's `parent_backtrace`): the nearest ones.
-/// The ones past them are counted, never silently dropped: a dump ends the list with
-/// `... N more parent fibers`, fiber info says `parent_backtrace_omitted: N`.
-pub const PARENT_DEPTH_SHOWN: usize = 8;
-
-/// Most ancestors a parent trace keeps reachable (and so in memory). A spawn whose creator's
-/// chain already holds this many links the child to a copy of the creator's nearest
-/// [`PARENT_DEPTH_SHOWN`]` - 1` ancestors instead (made once per such creator and shared by
-/// all its children), so a lineage of any length keeps at most this many ancestors alive, and
-/// the copying costs `PARENT_DEPTH_SHOWN - 1` small allocations once every
-/// `PARENT_DEPTH_KEPT - PARENT_DEPTH_SHOWN + 1` generations: constant per spawn on average.
-pub const PARENT_DEPTH_KEPT: usize = 2 * PARENT_DEPTH_SHOWN;
-
-/// Copies of ancestors' traces alive now (see [`PARENT_DEPTH_KEPT`]).
-static COPIES: AtomicUsize = AtomicUsize::new(0);
-
-/// How many copied ancestor traces are alive in the process: the memory parent traces hold
-/// beyond the control blocks they link, which must stay bounded by the number of live fibers
-/// (not by the number of generations that ever ran). For tests and soaks.
-pub fn parent_trace_copies() -> usize {
-    COPIES.load(Ordering::Relaxed)
-}
-
-/// A parent trace: the creator's own frames at the moment it spawned the child (cut at the
-/// creator's entry), and a link to the creator, whose own parent trace continues the chain
-/// (grandparents are shared by reference, never copied per child). Kept inline in the child's
-/// control block: spawning with parent traces costs one short frame-pointer walk and no
-/// allocation.
-///
-/// The link keeps the creator's control block (a few hundred bytes, not its stack) alive as
-/// long as a descendant lives, so an ancestor that has exited is still named. A block so held
-/// is never reused for another fiber (a block is renewed in place only when nothing else
-/// holds it), so a link never names the wrong fiber.
-///
-/// # Caps, and how the result can be wrong
-///
-/// - Each trace keeps [`PARENT_FRAMES`] of the creator's frames (the middle of a deeper stack
-///   is replaced by one `Omitted(n)` frame).
-/// - At most [`PARENT_DEPTH_KEPT`] ancestors are reachable from a trace ([`ParentTrace::chain`]);
-///   [`ParentTrace::depth`] still counts them all. Past that the chain continues through
-///   copies of the nearest ancestors' traces (see [`PARENT_DEPTH_KEPT`]), whose names are the
-///   ones the ancestors had when the copy was made (a linked creator's name is read when
-///   asked). So a fiber deep in a lineage reaches between [`PARENT_DEPTH_SHOWN`] and
-///   [`PARENT_DEPTH_KEPT`] ancestors, never fewer than `min(depth, PARENT_DEPTH_SHOWN)`.
-/// - Reports show the nearest [`PARENT_DEPTH_SHOWN`] ([`ParentTrace::shown`]) and count the
-///   rest ([`ParentTrace::omitted`]).
-pub struct ParentTrace {
-    /// The creating fiber (`None`: a thread outside any fiber).
-    pub fiber: Option<FiberId>,
-    up: Up,
-    frames: SmallVec<[Frame; PARENT_FRAMES]>,
-    /// The frames as fiber info hands them out (raw, resolved), each made on first request
-    /// (the trace never changes).
-    info: [OnceLock<Arc<[crate::info::FrameInfo]>>; 2],
-    /// Ancestors reachable from this trace, its own creator included (1..=PARENT_DEPTH_KEPT).
-    kept: u32,
-    /// Ancestors in all, its own creator included (the ones no longer reachable too).
-    depth: u64,
-    /// A copy of this trace and its nearest ancestors, for children spawned once this chain is
-    /// [`PARENT_DEPTH_KEPT`] long (made by the first such spawn, shared by the next ones).
-    cut: OnceLock<Arc<ParentTrace>>,
-    /// This is such a copy (counted in [`COPIES`]).
-    copy: bool,
-}
-
-/// How a chain continues past a trace.
-enum Up {
-    /// The creating fiber's control block: its name now, and its own parent trace.
-    Creator(Arc<FiberShared>),
-    /// A name fixed when the trace was made (a thread's) or copied (a fiber's), and the copied
-    /// chain beyond it (`None`: the chain ends here; [`ParentTrace::depth`] counts the rest).
-    Fixed {
-        name: Arc<str>,
-        parent: Option<Arc<ParentTrace>>,
-    },
-}
-
-impl std::fmt::Debug for ParentTrace {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ParentTrace")
-            .field("fiber", &self.fiber)
-            .field("name", &self.name())
-            .field("frames", &self.frames)
-            .field("kept", &self.kept)
-            .field("depth", &self.depth)
-            .finish()
-    }
-}
-
-impl Drop for ParentTrace {
-    fn drop(&mut self) {
-        if self.copy {
-            COPIES.fetch_sub(1, Ordering::Relaxed);
-        }
-    }
-}
-
-impl ParentTrace {
-    /// A parent trace made by hand (a Lua host passes the creator's interleaved frames).
-    /// At most [`PARENT_FRAMES`] frames are kept (the middle is omitted when longer).
-    pub fn new(creator: Option<&crate::Fiber>, frames: &[Frame]) -> ParentTrace {
-        let creator = creator.map(|c| c.shared().clone());
-        let thread_name = creator
-            .is_none()
-            .then(|| Arc::from(std::thread::current().name().unwrap_or("thread")));
-        Self::from_parts(creator, thread_name, frames)
-    }
-
-    pub(crate) fn from_parts(
-        creator: Option<Arc<FiberShared>>,
-        thread_name: Option<Arc<str>>,
-        frames: &[Frame],
-    ) -> ParentTrace {
-        let mut t = Self::linked(creator, thread_name);
-        t.frames = fit_frames(frames);
-        t
-    }
-
-    /// A trace without frames yet, linked to its creator (or naming the thread): the link, or
-    /// when the creator's chain is [`PARENT_DEPTH_KEPT`] long, its copy cut shorter.
-    #[inline]
-    fn linked(creator: Option<Arc<FiberShared>>, thread_name: Option<Arc<str>>) -> ParentTrace {
-        let fiber = creator.as_ref().map(|c| c.id);
-        let (up, kept, depth) = match creator {
-            None => (
-                Up::Fixed {
-                    name: thread_name.unwrap_or_else(|| Arc::from("thread")),
-                    parent: None,
-                },
-                1,
-                1,
-            ),
-            Some(c) => {
-                let above = c.parent_trace.as_ref().map(|t| (t.kept, t.depth));
-                match above {
-                    None => (Up::Creator(c), 1, 1),
-                    Some((kept, depth)) if (kept as usize) < PARENT_DEPTH_KEPT => {
-                        (Up::Creator(c), kept + 1, depth + 1)
-                    }
-                    Some((_, depth)) => {
-                        let cut = c.parent_trace.as_ref().map(ParentTrace::cut_copy);
-                        let kept = cut.as_ref().map_or(0, |p| p.kept) + 1;
-                        let name = c.name_arc();
-                        (Up::Fixed { name, parent: cut }, kept, depth + 1)
-                    }
-                }
-            }
-        };
-        ParentTrace {
-            fiber,
-            up,
-            frames: SmallVec::new(),
-            info: [OnceLock::new(), OnceLock::new()],
-            kept,
-            depth,
-            cut: OnceLock::new(),
-            copy: false,
-        }
-    }
-
-    /// This trace and its nearest ancestors, `PARENT_DEPTH_SHOWN - 1` in all, copied once
-    /// (cold: once every several generations of a lineage).
-    #[cold]
-    fn cut_copy(&self) -> Arc<ParentTrace> {
-        self.cut
-            .get_or_init(|| self.copy_chain(PARENT_DEPTH_SHOWN - 1))
-            .clone()
-    }
-
-    /// A copy of this trace and the next `levels - 1` ancestors (`levels` ≥ 1), with the
-    /// names they have now; the copy's chain ends there.
-    fn copy_chain(&self, levels: usize) -> Arc<ParentTrace> {
-        let nodes: SmallVec<[&ParentTrace; PARENT_DEPTH_KEPT]> =
-            self.chain().take(levels.max(1)).collect();
-        let mut parent: Option<Arc<ParentTrace>> = None;
-        // From the farthest: each copy links the one made before it.
-        for t in nodes.iter().rev() {
-            let kept = parent.as_ref().map_or(0, |p| p.kept) + 1;
-            COPIES.fetch_add(1, Ordering::Relaxed);
-            parent = Some(Arc::new(ParentTrace {
-                fiber: t.fiber,
-                up: Up::Fixed {
-                    name: t.name(),
-                    parent: parent.take(),
-                },
-                frames: t.frames.clone(),
-                info: t.info.clone(),
-                kept,
-                depth: t.depth,
-                cut: OnceLock::new(),
-                copy: true,
-            }));
-        }
-        parent.expect("at least one level is copied")
-    }
-
-    /// The creator's frames, innermost first.
-    pub fn frames(&self) -> &[Frame] {
-        &self.frames
-    }
-
-    /// The frames with their resolutions (`resolve`): each list is made once and shared by
-    /// every later call.
-    pub fn frames_info(&self, resolve: bool) -> Arc<[crate::info::FrameInfo]> {
-        self.info[usize::from(resolve)]
-            .get_or_init(|| crate::info::frames_info_shared(&self.frames, resolve))
-            .clone()
-    }
-
-    /// The creator's name (its current name; as it was when copied for a copied ancestor; the
-    /// thread's name for a thread).
-    pub fn name(&self) -> Arc<str> {
-        match &self.up {
-            Up::Creator(c) => c.name_arc(),
-            Up::Fixed { name, .. } => name.clone(),
-        }
-    }
-
-    /// The creator's own parent trace (`None` at the first fiber, a thread, or where the kept
-    /// chain ends: see [`ParentTrace::depth`]).
-    pub fn parent(&self) -> Option<&ParentTrace> {
-        match &self.up {
-            Up::Creator(c) => c.parent_trace.as_ref(),
-            Up::Fixed { parent, .. } => parent.as_deref(),
-        }
-    }
-
-    /// How many ancestors there are from this trace's creator up, all of them, including
-    /// those the chain no longer reaches.
-    pub fn depth(&self) -> u64 {
-        self.depth
-    }
-
-    /// How many ancestors [`ParentTrace::chain`] reaches (at most [`PARENT_DEPTH_KEPT`]).
-    pub fn kept(&self) -> usize {
-        self.kept as usize
-    }
-
-    /// How many ancestors reports leave out: [`ParentTrace::depth`] minus the
-    /// [`ParentTrace::shown`] ones.
-    pub fn omitted(&self) -> u64 {
-        self.depth - self.kept.min(PARENT_DEPTH_SHOWN as u32) as u64
-    }
-
-    /// The nearest ancestors, direct parent first: the [`PARENT_DEPTH_SHOWN`] reports show.
-    pub fn shown(&self) -> impl Iterator<Item = &ParentTrace> {
-        self.chain().take(PARENT_DEPTH_SHOWN)
-    }
-
-    /// The shown chain as one list: each ancestor's frames after a [`Frame::Parent`] marker
-    /// naming it (the first marker names the direct parent; 0 names a thread). At most
-    /// [`PARENT_DEPTH_SHOWN`] ancestors; [`ParentTrace::omitted`] counts the others.
-    pub fn flatten(&self) -> Vec<Frame> {
-        let mut out = Vec::new();
-        for t in self.shown() {
-            out.push(Frame::Parent(t.fiber.unwrap_or(0)));
-            out.extend_from_slice(t.frames());
-        }
-        out
-    }
-
-    /// Every ancestor the chain reaches, from the direct parent up (at most
-    /// [`PARENT_DEPTH_KEPT`]).
-    pub fn chain(&self) -> impl Iterator<Item = &ParentTrace> {
-        let mut cur = Some(self);
-        std::iter::from_fn(move || {
-            let t = cur?;
-            cur = t.parent();
-            Some(t)
-        })
-    }
-}
-
-fn fit_frames(f: &[Frame]) -> SmallVec<[Frame; PARENT_FRAMES]> {
-    if f.len() <= PARENT_FRAMES {
-        return SmallVec::from_slice(f);
-    }
-    // Keep the innermost and outermost frames; count what the middle held.
-    let head = PARENT_FRAMES / 2;
-    let tail = PARENT_FRAMES - head - 1;
-    let omitted: u64 = f[head..f.len() - tail]
-        .iter()
-        .map(|x| match x {
-            Frame::Omitted(n) => *n,
-            _ => 1,
-        })
-        .sum();
-    let mut v: SmallVec<[Frame; PARENT_FRAMES]> = SmallVec::from_slice(&f[..head]);
-    v.push(Frame::Omitted(omitted));
-    v.extend_from_slice(&f[f.len() - tail..]);
-    v
-}
-
 impl Status {
     fn from_u8(v: u8) -> Status {
         match v {
@@ -479,7 +169,7 @@ struct TraceCache {
     frames: Box<[Frame]>,
     /// The same frames as fiber info hands them out (resolved or not), shared by every
     /// info call until the fiber runs again.
-    info: Option<(bool, Arc<[crate::info::FrameInfo]>)>,
+    info: Option<(bool, Arc<[FrameInfo]>)>,
 }
 
 /// A panic that ended a fiber.
@@ -494,7 +184,7 @@ pub struct PanicReport {
 }
 
 /// The control block of one fiber. Shared with other threads through the registry.
-pub struct FiberShared {
+pub struct ControlBlock {
     pub(crate) id: FiberId,
     pub(crate) sched: u64,
     pub(crate) name: Mutex<Arc<str>>,
@@ -506,7 +196,7 @@ pub struct FiberShared {
     pub(crate) created: AtomicU64,
     /// The creation time is taken when it first runs (see [`crate::Builder::created_at_start`]).
     pub(crate) created_at_start: bool,
-    pub(crate) run: AtomicU8,
+    pub(crate) run: RunCell,
     /// Written by the fiber before publishing SUSPENDED; read only under INSPECTING.
     ctx: UnsafeCell<SavedContext>,
     /// Stack pointer of the runtime's entry frame on this fiber's stack, at its call of the
@@ -548,16 +238,16 @@ pub struct FiberShared {
 // SAFETY: every field is Sync except `ctx`, which is written only by the fiber's own thread
 // while the fiber runs (run == RUNNING) and read by other threads only after they won the
 // SUSPENDED -> INSPECTING swap, which orders the accesses (release / acquire).
-unsafe impl Sync for FiberShared {}
+unsafe impl Sync for ControlBlock {}
 // SAFETY: as above; nothing in it is tied to a thread.
-unsafe impl Send for FiberShared {}
+unsafe impl Send for ControlBlock {}
 
-impl std::fmt::Debug for FiberShared {
+impl std::fmt::Debug for ControlBlock {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FiberShared")
+        f.debug_struct("ControlBlock")
             .field("id", &self.id)
             .field("name", &&*self.name_arc())
-            .field("run", &self.run.load(Ordering::Relaxed))
+            .field("run", &self.run)
             .finish()
     }
 }
@@ -570,7 +260,7 @@ pub(crate) enum ParentInit<'a> {
     /// Return addresses just captured from the creator's stack: the trace is built from them
     /// in place, in the new control block (no copy of a few hundred bytes per spawn).
     Captured {
-        creator: Option<Arc<FiberShared>>,
+        creator: Option<Arc<ControlBlock>>,
         thread_name: Option<Arc<str>>,
         ras: &'a [u64],
     },
@@ -601,16 +291,16 @@ impl NewFiber<'_> {
     }
 }
 
-impl FiberShared {
+impl ControlBlock {
     /// A new control block, built in place in its shared allocation (a control block is
     /// several hundred bytes; building it on the stack and moving it in cost a copy per spawn).
     /// (`n` by reference: a by-value move is a copy of its ~160 bytes just written, which
     /// stalls on store forwarding.)
     pub(crate) fn new_shared(n: &mut NewFiber<'_>) -> Arc<Self> {
-        let mut a = Arc::<FiberShared>::new_uninit();
+        let mut a = Arc::<ControlBlock>::new_uninit();
         let slot = Arc::get_mut(&mut a).expect("a new Arc is unique");
         let (given, captured) = Self::split_parent(n);
-        let f = slot.write(FiberShared::new(n, given));
+        let f = slot.write(ControlBlock::new(n, given));
         f.fill_parent_frames(captured);
         // SAFETY: fully written just above.
         unsafe { a.assume_init() }
@@ -628,7 +318,7 @@ impl FiberShared {
         // Field by field, only what a new fiber changes: building a whole new block and
         // moving it in copied its ~700 bytes (the inline parent-trace buffer included). The
         // pattern names every field, so a field added later must be handled here too.
-        let FiberShared {
+        let ControlBlock {
             id,
             sched,
             name,
@@ -670,7 +360,7 @@ impl FiberShared {
         }
         *created.get_mut() = n.now;
         *created_at_start = n.created_at_start;
-        *run.get_mut() = NEW;
+        run.reset();
         *ctx.get_mut() = SavedContext::new(n.stack);
         *entry_sp.get_mut() = 0;
         *stack = n.stack;
@@ -716,21 +406,14 @@ impl FiberShared {
     /// Copies captured return addresses into the (inline) parent trace.
     fn fill_parent_frames(&mut self, captured: Option<&[u64]>) {
         if let (Some(t), Some(ras)) = (self.parent_trace.as_mut(), captured) {
-            let ras = &ras[..ras.len().min(PARENT_FRAMES)];
-            let buf = t.frames.as_mut_ptr();
-            for (i, &a) in ras.iter().enumerate() {
-                // SAFETY: the inline buffer holds PARENT_FRAMES frames and i < that.
-                unsafe { buf.add(i).write(Frame::Ra(a)) };
-            }
-            // SAFETY: the first `ras.len()` entries were written just above.
-            unsafe { t.frames.set_len(ras.len()) };
+            t.fill_return_addresses(ras);
         }
     }
 
     #[inline(always)]
     fn new(n: &NewFiber<'_>, parent_trace: Option<ParentTrace>) -> Self {
         let now = n.now;
-        FiberShared {
+        ControlBlock {
             id: n.id,
             sched: n.sched,
             name: Mutex::new(n.name.clone()),
@@ -738,7 +421,7 @@ impl FiberShared {
             parent_trace,
             created: AtomicU64::new(now),
             created_at_start: n.created_at_start,
-            run: AtomicU8::new(NEW),
+            run: RunCell::new(),
             ctx: UnsafeCell::new(SavedContext::new(n.stack)),
             entry_sp: AtomicU64::new(0),
             stack: n.stack,
@@ -805,84 +488,73 @@ impl FiberShared {
         unsafe { (*self.ctx.get()).stop_sp = sp };
     }
 
-    /// Walks the fiber's stack if it is suspended, never racing a resume. Returns `None` if
-    /// it is not suspended (running, new, dead) or tracing is off.
-    pub(crate) fn inspect_suspended(&self, opts: &CaptureOptions, out: &mut Backtrace) -> bool {
+    /// The one inspection primitive: if the fiber is suspended (and traced), holds it there
+    /// (no resume, no free) while `f` runs with its saved context and its switch count.
+    /// `None` if it is in any other state.
+    #[inline]
+    pub(crate) fn with_parked<R>(&self, f: impl FnOnce(&SavedContext, u64) -> R) -> Option<R> {
         if !self.traced {
-            return false;
+            return None;
         }
-        if self
-            .run
-            .compare_exchange(SUSPENDED, INSPECTING, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
-            return false;
-        }
-        // While INSPECTING the fiber cannot be resumed: its switch count is stable, and a
-        // walk cached at this count is still the truth (a parked stack does not change).
+        let _inspection = self.run.inspect()?;
+        // While inspected the fiber cannot be resumed: its switch count is stable.
         let csw = self.csw.load(Ordering::Relaxed);
-        let cached = {
-            let c = self.trace_cache.lock().unwrap_or_else(|e| e.into_inner());
-            match &*c {
-                Some(t) if t.csw == csw && t.opts == *opts => {
-                    out.set_frames(&t.frames);
-                    true
+        // SAFETY: the inspection holds the fiber suspended: nothing writes `ctx` until it
+        // ends, and the fiber wrote it before publishing `Suspended` (acquired above).
+        let ctx = unsafe { &*self.ctx.get() };
+        Some(f(ctx, csw))
+    }
+
+    /// Walks the fiber's stack if it is suspended, never racing a resume (a walk kept since
+    /// it last ran is reused). False if it is not suspended (running, new, dead) or tracing
+    /// is off.
+    pub(crate) fn inspect_suspended(&self, opts: &CaptureOptions, out: &mut Backtrace) -> bool {
+        self.with_parked(|ctx, csw| {
+            let cached = {
+                let c = self.trace_cache.lock().unwrap_or_else(|e| e.into_inner());
+                match &*c {
+                    Some(t) if t.csw == csw && t.opts == *opts => {
+                        out.set_frames(&t.frames);
+                        true
+                    }
+                    _ => false,
                 }
-                _ => false,
+            };
+            if !cached {
+                fibertrace_core::collect_from_into(ctx, opts, out);
+                *self.trace_cache.lock().unwrap_or_else(|e| e.into_inner()) = Some(TraceCache {
+                    csw,
+                    opts: *opts,
+                    frames: out.frames().into(),
+                    info: None,
+                });
+                self.walked_csw.store(csw, Ordering::Relaxed);
             }
-        };
-        if !cached {
-            // SAFETY: we won SUSPENDED -> INSPECTING: the fiber cannot be resumed or freed
-            // until we store SUSPENDED back, and its `ctx` was published before SUSPENDED
-            // (acquire).
-            let ctx = unsafe { *self.ctx.get() };
-            fibertrace_core::collect_from_into(&ctx, opts, out);
-            *self.trace_cache.lock().unwrap_or_else(|e| e.into_inner()) = Some(TraceCache {
-                csw,
-                opts: *opts,
-                frames: out.frames().into(),
-                info: None,
-            });
-            self.walked_csw.store(csw, Ordering::Relaxed);
-        }
-        self.run.store(SUSPENDED, Ordering::Release);
-        true
+        })
+        .is_some()
     }
 
     /// The suspended fiber's frames as fiber info hands them out: `build` turns a walk into
     /// the list, and the list is kept and shared until the fiber runs again. `None` when the
     /// fiber is not suspended (or not traced).
     ///
-    /// The walk is done under the inspection handshake; `build` (which may resolve symbols,
-    /// slow the first time) runs after it, so a resume never waits for symbolization.
+    /// The walk is done under the inspection; `build` (which may resolve symbols, slow the
+    /// first time) runs after it, so a resume never waits for symbolization.
     pub(crate) fn suspended_info(
         &self,
         opts: &CaptureOptions,
         resolve: bool,
-        build: impl FnOnce(&[Frame]) -> Arc<[crate::info::FrameInfo]>,
-    ) -> Option<Arc<[crate::info::FrameInfo]>> {
-        if !self.traced {
-            return None;
-        }
-        if self
-            .run
-            .compare_exchange(SUSPENDED, INSPECTING, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
-            return None;
-        }
-        let csw = self.csw.load(Ordering::Relaxed);
+        build: impl FnOnce(&[Frame]) -> Arc<[FrameInfo]>,
+    ) -> Option<Arc<[FrameInfo]>> {
         let mut bt = Backtrace::new();
         let mut c = self.trace_cache.lock().unwrap_or_else(|e| e.into_inner());
-        let kept = c.as_ref().is_some_and(|t| t.csw == csw && t.opts == *opts);
-        if !kept {
-            // SAFETY: we won SUSPENDED -> INSPECTING: the fiber cannot be resumed or freed
-            // until we store SUSPENDED back, and its `ctx` was published before SUSPENDED
-            // (acquire).
-            let ctx = unsafe { *self.ctx.get() };
-            fibertrace_core::collect_from_into(&ctx, opts, &mut bt);
-        }
-        self.run.store(SUSPENDED, Ordering::Release);
+        let (csw, kept) = self.with_parked(|ctx, csw| {
+            let kept = c.as_ref().is_some_and(|t| t.csw == csw && t.opts == *opts);
+            if !kept {
+                fibertrace_core::collect_from_into(ctx, opts, &mut bt);
+            }
+            (csw, kept)
+        })?;
         // The kept walk, or a new one that found the very same frames (the fiber ran and
         // parked at the same place again, as workers on a queue do): the list still holds.
         if let Some(t) = c
@@ -922,7 +594,7 @@ impl FiberShared {
     /// when a walk of it is due: its frames are then read from cache, not one memory round
     /// trip per frame. A hint; racy reads of the atomics are fine.
     pub(crate) fn prefetch_stack(&self) {
-        if self.run.load(Ordering::Relaxed) != SUSPENDED
+        if self.run.get(Ordering::Relaxed) != RunState::Suspended
             || self.walked_csw.load(Ordering::Relaxed) == self.csw.load(Ordering::Relaxed)
         {
             return;
@@ -947,35 +619,6 @@ impl FiberShared {
         // SAFETY: per the contract the context was fully written (program order on this
         // thread) and nothing writes it until the fiber runs again.
         unsafe { *self.ctx.get() }
-    }
-
-    /// Swaps SUSPENDED (or NEW) to RUNNING for a resume, waiting out an inspection.
-    pub(crate) fn begin_resume(&self) {
-        self.swap_run_state(RUNNING, Ordering::Acquire);
-    }
-
-    /// Marks the fiber dead, waiting out an inspection (before its stack is freed).
-    pub(crate) fn mark_dead(&self) {
-        self.swap_run_state(DEAD, Ordering::AcqRel);
-    }
-
-    /// Moves the run state to `to` from whatever it is, except that an inspection under way
-    /// (a walk takes well under a microsecond) is waited out first.
-    fn swap_run_state(&self, to: u8, success: Ordering) {
-        loop {
-            let cur = self.run.load(Ordering::Relaxed);
-            if cur == INSPECTING {
-                std::hint::spin_loop();
-                continue;
-            }
-            if self
-                .run
-                .compare_exchange_weak(cur, to, success, Ordering::Relaxed)
-                .is_ok()
-            {
-                return;
-            }
-        }
     }
 
     /// Counts switches into the fiber and adds CPU ticks (the scheduler's thread is the only
@@ -1017,7 +660,7 @@ impl FiberShared {
         self.status_at(crate::clock::ticks())
     }
 
-    /// As [`FiberShared::status`], "how long" counted up to `now` (from
+    /// As [`ControlBlock::status`], "how long" counted up to `now` (from
     /// [`crate::clock::ticks`]): a caller reporting on many fibers reads the clock once.
     pub fn status_at(&self, now: u64) -> (Status, Option<WaitOn>, std::time::Duration) {
         let (st, on, since) = self.status_raw();
@@ -1026,7 +669,7 @@ impl FiberShared {
 
     /// Whether the fiber has finished.
     pub fn is_dead(&self) -> bool {
-        self.run.load(Ordering::Acquire) == DEAD
+        self.run.get(Ordering::Acquire) == RunState::Dead
     }
 
     /// Context switches (resumes) so far.

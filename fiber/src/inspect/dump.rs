@@ -9,13 +9,13 @@
 //! ```
 //!
 //! A fiber's creators are listed nearest first, at most
-//! [`crate::control::PARENT_DEPTH_SHOWN`] of them; a longer ancestry ends with
+//! [`crate::task::PARENT_DEPTH_SHOWN`] of them; a longer ancestry ends with
 //! `... N more parent fibers` (N counts every ancestor left out, also those whose traces are
-//! no longer kept: see [`crate::control::ParentTrace`]).
+//! no longer kept: see [`crate::task::ParentTrace`]).
 //!
 //! [`install_signal`] makes a signal (SIGQUIT by default) print the dump to stderr while the
 //! process goes on running: the handler only writes a byte to a pipe; a dumper thread builds
-//! the dump (sampling running fibers, see [`crate::sample`]) outside the handler.
+//! the dump (sampling running fibers, see [`super::sample`]) outside the handler.
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
@@ -25,8 +25,9 @@ use std::time::Duration;
 use fibertrace_core::format::{self, TextOptions};
 use fibertrace_core::Frame;
 
-use crate::control::Status;
-use crate::info::{self, FiberInfo, InfoOptions};
+use super::info::{self, FiberInfo, InfoOptions};
+use super::{FrameInfo, SchedulerSnapshot, Snapshot};
+use crate::task::{ControlBlock, PanicReport, Status};
 
 /// A duration as Go prints wait times: `250ms`, `4.2s`, `3m12s`, `2h5m`.
 pub fn human(d: Duration) -> String {
@@ -58,18 +59,9 @@ fn status_words(fi: &FiberInfo) -> String {
     }
 }
 
-/// One fiber as text.
+/// One fiber as text: its frames (with a layer above's, labelled, when the snapshot carries
+/// them: see [`super::FrameSource`]) and its creators.
 pub fn render_fiber(fi: &FiberInfo, out: &mut String) {
-    render_fiber_with(fi, None, out);
-}
-
-/// One fiber as text, its frames from `source` (a layer above the runtime, on the fiber's
-/// scheduler's thread: see [`crate::inspect`]) when it has them.
-fn render_fiber_with(
-    fi: &FiberInfo,
-    source: Option<&dyn crate::inspect::FrameSource>,
-    out: &mut String,
-) {
     let _ = writeln!(
         out,
         "fiber {} {} [{}]:",
@@ -81,25 +73,7 @@ fn render_fiber_with(
         let _ = writeln!(out, "    (not started yet) entry: {}", fi.entry);
     }
     match &fi.backtrace {
-        Some(frames) => {
-            let raw: Vec<Frame> = frames.iter().map(|f| f.frame).collect();
-            let added = source
-                .filter(|_| fi.status != Status::Running)
-                .and_then(|src| Some((src.frames(fi.id, &raw)?, src)));
-            match added {
-                Some((frames, src)) => {
-                    let namer = |id| src.name(id);
-                    out.push_str(&format::text(
-                        &frames,
-                        &TextOptions {
-                            lua: Some(&namer),
-                            ..TextOptions::default()
-                        },
-                    ));
-                }
-                None => out.push_str(&format::text(&raw, &TextOptions::default())),
-            }
-        }
+        Some(frames) => out.push_str(&render_list(frames)),
         None => out.push_str("    (no backtrace)\n"),
     }
     for p in &fi.parent_backtrace {
@@ -131,7 +105,7 @@ fn render_fiber_with(
     }
 }
 
-/// The line that ends a parent list cut at [`crate::control::PARENT_DEPTH_SHOWN`] ancestors:
+/// The line that ends a parent list cut at [`crate::task::PARENT_DEPTH_SHOWN`] ancestors:
 /// `... N more parent fibers` (`fiber` for one), without a line end.
 pub fn more_parents_line(n: u64) -> String {
     format!(
@@ -140,35 +114,61 @@ pub fn more_parents_line(n: u64) -> String {
     )
 }
 
+/// A list of frames in the default text format: a frame a layer above labelled (a Lua
+/// frame) by its label, the others resolved; no trailing runtime trampoline.
+fn render_list(frames: &[FrameInfo]) -> String {
+    let raw: Vec<Frame> = frames.iter().map(|f| f.frame).collect();
+    let labelled = |id| {
+        frames
+            .iter()
+            .find(|f| f.frame == Frame::Lua(id))
+            .and_then(|f| f.label.as_deref().map(str::to_string))
+    };
+    format::text(
+        info::user_frames(&raw),
+        &TextOptions {
+            lua: Some(&labelled),
+            ..TextOptions::default()
+        },
+    )
+}
+
 /// The whole process's fibers as text, scheduler by scheduler.
 #[inline(never)]
 pub fn dump_text() -> String {
     report_entry!();
+    snapshot_text(&super::snapshot(&InfoOptions::default()))
+}
+
+/// A snapshot as text, scheduler by scheduler.
+pub fn snapshot_text(snap: &Snapshot) -> String {
     let mut out = String::new();
-    for s in crate::registry::schedulers() {
-        scheduler_text(&s, &mut out);
+    for s in &snap.schedulers {
+        render_scheduler(s, &mut out);
     }
     out
 }
 
-/// One scheduler's fibers as text.
-#[inline(never)]
-pub fn scheduler_text(s: &crate::registry::SchedShared, out: &mut String) {
-    report_entry!();
-    let fibers = info::scheduler_info(s, &InfoOptions::default());
+/// One scheduler of a snapshot as text.
+pub fn render_scheduler(s: &SchedulerSnapshot, out: &mut String) {
     let _ = writeln!(
         out,
         "scheduler {} {}: {} fibers\n",
         s.id,
         crate::sched::quoted_name(&s.name),
-        fibers.len()
+        s.fibers.len()
     );
-    // A layer above's frames (Lua), when this is the scheduler's own thread.
-    let source = crate::inspect::source(s.id);
-    for fi in &fibers {
-        render_fiber_with(fi, source.as_deref(), out);
+    for fi in &s.fibers {
+        render_fiber(fi, out);
         out.push('\n');
     }
+}
+
+/// One scheduler's fibers as text (a snapshot of it, taken now).
+#[inline(never)]
+pub fn scheduler_text(s: &crate::registry::SchedShared, out: &mut String) {
+    report_entry!();
+    render_scheduler(&super::scheduler_snapshot(s, &InfoOptions::default()), out);
 }
 
 /// Fibers blocked (waiting on a channel, condition, join or wake-up, or sleeping) for at
@@ -177,24 +177,26 @@ pub fn scheduler_text(s: &crate::registry::SchedShared, out: &mut String) {
 pub fn blocked_text(min: Duration) -> String {
     report_entry!();
     let mut out = String::new();
-    for fi in info::info(&InfoOptions::default()) {
+    let snap = super::snapshot(&InfoOptions::default());
+    for fi in snap.schedulers.iter().flat_map(|s| &s.fibers) {
         if fi
             .waiting
             .as_ref()
             .is_some_and(|w| w.seconds >= min.as_secs_f64())
         {
-            render_fiber(&fi, &mut out);
+            render_fiber(fi, &mut out);
             out.push('\n');
         }
     }
     out
 }
 
-/// The whole process's fibers as JSON (an array of [`FiberInfo`]).
+/// The whole process's fibers as JSON: a [`Snapshot`] (its `version`, `taken_at`, and
+/// `schedulers`, each with its `fibers`, each a [`FiberInfo`]).
 #[inline(never)]
 pub fn dump_json() -> String {
     report_entry!();
-    serde_json::to_string_pretty(&info::info(&InfoOptions::default()))
+    serde_json::to_string_pretty(&super::snapshot(&InfoOptions::default()))
         .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
 }
 
@@ -284,7 +286,7 @@ pub fn install_signal(sig: i32) -> Result<(), InstallError> {
                 }
                 wait_for_handlers();
                 let text = dump_text();
-                crate::watchdog::write_stderr(&text);
+                super::watchdog::write_stderr(&text);
             }
         })
         .map_err(|e| InstallError(format!("dump thread: {e}")))?;
@@ -303,4 +305,20 @@ pub fn install_signal(sig: i32) -> Result<(), InstallError> {
     }
     let _ = INSTALLED.set(sig);
     Ok(())
+}
+
+/// Writes `fiber N "name" panicked at LOCATION: MESSAGE` and the trace to stderr (the
+/// scheduler's `panicked` hook).
+pub(crate) fn write_panic_report(f: &ControlBlock, r: &PanicReport) {
+    let mut s = format!(
+        "fiber {} {} panicked",
+        f.id(),
+        crate::sched::quoted_name(&f.name())
+    );
+    if let Some(loc) = &r.location {
+        s.push_str(&format!(" at {loc}"));
+    }
+    s.push_str(&format!(": {}\n", r.message));
+    s.push_str(&render_frames(r.backtrace.frames()));
+    super::watchdog::write_stderr(&s);
 }

@@ -6,13 +6,14 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use fibertrace_core::symbolize::{self, Resolved};
 use fibertrace_core::{Backtrace, CaptureOptions, Frame, Unwinder};
 use serde::{Deserialize, Serialize};
 
-use crate::control::{FiberId, FiberShared, Status, WaitOn, INSPECTING};
+use crate::frames::frames_info_shared;
+pub use crate::frames::{frames_info, user_frames, FrameInfo};
 use crate::registry::{self, SchedShared};
 use crate::sched;
+use crate::task::{ControlBlock, FiberId, RunState, Status, WaitOn};
 
 /// What to include.
 #[derive(Clone, Copy, Debug)]
@@ -39,16 +40,6 @@ impl Default for InfoOptions {
             sample_running: true,
         }
     }
-}
-
-/// One frame, with its resolution when asked.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct FrameInfo {
-    /// The raw frame.
-    pub frame: Frame,
-    /// Names, lines and image (native frames, when resolved).
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub resolved: Option<Arc<Resolved>>,
 }
 
 /// One ancestor's trace.
@@ -110,7 +101,7 @@ pub struct FiberInfo {
     /// call hands out the same list.
     pub backtrace: Option<Arc<[FrameInfo]>>,
     /// Its nearest ancestors' traces, direct parent first: at most
-    /// [`crate::control::PARENT_DEPTH_SHOWN`].
+    /// [`crate::task::PARENT_DEPTH_SHOWN`].
     pub parent_backtrace: Vec<ParentInfo>,
     /// How many more ancestors it has past those in `parent_backtrace` (not shown: the cap).
     #[serde(default)]
@@ -178,7 +169,7 @@ pub fn fiber_info(id: FiberId, opts: &InfoOptions) -> Option<FiberInfo> {
 }
 
 /// Info about the fiber whose control block is `f` (no registry lookup).
-pub(crate) fn info_of(f: &Arc<FiberShared>, opts: &InfoOptions) -> Option<FiberInfo> {
+pub(crate) fn info_of(f: &Arc<ControlBlock>, opts: &InfoOptions) -> Option<FiberInfo> {
     Some(one(f, opts, None, &Now::new()))
 }
 
@@ -213,13 +204,13 @@ pub fn scheduler_info(s: &SchedShared, opts: &InfoOptions) -> Vec<FiberInfo> {
     report_entry!();
     let fibers = s.fibers();
     // A running fiber on another thread: one sample for the whole scheduler.
-    let running = s.sampler.running();
+    let running = s.on_thread.running();
     let sampled = if opts.backtrace
         && opts.sample_running
         && running != 0
         && running != sched::current_id()
     {
-        crate::sample::sample(s, Duration::from_millis(200))
+        super::sample::sample(s, Duration::from_millis(200))
     } else {
         None
     };
@@ -242,9 +233,9 @@ pub fn scheduler_info(s: &SchedShared, opts: &InfoOptions) -> Vec<FiberInfo> {
 }
 
 fn one(
-    f: &Arc<FiberShared>,
+    f: &Arc<ControlBlock>,
     opts: &InfoOptions,
-    sample: Option<&crate::sample::Sample>,
+    sample: Option<&super::sample::Sample>,
     now: &Now,
 ) -> FiberInfo {
     let (status, on, since) = f.status_raw();
@@ -306,7 +297,7 @@ fn one(
 /// A fiber's frames for info: a suspended fiber's from its walk kept since it last ran (or a
 /// new walk), others captured now.
 fn info_backtrace(
-    f: &Arc<FiberShared>,
+    f: &Arc<ControlBlock>,
     opts: &InfoOptions,
     sample_running: bool,
 ) -> Option<Arc<[FrameInfo]>> {
@@ -315,7 +306,7 @@ fn info_backtrace(
         offset: 1, // the suspend wrapper
         ..CaptureOptions::default()
     };
-    if sched::current_id() != f.id && f.run.load(Ordering::Acquire) == crate::control::SUSPENDED {
+    if sched::current_id() != f.id && f.run.get(Ordering::Acquire) == RunState::Suspended {
         let resolve = opts.resolve;
         if let Some(v) = f.suspended_info(&copts, resolve, |frames| {
             frames_info_shared(frames, resolve)
@@ -328,59 +319,19 @@ fn info_backtrace(
         .map(|bt| frames_info_shared(bt.frames(), opts.resolve))
 }
 
-/// Frames with their resolutions; a trailing runtime trampoline frame (`call_user` with
-/// no user code inlined into it) is left out.
-pub fn frames_info(frames: &[Frame], resolve: bool) -> Vec<FrameInfo> {
-    user_frames(frames)
-        .iter()
-        .map(|f| frame_info(f, resolve))
-        .collect()
-}
-
-/// As [`frames_info`], built straight into a shared list (one allocation).
-pub(crate) fn frames_info_shared(frames: &[Frame], resolve: bool) -> Arc<[FrameInfo]> {
-    user_frames(frames)
-        .iter()
-        .map(|f| frame_info(f, resolve))
-        .collect()
-}
-
-fn frame_info(f: &Frame, resolve: bool) -> FrameInfo {
-    FrameInfo {
-        frame: *f,
-        resolved: if resolve { symbolize::resolve(f) } else { None },
-    }
-}
-
-/// Frames without the trailing runtime trampoline (see [`frames_info`]).
-pub fn user_frames(frames: &[Frame]) -> &[Frame] {
-    match frames.last() {
-        Some(f @ Frame::Ra(_)) if symbolize::resolve(f).is_some_and(|r| is_trampoline(&r)) => {
-            &frames[..frames.len() - 1]
-        }
-        _ => frames,
-    }
-}
-
-fn is_trampoline(r: &Resolved) -> bool {
-    r.symbols.len() == 1
-        && r.function()
-            .is_some_and(|n| n.starts_with("fibertrace_fiber::sched::call_user"))
-}
-
 /// A fiber's backtrace now (see [`crate::Fiber::backtrace`]).
-pub(crate) fn fiber_backtrace(f: &Arc<FiberShared>, unwinder: Unwinder) -> Option<Backtrace> {
+pub(crate) fn fiber_backtrace(f: &Arc<ControlBlock>, unwinder: Unwinder) -> Option<Backtrace> {
     backtrace_of(f, unwinder, true)
 }
 
 #[inline(never)]
 fn backtrace_of(
-    f: &Arc<FiberShared>,
+    f: &Arc<ControlBlock>,
     unwinder: Unwinder,
     sample_running: bool,
 ) -> Option<Backtrace> {
     if sched::current_id() == f.id {
-        return Some(sched::current_backtrace(f, unwinder));
+        return Some(current_backtrace(f, unwinder));
     }
     let opts = CaptureOptions {
         unwinder,
@@ -388,24 +339,22 @@ fn backtrace_of(
         ..CaptureOptions::default()
     };
     for _ in 0..1000 {
-        let run = f.run.load(Ordering::Acquire);
-        if sched::never_ran(run) {
-            return Some(Backtrace::from_frames(&[sched::entry_frame(f)]));
-        }
-        if sched::is_dead(run) {
-            return None;
-        }
-        if sched::is_running(run) {
-            if !sample_running {
-                return None;
+        match f.run.get(Ordering::Acquire) {
+            RunState::New => return Some(Backtrace::from_frames(&[entry_frame(f)])),
+            RunState::Dead => return None,
+            RunState::Running => {
+                if !sample_running {
+                    return None;
+                }
+                let s = registry::scheduler(f.sched)?;
+                let smp = super::sample::sample(&s, Duration::from_millis(200))?;
+                return (smp.fiber == f.id).then_some(smp.backtrace);
             }
-            let s = registry::scheduler(f.sched)?;
-            let smp = crate::sample::sample(&s, Duration::from_millis(200))?;
-            return (smp.fiber == f.id).then_some(smp.backtrace);
-        }
-        if run == INSPECTING {
-            std::thread::yield_now();
-            continue;
+            RunState::Inspecting => {
+                std::thread::yield_now();
+                continue;
+            }
+            RunState::Suspended => {}
         }
         let mut bt = Backtrace::new();
         if f.inspect_suspended(&opts, &mut bt) {
@@ -427,7 +376,9 @@ pub fn suspended_backtrace(f: &crate::Fiber, unwinder: Unwinder) -> Option<Backt
         ..CaptureOptions::default()
     };
     let mut bt = Backtrace::new();
-    f.shared().inspect_suspended(&opts, &mut bt).then_some(bt)
+    f.control_block()
+        .inspect_suspended(&opts, &mut bt)
+        .then_some(bt)
 }
 
 /// Whether a status means the fiber is blocked waiting (for reports of long waits).
@@ -436,4 +387,43 @@ pub fn is_blocked(status: Status) -> bool {
         status,
         Status::Waiting | Status::Sleeping | Status::Suspended
     )
+}
+
+/// The frame shown for a fiber that never ran: its entry function.
+fn entry_frame(shared: &ControlBlock) -> Frame {
+    Frame::Pc(shared.entry_fn)
+}
+
+/// The current fiber's trace (from inside it), cut at its entry. Inside a report (see
+/// `report_entry!`) it starts at the caller of the report's entry point.
+#[inline(never)]
+fn current_backtrace(shared: &ControlBlock, unwinder: Unwinder) -> Backtrace {
+    let mut bt = Backtrace::new();
+    let stop = shared.entry_sp.load(Ordering::Relaxed);
+    match ReportOrigin::current() {
+        Some(origin) => {
+            let opts = CaptureOptions::with_unwinder(unwinder);
+            fibertrace_core::collect_from_origin(origin, &opts, stop, &mut bt);
+        }
+        None => {
+            let opts = CaptureOptions {
+                unwinder,
+                offset: 2, // this function and info's caller
+                ..CaptureOptions::default()
+            };
+            fibertrace_core::collect_until(&opts, stop, &mut bt);
+        }
+    }
+    bt
+}
+
+impl crate::Fiber {
+    /// Its backtrace now: the current fiber's own stack, a suspended fiber's saved context,
+    /// the entry function of one that never ran, a sample of one running on another thread;
+    /// `None` for a dead fiber.
+    #[inline(never)]
+    pub fn backtrace(&self, unwinder: Unwinder) -> Option<Backtrace> {
+        report_entry!();
+        fiber_backtrace(self.control_block(), unwinder)
+    }
 }

@@ -4,7 +4,7 @@
 //! its scheduler. The watchdog polls each scheduler's published state (which fiber runs and
 //! how many resumes there have been — no clock is read on the switch path for this); when one
 //! run lasts past the threshold it samples the running fiber with a signal (see
-//! [`crate::sample`]: capture inside the handler, on an alternate stack, no lock, no
+//! [`super::sample`]: capture inside the handler, on an alternate stack, no lock, no
 //! allocation) and reports, outside the handler, `fiber 7 "worker" has run 250 ms without
 //! yielding:` and the symbolized frames. While the stall lasts it reports again at 2×, 4×…
 //! the threshold. Reports are rate-limited; the next one says how many were suppressed (or,
@@ -29,8 +29,8 @@ use std::time::{Duration, Instant};
 
 use fibertrace_core::Backtrace;
 
-use crate::control::FiberId;
 use crate::registry::{self, SchedShared};
+use crate::task::FiberId;
 
 /// Watchdog settings.
 #[derive(Clone, Debug)]
@@ -85,9 +85,9 @@ impl StallReport {
             "fiber {} {} has run {} without yielding:\n",
             self.fiber,
             crate::sched::quoted_name(&self.name),
-            crate::dump::human(self.running_for)
+            super::dump::human(self.running_for)
         );
-        s.push_str(&crate::dump::render_frames(self.backtrace.frames()));
+        s.push_str(&super::dump::render_frames(self.backtrace.frames()));
         if let Some(n) = &self.note {
             s.push_str(&format!("    ({n})\n"));
         }
@@ -104,7 +104,7 @@ pub enum Report {
     /// A fiber hogs its thread.
     Stall(Box<StallReport>),
     /// A fiber has been blocked longer than the configured limit.
-    Blocked(Box<crate::info::FiberInfo>),
+    Blocked(Box<super::info::FiberInfo>),
     /// Stall reports dropped by the rate limit in a window of a second with no report
     /// after them to carry the count (a burst that ended): nothing is dropped unsaid.
     Suppressed(u64),
@@ -117,7 +117,7 @@ impl Report {
             Report::Stall(s) => s.to_text(),
             Report::Blocked(fi) => {
                 let mut s = String::from("blocked: ");
-                crate::dump::render_fiber(fi, &mut s);
+                super::dump::render_fiber(fi, &mut s);
                 s
             }
             Report::Suppressed(n) => {
@@ -290,7 +290,7 @@ fn run() {
         let scheds = registry::schedulers();
         watches.retain(|w| w.sched.strong_count() > 0);
         for s in &scheds {
-            let sm = &s.sampler;
+            let sm = &s.on_thread;
             let fid = sm.running();
             let resumes = sm.resumes.load(Ordering::Relaxed);
             let run_since = sm.run_since.load(Ordering::Relaxed);
@@ -355,7 +355,7 @@ fn run() {
                 st.suppressed.fetch_add(1, Ordering::AcqRel);
                 continue;
             }
-            let Some(sample) = crate::sample::sample(s, Duration::from_millis(500)) else {
+            let Some(sample) = super::sample::sample(s, Duration::from_millis(500)) else {
                 continue;
             };
             if sample.fiber != fid || sample.resumes != resumes {
@@ -401,7 +401,7 @@ fn run() {
                     for f in s.fibers() {
                         live.insert(f.id);
                         let (status, on, since) = f.status();
-                        if on.is_none() || !crate::info::is_blocked(status) || since < limit {
+                        if on.is_none() || !super::info::is_blocked(status) || since < limit {
                             continue;
                         }
                         // Once per wait: a wait is identified by the fiber and its switch count.
@@ -409,7 +409,7 @@ fn run() {
                         if blocked_seen.insert(key, ()).is_some() {
                             continue;
                         }
-                        if let Some(fi) = crate::info::info_of(&f, &crate::InfoOptions::default()) {
+                        if let Some(fi) = super::info::info_of(&f, &crate::InfoOptions::default()) {
                             deliver(&Report::Blocked(Box::new(fi)));
                         }
                     }

@@ -7,7 +7,7 @@ use std::sync::Once;
 
 use fibertrace_core::{Backtrace, CaptureOptions, Unwinder};
 
-use crate::control::{FiberShared, PanicReport};
+use crate::task::{ControlBlock, PanicReport};
 
 thread_local! {
     static LAST: std::cell::RefCell<Option<(Option<String>, Backtrace)>> =
@@ -21,7 +21,7 @@ pub(crate) fn install_hook() {
     HOOK.call_once(|| {
         let prev = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
-            if let Some(shared) = crate::sched::current_shared() {
+            if let Some(shared) = super::current_shared() {
                 capture(&shared, info.location().map(|l| l.to_string()));
             }
             prev(info);
@@ -30,7 +30,7 @@ pub(crate) fn install_hook() {
 }
 
 #[inline(never)]
-fn capture(shared: &FiberShared, location: Option<String>) {
+fn capture(shared: &ControlBlock, location: Option<String>) {
     let mut bt = Backtrace::new();
     let opts = CaptureOptions {
         unwinder: Unwinder::Auto,
@@ -61,7 +61,7 @@ fn is_panic_machinery(name: &str) -> bool {
     name.starts_with("std::panicking::")
         || name.starts_with("core::panicking::")
         || name.starts_with("std::panic::")
-        || name.starts_with("fibertrace_fiber::panic::")
+        || name.starts_with(module_path!())
         || name.contains("rust_begin_unwind")
         || name.starts_with("<alloc::boxed::Box<F,A> as core::ops::function::Fn")
         || name.starts_with("std::sys::backtrace::__rust_end_short_backtrace")
@@ -69,7 +69,7 @@ fn is_panic_machinery(name: &str) -> bool {
 
 /// The report of a panic that just unwound out of `shared`'s user code.
 pub(crate) fn take_report(
-    shared: &FiberShared,
+    shared: &ControlBlock,
     payload: &(dyn std::any::Any + Send),
 ) -> PanicReport {
     let message = if let Some(s) = payload.downcast_ref::<&str>() {
@@ -90,19 +90,4 @@ pub(crate) fn take_report(
         location,
         backtrace,
     }
-}
-
-/// Prints `fiber N "name" panicked at LOCATION: MESSAGE` and the trace to stderr.
-pub(crate) fn print_report(shared: &FiberShared, r: &PanicReport) {
-    let mut s = format!(
-        "fiber {} {} panicked",
-        shared.id,
-        crate::sched::quoted_name(&shared.name())
-    );
-    if let Some(loc) = &r.location {
-        s.push_str(&format!(" at {loc}"));
-    }
-    s.push_str(&format!(": {}\n", r.message));
-    s.push_str(&crate::dump::render_frames(r.backtrace.frames()));
-    crate::watchdog::write_stderr(&s);
 }

@@ -5,7 +5,7 @@
 //! frames, and its Lua frames are in its Lua thread, which only the host can read. A host
 //! registers a [`FrameSource`] for its scheduler ([`crate::Scheduler::set_frame_source`]);
 //! the text reports built *on that scheduler's thread* (the deadlock report, a
-//! [`crate::dump::dump_text`] called from a fiber) then ask it for each fiber's frames — the
+//! [`super::dump::dump_text`] called from a fiber) then ask it for each fiber's frames — the
 //! native ones with the host's interleaved — and for the names of the frames it added.
 //!
 //! The source is kept per thread: it reads state (a Lua thread) that only its scheduler's
@@ -21,7 +21,7 @@ use std::rc::Rc;
 
 use fibertrace_core::{Frame, LuaFrameId};
 
-use crate::control::FiberId;
+use crate::task::FiberId;
 
 /// Frames a layer above the runtime contributes for the fibers of one scheduler.
 pub trait FrameSource {
@@ -49,6 +49,11 @@ pub(crate) fn set(sched: u64, source: Option<Rc<dyn FrameSource>>) {
             s.push((sched, src));
         }
     });
+}
+
+/// Forgets the source of scheduler `sched` (it is being dropped, on its thread).
+pub(crate) fn forget(sched: u64) {
+    set(sched, None);
 }
 
 /// The source of scheduler `sched`, when it runs on this thread and has one.

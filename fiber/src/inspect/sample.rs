@@ -15,16 +15,16 @@
 //! signal (the sample then names the fiber it caught); an interrupt inside a prologue can lose
 //! one caller with the frame-pointer unwinder (the first step is DWARF to avoid it).
 
-use std::cell::{Cell, UnsafeCell};
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
-use std::sync::{Mutex, Once};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Once;
 use std::time::{Duration, Instant};
 
 use fibertrace_core::unwind::DwarfCache;
 use fibertrace_core::{Backtrace, CaptureOptions, StackBounds, Unwinder};
 
-use crate::control::{FiberId, FiberShared};
 use crate::registry::SchedShared;
+use crate::task::{FiberId, RunState};
 
 static SIGNAL: AtomicI32 = AtomicI32::new(libc::SIGURG);
 static INSTALL: Once = Once::new();
@@ -44,111 +44,25 @@ pub fn signal() -> i32 {
     SIGNAL.load(Ordering::Relaxed)
 }
 
-/// Per-scheduler sampling state.
-pub(crate) struct Sampler {
-    thread: AtomicU64,
-    /// The scheduler thread's CPU-time clock (for the watchdog).
-    cpu_clock: AtomicI32,
-    running: AtomicU64,
-    lo: AtomicU64,
-    hi: AtomicU64,
-    /// The running fiber's control block (valid while it runs: its slot holds an Arc).
-    fiber: std::sync::atomic::AtomicPtr<FiberShared>,
-    /// Clock ticks when the running fiber was resumed.
-    pub run_since: AtomicU64,
-    /// Resumes so far (changes whenever the running fiber changes).
-    pub resumes: AtomicU64,
-    requested: AtomicBool,
-    seq: AtomicU64,
-    sample_fid: AtomicU64,
-    /// `resumes` when the sample was taken (which run of the fiber it belongs to).
-    sample_resumes: AtomicU64,
-    handler_ns: AtomicU64,
-    out: UnsafeCell<Backtrace>,
-    cache: UnsafeCell<Option<Box<DwarfCache>>>,
-    lock: Mutex<()>,
-}
-
-// SAFETY: `out` is written only by the handler while `requested` is set, and read only by
-// the requester holding `lock` after the handler published `seq` (release/acquire); `cache`
-// is used only by the handler on the scheduler's thread (set up by that thread before).
-unsafe impl Sync for Sampler {}
-
-impl Sampler {
-    pub(crate) fn new() -> Sampler {
-        Sampler {
-            thread: AtomicU64::new(0),
-            cpu_clock: AtomicI32::new(-1),
-            running: AtomicU64::new(0),
-            lo: AtomicU64::new(0),
-            hi: AtomicU64::new(0),
-            fiber: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()),
-            run_since: AtomicU64::new(0),
-            resumes: AtomicU64::new(0),
-            requested: AtomicBool::new(false),
-            seq: AtomicU64::new(0),
-            sample_fid: AtomicU64::new(0),
-            sample_resumes: AtomicU64::new(0),
-            handler_ns: AtomicU64::new(0),
-            out: UnsafeCell::new(Backtrace::new()),
-            cache: UnsafeCell::new(None),
-            lock: Mutex::new(()),
-        }
-    }
-
-    /// The fiber running now (0: none).
-    pub(crate) fn running(&self) -> FiberId {
-        self.running.load(Ordering::Relaxed)
-    }
-
-    /// CPU time the scheduler's thread has used so far (`None` before it ran).
-    pub(crate) fn thread_cpu_time(&self) -> Option<Duration> {
-        let clk = self.cpu_clock.load(Ordering::Relaxed);
-        if clk == -1 {
-            return None;
-        }
-        // SAFETY: clock_gettime with a clock id the scheduler thread obtained for itself
-        // and an out-pointer to a local.
-        let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
-        // SAFETY: see above.
-        if unsafe { libc::clock_gettime(clk, &mut ts) } != 0 {
-            return None;
-        }
-        Some(Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32))
-    }
-}
-
 thread_local! {
-    static SAMPLER: Cell<*const Sampler> = const { Cell::new(std::ptr::null()) };
     static ALTSTACK: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Called on the scheduler's thread when it starts running: publishes the thread, the cache
-/// and an alternate signal stack, and installs the handler once per process.
-pub(crate) fn enter_thread(s: &SchedShared) {
+/// Called on a scheduler's thread when it starts running (the scheduler's `enter_thread`
+/// hook): installs the handler once per process, and gives the thread its walk cache and an
+/// alternate signal stack, before the scheduler publishes its state to this thread's handlers.
+pub(crate) fn prepare_thread(s: &SchedShared) {
     install();
     fibertrace_core::prepare();
-    let sampler = &s.sampler;
-    // SAFETY: pthread_self is always valid.
-    sampler
-        .thread
-        .store(unsafe { libc::pthread_self() } as u64, Ordering::Relaxed);
-    let mut clk: libc::clockid_t = -1;
-    // SAFETY: asks for this thread's CPU-time clock into a local.
-    if unsafe { libc::pthread_getcpuclockid(libc::pthread_self(), &mut clk) } == 0 {
-        sampler.cpu_clock.store(clk, Ordering::Relaxed);
-    }
-    // SAFETY: only this (the scheduler's) thread touches the cache, and the handler is not
-    // sampling yet: SAMPLER is published after.
+    // SAFETY: only this (the scheduler's) thread touches the cache, and the handler does not
+    // sample this scheduler yet: its state is published to the handler after this returns.
     unsafe {
-        let c = &mut *sampler.cache.get();
+        let c = &mut *s.on_thread.sample.cache.get();
         if c.is_none() {
             *c = Some(Box::new(DwarfCache::new()));
         }
     }
     ensure_altstack();
-    crate::overflow::install();
-    SAMPLER.with(|p| p.set(sampler as *const Sampler));
 }
 
 fn ensure_altstack() {
@@ -206,74 +120,23 @@ fn install() {
     });
 }
 
-/// The fiber running on this thread and its usable stack `(id, lo, hi)`, for a signal
-/// handler (no lock, no allocation).
-pub(crate) fn running_stack() -> Option<(u64, u64, u64)> {
-    let p = SAMPLER.with(|p| p.get());
-    if p.is_null() {
-        return None;
-    }
-    // SAFETY: SAMPLER points at the Sampler of the scheduler running on this thread (cleared
-    // by `leave_thread` before it stops); only atomics are read.
-    let sm = unsafe { &*p };
-    let fid = sm.running.load(Ordering::Acquire);
-    (fid != 0).then(|| {
-        (
-            fid,
-            sm.lo.load(Ordering::Relaxed),
-            sm.hi.load(Ordering::Relaxed),
-        )
-    })
-}
-
-/// Called when a scheduler entered inside another one's fiber stops: the handler goes back to
-/// the outer scheduler's sampler (the inner one's is about to be freed).
-pub(crate) fn restore_thread(outer: &SchedShared) {
-    SAMPLER.with(|p| p.set(&outer.sampler as *const Sampler));
-}
-
-/// Called when the scheduler stops running on this thread: the handler forgets it.
-pub(crate) fn leave_thread() {
-    SAMPLER.with(|p| p.set(std::ptr::null()));
-}
-
-/// Publishes the fiber about to run (scheduler thread, before the switch).
-#[inline]
-pub(crate) fn set_running(s: &SchedShared, f: &FiberShared, now_ticks: u64) {
-    let sm = &s.sampler;
-    sm.lo.store(f.stack.lo, Ordering::Relaxed);
-    sm.hi.store(f.stack.hi, Ordering::Relaxed);
-    sm.fiber.store(
-        f as *const FiberShared as *mut FiberShared,
-        Ordering::Relaxed,
-    );
-    sm.run_since.store(now_ticks, Ordering::Relaxed);
-    crate::control::single_writer_add(&sm.resumes, 1);
-    sm.running.store(f.id, Ordering::Release);
-}
-
-/// Publishes that no fiber runs (scheduler thread, after the switch back).
-#[inline]
-pub(crate) fn set_idle(s: &SchedShared) {
-    s.sampler.running.store(0, Ordering::Release);
-}
-
 extern "C" fn on_signal(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut libc::c_void) {
-    let p = SAMPLER.with(|p| p.get());
+    let p = crate::running::on_this_thread();
     if p.is_null() {
         return;
     }
-    // SAFETY: SAMPLER points at the Sampler of a scheduler that ran on this thread; the
+    // SAFETY: the pointer names the state of a scheduler that runs on this thread; the
     // registry keeps every SchedShared alive while its Scheduler exists, and the pointer is
     // only used while `requested` is set by a requester that holds an Arc to it.
     let sm = unsafe { &*p };
-    if !sm.requested.swap(false, Ordering::Acquire) {
+    let slot = &sm.sample;
+    if !slot.requested.swap(false, Ordering::Acquire) {
         return;
     }
     let t0 = crate::clock::ticks();
     let mut fid = sm.running.load(Ordering::Acquire);
     // SAFETY: `out` and `cache` are ours while `requested` was set (see the Sync impl).
-    let out = unsafe { &mut *sm.out.get() };
+    let out = unsafe { &mut *slot.out.get() };
     out.clear();
     // SAFETY: `uc` is the kernel's ucontext for this handler.
     let sp = unsafe { fibertrace_core::capture::registers_from_ucontext(uc) }.sp;
@@ -298,12 +161,12 @@ extern "C" fn on_signal(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut
         };
         let opts = CaptureOptions::with_unwinder(Unwinder::Auto);
         // SAFETY: as above, the cache is the handler's.
-        let cache = unsafe { (*sm.cache.get()).as_deref_mut() };
+        let cache = unsafe { (*slot.cache.get()).as_deref_mut() };
         // Caught in the middle of switching away (it already published its suspension):
         // its recorded context is the truth, not the switch code's registers.
         // SAFETY: `f` is alive (see above); reading an atomic.
-        let switching = !f.is_null()
-            && unsafe { (*f).run.load(Ordering::Relaxed) } == crate::control::SUSPENDED;
+        let switching =
+            !f.is_null() && unsafe { (*f).run.get(Ordering::Relaxed) } == RunState::Suspended;
         if switching {
             // SAFETY: we interrupted this fiber on its own thread after it published
             // SUSPENDED; nobody resumes it while we run (the scheduler is this thread).
@@ -334,18 +197,18 @@ extern "C" fn on_signal(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut
                         ..CaptureOptions::default()
                     };
                     // SAFETY: as above, the cache is the handler's.
-                    let cache = unsafe { (*sm.cache.get()).as_deref_mut() };
+                    let cache = unsafe { (*slot.cache.get()).as_deref_mut() };
                     fibertrace_core::capture::collect_from_in_handler(&ctx, &opts, cache, out);
                 }
             }
         }
     }
-    sm.sample_fid.store(fid, Ordering::Relaxed);
-    sm.sample_resumes
+    slot.fid.store(fid, Ordering::Relaxed);
+    slot.resumes
         .store(sm.resumes.load(Ordering::Relaxed), Ordering::Relaxed);
-    sm.handler_ns
+    slot.handler_ns
         .store(crate::clock::ticks().wrapping_sub(t0), Ordering::Relaxed);
-    sm.seq.fetch_add(1, Ordering::Release);
+    slot.seq.fetch_add(1, Ordering::Release);
 }
 
 /// A sample of a running fiber.
@@ -367,31 +230,32 @@ pub struct Sample {
 /// Samples what `s` runs now. `None` if the scheduler has no thread, or the signal was not
 /// handled within `timeout` (the thread may be blocked with the signal masked).
 pub fn sample(s: &SchedShared, timeout: Duration) -> Option<Sample> {
-    let sm = &s.sampler;
+    let sm = &s.on_thread;
+    let slot = &sm.sample;
     let thread = sm.thread.load(Ordering::Relaxed);
     if thread == 0 {
         return None;
     }
-    let _g = sm.lock.lock().unwrap_or_else(|e| e.into_inner());
-    let before = sm.seq.load(Ordering::Acquire);
-    sm.requested.store(true, Ordering::Release);
+    let _g = slot.lock.lock().unwrap_or_else(|e| e.into_inner());
+    let before = slot.seq.load(Ordering::Acquire);
+    slot.requested.store(true, Ordering::Release);
     let t0 = Instant::now();
     // SAFETY: the thread id was published by the scheduler's own thread; a scheduler's
     // thread outlives the scheduler's registry entry we hold.
     let rc =
         unsafe { libc::pthread_kill(thread as libc::pthread_t, SIGNAL.load(Ordering::Relaxed)) };
     if rc != 0 {
-        sm.requested.store(false, Ordering::Relaxed);
+        slot.requested.store(false, Ordering::Relaxed);
         return None;
     }
     let mut spins = 0u32;
-    while sm.seq.load(Ordering::Acquire) == before {
+    while slot.seq.load(Ordering::Acquire) == before {
         if t0.elapsed() > timeout {
             // Withdraw the request; if the handler took it meanwhile, wait for it to finish.
-            if sm.requested.swap(false, Ordering::AcqRel) {
+            if slot.requested.swap(false, Ordering::AcqRel) {
                 return None;
             }
-            while sm.seq.load(Ordering::Acquire) == before {
+            while slot.seq.load(Ordering::Acquire) == before {
                 std::hint::spin_loop();
             }
             break;
@@ -406,12 +270,12 @@ pub fn sample(s: &SchedShared, timeout: Duration) -> Option<Sample> {
     let latency = t0.elapsed();
     // SAFETY: the handler published the sample (acquire above) and will not write again
     // until another request, which needs the lock we hold.
-    let backtrace = unsafe { (*sm.out.get()).clone() };
+    let backtrace = unsafe { (*slot.out.get()).clone() };
     Some(Sample {
-        fiber: sm.sample_fid.load(Ordering::Relaxed),
-        resumes: sm.sample_resumes.load(Ordering::Relaxed),
+        fiber: slot.fid.load(Ordering::Relaxed),
+        resumes: slot.resumes.load(Ordering::Relaxed),
         backtrace,
         latency,
-        handler_time: crate::clock::to_duration(sm.handler_ns.load(Ordering::Relaxed)),
+        handler_time: crate::clock::to_duration(slot.handler_ns.load(Ordering::Relaxed)),
     })
 }

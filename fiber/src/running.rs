@@ -1,0 +1,192 @@
+//! What each scheduler's thread is doing now, published for other threads and for signal
+//! handlers on that thread: which fiber runs, its stack bounds, since when, how many resumes
+//! so far, the thread's id and CPU clock ([`OnThread`], one per scheduler, in its registry
+//! entry), and a slot where the inspection layer's sampling handler leaves a sample.
+//!
+//! The scheduler's thread is the only writer of the published fields (plain stores, read
+//! with relaxed or acquire loads: a reader sees each field of one moment or a later one, not
+//! a consistent set — the sampler checks the interrupted stack pointer against the bounds
+//! before it trusts them). The thread-local pointer to the running scheduler's `OnThread` is
+//! what a signal handler (sampling, the overflow handler) starts from: no lock, no
+//! allocation.
+
+use std::cell::{Cell, UnsafeCell};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use fibertrace_core::unwind::DwarfCache;
+use fibertrace_core::Backtrace;
+
+use crate::task::{single_writer_add, ControlBlock, FiberId};
+
+/// Per-scheduler state of its thread (see the module doc).
+pub(crate) struct OnThread {
+    /// The thread's `pthread_t` (0 before the scheduler first ran).
+    pub thread: AtomicU64,
+    /// The thread's kernel id (0 before the scheduler first ran).
+    pub tid: AtomicI32,
+    /// The scheduler thread's CPU-time clock (for the watchdog).
+    pub cpu_clock: AtomicI32,
+    /// The fiber running now (0: none).
+    pub running: AtomicU64,
+    /// The running fiber's usable stack.
+    pub lo: AtomicU64,
+    pub hi: AtomicU64,
+    /// The running fiber's control block (valid while it runs: its slot holds an Arc).
+    pub fiber: AtomicPtr<ControlBlock>,
+    /// Clock ticks when the running fiber was resumed.
+    pub run_since: AtomicU64,
+    /// Resumes so far (changes whenever the running fiber changes).
+    pub resumes: AtomicU64,
+    /// The sample slot, written by the inspection layer's handler on this thread and read
+    /// by its requester (see `crate::inspect::sample` for the protocol).
+    pub sample: SampleSlot,
+}
+
+/// Where a sample of the running fiber is left (see `crate::inspect::sample`).
+pub(crate) struct SampleSlot {
+    pub requested: AtomicBool,
+    pub seq: AtomicU64,
+    pub fid: AtomicU64,
+    /// `resumes` when the sample was taken (which run of the fiber it belongs to).
+    pub resumes: AtomicU64,
+    pub handler_ns: AtomicU64,
+    pub out: UnsafeCell<Backtrace>,
+    pub cache: UnsafeCell<Option<Box<DwarfCache>>>,
+    pub lock: Mutex<()>,
+}
+
+// SAFETY: `sample.out` is written only by the handler while `sample.requested` is set, and
+// read only by the requester holding `sample.lock` after the handler published `sample.seq`
+// (release/acquire); `sample.cache` is used only on the scheduler's thread (set up by it
+// before the handler can run there). Everything else is atomic.
+unsafe impl Sync for OnThread {}
+
+impl OnThread {
+    pub(crate) fn new() -> OnThread {
+        OnThread {
+            thread: AtomicU64::new(0),
+            tid: AtomicI32::new(0),
+            cpu_clock: AtomicI32::new(-1),
+            running: AtomicU64::new(0),
+            lo: AtomicU64::new(0),
+            hi: AtomicU64::new(0),
+            fiber: AtomicPtr::new(std::ptr::null_mut()),
+            run_since: AtomicU64::new(0),
+            resumes: AtomicU64::new(0),
+            sample: SampleSlot {
+                requested: AtomicBool::new(false),
+                seq: AtomicU64::new(0),
+                fid: AtomicU64::new(0),
+                resumes: AtomicU64::new(0),
+                handler_ns: AtomicU64::new(0),
+                out: UnsafeCell::new(Backtrace::new()),
+                cache: UnsafeCell::new(None),
+                lock: Mutex::new(()),
+            },
+        }
+    }
+
+    /// The fiber running now (0: none).
+    pub(crate) fn running(&self) -> FiberId {
+        self.running.load(Ordering::Relaxed)
+    }
+
+    /// CPU time the scheduler's thread has used so far (`None` before it ran).
+    pub(crate) fn thread_cpu_time(&self) -> Option<Duration> {
+        let clk = self.cpu_clock.load(Ordering::Relaxed);
+        if clk == -1 {
+            return None;
+        }
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime with a clock id the scheduler thread obtained for itself
+        // and an out-pointer to a local.
+        if unsafe { libc::clock_gettime(clk, &mut ts) } != 0 {
+            return None;
+        }
+        Some(Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32))
+    }
+}
+
+thread_local! {
+    static ON_THREAD: Cell<*const OnThread> = const { Cell::new(std::ptr::null()) };
+}
+
+/// The running scheduler's `OnThread` on this thread (null: none), for a signal handler.
+#[inline]
+pub(crate) fn on_this_thread() -> *const OnThread {
+    ON_THREAD.with(|p| p.get())
+}
+
+/// Called on the scheduler's thread when it starts running: publishes the thread and its
+/// CPU clock, installs the overflow handler, and makes this scheduler's state the one the
+/// handlers of this thread read (last: what they read is set up by then).
+pub(crate) fn enter_thread(on: &OnThread) {
+    // SAFETY: pthread_self is always valid.
+    on.thread
+        .store(unsafe { libc::pthread_self() } as u64, Ordering::Relaxed);
+    // SAFETY: gettid has no preconditions.
+    on.tid.store(unsafe { libc::gettid() }, Ordering::Relaxed);
+    let mut clk: libc::clockid_t = -1;
+    // SAFETY: asks for this thread's CPU-time clock into a local.
+    if unsafe { libc::pthread_getcpuclockid(libc::pthread_self(), &mut clk) } == 0 {
+        on.cpu_clock.store(clk, Ordering::Relaxed);
+    }
+    crate::overflow::install();
+    ON_THREAD.with(|p| p.set(on as *const OnThread));
+}
+
+/// The fiber running on this thread and its usable stack `(id, lo, hi)`, for a signal
+/// handler (no lock, no allocation).
+pub(crate) fn running_stack() -> Option<(u64, u64, u64)> {
+    let p = on_this_thread();
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: the pointer names the state of the scheduler running on this thread (cleared
+    // by `leave_thread` before it stops); only atomics are read.
+    let on = unsafe { &*p };
+    let fid = on.running.load(Ordering::Acquire);
+    (fid != 0).then(|| {
+        (
+            fid,
+            on.lo.load(Ordering::Relaxed),
+            on.hi.load(Ordering::Relaxed),
+        )
+    })
+}
+
+/// Called when a scheduler entered inside another one's fiber stops: the handlers go back to
+/// the outer scheduler's state (the inner one's is about to be freed).
+pub(crate) fn restore_thread(outer: &OnThread) {
+    ON_THREAD.with(|p| p.set(outer as *const OnThread));
+}
+
+/// Called when the scheduler stops running on this thread: the handlers forget it.
+pub(crate) fn leave_thread() {
+    ON_THREAD.with(|p| p.set(std::ptr::null()));
+}
+
+/// Publishes the fiber about to run (scheduler thread, before the switch).
+#[inline]
+pub(crate) fn set_running(on: &OnThread, f: &ControlBlock, now_ticks: u64) {
+    on.lo.store(f.stack.lo, Ordering::Relaxed);
+    on.hi.store(f.stack.hi, Ordering::Relaxed);
+    on.fiber.store(
+        f as *const ControlBlock as *mut ControlBlock,
+        Ordering::Relaxed,
+    );
+    on.run_since.store(now_ticks, Ordering::Relaxed);
+    single_writer_add(&on.resumes, 1);
+    on.running.store(f.id, Ordering::Release);
+}
+
+/// Publishes that no fiber runs (scheduler thread, after the switch back).
+#[inline]
+pub(crate) fn set_idle(on: &OnThread) {
+    on.running.store(0, Ordering::Release);
+}

@@ -1,0 +1,679 @@
+//! The scheduler (a "cord"): one per OS thread, running its fibers cooperatively.
+//!
+//! Every suspension goes through one of two `#[inline(never)]` points: [`suspend_current`]
+//! (back to the scheduler) and `Inner::run_nested` (running a ready fiber inside the caller's
+//! switch, as `fiber.create` does). Each records the fiber's registers (when tracing is on)
+//! and publishes `Suspended` before switching away, so that any thread can walk the fiber's
+//! stack from its saved context; the switch count goes up before the fiber runs again, so a
+//! walk cached at one count is never reused for a later suspension. The
+//! stack pointer of the fiber's entry frame (at its call of the user's code) is recorded when
+//! it starts; walks end below it, so the scheduler's and corosensei's frames never appear in
+//! a fiber's trace — in any build: a stack pointer means the same with or without frame
+//! pointers.
+//!
+//! Traces of the current fiber taken by a report (`dump_text`, `info`, `Fiber::backtrace`,
+//! ...) start at the caller of the report's public entry point, whose registers it records
+//! (`report_entry!`): the report's own frames never show, whatever the build inlined.
+//!
+//! How a trace can be wrong: a fiber whose user closure was not inlined into the runtime's
+//! trampoline shows the trampoline (`call_user`) as its last raw frame (renderers drop it); a
+//! fiber running on another thread is captured by a signal (see [`crate::inspect::sample`]) and may
+//! have moved on by the time the trace is read.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::hash::BuildHasherDefault;
+use std::panic::AssertUnwindSafe;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use corosensei::{Coroutine, CoroutineResult, Yielder};
+use fibertrace_core::{Backtrace, CaptureOptions, Frame, Unwinder};
+
+use crate::registry::{self, SchedShared, SlabIndex, SlabOwner};
+use crate::stack;
+use crate::task::{
+    next_fiber_id, ControlBlock, FiberId, NewFiber, PanicReport, ParentInit, ParentTrace, Status,
+    WaitOn, OUTCOME_CANCELLED, OUTCOME_OK, OUTCOME_PANICKED,
+};
+
+mod handle;
+mod names;
+pub(crate) mod panic;
+mod run;
+mod spawn;
+
+use handle::{needs_slot, ResultSlot};
+pub use handle::{CancelQuiet, Fiber, JoinError, JoinHandle};
+pub use names::{name_from_bytes, name_to_bytes, quoted_name, QuotedName};
+pub use run::{
+    current_run_time, loop_turn, top_disable, top_enable, top_enabled, top_fiber_row, top_sched_row,
+};
+pub(crate) use run::{wake, wake_live};
+use spawn::{no_tail_call, spawn_failed, HeldStack};
+pub use spawn::{spawn, try_spawn, Builder, SchedBuilder, SpawnError, SpawnErrorKind};
+
+/// What the machinery asks of the layers above it, handed over by the constructor that wires
+/// them ([`crate::runtime`]): the scheduler calls these and never names those layers.
+pub(crate) struct Hooks {
+    /// On the scheduler's thread as it starts running, before the thread is published
+    /// (inspection prepares its sampling of the running fiber here).
+    pub enter_thread: fn(&SchedShared),
+    /// A fiber panicked and its scheduler reports panics: write the report.
+    pub panicked: fn(&ControlBlock, &PanicReport),
+    /// The scheduler is being dropped, on its thread: forget what was kept for it.
+    pub dropped: fn(u64),
+}
+
+/// Fiber ids are sequential: a multiplicative hash spreads them well and costs a few cycles
+/// (SipHash cost a fifth of a switch).
+type IdHash = BuildHasherDefault<fibertrace_core::symbolize::AddrHasher>;
+
+/// Why a fiber switched back to the scheduler.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Yield {
+    /// Still runnable: put it at the end of the ready queue.
+    Ready,
+    /// Blocked: something else will make it ready.
+    Blocked,
+}
+
+type Co = Coroutine<(), Yield, (), HeldStack>;
+
+/// Per-fiber data owned by the scheduler (not shared with other threads).
+pub(crate) struct FiberCore {
+    pub shared: Arc<ControlBlock>,
+    pub yielder: Cell<*const Yielder<(), Yield>>,
+    /// Set while the fiber unwinds because it was cancelled (yield points then stop
+    /// re-raising).
+    pub unwinding: Cell<bool>,
+    /// Set while its scheduler drops it (corosensei force-unwinds the stack).
+    pub dropping: Cell<bool>,
+    /// In the ready queue, or counted as ready (a fiber waiting in a nested start): a
+    /// wake-up changes nothing. (Here, not in the slot map, so that a nested start sets it
+    /// on the caller's context without a map lookup.)
+    queued: Cell<bool>,
+}
+
+/// A fiber's slot. Boxed: its address (and its context's, which `CURRENT` and a running
+/// fiber's resume hold) stays put while the slot map grows, and the map moves a pointer, not
+/// the slot, when a fiber is added or removed. Finished fibers' boxes are reused.
+struct Slot {
+    ctx: FiberCore,
+    co: Option<Co>,
+    timer_seq: u64,
+    joiners: Vec<FiberId>,
+    /// Where its control block is in the registry.
+    reg: SlabIndex,
+    /// Its `fiber.top()` figures (kept up to date only while top is on).
+    top: TopStat,
+}
+
+/// One row of `fiber.top()` as the scheduler keeps it: CPU ticks at the end of the last loop
+/// turn, the ticks of that turn, their moving average over turns, and the ticks when top was
+/// turned on (its time counts from there).
+#[derive(Clone, Copy, Default)]
+struct TopStat {
+    last: u64,
+    prev: u64,
+    acc: f64,
+    base: u64,
+}
+
+impl TopStat {
+    /// Closes a turn in which the row ran `delta` ticks (Tarantool's moving average: a
+    /// sixteenth of the new turn, fifteen sixteenths of the old average).
+    fn close_turn(&mut self, delta: u64) {
+        self.acc = delta as f64 / 16.0 + self.acc * 15.0 / 16.0;
+        self.prev = delta;
+    }
+}
+
+/// A row of [`top`]: shares of the scheduler's time (percent) and the CPU time counted since
+/// top was turned on.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TopRow {
+    /// Moving average over loop turns of the share of each turn it ran, in percent.
+    pub average: f64,
+    /// Its share of the last loop turn, in percent.
+    pub instant: f64,
+    /// Time it ran since top was turned on.
+    pub time: Duration,
+}
+
+/// Options of a scheduler.
+#[derive(Clone, Debug)]
+pub struct SchedulerOptions {
+    /// Record the registers at every suspension, so that suspended fibers can be walked.
+    pub traced: bool,
+    /// Capture the creator's trace when a fiber is spawned.
+    pub parent_traces: bool,
+    /// Default stack size of new fibers.
+    pub stack_size: usize,
+    /// Print a report (message and backtrace) to stderr when a fiber panics.
+    pub report_panics: bool,
+    /// Scheduler name shown in dumps.
+    pub name: String,
+}
+
+impl Default for SchedulerOptions {
+    fn default() -> Self {
+        SchedulerOptions {
+            traced: true,
+            parent_traces: true,
+            stack_size: 256 * 1024,
+            report_panics: true,
+            name: std::thread::current().name().unwrap_or("cord").to_string(),
+        }
+    }
+}
+
+pub(crate) struct Inner {
+    pub shared: Arc<SchedShared>,
+    hooks: &'static Hooks,
+    opts: RefCell<SchedulerOptions>,
+    slots: RefCell<HashMap<FiberId, Box<Slot>, IdHash>>,
+    /// The writing side of this scheduler's registry slab (`shared.fibers`).
+    reg: RefCell<SlabOwner>,
+    /// Clock ticks at the last accounting point: the end of a fiber's run (or of an idle
+    /// wait) or the start of a nested one. One counter read per switch serves both the
+    /// finished share's CPU time and the next run's start time.
+    last_tick: Cell<u64>,
+    ready: RefCell<VecDeque<FiberId>>,
+    timers: RefCell<BinaryHeap<std::cmp::Reverse<(Instant, u64, FiberId)>>>,
+    next_seq: Cell<u64>,
+    current: Cell<FiberId>,
+    pool: RefCell<stack::Pool>,
+    /// Boxes of finished fibers' slots, reused by the next spawns (one allocation and free
+    /// less per fiber). A box keeps its last fiber's control block alive until reused.
+    // The boxes themselves are what is reused: they move between the slot map and this pool.
+    #[allow(clippy::vec_box)]
+    free_slots: RefCell<Vec<Box<Slot>>>,
+    /// Loop turns so far: a turn runs the fibers that were ready when it began (those made
+    /// ready meanwhile run in the next one), as one iteration of Tarantool's event loop.
+    turn: Cell<u64>,
+    /// Fibers of the current turn not run yet.
+    turn_left: Cell<usize>,
+    /// `fiber.top()`: whether on, the clock ticks when the current turn began, and the
+    /// scheduler's own row (the time of a turn no fiber ran, waiting included) and the
+    /// whole turn's (the sum of every row).
+    top_on: Cell<bool>,
+    turn_start: Cell<u64>,
+    top_sched: Cell<TopStat>,
+    top_total: Cell<TopStat>,
+}
+
+/// Most slot boxes kept for reuse.
+const SLOT_POOL_MAX: usize = 64;
+
+thread_local! {
+    /// Schedulers created on this thread, to wake their fibers from outside `run`.
+    static ON_THREAD: RefCell<Vec<(u64, std::rc::Weak<Inner>)>> = const { RefCell::new(Vec::new()) };
+    static SCHED: Cell<*const Inner> = const { Cell::new(std::ptr::null()) };
+    static CURRENT: Cell<*const FiberCore> = const { Cell::new(std::ptr::null()) };
+}
+
+/// A scheduler: create it on a thread, spawn fibers, and run it there.
+pub struct Scheduler {
+    inner: Rc<Inner>,
+}
+
+/// Errors of running a scheduler.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RunError {
+    /// Every remaining fiber waits on something only another fiber could give, and no timer
+    /// is pending: nothing can ever run again.
+    Deadlock {
+        /// The fibers left waiting.
+        fibers: Vec<FiberId>,
+    },
+}
+
+impl std::fmt::Display for RunError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RunError::Deadlock { fibers } => write!(
+                f,
+                "all fibers are asleep — deadlock ({} fibers waiting)",
+                fibers.len()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for RunError {}
+
+impl Scheduler {
+    /// A scheduler with the given options, wired to the layers above by `hooks`.
+    pub(crate) fn with_hooks(opts: SchedulerOptions, hooks: &'static Hooks) -> Scheduler {
+        panic::install_hook();
+        crate::clock::init();
+        let shared = registry::register(opts.name.clone());
+        let sched = Scheduler {
+            inner: Rc::new(Inner {
+                shared,
+                hooks,
+                opts: RefCell::new(opts),
+                slots: RefCell::new(HashMap::default()),
+                reg: RefCell::new(SlabOwner::default()),
+                last_tick: Cell::new(crate::clock::ticks()),
+                ready: RefCell::new(VecDeque::new()),
+                timers: RefCell::new(BinaryHeap::new()),
+                next_seq: Cell::new(1),
+                current: Cell::new(0),
+                pool: RefCell::new(stack::Pool::new()),
+                free_slots: RefCell::new(Vec::new()),
+                turn: Cell::new(1),
+                turn_left: Cell::new(0),
+                top_on: Cell::new(false),
+                turn_start: Cell::new(0),
+                top_sched: Cell::new(TopStat::default()),
+                top_total: Cell::new(TopStat::default()),
+            }),
+        };
+        ON_THREAD.with(|t| {
+            let mut t = t.borrow_mut();
+            t.retain(|(_, w)| w.strong_count() > 0);
+            t.push((sched.inner.shared.id, Rc::downgrade(&sched.inner)));
+        });
+        sched
+    }
+
+    /// What other threads see of this scheduler (its registry entry).
+    pub(crate) fn shared(&self) -> &Arc<SchedShared> {
+        &self.inner.shared
+    }
+
+    /// This scheduler's id (as shown in dumps).
+    pub fn id(&self) -> u64 {
+        self.inner.shared.id
+    }
+
+    /// Turns parent-trace capture on or off for fibers spawned from now on.
+    pub fn set_parent_traces(&self, on: bool) {
+        self.inner.opts.borrow_mut().parent_traces = on;
+    }
+
+    /// Whether parent traces are captured.
+    pub fn parent_traces(&self) -> bool {
+        self.inner.opts.borrow().parent_traces
+    }
+
+    /// Timer entries held (live and stale): bounded by twice the number of fibers, whatever
+    /// happened to the fibers that set them. For tests.
+    #[doc(hidden)]
+    pub fn timer_entries(&self) -> usize {
+        self.inner.timers.borrow().len()
+    }
+
+    /// Spawns a fiber (it runs when the scheduler runs).
+    #[inline(never)]
+    pub fn spawn<F, T>(&self, f: F) -> JoinHandle<T>
+    where
+        F: FnOnce() -> T + 'static,
+        T: 'static,
+    {
+        no_tail_call(Builder::new().spawn_on(&self.inner, f, 3)).unwrap_or_else(|e| spawn_failed(e))
+    }
+
+    /// Spawns a fiber, or says why it cannot: its stack cannot be mapped (out of memory, the
+    /// address-space limit) or the process has as many fiber stacks as `vm.max_map_count`
+    /// allows (see [`SpawnError`]). Nothing is left behind by a failure; `f` is dropped.
+    #[inline(never)]
+    pub fn try_spawn<F, T>(&self, f: F) -> Result<JoinHandle<T>, SpawnError>
+    where
+        F: FnOnce() -> T + 'static,
+        T: 'static,
+    {
+        no_tail_call(Builder::new().spawn_on(&self.inner, f, 3))
+    }
+
+    /// A builder for a fiber with a name or stack size.
+    pub fn builder(&self) -> SchedBuilder<'_> {
+        SchedBuilder {
+            sched: self,
+            b: Builder::new(),
+        }
+    }
+
+    /// Runs fibers until none is left. Returns an error (and leaves the waiting fibers in
+    /// place) on a deadlock.
+    pub fn run(&self) -> Result<(), RunError> {
+        let _enter = Enter::new(&self.inner);
+        self.inner.run_loop(|| false)
+    }
+
+    /// Spawns `f` as the main fiber and runs until it finishes; returns its result.
+    #[inline(never)]
+    pub fn block_on<F, T>(&self, f: F) -> Result<T, BlockOnError>
+    where
+        F: FnOnce() -> T + 'static,
+        T: 'static,
+    {
+        let h = Builder::new()
+            .name("main")
+            .spawn_on(&self.inner, f, 3)
+            .map_err(BlockOnError::Spawn)?;
+        let _enter = Enter::new(&self.inner);
+        let done = h.fiber.shared.clone();
+        if let Err(e) = self.inner.run_loop(|| done.is_dead()) {
+            return Err(BlockOnError::Run(e));
+        }
+        match h.take_result() {
+            Some(Ok(v)) => Ok(v),
+            Some(Err(e)) => Err(BlockOnError::Join(e)),
+            None => Err(BlockOnError::Join(JoinError::Cancelled)),
+        }
+    }
+
+    /// Number of live fibers.
+    pub fn fiber_count(&self) -> usize {
+        self.inner.slots.borrow().len()
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        // Fibers still suspended are dropped: corosensei unwinds their stacks (running their
+        // destructors). Mark each dead first, so no inspector walks a stack being freed.
+        (self.inner.hooks.dropped)(self.inner.shared.id);
+        let _enter = Enter::new(&self.inner);
+        let slots: Vec<(FiberId, Box<Slot>)> = self.inner.slots.borrow_mut().drain().collect();
+        for (_, mut slot) in slots {
+            slot.ctx.shared.cancelled.store(true, Ordering::Relaxed);
+            if let Some(mut co) = slot.co.take() {
+                CURRENT.with(|c| c.set(&slot.ctx));
+                slot.ctx.unwinding.set(true);
+                slot.ctx.dropping.set(true);
+                if co.started() && !co.done() {
+                    let _ = std::panic::catch_unwind(AssertUnwindSafe(|| co.force_unwind()));
+                }
+                CURRENT.with(|c| c.set(std::ptr::null()));
+                slot.ctx.shared.run.mark_dead();
+                drop(co);
+            } else {
+                slot.ctx.shared.run.mark_dead();
+            }
+            slot.ctx.shared.set_status(Status::Dead);
+            self.inner.shared.fibers.remove(
+                &mut self.inner.reg.borrow_mut(),
+                slot.reg,
+                slot.ctx.shared.id,
+            );
+        }
+        registry::unregister(&self.inner.shared);
+    }
+}
+
+/// Errors of [`Scheduler::block_on`].
+#[derive(Debug, Clone)]
+pub enum BlockOnError {
+    /// The scheduler could not go on (deadlock).
+    Run(RunError),
+    /// The main fiber did not return a value.
+    Join(JoinError),
+    /// The main fiber could not be made.
+    Spawn(SpawnError),
+}
+
+impl std::fmt::Display for BlockOnError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BlockOnError::Run(e) => e.fmt(f),
+            BlockOnError::Join(e) => e.fmt(f),
+            BlockOnError::Spawn(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for BlockOnError {}
+
+/// Makes a scheduler current on this thread while it runs.
+struct Enter {
+    prev: *const Inner,
+}
+
+impl Enter {
+    fn new(inner: &Rc<Inner>) -> Enter {
+        let prev = SCHED.with(|s| s.replace(Rc::as_ptr(inner)));
+        (inner.hooks.enter_thread)(&inner.shared);
+        crate::running::enter_thread(&inner.shared.on_thread);
+        Enter { prev }
+    }
+}
+
+impl Drop for Enter {
+    fn drop(&mut self) {
+        SCHED.with(|s| s.set(self.prev));
+        if self.prev.is_null() {
+            crate::running::leave_thread();
+        } else {
+            // SAFETY: `prev` is the scheduler whose fiber entered this one: it runs on this
+            // thread, outside us, and outlives this guard.
+            let outer: &Inner = unsafe { &*self.prev };
+            crate::running::restore_thread(&outer.shared.on_thread);
+        }
+    }
+}
+
+/// The id of the scheduler running on this thread (0: none).
+pub(crate) fn current_sched_id() -> u64 {
+    with_sched(|s| s.shared.id).unwrap_or(0)
+}
+
+/// The scheduler running on this thread, if any.
+pub(crate) fn with_sched<R>(f: impl FnOnce(&Inner) -> R) -> Option<R> {
+    let p = SCHED.with(|s| s.get());
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: SCHED is set only while a `Scheduler` runs on this thread (Enter guard) and
+    // points at its `Inner`, kept alive by the Scheduler's Rc for that whole time.
+    Some(f(unsafe { &*p }))
+}
+
+fn current_ctx() -> Option<&'static FiberCore> {
+    let p = CURRENT.with(|c| c.get());
+    // SAFETY: CURRENT points at the running fiber's boxed FiberCore, alive while it runs; the
+    // 'static is never held across a switch by callers in this crate.
+    (!p.is_null()).then(|| unsafe { &*p })
+}
+
+/// The running fiber's control block, if the current code runs in a fiber.
+pub(crate) fn current_shared() -> Option<Arc<ControlBlock>> {
+    current_ctx().map(|c| c.shared.clone())
+}
+
+// ---- the running fiber's side: yielding, sleeping, blocking, cancellation points ----
+//
+// These stay in this module on purpose: they are the innermost frames of every parked
+// fiber's trace, and their path (`fibertrace_fiber::sched::block`, `::sleep`, ...) is what
+// users read at the top of a dump.
+
+/// Marker payload of the unwinding that cancels a fiber.
+pub(crate) struct Cancelled;
+
+/// Switches away from the running fiber back to the scheduler (the other suspension point is
+/// `Inner::run_nested`): records the registers (when tracing), publishes `Suspended`, and
+/// switches. After the resume, raises the cancellation if the fiber was cancelled meanwhile.
+#[inline(never)]
+pub(crate) fn suspend_current(why: Yield) {
+    let ctx = current_ctx().expect("suspend outside a fiber");
+    let shared = &ctx.shared;
+    shared.record_suspension();
+    shared.run.publish_suspended();
+    let y = ctx.yielder.get();
+    // SAFETY: the yielder pointer was stored by this fiber when it started; it points into
+    // its own stack (corosensei's parent link), valid for the coroutine's whole life.
+    unsafe { (*y).suspend(why) };
+    std::hint::black_box(());
+    check_cancel(ctx);
+}
+
+fn check_cancel(ctx: &FiberCore) {
+    if ctx.shared.cancelled.load(Ordering::Relaxed) && !ctx.unwinding.get() {
+        ctx.unwinding.set(true);
+        std::panic::resume_unwind(Box::new(Cancelled));
+    }
+}
+
+/// Tells the runtime that the cancellation's unwinding of the current fiber was caught and
+/// turned into an error of the host's own (a Lua error the script may catch): the fiber's
+/// next suspension raises it again, as Tarantool does at every yield of a cancelled fiber.
+/// (Until then, a cancelled fiber's suspensions do not raise: its destructors may block
+/// while it unwinds.)
+pub fn cancellation_caught() {
+    if let Some(ctx) = current_ctx() {
+        ctx.unwinding.set(false);
+    }
+}
+
+/// Raises the cancellation now if this fiber was cancelled (Tarantool's `fiber.testcancel`).
+pub fn testcancel() {
+    if let Some(ctx) = current_ctx() {
+        check_cancel(ctx);
+    }
+}
+
+/// Whether fiber `fid` of scheduler `sched` (the one running on this thread) was cancelled;
+/// false for an unknown fiber or another thread's scheduler.
+pub(crate) fn is_cancelled_fiber(sched: u64, fid: FiberId) -> bool {
+    with_sched(|s| {
+        s.shared.id == sched
+            && s.slots
+                .try_borrow()
+                .ok()
+                .and_then(|m| {
+                    m.get(&fid)
+                        .map(|slot| slot.ctx.shared.cancelled.load(Ordering::Relaxed))
+                })
+                .unwrap_or(false)
+    })
+    .unwrap_or(false)
+}
+
+/// Whether the current fiber was cancelled.
+pub fn is_cancelled() -> bool {
+    current_ctx().is_some_and(|c| c.shared.cancelled.load(Ordering::Relaxed))
+}
+
+/// Yields to the other ready fibers.
+#[inline(never)]
+pub fn yield_now() {
+    if let Some(ctx) = current_ctx() {
+        ctx.shared.set_status(Status::Ready);
+        suspend_current(Yield::Ready);
+        // Not a tail call: `yield_now` stays in the suspended fiber's trace.
+        std::hint::black_box(());
+    }
+}
+
+/// The body of [`yield_to`] and [`yield_to_id`], expanded into each (a macro, not an inlined
+/// function: debug info would show that as a frame of its own), so that whichever was called
+/// is the first frame of the waiting fiber's trace.
+macro_rules! yield_to_body {
+    ($fid:expr) => {{
+        let fid: FiberId = $fid;
+        let Some(ctx) = current_ctx() else {
+            return;
+        };
+        ctx.shared.set_status(Status::Ready);
+        // No closure around the nested run: it would be one more frame of this fiber's
+        // trace while it waits (in unoptimised builds).
+        let p = SCHED.with(|s| s.get());
+        if !p.is_null() {
+            // SAFETY: see with_sched.
+            let s = unsafe { &*p };
+            if fid != 0 && s.run_nested(ctx, fid) {
+                std::hint::black_box(());
+                check_cancel(ctx);
+                return;
+            }
+        }
+        suspend_current(Yield::Ready);
+    }};
+}
+
+/// Runs `f` (if it is ready) now and the current fiber right after it: Tarantool's order for
+/// a fiber it starts at once (`fiber.create`). `f` runs inside the current fiber's switch
+/// (two switches, not four through the scheduler) until it suspends or finishes. When `f` is
+/// not ready, this is [`yield_now`].
+#[inline(never)]
+pub fn yield_to(f: &Fiber) {
+    let p = SCHED.with(|s| s.get());
+    // SAFETY: see with_sched.
+    let ours = !p.is_null() && unsafe { &*p }.shared.id == f.shared.sched;
+    // A fiber of another scheduler: just yield.
+    yield_to_body!(if ours { f.shared.id } else { 0 });
+    // Not a tail call: `yield_to` stays in the waiting fiber's trace.
+    std::hint::black_box(());
+}
+
+/// [`yield_to`] by id, for a fiber of the current thread's scheduler (no handle needed: a host
+/// that keeps fibers by id saves a reference-count round trip per start). An id that is not
+/// a ready fiber there (0, say) makes this [`yield_now`].
+#[inline(never)]
+pub fn yield_to_id(fid: FiberId) {
+    yield_to_body!(fid);
+    // Not a tail call: `yield_to_id` stays in the waiting fiber's trace.
+    std::hint::black_box(());
+}
+
+/// Sleeps for `d` (other fibers run meanwhile). A [`Fiber::wakeup`] ends it early.
+#[inline(never)]
+pub fn sleep(d: Duration) {
+    let Some(ctx) = current_ctx() else {
+        std::thread::sleep(d);
+        return;
+    };
+    let fid = ctx.shared.id;
+    with_sched(|s| s.add_timer(fid, Instant::now() + d));
+    ctx.shared.begin_wait(Status::Sleeping, WaitOn::Sleep);
+    suspend_current(Yield::Blocked);
+    ctx.shared.end_wait();
+}
+
+/// Blocks the current fiber on `on` until something makes it ready (a wake-up, or the
+/// optional deadline). Used by channels, conditions and joins.
+#[inline(never)]
+pub(crate) fn block(on: WaitOn, deadline: Option<Instant>) {
+    let Some(ctx) = current_ctx() else {
+        return;
+    };
+    // A cancelled fiber does not start a wait (Tarantool: a channel or condition wait of a
+    // cancelled fiber fails at once); what completes without waiting still completes.
+    check_cancel(ctx);
+    let fid = ctx.shared.id;
+    if let Some(d) = deadline {
+        with_sched(|s| s.add_timer(fid, d));
+    }
+    ctx.shared.begin_wait(Status::Waiting, on);
+    suspend_current(Yield::Blocked);
+    ctx.shared.end_wait();
+}
+
+/// Suspends the current fiber until [`Fiber::wakeup`] (Tarantool's `fiber.yield` without
+/// requeue is `yield_now`; this is a plain park).
+#[inline(never)]
+pub fn suspend() {
+    let Some(ctx) = current_ctx() else {
+        return;
+    };
+    ctx.shared.begin_wait(Status::Suspended, WaitOn::Wakeup);
+    suspend_current(Yield::Blocked);
+    ctx.shared.end_wait();
+}
+
+/// The current fiber's id (0 outside fibers).
+pub fn current_id() -> FiberId {
+    current_ctx().map_or(0, |c| c.shared.id)
+}
+
+/// A handle to the current fiber.
+pub fn current() -> Option<Fiber> {
+    current_ctx().map(|c| Fiber {
+        shared: c.shared.clone(),
+    })
+}

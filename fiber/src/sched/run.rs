@@ -1,0 +1,415 @@
+//! The run loop: running ready fibers in turns, timers, resuming and the nested start,
+//! waking fibers from outside, and the per-turn accounting behind `fiber.top()`.
+
+use super::*;
+
+impl Inner {
+    pub(super) fn run_loop(&self, mut done: impl FnMut() -> bool) -> Result<(), RunError> {
+        // Time between runs is nobody's: the first fiber's share starts now.
+        self.last_tick.set(crate::clock::ticks());
+        loop {
+            self.fire_timers();
+            let next = {
+                let mut ready = self.ready.borrow_mut();
+                let mut left = self.turn_left.get();
+                if left == 0 {
+                    // A new turn, of the fibers ready now.
+                    left = ready.len();
+                    self.turn.set(self.turn.get().wrapping_add(1));
+                    if self.top_on.get() {
+                        self.close_top_turn();
+                    }
+                }
+                let next = ready.pop_front();
+                self.turn_left
+                    .set(if next.is_some() { left - 1 } else { 0 });
+                next
+            };
+            if let Some(fid) = next {
+                self.resume(fid);
+                continue;
+            }
+            if done() {
+                return Ok(());
+            }
+            let next_deadline = self.next_deadline();
+            match next_deadline {
+                Some(when) => {
+                    let now = Instant::now();
+                    if when > now {
+                        self.shared.idle.store(true, Ordering::Relaxed);
+                        std::thread::park_timeout(when - now);
+                        self.shared.idle.store(false, Ordering::Relaxed);
+                        self.last_tick.set(crate::clock::ticks());
+                    }
+                }
+                None => {
+                    if self.slots.borrow().is_empty() {
+                        return Ok(());
+                    }
+                    let mut fibers: Vec<FiberId> = self.slots.borrow().keys().copied().collect();
+                    fibers.sort_unstable();
+                    return Err(RunError::Deadlock { fibers });
+                }
+            }
+        }
+    }
+
+    /// With top on, closes every row's figures for the turn that ends (as Tarantool does at
+    /// each loop iteration).
+    #[cold]
+    pub(super) fn close_top_turn(&self) {
+        let now = crate::clock::ticks();
+        let total = now.wrapping_sub(self.turn_start.get());
+        self.turn_start.set(now);
+        let mut ran = 0u64;
+        for slot in self.slots.borrow_mut().values_mut() {
+            let ticks = slot.ctx.shared.cpu_ticks.load(Ordering::Relaxed);
+            let delta = ticks.wrapping_sub(slot.top.last);
+            slot.top.last = ticks;
+            slot.top.close_turn(delta);
+            ran = ran.wrapping_add(delta);
+        }
+        let mut sched = self.top_sched.get();
+        let own = total.saturating_sub(ran);
+        sched.last = sched.last.wrapping_add(own);
+        sched.close_turn(own);
+        self.top_sched.set(sched);
+        let mut all = self.top_total.get();
+        all.close_turn(ran.wrapping_add(own));
+        self.top_total.set(all);
+    }
+
+    pub(super) fn top_row(&self, t: &TopStat) -> TopRow {
+        let all = self.top_total.get();
+        let share = |x: f64, of: f64| if of > 0.0 { x / of * 100.0 } else { 0.0 };
+        TopRow {
+            average: share(t.acc, all.acc),
+            instant: share(t.prev as f64, all.prev as f64),
+            time: crate::clock::to_duration(t.last.wrapping_sub(t.base)),
+        }
+    }
+
+    pub(super) fn next_deadline(&self) -> Option<Instant> {
+        let mut timers = self.timers.borrow_mut();
+        let slots = self.slots.borrow();
+        // Drop stale entries (fiber gone or woken early) from the top.
+        while let Some(std::cmp::Reverse((_, seq, fid))) = timers.peek() {
+            match slots.get(fid) {
+                Some(s) if s.timer_seq == *seq => break,
+                _ => {
+                    timers.pop();
+                }
+            }
+        }
+        timers.peek().map(|std::cmp::Reverse((when, _, _))| *when)
+    }
+
+    pub(super) fn fire_timers(&self) {
+        if self.timers.borrow().is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        loop {
+            let top = {
+                let timers = self.timers.borrow();
+                match timers.peek() {
+                    Some(std::cmp::Reverse((when, seq, fid))) if *when <= now => Some((*seq, *fid)),
+                    _ => None,
+                }
+            };
+            let Some((seq, fid)) = top else { break };
+            self.timers.borrow_mut().pop();
+            let due = self
+                .slots
+                .borrow()
+                .get(&fid)
+                .is_some_and(|s| s.timer_seq == seq);
+            if due {
+                self.make_ready(fid);
+            }
+        }
+    }
+
+    pub(crate) fn make_ready(&self, fid: FiberId) {
+        self.make_ready_if(fid, false);
+    }
+
+    /// Makes `fid` ready, unless `live_only` and it was cancelled (its cancellation woke it
+    /// already). Returns whether it is a fiber here that was made (or was) ready.
+    pub(super) fn make_ready_if(&self, fid: FiberId, live_only: bool) -> bool {
+        let mut slots = self.slots.borrow_mut();
+        let Some(slot) = slots.get_mut(&fid) else {
+            return false;
+        };
+        if live_only && slot.ctx.shared.cancelled.load(Ordering::Relaxed) {
+            return false;
+        }
+        slot.timer_seq = 0;
+        if !slot.ctx.queued.get() && fid != self.current.get() {
+            slot.ctx.queued.set(true);
+            slot.ctx.shared.set_status(Status::Ready);
+            self.ready.borrow_mut().push_back(fid);
+        }
+        true
+    }
+
+    pub(super) fn add_timer(&self, fid: FiberId, when: Instant) {
+        let seq = self.next_seq.get();
+        self.next_seq.set(seq + 1);
+        if let Some(s) = self.slots.borrow_mut().get_mut(&fid) {
+            s.timer_seq = seq;
+        }
+        let mut timers = self.timers.borrow_mut();
+        timers.push(std::cmp::Reverse((when, seq, fid)));
+        // A fiber woken early (or cancelled, or gone) leaves its timer in the heap until the
+        // timer's time comes: a fiber that sleeps an hour and is cancelled at once, a million
+        // times, would leave a million. Each fiber has at most one live timer, so past twice
+        // the number of fibers the stale ones are dropped (amortized O(1) a timer).
+        let slots = self.slots.borrow();
+        if timers.len() > 2 * slots.len() + 64 {
+            timers.retain(|std::cmp::Reverse((_, seq, fid))| {
+                slots.get(fid).is_some_and(|s| s.timer_seq == *seq)
+            });
+        }
+    }
+
+    /// Takes fiber `fid`'s coroutine out of its slot to resume it (`None`: gone, or running).
+    pub(super) fn take_co(&self, fid: FiberId) -> Option<(Co, *const FiberCore)> {
+        let mut slots = self.slots.borrow_mut();
+        let slot = slots.get_mut(&fid)?;
+        let co = slot.co.take()?;
+        slot.ctx.queued.set(false);
+        Some((co, &slot.ctx as *const FiberCore))
+    }
+
+    /// Resumes fiber `fid` from the scheduler loop.
+    pub(super) fn resume(&self, fid: FiberId) {
+        let Some((co, ctx_ptr)) = self.take_co(fid) else {
+            return;
+        };
+        self.run_co(fid, co, ctx_ptr);
+        self.current.set(0);
+    }
+
+    /// Runs a fiber's coroutine until it suspends or returns, with the bookkeeping of a
+    /// resume (run state, status, switch count, CPU time, sampler), then puts it back in its
+    /// slot or, when it returned, frees it. Leaves the sampler showing no fiber running and
+    /// `CURRENT` as it found it; `self.current` is the caller's to restore.
+    pub(super) fn run_co(&self, fid: FiberId, mut co: Co, ctx_ptr: *const FiberCore) {
+        // SAFETY: the FiberCore is boxed in its slot, which lives until the fiber finishes
+        // (removed below, after the coroutine returned).
+        let ctx = unsafe { &*ctx_ptr };
+        let shared = &ctx.shared;
+        shared.run.begin_resume();
+        shared.set_status(Status::Running);
+        if shared.created_at_start && shared.csw.load(Ordering::Relaxed) == 0 {
+            // Its first run starts at the last accounting point (a nested start reads the
+            // clock just before): that is its creation time.
+            let t = self.last_tick.get();
+            shared.created.store(t, Ordering::Relaxed);
+            shared.since.store(t, Ordering::Relaxed);
+        }
+        // Counted before it runs: the count differs from the one of its last suspension
+        // (trace caches are keyed by it) as soon as it can suspend again.
+        shared.add_run(1, 0);
+        self.current.set(fid);
+        let prev = CURRENT.with(|c| c.replace(ctx_ptr));
+        let _stack = fibertrace_core::enter_stack(shared.stack);
+        crate::running::set_running(&self.shared.on_thread, shared, self.last_tick.get());
+        let r = co.resume(());
+        crate::running::set_idle(&self.shared.on_thread);
+        // Fibers this one started at once ran inside the resume and moved `last_tick`: the
+        // time since is this fiber's.
+        let t1 = crate::clock::ticks();
+        shared.add_run(0, t1.wrapping_sub(self.last_tick.get()));
+        self.last_tick.set(t1);
+        CURRENT.with(|c| c.set(prev));
+        match r {
+            CoroutineResult::Yield(y) => {
+                let mut slots = self.slots.borrow_mut();
+                if let Some(slot) = slots.get_mut(&fid) {
+                    slot.co = Some(co);
+                    if y == Yield::Ready && !slot.ctx.queued.get() {
+                        slot.ctx.queued.set(true);
+                        self.ready.borrow_mut().push_back(fid);
+                    }
+                }
+            }
+            CoroutineResult::Return(()) => {
+                shared.run.mark_dead();
+                shared.set_status(Status::Dead);
+                let slot = self.slots.borrow_mut().remove(&fid);
+                if let Some(slot) = &slot {
+                    self.shared
+                        .fibers
+                        .remove(&mut self.reg.borrow_mut(), slot.reg, fid);
+                }
+                let stack = co.into_stack().into_inner();
+                self.pool.borrow_mut().give(shared.stack_size, stack);
+                if let Some(mut slot) = slot {
+                    for &j in &slot.joiners {
+                        self.make_ready(j);
+                    }
+                    // `ctx` and `shared` are not used past this point.
+                    let mut free = self.free_slots.borrow_mut();
+                    if free.len() < SLOT_POOL_MAX {
+                        slot.joiners.clear();
+                        free.push(slot);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs ready fiber `target` now, inside the running fiber `me` (as Tarantool's
+    /// `fiber_call` does), until it suspends or finishes; then `me` goes on. Two switches
+    /// instead of four through the scheduler, in the same order: `target` first, `me` right
+    /// after it. `me` counts as suspended meanwhile (its registers are recorded here, so
+    /// inspectors walk it like any suspended fiber) and as ready: a wake-up of it is a no-op,
+    /// as when it waited in the ready queue. Returns false (and does nothing) when `target`
+    /// is not waiting in the ready queue.
+    #[inline(never)]
+    pub(super) fn run_nested(&self, me: &FiberCore, target: FiberId) -> bool {
+        let me_id = me.shared.id;
+        // Searched from the back, where a fiber just spawned is.
+        let pos = self.ready.borrow().iter().rposition(|&x| x == target);
+        let Some(pos) = pos else {
+            return false;
+        };
+        // A fiber in the ready queue is suspended: its coroutine is in its slot (if not, it
+        // is left where it is).
+        let Some((co, ctx_ptr)) = self.take_co(target) else {
+            return false;
+        };
+        self.ready.borrow_mut().remove(pos);
+        me.queued.set(true);
+        let shared = &me.shared;
+        shared.record_suspension();
+        shared.run.publish_suspended();
+        // `me`'s share of the CPU ends here.
+        let t = crate::clock::ticks();
+        shared.add_run(0, t.wrapping_sub(self.last_tick.get()));
+        self.last_tick.set(t);
+        crate::running::set_idle(&self.shared.on_thread);
+        self.run_co(target, co, ctx_ptr);
+        // Back in `me`: its run goes on.
+        me.queued.set(false);
+        self.current.set(me_id);
+        shared.run.begin_resume();
+        shared.set_status(Status::Running);
+        shared.add_run(1, 0);
+        // A new run for the sampler and the stall watchdog, from the end of the nested one.
+        crate::running::set_running(&self.shared.on_thread, shared, self.last_tick.get());
+        true
+    }
+}
+
+/// Makes fiber `fid` of scheduler `sched` (created on this thread) ready, whether or not
+/// that scheduler is running right now.
+pub(crate) fn wake(sched: u64, fid: FiberId) {
+    let running = with_sched(|s| {
+        if s.shared.id == sched {
+            s.make_ready(fid);
+            true
+        } else {
+            false
+        }
+    });
+    if running == Some(true) {
+        return;
+    }
+    let inner = ON_THREAD.with(|t| {
+        t.borrow()
+            .iter()
+            .find(|(id, _)| *id == sched)
+            .and_then(|(_, w)| w.upgrade())
+    });
+    if let Some(inner) = inner {
+        inner.make_ready(fid);
+    }
+}
+
+/// As [`wake`], but a fiber that was cancelled (or is gone) is left alone: returns whether
+/// the fiber was woken (one lookup, as `wake`'s).
+pub(crate) fn wake_live(sched: u64, fid: FiberId) -> bool {
+    let running = with_sched(|s| (s.shared.id == sched).then(|| s.make_ready_if(fid, true)));
+    if let Some(Some(woke)) = running {
+        return woke;
+    }
+    let inner = ON_THREAD.with(|t| {
+        t.borrow()
+            .iter()
+            .find(|(id, _)| *id == sched)
+            .and_then(|(_, w)| w.upgrade())
+    });
+    inner.is_some_and(|inner| inner.make_ready_if(fid, true))
+}
+
+/// The scheduler running on this thread and its loop turn (`(0, 0)`: none). It changes
+/// between two runs of a fiber that yielded (a fiber suspended in a turn runs again in a
+/// later one), never within one run: a clock read once per turn, as Tarantool's
+/// `fiber.time()` and `fiber.clock()` read the event loop's cached time, is one value per
+/// turn.
+#[inline]
+pub fn loop_turn() -> (u64, u64) {
+    with_sched(|s| (s.shared.id, s.turn.get())).unwrap_or((0, 0))
+}
+
+/// How long the current fiber has run since it was last switched to (`None` outside a
+/// fiber): what Tarantool's fiber slices measure.
+pub fn current_run_time() -> Option<Duration> {
+    current_ctx()?;
+    with_sched(|s| crate::clock::since(s.last_tick.get()))
+}
+
+/// Turns `fiber.top()`-style accounting on for the scheduler running on this thread: from
+/// now on, at the end of every loop turn, each fiber's share of the turn and a moving average
+/// of it are updated (a pass over the fibers per turn; nothing per switch: CPU time is
+/// counted at every switch anyway). Turning it on resets every figure. Returns false outside
+/// a running scheduler.
+pub fn top_enable() -> bool {
+    with_sched(|s| {
+        if s.top_on.get() {
+            return;
+        }
+        s.top_on.set(true);
+        s.turn_start.set(crate::clock::ticks());
+        s.top_sched.set(TopStat::default());
+        s.top_total.set(TopStat::default());
+        for slot in s.slots.borrow_mut().values_mut() {
+            let ticks = slot.ctx.shared.cpu_ticks.load(Ordering::Relaxed);
+            slot.top = TopStat {
+                last: ticks,
+                base: ticks,
+                ..TopStat::default()
+            };
+        }
+    })
+    .is_some()
+}
+
+/// Turns `fiber.top()` accounting off (the figures stay as they were).
+pub fn top_disable() {
+    with_sched(|s| s.top_on.set(false));
+}
+
+/// Whether `fiber.top()` accounting is on for the scheduler running on this thread.
+pub fn top_enabled() -> bool {
+    with_sched(|s| s.top_on.get()).unwrap_or(false)
+}
+
+/// The scheduler's own row of `fiber.top()`: the time of its turns no fiber ran (switching,
+/// timers, and waiting for them).
+pub fn top_sched_row() -> Option<TopRow> {
+    with_sched(|s| s.top_row(&s.top_sched.get()))
+}
+
+/// Fiber `fid`'s row of `fiber.top()` (`None`: not a fiber of the scheduler running here).
+pub fn top_fiber_row(fid: FiberId) -> Option<TopRow> {
+    with_sched(|s| {
+        let top = s.slots.try_borrow().ok()?.get(&fid).map(|slot| slot.top)?;
+        Some(s.top_row(&top))
+    })
+    .flatten()
+}
