@@ -5,17 +5,17 @@
 //! The rate is measured over the time since the first reading (at least 2 ms, spinning once
 //! if the process is younger than that) and re-measured as the process ages, so it converges.
 //! On a machine whose counter is not invariant (very old CPUs) durations would be wrong;
-//! every x86_64 CPU of the last decade has an invariant counter.
+//! every x86_64 CPU of the last decade has an invariant counter. The counter is read in
+//! `fibertrace_core::arch`'s leaf file for the architecture.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-/// Reads the time-stamp counter.
+/// Reads the time-stamp counter (the architecture's, from `fibertrace_core::arch`).
 #[inline(always)]
 pub fn ticks() -> u64 {
-    // SAFETY: RDTSC is available on every x86_64 CPU and has no side effects.
-    unsafe { core::arch::x86_64::_rdtsc() }
+    fibertrace_core::arch::timestamp_counter()
 }
 
 struct Base {

@@ -123,7 +123,7 @@ pub(crate) fn on_this_thread() -> *const OnThread {
 }
 
 /// Called on the scheduler's thread when it starts running: publishes the thread and its
-/// CPU clock, installs the overflow handler, and makes this scheduler's state the one the
+/// CPU clock, and makes this scheduler's state the one the
 /// handlers of this thread read (last: what they read is set up by then).
 pub(crate) fn enter_thread(on: &OnThread) {
     // SAFETY: pthread_self is always valid.
@@ -136,7 +136,6 @@ pub(crate) fn enter_thread(on: &OnThread) {
     if unsafe { libc::pthread_getcpuclockid(libc::pthread_self(), &mut clk) } == 0 {
         on.cpu_clock.store(clk, Ordering::Relaxed);
     }
-    crate::overflow::install();
     ON_THREAD.with(|p| p.set(on as *const OnThread));
 }
 

@@ -4,19 +4,25 @@
 //! The types here are the same on every architecture (an instruction, a stack and a frame
 //! pointer; a stack's bounds; a suspended context); what reads registers, decodes a signal
 //! frame or prefetches lives in one leaf file per architecture (`x86_64.rs`: the only one
-//! built so far; `lib.rs` refuses other targets with a clear error). Adding one adds a leaf
-//! file and its `cfg` lines here. Still x86_64's outside this folder (the next step): the
-//! compaction of DWARF rules in `unwind/rules.rs` (gimli's x86_64 register numbers) and
-//! framehop's register set in `unwind/mod.rs`.
+//! built so far; `aarch64.rs` says what it needs and why it is not built; `lib.rs` refuses
+//! other targets with a clear error). Adding one adds a leaf file and its `cfg` lines here:
+//! the code outside this folder names only what the leaf files export (framehop's types and
+//! the DWARF register numbers under arch-neutral names, the cycle counter).
 
 use serde::{Deserialize, Serialize};
 
+#[cfg(target_arch = "aarch64")]
+mod aarch64;
 #[cfg(target_arch = "x86_64")]
 mod x86_64;
 #[cfg(target_arch = "x86_64")]
+pub(crate) use x86_64::{
+    dwarf, regs_fp, set_regs_fp, unwind_regs, DwarfUnwinder, UnwindCache, UnwindRegs,
+};
+#[cfg(target_arch = "x86_64")]
 pub(crate) use x86_64::{is_sigreturn, UCONTEXT_REGS};
 #[cfg(target_arch = "x86_64")]
-pub use x86_64::{prefetch, registers_from_ucontext};
+pub use x86_64::{prefetch, registers_from_ucontext, timestamp_counter};
 
 /// The registers a walk starts from.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

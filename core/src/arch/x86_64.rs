@@ -86,3 +86,44 @@ pub(crate) const UCONTEXT_REGS: (u64, u64, u64) = {
         (g + 8 * libc::REG_RBP as usize) as u64,
     )
 };
+
+/// framehop's DWARF unwinder for this architecture.
+pub(crate) type DwarfUnwinder<D, P> = framehop::x86_64::UnwinderX86_64<D, P>;
+/// framehop's rule cache for this architecture.
+pub(crate) type UnwindCache<P> = framehop::x86_64::CacheX86_64<P>;
+/// framehop's register set for this architecture.
+pub(crate) type UnwindRegs = framehop::x86_64::UnwindRegsX86_64;
+
+/// A register set from an instruction, a stack and a frame pointer.
+#[inline(always)]
+pub(crate) fn unwind_regs(ip: u64, sp: u64, fp: u64) -> UnwindRegs {
+    UnwindRegs::new(ip, sp, fp)
+}
+
+/// The frame pointer of a register set (`rbp`).
+#[inline(always)]
+pub(crate) fn regs_fp(r: &UnwindRegs) -> u64 {
+    r.bp()
+}
+
+/// Sets the frame pointer of a register set (`rbp`).
+#[inline(always)]
+pub(crate) fn set_regs_fp(r: &mut UnwindRegs, fp: u64) {
+    r.set_bp(fp)
+}
+
+/// DWARF register numbers of the stack pointer, the frame pointer and the return address.
+pub(crate) mod dwarf {
+    use addr2line::gimli::{Register, X86_64};
+    pub(crate) const SP: Register = X86_64::RSP;
+    pub(crate) const FP: Register = X86_64::RBP;
+    pub(crate) const RA: Register = X86_64::RA;
+}
+
+/// The CPU's timestamp counter (`rdtsc`): invariant (constant rate, all cores) on every
+/// x86_64 CPU of the last decade.
+#[inline(always)]
+pub fn timestamp_counter() -> u64 {
+    // SAFETY: RDTSC is available on every x86_64 CPU and has no side effects.
+    unsafe { core::arch::x86_64::_rdtsc() }
+}

@@ -23,7 +23,6 @@
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex};
 
-use framehop::x86_64::UnwinderX86_64;
 use framehop::{ExplicitModuleSectionInfo, MustNotAllocateDuringUnwind, Unwinder as _};
 
 #[cfg(target_os = "linux")]
@@ -119,7 +118,7 @@ pub(crate) struct Cfi {
     pub text: u64,
 }
 
-pub(crate) type DwarfUnwinder = UnwinderX86_64<Arc<[u8]>, MustNotAllocateDuringUnwind>;
+pub(crate) type DwarfUnwinder = crate::arch::DwarfUnwinder<Arc<[u8]>, MustNotAllocateDuringUnwind>;
 
 /// A snapshot of the loaded images, with the DWARF unwinder built over them.
 pub struct ImageTable {

@@ -43,7 +43,7 @@
 //! may move to another stack at most once per stack; and it stops after [`MAX_WALK`] frames
 //! (the trace then ends with `Truncated`).
 
-use framehop::x86_64::{CacheX86_64, UnwindRegsX86_64};
+use crate::arch::{regs_fp, set_regs_fp, unwind_regs, UnwindCache, UnwindRegs};
 use framehop::{FrameAddress, MustNotAllocateDuringUnwind, Unwinder as _};
 
 use crate::arch::{Registers, StackBounds};
@@ -78,7 +78,7 @@ const RULE_CACHES: usize = 4;
 /// In front of them, the compact rules of [`rules`] step most return addresses without
 /// framehop.
 pub struct DwarfCache {
-    framehop: [CacheX86_64<MustNotAllocateDuringUnwind>; RULE_CACHES],
+    framehop: [UnwindCache<MustNotAllocateDuringUnwind>; RULE_CACHES],
     pub(crate) compact: rules::RuleCache,
     use_compact: bool,
     /// Which code keeps frame pointers, for the walks that use this cache.
@@ -89,7 +89,7 @@ impl DwarfCache {
     /// A new, empty cache.
     pub fn new() -> Self {
         DwarfCache {
-            framehop: std::array::from_fn(|_| CacheX86_64::new_in()),
+            framehop: std::array::from_fn(|_| UnwindCache::new_in()),
             compact: rules::RuleCache::new(),
             ranges: RangeCache::new(),
             use_compact: true,
@@ -104,7 +104,7 @@ impl DwarfCache {
 
     /// The rule cache for the code address framehop will look up for `addr`.
     #[inline]
-    fn for_address(&mut self, addr: FrameAddress) -> &mut CacheX86_64<MustNotAllocateDuringUnwind> {
+    fn for_address(&mut self, addr: FrameAddress) -> &mut UnwindCache<MustNotAllocateDuringUnwind> {
         let a = addr.address_for_lookup();
         &mut self.framehop[((a / RULES_PER_CACHE) % RULE_CACHES as u64) as usize]
     }
@@ -210,7 +210,7 @@ fn walk_inner(
     if start.emit_ip && !sink.push(Frame::Pc(ip)) {
         return false;
     }
-    let mut regs = UnwindRegsX86_64::new(ip, sp, fp);
+    let mut regs = unwind_regs(ip, sp, fp);
     let mut addr = FrameAddress::from_instruction_pointer(ip);
     let mut first = true;
     let mut mode = mode;
@@ -233,7 +233,7 @@ fn walk_inner(
                 // Stopped at a return address into code without frame pointers (emitted):
                 // the walk goes on from its caller's state.
                 FpEnd::NotFp { ra, sp, bp } => {
-                    regs = UnwindRegsX86_64::new(ra, sp, bp);
+                    regs = unwind_regs(ra, sp, bp);
                     match FrameAddress::from_return_address(ra) {
                         Some(a) => addr = a,
                         None => return false,
@@ -312,7 +312,7 @@ fn walk_inner(
             {
                 return false;
             }
-            regs = UnwindRegsX86_64::new(next.ip, next.sp, next.fp);
+            regs = unwind_regs(next.ip, next.sp, next.fp);
             addr = FrameAddress::from_instruction_pointer(next.ip);
             after_signal = true;
             continue;
@@ -442,8 +442,8 @@ impl SegCursor {
     /// One frame-pointer step: from the frame whose frame pointer is `regs.bp` to its
     /// caller. Returns the return address and updates `regs` to the caller's state.
     #[inline(always)]
-    fn fp_step(&mut self, stacks: &Stacks<'_>, regs: &mut UnwindRegsX86_64) -> Option<u64> {
-        let fp = regs.bp();
+    fn fp_step(&mut self, stacks: &Stacks<'_>, regs: &mut UnwindRegs) -> Option<u64> {
+        let fp = regs_fp(regs);
         if !fp.is_multiple_of(8) {
             return None;
         }
@@ -466,7 +466,7 @@ impl SegCursor {
             )
         };
         regs.set_sp(fp + 16);
-        regs.set_bp(self.hops.next_record(fp, ra, next));
+        set_regs_fp(regs, self.hops.next_record(fp, ra, next));
         regs.set_ip(ra);
         Some(ra)
     }
@@ -477,7 +477,7 @@ fn dwarf_step(
     cache: Option<&mut DwarfCache>,
     stacks: &Stacks<'_>,
     addr: FrameAddress,
-    regs: &mut UnwindRegsX86_64,
+    regs: &mut UnwindRegs,
     cur: &mut SegCursor,
 ) -> Option<u64> {
     let cache = cache?;
@@ -515,8 +515,8 @@ fn dwarf_step(
 /// same rules: a null frame pointer or return address ends the walk, as does a frame record
 /// below the stack pointer or a read outside the stacks.
 #[inline(always)]
-fn apply(rule: rules::Rule, stacks: &Stacks<'_>, regs: &mut UnwindRegsX86_64) -> Option<u64> {
-    let (sp, bp) = (regs.sp(), regs.bp());
+fn apply(rule: rules::Rule, stacks: &Stacks<'_>, regs: &mut UnwindRegs) -> Option<u64> {
+    let (sp, bp) = (regs.sp(), regs_fp(regs));
     let (cfa, new_bp) = match rule {
         rules::Rule::Sp { cfa8, bp8 } => {
             let cfa = sp.checked_add(u64::from(cfa8) * 8)?;
@@ -544,7 +544,7 @@ fn apply(rule: rules::Rule, stacks: &Stacks<'_>, regs: &mut UnwindRegsX86_64) ->
         return None;
     }
     regs.set_sp(cfa);
-    regs.set_bp(new_bp);
+    set_regs_fp(regs, new_bp);
     Some(ra)
 }
 

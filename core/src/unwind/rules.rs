@@ -29,9 +29,10 @@
 
 use addr2line::gimli::{
     BaseAddresses, CfaRule, EhFrame, EhFrameHdr, EhFrameOffset, LittleEndian, Pointer,
-    RegisterRule, UnwindContext, UnwindContextStorage, UnwindSection, UnwindTableRow, X86_64,
+    RegisterRule, UnwindContext, UnwindContextStorage, UnwindSection, UnwindTableRow,
 };
 
+use crate::arch::dwarf;
 use crate::image::ImageTable;
 
 /// A compact unwind rule for one code address (x86_64).
@@ -168,11 +169,7 @@ fn derive(table: &ImageTable, ctx: &mut UnwindContext<usize, Fixed>, addr: u64) 
         return Rule::Other;
     }
     match fde.unwind_info_for_address(&eh, &bases, ctx, addr) {
-        Ok(row) => compact(
-            row.cfa(),
-            row.register(X86_64::RBP),
-            row.register(X86_64::RA),
-        ),
+        Ok(row) => compact(row.cfa(), row.register(dwarf::FP), row.register(dwarf::RA)),
         Err(_) => Rule::Other,
     }
 }
@@ -195,7 +192,7 @@ pub(crate) fn compact(
         Some(_) => return Rule::Other,
     };
     match *cfa {
-        CfaRule::RegisterAndOffset { register, offset } if register == X86_64::RSP => {
+        CfaRule::RegisterAndOffset { register, offset } if register == dwarf::SP => {
             let Some(cfa8) = by8(offset).and_then(|v| u16::try_from(v).ok()) else {
                 return Rule::Other;
             };
@@ -214,7 +211,7 @@ pub(crate) fn compact(
             Rule::Sp { cfa8, bp8 }
         }
         CfaRule::RegisterAndOffset { register, offset }
-            if register == X86_64::RBP && offset == 16 && bp == Some(-16) =>
+            if register == dwarf::FP && offset == 16 && bp == Some(-16) =>
         {
             Rule::Fp
         }
@@ -235,7 +232,7 @@ mod tests {
 
     fn sp(offset: i64) -> CfaRule<usize> {
         CfaRule::RegisterAndOffset {
-            register: X86_64::RSP,
+            register: dwarf::SP,
             offset,
         }
     }
@@ -251,7 +248,7 @@ mod tests {
         );
         // After `mov rbp, rsp`.
         let fp = CfaRule::RegisterAndOffset {
-            register: X86_64::RBP,
+            register: dwarf::FP,
             offset: 16,
         };
         assert_eq!(compact(&fp, Some(RegisterRule::Offset(-16)), RA), Rule::Fp);
@@ -280,7 +277,7 @@ mod tests {
         );
         // CFA from rbp at another offset (seen in libffi), from another register, unaligned.
         let odd = CfaRule::RegisterAndOffset {
-            register: X86_64::RBP,
+            register: dwarf::FP,
             offset: 32,
         };
         assert_eq!(

@@ -439,6 +439,7 @@ impl Enter {
     fn new(inner: &Rc<Inner>) -> Enter {
         let prev = SCHED.with(|s| s.replace(Rc::as_ptr(inner)));
         (inner.hooks.enter_thread)(&inner.shared);
+        crate::overflow::install();
         crate::running::enter_thread(&inner.shared.on_thread);
         Enter { prev }
     }

@@ -1,0 +1,52 @@
+//! What the acceptance tests share: the `fibertrace` binary as a user runs it (from another
+//! directory), scratch directories, and the repository's sources.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The repository's root.
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .expect("the repository root")
+}
+
+/// The `fibertrace` binary: `$FIBERTRACE_BIN`, else the one cargo built beside these tests
+/// (`cargo test --workspace` builds it, for the Lua crate's own tests).
+pub fn binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("FIBERTRACE_BIN") {
+        return PathBuf::from(p);
+    }
+    // target/<profile>/deps/<this test> -> target/<profile>/fibertrace
+    let exe = std::env::current_exe().expect("the test's own path");
+    let p = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(|d| d.join("fibertrace"))
+        .expect("a target directory");
+    assert!(
+        p.exists(),
+        "{} is not built: run the workspace's tests (cargo test --workspace), or set \
+         FIBERTRACE_BIN",
+        p.display()
+    );
+    p
+}
+
+/// A new empty directory for one test (removed first if a previous run left it).
+pub fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("fibertrace-acc-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("a scratch directory");
+    d
+}
+
+/// Runs the binary with `args` in directory `cwd`.
+pub fn run_in(cwd: &Path, args: &[&str]) -> Output {
+    Command::new(binary())
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .expect("the binary runs")
+}
