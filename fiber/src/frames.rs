@@ -1,7 +1,7 @@
 //! A fiber's frames as reports hand them out ([`FrameInfo`]: a frame and its resolution),
 //! and the runtime's trampoline, the outermost frame of every fiber, which reports leave out.
 //!
-//! The trampoline ([`call_user`]) is generic, so its instances have no common address; it is
+//! The trampoline (`call_user`) is generic, so its instances have no common address; it is
 //! recognized by its symbol's path, taken from where it is defined ([`TRAMPOLINE`], built
 //! with `module_path!`), so moving the function moves the name with it. A test resolves a
 //! fiber's outermost frame and checks it against [`TRAMPOLINE`].

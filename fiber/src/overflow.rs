@@ -1,11 +1,11 @@
 //! Stack overflow in a fiber: a fault in the guard below the running fiber's stack (see
-//! [`crate::stack`]) is reported — which fiber, how big its stack is — before the process
+//! `stack`) is reported — which fiber, how big its stack is — before the process
 //! stops as it would have (the fault is re-raised with the default action: exit by SIGSEGV,
 //! a core dump where enabled). Without this, a fiber whose C code recursed too deep (nested
 //! `string.gsub` callbacks, say) ended the process with no word.
 //!
 //! The handler runs on the scheduler thread's alternate signal stack (set up by
-//! [`crate::sample`]), touches only atomics and the stack, and writes with `write(2)`. It stays
+//! [`crate::inspect::sample`]), touches only atomics and the stack, and writes with `write(2)`. It stays
 //! installed: a fault anywhere else is handed to the handler that was there before (the
 //! standard library's own stack-overflow report for threads), called directly; with no such
 //! handler, the default action ends the process (a fault re-executes; a signal sent by
@@ -13,7 +13,7 @@
 //!
 //! **Recovering.** A thread may register an [`OverflowHandler`] ([`set_thread_handler`]; the
 //! Lua host does). A fault in a running fiber's *reserve* (the inaccessible region between its
-//! usable stack and its guard, see [`crate::stack`]) then opens the reserve (`mprotect`),
+//! usable stack and its guard, see `stack`) then opens the reserve (`mprotect`),
 //! records it in a fixed table of open reserves, calls the handler and returns: the faulting
 //! instruction runs again, now with room. The handler only arms something (the Lua host sets
 //! a Lua hook) that, at a point where the fiber's own code is in a consistent state, asks

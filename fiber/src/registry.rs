@@ -1,6 +1,6 @@
 //! The process-wide registry of schedulers and their fibers, readable from any thread.
 //!
-//! Each scheduler's live fibers sit in a slab of atomic pointers ([`FiberSlab`]) that only the
+//! Each scheduler's live fibers sit in a slab of atomic pointers (`FiberSlab`) that only the
 //! scheduler's own thread writes and any thread may read, without a lock on either side: a
 //! spawn is one pointer store, an exit one pointer swap (a mutex and a hash map cost a spawn
 //! and an exit four atomic read-modify-writes and two hash-map updates).
@@ -8,7 +8,7 @@
 //! Invariants, and how a reading can be wrong:
 //! - A slot holds either null or a pointer from `Arc::into_raw`, whose reference the slot
 //!   owns. Only the owning scheduler's thread stores or swaps slots, and only through
-//!   [`SlabOwner`], which it alone holds (so two writers never race).
+//!   `SlabOwner`, which it alone holds (so two writers never race).
 //! - A reader announces itself in `readers` (sequentially consistent) before loading any slot,
 //!   and takes its own reference before it leaves. The writer empties a slot with a
 //!   sequentially consistent swap, then drops the slot's reference only if it sees no reader;

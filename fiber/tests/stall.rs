@@ -425,6 +425,27 @@ fn an_idle_scheduler_waiting_for_a_timer_is_not_a_stall() {
     assert_eq!(stalls, 0);
 }
 
+/// Spins until this thread has used `d` of CPU time (not wall time: on a loaded machine a
+/// wall-time spin may use less CPU than the watchdog's threshold, and be no stall at all).
+#[inline(never)]
+fn spin_cpu(d: Duration) -> u64 {
+    let cpu = || {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: reads this thread's CPU clock into a local.
+        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    };
+    let start = cpu();
+    let mut n = 0u64;
+    while cpu() - start < d {
+        n = black_box(n + 1);
+    }
+    n
+}
+
 /// A burst of stalls over the rate limit that ends: the suppressed ones are counted in a
 /// report of their own, not lost for want of a later report to carry the count.
 #[test]
@@ -442,7 +463,7 @@ fn stalls_suppressed_by_the_rate_limit_are_counted_when_the_burst_ends() {
                 for i in 0..12 {
                     Builder::new()
                         .name(&format!("burst-{i}"))
-                        .spawn(|| busy_1(Instant::now() + Duration::from_millis(30)))
+                        .spawn(|| spin_cpu(Duration::from_millis(30)))
                         .join()
                         .unwrap();
                 }

@@ -473,7 +473,7 @@ fn lua_error_in_a_fiber_prints_an_interleaved_traceback() {
         ]
     );
     assert!(
-        stderr.contains(" in fibertrace_lua::host::api::lua_fiber_main+"),
+        stderr.contains(" in fibertrace_lua::host::spawn::lua_fiber_main+"),
         "{stderr}"
     );
     std::fs::remove_dir_all(&dir).ok();

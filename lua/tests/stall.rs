@@ -65,7 +65,7 @@ fn a_busy_lua_fiber_is_reported_with_its_native_frames() {
         .collect();
     let text = report.join("\n");
     assert!(
-        text.contains(" in fibertrace_lua::host::api::lua_fiber_main"),
+        text.contains(" in fibertrace_lua::host::spawn::lua_fiber_main"),
         "{text}"
     );
     assert!(text.contains("Lua frames not shown"), "{text}");
@@ -117,7 +117,7 @@ fn a_channel_deadlock_between_two_lua_fibers_exits_with_the_report() {
             .unwrap_or_else(|| panic!("{err}"));
         assert!(block.contains("[channel receive, "), "{block}");
         assert!(
-            block.contains(" in fibertrace_lua::host::api::ch_get"),
+            block.contains(" in fibertrace_lua::host::channel::ch_get"),
             "{block}"
         );
         // The Lua frames, interleaved where they ran (as fiber.info() shows them): the

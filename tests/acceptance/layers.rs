@@ -189,6 +189,67 @@ fn no_crate_has_an_import_circle_between_its_modules() {
     }
 }
 
+/// Edges between the files of one folder (the child modules of its `mod.rs`): `super::x`
+/// and `crate::<folder path>::x` references.
+fn folder_graph(krate: &str, folder: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let dir = repo().join(krate).join("src").join(folder);
+    let files = sources(&dir);
+    let child = |rel: &str| -> Option<String> {
+        let first = rel.split('/').next().unwrap();
+        (first != "mod.rs").then(|| first.trim_end_matches(".rs").to_string())
+    };
+    let children: BTreeSet<String> = files.iter().filter_map(|(r, _)| child(r)).collect();
+    let full = format!("crate::{}::", folder.replace('/', "::"));
+    let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (rel, text) in &files {
+        let Some(m) = child(rel) else { continue };
+        // A file directly in the folder reaches siblings by `super::`; one a level deeper
+        // by `super::super::`, which the plain search sees as `super::` too (and names its
+        // own siblings there, which are not this folder's children unless named alike).
+        let code = code(text);
+        // A glob of the parent would hide which siblings a file uses.
+        assert!(
+            !code.lines().any(|l| l.starts_with("use super::*")),
+            "{krate}/src/{folder}/{rel}: `use super::*` hides its dependencies; name them"
+        );
+        let mut names = idents_after(&code, "super::");
+        names.extend(idents_after(&code, &full));
+        let entry = g.entry(m.clone()).or_default();
+        for n in names {
+            if children.contains(&n) && n != m {
+                entry.insert(n);
+            }
+        }
+    }
+    g
+}
+
+#[test]
+fn no_folder_has_an_import_circle_between_its_files() {
+    let mut checked = 0;
+    for krate in ["core", "fiber", "lua"] {
+        let src = repo().join(krate).join("src");
+        let mut stack = vec![src.clone()];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    stack.push(p.clone());
+                    if p.join("mod.rs").exists() {
+                        let folder = p.strip_prefix(&src).unwrap().to_string_lossy().into_owned();
+                        let g = folder_graph(krate, &folder);
+                        if let Some(c) = cycle(&g) {
+                            panic!("{krate}/src/{folder}: import circle {}", c.join(" -> "));
+                        }
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked >= 8, "only {checked} folders found");
+}
+
 #[test]
 fn the_circle_check_finds_a_circle() {
     // The check itself can fail: a graph with a circle is caught.

@@ -286,7 +286,7 @@ pub fn install_signal(sig: i32) -> Result<(), InstallError> {
                 }
                 wait_for_handlers();
                 let text = dump_text();
-                super::watchdog::write_stderr(&text);
+                write_stderr(&text);
             }
         })
         .map_err(|e| InstallError(format!("dump thread: {e}")))?;
@@ -320,5 +320,12 @@ pub(crate) fn write_panic_report(f: &ControlBlock, r: &PanicReport) {
     }
     s.push_str(&format!(": {}\n", r.message));
     s.push_str(&render_frames(r.backtrace.frames()));
-    super::watchdog::write_stderr(&s);
+    write_stderr(&s);
+}
+
+/// Writes to standard error; one that cannot be written (closed, full) loses the text, never
+/// the program.
+pub(crate) fn write_stderr(text: &str) {
+    use std::io::Write as _;
+    let _ = std::io::stderr().write_all(text.as_bytes());
 }

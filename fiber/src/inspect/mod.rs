@@ -14,7 +14,7 @@
 //! ```
 //!
 //! Nothing below `inspect` names it: the scheduler calls up through [`crate::sched`]'s hooks,
-//! which `runtime` fills with this module's functions ([`HOOKS`]).
+//! which `runtime` fills with this module's functions (`HOOKS`).
 //!
 //! # The snapshot
 //!

@@ -127,13 +127,6 @@ impl Report {
     }
 }
 
-/// Writes to standard error; one that cannot be written (closed, full) loses the text, never
-/// the program.
-pub(crate) fn write_stderr(text: &str) {
-    use std::io::Write as _;
-    let _ = std::io::stderr().write_all(text.as_bytes());
-}
-
 type Handler = Box<dyn Fn(&Report) + Send + Sync>;
 type Annotator = fn(&Backtrace) -> Option<String>;
 
@@ -260,7 +253,7 @@ fn deliver(r: &Report) {
     let h = st.handler.lock().unwrap_or_else(|e| e.into_inner());
     match &*h {
         Some(f) => f(r),
-        None => write_stderr(&r.to_text()),
+        None => super::dump::write_stderr(&r.to_text()),
     }
 }
 

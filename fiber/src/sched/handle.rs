@@ -1,7 +1,19 @@
 //! Handles to fibers: [`Fiber`] (id, name, wake-up, cancel, wait) and [`JoinHandle`] (its
 //! result).
 
-use super::*;
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::names::{name_from_bytes, name_to_bytes};
+use super::run::wake;
+use super::{block, current_ctx, current_id, with_sched, FiberCore, ON_THREAD};
+use crate::task::{
+    ControlBlock, FiberId, PanicReport, ParentTrace, Status, WaitOn, OUTCOME_CANCELLED, OUTCOME_OK,
+    OUTCOME_PANICKED,
+};
 
 /// A fiber handle without its result type: id, name, wakeup, cancel, backtrace.
 #[derive(Clone, Debug)]

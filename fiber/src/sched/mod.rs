@@ -1,6 +1,6 @@
 //! The scheduler (a "cord"): one per OS thread, running its fibers cooperatively.
 //!
-//! Every suspension goes through one of two `#[inline(never)]` points: [`suspend_current`]
+//! Every suspension goes through one of two `#[inline(never)]` points: `suspend_current`
 //! (back to the scheduler) and `Inner::run_nested` (running a ready fiber inside the caller's
 //! switch, as `fiber.create` does). Each records the fiber's registers (when tracing is on)
 //! and publishes `Suspended` before switching away, so that any thread can walk the fiber's
@@ -29,15 +29,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use corosensei::{Coroutine, CoroutineResult, Yielder};
-use fibertrace_core::{Backtrace, CaptureOptions, Frame, Unwinder};
+use corosensei::{Coroutine, Yielder};
 
 use crate::registry::{self, SchedShared, SlabIndex, SlabOwner};
 use crate::stack;
-use crate::task::{
-    next_fiber_id, ControlBlock, FiberId, NewFiber, PanicReport, ParentInit, ParentTrace, Status,
-    WaitOn, OUTCOME_CANCELLED, OUTCOME_OK, OUTCOME_PANICKED,
-};
+use crate::task::{ControlBlock, FiberId, PanicReport, Status, WaitOn};
 
 mod handle;
 mod names;
@@ -45,7 +41,6 @@ pub(crate) mod panic;
 mod run;
 mod spawn;
 
-use handle::{needs_slot, ResultSlot};
 pub use handle::{CancelQuiet, Fiber, JoinError, JoinHandle};
 pub use names::{name_from_bytes, name_to_bytes, quoted_name, QuotedName};
 pub use run::{
@@ -131,7 +126,7 @@ impl TopStat {
     }
 }
 
-/// A row of [`top`]: shares of the scheduler's time (percent) and the CPU time counted since
+/// A row of `fiber.top()`: shares of the scheduler's time (percent) and the CPU time counted since
 /// top was turned on.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct TopRow {

@@ -1,7 +1,16 @@
 //! The run loop: running ready fibers in turns, timers, resuming and the nested start,
 //! waking fibers from outside, and the per-turn accounting behind `fiber.top()`.
 
-use super::*;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use corosensei::CoroutineResult;
+
+use super::{
+    current_ctx, with_sched, Co, FiberCore, Inner, RunError, TopRow, TopStat, Yield, CURRENT,
+    ON_THREAD, SLOT_POOL_MAX,
+};
+use crate::task::{FiberId, Status};
 
 impl Inner {
     pub(super) fn run_loop(&self, mut done: impl FnMut() -> bool) -> Result<(), RunError> {

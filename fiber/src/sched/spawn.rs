@@ -2,8 +2,29 @@
 //! at the spawn, and the body every fiber runs on its own stack (the trampoline into the
 //! user's code is [`crate::frames::call_user`]).
 
-use super::*;
+use std::cell::{Cell, RefCell};
+use std::panic::AssertUnwindSafe;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use corosensei::Yielder;
+use fibertrace_core::{Backtrace, CaptureOptions, Frame, Unwinder};
+
+use super::handle::{needs_slot, Fiber, JoinError, JoinHandle, ResultSlot};
+use super::names::name_from_bytes;
+use super::panic;
+use super::{
+    current_ctx, with_sched, Cancelled, Co, FiberCore, Inner, Scheduler, Slot, TopStat, Yield,
+    SCHED,
+};
 use crate::frames::call_user;
+use crate::registry::SlabIndex;
+use crate::stack;
+use crate::task::{
+    next_fiber_id, ControlBlock, NewFiber, ParentInit, ParentTrace, OUTCOME_CANCELLED, OUTCOME_OK,
+    OUTCOME_PANICKED,
+};
 
 /// Spawns a fiber on the current thread's scheduler.
 ///
@@ -138,7 +159,7 @@ impl Builder {
     }
 
     /// Takes the fiber's creation time when it first runs, not when it is spawned: for a
-    /// fiber started at once ([`yield_to`] or [`yield_to_id`] right after the spawn, as
+    /// fiber started at once ([`crate::yield_to`] or [`crate::yield_to_id`] right after the spawn, as
     /// `fiber.create` does), where the clock reading that starts it also dates it — one
     /// reading of the clock less per fiber (a `rdtsc` costs about 10 ns here, as much as a
     /// tenth of a whole create and run). Until it runs, its creation time shows as the

@@ -41,15 +41,21 @@ use std::hash::BuildHasherDefault;
 use fibertrace_fiber::{FiberId, Scheduler, SchedulerOptions};
 use mlua::ffi;
 
-pub(crate) mod api;
+mod channel;
 mod clock;
+mod cond;
 #[cfg(feature = "luajit")]
 mod cstack;
+mod fiber_fns;
 mod finalize;
 pub mod info;
+mod install;
+mod objects;
 mod prelude;
 #[doc(hidden)]
 pub mod raw;
+mod slice;
+mod spawn;
 
 /// A fiber slice (Tarantool's `{warn = seconds, err = seconds}`): a fiber that runs longer
 /// than `warn` without yielding is warned about when it calls `fiber.check_slice()`, and
@@ -285,7 +291,7 @@ impl LuaHost {
         });
         // SAFETY: `l` is the main state of a Lua just created on this thread, used by nothing
         // else now.
-        let st = match unsafe { api::install(l) } {
+        let st = match unsafe { install::install(l) } {
             Ok(st) => st,
             Err(e) => {
                 drop(lua);
@@ -341,7 +347,7 @@ impl LuaHost {
         let args: Vec<Vec<u8>> = args.iter().map(|a| a.to_vec()).collect();
         let r = self
             .scheduler()
-            .block_on(move || api::run_main_fiber(&name, &source, &args));
+            .block_on(move || spawn::run_main_fiber(&name, &source, &args));
         match r {
             Ok(r) => r,
             Err(fibertrace_fiber::BlockOnError::Run(fibertrace_fiber::RunError::Deadlock {

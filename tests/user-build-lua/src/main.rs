@@ -64,10 +64,10 @@ fn check(got: &[String]) -> Result<(), String> {
     }
     let want = [
         (0, "C fibertrace_fiber::sched::block"),
-        (at - 1, "C fibertrace_lua::host::api::ch_get"),
+        (at - 1, "C fibertrace_lua::host::channel::ch_get"),
         (
             at + lua.len(),
-            "C fibertrace_lua::host::api::call_in_thread",
+            "C fibertrace_lua::host::spawn::call_in_thread",
         ),
     ];
     for (i, w) in want {

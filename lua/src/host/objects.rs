@@ -1,0 +1,277 @@
+//! The fiber objects Lua sees (a userdata holding a fiber id, kept one per fiber in a
+//! registry table) and how a fiber is found from one, as Tarantool's `fiber_find`: a fiber is
+//! found while its function runs, and also, once it has ended, while it is joinable and not
+//! joined yet ("ended": its status reads `suspended`, `cancel` and `wakeup` do nothing, as in
+//! Tarantool); a fiber found by no record is dead. Invariants of the records: a record is
+//! removed exactly once (by the end of a non-joinable fiber's function, by its join, or by
+//! making an ended fiber unjoinable), and whoever removes it releases its object slot,
+//! storage and thread.
+
+use std::ffi::c_int;
+
+use fibertrace_fiber::FiberId;
+use mlua::ffi;
+
+use super::raw::{self, to_number, type_of, LErr};
+use super::{with_host, HostState, Rec};
+
+pub(crate) const REG: c_int = ffi::LUA_REGISTRYINDEX;
+/// Longest fiber name with its terminating NUL, as Tarantool's `FIBER_NAME_MAX`.
+pub(super) const NAME_MAX: usize = 256;
+/// Finished Lua threads kept for reuse.
+pub(super) const POOL_MAX: usize = 4096;
+
+/// Stack slot of a fiber's Lua thread holding the message handler of its `lua_pcall`.
+pub(super) const MSGH_SLOT: c_int = 1;
+
+/// The userdata of a fiber object: its id.
+#[repr(C)]
+pub(super) struct FiberUd {
+    pub(super) fid: FiberId,
+}
+
+pub(crate) fn no_host() -> LErr {
+    LErr::plain("fibertrace: no Lua host on this thread")
+}
+
+/// Whether the value at `idx` is a userdata with the metatable `mt_ref`; its block if so.
+///
+/// # Safety
+/// `l` valid, room for 2 values.
+pub(crate) unsafe fn check_ud<T>(
+    l: *mut ffi::lua_State,
+    idx: c_int,
+    mt_ref: c_int,
+) -> Option<*mut T> {
+    // SAFETY: plain stack reads; both pushed values are popped.
+    unsafe {
+        if ffi::lua_type(l, idx) != ffi::LUA_TUSERDATA || ffi::lua_getmetatable(l, idx) == 0 {
+            return None;
+        }
+        super::raw::rawgeti(l, REG, mt_ref as ffi::lua_Integer);
+        let same = ffi::lua_rawequal(l, -1, -2) != 0;
+        ffi::lua_settop(l, -3);
+        same.then(|| ffi::lua_touserdata(l, idx).cast::<T>())
+    }
+}
+
+pub(crate) fn mt_refs() -> Option<(c_int, c_int, c_int)> {
+    with_host(|h| (h.fiber_mt_ref, h.channel_mt_ref, h.cond_mt_ref))
+}
+
+/// The id of the fiber object at `idx`, if it is one.
+///
+/// # Safety
+/// `l` valid.
+pub(super) unsafe fn fiber_ud(l: *mut ffi::lua_State, idx: c_int) -> Option<FiberId> {
+    let (fmt, _, _) = mt_refs()?;
+    // SAFETY: per the contract.
+    unsafe { check_ud::<FiberUd>(l, idx, fmt).map(|p| (*p).fid) }
+}
+
+/// The fiber object at `idx` (`luaL_checkudata`): its id, or the bad-argument error.
+///
+/// # Safety
+/// `l` is the calling state of a C function.
+pub(super) unsafe fn check_fiber_id(l: *mut ffi::lua_State, idx: c_int) -> Result<FiberId, LErr> {
+    // SAFETY: per the contract.
+    unsafe { fiber_ud(l, idx).ok_or_else(|| raw::type_error(l, idx, "fiber")) }
+}
+
+/// A fiber id from a number: truncated, as Tarantool converts it (`None`: no fiber's id).
+pub(super) fn id_of_number(n: f64) -> Option<FiberId> {
+    (0.0..18_446_744_073_709_551_616.0)
+        .contains(&n)
+        .then_some(n as FiberId)
+}
+
+/// How a fiber is found (see the module docs).
+#[derive(Clone)]
+pub(super) enum Found {
+    /// Its function runs (or has not started yet).
+    Live(fibertrace_fiber::Fiber),
+    /// Its function ended; joinable, not joined yet.
+    Ended,
+}
+
+pub(super) fn find(fid: FiberId) -> Option<Found> {
+    with_host(|h| {
+        let r = h.recs.get(&fid)?;
+        if r.done.is_some() {
+            Some(Found::Ended)
+        } else if r.fiber.control_block().is_dead() {
+            // Cancelled before it started: kept for its joiner only.
+            None
+        } else {
+            Some(Found::Live(r.fiber.clone()))
+        }
+    })
+    .flatten()
+}
+
+/// The fiber at `idx`, a fiber object or an id (Tarantool's `lbox_checkfiber`): found, or
+/// `the fiber is dead` (with the caller's position when `at`); anything else is a bad
+/// argument.
+///
+/// # Safety
+/// `l` is the calling state of a C function.
+pub(super) unsafe fn check_fiber(
+    l: *mut ffi::lua_State,
+    idx: c_int,
+    at: bool,
+) -> Result<(FiberId, Found), LErr> {
+    // SAFETY: per the contract.
+    let fid = unsafe {
+        if type_of(l, idx) == ffi::LUA_TNUMBER {
+            to_number(l, idx).and_then(id_of_number)
+        } else {
+            Some(check_fiber_id(l, idx)?)
+        }
+    };
+    match fid.and_then(|f| find(f).map(|x| (f, x))) {
+        Some(found) => Ok(found),
+        None if at => Err(LErr::At("the fiber is dead".into())),
+        None => Err(LErr::plain("the fiber is dead")),
+    }
+}
+
+/// Pushes the fiber object of `fid`: the same object every time while the fiber lives.
+///
+/// A live fiber's object is held in the array part of one host table, at a slot kept in
+/// the fiber's record and freed (for the next fiber) when the record goes. So it lives as
+/// long as the fiber, and making one costs an array store, not an insert into a growing
+/// hash (a weak table by id) or a registry reference. A fiber without a record (a fiber made
+/// by Rust code that calls into Lua) keeps its object in a weak table by id. (`fiber.create`
+/// and `fiber.new` make the object of a new fiber together with its record, in
+/// [`spawn_lua`].)
+///
+/// # Safety
+/// `l` valid.
+pub(super) unsafe fn push_fiber_object(l: *mut ffi::lua_State, fid: FiberId) -> Result<(), LErr> {
+    let (known, objs, weak, fmt) = with_host(|h| {
+        (
+            h.recs.get(&fid).map(|r| r.obj_slot),
+            h.objs_ref,
+            h.weak_objs_ref,
+            h.fiber_mt_ref,
+        )
+    })
+    .ok_or_else(no_host)?;
+    // SAFETY: a host table and a fresh userdata with the fiber metatable.
+    unsafe {
+        ffi::lua_checkstack(l, 4);
+        match known {
+            Some(slot) if slot > 0 => {
+                super::raw::rawgeti(l, REG, objs as ffi::lua_Integer);
+                super::raw::rawgeti(l, -1, slot as ffi::lua_Integer);
+                ffi::lua_replace(l, -2);
+                return Ok(());
+            }
+            None => {
+                super::raw::rawgeti(l, REG, weak as ffi::lua_Integer);
+                super::raw::rawgeti(l, -1, fid as ffi::lua_Integer);
+                if ffi::lua_type(l, -1) == ffi::LUA_TUSERDATA {
+                    ffi::lua_replace(l, -2);
+                    return Ok(());
+                }
+                ffi::lua_settop(l, -3);
+            }
+            _ => {}
+        }
+    }
+    // The object is made in a protected call: its allocations can fail.
+    let slot = if known.is_some() {
+        with_host(|h| {
+            h.obj_free.pop().unwrap_or_else(|| {
+                h.obj_next += 1;
+                h.obj_next
+            })
+        })
+        .ok_or_else(no_host)?
+    } else {
+        0
+    };
+    // SAFETY: a fresh userdata with the fiber metatable, stored in the host's object table
+    // (at the slot taken above) or in its weak table; left on top.
+    let made = unsafe {
+        raw::protect(l, &[], &mut |l| {
+            let p = ffi::lua_newuserdata(l, std::mem::size_of::<FiberUd>()).cast::<FiberUd>();
+            p.write(FiberUd { fid });
+            super::raw::rawgeti(l, REG, fmt as ffi::lua_Integer);
+            ffi::lua_setmetatable(l, -2);
+            if slot > 0 {
+                super::raw::rawgeti(l, REG, objs as ffi::lua_Integer);
+                ffi::lua_pushvalue(l, -2);
+                super::raw::rawseti(l, -2, slot as ffi::lua_Integer);
+            } else {
+                super::raw::rawgeti(l, REG, weak as ffi::lua_Integer);
+                ffi::lua_pushvalue(l, -2);
+                super::raw::rawseti(l, -2, fid as ffi::lua_Integer);
+            }
+            ffi::lua_settop(l, -2);
+            1
+        })
+    };
+    match made {
+        Ok(_) if slot > 0 => {
+            with_host(|h| match h.recs.get_mut(&fid) {
+                Some(rec) => rec.obj_slot = slot,
+                None => h.obj_free.push(slot),
+            });
+        }
+        Ok(_) => {}
+        Err(e) => {
+            if slot > 0 {
+                with_host(|h| h.obj_free.push(slot));
+            }
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// Removes a fiber's record, freeing its object's slot and storage (the thread is the
+/// caller's).
+pub(super) fn remove_rec(h: &mut HostState, fid: FiberId) -> Option<Rec> {
+    let mut rec = h.recs.remove(&fid)?;
+    free_obj_slot(h, &rec);
+    release_storage(h, &mut rec);
+    Some(rec)
+}
+
+/// Frees the object slot of a record just removed, for the next fiber's object. The slot is
+/// cleared at once: a dead fiber's object must not stay reachable (a weak table keyed by
+/// fiber objects would keep its entry).
+pub(super) fn free_obj_slot(h: &mut HostState, rec: &Rec) {
+    if rec.obj_slot > 0 {
+        // SAFETY: the host's main state and its object table; a plain array store.
+        unsafe {
+            let l = h.main_l;
+            ffi::lua_checkstack(l, 2);
+            super::raw::rawgeti(l, REG, h.objs_ref as ffi::lua_Integer);
+            ffi::lua_pushnil(l);
+            super::raw::rawseti(l, -2, rec.obj_slot as ffi::lua_Integer);
+            ffi::lua_settop(l, -2);
+        }
+        h.obj_free.push(rec.obj_slot);
+    }
+}
+
+/// Drops a fiber's `storage` table (when its function ends, as Tarantool's `on_stop`).
+pub(super) fn release_storage(h: &HostState, rec: &mut Rec) {
+    if rec.storage_ref > 0 {
+        // SAFETY: the reference was made by `storage` in this host's registry.
+        unsafe { ffi::luaL_unref(h.main_l, REG, rec.storage_ref) };
+        rec.storage_ref = 0;
+    }
+}
+
+/// Raises `fiber is cancelled` if the current fiber was cancelled (Tarantool raises it as an
+/// error object, so without a position).
+pub(crate) fn cancelled_check() -> Result<(), LErr> {
+    if fibertrace_fiber::is_cancelled() {
+        Err(LErr::plain("fiber is cancelled"))
+    } else {
+        Ok(())
+    }
+}

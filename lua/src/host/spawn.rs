@@ -1,0 +1,476 @@
+//! Fiber creation (`fiber.create`, `fiber.new`) and the body every Lua fiber runs: its Lua
+//! thread (pooled), its protected call with the message handler, and its end.
+
+use std::collections::hash_map::Entry;
+use std::ffi::c_int;
+use std::io::Write;
+
+use fibertrace_fiber::{Builder, FiberId, ParentTrace};
+use mlua::ffi;
+
+use super::objects::*;
+use super::raw::{self, type_of, LErr, LResult};
+use super::{with_host, HostState, Rec, ScriptError};
+use crate::lua_fn;
+
+// ---- fiber creation and the fiber body ----
+
+/// The message handler of every fiber's `lua_pcall`: records the interleaved trace at the
+/// point of the error, and returns the error unchanged.
+pub(super) unsafe fn msgh_body(l: *mut ffi::lua_State) -> LResult {
+    let root = with_host(|h| {
+        h.recs
+            .get(&fibertrace_fiber::current_id())
+            .map(|r| r.thread)
+    })
+    .flatten()
+    .unwrap_or(l);
+    // SAFETY: `root` is the running fiber's own thread (or `l`), on this thread.
+    let frames = unsafe { super::info::current_frames(root, "f_msgh") };
+    // The handler itself (its native frame and its Lua level) is not part of the error.
+    let from = frames
+        .iter()
+        .position(|f| matches!(f, fibertrace_core::Frame::Lua(_)))
+        .map_or(0, |i| i + 1);
+    super::set_last_trace(Some(crate::render::tarantool(&frames[from..])));
+    Ok(1)
+}
+lua_fn!(f_msgh, msgh_body);
+
+/// Calls the function at index 2 of `t` with `nargs` arguments under the message handler at
+/// [`MSGH_SLOT`]. Returns whether it succeeded; results (or the error) are left from index 2.
+///
+/// # Safety
+/// `t` is a Lua thread of this host laid out as said, run only by the current fiber.
+#[inline(never)]
+pub(super) unsafe fn call_in_thread(t: *mut ffi::lua_State, nargs: c_int) -> bool {
+    // SAFETY: per the contract; lua_pcall catches every Lua error.
+    let st = unsafe { ffi::lua_pcall(t, nargs, ffi::LUA_MULTRET, MSGH_SLOT) };
+    std::hint::black_box(());
+    st == ffi::LUA_OK
+}
+
+/// The body of a fiber made by `fiber.create`/`fiber.new`.
+#[inline(never)]
+pub(super) fn lua_fiber_main(t: *mut ffi::lua_State, nargs: c_int) {
+    // SAFETY: `t` was set up by `spawn_lua` and belongs to this fiber.
+    let ok = unsafe { call_in_thread(t, nargs) };
+    let fid = fibertrace_fiber::current_id();
+    let trace = if ok { None } else { super::take_last_trace() };
+    // SAFETY: the thread is ours and idle now.
+    let msg = (!ok).then(|| unsafe { raw::error_bytes(t, -1) });
+    let report = with_host(|h| {
+        // One lookup: a joinable fiber's record stays for its joiner. Its storage goes now.
+        let mut rec = match h.recs.entry(fid) {
+            Entry::Occupied(e) if e.get().joinable => {
+                let r = e.into_mut();
+                r.done = Some(ok);
+                let storage = std::mem::take(&mut r.storage_ref);
+                if storage > 0 {
+                    // SAFETY: the reference was made by `storage` in this host's registry.
+                    unsafe { ffi::luaL_unref(h.main_l, REG, storage) };
+                }
+                return None;
+            }
+            Entry::Occupied(e) => e.remove(),
+            Entry::Vacant(_) => return None,
+        };
+        free_obj_slot(h, &rec);
+        release_storage(h, &mut rec);
+        release_thread(h, rec.thread, rec.thread_ref);
+        // A cancelled fiber's error is not a failure to report (Tarantool's rule).
+        let report = h.report_errors && !ok && !rec.fiber.control_block().is_cancelled();
+        report.then(|| rec.fiber.name())
+    })
+    .flatten();
+    if let (Some(name), Some(msg)) = (report, msg) {
+        // (A closed stderr is no reason to fail: the write's error is dropped.) The name is
+        // written as its bytes.
+        let mut err = std::io::stderr().lock();
+        let _ = write!(err, "fibertrace: fiber {fid} \"")
+            .and_then(|()| err.write_all(&fibertrace_fiber::sched::name_to_bytes(&name)))
+            .and_then(|()| err.write_all(b"\" failed: "))
+            .and_then(|()| err.write_all(&msg))
+            .and_then(|()| writeln!(err, "\nstack traceback:\n{}", trace.unwrap_or_default()));
+    }
+}
+
+/// A Lua fiber's body as handed to the scheduler. Run, it calls the function on the fiber's
+/// thread ([`lua_fiber_main`]). Dropped unrun — the fiber was cancelled before it started —
+/// it settles the fiber's record as the end of its function would: the record, its object's
+/// slot and its thread are released, except that a joinable fiber's record stays, with no
+/// outcome, for its joiner (who is told the fiber was cancelled).
+pub(super) struct LuaBody {
+    t: *mut ffi::lua_State,
+    nargs: c_int,
+}
+
+impl LuaBody {
+    fn run(self) {
+        let me = std::mem::ManuallyDrop::new(self);
+        lua_fiber_main(me.t, me.nargs);
+    }
+}
+
+impl Drop for LuaBody {
+    fn drop(&mut self) {
+        let t = self.t;
+        if SPAWNING.with(|s| s.0.get()) == t as usize {
+            // Its spawn failed: the spawner takes the thread back.
+            return;
+        }
+        // Dropped inside the fiber (cancelled before it started) the fiber is current; while
+        // a scheduler is dropped it is not, and the record is found by its thread — a dead
+        // fiber's (the scheduler marks a fiber dead before dropping its body): a thread that
+        // went back to the pool may run a live fiber now.
+        let fid = fibertrace_fiber::current_id();
+        with_host(|h| {
+            let fid = if h.recs.get(&fid).is_some_and(|r| r.thread == t) {
+                fid
+            } else {
+                let dead = |r: &Rec| r.thread == t && r.fiber.control_block().is_dead();
+                match h.recs.iter().find(|(_, r)| dead(r)) {
+                    Some((&id, _)) => id,
+                    None => return,
+                }
+            };
+            if h.recs.get(&fid).is_some_and(|r| r.joinable) {
+                return;
+            }
+            if let Some(rec) = remove_rec(h, fid) {
+                release_thread(h, rec.thread, rec.thread_ref);
+            }
+        });
+    }
+}
+
+/// Gives a finished fiber's Lua thread back to the pool (or drops its reference).
+pub(super) fn release_thread(h: &mut HostState, t: *mut ffi::lua_State, r: c_int) {
+    // SAFETY: `t` is a thread of this host that no fiber runs any more: all above the
+    // message handler is dropped.
+    unsafe {
+        ffi::lua_settop(t, MSGH_SLOT);
+        if h.pool.len() < POOL_MAX {
+            h.pool.push((t, r));
+        } else {
+            ffi::luaL_unref(h.main_l, REG, r);
+        }
+    }
+}
+
+/// Takes a clean Lua thread (from the pool or new). Its stack holds only the message handler
+/// ([`MSGH_SLOT`], made once per thread, not once per fiber: pushing a C function allocates a
+/// closure); the fiber's function and arguments go above it. A new one is made on `l` (the
+/// calling state, or the idle main state), in a protected call (`not enough memory` comes
+/// back as the error), outside the host state's borrow: an allocation can run `__gc`
+/// finalizers, which may use the host (`fiber.create`).
+///
+/// # Safety
+/// `l` is a running Lua thread of this thread's host, or its idle main state.
+pub(super) unsafe fn take_thread(
+    l: *mut ffi::lua_State,
+) -> Result<(*mut ffi::lua_State, c_int), LErr> {
+    let pooled = with_host(|h| h.pool.pop()).ok_or_else(no_host)?;
+    if let Some(p) = pooled {
+        return Ok(p);
+    }
+    let mut made = (std::ptr::null_mut(), 0);
+    // SAFETY: per the contract; the thread is made on `l` and anchored in the registry, and
+    // its handler is made on `l` and moved to it (a fresh thread has room for it).
+    unsafe {
+        raw::protect(l, &[], &mut |l| {
+            let t = ffi::lua_newthread(l);
+            ffi::lua_pushcfunction(l, f_msgh);
+            ffi::lua_xmove(l, t, 1);
+            made = (t, ffi::luaL_ref(l, REG));
+            0
+        })
+    }?;
+    Ok(made)
+}
+
+/// Set while a fiber for the thread in it is being spawned: if the spawn fails, the body
+/// dropped unrun is not a fiber cancelled before it started (the caller takes the thread
+/// back).
+#[derive(Default)]
+pub(super) struct Spawning(std::cell::Cell<usize>);
+
+thread_local! {
+    static SPAWNING: Spawning = Spawning::default();
+}
+
+/// `fiber.create(fn, ...)` / `fiber.new(fn, ...)`: the function and its arguments are the
+/// whole stack of `l`; they move to the new fiber, and its object is left in their place.
+/// `starts_now`: the caller starts it right after (`fiber.create`), which dates it.
+///
+/// # Safety
+/// `l` is the calling state of a C function.
+pub(super) unsafe fn spawn_lua(
+    l: *mut ffi::lua_State,
+    what: &str,
+    starts_now: bool,
+) -> Result<FiberId, LErr> {
+    // SAFETY: per the contract.
+    if unsafe { type_of(l, 1) } != ffi::LUA_TFUNCTION {
+        return Err(format!("fiber.{what}(function, ...): bad arguments").into());
+    }
+    if fibertrace_fiber::current_id() == 0 {
+        return Err(format!("fiber.{what}: not in a fiber").into());
+    }
+    // SAFETY: per the contract.
+    let n = unsafe { ffi::lua_gettop(l) };
+    // SAFETY: per the contract.
+    let (t, tref) = unsafe { take_thread(l) }?;
+    let (parent_bt, creator_root, name, objs, mt, slot) = with_host(|h| {
+        let root = if h.parent_backtrace {
+            h.recs
+                .get(&fibertrace_fiber::current_id())
+                .map(|r| r.thread)
+        } else {
+            None
+        };
+        let slot = h.obj_free.pop().unwrap_or_else(|| {
+            h.obj_next += 1;
+            h.obj_next
+        });
+        (
+            h.parent_backtrace,
+            root,
+            h.fiber_name.clone(),
+            h.objs_ref,
+            h.fiber_mt_ref,
+            slot,
+        )
+    })
+    .ok_or_else(no_host)?;
+    // Undoes the above when the fiber cannot be made.
+    let give_back = |err: LErr| {
+        with_host(|h| {
+            h.obj_free.push(slot);
+            release_thread(h, t, tref);
+        });
+        err
+    };
+    // The new thread takes the function and its arguments (the message handler is below
+    // them): room for them, or an error as Tarantool's `lua_checkstack` would give.
+    // SAFETY: `t` is a clean thread of this host.
+    if unsafe { ffi::lua_checkstack(t, n) } == 0 {
+        return Err(give_back(LErr::At(format!(
+            "fiber.{what}: too many arguments ({}) for the fiber's Lua stack",
+            n - 1
+        ))));
+    }
+    // The fiber's object, made first (the allocations that can fail), in its slot of the
+    // host's object table (which lives as long as the fiber); its id is written once known.
+    let mut ud: *mut FiberUd = std::ptr::null_mut();
+    // SAFETY: a fresh userdata with the fiber metatable goes into its slot of the host's
+    // object table and is left on top of `l`, above the function and its arguments.
+    let made = unsafe {
+        raw::protect(l, &[], &mut |l| {
+            ud = ffi::lua_newuserdata(l, std::mem::size_of::<FiberUd>()).cast::<FiberUd>();
+            ud.write(FiberUd { fid: 0 });
+            super::raw::rawgeti(l, REG, mt as ffi::lua_Integer);
+            ffi::lua_setmetatable(l, -2);
+            super::raw::rawgeti(l, REG, objs as ffi::lua_Integer);
+            ffi::lua_pushvalue(l, -2);
+            super::raw::rawseti(l, -2, slot as ffi::lua_Integer);
+            ffi::lua_settop(l, -2);
+            1
+        })
+    };
+    if let Err(e) = made {
+        // (The error value stays on top for the wrapper.)
+        return Err(give_back(e));
+    }
+    let parent = if parent_bt {
+        // SAFETY: the creator's root thread runs on this OS thread (it is calling us).
+        let frames = unsafe { super::info::current_frames(creator_root.unwrap_or(l), "f_create") };
+        let me = fibertrace_fiber::current();
+        Some(ParentTrace::new(me.as_ref(), &frames))
+    } else {
+        None
+    };
+    // The outcome is the record's `done` (see `lua_fiber_main`): the handle's result slot is
+    // not needed, and its fiber moves into the record.
+    let mut b = Builder::new().shared_name(name).parent_trace(parent);
+    if starts_now {
+        // Started as soon as its record and object exist: the start dates it.
+        b = b.created_at_start();
+    }
+    let body = LuaBody { t, nargs: n - 1 };
+    SPAWNING.with(|s| s.0.set(t as usize));
+    let spawned = b.try_spawn(move || body.run());
+    SPAWNING.with(|s| s.0.set(0));
+    let fiber = match spawned {
+        Ok(h) => h.into_fiber(),
+        Err(e) => {
+            // SAFETY: the slot was filled above: emptied (a store into a slot that exists).
+            unsafe {
+                super::raw::rawgeti(l, REG, objs as ffi::lua_Integer);
+                ffi::lua_pushnil(l);
+                super::raw::rawseti(l, -2, slot as ffi::lua_Integer);
+                ffi::lua_settop(l, -3);
+            }
+            return Err(give_back(LErr::plain(format!("fiber.{what}: {e}"))));
+        }
+    };
+    let fid = fiber.id();
+    with_host(|h| {
+        h.recs.insert(
+            fid,
+            Rec {
+                fiber,
+                thread: t,
+                thread_ref: tref,
+                joinable: false,
+                done: None,
+                trace_cache: None,
+                obj_slot: slot,
+                storage_ref: 0,
+                max_slice: None,
+            },
+        );
+    })
+    .ok_or_else(no_host)?;
+    // SAFETY: the object is on top, its block ours; the function and its arguments move to
+    // `t` (room checked above), leaving the object alone on `l`'s stack.
+    unsafe {
+        (*ud).fid = fid;
+        ffi::lua_insert(l, 1);
+        ffi::lua_xmove(l, t, n);
+    }
+    Ok(fid)
+}
+
+pub(super) unsafe fn create_body(l: *mut ffi::lua_State) -> LResult {
+    // SAFETY: C function contract.
+    let fid = unsafe { spawn_lua(l, "create", true) }?;
+    // Inside a finalizer it starts at this fiber's next switch (see `finalize`).
+    // SAFETY: C function contract.
+    if !unsafe { super::finalize::may_switch(l) } {
+        return Ok(1);
+    }
+    // Start it now: it runs, and this fiber continues as soon as it yields. Not a
+    // cancellation point (Tarantool's `fiber_start`): a cancellation of this fiber meanwhile
+    // is raised at its next one.
+    let quiet = fibertrace_fiber::sched::CancelQuiet::new();
+    fibertrace_fiber::yield_to_id(fid);
+    drop(quiet);
+    Ok(1)
+}
+lua_fn!(f_create, create_body);
+
+pub(super) unsafe fn new_body(l: *mut ffi::lua_State) -> LResult {
+    // SAFETY: C function contract.
+    unsafe { spawn_lua(l, "new", false) }?;
+    Ok(1)
+}
+lua_fn!(f_new, new_body);
+
+/// Runs the main chunk in the current fiber (the scheduler's main fiber).
+pub(crate) fn run_main_fiber(
+    name: &[u8],
+    source: &[u8],
+    args: &[Vec<u8>],
+) -> Result<(), ScriptError> {
+    let err = ScriptError::text;
+    let Some(main_l) = with_host(|h| h.main_l) else {
+        return Err(err("fibertrace: no Lua host on this thread".into()));
+    };
+    // SAFETY: the host's main state, idle (no Lua runs on it).
+    let (t, tref) = match unsafe { take_thread(main_l) } {
+        Ok(t) => t,
+        Err(e) => {
+            let m = match e {
+                // SAFETY: as above; a failed protected call left its error on top.
+                LErr::Raised => unsafe {
+                    let m = raw::error_text(main_l, -1);
+                    ffi::lua_settop(main_l, -2);
+                    m
+                },
+                LErr::At(m) | LErr::Plain(m) => m,
+            };
+            return Err(err(format!("fibertrace: cannot start the script: {m}")));
+        }
+    };
+    let Some(me) = fibertrace_fiber::current() else {
+        with_host(|h| release_thread(h, t, tref));
+        return Err(err("fibertrace: not in a fiber".into()));
+    };
+    let fid = me.id();
+    let chunkname = std::ffi::CString::new(
+        name.iter()
+            .map(|&b| if b == 0 { b'?' } else { b })
+            .collect::<Vec<u8>>(),
+    )
+    .unwrap_or_default();
+    // SAFETY: `t` is a clean thread of this host, idle; the source bytes outlive the load.
+    // The arguments are pushed in a protected call (as many as the stack takes: past it, or
+    // out of memory, the script does not start, with the error said).
+    let loaded = unsafe {
+        let st = ffi::luaL_loadbuffer(t, source.as_ptr().cast(), source.len(), chunkname.as_ptr());
+        if st != ffi::LUA_OK {
+            Err(raw::error_text(t, -1))
+        } else {
+            let pushed = raw::protect(t, &[], &mut |t| {
+                #[cfg(not(feature = "luajit"))]
+                if ffi::lua_checkstack(t, args.len() as c_int + 1) == 0 {
+                    raw::push_str(t, "stack overflow");
+                    ffi::lua_error(t);
+                }
+                // (LuaJIT grows the stack at each push, or raises `stack overflow`.)
+                for a in args {
+                    ffi::lua_pushlstring(t, a.as_ptr().cast(), a.len());
+                }
+                args.len() as c_int
+            });
+            match pushed {
+                Ok(_) => Ok(()),
+                Err(_) => Err(format!(
+                    "fibertrace: cannot pass {} arguments to the script: {} (they are all in \
+                     the global table arg)",
+                    args.len(),
+                    raw::error_text(t, -1)
+                )),
+            }
+        }
+    };
+    if let Err(m) = loaded {
+        with_host(|h| release_thread(h, t, tref));
+        return Err(err(m));
+    }
+    with_host(|h| {
+        h.recs.insert(
+            fid,
+            Rec {
+                fiber: me,
+                thread: t,
+                thread_ref: tref,
+                joinable: false,
+                done: None,
+                trace_cache: None,
+                obj_slot: 0,
+                storage_ref: 0,
+                max_slice: None,
+            },
+        )
+    });
+    // SAFETY: `t` holds the handler, the chunk and its arguments, and is ours.
+    let ok = unsafe { call_in_thread(t, args.len() as c_int) };
+    let r = if ok {
+        Ok(())
+    } else {
+        // SAFETY: the error is on top of our idle thread.
+        let b = unsafe { raw::error_bytes(t, -1) };
+        Err(ScriptError {
+            message: String::from_utf8_lossy(&b).into_owned(),
+            message_bytes: b,
+            traceback: super::take_last_trace().unwrap_or_default(),
+        })
+    };
+    with_host(|h| {
+        remove_rec(h, fid);
+        release_thread(h, t, tref);
+    });
+    r
+}
