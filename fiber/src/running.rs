@@ -12,7 +12,8 @@
 
 use std::cell::{Cell, UnsafeCell};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
+use std::thread::Thread;
 use std::time::Duration;
 
 use fibertrace_core::unwind::DwarfCache;
@@ -39,6 +40,11 @@ pub(crate) struct OnThread {
     pub run_since: AtomicU64,
     /// Resumes so far (changes whenever the running fiber changes).
     pub resumes: AtomicU64,
+    /// The thread, to wake it from an idle wait (set when the scheduler first runs).
+    pub handle: OnceLock<Thread>,
+    /// Another thread asks the scheduler to do something on its own thread at its next
+    /// turn (the inspection layer's `asked` hook says what; see `crate::inspect`).
+    pub asked: AtomicBool,
     /// The sample slot, written by the inspection layer's handler on this thread and read
     /// by its requester (see `crate::inspect::sample` for the protocol).
     pub sample: SampleSlot,
@@ -75,6 +81,8 @@ impl OnThread {
             fiber: AtomicPtr::new(std::ptr::null_mut()),
             run_since: AtomicU64::new(0),
             resumes: AtomicU64::new(0),
+            handle: OnceLock::new(),
+            asked: AtomicBool::new(false),
             sample: SampleSlot {
                 requested: AtomicBool::new(false),
                 seq: AtomicU64::new(0),
@@ -136,6 +144,7 @@ pub(crate) fn enter_thread(on: &OnThread) {
     if unsafe { libc::pthread_getcpuclockid(libc::pthread_self(), &mut clk) } == 0 {
         on.cpu_clock.store(clk, Ordering::Relaxed);
     }
+    let _ = on.handle.get_or_init(std::thread::current);
     ON_THREAD.with(|p| p.set(on as *const OnThread));
 }
 

@@ -213,3 +213,147 @@ fn names_in_text_reports_are_quoted_so_their_bytes_read_back() {
         "\"plain name\""
     );
 }
+
+/// The tests with a marked scheduler take turns: a dump covers every scheduler of the
+/// process, and one test's spinning scheduler would add its note to the other's dump.
+static MARKED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// A frame source as a layer above the runtime (a Lua host) registers one: it adds a frame
+/// of its own above each fiber's native frames, named only by itself.
+struct Marker;
+
+impl fibertrace_fiber::FrameSource for Marker {
+    fn frames(
+        &self,
+        fiber: fibertrace_fiber::FiberId,
+        native: &[fibertrace_core::Frame],
+    ) -> Option<Vec<fibertrace_core::Frame>> {
+        let mut v = vec![fibertrace_core::Frame::Lua(fibertrace_core::LuaFrameId(
+            fiber as u32,
+        ))];
+        v.extend_from_slice(native);
+        Some(v)
+    }
+
+    fn name(&self, id: fibertrace_core::LuaFrameId) -> Option<String> {
+        Some(format!("marker of fiber {} in @marker.lua:1", id.0))
+    }
+}
+
+/// Runs a scheduler with the marker source on its own thread: a fiber named `parked` waits
+/// on a channel, and the main fiber runs `main` until `stop` is set. Returns the thread and
+/// the parked fiber's id once both are in place.
+fn marked_scheduler(
+    main: fn(&std::sync::atomic::AtomicBool),
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> (std::thread::JoinHandle<()>, u64) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t = std::thread::spawn(move || {
+        let s = Scheduler::new();
+        s.set_frame_source(Some(std::rc::Rc::new(Marker)));
+        s.block_on(move || {
+            let ch = channel::<u8>(1);
+            let rx = ch.clone();
+            let parked = Builder::new().name("parked").spawn(move || wait_three(&rx));
+            yield_now();
+            tx.send(parked.id()).unwrap();
+            main(&stop);
+            ch.send(1).unwrap();
+            parked.join().unwrap();
+        })
+        .unwrap();
+    });
+    (t, rx.recv().unwrap())
+}
+
+#[test]
+fn a_dump_from_another_thread_has_the_frame_source_frames_built_on_the_scheduler_thread() {
+    let _turn = MARKED.lock().unwrap_or_else(|e| e.into_inner());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // The main fiber sleeps in long naps: the scheduler waits idle (parked) in between, and
+    // the dump's request wakes it.
+    let (t, parked) = marked_scheduler(
+        |stop| {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                fibertrace_fiber::sleep(Duration::from_secs(5));
+            }
+        },
+        stop.clone(),
+    );
+    let t0 = Instant::now();
+    let text = dump::dump_text();
+    let took = t0.elapsed();
+    let block = text
+        .split("\n\n")
+        .find(|b| b.contains(&format!("fiber {parked} \"parked\"")))
+        .unwrap_or_else(|| panic!("{text}"));
+    let frames: Vec<&str> = block.lines().filter(|l| l.starts_with('#')).collect();
+    assert_eq!(
+        frames[0],
+        format!("#0  marker of fiber {parked} in @marker.lua:1"),
+        "{block}"
+    );
+    assert!(
+        frames[1].contains("fibertrace_fiber::sched::block"),
+        "{block}"
+    );
+    assert!(frames[4].contains("dump::wait_two"), "{block}");
+    assert!(!text.contains("not shown"), "{text}");
+    assert!(took < Duration::from_secs(2), "the dump took {took:?}");
+    // JSON too: the labelled frame is in the snapshot.
+    let json: serde_json::Value = serde_json::from_str(&dump::dump_json()).unwrap();
+    let f = json["schedulers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s["fibers"].as_array().unwrap())
+        .find(|f| f["id"] == parked)
+        .unwrap();
+    assert_eq!(
+        f["backtrace"][0]["label"],
+        format!("marker of fiber {parked} in @marker.lua:1")
+    );
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    t.join().unwrap();
+}
+
+#[test]
+fn a_dump_from_another_thread_says_when_a_spinning_scheduler_cannot_build_its_part() {
+    let _turn = MARKED.lock().unwrap_or_else(|e| e.into_inner());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // The main fiber spins without yielding until told to stop: the scheduler never comes
+    // back to its loop.
+    let (t, parked) = marked_scheduler(
+        |stop| {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                std::hint::spin_loop();
+            }
+        },
+        stop.clone(),
+    );
+    let t0 = Instant::now();
+    let text = dump::dump_text();
+    let took = t0.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    t.join().unwrap();
+    assert!(
+        text.contains(
+            "(frames of the layer above the runtime (Lua) not shown: the scheduler's thread did \
+             not come back to its run loop within 200 ms"
+        ),
+        "{text}"
+    );
+    // Its fibers are still there, with their native frames.
+    let block = text
+        .split("\n\n")
+        .find(|b| b.contains(&format!("fiber {parked} \"parked\"")))
+        .unwrap_or_else(|| panic!("{text}"));
+    let frames: Vec<&str> = block.lines().filter(|l| l.starts_with('#')).collect();
+    assert!(
+        frames[0].contains("fibertrace_fiber::sched::block"),
+        "{block}"
+    );
+    assert!(!text.contains("marker of fiber"), "{text}");
+    assert!(took >= Duration::from_millis(200), "{took:?}");
+    assert!(took < Duration::from_secs(3), "the dump took {took:?}");
+}

@@ -310,6 +310,27 @@ fn sigquit_dumps_every_fiber_and_the_script_goes_on_even_if_it_was_ignored() {
         assert!(err.contains("fiber 1 \"main\" [sleep, "), "{err}");
         assert!(err.contains("fibertrace_fiber::sched::sleep"), "{err}");
         assert_eq!(err.matches("\nfiber ").count(), 2, "two fibers: {err}");
+        // The Lua frames too, interleaved where they ran: the dump's thread asks the
+        // scheduler's thread (idle in the sleep) to build its part.
+        let script = std::env::temp_dir().join(format!("ft-rel-sig-{}.lua", libc::SIGQUIT));
+        let main = err
+            .split("\n\n")
+            .find(|b| b.contains("fiber 1 \"main\" ["))
+            .unwrap();
+        let lua: Vec<&str> = main
+            .lines()
+            .filter(|l| l.starts_with('#') && !l.contains(" 0x"))
+            .map(|l| l.split_once(' ').unwrap().1.trim())
+            .collect();
+        assert_eq!(
+            lua,
+            [
+                "sleep in =[C]:-1".to_string(),
+                format!("main chunk in @{}:6", script.display())
+            ],
+            "{main}"
+        );
+        assert!(!err.contains("not shown"), "{err}");
         assert_eq!(out, "line one\nline two\n");
         assert_eq!(status, Some(143));
     }

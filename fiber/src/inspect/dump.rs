@@ -158,6 +158,9 @@ pub fn render_scheduler(s: &SchedulerSnapshot, out: &mut String) {
         crate::sched::quoted_name(&s.name),
         s.fibers.len()
     );
+    if let Some(note) = &s.note {
+        let _ = writeln!(out, "({note})\n");
+    }
     for fi in &s.fibers {
         render_fiber(fi, out);
         out.push('\n');

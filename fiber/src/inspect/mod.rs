@@ -27,15 +27,20 @@
 //! deadlock report, the watchdog's reports and the Rust [`info`] calls are views of it.
 //!
 //! A layer above (the Lua host) adds its own frames through a [`FrameSource`] registered for
-//! its scheduler: a snapshot taken on that scheduler's thread carries each suspended fiber's
-//! frames with the layer's frames interleaved and labelled ([`FrameInfo::label`]).
+//! its scheduler: a snapshot carries each suspended fiber's frames with the layer's frames
+//! interleaved and labelled ([`FrameInfo::label`]). The source may be read only on its
+//! scheduler's thread, so a snapshot taken on another thread (the dump signal's, a user's)
+//! asks that scheduler to build its own part at its next turn of the run loop, and waits for
+//! it at most [`SOURCE_WAIT`]; a scheduler that does not come back to its loop by then (a
+//! fiber runs without yielding, or the thread waits outside the runtime) gets its part built
+//! from the asking thread, with native frames only, and a note that says so
+//! ([`SchedulerSnapshot::note`]).
 //!
 //! How a snapshot can be wrong: it is not atomic across fibers — each fiber is read at its
 //! own moment, so a fiber can appear waiting on a channel that another fiber, read later, has
 //! just written to; a running fiber's sample may name where it was a few microseconds before
-//! the sample was read. A snapshot taken on another thread than a Lua scheduler's shows that
-//! scheduler's fibers with native frames only (their Lua state may be read only on its own
-//! thread).
+//! the sample was read. A scheduler's part built on its own thread at its next turn is of
+//! that moment, up to [`SOURCE_WAIT`] after the other schedulers' parts.
 
 pub mod dump;
 pub mod info;
@@ -44,8 +49,8 @@ mod source;
 pub mod watchdog;
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fibertrace_core::{symbolize, Frame};
 use serde::{Deserialize, Serialize};
@@ -85,6 +90,10 @@ pub struct SchedulerSnapshot {
     pub running: Option<FiberId>,
     /// Its fibers, in the registry's order.
     pub fibers: Vec<FiberInfo>,
+    /// What the part could not show, and why (a scheduler whose frame source could not be
+    /// read in time: see the module doc).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub note: Option<String>,
 }
 
 /// Takes a snapshot of every scheduler of the process.
@@ -99,7 +108,7 @@ pub fn snapshot(opts: &InfoOptions) -> Snapshot {
             .as_secs_f64(),
         schedulers: registry::schedulers()
             .iter()
-            .map(|s| scheduler_snapshot(s, opts))
+            .map(|s| part(s, opts))
             .collect(),
     }
 }
@@ -123,6 +132,104 @@ pub fn scheduler_snapshot(s: &SchedShared, opts: &InfoOptions) -> SchedulerSnaps
         thread: (tid != 0).then_some(tid),
         running: (running != 0).then_some(running),
         fibers,
+        note: None,
+    }
+}
+
+/// How long a snapshot taken on another thread waits for a scheduler with a frame source to
+/// build its own part (see the module doc).
+pub const SOURCE_WAIT: Duration = Duration::from_millis(200);
+
+/// A part asked of a scheduler, built on its thread.
+struct Asked {
+    sched: u64,
+    opts: InfoOptions,
+    part: Mutex<Option<SchedulerSnapshot>>,
+    done: Condvar,
+}
+
+/// Parts asked and not yet taken by their schedulers.
+static ASKED: Mutex<Vec<Arc<Asked>>> = Mutex::new(Vec::new());
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Scheduler `s`'s part of a snapshot: built here, or, when `s` has a frame source that only
+/// its own thread may read and this is another thread, asked of that thread (see the module
+/// doc).
+fn part(s: &SchedShared, opts: &InfoOptions) -> SchedulerSnapshot {
+    let elsewhere = source::registered(s.id) && source::source(s.id).is_none();
+    let handle = s.on_thread.handle.get();
+    let (true, Some(thread)) = (elsewhere, handle) else {
+        return scheduler_snapshot(s, opts);
+    };
+    let asked = Arc::new(Asked {
+        sched: s.id,
+        opts: *opts,
+        part: Mutex::new(None),
+        done: Condvar::new(),
+    });
+    lock(&ASKED).push(asked.clone());
+    s.on_thread.asked.store(true, Ordering::Release);
+    thread.unpark();
+    if let Some(p) = wait_for(&asked, SOURCE_WAIT) {
+        return p;
+    }
+    // Not taken in time: withdraw it, unless the scheduler took it meanwhile (then it is
+    // being built: a short wait).
+    let withdrawn = {
+        let mut v = lock(&ASKED);
+        let at = v.iter().position(|a| Arc::ptr_eq(a, &asked));
+        at.map(|i| v.remove(i)).is_some()
+    };
+    if !withdrawn {
+        if let Some(p) = wait_for(&asked, Duration::from_secs(5)) {
+            return p;
+        }
+    }
+    let mut p = scheduler_snapshot(s, opts);
+    p.note = Some(format!(
+        "frames of the layer above the runtime (Lua) not shown: the scheduler's thread did \
+         not come back to its run loop within {} ms (a fiber runs without yielding, or the \
+         thread waits outside the runtime)",
+        SOURCE_WAIT.as_millis()
+    ));
+    p
+}
+
+fn wait_for(asked: &Asked, d: Duration) -> Option<SchedulerSnapshot> {
+    let deadline = Instant::now() + d;
+    let mut g = lock(&asked.part);
+    loop {
+        if let Some(p) = g.take() {
+            return Some(p);
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return None;
+        }
+        g = asked
+            .done
+            .wait_timeout(g, deadline - now)
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
+    }
+}
+
+/// The scheduler's `asked` hook: builds the parts asked of it, on its own thread, between
+/// fibers.
+fn serve(s: &SchedShared) {
+    let mine: Vec<Arc<Asked>> = {
+        let mut v = lock(&ASKED);
+        let (mine, rest) = v.drain(..).partition(|a| a.sched == s.id);
+        *v = rest;
+        mine
+    };
+    for a in mine {
+        let p = scheduler_snapshot(s, &a.opts);
+        *lock(&a.part) = Some(p);
+        a.done.notify_all();
     }
 }
 
@@ -162,6 +269,7 @@ pub(crate) static HOOKS: crate::sched::Hooks = crate::sched::Hooks {
     enter_thread: sample::prepare_thread,
     panicked: dump::write_panic_report,
     dropped: source::forget,
+    asked: serve,
 };
 
 impl crate::Scheduler {

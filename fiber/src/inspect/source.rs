@@ -9,8 +9,10 @@
 //! native ones with the host's interleaved — and for the names of the frames it added.
 //!
 //! The source is kept per thread: it reads state (a Lua thread) that only its scheduler's
-//! thread may touch, and only while the fiber is suspended. A report built on another thread
-//! (the dump signal's thread, the stall watchdog) does not see it and shows native frames.
+//! thread may touch, and only while the fiber is suspended. A snapshot taken on another
+//! thread (the dump signal's) asks the scheduler's thread for its part (see
+//! [`super::snapshot`]); the stall watchdog's reports of blocked fibers, built on its own
+//! thread without asking, show native frames.
 //!
 //! How a result can be wrong: the source is asked only for fibers that are suspended (or
 //! never ran) when the report reads them; it answers from the fiber's state at that moment.
@@ -18,6 +20,7 @@
 
 use std::cell::RefCell;
 use std::rc::Rc;
+use std::sync::Mutex;
 
 use fibertrace_core::{Frame, LuaFrameId};
 
@@ -40,8 +43,26 @@ std::thread_local! {
     static SOURCES: RefCell<Vec<(u64, Rc<dyn FrameSource>)>> = const { RefCell::new(Vec::new()) };
 }
 
+/// Schedulers that have a source (on whichever thread): readable from any thread.
+static REGISTERED: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+
+/// Whether scheduler `sched` has a source (registered on its own thread).
+pub(crate) fn registered(sched: u64) -> bool {
+    REGISTERED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .contains(&sched)
+}
+
 /// Sets (or with `None` removes) the source of scheduler `sched` on this thread.
 pub(crate) fn set(sched: u64, source: Option<Rc<dyn FrameSource>>) {
+    {
+        let mut r = REGISTERED.lock().unwrap_or_else(|e| e.into_inner());
+        r.retain(|&id| id != sched);
+        if source.is_some() {
+            r.push(sched);
+        }
+    }
     SOURCES.with(|s| {
         let mut s = s.borrow_mut();
         s.retain(|(id, _)| *id != sched);

@@ -60,6 +60,9 @@ pub(crate) struct Hooks {
     pub panicked: fn(&ControlBlock, &PanicReport),
     /// The scheduler is being dropped, on its thread: forget what was kept for it.
     pub dropped: fn(u64),
+    /// Another thread asked for something done on this scheduler's thread
+    /// (`on_thread.asked`): called from the run loop, between fibers.
+    pub asked: fn(&SchedShared),
 }
 
 /// Fiber ids are sequential: a multiplicative hash spreads them well and costs a few cycles

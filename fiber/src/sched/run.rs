@@ -17,6 +17,10 @@ impl Inner {
         // Time between runs is nobody's: the first fiber's share starts now.
         self.last_tick.set(crate::clock::ticks());
         loop {
+            if self.shared.on_thread.asked.load(Ordering::Relaxed) {
+                self.shared.on_thread.asked.store(false, Ordering::Relaxed);
+                (self.hooks.asked)(&self.shared);
+            }
             self.fire_timers();
             let next = {
                 let mut ready = self.ready.borrow_mut();
