@@ -55,20 +55,45 @@ fn ps_per_tick() -> u64 {
 /// Clock ticks of the last rate measurement.
 static MEASURED_AT: AtomicU64 = AtomicU64::new(0);
 
+/// The tick-to-time rate, read once: a pass over many fibers converts with it instead of
+/// checking the rate (and reading the counter) per conversion.
+#[derive(Clone, Copy, Debug)]
+pub struct Rate {
+    ps_per_tick: u64,
+}
+
+impl Rate {
+    /// The rate now (re-measured first now and then while the process is young: it
+    /// converges as the measured interval grows; about every 2^26 ticks, tens of ms).
+    pub fn now() -> Rate {
+        let mut ps = PS_PER_TICK.load(Ordering::Relaxed);
+        let now = ticks();
+        if ps == 0
+            || (now.wrapping_sub(MEASURED_AT.load(Ordering::Relaxed)) > 1 << 26
+                && base().at.elapsed() < Duration::from_secs(60))
+        {
+            MEASURED_AT.store(now, Ordering::Relaxed);
+            ps = ps_per_tick();
+        }
+        Rate { ps_per_tick: ps }
+    }
+
+    /// `delta_ticks` as a duration.
+    #[inline]
+    pub fn duration(self, delta_ticks: u64) -> Duration {
+        let ns = match delta_ticks.checked_mul(self.ps_per_tick) {
+            // The usual case: a 64-bit division by a constant (a multiply), not a call to
+            // the 128-bit division routine.
+            Some(ps) => ps / 1000,
+            None => (u128::from(delta_ticks) * u128::from(self.ps_per_tick) / 1000) as u64,
+        };
+        Duration::from_nanos(ns)
+    }
+}
+
 /// Converts a tick count to a duration.
 pub fn to_duration(delta_ticks: u64) -> Duration {
-    let mut ps = PS_PER_TICK.load(Ordering::Relaxed);
-    // Re-measure the rate now and then while the process is young (it converges as the
-    // measured interval grows); about every 2^26 ticks (tens of ms).
-    let now = ticks();
-    if ps == 0
-        || (now.wrapping_sub(MEASURED_AT.load(Ordering::Relaxed)) > 1 << 26
-            && base().at.elapsed() < Duration::from_secs(60))
-    {
-        MEASURED_AT.store(now, Ordering::Relaxed);
-        ps = ps_per_tick();
-    }
-    Duration::from_nanos((u128::from(delta_ticks) * u128::from(ps) / 1000) as u64)
+    Rate::now().duration(delta_ticks)
 }
 
 /// Time since a tick reading.

@@ -173,9 +173,10 @@ pub(crate) fn info_of(f: &Arc<ControlBlock>, opts: &InfoOptions) -> Option<Fiber
     Some(one(f, opts, None, &Now::new()))
 }
 
-/// The clocks read once per call (not once per fiber).
+/// The clocks (and the tick rate) read once per call, not once per fiber.
 struct Now {
     ticks: u64,
+    rate: crate::clock::Rate,
     unix: f64,
 }
 
@@ -183,6 +184,7 @@ impl Now {
     fn new() -> Now {
         Now {
             ticks: crate::clock::ticks(),
+            rate: crate::clock::Rate::now(),
             unix: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .unwrap_or_default()
@@ -191,7 +193,9 @@ impl Now {
     }
 
     fn since(&self, t: u64) -> f64 {
-        crate::clock::to_duration(self.ticks.saturating_sub(t)).as_secs_f64()
+        self.rate
+            .duration(self.ticks.saturating_sub(t))
+            .as_secs_f64()
     }
 }
 
@@ -280,7 +284,10 @@ fn one(
         status_seconds: in_status,
         waiting,
         csw: f.csw.load(Ordering::Relaxed),
-        cpu_time: crate::clock::to_duration(f.cpu_ticks.load(Ordering::Relaxed)).as_secs_f64(),
+        cpu_time: now
+            .rate
+            .duration(f.cpu_ticks.load(Ordering::Relaxed))
+            .as_secs_f64(),
         stack_size: f.stack_size,
         stack_used: hi.saturating_sub(f.last_sp.load(Ordering::Relaxed)) as usize,
         stack_used_max: hi.saturating_sub(f.min_sp.load(Ordering::Relaxed)) as usize,

@@ -17,9 +17,10 @@ impl Inner {
         // Time between runs is nobody's: the first fiber's share starts now.
         self.last_tick.set(crate::clock::ticks());
         loop {
-            if self.shared.on_thread.asked.load(Ordering::Relaxed) {
-                self.shared.on_thread.asked.store(false, Ordering::Relaxed);
-                (self.hooks.asked)(&self.shared);
+            if self.turn_left.get() == 0 {
+                // Between turns (nothing borrowed): what another thread asked of this one's
+                // (a request made while it idled woke it up, and it comes here first).
+                self.serve_asked();
             }
             self.fire_timers();
             let next = {
@@ -66,6 +67,22 @@ impl Inner {
                 }
             }
         }
+    }
+
+    /// Serves what another thread asked of this scheduler's (see `Hooks::asked`): one
+    /// relaxed load when nothing was.
+    #[inline]
+    fn serve_asked(&self) {
+        if self.shared.on_thread.asked.load(Ordering::Acquire) {
+            self.serve_asked_now();
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn serve_asked_now(&self) {
+        self.shared.on_thread.asked.store(false, Ordering::Relaxed);
+        (self.hooks.asked)(&self.shared);
     }
 
     /// With top on, closes every row's figures for the turn that ends (as Tarantool does at
