@@ -663,8 +663,18 @@ impl ControlBlock {
     /// As [`ControlBlock::status`], "how long" counted up to `now` (from
     /// [`crate::clock::ticks`]): a caller reporting on many fibers reads the clock once.
     pub fn status_at(&self, now: u64) -> (Status, Option<WaitOn>, std::time::Duration) {
+        self.status_with(now, crate::clock::Rate::now())
+    }
+
+    /// As [`ControlBlock::status_at`], converted with a rate read once for many fibers.
+    #[inline]
+    pub fn status_with(
+        &self,
+        now: u64,
+        rate: crate::clock::Rate,
+    ) -> (Status, Option<WaitOn>, std::time::Duration) {
         let (st, on, since) = self.status_raw();
-        (st, on, crate::clock::to_duration(now.saturating_sub(since)))
+        (st, on, rate.duration(now.saturating_sub(since)))
     }
 
     /// Whether the fiber has finished.
@@ -679,7 +689,13 @@ impl ControlBlock {
 
     /// CPU time it ran so far.
     pub fn cpu_time(&self) -> std::time::Duration {
-        crate::clock::to_duration(self.cpu_ticks.load(Ordering::Relaxed))
+        self.cpu_time_with(crate::clock::Rate::now())
+    }
+
+    /// As [`ControlBlock::cpu_time`], converted with a rate read once for many fibers.
+    #[inline]
+    pub fn cpu_time_with(&self, rate: crate::clock::Rate) -> std::time::Duration {
+        rate.duration(self.cpu_ticks.load(Ordering::Relaxed))
     }
 
     /// Stack size in bytes.

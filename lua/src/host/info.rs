@@ -152,6 +152,8 @@ pub(crate) struct Call {
     slots: ffi::lua_Integer,
     /// The clock, read once per call (see `fibertrace_fiber::clock`).
     now: u64,
+    /// The tick rate, read once per call (not per fiber).
+    rate: fibertrace_fiber::clock::Rate,
     /// The running fiber.
     me: FiberId,
     /// The running fiber's trace, taken before the protected call (see [`push_all`]).
@@ -183,6 +185,7 @@ impl Call {
                 by_entry: HashMap::default(),
                 slots: 0,
                 now: fibertrace_fiber::clock::ticks(),
+                rate: fibertrace_fiber::clock::Rate::now(),
                 me: fibertrace_fiber::current_id(),
                 current,
             }
@@ -462,7 +465,7 @@ unsafe fn push_fiber(
     call: &mut Call,
 ) {
     let sh = f.control_block();
-    let (status, on, secs) = sh.status_at(call.now);
+    let (status, on, secs) = sh.status_with(call.now, call.rate);
     // SAFETY: the constructor (a Lua function of this host) gets 12 plain values and
     // returns a fresh table.
     unsafe {
@@ -474,7 +477,7 @@ unsafe fn push_fiber(
         // for the running fiber.
         let csw = sh.csw() - (f.id() == call.me && sh.csw() > 0) as u64;
         ffi::lua_pushinteger(l, csw as ffi::lua_Integer);
-        ffi::lua_pushnumber(l, sh.cpu_time().as_secs_f64());
+        ffi::lua_pushnumber(l, sh.cpu_time_with(call.rate).as_secs_f64());
         ffi::lua_pushinteger(l, sh.stack_used() as ffi::lua_Integer);
         ffi::lua_pushinteger(l, sh.stack_size() as ffi::lua_Integer);
         let status = if f.id() == call.me {
