@@ -164,9 +164,11 @@ extern "C" fn on_signal(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut
         let cache = unsafe { (*slot.cache.get()).as_deref_mut() };
         // Caught in the middle of switching away (it already published its suspension):
         // its recorded context is the truth, not the switch code's registers.
-        // SAFETY: `f` is alive (see above); reading an atomic.
-        let switching =
-            !f.is_null() && unsafe { (*f).run.get(Ordering::Relaxed) } == RunState::Suspended;
+        let switching = !f.is_null() && {
+            // SAFETY: `f` is alive (see above); reading an atomic.
+            let run = unsafe { (*f).run.get(Ordering::Relaxed) };
+            run == RunState::Suspended
+        };
         if switching {
             // SAFETY: we interrupted this fiber on its own thread after it published
             // SUSPENDED; nobody resumes it while we run (the scheduler is this thread).
