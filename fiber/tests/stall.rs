@@ -345,7 +345,7 @@ fn fibers_blocked_too_long_are_reported_once_with_their_traces() {
     let blocked: Vec<_> = reports
         .iter()
         .filter_map(|(_, r)| match r {
-            Report::Blocked(fi) if &*fi.name == "patient" => Some(fi.clone()),
+            Report::Blocked(b) if &*b.fiber.name == "patient" => Some(b.fiber.clone()),
             _ => None,
         })
         .collect();

@@ -169,3 +169,94 @@ fn fiber_set_max_slice_starts_the_stall_detector() {
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("\"slicer\" has run "), "{err}");
 }
+
+const PATIENT: &str = r#"
+local fiber = require('fiber')
+local ch = fiber.channel(1)
+local function wait_here() local v = ch:get() return v end
+local function worker() local v = wait_here() return v end
+local f = fiber.new(worker)
+f:name('patient')
+f:set_joinable(true)
+fiber.sleep(0.4)
+ch:put(7)
+print(f:join())
+"#;
+
+#[test]
+fn a_fiber_blocked_longer_than_blocked_ms_is_reported_once_with_its_lua_frames() {
+    let (code, out, err) = run_script(&["--blocked-ms", "100"], PATIENT);
+    let dir = std::env::temp_dir().join(format!("fibertrace-stall-{}", std::process::id()));
+    let script = dir.join(format!("s{}.lua", 2 + PATIENT.len()));
+    let script = script.to_str().unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out, "true\t7\n");
+    // No stall report without --stall-ms; one report per wait.
+    assert!(!err.contains("without yielding"), "{err}");
+    let blocks: Vec<&str> = err
+        .split("\n\n")
+        .filter(|b| b.contains("blocked: fiber ") && b.contains("\"patient\" ["))
+        .collect();
+    assert_eq!(blocks.len(), 1, "{err}");
+    let block = blocks[0];
+    assert!(block.contains("[channel receive, "), "{block}");
+    assert!(!block.contains("not shown"), "{block}");
+    // The Lua frames, innermost first, as fiber.info() shows them.
+    assert_eq!(
+        lua_frames(block),
+        [
+            "get in =[C]:-1".to_string(),
+            format!("wait_here in @{script}:4"),
+            format!("function <{script}:5> in @{script}:5"),
+        ],
+        "{block}"
+    );
+}
+
+#[test]
+fn blocked_ms_rejects_zero_and_non_numbers() {
+    for bad in ["0", "-1", "x", ""] {
+        let (code, _out, err) = run_script(&["--blocked-ms", bad], "print(1)");
+        assert_eq!(code, 2, "{bad}: {err}");
+        assert!(err.contains("--blocked-ms"), "{bad}: {err}");
+    }
+}
+
+const PATIENT_BEHIND_A_HOG: &str = r#"
+if jit then jit.off() end
+local fiber = require('fiber')
+local clock = require('clock')
+local ch = fiber.channel(1)
+local f = fiber.new(function() return ch:get() end)
+f:name('patient')
+f:set_joinable(true)
+fiber.yield()
+local t = clock.monotonic() + 0.8
+while clock.monotonic() < t do end
+ch:put(7)
+print(f:join())
+"#;
+
+#[test]
+fn a_blocked_report_behind_a_hog_says_why_its_lua_frames_are_missing() {
+    let (code, out, err) = run_script(&["--blocked-ms", "100"], PATIENT_BEHIND_A_HOG);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out, "true\t7\n");
+    let block = err
+        .split("\n\n")
+        .find(|b| b.contains("blocked: fiber ") && b.contains("\"patient\" ["))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(block.contains("[channel receive, "), "{block}");
+    assert!(
+        block.contains(" in fibertrace_lua::host::channel::ch_get"),
+        "{block}"
+    );
+    assert_eq!(lua_frames(block), Vec::<String>::new(), "{block}");
+    assert!(
+        block.contains(
+            "(frames of the layer above the runtime (Lua) not shown: the scheduler's thread \
+             did not come back to its run loop within 200 ms"
+        ),
+        "{block}"
+    );
+}

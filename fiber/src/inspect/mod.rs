@@ -118,7 +118,19 @@ pub fn snapshot(opts: &InfoOptions) -> Snapshot {
 #[inline(never)]
 pub fn scheduler_snapshot(s: &SchedShared, opts: &InfoOptions) -> SchedulerSnapshot {
     report_entry!();
-    let mut fibers = info::scheduler_info(s, opts);
+    build_part(s, opts, None)
+}
+
+/// Scheduler `s`'s part, of every fiber or `only` one, built on the calling thread.
+fn build_part(s: &SchedShared, opts: &InfoOptions, only: Option<FiberId>) -> SchedulerSnapshot {
+    let mut fibers = match only {
+        None => info::scheduler_info(s, opts),
+        Some(id) => s
+            .fiber(id)
+            .and_then(|f| info::info_of(&f, opts))
+            .into_iter()
+            .collect(),
+    };
     if let Some(src) = source::source(s.id) {
         for fi in &mut fibers {
             add_source_frames(&*src, fi, opts.resolve);
@@ -143,6 +155,8 @@ pub const SOURCE_WAIT: Duration = Duration::from_millis(200);
 /// A part asked of a scheduler, built on its thread.
 struct Asked {
     sched: u64,
+    /// One fiber's part only (a watchdog report), or every fiber's.
+    only: Option<FiberId>,
     opts: InfoOptions,
     part: Mutex<Option<SchedulerSnapshot>>,
     done: Condvar,
@@ -159,13 +173,37 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// its own thread may read and this is another thread, asked of that thread (see the module
 /// doc).
 fn part(s: &SchedShared, opts: &InfoOptions) -> SchedulerSnapshot {
+    part_of(s, opts, None, SOURCE_WAIT)
+}
+
+/// One fiber of scheduler `s`, as [`part`] builds it (with the layer's frames: asked of the
+/// scheduler's thread, waiting at most `wait`), with the note of what it could not show.
+/// `None`: no such fiber (any more).
+pub(crate) fn fiber_part(
+    s: &SchedShared,
+    id: FiberId,
+    opts: &InfoOptions,
+    wait: Duration,
+) -> Option<(FiberInfo, Option<String>)> {
+    let mut p = part_of(s, opts, Some(id), wait);
+    let fi = p.fibers.pop()?;
+    Some((fi, p.note))
+}
+
+fn part_of(
+    s: &SchedShared,
+    opts: &InfoOptions,
+    only: Option<FiberId>,
+    wait: Duration,
+) -> SchedulerSnapshot {
     let elsewhere = source::registered(s.id) && source::source(s.id).is_none();
     let handle = s.on_thread.handle.get();
     let (true, Some(thread)) = (elsewhere, handle) else {
-        return scheduler_snapshot(s, opts);
+        return build_part(s, opts, only);
     };
     let asked = Arc::new(Asked {
         sched: s.id,
+        only,
         opts: *opts,
         part: Mutex::new(None),
         done: Condvar::new(),
@@ -173,7 +211,7 @@ fn part(s: &SchedShared, opts: &InfoOptions) -> SchedulerSnapshot {
     lock(&ASKED).push(asked.clone());
     s.on_thread.asked.store(true, Ordering::Release);
     thread.unpark();
-    if let Some(p) = wait_for(&asked, SOURCE_WAIT) {
+    if let Some(p) = wait_for(&asked, wait) {
         return p;
     }
     // Not taken in time: withdraw it, unless the scheduler took it meanwhile (then it is
@@ -188,12 +226,12 @@ fn part(s: &SchedShared, opts: &InfoOptions) -> SchedulerSnapshot {
             return p;
         }
     }
-    let mut p = scheduler_snapshot(s, opts);
+    let mut p = build_part(s, opts, only);
     p.note = Some(format!(
         "frames of the layer above the runtime (Lua) not shown: the scheduler's thread did \
          not come back to its run loop within {} ms (a fiber runs without yielding, or the \
          thread waits outside the runtime)",
-        SOURCE_WAIT.as_millis()
+        wait.as_millis()
     ));
     p
 }
@@ -227,7 +265,7 @@ fn serve(s: &SchedShared) {
         mine
     };
     for a in mine {
-        let p = scheduler_snapshot(s, &a.opts);
+        let p = build_part(s, &a.opts, a.only);
         *lock(&a.part) = Some(p);
         a.done.notify_all();
     }

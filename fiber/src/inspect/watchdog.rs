@@ -22,6 +22,13 @@
 //!
 //! Where the stalled fiber runs Lua, its Lua frames cannot be read from another thread while
 //! it runs; a host can annotate reports (see [`set_annotator`]) to say so or add what it knows.
+//!
+//! A blocked fiber's report ([`Config::blocked_longer_than`]) is a view of the snapshot: for a
+//! scheduler with a [`crate::FrameSource`] (a Lua host), it is built on that scheduler's thread
+//! at its next turn, so it has the fiber's Lua frames; a scheduler that does not come back to
+//! its run loop within [`super::SOURCE_WAIT`] gets a report with native frames and a note
+//! saying why, and is not asked again in the same scan (the watchdog waits at most that long
+//! per scheduler and scan).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -98,13 +105,26 @@ impl StallReport {
     }
 }
 
+/// A fiber blocked longer than [`Config::blocked_longer_than`].
+#[derive(Clone, Debug)]
+pub struct BlockedReport {
+    /// Scheduler id.
+    pub scheduler: u64,
+    /// The fiber, as a snapshot shows it: what it waits on and since when, its frames (with a
+    /// frame source's, e.g. its Lua frames, interleaved).
+    pub fiber: super::info::FiberInfo,
+    /// What the report could not show, and why (a frame source whose scheduler did not come
+    /// back to its run loop in time).
+    pub note: Option<String>,
+}
+
 /// What the watchdog delivers.
 #[derive(Clone, Debug)]
 pub enum Report {
     /// A fiber hogs its thread.
     Stall(Box<StallReport>),
     /// A fiber has been blocked longer than the configured limit.
-    Blocked(Box<super::info::FiberInfo>),
+    Blocked(Box<BlockedReport>),
     /// Stall reports dropped by the rate limit in a window of a second with no report
     /// after them to carry the count (a burst that ended): nothing is dropped unsaid.
     Suppressed(u64),
@@ -115,9 +135,14 @@ impl Report {
     pub fn to_text(&self) -> String {
         match self {
             Report::Stall(s) => s.to_text(),
-            Report::Blocked(fi) => {
+            Report::Blocked(b) => {
                 let mut s = String::from("blocked: ");
-                super::dump::render_fiber(fi, &mut s);
+                super::dump::render_fiber(&b.fiber, &mut s);
+                if let Some(n) = &b.note {
+                    s.push_str(&format!("    ({n})\n"));
+                }
+                // A blank line ends it, as it ends each fiber of a dump.
+                s.push('\n');
                 s
             }
             Report::Suppressed(n) => {
@@ -243,8 +268,15 @@ struct Watch {
 }
 
 /// Wall time after which a run is reported even if it used no CPU (blocked in the kernel).
+/// How long a blocked report waits for its scheduler's thread to add a frame source's frames
+/// (see [`super::SOURCE_WAIT`]).
+const BLOCKED_SOURCE_WAIT: Duration = super::SOURCE_WAIT;
+
 fn wall_limit(threshold: Duration) -> Duration {
-    (threshold * 4).max(threshold + Duration::from_millis(200))
+    // (Saturating: a watchdog for blocked fibers only has a threshold of `Duration::MAX`.)
+    threshold
+        .saturating_mul(4)
+        .max(threshold.saturating_add(Duration::from_millis(200)))
 }
 
 fn deliver(r: &Report) {
@@ -391,6 +423,10 @@ fn run() {
                 last_blocked_scan = Instant::now();
                 let mut live = std::collections::HashSet::new();
                 for s in &scheds {
+                    // A scheduler with a frame source builds the report on its thread (its
+                    // fibers' Lua frames are readable there only); one that did not come
+                    // back to its run loop in time is not asked again in this scan.
+                    let mut wait = BLOCKED_SOURCE_WAIT;
                     for f in s.fibers() {
                         live.insert(f.id);
                         let (status, on, since) = f.status();
@@ -402,8 +438,16 @@ fn run() {
                         if blocked_seen.insert(key, ()).is_some() {
                             continue;
                         }
-                        if let Some(fi) = super::info::info_of(&f, &crate::InfoOptions::default()) {
-                            deliver(&Report::Blocked(Box::new(fi)));
+                        let opts = crate::InfoOptions::default();
+                        if let Some((fiber, note)) = super::fiber_part(s, f.id, &opts, wait) {
+                            if note.is_some() {
+                                wait = Duration::ZERO;
+                            }
+                            deliver(&Report::Blocked(Box::new(BlockedReport {
+                                scheduler: s.id,
+                                fiber,
+                                note,
+                            })));
                         }
                     }
                 }

@@ -7,6 +7,7 @@ use fibertrace_lua::symbols::Symbolizer;
 use fibertrace_lua::LuaHost;
 use std::io::{self, BufRead, BufReader, Write};
 use std::process::ExitCode;
+use std::time::Duration;
 
 /// Writes a line to standard error; a standard error that cannot be written (closed, full)
 /// loses the message, never the program.
@@ -113,6 +114,16 @@ fn cli() -> Command {
                         .help(
                             "Report a fiber that runs more than N ms without yielding \
                              (its stack, sampled by a signal; again at 2N, 4N, ...)",
+                        ),
+                )
+                .arg(
+                    Arg::new("blocked-ms")
+                        .long("blocked-ms")
+                        .value_name("N")
+                        .value_parser(clap::value_parser!(u64).range(1..))
+                        .help(
+                            "Report a fiber blocked more than N ms (on a channel, condition, \
+                             join or sleep), once per wait, with its Lua frames",
                         ),
                 )
                 .arg(
@@ -344,9 +355,13 @@ fn read_script(r: impl io::Read) -> io::Result<Vec<u8>> {
 }
 
 fn run(m: &clap::ArgMatches) -> ExitCode {
-    if let Some(&ms) = m.get_one::<u64>("stall-ms") {
+    let stall = m.get_one::<u64>("stall-ms").copied();
+    let blocked = m.get_one::<u64>("blocked-ms").copied();
+    if stall.is_some() || blocked.is_some() {
         fibertrace_fiber::watchdog::start(fibertrace_fiber::watchdog::Config {
-            threshold: std::time::Duration::from_millis(ms),
+            // Without --stall-ms, no stall is reported.
+            threshold: stall.map_or(Duration::MAX, Duration::from_millis),
+            blocked_longer_than: blocked.map(Duration::from_millis),
             ..Default::default()
         });
     }
