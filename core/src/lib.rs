@@ -3,7 +3,7 @@
 //!
 //! The pipeline: [`capture`] (registers and stack bounds) → [`unwind`] (frame-pointer or DWARF
 //! walk, bounded to known stacks) → [`symbolize`] (lazy, cached, per-image debug info) →
-//! [`format`] / [`codec`]. [`image`] is the table of loaded objects both unwinding and
+//! [`format`](mod@format) / [`codec`]. [`image`] is the table of loaded objects both unwinding and
 //! symbolization use.
 //!
 //! ```

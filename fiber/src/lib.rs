@@ -33,12 +33,12 @@ macro_rules! report_entry {
 }
 
 // The machinery, from the bottom up (see `inspect`'s module doc for the layers).
-pub mod clock;
-pub mod frames;
-pub mod overflow;
+mod clock;
+mod frames;
+mod overflow;
 pub mod registry;
 mod running;
-pub mod sched;
+mod sched;
 mod stack;
 pub mod sync;
 mod task;
@@ -46,13 +46,16 @@ mod task;
 pub mod inspect;
 // The constructors that wire the two.
 mod runtime;
+// What a layer that embeds another language's runtime in fibers needs beyond the user API.
+pub mod embed;
 
+pub use frames::TRAMPOLINE;
 pub use inspect::{dump, info, sample, watchdog};
-pub use inspect::{FiberInfo, FrameSource, InfoOptions, Snapshot};
+pub use inspect::{FiberInfo, FrameInfo, FrameSource, InfoOptions, Snapshot};
 pub use sched::{
     cancellation_caught, current, current_id, is_cancelled, sleep, spawn, suspend, testcancel,
     try_spawn, yield_now, yield_to, yield_to_id, BlockOnError, Builder, Fiber, JoinError,
-    JoinHandle, RunError, Scheduler, SchedulerOptions, SpawnError, SpawnErrorKind,
+    JoinHandle, RunError, SchedBuilder, Scheduler, SchedulerOptions, SpawnError, SpawnErrorKind,
 };
 pub use sync::{channel, Channel, ChannelError, Cond};
 pub use task::{

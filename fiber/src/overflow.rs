@@ -150,14 +150,6 @@ pub enum Overflow {
     Pending,
 }
 
-/// Whether some open reserve's fiber has not been told to raise yet.
-pub fn unraised() -> bool {
-    OPEN_COUNT.load(Ordering::Acquire) != 0
-        && OPEN
-            .iter()
-            .any(|s| s.base.load(Ordering::Acquire) != 0 && !s.raised.load(Ordering::Acquire))
-}
-
 /// Whether the fiber running on this thread has its reserve open (it overflowed and is not
 /// back above the reserve yet, or has not reached a safe point since).
 pub fn running_fiber_open() -> bool {

@@ -209,7 +209,7 @@ fn names_in_text_reports_are_quoted_so_their_bytes_read_back() {
         })
         .unwrap();
     assert_eq!(
-        fibertrace_fiber::sched::quoted_name("plain name").to_string(),
+        fibertrace_fiber::embed::quoted_name("plain name").to_string(),
         "\"plain name\""
     );
 }

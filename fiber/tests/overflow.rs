@@ -72,10 +72,10 @@ unsafe fn on_overflow(_ctx: usize, fid: u64) {
 
 #[test]
 fn a_reserve_used_and_left_before_any_safe_point_raises_nothing_and_closes() {
-    use fibertrace_fiber::overflow::{poll, Overflow};
+    use fibertrace_fiber::embed::overflow::{poll, Overflow};
     use std::sync::atomic::Ordering;
     // SAFETY: the handler only stores to an atomic; it stays valid (a plain function).
-    unsafe { fibertrace_fiber::overflow::set_thread_handler(Some((on_overflow, 0))) };
+    unsafe { fibertrace_fiber::embed::overflow::set_thread_handler(Some((on_overflow, 0))) };
     let s = fibertrace_fiber::Scheduler::with_options(fibertrace_fiber::SchedulerOptions {
         stack_size: 256 * 1024,
         ..Default::default()
@@ -102,7 +102,7 @@ fn a_reserve_used_and_left_before_any_safe_point_raises_nothing_and_closes() {
         (opened, again, polls)
     });
     // SAFETY: removing the handler asks nothing.
-    unsafe { fibertrace_fiber::overflow::set_thread_handler(None) };
+    unsafe { fibertrace_fiber::embed::overflow::set_thread_handler(None) };
     let (opened, again, polls) = r.unwrap();
     assert_eq!((opened, again), (1, 1));
     assert_eq!(

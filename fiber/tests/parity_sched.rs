@@ -7,7 +7,7 @@ use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use fibertrace_fiber::sched::{
+use fibertrace_fiber::embed::{
     current_run_time, loop_turn, top_disable, top_enable, top_enabled, top_fiber_row, top_sched_row,
 };
 use fibertrace_fiber::{channel, is_cancelled, spawn, yield_now, Builder, Cond, Scheduler};

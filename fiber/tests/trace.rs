@@ -154,7 +154,7 @@ fn a_fiber_that_never_ran_shows_its_entry_and_a_dead_one_nothing() {
     let r = fibertrace_core::resolve(&bt.frames()[0]).unwrap();
     let name = r.function().unwrap();
     assert_eq!(name, "fibertrace_fiber::frames::call_user");
-    assert_eq!(name, fibertrace_fiber::frames::TRAMPOLINE);
+    assert_eq!(name, fibertrace_fiber::TRAMPOLINE);
     // A closure has no symbol: info names it by type.
     let fi = fiber_info(h.id(), &InfoOptions::default()).unwrap();
     assert_eq!(fi.status, Status::Ready);

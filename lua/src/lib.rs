@@ -6,7 +6,7 @@
 //!   chain of Lua coroutines running inside it, and intern each level's description once in a
 //!   process-wide table ([`frames::intern`]): a Lua level becomes a 16-byte
 //!   [`Frame::Lua`](fibertrace_core::Frame::Lua).
-//! * [`interleave`] — classify native frames as Lua-VM code or not (address ranges built once
+//! * [`interleave`](mod@interleave) — classify native frames as Lua-VM code or not (address ranges built once
 //!   from the ELF symbol tables), anchor each Lua "C" level at the native frame of its
 //!   `lua_CFunction`, and put each run of Lua levels where the VM's frames were. Works with the
 //!   frame-pointer walk (LuaJIT's interpreter is crossed with a registered frame-record hop,

@@ -283,7 +283,7 @@ const FIBER_LAYERS: &[&[&str]] = &[
     &["sched"],
     &["sync"],
     &["inspect"],
-    &["runtime"],
+    &["runtime", "embed"],
 ];
 
 #[test]
@@ -346,4 +346,51 @@ fn architecture_specific_code_is_only_in_arch_leaf_files() {
         "architecture-specific code outside arch/<arch>.rs:\n{}",
         found.join("\n")
     );
+}
+
+/// The modules each library shows its users (everything else is reached through the crate
+/// root's re-exports, or not at all): a module made public by accident fails here.
+#[test]
+fn each_crate_shows_only_its_documented_modules() {
+    let expect: [(&str, &[&str]); 3] = [
+        (
+            "core",
+            &[
+                "arch",
+                "backtrace",
+                "capture",
+                "codec",
+                "format",
+                "frame",
+                "image",
+                "symbolize",
+                "unwind",
+            ],
+        ),
+        // The machinery (clock, frames, overflow, sched, task, ...) is private; what a
+        // language host needs of it is in `embed`.
+        ("fiber", &["embed", "inspect", "registry", "sync"]),
+        (
+            "lua",
+            &[
+                "decode",
+                "frames",
+                "host",
+                "interleave",
+                "render",
+                "symbols",
+            ],
+        ),
+    ];
+    for (krate, want) in expect {
+        let lib = std::fs::read_to_string(repo().join(krate).join("src/lib.rs")).unwrap();
+        let lib = code(&lib);
+        let mut got: Vec<&str> = lib
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("pub mod "))
+            .map(|l| l.trim_end_matches(';').trim())
+            .collect();
+        got.sort();
+        assert_eq!(got, want, "{krate}: public modules");
+    }
 }

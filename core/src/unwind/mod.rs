@@ -5,7 +5,7 @@
 //! * a *frame-pointer step* reads the frame record at `fp` (`[fp]` = caller's fp,
 //!   `[fp+8]` = return address) — about a nanosecond;
 //! * a *DWARF step* applies the `.eh_frame` rule for `ip`: for a return address, a compact
-//!   rule cached per address and applied inline ([`rules`]); otherwise, and for rows with no
+//!   rule cached per address and applied inline (`rules`); otherwise, and for rows with no
 //!   compact form, through framehop. Both are allocation-free.
 //!
 //! `Fast` takes only frame-pointer steps, `Precise` only DWARF steps. `Auto` takes
@@ -18,7 +18,7 @@
 //! record: the step would skip its caller or follow garbage): when the image table is known,
 //! the frame-pointer walk stops at such a frame and the walk goes on from there as `Auto`
 //! (DWARF for that frame, frame pointers again where the code keeps them), or, without a
-//! DWARF cache, ends and reports it ([`WalkEnd::fp_unsafe`]; the capture functions then end
+//! DWARF cache, ends and reports it (`WalkEnd::fp_unsafe`; the capture functions then end
 //! the trace with `Truncated`). Without an image table (a signal handler before
 //! [`crate::prepare`]) nothing can be judged and `Fast` trusts every frame record.
 //!
@@ -39,7 +39,7 @@
 //! chain, which skips the interrupted function's own frame (a missing frame).
 //!
 //! Invariants that keep a walk safe on a corrupted or cyclic chain: every read is inside one
-//! of the given [`Stacks`]; within one stack each frame must lie above the previous one; a walk
+//! of the given `Stacks`; within one stack each frame must lie above the previous one; a walk
 //! may move to another stack at most once per stack; and it stops after [`MAX_WALK`] frames
 //! (the trace then ends with `Truncated`).
 
@@ -75,7 +75,7 @@ const RULE_CACHES: usize = 4;
 /// capture). Four caches chosen by `(address / 509) % 4` act as one direct-mapped cache
 /// modulo 2,036, so such pairs rarely collide.
 ///
-/// In front of them, the compact rules of [`rules`] step most return addresses without
+/// In front of them, the compact rules of `rules` step most return addresses without
 /// framehop.
 pub struct DwarfCache {
     framehop: [UnwindCache<MustNotAllocateDuringUnwind>; RULE_CACHES],

@@ -13,7 +13,7 @@
 //! runtime                       the constructors that wire the machinery to this layer
 //! ```
 //!
-//! Nothing below `inspect` names it: the scheduler calls up through [`crate::sched`]'s hooks,
+//! Nothing below `inspect` names it: the scheduler calls up through `sched::Hooks`,
 //! which `runtime` fills with this module's functions (`HOOKS`).
 //!
 //! # The snapshot

@@ -6,9 +6,9 @@ use std::ffi::c_int;
 use mlua::ffi;
 
 use super::objects::*;
+use super::raw::lua_fn;
 use super::raw::{self, to_number, type_of, LErr, LResult};
 use super::with_host;
-use crate::lua_fn;
 
 // ---- channels and conditions ----
 //

@@ -3,7 +3,7 @@
 //! microseconds).
 //!
 //! `fiber.time` and `fiber.clock` read the clocks once per loop turn of the scheduler
-//! ([`fibertrace_fiber::sched::loop_turn`]), as Tarantool reads its event loop's cached time:
+//! ([`fibertrace_fiber::embed::loop_turn`]), as Tarantool reads its event loop's cached time:
 //! two reads in one run of a fiber (no yield between) are equal; after a yield the clock has
 //! moved on. The clocks are read lazily, at the first call of a turn, so a turn in which
 //! nobody asks costs nothing.
@@ -43,7 +43,7 @@ thread_local! {
 /// The realtime and monotonic clocks of the current loop turn, in nanoseconds.
 #[inline]
 fn loop_clock() -> (i64, i64) {
-    let turn = fibertrace_fiber::sched::loop_turn();
+    let turn = fibertrace_fiber::embed::loop_turn();
     let (at, real, mono) = LOOP_CLOCK.get();
     if at == turn && turn.0 != 0 {
         return (real, mono);

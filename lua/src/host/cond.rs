@@ -5,8 +5,8 @@ use std::ffi::c_int;
 use mlua::ffi;
 
 use super::objects::*;
+use super::raw::lua_fn;
 use super::raw::{self, LErr, LResult};
-use crate::lua_fn;
 
 pub(crate) struct CondUd {
     cond: Option<fibertrace_fiber::Cond>,

@@ -64,7 +64,9 @@ pub(crate) fn install(l: *mut ffi::lua_State) {
     // SAFETY: `on_overflow` only reads and sets Lua hook fields (what Lua allows a signal
     // handler); `l`, the host's main state, outlives the registration (`uninstall` runs first
     // when the host is dropped).
-    unsafe { fibertrace_fiber::overflow::set_thread_handler(Some((on_overflow, l as usize))) };
+    unsafe {
+        fibertrace_fiber::embed::overflow::set_thread_handler(Some((on_overflow, l as usize)))
+    };
 }
 
 /// Wraps `debug.sethook` and `debug.gethook` (when the state has them) so that the script's
@@ -131,7 +133,7 @@ unsafe extern "C-unwind" fn sethook_kept(l: *mut ffi::lua_State) -> c_int {
                 ffi::lua_call(l, n, 0);
             }
         }
-        if (was_ours || fibertrace_fiber::overflow::running_fiber_open()) && !ours_set(l) {
+        if (was_ours || fibertrace_fiber::embed::overflow::running_fiber_open()) && !ours_set(l) {
             let saved = &mut *std::ptr::addr_of_mut!(SAVED);
             saved.hook = ffi::lua_gethook(l);
             saved.mask = ffi::lua_gethookmask(l);
@@ -172,7 +174,7 @@ unsafe extern "C-unwind" fn gethook_kept(l: *mut ffi::lua_State) -> c_int {
 /// Removes it (the host is going away).
 pub(crate) fn uninstall() {
     // SAFETY: removing the handler asks nothing.
-    unsafe { fibertrace_fiber::overflow::set_thread_handler(None) };
+    unsafe { fibertrace_fiber::embed::overflow::set_thread_handler(None) };
 }
 
 /// LuaJIT's "hook active" bit of `global_State::hookmask` (`HOOK_ACTIVE` in `lj_obj.h`).
@@ -317,8 +319,8 @@ unsafe fn on_overflow(ctx: usize, _fid: u64) {
 unsafe extern "C-unwind" fn hook(l: *mut ffi::lua_State, _ar: *mut ffi::lua_Debug) {
     let here = 0u8;
     let sp = std::hint::black_box(&here) as *const u8 as usize;
-    match fibertrace_fiber::overflow::poll(sp) {
-        fibertrace_fiber::overflow::Overflow::Raise => {
+    match fibertrace_fiber::embed::overflow::poll(sp) {
+        fibertrace_fiber::embed::overflow::Overflow::Raise => {
             // SAFETY: `l` is the running state (a hook's argument); the message is built on
             // its stack and raised from this C-unwind frame, which owns nothing to drop. The
             // hook mask byte belongs to `l`'s universe and is written on its own thread.
@@ -342,13 +344,13 @@ unsafe extern "C-unwind" fn hook(l: *mut ffi::lua_State, _ar: *mut ffi::lua_Debu
                 ffi::lua_error(l);
             }
         }
-        fibertrace_fiber::overflow::Overflow::None => {
+        fibertrace_fiber::embed::overflow::Overflow::None => {
             // SAFETY: SAVED was written by `on_overflow` before our hook was set (see there).
             unsafe {
                 let saved = &*std::ptr::addr_of!(SAVED);
                 ffi::lua_sethook(l, saved.hook, saved.mask, saved.count);
             }
         }
-        fibertrace_fiber::overflow::Overflow::Pending => {}
+        fibertrace_fiber::embed::overflow::Overflow::Pending => {}
     }
 }

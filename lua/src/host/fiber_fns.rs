@@ -8,10 +8,10 @@ use fibertrace_fiber::FiberId;
 use mlua::ffi;
 
 use super::objects::*;
+use super::raw::lua_fn;
 use super::raw::{self, push_str, to_number, type_of, LErr, LResult};
 use super::spawn::*;
 use super::with_host;
-use crate::lua_fn;
 
 // ---- switching ----
 
@@ -600,7 +600,7 @@ lua_fn!(m_info, m_info_body);
 ///
 /// # Safety
 /// `l` valid, room for 3 values.
-pub(super) unsafe fn push_top_row(l: *mut ffi::lua_State, row: &fibertrace_fiber::sched::TopRow) {
+pub(super) unsafe fn push_top_row(l: *mut ffi::lua_State, row: &fibertrace_fiber::embed::TopRow) {
     // SAFETY: a fresh table; plain sets.
     unsafe {
         ffi::lua_createtable(l, 0, 3);
@@ -616,7 +616,7 @@ pub(super) unsafe fn push_top_row(l: *mut ffi::lua_State, row: &fibertrace_fiber
 /// `fiber.top()`: `{cpu_misses = 0, cpu = {["1/sched"] = row, ["id/name"] = row, ...}}` for
 /// the scheduler and every live Lua fiber; an error while it is off.
 pub(super) unsafe fn top_body(l: *mut ffi::lua_State) -> LResult {
-    if !fibertrace_fiber::sched::top_enabled() {
+    if !fibertrace_fiber::embed::top_enabled() {
         return Err("fiber.top() is disabled. Enable it with fiber.top_enable() first".into());
     }
     let fibers: Vec<(FiberId, std::sync::Arc<str>)> = with_host(|h| {
@@ -649,12 +649,12 @@ pub(super) unsafe fn top_table(l: *mut ffi::lua_State, fibers: &[(FiberId, std::
         ffi::lua_pushnumber(l, 0.0);
         ffi::lua_setfield(l, -2, c"cpu_misses".as_ptr());
         ffi::lua_createtable(l, 0, fibers.len() as c_int + 1);
-        if let Some(row) = fibertrace_fiber::sched::top_sched_row() {
+        if let Some(row) = fibertrace_fiber::embed::top_sched_row() {
             push_top_row(l, &row);
             ffi::lua_setfield(l, -2, c"1/sched".as_ptr());
         }
         for (fid, name) in fibers {
-            if let Some(row) = fibertrace_fiber::sched::top_fiber_row(*fid) {
+            if let Some(row) = fibertrace_fiber::embed::top_fiber_row(*fid) {
                 push_str(l, &format!("{fid}/"));
                 push_str(l, name);
                 ffi::lua_concat(l, 2);
@@ -667,13 +667,13 @@ pub(super) unsafe fn top_table(l: *mut ffi::lua_State, fibers: &[(FiberId, std::
 }
 
 pub(super) unsafe fn top_enable_body(_l: *mut ffi::lua_State) -> LResult {
-    fibertrace_fiber::sched::top_enable();
+    fibertrace_fiber::embed::top_enable();
     Ok(0)
 }
 lua_fn!(f_top_enable, top_enable_body);
 
 pub(super) unsafe fn top_disable_body(_l: *mut ffi::lua_State) -> LResult {
-    fibertrace_fiber::sched::top_disable();
+    fibertrace_fiber::embed::top_disable();
     Ok(0)
 }
 lua_fn!(f_top_disable, top_disable_body);

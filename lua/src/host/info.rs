@@ -153,7 +153,7 @@ pub(crate) struct Call {
     /// The clock, read once per call (see `fibertrace_fiber::clock`).
     now: u64,
     /// The tick rate, read once per call (not per fiber).
-    rate: fibertrace_fiber::clock::Rate,
+    rate: fibertrace_fiber::embed::Rate,
     /// The running fiber.
     me: FiberId,
     /// The running fiber's trace, taken before the protected call (see [`push_all`]).
@@ -184,8 +184,8 @@ impl Call {
                 by_trace: HashMap::default(),
                 by_entry: HashMap::default(),
                 slots: 0,
-                now: fibertrace_fiber::clock::ticks(),
-                rate: fibertrace_fiber::clock::Rate::now(),
+                now: fibertrace_fiber::embed::ticks(),
+                rate: fibertrace_fiber::embed::Rate::now(),
                 me: fibertrace_fiber::current_id(),
                 current,
             }

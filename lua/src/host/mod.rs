@@ -11,7 +11,7 @@
 //!
 //! Invariants:
 //! * one host per OS thread (its state is thread-local); every Lua-visible function is a raw
-//!   `lua_CFunction` ([`raw`]) that never raises from a frame owning Rust values;
+//!   `lua_CFunction` (`raw`) that never raises from a frame owning Rust values;
 //! * the module's functions never go through mlua's callback machinery, so mlua's notion of
 //!   the "current state" is not disturbed by switches made by the module;
 //! * a fiber's Lua thread is anchored in the registry while the fiber lives (and, for a
@@ -31,7 +31,7 @@
 //!   fiber that switched last left it. This is harmless unless another fiber is itself
 //!   switched out inside such a callback at the same time; then mlua reads the call's results
 //!   from the wrong Lua thread. Raw C functions (as this module's) have no such problem;
-//! * traces are as exact as [`crate::interleave`] makes them.
+//! * traces are as exact as [`crate::interleave`](mod@crate::interleave) makes them.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -48,12 +48,11 @@ mod cond;
 mod cstack;
 mod fiber_fns;
 mod finalize;
-pub mod info;
+mod info;
 mod install;
 mod objects;
 mod prelude;
-#[doc(hidden)]
-pub mod raw;
+mod raw;
 mod slice;
 mod spawn;
 

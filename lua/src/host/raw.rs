@@ -1,7 +1,7 @@
 //! Small helpers over the raw Lua API for the host's C functions.
 //!
 //! Every Lua-visible function of the host is a plain `lua_CFunction` written with
-//! [`lua_fn!`](crate::lua_fn): its body returns `Result<c_int, LErr>` and never raises a Lua
+//! [`lua_fn!`](lua_fn): its body returns `Result<c_int, LErr>` and never raises a Lua
 //! error itself (no `luaL_check*`, no `lua_error`); the wrapper turns an `Err` (or a Rust
 //! panic, e.g. the fiber runtime's cancellation) into a Lua error *after* every Rust value of
 //! the body is dropped, so Lua's error unwinding (a C++-style exception in LuaJIT, a longjmp in
@@ -114,7 +114,7 @@ impl From<&str> for LErr {
 pub(crate) type LResult = Result<c_int, LErr>;
 
 /// Pushes the message of `e` on `l` (with the caller's position for [`LErr::At`]), for the
-/// wrapper of [`lua_fn!`](crate::lua_fn) to raise.
+/// wrapper of [`lua_fn!`](lua_fn) to raise.
 ///
 /// # Safety
 /// `l` is the calling state of a C function.
@@ -291,8 +291,6 @@ pub(crate) unsafe fn type_error(l: *mut ffi::lua_State, narg: c_int, what: &str)
 }
 
 /// Defines a `lua_CFunction` named `$name` from a body `fn(*mut lua_State) -> LResult`.
-#[macro_export]
-#[doc(hidden)]
 macro_rules! lua_fn {
     ($name:ident, $body:path) => {
         pub(crate) unsafe extern "C-unwind" fn $name(
@@ -333,15 +331,16 @@ macro_rules! lua_fn {
         }
     };
 }
+pub(crate) use lua_fn;
 
 /// Pushes a Rust string: its bytes, except that a fiber name's bytes that are not UTF-8 (kept
-/// as private-use code points, see [`fibertrace_fiber::sched::name_from_bytes`]) are given
+/// as private-use code points, see [`fibertrace_fiber::embed::name_from_bytes`]) are given
 /// back as they were, wherever the text shows the name.
 ///
 /// # Safety
 /// `l` is a valid state with room for one value; allocates (see [`protect`]).
 pub(crate) unsafe fn push_str(l: *mut ffi::lua_State, s: &str) {
-    let b = fibertrace_fiber::sched::name_to_bytes(s);
+    let b = fibertrace_fiber::embed::name_to_bytes(s);
     // SAFETY: the pointer and length describe `b`; Lua copies the bytes.
     unsafe { ffi::lua_pushlstring(l, b.as_ptr().cast(), b.len()) };
 }

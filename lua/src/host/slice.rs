@@ -9,9 +9,9 @@ use fibertrace_fiber::FiberId;
 use mlua::ffi;
 
 use super::objects::*;
+use super::raw::lua_fn;
 use super::raw::{self, push_str, to_number, LErr, LResult};
 use super::{with_host, HostState, Slice};
-use crate::lua_fn;
 
 // ---- slices ----
 
@@ -128,7 +128,7 @@ pub(super) unsafe fn check_slice_body(l: *mut ffi::lua_State) -> LResult {
     if unsafe { ffi::lua_gettop(l) } != 0 {
         return Err(LErr::plain("fiber.check_slice(): bad arguments"));
     }
-    let Some(ran) = fibertrace_fiber::sched::current_run_time() else {
+    let Some(ran) = fibertrace_fiber::embed::current_run_time() else {
         return Ok(0);
     };
     let ran = ran.as_secs_f64();
@@ -149,7 +149,7 @@ pub(super) unsafe fn check_slice_body(l: *mut ffi::lua_State) -> LResult {
             .unwrap_or_default();
         let mut err = std::io::stderr().lock();
         let _ = write!(err, "fibertrace: fiber {} \"", run.0)
-            .and_then(|()| err.write_all(&fibertrace_fiber::sched::name_to_bytes(&name)))
+            .and_then(|()| err.write_all(&fibertrace_fiber::embed::name_to_bytes(&name)))
             .and_then(|()| {
                 writeln!(
                     err,

@@ -9,9 +9,9 @@ use fibertrace_fiber::{Builder, FiberId, ParentTrace};
 use mlua::ffi;
 
 use super::objects::*;
+use super::raw::lua_fn;
 use super::raw::{self, type_of, LErr, LResult};
 use super::{with_host, HostState, Rec, ScriptError};
-use crate::lua_fn;
 
 // ---- fiber creation and the fiber body ----
 
@@ -88,7 +88,7 @@ pub(super) fn lua_fiber_main(t: *mut ffi::lua_State, nargs: c_int) {
         // written as its bytes.
         let mut err = std::io::stderr().lock();
         let _ = write!(err, "fibertrace: fiber {fid} \"")
-            .and_then(|()| err.write_all(&fibertrace_fiber::sched::name_to_bytes(&name)))
+            .and_then(|()| err.write_all(&fibertrace_fiber::embed::name_to_bytes(&name)))
             .and_then(|()| err.write_all(b"\" failed: "))
             .and_then(|()| err.write_all(&msg))
             .and_then(|()| writeln!(err, "\nstack traceback:\n{}", trace.unwrap_or_default()));
@@ -353,7 +353,7 @@ pub(super) unsafe fn create_body(l: *mut ffi::lua_State) -> LResult {
     // Start it now: it runs, and this fiber continues as soon as it yields. Not a
     // cancellation point (Tarantool's `fiber_start`): a cancellation of this fiber meanwhile
     // is raised at its next one.
-    let quiet = fibertrace_fiber::sched::CancelQuiet::new();
+    let quiet = fibertrace_fiber::embed::CancelQuiet::new();
     fibertrace_fiber::yield_to_id(fid);
     drop(quiet);
     Ok(1)
