@@ -75,8 +75,9 @@ impl Slice {
     };
 }
 
-/// One Lua fiber known to the host.
-pub(crate) struct Rec {
+/// The Lua side of a fiber: what the host keeps for each fiber that runs Lua (the fiber
+/// itself is `fibertrace_fiber::Fiber`; its control block, `ControlBlock`).
+pub(crate) struct LuaFiber {
     pub fiber: fibertrace_fiber::Fiber,
     /// The fiber's own Lua thread (the root of its Lua activity).
     pub thread: *mut ffi::lua_State,
@@ -102,7 +103,8 @@ pub(crate) struct Rec {
 /// The host's per-thread state.
 pub(crate) struct HostState {
     pub main_l: *mut ffi::lua_State,
-    pub recs: HashMap<FiberId, Rec, BuildHasherDefault<fibertrace_core::symbolize::AddrHasher>>,
+    pub recs:
+        HashMap<FiberId, LuaFiber, BuildHasherDefault<fibertrace_core::symbolize::AddrHasher>>,
     pub parent_backtrace: bool,
     /// Finished Lua threads, ready for reuse (only the message handler on the stack), with
     /// their registry refs.

@@ -13,7 +13,7 @@ use fibertrace_fiber::FiberId;
 use mlua::ffi;
 
 use super::raw::{self, to_number, type_of, LErr};
-use super::{with_host, HostState, Rec};
+use super::{with_host, HostState, LuaFiber};
 
 pub(crate) const REG: c_int = ffi::LUA_REGISTRYINDEX;
 /// Longest fiber name with its terminating NUL, as Tarantool's `FIBER_NAME_MAX`.
@@ -232,7 +232,7 @@ pub(super) unsafe fn push_fiber_object(l: *mut ffi::lua_State, fid: FiberId) -> 
 
 /// Removes a fiber's record, freeing its object's slot and storage (the thread is the
 /// caller's).
-pub(super) fn remove_rec(h: &mut HostState, fid: FiberId) -> Option<Rec> {
+pub(super) fn remove_rec(h: &mut HostState, fid: FiberId) -> Option<LuaFiber> {
     let mut rec = h.recs.remove(&fid)?;
     free_obj_slot(h, &rec);
     release_storage(h, &mut rec);
@@ -242,7 +242,7 @@ pub(super) fn remove_rec(h: &mut HostState, fid: FiberId) -> Option<Rec> {
 /// Frees the object slot of a record just removed, for the next fiber's object. The slot is
 /// cleared at once: a dead fiber's object must not stay reachable (a weak table keyed by
 /// fiber objects would keep its entry).
-pub(super) fn free_obj_slot(h: &mut HostState, rec: &Rec) {
+pub(super) fn free_obj_slot(h: &mut HostState, rec: &LuaFiber) {
     if rec.obj_slot > 0 {
         // SAFETY: the host's main state and its object table; a plain array store.
         unsafe {
@@ -258,7 +258,7 @@ pub(super) fn free_obj_slot(h: &mut HostState, rec: &Rec) {
 }
 
 /// Drops a fiber's `storage` table (when its function ends, as Tarantool's `on_stop`).
-pub(super) fn release_storage(h: &HostState, rec: &mut Rec) {
+pub(super) fn release_storage(h: &HostState, rec: &mut LuaFiber) {
     if rec.storage_ref > 0 {
         // SAFETY: the reference was made by `storage` in this host's registry.
         unsafe { ffi::luaL_unref(h.main_l, REG, rec.storage_ref) };

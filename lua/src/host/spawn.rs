@@ -11,7 +11,7 @@ use mlua::ffi;
 use super::objects::*;
 use super::raw::lua_fn;
 use super::raw::{self, type_of, LErr, LResult};
-use super::{with_host, HostState, Rec, ScriptError};
+use super::{with_host, HostState, LuaFiber, ScriptError};
 
 // ---- fiber creation and the fiber body ----
 
@@ -128,7 +128,7 @@ impl Drop for LuaBody {
             let fid = if h.recs.get(&fid).is_some_and(|r| r.thread == t) {
                 fid
             } else {
-                let dead = |r: &Rec| r.thread == t && r.fiber.control_block().is_dead();
+                let dead = |r: &LuaFiber| r.thread == t && r.fiber.control_block().is_dead();
                 match h.recs.iter().find(|(_, r)| dead(r)) {
                     Some((&id, _)) => id,
                     None => return,
@@ -318,7 +318,7 @@ pub(super) unsafe fn spawn_lua(
     with_host(|h| {
         h.recs.insert(
             fid,
-            Rec {
+            LuaFiber {
                 fiber,
                 thread: t,
                 thread_ref: tref,
@@ -442,7 +442,7 @@ pub(crate) fn run_main_fiber(
     with_host(|h| {
         h.recs.insert(
             fid,
-            Rec {
+            LuaFiber {
                 fiber: me,
                 thread: t,
                 thread_ref: tref,
