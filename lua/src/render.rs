@@ -49,6 +49,13 @@ pub fn tarantool(frames: &[Frame]) -> String {
     format::tarantool(frames, Some(&namer))
 }
 
+/// [`tarantool`] as reports print it: without the glue frames of the runtime and the host
+/// (`fibertrace_fiber::glue`), unless the process asked for every native frame.
+pub fn tarantool_report(frames: &[Frame]) -> String {
+    let namer = lua_line;
+    format::tarantool_hiding(frames, Some(&namer), fibertrace_fiber::glue::filter())
+}
+
 /// One entry of a Tarantool-style `backtrace` array: `{C = "..."}` or `{L = "..."}`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TarantoolEntry {

@@ -64,10 +64,18 @@ fn a_busy_lua_fiber_is_reported_with_its_native_frames() {
         .take_while(|l| !l.is_empty())
         .collect();
     let text = report.join("\n");
+    // The VM's frames down to the call into the fiber's function; the host's glue below it
+    // (the fiber's start) is left out.
+    let frames: Vec<&str> = report
+        .iter()
+        .filter(|l| l.starts_with('#'))
+        .copied()
+        .collect();
     assert!(
-        text.contains(" in fibertrace_lua::host::spawn::lua_fiber_main"),
+        frames.last().is_some_and(|l| l.contains(" in lua_pcall+")),
         "{text}"
     );
+    assert!(!text.contains("lua_fiber_main"), "{text}");
     assert!(text.contains("Lua frames not shown"), "{text}");
     // Again at twice the threshold while it lasts.
     assert!(err.matches("\"busy\" has run ").count() >= 2, "{err}");
@@ -201,6 +209,38 @@ fn a_fiber_blocked_longer_than_blocked_ms_is_reported_once_with_its_lua_frames()
     let block = blocks[0];
     assert!(block.contains("[channel receive, "), "{block}");
     assert!(!block.contains("not shown"), "{block}");
+    // Every frame, innermost first: the runtime's wait, the host's `get`, then the Lua
+    // frames; the glue between (the wrapper Lua calls, catch_unwind, the fiber's start) is
+    // left out.
+    let frames: Vec<String> = block
+        .lines()
+        .filter_map(|l| l.strip_prefix('#'))
+        .map(|l| {
+            let body = l
+                .trim_start_matches(|c: char| c.is_ascii_digit())
+                .trim_start();
+            match body.strip_prefix("0x") {
+                Some(native) => {
+                    let name = native.split_once(" in ").unwrap().1;
+                    name.split(['+', ' ']).next().unwrap().to_string()
+                }
+                None => body.to_string(),
+            }
+        })
+        .collect();
+    assert_eq!(
+        frames,
+        [
+            "fibertrace_fiber::sched::block".to_string(),
+            "fibertrace_fiber::sync::Channel<T>::recv_until".to_string(),
+            "fibertrace_fiber::sync::Channel<T>::recv".to_string(),
+            "fibertrace_lua::host::channel::ch_get_body".to_string(),
+            "get in =[C]:-1".to_string(),
+            format!("wait_here in @{script}:4"),
+            format!("function <{script}:5> in @{script}:5"),
+        ],
+        "{block}"
+    );
     // The Lua frames, innermost first, as fiber.info() shows them.
     assert_eq!(
         lua_frames(block),

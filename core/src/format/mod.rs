@@ -33,7 +33,15 @@ pub struct TextOptions<'a> {
     pub lua: Option<LuaNamer<'a>>,
     /// Leave inline frames out (one line per address).
     pub hide_inlined: bool,
+    /// Leaves out the function levels it says are glue (a runtime's or a host's own calls
+    /// between the user's code and what it called: `catch_unwind` and its closures, a
+    /// trampoline): a frame whose every level is glue is left out and the frames are
+    /// numbered without it; of a frame with some glue levels, the others are shown.
+    pub hide: Option<GlueFilter<'a>>,
 }
+
+/// Says whether a resolved function level is glue (see [`TextOptions::hide`]).
+pub type GlueFilter<'a> = &'a dyn Fn(&crate::symbolize::Symbol) -> bool;
 
 /// Formats frames in the default format.
 pub fn display(frames: &[Frame]) -> String {
@@ -69,7 +77,9 @@ pub fn text(frames: &[Frame], opts: &TextOptions<'_>) -> String {
             }
             Frame::Pc(a) | Frame::Ra(a) | Frame::Async(a) => {
                 let r = symbolize::resolve(f).expect("native frames resolve");
-                native_line(&mut out, n, *a, &r, opts.hide_inlined);
+                if !native_line(&mut out, n, *a, &r, opts) {
+                    continue;
+                }
             }
         }
         n += 1;
@@ -77,24 +87,33 @@ pub fn text(frames: &[Frame], opts: &TextOptions<'_>) -> String {
     out
 }
 
-fn native_line(out: &mut String, n: usize, addr: u64, r: &Resolved, hide_inlined: bool) {
-    let _ = write!(out, "#{n:<2} {addr:#x} in ");
+/// Writes one native frame; `false` when the glue filter left it out whole.
+fn native_line(out: &mut String, n: usize, addr: u64, r: &Resolved, opts: &TextOptions) -> bool {
     let levels = &r.symbols;
     if levels.is_empty() || r.function().is_none() && levels.iter().all(|s| s.name.is_none()) {
-        out.push_str("??");
+        let _ = write!(out, "#{n:<2} {addr:#x} in ??");
         if let Some(img) = &r.image {
             let name = img.path.rsplit('/').next().unwrap_or(&img.path);
             let _ = write!(out, " ({name}+{:#x})", addr.wrapping_sub(img.base));
         }
         out.push('\n');
-        return;
+        return true;
     }
     let last = levels.len() - 1;
-    let shown: Vec<usize> = if hide_inlined {
-        vec![last]
+    let glue = |i: usize| opts.hide.is_some_and(|h| h(&levels[i]));
+    let shown: Vec<usize> = if opts.hide_inlined {
+        if glue(last) {
+            vec![]
+        } else {
+            vec![last]
+        }
     } else {
-        (0..levels.len()).collect()
+        (0..levels.len()).filter(|&i| !glue(i)).collect()
     };
+    if shown.is_empty() {
+        return false;
+    }
+    let _ = write!(out, "#{n:<2} {addr:#x} in ");
     for (k, &i) in shown.iter().enumerate() {
         let s = &levels[i];
         if k > 0 {
@@ -107,7 +126,7 @@ fn native_line(out: &mut String, n: usize, addr: u64, r: &Resolved, hide_inlined
             }
         }
         // With inline levels hidden, the line shown is the innermost one's.
-        let loc = if hide_inlined { &levels[0] } else { s };
+        let loc = if opts.hide_inlined { &levels[0] } else { s };
         if let Some(file) = &loc.file {
             let _ = write!(out, " at {file}");
             if let Some(line) = loc.line {
@@ -116,6 +135,7 @@ fn native_line(out: &mut String, n: usize, addr: u64, r: &Resolved, hide_inlined
         }
         out.push('\n');
     }
+    true
 }
 
 /// One native frame in Tarantool's G3 format: `#%-2d %p in %s+%lu` — the outermost
@@ -135,9 +155,24 @@ pub fn tarantool_c_frame(index: usize, frame: &Frame) -> Option<String> {
 /// print as `#N  ... k frames omitted` / `... truncated`; Lua frames through `lua` (or as
 /// `[lua frame N]`).
 pub fn tarantool(frames: &[Frame], lua: Option<LuaNamer<'_>>) -> String {
+    tarantool_hiding(frames, lua, None)
+}
+
+/// [`tarantool`] without the native frames whose every function level `hide` says is glue
+/// (see [`TextOptions::hide`]), numbered without them.
+pub fn tarantool_hiding(
+    frames: &[Frame],
+    lua: Option<LuaNamer<'_>>,
+    hide: Option<GlueFilter<'_>>,
+) -> String {
     let mut out = String::new();
     let mut n = 1;
     for f in frames {
+        if let (Some(h), Some(r)) = (hide, f.address().and_then(|_| symbolize::resolve(f))) {
+            if !r.symbols.is_empty() && r.symbols.iter().all(h) {
+                continue;
+            }
+        }
         let line = match f {
             Frame::Parent(id) => {
                 let _ = writeln!(out, "--- created by fiber {id} ---");

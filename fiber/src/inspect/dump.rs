@@ -45,7 +45,15 @@ pub fn human(d: Duration) -> String {
 
 /// Frames in the default text format, without a trailing runtime trampoline.
 pub fn render_frames(frames: &[Frame]) -> String {
-    format::text(info::user_frames(frames), &TextOptions::default())
+    format::text(info::user_frames(frames), &text_options())
+}
+
+/// The text options of every report: glue hidden unless [`super::glue::native_detail`].
+fn text_options() -> TextOptions<'static> {
+    TextOptions {
+        hide: super::glue::filter(),
+        ..TextOptions::default()
+    }
 }
 
 fn status_words(fi: &FiberInfo) -> String {
@@ -94,10 +102,7 @@ pub fn render_fiber(fi: &FiberInfo, out: &mut String) {
             }
         }
         let raw: Vec<Frame> = p.frames.iter().map(|f| f.frame).collect();
-        out.push_str(&format::text(
-            info::user_frames(&raw),
-            &TextOptions::default(),
-        ));
+        out.push_str(&format::text(info::user_frames(&raw), &text_options()));
     }
     if fi.parent_backtrace_omitted > 0 {
         out.push_str(&more_parents_line(fi.parent_backtrace_omitted));
@@ -128,7 +133,7 @@ fn render_list(frames: &[FrameInfo]) -> String {
         info::user_frames(&raw),
         &TextOptions {
             lua: Some(&labelled),
-            ..TextOptions::default()
+            ..text_options()
         },
     )
 }

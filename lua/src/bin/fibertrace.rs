@@ -127,6 +127,16 @@ fn cli() -> Command {
                         ),
                 )
                 .arg(
+                    Arg::new("native-detail")
+                        .long("native-detail")
+                        .action(ArgAction::SetTrue)
+                        .help(
+                            "Show every native frame in reports and tracebacks, the runtime's \
+                             and the host's glue too (catch_unwind, wrappers, the trampoline), \
+                             which are left out by default",
+                        ),
+                )
+                .arg(
                     // The script and its arguments as one list, so that option parsing stops
                     // at the script: `run s.lua -h` passes `-h` to the script.
                     Arg::new("script")
@@ -355,6 +365,7 @@ fn read_script(r: impl io::Read) -> io::Result<Vec<u8>> {
 }
 
 fn run(m: &clap::ArgMatches) -> ExitCode {
+    fibertrace_fiber::glue::set_native_detail(m.get_flag("native-detail"));
     let stall = m.get_one::<u64>("stall-ms").copied();
     let blocked = m.get_one::<u64>("blocked-ms").copied();
     if stall.is_some() || blocked.is_some() {

@@ -309,6 +309,7 @@ impl LuaHost {
         #[cfg(feature = "luajit")]
         cstack::install(l);
         fibertrace_fiber::watchdog::set_annotator(stall_note);
+        fibertrace_fiber::glue::add_host_glue(spawn::is_glue);
         // The runtime's own reports built on this thread (the deadlock report) show the Lua
         // frames of Lua fibers.
         sched.set_frame_source(Some(std::rc::Rc::new(info::LuaFrames)));

@@ -32,10 +32,29 @@ pub(super) unsafe fn msgh_body(l: *mut ffi::lua_State) -> LResult {
         .iter()
         .position(|f| matches!(f, fibertrace_core::Frame::Lua(_)))
         .map_or(0, |i| i + 1);
-    super::set_last_trace(Some(crate::render::tarantool(&frames[from..])));
+    super::set_last_trace(Some(crate::render::tarantool_report(&frames[from..])));
     Ok(1)
 }
 lua_fn!(f_msgh, msgh_body);
+
+/// The host's glue in reports (see `fibertrace_fiber::glue`): the wrapper [`lua_fn!`] makes
+/// around each function the host gives Lua (its code is the macro's, in `raw.rs`, and so is
+/// its line information), and the calls that start a fiber's Lua function.
+pub(crate) fn is_glue(name: &str, file: Option<&str>) -> bool {
+    let Some(rest) = name.strip_prefix("fibertrace_lua::host::") else {
+        return false;
+    };
+    file.is_some_and(|f| f.ends_with("src/host/raw.rs"))
+        || matches!(
+            rest,
+            "spawn::call_in_thread"
+                | "spawn::lua_fiber_main"
+                | "spawn::LuaBody::run"
+                | "spawn::spawn_lua::{{closure}}"
+                | "spawn::run_main_fiber"
+                | "LuaHost::run_main::{{closure}}"
+        )
+}
 
 /// Calls the function at index 2 of `t` with `nargs` arguments under the message handler at
 /// [`MSGH_SLOT`]. Returns whether it succeeded; results (or the error) are left from index 2.
