@@ -39,8 +39,12 @@ lua_fn!(f_msgh, msgh_body);
 
 /// The host's glue in reports (see `fibertrace_fiber::glue`): the wrapper [`lua_fn!`] makes
 /// around each function the host gives Lua (its code is the macro's, in `raw.rs`, and so is
-/// its line information), and the calls that start a fiber's Lua function.
+/// its line information), the calls that start a fiber's Lua function, and mlua's shims.
 pub(crate) fn is_glue(name: &str, file: Option<&str>) -> bool {
+    // mlua's inline shims of the C API (`lua_pcall` over `lua_pcallk` under Lua 5.4).
+    if name.starts_with("mlua_sys::") {
+        return true;
+    }
     let Some(rest) = name.strip_prefix("fibertrace_lua::host::") else {
         return false;
     };
