@@ -3,10 +3,16 @@
 
 use std::process::Command;
 
-fn run_script(args: &[&str], script: &str) -> (i32, String, String) {
+/// Where [`run_script`] writes `script` run with `args`.
+fn script_path(args: &[&str], script: &str) -> String {
     let dir = std::env::temp_dir().join(format!("fibertrace-stall-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join(format!("s{}.lua", args.len() + script.len()));
+    path.to_str().unwrap().to_string()
+}
+
+fn run_script(args: &[&str], script: &str) -> (i32, String, String) {
+    let path = script_path(args, script);
+    std::fs::create_dir_all(std::path::Path::new(&path).parent().unwrap()).unwrap();
     std::fs::write(&path, script).unwrap();
     let mut c = Command::new(env!("CARGO_BIN_EXE_fibertrace"));
     c.arg("run").args(args).arg(&path);
@@ -112,9 +118,7 @@ fn lua_frames(block: &str) -> Vec<String> {
 #[test]
 fn a_channel_deadlock_between_two_lua_fibers_exits_with_the_report() {
     let (code, _out, err) = run_script(&[], DEADLOCK);
-    let dir = std::env::temp_dir().join(format!("fibertrace-stall-{}", std::process::id()));
-    let script = dir.join(format!("s{}.lua", DEADLOCK.len()));
-    let script = script.to_str().unwrap();
+    let script = &script_path(&[], DEADLOCK);
     assert_ne!(code, 0, "{err}");
     assert!(
         err.starts_with("all fibers are asleep — deadlock!"),
@@ -195,10 +199,9 @@ print(f:join())
 
 #[test]
 fn a_fiber_blocked_longer_than_blocked_ms_is_reported_once_with_its_lua_frames() {
-    let (code, out, err) = run_script(&["--blocked-ms", "100"], PATIENT);
-    let dir = std::env::temp_dir().join(format!("fibertrace-stall-{}", std::process::id()));
-    let script = dir.join(format!("s{}.lua", 2 + PATIENT.len()));
-    let script = script.to_str().unwrap();
+    let args = ["--blocked-ms", "100"];
+    let (code, out, err) = run_script(&args, PATIENT);
+    let script = &script_path(&args, PATIENT);
     assert_eq!(code, 0, "{err}");
     assert_eq!(out, "true\t7\n");
     // No stall report without --stall-ms; one report per wait.
@@ -257,11 +260,17 @@ fn a_fiber_blocked_longer_than_blocked_ms_is_reported_once_with_its_lua_frames()
 
 #[test]
 fn blocked_ms_rejects_zero_and_non_numbers() {
-    for bad in ["0", "-1", "x", ""] {
+    for bad in ["0", "-1", "x", "", "18446744073709551616", "1.5"] {
         let (code, _out, err) = run_script(&["--blocked-ms", bad], "print(1)");
         assert_eq!(code, 2, "{bad}: {err}");
         assert!(err.contains("--blocked-ms"), "{bad}: {err}");
     }
+    // The largest value is a limit never reached: the script runs, nothing is reported.
+    let (code, out, err) = run_script(
+        &["--blocked-ms", "18446744073709551615"],
+        "require('fiber').sleep(0.05) print(1)",
+    );
+    assert_eq!((code, out.as_str(), err.as_str()), (0, "1\n", ""));
 }
 
 const PATIENT_BEHIND_A_HOG: &str = r#"
