@@ -185,3 +185,33 @@ AFTER_GC = live()
     assert_eq!(global::<i64>(&host, "AFTER_CLOSE"), 0);
     assert_eq!(global::<i64>(&host, "AFTER_GC"), 0);
 }
+
+/// A channel or condition released by its `__gc` while fibers wait on it (a script can call
+/// `__gc` itself through `debug.getmetatable`, twice even): the waiters keep their own handle
+/// and end as their timeouts say, and the released objects' methods answer with their usage
+/// error. (A waiter on a condition used to hold a pointer into the object's block: releasing
+/// it freed the condition under the waiter.)
+#[test]
+fn objects_released_by_their_gc_while_fibers_wait_on_them_fail_cleanly() {
+    let host = run(r#"
+local fiber = require('fiber')
+local ch, c = fiber.channel(1), fiber.cond()
+local f1 = fiber.new(function() GOT = ch:get(0.05) end)
+local f2 = fiber.new(function() WOKE = c:wait(0.05) end)
+f1:set_joinable(true); f2:set_joinable(true)
+fiber.yield()
+debug.getmetatable(ch).__gc(ch); debug.getmetatable(ch).__gc(ch)
+debug.getmetatable(c).__gc(c)
+PUT = select(2, pcall(ch.put, ch, 1))
+SIGNAL = select(2, pcall(c.signal, c))
+J1, J2 = f1:join(), f2:join()
+"#);
+    assert_eq!(
+        global::<String>(&host, "PUT"),
+        "usage: channel:put(var [, timeout])"
+    );
+    assert_eq!(global::<String>(&host, "SIGNAL"), "usage: cond:signal()");
+    assert!(global::<bool>(&host, "J1") && global::<bool>(&host, "J2"));
+    assert_eq!(global::<Option<i64>>(&host, "GOT"), None);
+    assert!(!global::<bool>(&host, "WOKE"));
+}

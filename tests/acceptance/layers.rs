@@ -394,3 +394,39 @@ fn each_crate_shows_only_its_documented_modules() {
         assert_eq!(got, want, "{krate}: public modules");
     }
 }
+
+/// The Lua host's object and function modules are written against its safe layer
+/// (`host/call.rs`): no `unsafe` block or function outside their tests; only the `unsafe impl
+/// UdBlock` that binds an object type to its metatable.
+#[test]
+fn the_lua_hosts_functions_use_only_the_safe_layer() {
+    let host = repo().join("lua/src/host");
+    let mut checked = 0;
+    for file in [
+        "channel.rs",
+        "cond.rs",
+        "fiber_fns.rs",
+        "slice.rs",
+        "objects.rs",
+    ] {
+        let src = std::fs::read_to_string(host.join(file)).unwrap();
+        let body = match src.find("#[cfg(test)]") {
+            Some(i) => &src[..i],
+            None => &src[..],
+        };
+        let body = code(body);
+        for (n, line) in body.lines().enumerate() {
+            let rest = line.replace("unsafe impl UdBlock", "");
+            assert!(
+                !rest.contains("unsafe"),
+                "{file}:{}: `unsafe` outside the safe layer: {line}",
+                n + 1
+            );
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, 5);
+    // The check can fail: the layer itself is all `unsafe` blocks.
+    let call = code(&std::fs::read_to_string(host.join("call.rs")).unwrap());
+    assert!(call.matches("unsafe {").count() > 20);
+}

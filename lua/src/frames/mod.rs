@@ -143,7 +143,8 @@ pub unsafe fn capture_lua_stack(root: *mut ffi::lua_State, out: &mut LuaStack) {
     // and the last (MAX_LEVELS - HEAD_LEVELS) of all of them in that order.
     let mut depths: SmallVec<[(*mut ffi::lua_State, c_int); 4]> = SmallVec::new();
     for &l in chain.iter().rev() {
-        // SAFETY: as above: the debug API on a state of this universe.
+        // SAFETY: `l` is a thread of the chain, a state of this universe (the contract); the
+        // debug API reads its frames.
         depths.push((l, unsafe { depth(l, &mut ar) }));
     }
     let total: u64 = depths.iter().map(|&(_, d)| d as u64).sum();
@@ -158,7 +159,8 @@ pub unsafe fn capture_lua_stack(root: *mut ffi::lua_State, out: &mut LuaStack) {
     let mut g = 0u64; // global index of the thread's level 0
     for (t, &(l, d)) in depths.iter().enumerate() {
         let d64 = d as u64;
-        // SAFETY: as above; lua_checkstack only grows the stack of `l` if needed.
+        // SAFETY: `l` is a thread of the chain (the contract); lua_checkstack only grows its stack
+        // if needed and never raises.
         if d == 0 || unsafe { ffi::lua_checkstack(l, 2) } == 0 {
             g += d64;
             continue;

@@ -5,9 +5,10 @@ use std::ffi::c_int;
 
 use mlua::ffi;
 
+use super::call::lua_fn;
+use super::call::{Call, UdBlock};
 use super::objects::*;
-use super::raw::lua_fn;
-use super::raw::{self, to_number, type_of, LErr, LResult};
+use super::raw::{LErr, LResult};
 use super::with_host;
 
 // ---- channels and conditions ----
@@ -17,70 +18,70 @@ use super::with_host;
 // Invariants: a channel's values are registry references owned by exactly one `Msg` at a
 // time (released exactly once, never while queued); a channel or condition object's block
 // is initialised before its metatable (with `__gc`) is set, and emptied once by `__gc`; a
-// blocked operation keeps its object alive (it stays at index 1 of the call).
+// blocked operation holds its own handle to the channel or condition (a clone), so it does
+// not depend on the object staying alive or unreleased.
 
 /// A channel's userdata: the runtime's channel of registry references to the values.
 pub(crate) struct ChannelUd {
     ch: Option<fibertrace_fiber::Channel<Msg>>,
 }
 
+// SAFETY: the channel metatable is set only by `Protected::new_ud::<ChannelUd>` (in
+// `channel_body`).
+unsafe impl UdBlock for ChannelUd {
+    type Handle = fibertrace_fiber::Channel<Msg>;
+    fn metatable() -> Option<c_int> {
+        mt_refs().map(|m| m.1)
+    }
+    fn handle(&self) -> Option<Self::Handle> {
+        self.ch.clone()
+    }
+    fn release(&mut self) {
+        // The last handle's drop releases the queued messages (a blocked fiber holds a
+        // handle, so this is not the last while one waits).
+        drop(self.ch.take());
+    }
+}
+
 /// `fiber.channel([size])`: absent or nil is 0; a number or numeric string is truncated to an
 /// integer (`lua_tointeger`'s way: NaN and numbers past the 64-bit range are taken as
 /// negative, as on x86_64); negative is an error. Room is not reserved up front, so any size
 /// is accepted.
-pub(super) unsafe fn channel_body(l: *mut ffi::lua_State) -> LResult {
-    // SAFETY: C function contract.
-    let cap = match unsafe { type_of(l, 1) } {
-        t if t <= ffi::LUA_TNIL => 0,
-        // SAFETY: as above.
-        _ => match unsafe { to_number(l, 1) } {
+pub(super) fn channel_body(c: &mut Call) -> LResult {
+    let cap = if c.is_none_or_nil(1) {
+        0
+    } else {
+        match c.to_number(1) {
             Some(n) if n.is_finite() && (-9.3e18..9.2e18).contains(&n) && n.trunc() >= 0.0 => {
                 n.trunc() as usize
             }
             Some(_) => return Err("fiber.channel(size): negative size".into()),
             None => return Err("fiber.channel(size): bad arguments".into()),
-        },
+        }
     };
-    let (_, cmt, _) = mt_refs().ok_or_else(no_host)?;
-    // SAFETY: a new userdata block (made in a protected call) is initialised before its
-    // metatable (with __gc) is set.
-    unsafe {
-        raw::protect(l, &[], &mut |l| {
-            let p = ffi::lua_newuserdata(l, std::mem::size_of::<ChannelUd>()).cast::<ChannelUd>();
-            p.write(ChannelUd {
-                ch: Some(fibertrace_fiber::channel(cap)),
-            });
-            super::raw::rawgeti(l, REG, cmt as ffi::lua_Integer);
-            ffi::lua_setmetatable(l, -2);
-            1
-        })
-    }?;
+    let mut block = Some(ChannelUd {
+        ch: Some(fibertrace_fiber::channel(cap)),
+    });
+    c.protected(&[], |p| {
+        if let Some(b) = block.take() {
+            p.new_ud(b);
+        }
+        1
+    })?;
     Ok(1)
 }
 lua_fn!(f_channel, channel_body);
 
 /// The channel at index 1 (Tarantool's `luaT_checkfiberchannel`): none there is `usage:
 /// <usage>`; anything but a channel is a bad argument.
-///
-/// # Safety
-/// `l` is the calling state of a C function.
-pub(super) unsafe fn channel_arg(
-    l: *mut ffi::lua_State,
-    usage: &str,
-) -> Result<fibertrace_fiber::Channel<Msg>, LErr> {
-    let (_, cmt, _) = mt_refs().ok_or_else(no_host)?;
-    // SAFETY: per the contract; the block was initialised by `channel_body`.
-    unsafe {
-        if ffi::lua_gettop(l) < 1 {
-            return Err(format!("usage: {usage}").into());
-        }
-        match check_ud::<ChannelUd>(l, 1, cmt) {
-            Some(p) => (*p)
-                .ch
-                .clone()
-                .ok_or_else(|| format!("usage: {usage}").into()),
-            None => Err(raw::type_error(l, 1, "fiber.channel")),
-        }
+pub(super) fn channel_arg(c: &Call, usage: &str) -> Result<fibertrace_fiber::Channel<Msg>, LErr> {
+    if c.top() < 1 {
+        return Err(format!("usage: {usage}").into());
+    }
+    match c.ud::<ChannelUd>(1) {
+        Some(Some(ch)) => Ok(ch),
+        Some(None) => Err(format!("usage: {usage}").into()),
+        None => Err(c.type_error(1, "fiber.channel")),
     }
 }
 
@@ -100,12 +101,8 @@ impl Drop for Msg {
         // close) the reference goes with the state.
         let r = self.0;
         let done = with_host(|h| {
-            // SAFETY: the main state of this thread's host; the reference was made by
-            // `ch_put_body` and is released only here (or by `release_pending`).
-            unsafe {
-                release_pending(h.main_l);
-                ffi::luaL_unref(h.main_l, REG, r);
-            }
+            release_pending(h);
+            h.unref(r);
         });
         if done.is_none() {
             PENDING_UNREFS.with(|p| {
@@ -126,25 +123,21 @@ thread_local! {
 }
 
 /// Releases the references of messages dropped while the host was borrowed.
-///
-/// # Safety
-/// `l` is a state of this thread's host.
-pub(super) unsafe fn release_pending(l: *mut ffi::lua_State) {
+pub(super) fn release_pending(h: &super::HostState) {
     if !PENDING.with(|f| f.replace(false)) {
         return;
     }
     let refs = PENDING_UNREFS.with(|p| std::mem::take(&mut *p.borrow_mut()));
     for r in refs {
-        // SAFETY: per the contract; each reference was queued once, by its message's drop.
-        unsafe { ffi::luaL_unref(l, REG, r) };
+        // Each reference was queued once, by its message's drop.
+        h.unref(r);
     }
 }
 
 /// Releases the queued references now, if any and the host is not borrowed.
 pub(super) fn drain_pending() {
     if PENDING.with(|f| f.get()) {
-        // SAFETY: the main state of this thread's host.
-        with_host(|h| unsafe { release_pending(h.main_l) });
+        with_host(|h| release_pending(h));
     }
 }
 
@@ -157,28 +150,16 @@ pub(super) fn clear_pending() {
 pub(super) const PUT_USAGE: &str = "usage: channel:put(var [, timeout])";
 pub(super) const GET_USAGE: &str = "usage: channel:get([timeout])";
 
-pub(super) unsafe fn ch_put_body(l: *mut ffi::lua_State) -> LResult {
-    // SAFETY: C function contract (all Lua calls below).
-    let ch = unsafe { channel_arg(l, "channel:put(var [, timeout])") }?;
-    // SAFETY: as above.
-    if unsafe { ffi::lua_gettop(l) } < 2 {
+pub(super) fn ch_put_body(c: &mut Call) -> LResult {
+    let ch = channel_arg(c, "channel:put(var [, timeout])")?;
+    if c.top() < 2 {
         return Err(PUT_USAGE.into());
     }
-    // SAFETY: as above.
-    let timeout = unsafe { raw::opt_timeout(l, 3, PUT_USAGE) }?;
+    let timeout = c.opt_timeout(3, PUT_USAGE)?;
     let waits = super::finalize::channel_would_wait(&ch, true, timeout);
-    // SAFETY: as above.
-    unsafe { super::finalize::check_wait(l, "channel:put", waits) }?;
-    let mut r = ffi::LUA_REFNIL;
-    // SAFETY: as above: the message is referenced in the registry (in a protected call: the
-    // registry may grow).
-    unsafe {
-        raw::protect(l, &[2], &mut |l| {
-            r = ffi::luaL_ref(l, REG);
-            0
-        })
-    }?;
-    let msg = Msg(r);
+    super::finalize::check_wait(c, "channel:put", waits)?;
+    // The message is referenced in the registry (in a protected call: the registry may grow).
+    let msg = Msg(c.ref_value(2)?);
     drain_pending();
     // A send that completed is reported as such, even if the fiber was cancelled meanwhile
     // (Tarantool's rule); a failed one drops its message (releasing it) unless the channel
@@ -192,44 +173,39 @@ pub(super) unsafe fn ch_put_body(l: *mut ffi::lua_State) -> LResult {
             false
         }
     };
-    // SAFETY: as above.
-    unsafe { ffi::lua_pushboolean(l, sent as c_int) };
+    c.push_bool(sent)?;
     Ok(1)
 }
 lua_fn!(ch_put, ch_put_body);
 
-pub(super) unsafe fn ch_get_body(l: *mut ffi::lua_State) -> LResult {
-    // SAFETY: C function contract (all Lua calls below).
-    let ch = unsafe { channel_arg(l, "channel:get([timeout])") }?;
-    // SAFETY: as above.
-    let timeout = unsafe { raw::opt_timeout(l, 2, GET_USAGE) }?;
+pub(super) fn ch_get_body(c: &mut Call) -> LResult {
+    let ch = channel_arg(c, "channel:get([timeout])")?;
+    let timeout = c.opt_timeout(2, GET_USAGE)?;
     let waits = super::finalize::channel_would_wait(&ch, false, timeout);
-    // SAFETY: as above.
-    unsafe { super::finalize::check_wait(l, "channel:get", waits) }?;
+    super::finalize::check_wait(c, "channel:get", waits)?;
     let got = match timeout {
         None => ch.recv(),
         Some(d) => ch.recv_timeout(d).ok(),
     };
     match got {
-        // A value taken is returned, even if the fiber was cancelled meanwhile.
-        // SAFETY: as above; the message's value is pushed, then the message released.
-        Some(msg) => unsafe {
-            super::raw::rawgeti(l, REG, msg.0 as ffi::lua_Integer);
+        // A value taken is returned, even if the fiber was cancelled meanwhile: its value
+        // is pushed, then the message released (also when the push fails).
+        Some(msg) => {
+            let pushed = c.push_ref(msg.0);
             drop(msg);
-        },
+            pushed?;
+        }
         None => {
             cancelled_check()?;
-            // SAFETY: as above.
-            unsafe { ffi::lua_pushnil(l) };
+            c.push_nil()?;
         }
     }
     Ok(1)
 }
 lua_fn!(ch_get, ch_get_body);
 
-pub(super) unsafe fn ch_close_body(l: *mut ffi::lua_State) -> LResult {
-    // SAFETY: C function contract.
-    let ch = unsafe { channel_arg(l, "channel:close()") }?;
+pub(super) fn ch_close_body(c: &mut Call) -> LResult {
+    let ch = channel_arg(c, "channel:close()")?;
     if with_host(|h| h.graceful_close).unwrap_or(false) {
         // Graceful (compat 'new'): queued values stay readable; blocked senders fail.
         ch.close();
@@ -242,12 +218,10 @@ pub(super) unsafe fn ch_close_body(l: *mut ffi::lua_State) -> LResult {
 lua_fn!(ch_close, ch_close_body);
 
 macro_rules! ch_query {
-    ($name:ident, $body:ident, $usage:literal, |$ch:ident, $l:ident| $e:expr) => {
-        unsafe fn $body($l: *mut ffi::lua_State) -> LResult {
-            // SAFETY: C function contract.
-            let $ch = unsafe { channel_arg($l, $usage) }?;
-            // SAFETY: as above.
-            unsafe { $e };
+    ($name:ident, $body:ident, $usage:literal, |$ch:ident, $c:ident| $e:expr) => {
+        fn $body($c: &mut Call) -> LResult {
+            let $ch = channel_arg($c, $usage)?;
+            $e?;
             Ok(1)
         }
         lua_fn!($name, $body);
@@ -257,62 +231,47 @@ ch_query!(
     ch_is_closed,
     ch_is_closed_body,
     "channel:is_closed()",
-    |c, l| ffi::lua_pushboolean(l, c.is_closed() as c_int)
+    |ch, c| c.push_bool(ch.is_closed())
 );
-ch_query!(ch_count, ch_count_body, "channel:count()", |c, l| {
-    ffi::lua_pushinteger(l, c.len() as ffi::lua_Integer)
-});
-ch_query!(ch_size, ch_size_body, "channel:size()", |c, l| {
-    ffi::lua_pushinteger(l, c.capacity() as ffi::lua_Integer)
-});
+ch_query!(ch_count, ch_count_body, "channel:count()", |ch, c| c
+    .push_int(ch.len() as i64));
+ch_query!(ch_size, ch_size_body, "channel:size()", |ch, c| c
+    .push_int(ch.capacity() as i64));
 ch_query!(
     ch_is_empty,
     ch_is_empty_body,
     "channel:is_empty()",
-    |c, l| ffi::lua_pushboolean(l, c.is_empty() as c_int)
+    |ch, c| c.push_bool(ch.is_empty())
 );
-ch_query!(ch_is_full, ch_is_full_body, "channel:is_full()", |c, l| {
-    ffi::lua_pushboolean(l, c.is_full() as c_int)
-});
+ch_query!(ch_is_full, ch_is_full_body, "channel:is_full()", |ch, c| c
+    .push_bool(ch.is_full()));
 ch_query!(
     ch_has_readers,
     ch_has_readers_body,
     "channel:has_readers()",
-    |c, l| ffi::lua_pushboolean(l, c.has_readers() as c_int)
+    |ch, c| c.push_bool(ch.has_readers())
 );
 ch_query!(
     ch_has_writers,
     ch_has_writers_body,
     "channel:has_writers()",
-    |c, l| ffi::lua_pushboolean(l, c.has_writers() as c_int)
+    |ch, c| c.push_bool(ch.has_writers())
 );
 
-pub(super) unsafe fn ch_tostring_body(l: *mut ffi::lua_State) -> LResult {
-    // SAFETY: C function contract.
-    let ch = unsafe { channel_arg(l, "") }?;
+pub(super) fn ch_tostring_body(c: &mut Call) -> LResult {
+    let ch = channel_arg(c, "")?;
     let text = if ch.is_closed() {
         "channel: closed".to_string()
     } else {
         format!("channel: {}", ch.len())
     };
-    // SAFETY: as above.
-    unsafe { raw::push_str_p(l, &text) }?;
+    c.push_str(&text)?;
     Ok(1)
 }
 lua_fn!(ch_tostring, ch_tostring_body);
 
-pub(super) unsafe fn ch_gc_body(l: *mut ffi::lua_State) -> LResult {
-    let Some((_, cmt, _)) = mt_refs() else {
-        return Ok(0);
-    };
-    // SAFETY: __gc is called with our userdata; its block is taken out once.
-    unsafe {
-        if let Some(p) = check_ud::<ChannelUd>(l, 1, cmt) {
-            // The last handle's drop releases the queued messages (a blocked fiber holds a
-            // handle, so this is not the last while one waits).
-            drop((*p).ch.take());
-        }
-    }
+pub(super) fn ch_gc_body(c: &mut Call) -> LResult {
+    c.ud_release::<ChannelUd>(1);
     Ok(0)
 }
 lua_fn!(ch_gc, ch_gc_body);
@@ -355,20 +314,22 @@ mod msg_tests {
             r
         };
         for _ in 0..100_000 {
-            // SAFETY: as above; the reference is the message's.
+            // SAFETY: the host's main state, running nothing; the reference is anchored here
+            // and owned by the message.
             let msg = Msg(unsafe {
                 ffi::lua_pushboolean(l, 1);
                 ffi::luaL_ref(l, REG)
             });
             with_host(|_| drop(msg)).unwrap();
             // The next message dropped outside a borrow releases the queued ones.
-            // SAFETY: as above.
+            // SAFETY: the host's main state, running nothing; luaL_ref pops its value.
             drop(Msg(unsafe {
                 ffi::lua_pushboolean(l, 1);
                 ffi::luaL_ref(l, REG)
             }));
         }
-        // SAFETY: as above.
+        // SAFETY: the host's main state, running nothing; the value pushed is popped by
+        // luaL_ref, whose reference is released at once.
         let last = unsafe {
             ffi::lua_pushboolean(l, 1);
             let r = ffi::luaL_ref(l, REG);

@@ -1,125 +1,108 @@
 //! `fiber.cond`: condition variables.
 
 use std::ffi::c_int;
+use std::rc::Rc;
 
 use mlua::ffi;
 
+use super::call::lua_fn;
+use super::call::{Call, UdBlock};
 use super::objects::*;
-use super::raw::lua_fn;
-use super::raw::{self, LErr, LResult};
+use super::raw::{LErr, LResult};
 
+/// A condition's userdata: the runtime's condition, shared with the fibers waiting on it (a
+/// waiter holds its own handle, so `__gc` — or a script calling `__gc` itself — never pulls
+/// the condition from under one).
 pub(crate) struct CondUd {
-    cond: Option<fibertrace_fiber::Cond>,
+    cond: Option<Rc<fibertrace_fiber::Cond>>,
 }
 
-pub(super) unsafe fn cond_body(l: *mut ffi::lua_State) -> LResult {
-    let (_, _, cmt) = mt_refs().ok_or_else(no_host)?;
-    // SAFETY: a new userdata block (made in a protected call) is initialised before its
-    // metatable (with __gc) is set.
-    unsafe {
-        raw::protect(l, &[], &mut |l| {
-            let p = ffi::lua_newuserdata(l, std::mem::size_of::<CondUd>()).cast::<CondUd>();
-            p.write(CondUd {
-                cond: Some(fibertrace_fiber::Cond::new()),
-            });
-            super::raw::rawgeti(l, REG, cmt as ffi::lua_Integer);
-            ffi::lua_setmetatable(l, -2);
-            1
-        })
-    }?;
+// SAFETY: the condition metatable is set only by `Protected::new_ud::<CondUd>` (in
+// `cond_body`).
+unsafe impl UdBlock for CondUd {
+    type Handle = Rc<fibertrace_fiber::Cond>;
+    fn metatable() -> Option<c_int> {
+        mt_refs().map(|m| m.2)
+    }
+    fn handle(&self) -> Option<Self::Handle> {
+        self.cond.clone()
+    }
+    fn release(&mut self) {
+        drop(self.cond.take());
+    }
+}
+
+pub(super) fn cond_body(c: &mut Call) -> LResult {
+    let mut block = Some(CondUd {
+        cond: Some(Rc::new(fibertrace_fiber::Cond::new())),
+    });
+    c.protected(&[], |p| {
+        if let Some(b) = block.take() {
+            p.new_ud(b);
+        }
+        1
+    })?;
     Ok(1)
 }
 lua_fn!(f_cond, cond_body);
 
-/// The condition at index 1 (Tarantool's `luaT_checkfibercond`), as [`channel_arg`].
-///
-/// # Safety
-/// `l` is the calling state of a C function.
-pub(super) unsafe fn cond_arg(
-    l: *mut ffi::lua_State,
-    usage: &str,
-) -> Result<*const fibertrace_fiber::Cond, LErr> {
-    let (_, _, cmt) = mt_refs().ok_or_else(no_host)?;
-    // SAFETY: per the contract; the block was initialised by `cond_body`.
-    unsafe {
-        if ffi::lua_gettop(l) < 1 {
-            return Err(format!("usage: {usage}").into());
-        }
-        match check_ud::<CondUd>(l, 1, cmt) {
-            Some(p) => (*p)
-                .cond
-                .as_ref()
-                .map(|c| c as *const _)
-                .ok_or_else(|| format!("usage: {usage}").into()),
-            None => Err(raw::type_error(l, 1, "fiber.cond")),
-        }
+/// The condition at index 1 (Tarantool's `luaT_checkfibercond`), as
+/// [`channel_arg`](super::channel::channel_arg).
+pub(super) fn cond_arg(c: &Call, usage: &str) -> Result<Rc<fibertrace_fiber::Cond>, LErr> {
+    if c.top() < 1 {
+        return Err(format!("usage: {usage}").into());
+    }
+    match c.ud::<CondUd>(1) {
+        Some(Some(cond)) => Ok(cond),
+        Some(None) => Err(format!("usage: {usage}").into()),
+        None => Err(c.type_error(1, "fiber.cond")),
     }
 }
 
 pub(super) const WAIT_USAGE: &str = "usage: cond:wait([timeout])";
 
-pub(super) unsafe fn cond_wait_body(l: *mut ffi::lua_State) -> LResult {
-    // SAFETY: C function contract.
-    let c = unsafe { cond_arg(l, "cond:wait([timeout])") }?;
-    // SAFETY: as above.
-    let timeout = unsafe { raw::opt_timeout(l, 2, WAIT_USAGE) }?;
-    // SAFETY: as above.
-    unsafe { super::finalize::check_switch(l, "cond:wait") }?;
-    // SAFETY: the Cond lives in the userdata at index 1, which this call's frame references
-    // across the wait.
-    let signalled = unsafe {
-        match timeout {
-            None => {
-                (*c).wait();
-                true
-            }
-            Some(d) => (*c).wait_timeout(d),
+pub(super) fn cond_wait_body(c: &mut Call) -> LResult {
+    let cond = cond_arg(c, "cond:wait([timeout])")?;
+    let timeout = c.opt_timeout(2, WAIT_USAGE)?;
+    super::finalize::check_switch(c, "cond:wait")?;
+    let signalled = match timeout {
+        None => {
+            cond.wait();
+            true
         }
+        Some(d) => cond.wait_timeout(d),
     };
     if !signalled {
         cancelled_check()?;
     }
     // Woken (not timed out) in a cancelled fiber: Tarantool returns true; the next
     // cancellation point raises.
-    // SAFETY: as above.
-    unsafe { ffi::lua_pushboolean(l, signalled as c_int) };
+    c.push_bool(signalled)?;
     Ok(1)
 }
 lua_fn!(cond_wait, cond_wait_body);
 
-pub(super) unsafe fn cond_signal_body(l: *mut ffi::lua_State) -> LResult {
-    // SAFETY: C function contract; the userdata is at index 1.
-    unsafe { (*cond_arg(l, "cond:signal()")?).signal() };
+pub(super) fn cond_signal_body(c: &mut Call) -> LResult {
+    cond_arg(c, "cond:signal()")?.signal();
     Ok(0)
 }
 lua_fn!(cond_signal, cond_signal_body);
 
-pub(super) unsafe fn cond_broadcast_body(l: *mut ffi::lua_State) -> LResult {
-    // SAFETY: C function contract; the userdata is at index 1.
-    unsafe { (*cond_arg(l, "cond:broadcast()")?).broadcast() };
+pub(super) fn cond_broadcast_body(c: &mut Call) -> LResult {
+    cond_arg(c, "cond:broadcast()")?.broadcast();
     Ok(0)
 }
 lua_fn!(cond_broadcast, cond_broadcast_body);
 
-pub(super) unsafe fn cond_tostring_body(l: *mut ffi::lua_State) -> LResult {
-    // SAFETY: C function contract.
-    unsafe { cond_arg(l, "") }?;
-    // SAFETY: as above.
-    unsafe { raw::push_str_p(l, "cond") }?;
+pub(super) fn cond_tostring_body(c: &mut Call) -> LResult {
+    cond_arg(c, "")?;
+    c.push_str("cond")?;
     Ok(1)
 }
 lua_fn!(cond_tostring, cond_tostring_body);
 
-pub(super) unsafe fn cond_gc_body(l: *mut ffi::lua_State) -> LResult {
-    let Some((_, _, cmt)) = mt_refs() else {
-        return Ok(0);
-    };
-    // SAFETY: __gc is called with our userdata; its block is taken out once.
-    unsafe {
-        if let Some(p) = check_ud::<CondUd>(l, 1, cmt) {
-            drop((*p).cond.take());
-        }
-    }
+pub(super) fn cond_gc_body(c: &mut Call) -> LResult {
+    c.ud_release::<CondUd>(1);
     Ok(0)
 }
 lua_fn!(cond_gc, cond_gc_body);

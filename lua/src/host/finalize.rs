@@ -147,12 +147,8 @@ pub(crate) unsafe fn in_finalizer(l: *mut ffi::lua_State) -> bool {
 }
 
 /// `Ok` unless a finalizer is running: then the error of [`switch_error`] for `what`.
-///
-/// # Safety
-/// As [`in_finalizer`].
-pub(crate) unsafe fn check_switch(l: *mut ffi::lua_State, what: &str) -> Result<(), String> {
-    // SAFETY: per the contract.
-    if unsafe { in_finalizer(l) } {
+pub(crate) fn check_switch(c: &super::call::Call, what: &str) -> Result<(), String> {
+    if !may_switch(c) {
         Err(switch_error(what))
     } else {
         Ok(())
@@ -160,19 +156,15 @@ pub(crate) unsafe fn check_switch(l: *mut ffi::lua_State, what: &str) -> Result<
 }
 
 /// [`check_switch`] for a call that switches only when it has to wait (`would_wait`).
-///
-/// # Safety
-/// As [`in_finalizer`].
-pub(crate) unsafe fn check_wait(
-    l: *mut ffi::lua_State,
+pub(crate) fn check_wait(
+    c: &super::call::Call,
     what: &str,
     would_wait: bool,
 ) -> Result<(), String> {
     if !would_wait {
         return Ok(());
     }
-    // SAFETY: per the contract.
-    unsafe { check_switch(l, what) }
+    check_switch(c, what)
 }
 
 /// Whether a `put` (`put = true`) or a `get` on `ch` with `timeout` would wait — switch —
@@ -196,10 +188,7 @@ pub(crate) fn channel_would_wait<T>(
 
 /// Whether the calling fiber may switch now (no finalizer is running): `fiber.create` starts
 /// its fiber at once only then.
-///
-/// # Safety
-/// As [`in_finalizer`].
-pub(crate) unsafe fn may_switch(l: *mut ffi::lua_State) -> bool {
-    // SAFETY: per the contract.
-    !unsafe { in_finalizer(l) }
+pub(crate) fn may_switch(c: &super::call::Call) -> bool {
+    // SAFETY: the state of a running C function call of this host (`Call`'s invariant).
+    !unsafe { in_finalizer(c.state()) }
 }

@@ -44,29 +44,21 @@ pub(crate) struct Opts {
 }
 
 /// Reads `{backtrace = bool}` / `{bt = bool}` (raw reads; anything else means true).
-///
-/// # Safety
-/// `l` valid.
-pub(crate) unsafe fn read_opts(l: *mut ffi::lua_State, idx: c_int) -> Opts {
+pub(crate) fn read_opts(c: &mut super::call::Call, idx: c_int) -> Result<Opts, LErr> {
     let mut backtrace = true;
-    // SAFETY: raw reads of two fields; pushed values are popped.
-    unsafe {
-        if ffi::lua_type(l, idx) == ffi::LUA_TTABLE {
-            ffi::lua_checkstack(l, 2);
-            for key in ["backtrace", "bt"] {
-                push_str(l, key);
-                ffi::lua_rawget(l, idx);
-                let t = ffi::lua_type(l, -1);
-                let v = ffi::lua_toboolean(l, -1) != 0;
-                ffi::lua_settop(l, -2);
-                if t != ffi::LUA_TNIL {
-                    backtrace = v;
-                    break;
-                }
+    if c.type_of(idx) == ffi::LUA_TTABLE {
+        for key in ["backtrace", "bt"] {
+            c.push_field(idx, key)?;
+            let t = c.type_of(-1);
+            let v = c.to_boolean(-1);
+            c.pop(1);
+            if t != ffi::LUA_TNIL {
+                backtrace = v;
+                break;
             }
         }
     }
-    Opts { backtrace }
+    Ok(Opts { backtrace })
 }
 
 /// A rendered entry: whether it is a C entry, and its text.
@@ -135,7 +127,7 @@ const WAIT_AT: c_int = 8;
 /// State of one `fiber.info()` call: the strings slots, and the backtrace arrays already
 /// built, by trace: fibers stopped at the same place share one array in a result (read-only
 /// data, as Tarantool code treats it).
-pub(crate) struct Call {
+pub(crate) struct InfoBuild {
     /// Absolute index of the first string.
     base: c_int,
     /// Absolute index of the scratch table holding the arrays.
@@ -160,13 +152,14 @@ pub(crate) struct Call {
     current: Option<Rc<[Frame]>>,
 }
 
-impl Call {
-    /// Pushes the strings and a scratch table; [`Call::finish`] removes them.
+impl InfoBuild {
+    /// Pushes the strings and a scratch table; [`InfoBuild::finish`] removes them.
     ///
     /// # Safety
     /// `l` valid, in a protected call (this allocates).
-    unsafe fn new(l: *mut ffi::lua_State, current: Option<Rc<[Frame]>>) -> Call {
-        // SAFETY: per the contract.
+    unsafe fn new(l: *mut ffi::lua_State, current: Option<Rc<[Frame]>>) -> InfoBuild {
+        // SAFETY: `l` is in a protected call (the contract), so the strings and the table
+        // (allocations) may raise there; room asked for first; the constructor is read raw.
         unsafe {
             ffi::lua_checkstack(l, TEXTS.len() as c_int + 16);
             let base = ffi::lua_gettop(l) + 1;
@@ -177,7 +170,7 @@ impl Call {
             let scratch = ffi::lua_gettop(l);
             let r = with_host(|h| h.info_ctor_ref).unwrap_or(ffi::LUA_REFNIL);
             super::raw::rawgeti(l, ffi::LUA_REGISTRYINDEX, r as ffi::lua_Integer);
-            Call {
+            InfoBuild {
                 base,
                 scratch,
                 ctor: ffi::lua_gettop(l),
@@ -195,9 +188,10 @@ impl Call {
     /// Moves the result on top down to where the strings began and drops the rest.
     ///
     /// # Safety
-    /// `l` valid; the result is on top, above the slots pushed by [`Call::new`].
+    /// `l` valid; the result is on top, above the slots pushed by [`InfoBuild::new`].
     unsafe fn finish(self, l: *mut ffi::lua_State) {
-        // SAFETY: per the contract.
+        // SAFETY: the result on top and the build's slots from `base` (the contract): the
+        // result replaces the first slot and the top is lowered to it.
         unsafe {
             ffi::lua_replace(l, self.base);
             ffi::lua_settop(l, self.base);
@@ -227,7 +221,8 @@ impl Call {
     /// # Safety
     /// `l` valid; the scratch table is still at its index.
     unsafe fn push(&mut self, l: *mut ffi::lua_State, frames: &Rc<[Frame]>, more: u64) {
-        // SAFETY: per the contract.
+        // SAFETY: the scratch table at its index (the contract); arrays and entries are made
+        // in the caller's protected call and stored raw into the scratch table and arrays.
         unsafe {
             let key = (frames.clone(), more);
             if let Some(&k) = self.by_trace.get(&key) {
@@ -246,7 +241,8 @@ impl Call {
     /// `l` valid; the scratch table is still at its index.
     unsafe fn keep(&mut self, l: *mut ffi::lua_State) -> ffi::lua_Integer {
         self.slots += 1;
-        // SAFETY: per the contract.
+        // SAFETY: the scratch table at its index and a value on top (the contract): a copy
+        // is stored raw into the table's next slot.
         unsafe {
             ffi::lua_pushvalue(l, -1);
             super::raw::rawseti(l, self.scratch, self.slots);
@@ -254,7 +250,7 @@ impl Call {
         self.slots
     }
 
-    /// Pushes an array of entries for `frames`, and the `more` entry (see [`Call::push`]).
+    /// Pushes an array of entries for `frames`, and the `more` entry (see [`InfoBuild::push`]).
     ///
     /// # Safety
     /// `l` valid.
@@ -355,7 +351,8 @@ pub(crate) unsafe fn current_frames(root: *mut ffi::lua_State, upto: &'static st
     };
     let skip = cut_to(native.frames(), upto);
     let native = fibertrace_core::Backtrace::from_frames(&native.frames()[skip..]);
-    // SAFETY: per the contract.
+    // SAFETY: `root` is the running fiber's Lua thread on this OS thread (the contract), so
+    // its stack is read through the debug API while nothing else runs it.
     let bt = unsafe { crate::capture_interleaved(&native, root) };
     fibertrace_fiber::info::user_frames(bt.frames()).to_vec()
 }
@@ -368,7 +365,7 @@ pub(crate) unsafe fn current_frames(root: *mut ffi::lua_State, upto: &'static st
 /// As [`current_frames`].
 #[inline(never)]
 unsafe fn running_frames(root: *mut ffi::lua_State) -> Rc<[Frame]> {
-    // SAFETY: per the contract.
+    // SAFETY: `root` is the running fiber's Lua thread (the contract of `current_frames`).
     let v = unsafe { current_frames(root, "f_info") };
     let k = cut_to(&v, "m_info");
     Rc::from(&v[k..])
@@ -382,7 +379,7 @@ unsafe fn running_frames(root: *mut ffi::lua_State) -> Rc<[Frame]> {
 unsafe fn fiber_frames(
     f: &fibertrace_fiber::Fiber,
     root: *mut ffi::lua_State,
-    call: &Call,
+    call: &InfoBuild,
 ) -> Option<Rc<[Frame]>> {
     if f.id() == call.me {
         return call.current.clone();
@@ -462,7 +459,7 @@ unsafe fn push_fiber(
     root: *mut ffi::lua_State,
     slice: Slice,
     opts: &Opts,
-    call: &mut Call,
+    call: &mut InfoBuild,
 ) {
     let sh = f.control_block();
     let (status, on, secs) = sh.status_with(call.now, call.rate);
@@ -556,10 +553,8 @@ unsafe fn built(
 
 /// Pushes `fiber.info()`'s table: every live Lua fiber of this host by id; a full Lua heap
 /// is `Err(LErr::Raised)` with `not enough memory` on top.
-///
-/// # Safety
-/// `l` valid, running the calling C function (`f_info`).
-pub(crate) unsafe fn push_all(l: *mut ffi::lua_State, opts: &Opts) -> Result<(), LErr> {
+pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LErr> {
+    let l = c.state();
     type Entry = (fibertrace_fiber::Fiber, *mut ffi::lua_State, Slice);
     let fibers: Vec<Entry> = with_host(|h| {
         h.recs
@@ -578,11 +573,12 @@ pub(crate) unsafe fn push_all(l: *mut ffi::lua_State, opts: &Opts) -> Result<(),
         .find(|(f, _, _)| opts.backtrace && f.id() == me)
         // SAFETY: the running fiber's own Lua thread.
         .map(|(_, root, _)| unsafe { running_frames(*root) });
-    // SAFETY: fresh tables; each fiber's table is set under its id; the call's slots (below
-    // the result) are removed at the end; in a protected call.
+    // SAFETY: `l` is the state of the running call `c` (`f_info`); fresh tables; each
+    // fiber's table is set under its id; the build's slots (below the result) are removed at
+    // the end; in a protected call.
     unsafe {
         built(l, &mut |l| {
-            let mut call = Call::new(l, current.clone());
+            let mut call = InfoBuild::new(l, current.clone());
             ffi::lua_createtable(l, 0, fibers.len() as c_int);
             let all = ffi::lua_gettop(l);
             for (f, root, slice) in &fibers {
@@ -597,13 +593,8 @@ pub(crate) unsafe fn push_all(l: *mut ffi::lua_State, opts: &Opts) -> Result<(),
 /// Pushes one fiber's info table (`fiber_object:info()`); a full Lua heap is
 /// `Err(LErr::Raised)` as for [`push_all`].
 ///
-/// # Safety
-/// `l` valid, running the calling C function (`m_info`).
-pub(crate) unsafe fn push_one(
-    l: *mut ffi::lua_State,
-    fid: FiberId,
-    opts: &Opts,
-) -> Result<(), LErr> {
+pub(crate) fn push_one(c: &mut super::call::Call, fid: FiberId, opts: &Opts) -> Result<(), LErr> {
+    let l = c.state();
     let (f, root, slice) = with_host(|h| {
         h.recs.get(&fid).map(|r| {
             let slice = r.max_slice.unwrap_or(h.default_slice);
@@ -615,10 +606,11 @@ pub(crate) unsafe fn push_one(
     let current = (opts.backtrace && fid == fibertrace_fiber::current_id())
         // SAFETY: the running fiber's own Lua thread.
         .then(|| unsafe { running_frames(root) });
-    // SAFETY: per the contract; the call's slots are removed after; in a protected call.
+    // SAFETY: `l` is the state of the running call `c` (`m_info`); the build's slots are
+    // removed after; in a protected call.
     unsafe {
         built(l, &mut |l| {
-            let mut call = Call::new(l, current.clone());
+            let mut call = InfoBuild::new(l, current.clone());
             push_fiber(l, &f, root, slice, opts, &mut call);
             call.finish(l);
         })

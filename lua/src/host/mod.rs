@@ -41,6 +41,7 @@ use std::hash::BuildHasherDefault;
 use fibertrace_fiber::{FiberId, Scheduler, SchedulerOptions};
 use mlua::ffi;
 
+mod call;
 mod channel;
 mod clock;
 mod cond;
@@ -140,6 +141,36 @@ pub(crate) struct HostState {
     pub watchdog_by_slice: bool,
     /// `channel:close()` keeps queued values (compat `fiber_channel_close_mode = 'new'`).
     pub graceful_close: bool,
+}
+
+impl HostState {
+    /// Releases the registry reference `r` of this host (a message's value, a storage table).
+    pub(crate) fn unref(&self, r: c_int) {
+        // SAFETY: `main_l` is this host's main state, open while the `HostState` exists (the
+        // host closes it only after taking the state out of `HOST`); luaL_unref stores into
+        // the registry's free-list slot made at install (`install_protect`), so it neither
+        // allocates nor raises, and runs no Lua code.
+        unsafe { ffi::luaL_unref(self.main_l, ffi::LUA_REGISTRYINDEX, r) };
+    }
+
+    /// Sets `t[n] = nil` for the host table at the registry reference `t` (an object slot).
+    pub(crate) fn clear_index(&self, t: c_int, n: ffi::lua_Integer) {
+        // SAFETY: the main state as in `unref`, with room for the 2 values pushed (asked
+        // for; without it nothing is done) and popped; a raw store of nil into a slot of a
+        // host table (checked to be one) allocates nothing.
+        unsafe {
+            let l = self.main_l;
+            if ffi::lua_checkstack(l, 3) == 0 {
+                return;
+            }
+            raw::rawgeti(l, ffi::LUA_REGISTRYINDEX, t as ffi::lua_Integer);
+            if ffi::lua_type(l, -1) == ffi::LUA_TTABLE {
+                ffi::lua_pushnil(l);
+                raw::rawseti(l, -2, n);
+            }
+            ffi::lua_settop(l, -2);
+        }
+    }
 }
 
 thread_local! {

@@ -12,7 +12,8 @@ use std::ffi::c_int;
 use fibertrace_fiber::FiberId;
 use mlua::ffi;
 
-use super::raw::{self, to_number, type_of, LErr};
+use super::call::{Call, UdBlock};
+use super::raw::LErr;
 use super::{with_host, HostState, LuaFiber};
 
 pub(crate) const REG: c_int = ffi::LUA_REGISTRYINDEX;
@@ -34,48 +35,31 @@ pub(crate) fn no_host() -> LErr {
     LErr::plain("fibertrace: no Lua host on this thread")
 }
 
-/// Whether the value at `idx` is a userdata with the metatable `mt_ref`; its block if so.
-///
-/// # Safety
-/// `l` valid, room for 2 values.
-pub(crate) unsafe fn check_ud<T>(
-    l: *mut ffi::lua_State,
-    idx: c_int,
-    mt_ref: c_int,
-) -> Option<*mut T> {
-    // SAFETY: plain stack reads; both pushed values are popped.
-    unsafe {
-        if ffi::lua_type(l, idx) != ffi::LUA_TUSERDATA || ffi::lua_getmetatable(l, idx) == 0 {
-            return None;
-        }
-        super::raw::rawgeti(l, REG, mt_ref as ffi::lua_Integer);
-        let same = ffi::lua_rawequal(l, -1, -2) != 0;
-        ffi::lua_settop(l, -3);
-        same.then(|| ffi::lua_touserdata(l, idx).cast::<T>())
-    }
-}
-
 pub(crate) fn mt_refs() -> Option<(c_int, c_int, c_int)> {
     with_host(|h| (h.fiber_mt_ref, h.channel_mt_ref, h.cond_mt_ref))
 }
 
+// SAFETY: the fiber metatable is set only on blocks written first: by `Protected::new_ud`
+// (`push_fiber_object`) and by `spawn_lua`, which writes the block before setting it.
+unsafe impl UdBlock for FiberUd {
+    type Handle = FiberId;
+    fn metatable() -> Option<c_int> {
+        mt_refs().map(|m| m.0)
+    }
+    fn handle(&self) -> Option<FiberId> {
+        Some(self.fid)
+    }
+    fn release(&mut self) {}
+}
+
 /// The id of the fiber object at `idx`, if it is one.
-///
-/// # Safety
-/// `l` valid.
-pub(super) unsafe fn fiber_ud(l: *mut ffi::lua_State, idx: c_int) -> Option<FiberId> {
-    let (fmt, _, _) = mt_refs()?;
-    // SAFETY: per the contract.
-    unsafe { check_ud::<FiberUd>(l, idx, fmt).map(|p| (*p).fid) }
+pub(super) fn fiber_ud(c: &Call, idx: c_int) -> Option<FiberId> {
+    c.ud::<FiberUd>(idx).flatten()
 }
 
 /// The fiber object at `idx` (`luaL_checkudata`): its id, or the bad-argument error.
-///
-/// # Safety
-/// `l` is the calling state of a C function.
-pub(super) unsafe fn check_fiber_id(l: *mut ffi::lua_State, idx: c_int) -> Result<FiberId, LErr> {
-    // SAFETY: per the contract.
-    unsafe { fiber_ud(l, idx).ok_or_else(|| raw::type_error(l, idx, "fiber")) }
+pub(super) fn check_fiber_id(c: &Call, idx: c_int) -> Result<FiberId, LErr> {
+    fiber_ud(c, idx).ok_or_else(|| c.type_error(idx, "fiber"))
 }
 
 /// A fiber id from a number: truncated, as Tarantool converts it (`None`: no fiber's id).
@@ -112,21 +96,11 @@ pub(super) fn find(fid: FiberId) -> Option<Found> {
 /// The fiber at `idx`, a fiber object or an id (Tarantool's `lbox_checkfiber`): found, or
 /// `the fiber is dead` (with the caller's position when `at`); anything else is a bad
 /// argument.
-///
-/// # Safety
-/// `l` is the calling state of a C function.
-pub(super) unsafe fn check_fiber(
-    l: *mut ffi::lua_State,
-    idx: c_int,
-    at: bool,
-) -> Result<(FiberId, Found), LErr> {
-    // SAFETY: per the contract.
-    let fid = unsafe {
-        if type_of(l, idx) == ffi::LUA_TNUMBER {
-            to_number(l, idx).and_then(id_of_number)
-        } else {
-            Some(check_fiber_id(l, idx)?)
-        }
+pub(super) fn check_fiber(c: &Call, idx: c_int, at: bool) -> Result<(FiberId, Found), LErr> {
+    let fid = if c.type_of(idx) == ffi::LUA_TNUMBER {
+        c.to_number(idx).and_then(id_of_number)
+    } else {
+        Some(check_fiber_id(c, idx)?)
     };
     match fid.and_then(|f| find(f).map(|x| (f, x))) {
         Some(found) => Ok(found),
@@ -143,41 +117,33 @@ pub(super) unsafe fn check_fiber(
 /// hash (a weak table by id) or a registry reference. A fiber without a record (a fiber made
 /// by Rust code that calls into Lua) keeps its object in a weak table by id. (`fiber.create`
 /// and `fiber.new` make the object of a new fiber together with its record, in
-/// [`spawn_lua`].)
-///
-/// # Safety
-/// `l` valid.
-pub(super) unsafe fn push_fiber_object(l: *mut ffi::lua_State, fid: FiberId) -> Result<(), LErr> {
-    let (known, objs, weak, fmt) = with_host(|h| {
+/// `spawn_lua`.)
+pub(super) fn push_fiber_object(c: &mut Call, fid: FiberId) -> Result<(), LErr> {
+    let (known, objs, weak) = with_host(|h| {
         (
             h.recs.get(&fid).map(|r| r.obj_slot),
             h.objs_ref,
             h.weak_objs_ref,
-            h.fiber_mt_ref,
         )
     })
     .ok_or_else(no_host)?;
-    // SAFETY: a host table and a fresh userdata with the fiber metatable.
-    unsafe {
-        ffi::lua_checkstack(l, 4);
-        match known {
-            Some(slot) if slot > 0 => {
-                super::raw::rawgeti(l, REG, objs as ffi::lua_Integer);
-                super::raw::rawgeti(l, -1, slot as ffi::lua_Integer);
-                ffi::lua_replace(l, -2);
+    match known {
+        Some(slot) if slot > 0 => {
+            c.push_ref(objs)?;
+            c.push_index(-1, slot as i64)?;
+            c.remove(-2);
+            return Ok(());
+        }
+        None => {
+            c.push_ref(weak)?;
+            c.push_index(-1, fid as i64)?;
+            if c.type_of(-1) == ffi::LUA_TUSERDATA {
+                c.remove(-2);
                 return Ok(());
             }
-            None => {
-                super::raw::rawgeti(l, REG, weak as ffi::lua_Integer);
-                super::raw::rawgeti(l, -1, fid as ffi::lua_Integer);
-                if ffi::lua_type(l, -1) == ffi::LUA_TUSERDATA {
-                    ffi::lua_replace(l, -2);
-                    return Ok(());
-                }
-                ffi::lua_settop(l, -3);
-            }
-            _ => {}
+            c.pop(2);
         }
+        _ => {}
     }
     // The object is made in a protected call: its allocations can fail.
     let slot = if known.is_some() {
@@ -191,27 +157,22 @@ pub(super) unsafe fn push_fiber_object(l: *mut ffi::lua_State, fid: FiberId) -> 
     } else {
         0
     };
-    // SAFETY: a fresh userdata with the fiber metatable, stored in the host's object table
-    // (at the slot taken above) or in its weak table; left on top.
-    let made = unsafe {
-        raw::protect(l, &[], &mut |l| {
-            let p = ffi::lua_newuserdata(l, std::mem::size_of::<FiberUd>()).cast::<FiberUd>();
-            p.write(FiberUd { fid });
-            super::raw::rawgeti(l, REG, fmt as ffi::lua_Integer);
-            ffi::lua_setmetatable(l, -2);
-            if slot > 0 {
-                super::raw::rawgeti(l, REG, objs as ffi::lua_Integer);
-                ffi::lua_pushvalue(l, -2);
-                super::raw::rawseti(l, -2, slot as ffi::lua_Integer);
-            } else {
-                super::raw::rawgeti(l, REG, weak as ffi::lua_Integer);
-                ffi::lua_pushvalue(l, -2);
-                super::raw::rawseti(l, -2, fid as ffi::lua_Integer);
-            }
-            ffi::lua_settop(l, -2);
-            1
-        })
-    };
+    // A fresh userdata with the fiber metatable, stored in the host's object table (at the
+    // slot taken above) or in its weak table; left on top.
+    let made = c.protected(&[], |p| {
+        p.new_ud(FiberUd { fid });
+        if slot > 0 {
+            p.push_ref(objs);
+            p.push_value(-2);
+            p.set_index(-2, slot as i64);
+        } else {
+            p.push_ref(weak);
+            p.push_value(-2);
+            p.set_index(-2, fid as i64);
+        }
+        p.truncate(p.top() - 1);
+        1
+    });
     match made {
         Ok(_) if slot > 0 => {
             with_host(|h| match h.recs.get_mut(&fid) {
@@ -244,15 +205,7 @@ pub(super) fn remove_rec(h: &mut HostState, fid: FiberId) -> Option<LuaFiber> {
 /// fiber objects would keep its entry).
 pub(super) fn free_obj_slot(h: &mut HostState, rec: &LuaFiber) {
     if rec.obj_slot > 0 {
-        // SAFETY: the host's main state and its object table; a plain array store.
-        unsafe {
-            let l = h.main_l;
-            ffi::lua_checkstack(l, 2);
-            super::raw::rawgeti(l, REG, h.objs_ref as ffi::lua_Integer);
-            ffi::lua_pushnil(l);
-            super::raw::rawseti(l, -2, rec.obj_slot as ffi::lua_Integer);
-            ffi::lua_settop(l, -2);
-        }
+        h.clear_index(h.objs_ref, rec.obj_slot as ffi::lua_Integer);
         h.obj_free.push(rec.obj_slot);
     }
 }
@@ -260,8 +213,7 @@ pub(super) fn free_obj_slot(h: &mut HostState, rec: &LuaFiber) {
 /// Drops a fiber's `storage` table (when its function ends, as Tarantool's `on_stop`).
 pub(super) fn release_storage(h: &HostState, rec: &mut LuaFiber) {
     if rec.storage_ref > 0 {
-        // SAFETY: the reference was made by `storage` in this host's registry.
-        unsafe { ffi::luaL_unref(h.main_l, REG, rec.storage_ref) };
+        h.unref(rec.storage_ref);
         rec.storage_ref = 0;
     }
 }

@@ -1,7 +1,7 @@
 //! Small helpers over the raw Lua API for the host's C functions.
 //!
 //! Every Lua-visible function of the host is a plain `lua_CFunction` written with
-//! [`lua_fn!`](lua_fn): its body returns `Result<c_int, LErr>` and never raises a Lua
+//! [`lua_fn!`](super::call::lua_fn): its body returns `Result<c_int, LErr>` and never raises a Lua
 //! error itself (no `luaL_check*`, no `lua_error`); the wrapper turns an `Err` (or a Rust
 //! panic, e.g. the fiber runtime's cancellation) into a Lua error *after* every Rust value of
 //! the body is dropped, so Lua's error unwinding (a C++-style exception in LuaJIT, a longjmp in
@@ -39,7 +39,8 @@ use mlua::ffi;
 /// `l` valid, with a table at `idx` and a free stack slot.
 #[inline(always)]
 pub(crate) unsafe fn rawgeti(l: *mut ffi::lua_State, idx: c_int, n: ffi::lua_Integer) {
-    // SAFETY: per the contract.
+    // SAFETY: the caller's table at `idx` and free slot (the contract): a raw read; a key past
+    // `int` goes through the key pushed in that slot.
     unsafe {
         #[cfg(feature = "luajit")]
         match c_int::try_from(n) {
@@ -63,7 +64,8 @@ pub(crate) unsafe fn rawgeti(l: *mut ffi::lua_State, idx: c_int, n: ffi::lua_Int
 /// is past `int` under LuaJIT.
 #[inline(always)]
 pub(crate) unsafe fn rawseti(l: *mut ffi::lua_State, idx: c_int, n: ffi::lua_Integer) {
-    // SAFETY: per the contract.
+    // SAFETY: the caller's table at `idx` and value on top (the contract): a raw store, which
+    // pops the value; a key past `int` takes the free slot the contract gives.
     unsafe {
         #[cfg(feature = "luajit")]
         match c_int::try_from(n) {
@@ -112,36 +114,6 @@ impl From<&str> for LErr {
 
 /// The result of a C function body: the number of results pushed, or an error.
 pub(crate) type LResult = Result<c_int, LErr>;
-
-/// Pushes the message of `e` on `l` (with the caller's position for [`LErr::At`]), for the
-/// wrapper of [`lua_fn!`](lua_fn) to raise.
-///
-/// # Safety
-/// `l` is the calling state of a C function.
-#[inline(never)]
-pub(crate) unsafe fn push_error(l: *mut ffi::lua_State, e: LErr) {
-    // SAFETY: per the contract; the message is made in a protected call (its allocation can
-    // fail), whose error value is then the one raised.
-    unsafe {
-        if matches!(e, LErr::Raised) {
-            return;
-        }
-        let mut e = Some(e);
-        let _ = protect(l, &[], &mut |l| {
-            match e.take() {
-                Some(LErr::At(msg)) => {
-                    // Level 0 is the trampoline, 1 the C function, 2 its caller.
-                    ffi::luaL_where(l, 2);
-                    push_str(l, &msg);
-                    ffi::lua_concat(l, 2);
-                }
-                Some(LErr::Plain(msg)) => push_str(l, &msg),
-                _ => ffi::lua_pushnil(l),
-            }
-            1
-        });
-    }
-}
 
 thread_local! {
     /// Registry reference of [`protect`]'s trampoline in this thread's host state (0: none).
@@ -283,55 +255,13 @@ pub(crate) unsafe fn arg_error(l: *mut ffi::lua_State, narg: c_int, msg: &str) -
 /// # Safety
 /// `l` is the calling state of a C function.
 pub(crate) unsafe fn type_error(l: *mut ffi::lua_State, narg: c_int, what: &str) -> LErr {
-    // SAFETY: per the contract.
+    // SAFETY: `l` is a C function's calling state (the contract): the type name is a read,
+    // the debug query of `arg_error` reads the call's own frame.
     unsafe {
         let got = type_name(l, narg);
         arg_error(l, narg, &format!("{what} expected, got {got}"))
     }
 }
-
-/// Defines a `lua_CFunction` named `$name` from a body `fn(*mut lua_State) -> LResult`.
-macro_rules! lua_fn {
-    ($name:ident, $body:path) => {
-        pub(crate) unsafe extern "C-unwind" fn $name(
-            l: *mut mlua::ffi::lua_State,
-        ) -> std::ffi::c_int {
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                // SAFETY: Lua calls this function with a valid state; the body's contract is
-                // the C function contract.
-                unsafe { $body(l) }
-            }));
-            match r {
-                Ok(Ok(n)) => n,
-                Ok(Err(e)) => {
-                    // SAFETY: `l` is the calling state; the message is pushed (and the error
-                    // dropped) before it is raised, with nothing owned by this frame alive.
-                    unsafe { $crate::host::raw::push_error(l, e) };
-                    // SAFETY: as above: raising from a C function is how Lua errors are made.
-                    unsafe { mlua::ffi::lua_error(l) }
-                }
-                Err(payload) => {
-                    drop(payload);
-                    let msg = if fibertrace_fiber::is_cancelled() {
-                        // The unwinding ends here, as a Lua error: the next yield of this
-                        // fiber raises it again.
-                        fibertrace_fiber::cancellation_caught();
-                        "fiber is cancelled"
-                    } else {
-                        "fibertrace: internal error (Rust panic)"
-                    };
-                    // SAFETY: as above (the message is pushed in a protected call).
-                    unsafe {
-                        $crate::host::raw::push_error(l, $crate::host::raw::LErr::plain(msg))
-                    };
-                    // SAFETY: as above.
-                    unsafe { mlua::ffi::lua_error(l) }
-                }
-            }
-        }
-    };
-}
-pub(crate) use lua_fn;
 
 /// Pushes a Rust string: its bytes, except that a fiber name's bytes that are not UTF-8 (kept
 /// as private-use code points, see [`fibertrace_fiber::embed::name_from_bytes`]) are given
@@ -351,19 +281,9 @@ pub(crate) unsafe fn push_str(l: *mut ffi::lua_State, s: &str) {
 /// # Safety
 /// `idx` is an absolute index of a table without a metatable; a value is on top.
 pub(crate) unsafe fn set_field(l: *mut ffi::lua_State, idx: c_int, k: &CStr) {
-    // SAFETY: per the contract.
+    // SAFETY: a table without metatable at the absolute index `idx` and a value on top (the
+    // contract): the store pops the value and runs no metamethod.
     unsafe { ffi::lua_setfield(l, idx, k.as_ptr()) };
-}
-
-/// The number at `idx`, if it is a number (or a numeric string).
-///
-/// # Safety
-/// `l` is valid and `idx` an acceptable index.
-pub(crate) unsafe fn to_number(l: *mut ffi::lua_State, idx: c_int) -> Option<f64> {
-    let mut ok: c_int = 0;
-    // SAFETY: plain read of a stack value.
-    let v = unsafe { ffi::lua_tonumberx(l, idx, &mut ok) };
-    (ok != 0).then_some(v)
 }
 
 /// The type of the value at `idx`.
@@ -371,33 +291,8 @@ pub(crate) unsafe fn to_number(l: *mut ffi::lua_State, idx: c_int) -> Option<f64
 /// # Safety
 /// `l` is valid.
 pub(crate) unsafe fn type_of(l: *mut ffi::lua_State, idx: c_int) -> c_int {
-    // SAFETY: per the contract.
+    // SAFETY: `l` valid (the contract); lua_type reads any acceptable index.
     unsafe { ffi::lua_type(l, idx) }
-}
-
-/// An optional timeout argument in seconds, as Tarantool's channel and condition methods
-/// read it: absent or nil is no timeout; a number or a numeric string is taken (NaN and
-/// anything past a billion seconds wait forever, zero or less than a nanosecond does not
-/// wait); a negative number or anything else is `usage` (with the caller's position).
-///
-/// # Safety
-/// `l` is valid.
-pub(crate) unsafe fn opt_timeout(
-    l: *mut ffi::lua_State,
-    idx: c_int,
-    usage: &str,
-) -> Result<Option<std::time::Duration>, LErr> {
-    // SAFETY: per the contract.
-    if unsafe { type_of(l, idx) } <= ffi::LUA_TNIL {
-        return Ok(None);
-    }
-    // SAFETY: per the contract.
-    match unsafe { to_number(l, idx) } {
-        Some(s) if s.is_nan() => Ok(None),
-        Some(s) if s < 0.0 => Err(LErr::At(usage.to_string())),
-        Some(s) => Ok(seconds(s)),
-        None => Err(LErr::At(usage.to_string())),
-    }
 }
 
 /// A non-negative number of seconds as a timeout (`None`: forever, for NaN and anything past
@@ -416,7 +311,7 @@ pub(crate) fn seconds(s: f64) -> Option<std::time::Duration> {
 /// # Safety
 /// As [`error_bytes`].
 pub(crate) unsafe fn error_text(l: *mut ffi::lua_State, idx: c_int) -> String {
-    // SAFETY: per the contract.
+    // SAFETY: `l` and `idx` as error_bytes requires (this function's contract is its own).
     let b = unsafe { error_bytes(l, idx) };
     match String::from_utf8(b) {
         Ok(s) => s,
@@ -433,23 +328,23 @@ pub(crate) unsafe fn error_text(l: *mut ffi::lua_State, idx: c_int) -> String {
 /// `l` is a Lua thread of this thread's host, running or idle, and `idx` an acceptable index
 /// of its current frame.
 pub(crate) unsafe fn error_bytes(l: *mut ffi::lua_State, idx: c_int) -> Vec<u8> {
-    // SAFETY: per the contract.
+    // SAFETY: an acceptable index of a valid state (the contract); a read.
     let t = unsafe { type_of(l, idx) };
     if t == ffi::LUA_TSTRING {
-        // SAFETY: per the contract.
+        // SAFETY: a string at an acceptable index: its bytes are read and copied.
         return unsafe { to_bytes(l, idx) }.unwrap_or_default();
     }
     if t == ffi::LUA_TNUMBER {
         // As Lua writes it, without converting it in place (an allocation).
         #[cfg(not(feature = "luajit"))]
-        // SAFETY: per the contract.
+        // SAFETY: a number at an acceptable index; a read.
         if unsafe { ffi::lua_isinteger(l, idx) } != 0 {
-            // SAFETY: per the contract.
+            // SAFETY: an integer at an acceptable index; a read.
             return unsafe { ffi::lua_tointeger(l, idx) }
                 .to_string()
                 .into_bytes();
         }
-        // SAFETY: per the contract.
+        // SAFETY: a number at an acceptable index; lua_tonumber reads it (no conversion).
         return number_text(unsafe { ffi::lua_tonumber(l, idx) }).into_bytes();
     }
     if t != ffi::LUA_TNONE {
@@ -496,7 +391,8 @@ pub(crate) unsafe fn to_bytes(l: *mut ffi::lua_State, idx: c_int) -> Option<Vec<
     if p.is_null() {
         return None;
     }
-    // SAFETY: as above; the bytes are copied before any other Lua call.
+    // SAFETY: `p` points at `len` bytes owned by the value (lua_tolstring's result, not
+    // null); they are copied before any other Lua call.
     Some(unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len) }.to_vec())
 }
 
@@ -506,21 +402,6 @@ fn number_text(n: f64) -> String {
     // SAFETY: the buffer and its length are given; the format takes one double.
     let len = unsafe { libc::snprintf(buf.as_mut_ptr().cast(), buf.len(), c"%.14g".as_ptr(), n) };
     String::from_utf8_lossy(&buf[..(len.max(0) as usize).min(buf.len() - 1)]).into_owned()
-}
-
-/// Pushes a Rust string in a protected call (see [`protect`]).
-///
-/// # Safety
-/// As [`protect`].
-pub(crate) unsafe fn push_str_p(l: *mut ffi::lua_State, s: &str) -> Result<(), LErr> {
-    // SAFETY: per the contract.
-    unsafe {
-        protect(l, &[], &mut |l| {
-            push_str(l, s);
-            1
-        })
-    }
-    .map(|_| ())
 }
 
 #[cfg(test)]

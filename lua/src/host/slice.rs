@@ -8,9 +8,10 @@ use std::time::Duration;
 use fibertrace_fiber::FiberId;
 use mlua::ffi;
 
+use super::call::lua_fn;
+use super::call::Call;
 use super::objects::*;
-use super::raw::lua_fn;
-use super::raw::{self, push_str, to_number, LErr, LResult};
+use super::raw::{LErr, LResult};
 use super::{with_host, HostState, Slice};
 
 // ---- slices ----
@@ -20,47 +21,32 @@ pub(super) const BAD_SLICE: &str =
 
 /// Reads a slice argument: a number (the error part; no warning) or `{warn = n, err = n}`
 /// (numbers or numeric strings, read raw); each part `>= 0` (NaN is not).
-///
-/// # Safety
-/// `l` valid.
-pub(super) unsafe fn slice_arg(l: *mut ffi::lua_State, idx: c_int) -> Result<Slice, LErr> {
-    // SAFETY: per the contract; raw reads of two fields (their keys are made in a protected
-    // call), popped.
-    let slice = unsafe {
-        if ffi::lua_type(l, idx) == ffi::LUA_TTABLE {
-            raw::protect(l, &[], &mut |l| {
-                push_str(l, "warn");
-                push_str(l, "err");
-                2
-            })?;
-            let idx = ffi::lua_absindex(l, idx);
-            let part = |k: c_int| {
-                ffi::lua_pushvalue(l, k);
-                ffi::lua_rawget(l, idx);
-                let v = if ffi::lua_type(l, -1) == ffi::LUA_TNUMBER
-                    || ffi::lua_type(l, -1) == ffi::LUA_TSTRING
-                {
-                    to_number(l, -1)
-                } else {
-                    None
-                };
-                ffi::lua_settop(l, -2);
-                v
+pub(super) fn slice_arg(c: &mut Call, idx: c_int) -> Result<Slice, LErr> {
+    let slice = if c.type_of(idx) == ffi::LUA_TTABLE {
+        let part = |c: &mut Call, key: &str| -> Result<Option<f64>, LErr> {
+            c.push_field(idx, key)?;
+            let t = c.type_of(-1);
+            let v = if t == ffi::LUA_TNUMBER || t == ffi::LUA_TSTRING {
+                c.to_number(-1)
+            } else {
+                None
             };
-            let parts = (part(-2), part(-1));
-            ffi::lua_settop(l, -3);
-            match parts {
-                (Some(warn), Some(err)) => Slice { warn, err },
-                _ => return Err(LErr::plain(BAD_SLICE)),
-            }
-        } else if let Some(err) = to_number(l, idx) {
-            Slice {
-                warn: Slice::INFINITE,
-                err,
-            }
-        } else {
-            return Err(LErr::plain(BAD_SLICE));
+            c.pop(1);
+            Ok(v)
+        };
+        let warn = part(c, "warn")?;
+        let err = part(c, "err")?;
+        match (warn, err) {
+            (Some(warn), Some(err)) => Slice { warn, err },
+            _ => return Err(LErr::plain(BAD_SLICE)),
         }
+    } else if let Some(err) = c.to_number(idx) {
+        Slice {
+            warn: Slice::INFINITE,
+            err,
+        }
+    } else {
+        return Err(LErr::plain(BAD_SLICE));
     };
     if !(slice.warn >= 0.0 && slice.err >= 0.0) {
         return Err(LErr::plain("slice value must be >= 0"));
@@ -88,26 +74,22 @@ pub(super) fn run_slice(h: &HostState, run: (FiberId, u64)) -> Slice {
     }
 }
 
-pub(super) unsafe fn set_slice_body(l: *mut ffi::lua_State) -> LResult {
-    // SAFETY: C function contract.
-    if unsafe { ffi::lua_gettop(l) } != 1 {
+pub(super) fn set_slice_body(c: &mut Call) -> LResult {
+    if c.top() != 1 {
         return Err(LErr::plain("fiber.set_slice(slice): bad arguments"));
     }
-    // SAFETY: as above.
-    let s = unsafe { slice_arg(l, 1) }?;
+    let s = slice_arg(c, 1)?;
     let run = current_run();
     with_host(|h| h.run_slice = Some((run, s)));
     Ok(0)
 }
 lua_fn!(f_set_slice, set_slice_body);
 
-pub(super) unsafe fn extend_slice_body(l: *mut ffi::lua_State) -> LResult {
-    // SAFETY: C function contract.
-    if unsafe { ffi::lua_gettop(l) } != 1 {
+pub(super) fn extend_slice_body(c: &mut Call) -> LResult {
+    if c.top() != 1 {
         return Err(LErr::plain("fiber.extend_slice(slice): bad arguments"));
     }
-    // SAFETY: as above.
-    let s = unsafe { slice_arg(l, 1) }?;
+    let s = slice_arg(c, 1)?;
     let run = current_run();
     with_host(|h| {
         let cur = run_slice(h, run);
@@ -123,9 +105,8 @@ lua_fn!(f_extend_slice, extend_slice_body);
 
 /// `fiber.check_slice()`: warns once per run (stderr) past the warning part, raises `fiber
 /// slice is exceeded` past the error part, counted from when the fiber last got the CPU.
-pub(super) unsafe fn check_slice_body(l: *mut ffi::lua_State) -> LResult {
-    // SAFETY: C function contract.
-    if unsafe { ffi::lua_gettop(l) } != 0 {
+pub(super) fn check_slice_body(c: &mut Call) -> LResult {
+    if c.top() != 0 {
         return Err(LErr::plain("fiber.check_slice(): bad arguments"));
     }
     let Some(ran) = fibertrace_fiber::embed::current_run_time() else {
@@ -172,20 +153,17 @@ lua_fn!(f_check_slice, check_slice_body);
 /// has a finite part, a fiber that runs longer than that (the warning part, else the error
 /// part) without yielding is reported with its stack, whether or not it calls
 /// `check_slice()`.
-pub(super) unsafe fn set_max_slice_body(l: *mut ffi::lua_State) -> LResult {
-    // SAFETY: C function contract.
-    let top = unsafe { ffi::lua_gettop(l) };
+pub(super) fn set_max_slice_body(c: &mut Call) -> LResult {
+    let top = c.top();
     if top != 1 && top != 2 {
         return Err(LErr::plain(
             "fiber.set_max_slice([id,] slice): bad arguments",
         ));
     }
-    // SAFETY: as above.
-    let s = unsafe { slice_arg(l, top) }?;
+    let s = slice_arg(c, top)?;
     let run = current_run();
     if top == 2 {
-        // SAFETY: as above.
-        let (fid, _) = unsafe { check_fiber(l, 1, false) }?;
+        let (fid, _) = check_fiber(c, 1, false)?;
         with_host(|h| {
             if let Some(r) = h.recs.get_mut(&fid) {
                 r.max_slice = Some(s);
@@ -229,13 +207,13 @@ pub(super) unsafe fn set_max_slice_body(l: *mut ffi::lua_State) -> LResult {
 }
 lua_fn!(f_set_max_slice, set_max_slice_body);
 
-pub(super) unsafe fn pbt_enable_body(_l: *mut ffi::lua_State) -> LResult {
+pub(super) fn pbt_enable_body(_c: &mut Call) -> LResult {
     with_host(|h| h.parent_backtrace = true);
     Ok(0)
 }
 lua_fn!(f_pbt_enable, pbt_enable_body);
 
-pub(super) unsafe fn pbt_disable_body(_l: *mut ffi::lua_State) -> LResult {
+pub(super) fn pbt_disable_body(_c: &mut Call) -> LResult {
     with_host(|h| h.parent_backtrace = false);
     Ok(0)
 }

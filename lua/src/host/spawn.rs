@@ -8,16 +8,18 @@ use std::io::Write;
 use fibertrace_fiber::{Builder, FiberId, ParentTrace};
 use mlua::ffi;
 
+use super::call::lua_fn;
+use super::call::Call;
 use super::objects::*;
-use super::raw::lua_fn;
-use super::raw::{self, type_of, LErr, LResult};
+use super::raw::{self, LErr, LResult};
 use super::{with_host, HostState, LuaFiber, ScriptError};
 
 // ---- fiber creation and the fiber body ----
 
 /// The message handler of every fiber's `lua_pcall`: records the interleaved trace at the
 /// point of the error, and returns the error unchanged.
-pub(super) unsafe fn msgh_body(l: *mut ffi::lua_State) -> LResult {
+pub(super) fn msgh_body(c: &mut Call) -> LResult {
+    let l = c.state();
     let root = with_host(|h| {
         h.recs
             .get(&fibertrace_fiber::current_id())
@@ -38,8 +40,8 @@ pub(super) unsafe fn msgh_body(l: *mut ffi::lua_State) -> LResult {
 lua_fn!(f_msgh, msgh_body);
 
 /// The host's glue in reports (see `fibertrace_fiber::glue`): the wrapper [`lua_fn!`] makes
-/// around each function the host gives Lua (its code is the macro's, in `raw.rs`, and so is
-/// its line information), the calls that start a fiber's Lua function, and mlua's shims.
+/// around each function the host gives Lua (its code is the macro's, in `call.rs`, and so is
+/// its line information, and the raw helpers in `raw.rs` it calls), the calls that start a fiber's Lua function, and mlua's shims.
 pub(crate) fn is_glue(name: &str, file: Option<&str>) -> bool {
     // mlua's inline shims of the C API (`lua_pcall` over `lua_pcallk` under Lua 5.4).
     if name.starts_with("mlua_sys::") {
@@ -48,7 +50,7 @@ pub(crate) fn is_glue(name: &str, file: Option<&str>) -> bool {
     let Some(rest) = name.strip_prefix("fibertrace_lua::host::") else {
         return false;
     };
-    file.is_some_and(|f| f.ends_with("src/host/raw.rs"))
+    file.is_some_and(|f| f.ends_with("src/host/call.rs") || f.ends_with("src/host/raw.rs"))
         || matches!(
             rest,
             "spawn::call_in_thread"
@@ -226,23 +228,16 @@ thread_local! {
 /// whole stack of `l`; they move to the new fiber, and its object is left in their place.
 /// `starts_now`: the caller starts it right after (`fiber.create`), which dates it.
 ///
-/// # Safety
-/// `l` is the calling state of a C function.
-pub(super) unsafe fn spawn_lua(
-    l: *mut ffi::lua_State,
-    what: &str,
-    starts_now: bool,
-) -> Result<FiberId, LErr> {
-    // SAFETY: per the contract.
-    if unsafe { type_of(l, 1) } != ffi::LUA_TFUNCTION {
+fn spawn_lua(c: &mut Call, what: &str, starts_now: bool) -> Result<FiberId, LErr> {
+    let l = c.state();
+    if c.type_of(1) != ffi::LUA_TFUNCTION {
         return Err(format!("fiber.{what}(function, ...): bad arguments").into());
     }
     if fibertrace_fiber::current_id() == 0 {
         return Err(format!("fiber.{what}: not in a fiber").into());
     }
-    // SAFETY: per the contract.
-    let n = unsafe { ffi::lua_gettop(l) };
-    // SAFETY: per the contract.
+    let n = c.top();
+    // SAFETY: `l` is the state of the running call `c`, a running thread of this host.
     let (t, tref) = unsafe { take_thread(l) }?;
     let (parent_bt, creator_root, name, objs, mt, slot) = with_host(|h| {
         let root = if h.parent_backtrace {
@@ -365,12 +360,38 @@ pub(super) unsafe fn spawn_lua(
     Ok(fid)
 }
 
-pub(super) unsafe fn create_body(l: *mut ffi::lua_State) -> LResult {
-    // SAFETY: C function contract.
-    let fid = unsafe { spawn_lua(l, "create", true) }?;
+/// Moves the outcome of a joined fiber's function to the joiner's call: `true` and its
+/// results, or `false` and its error value; how many values were pushed. `rec` is the
+/// record of a fiber whose function ended (`done` is set), just removed by the joiner.
+pub(super) fn move_outcome(c: &mut Call, rec: &LuaFiber) -> Result<c_int, LErr> {
+    let (l, t) = (c.state(), rec.thread);
+    // SAFETY: `t` is the fiber's Lua thread, anchored by the record's reference until the
+    // caller releases it; the fiber ended (`done`), so the thread is idle and holds its
+    // message handler at `MSGH_SLOT` with its results (or its error) above; `l` is the
+    // running call's state, given room for what moves (lua_checkstack never raises);
+    // lua_xmove moves values between threads of one state without allocating.
+    unsafe {
+        let ok = rec.done == Some(true);
+        let n = if ok {
+            (ffi::lua_gettop(t) - MSGH_SLOT).max(0)
+        } else {
+            1
+        };
+        if ffi::lua_checkstack(l, n + 1) == 0 {
+            return Err(LErr::plain(format!(
+                "fiber:join: too many results ({n}) for the joiner's Lua stack"
+            )));
+        }
+        ffi::lua_pushboolean(l, ok as c_int);
+        ffi::lua_xmove(t, l, n);
+        Ok(n + 1)
+    }
+}
+
+pub(super) fn create_body(c: &mut Call) -> LResult {
+    let fid = spawn_lua(c, "create", true)?;
     // Inside a finalizer it starts at this fiber's next switch (see `finalize`).
-    // SAFETY: C function contract.
-    if !unsafe { super::finalize::may_switch(l) } {
+    if !super::finalize::may_switch(c) {
         return Ok(1);
     }
     // Start it now: it runs, and this fiber continues as soon as it yields. Not a
@@ -383,9 +404,8 @@ pub(super) unsafe fn create_body(l: *mut ffi::lua_State) -> LResult {
 }
 lua_fn!(f_create, create_body);
 
-pub(super) unsafe fn new_body(l: *mut ffi::lua_State) -> LResult {
-    // SAFETY: C function contract.
-    unsafe { spawn_lua(l, "new", false) }?;
+pub(super) fn new_body(c: &mut Call) -> LResult {
+    spawn_lua(c, "new", false)?;
     Ok(1)
 }
 lua_fn!(f_new, new_body);
@@ -405,7 +425,8 @@ pub(crate) fn run_main_fiber(
         Ok(t) => t,
         Err(e) => {
             let m = match e {
-                // SAFETY: as above; a failed protected call left its error on top.
+                // SAFETY: the idle main state, where the failed protected call of `take_thread`
+                // left its error value on top: read, then popped.
                 LErr::Raised => unsafe {
                     let m = raw::error_text(main_l, -1);
                     ffi::lua_settop(main_l, -2);
