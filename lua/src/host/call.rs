@@ -44,29 +44,22 @@ use super::raw::{self, protect, push_str, LErr};
 const REG: c_int = ffi::LUA_REGISTRYINDEX;
 
 /// Pushes the message of `e` on `l` (with the caller's position for [`LErr::At`]), for the
-/// wrapper of [`lua_fn!`](lua_fn) to raise. The values the body left above `base` (the top
-/// it was called with) are dropped first, so the message has room even when the body failed
-/// on a full stack; an error value already on top ([`LErr::Raised`]) is kept.
+/// wrapper of [`lua_fn!`](lua_fn) to raise. The call's values are dropped first (raising
+/// discards the frame anyway), so the message has room even when the body failed on a full
+/// stack; an error value already on top ([`LErr::Raised`]) is left as it is.
 ///
 /// # Safety
-/// `l` is the calling state of a C function, and `base` its top when it was called.
+/// `l` is the calling state of a C function.
 #[inline(never)]
-pub(crate) unsafe fn push_error(l: *mut ffi::lua_State, e: LErr, base: c_int) {
-    // SAFETY: per the contract; the top is only lowered to `base` (or `base + 1`, the error
-    // value moved there), never raised past what the call had; the message is made in a
-    // protected call (its allocation can fail), whose error value is then the one raised.
+pub(crate) unsafe fn push_error(l: *mut ffi::lua_State, e: LErr) {
+    // SAFETY: per the contract; the top is only lowered (to 0, leaving at least the
+    // `LUA_MINSTACK` slots the call was given); the message is made in a protected call (its
+    // allocation can fail), whose error value is then the one raised.
     unsafe {
-        let top = ffi::lua_gettop(l);
         if matches!(e, LErr::Raised) {
-            if top > base + 1 {
-                ffi::lua_replace(l, base + 1);
-                ffi::lua_settop(l, base + 1);
-            }
             return;
         }
-        if top > base {
-            ffi::lua_settop(l, base);
-        }
+        ffi::lua_settop(l, 0);
         let mut e = Some(e);
         let _ = protect(l, &[], &mut |l| {
             match e.take() {
@@ -90,8 +83,6 @@ macro_rules! lua_fn {
         pub(crate) unsafe extern "C-unwind" fn $name(
             l: *mut mlua::ffi::lua_State,
         ) -> std::ffi::c_int {
-            // SAFETY: Lua calls this function as a C function: `l` is its calling state.
-            let base = unsafe { mlua::ffi::lua_gettop(l) };
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 // SAFETY: Lua calls this function as a C function: `l` is its calling state,
                 // a thread of this thread's host (only the host registers these functions),
@@ -104,7 +95,7 @@ macro_rules! lua_fn {
                 Ok(Err(e)) => {
                     // SAFETY: `l` is the calling state; the message is pushed (and the error
                     // dropped) before it is raised, with nothing owned by this frame alive.
-                    unsafe { $crate::host::call::push_error(l, e, base) };
+                    unsafe { $crate::host::call::push_error(l, e) };
                     // SAFETY: raising from the C function Lua called is how Lua errors are made;
                     // the message is on top and nothing this frame owns is alive.
                     unsafe { mlua::ffi::lua_error(l) }
@@ -119,10 +110,10 @@ macro_rules! lua_fn {
                     } else {
                         "fibertrace: internal error (Rust panic)"
                     };
-                    // SAFETY: `l` is the calling state and `base` its top at the call (read
-                    // above); the message is pushed in a protected call.
+                    // SAFETY: `l` is the calling state; the message is pushed in a protected
+                    // call.
                     unsafe {
-                        $crate::host::call::push_error(l, $crate::host::raw::LErr::plain(msg), base)
+                        $crate::host::call::push_error(l, $crate::host::raw::LErr::plain(msg))
                     };
                     // SAFETY: raising from the C function Lua called, with the message on top
                     // and the panic payload dropped.
@@ -142,15 +133,16 @@ pub(crate) struct Call {
 /// A userdata block type of the host, bound to its metatable.
 ///
 /// # Safety
-/// The registry reference [`UdBlock::metatable`] returns is set as the metatable only of
-/// userdata whose block is an initialised `Self` (written before the metatable is set, by
-/// [`Protected::new_ud`] or by code that keeps the same order).
+/// The table [`UdBlock::metatable`] names (by its registry reference, and by its identity,
+/// `lua_topointer`, which stays the table's while the reference anchors it) is set as the
+/// metatable only of userdata whose block is an initialised `Self` (written before the
+/// metatable is set, by [`Protected::new_ud`] or by code that keeps the same order).
 pub(crate) unsafe trait UdBlock: Sized {
     /// What a body gets from a block: a clone of what it holds.
     type Handle;
-    /// The registry reference of this type's metatable in this thread's host (`None`: no
-    /// host).
-    fn metatable() -> Option<c_int>;
+    /// The registry reference and the identity of this type's metatable in this thread's
+    /// host (`None`: no host).
+    fn metatable() -> Option<(c_int, usize)>;
     /// A handle to what the block holds, `None` once it is released.
     fn handle(&self) -> Option<Self::Handle>;
     /// Releases what the block holds (its `__gc`; a second call does nothing).
@@ -324,19 +316,18 @@ impl Call {
     /// The block of the userdata at `idx` if its metatable is `T`'s.
     fn ud_block<T: UdBlock>(&self, idx: c_int) -> Option<*mut T> {
         let i = self.slot(idx)?;
-        let mt = T::metatable()?;
-        self.room(2).ok()?;
-        // SAFETY: a slot of the running call's frame, with room for the two values pushed
-        // (the value's metatable and T's), both popped; rawgeti on the registry is a raw read.
+        let (_, mt) = T::metatable()?;
+        self.room(1).ok()?;
+        // SAFETY: a slot of the running call's frame, with room for the value's metatable,
+        // pushed and popped; the metatable is compared by identity with T's (a read).
         unsafe {
             if ffi::lua_type(self.l, i) != ffi::LUA_TUSERDATA
                 || ffi::lua_getmetatable(self.l, i) == 0
             {
                 return None;
             }
-            raw::rawgeti(self.l, REG, mt as ffi::lua_Integer);
-            let same = ffi::lua_rawequal(self.l, -1, -2) != 0;
-            ffi::lua_settop(self.l, -3);
+            let same = ffi::lua_topointer(self.l, -1) as usize == mt;
+            ffi::lua_settop(self.l, -2);
             same.then(|| ffi::lua_touserdata(self.l, i).cast::<T>())
         }
     }
@@ -384,16 +375,24 @@ impl Call {
         Ok(())
     }
 
-    /// Pushes `t[n]` (raw) for the table at `t`; nil if `t` is no table.
-    pub(crate) fn push_index(&mut self, t: c_int, n: i64) -> Result<(), LErr> {
-        if self.type_of(t) != ffi::LUA_TTABLE {
-            return self.push_nil();
-        }
-        let t = self.slot(t).unwrap_or(0);
+    /// Pushes `registry[r][n]` (raw): an element of a host table held by reference; nil if
+    /// `registry[r]` is no table. (One room check and no index check: the fast path of
+    /// `fiber.self()`.)
+    pub(crate) fn push_ref_index(&mut self, r: c_int, n: i64) -> Result<(), LErr> {
         self.room(2)?;
-        // SAFETY: a table in a slot of the frame, room for the value (and the key, which a
-        // key past `int` takes under LuaJIT); a raw read.
-        unsafe { raw::rawgeti(self.l, t, n as ffi::lua_Integer) };
+        // SAFETY: room for the table and the element (and a key past `int`, under LuaJIT,
+        // in the slot the element takes); raw reads of the registry and of a table checked
+        // to be one; the table is removed from under the element, or popped.
+        unsafe {
+            raw::rawgeti(self.l, REG, r as ffi::lua_Integer);
+            if ffi::lua_type(self.l, -1) == ffi::LUA_TTABLE {
+                raw::rawgeti(self.l, -1, n as ffi::lua_Integer);
+                ffi::lua_remove(self.l, -2);
+            } else {
+                ffi::lua_settop(self.l, -2);
+                ffi::lua_pushnil(self.l);
+            }
+        }
         Ok(())
     }
 
@@ -685,7 +684,7 @@ impl Protected {
     /// Pushes a new userdata holding `v`, with `T`'s metatable (set after the block is
     /// written: [`UdBlock`]'s contract).
     pub(crate) fn new_ud<T: UdBlock>(&mut self, v: T) {
-        let Some(mt) = T::metatable() else {
+        let Some((mt, _)) = T::metatable() else {
             drop(v);
             self.fail(c"fibertrace: no Lua host on this thread")
         };
@@ -742,19 +741,15 @@ mod tests {
     use super::super::raw::LResult;
     use super::*;
 
-    thread_local! {
-        /// The registry reference of `Probe`'s metatable: a table no userdata has.
-        static PROBE_MT: std::cell::Cell<c_int> = const { std::cell::Cell::new(0) };
-    }
-
     /// A block type whose metatable no userdata carries: every value reads as no `Probe`.
     struct Probe;
 
-    // SAFETY: `PROBE_MT` is set as the metatable of no userdata.
+    // SAFETY: no table has the identity 1 (and the reference is none), so no userdata has
+    // this metatable.
     unsafe impl UdBlock for Probe {
         type Handle = ();
-        fn metatable() -> Option<c_int> {
-            Some(PROBE_MT.with(|m| m.get()))
+        fn metatable() -> Option<(c_int, usize)> {
+            Some((ffi::LUA_NOREF, 1))
         }
         fn handle(&self) -> Option<()> {
             Some(())
@@ -823,7 +818,7 @@ mod tests {
         let host = super::super::LuaHost::new().unwrap();
         let l = super::super::with_host(|h| h.main_l).unwrap();
         // SAFETY: the host's main state, running nothing; each function is pushed and popped
-        // into a global, the probe's table into a reference.
+        // into a global.
         unsafe {
             for (name, f) in [
                 (c"t_flood", t_flood as ffi::lua_CFunction),
@@ -833,8 +828,6 @@ mod tests {
                 ffi::lua_pushcfunction(l, f);
                 ffi::lua_setglobal(l, name.as_ptr());
             }
-            ffi::lua_createtable(l, 0, 0);
-            PROBE_MT.with(|m| m.set(ffi::luaL_ref(l, REG)));
         }
         let src = r#"
             FLOOD_OK, FLOOD_ERR = pcall(t_flood)

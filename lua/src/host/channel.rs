@@ -30,8 +30,8 @@ pub(crate) struct ChannelUd {
 // `channel_body`).
 unsafe impl UdBlock for ChannelUd {
     type Handle = fibertrace_fiber::Channel<Msg>;
-    fn metatable() -> Option<c_int> {
-        mt_refs().map(|m| m.1)
+    fn metatable() -> Option<(c_int, usize)> {
+        metatable(1)
     }
     fn handle(&self) -> Option<Self::Handle> {
         self.ch.clone()

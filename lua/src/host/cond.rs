@@ -21,8 +21,8 @@ pub(crate) struct CondUd {
 // `cond_body`).
 unsafe impl UdBlock for CondUd {
     type Handle = Rc<fibertrace_fiber::Cond>;
-    fn metatable() -> Option<c_int> {
-        mt_refs().map(|m| m.2)
+    fn metatable() -> Option<(c_int, usize)> {
+        metatable(2)
     }
     fn handle(&self) -> Option<Self::Handle> {
         self.cond.clone()

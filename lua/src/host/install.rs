@@ -87,10 +87,11 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
 
         // Fiber objects: methods found through `__index` (a C function: `storage` is a
         // per-fiber value), as Tarantool's.
-        let fiber_mt_ref = new_metatable(l, c"fiber", FIBER_METHODS, FIBER_META, Some(f_index));
-        let channel_mt_ref =
+        let (fiber_mt_ref, fiber_mt) =
+            new_metatable(l, c"fiber", FIBER_METHODS, FIBER_META, Some(f_index));
+        let (channel_mt_ref, channel_mt) =
             new_metatable(l, c"fiber.channel", CHANNEL_METHODS, CHANNEL_META, None);
-        let cond_mt_ref = new_metatable(l, c"fiber.cond", COND_METHODS, COND_META, None);
+        let (cond_mt_ref, cond_mt) = new_metatable(l, c"fiber.cond", COND_METHODS, COND_META, None);
 
         // The modules, in package.loaded.
         ffi::lua_getfield(l, REG, c"_LOADED".as_ptr());
@@ -153,6 +154,7 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
             fiber_mt_ref,
             channel_mt_ref,
             cond_mt_ref,
+            mt_tables: [fiber_mt, channel_mt, cond_mt],
             report_errors: true,
             fiber_name: std::sync::Arc::from("lua"),
             default_slice: Slice::NONE,
@@ -242,7 +244,7 @@ pub(super) unsafe fn new_metatable(
     methods: &[(&CStr, ffi::lua_CFunction)],
     meta: &[(&CStr, ffi::lua_CFunction)],
     index: Option<ffi::lua_CFunction>,
-) -> c_int {
+) -> (c_int, usize) {
     // SAFETY: fresh tables, plain sets.
     unsafe {
         ffi::lua_createtable(l, 0, meta.len() as c_int + 2);
@@ -258,6 +260,8 @@ pub(super) unsafe fn new_metatable(
         }
         ffi::lua_pushstring(l, name.as_ptr());
         set_field(l, mt, c"__metatable");
-        ffi::luaL_ref(l, REG)
+        // The table's identity (tables do not move: both collectors are non-moving).
+        let id = ffi::lua_topointer(l, mt) as usize;
+        (ffi::luaL_ref(l, REG), id)
     }
 }

@@ -127,6 +127,9 @@ pub(crate) struct HostState {
     pub fiber_mt_ref: c_int,
     pub channel_mt_ref: c_int,
     pub cond_mt_ref: c_int,
+    /// The identities (`lua_topointer`) of the fiber, channel and condition metatables,
+    /// anchored by the references above for the host's life.
+    pub mt_tables: [usize; 3],
     /// Print errors of fibers nobody joins (to stderr).
     pub report_errors: bool,
     /// The name of fibers made by `fiber.create`/`fiber.new` ("lua", as Tarantool's), shared.

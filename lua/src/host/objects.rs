@@ -35,16 +35,21 @@ pub(crate) fn no_host() -> LErr {
     LErr::plain("fibertrace: no Lua host on this thread")
 }
 
-pub(crate) fn mt_refs() -> Option<(c_int, c_int, c_int)> {
-    with_host(|h| (h.fiber_mt_ref, h.channel_mt_ref, h.cond_mt_ref))
+/// The registry reference and the identity of the host's metatable `i` (0: fiber, 1:
+/// channel, 2: condition), for [`UdBlock::metatable`].
+pub(crate) fn metatable(i: usize) -> Option<(c_int, usize)> {
+    with_host(|h| {
+        let r = [h.fiber_mt_ref, h.channel_mt_ref, h.cond_mt_ref][i];
+        (r, h.mt_tables[i])
+    })
 }
 
 // SAFETY: the fiber metatable is set only on blocks written first: by `Protected::new_ud`
 // (`push_fiber_object`) and by `spawn_lua`, which writes the block before setting it.
 unsafe impl UdBlock for FiberUd {
     type Handle = FiberId;
-    fn metatable() -> Option<c_int> {
-        mt_refs().map(|m| m.0)
+    fn metatable() -> Option<(c_int, usize)> {
+        metatable(0)
     }
     fn handle(&self) -> Option<FiberId> {
         Some(self.fid)
@@ -129,19 +134,15 @@ pub(super) fn push_fiber_object(c: &mut Call, fid: FiberId) -> Result<(), LErr> 
     .ok_or_else(no_host)?;
     match known {
         Some(slot) if slot > 0 => {
-            c.push_ref(objs)?;
-            c.push_index(-1, slot as i64)?;
-            c.remove(-2);
+            c.push_ref_index(objs, slot as i64)?;
             return Ok(());
         }
         None => {
-            c.push_ref(weak)?;
-            c.push_index(-1, fid as i64)?;
+            c.push_ref_index(weak, fid as i64)?;
             if c.type_of(-1) == ffi::LUA_TUSERDATA {
-                c.remove(-2);
                 return Ok(());
             }
-            c.pop(2);
+            c.pop(1);
         }
         _ => {}
     }
