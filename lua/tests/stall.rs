@@ -161,6 +161,63 @@ fn a_channel_deadlock_between_two_lua_fibers_exits_with_the_report() {
     );
 }
 
+const MANY_WAITERS: &str = r#"
+local fiber = require('fiber')
+local ch = fiber.channel()
+local function wait_here() local v = ch:get() return v end
+for _ = 1, 40 do fiber.create(function() wait_here() end) end
+ch:get()
+"#;
+
+/// `--dump-view grouped`: a deadlock of 40 fibers stuck on the same line and the main fiber
+/// reads as two groups, the 40 first, each with its Lua frames once.
+#[test]
+fn a_deadlock_of_many_identical_lua_waiters_reads_as_groups() {
+    let (code, _out, err) = run_script(&["--dump-view", "grouped"], MANY_WAITERS);
+    let script = &script_path(&["--dump-view", "grouped"], MANY_WAITERS);
+    assert_ne!(code, 0, "{err}");
+    let blocks: Vec<&str> = err.split("\n\n").collect();
+    assert_eq!(blocks[0], "all fibers are asleep — deadlock!", "{err}");
+    assert!(
+        blocks[1].starts_with("scheduler ") && blocks[1].ends_with(": 41 fibers in 2 groups"),
+        "{err}"
+    );
+    let (head, rest) = blocks[2].split_once('\n').unwrap();
+    assert!(head.starts_with("40 fibers [channel receive, "), "{err}");
+    assert!(head.ends_with("]: ids 2-41, names \"lua\":"), "{err}");
+    assert!(
+        rest.contains(" in fibertrace_lua::host::channel::ch_get"),
+        "{err}"
+    );
+    assert_eq!(
+        lua_frames(blocks[2]),
+        [
+            "get in =[C]:-1".to_string(),
+            format!("wait_here in @{script}:4"),
+            format!("function <{script}:5> in @{script}:5"),
+        ],
+        "{err}"
+    );
+    let head = blocks[3].lines().next().unwrap();
+    assert!(head.starts_with("1 fiber [channel receive, "), "{err}");
+    assert!(head.ends_with("]: id 1, name \"main\":"), "{err}");
+    assert_eq!(
+        lua_frames(blocks[3]),
+        [
+            "get in =[C]:-1".to_string(),
+            format!("main chunk in @{script}:6")
+        ],
+        "{err}"
+    );
+    // A view that does not exist is refused before the script runs.
+    let (code, out, err) = run_script(&["--dump-view", "tree"], "print('ran')");
+    assert_eq!((code, out.as_str()), (2, ""), "{err}");
+    assert!(
+        err.contains("invalid value 'tree' for '--dump-view <VIEW>'"),
+        "{err}"
+    );
+}
+
 const SLICE: &str = r#"
 if jit then jit.off() end
 local fiber = require('fiber')

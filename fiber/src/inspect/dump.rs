@@ -17,8 +17,9 @@
 //! process goes on running: the handler only writes a byte to a pipe; a dumper thread builds
 //! the dump (sampling running fibers, see [`super::sample`]) outside the handler.
 
+use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU8, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -27,7 +28,7 @@ use fibertrace_core::Frame;
 
 use super::info::{self, FiberInfo, InfoOptions};
 use super::{FrameInfo, SchedulerSnapshot, Snapshot};
-use crate::task::{ControlBlock, PanicReport, Status};
+use crate::task::{ControlBlock, FiberId, PanicReport, Status, WaitOn};
 
 /// A duration as Go prints wait times: `250ms`, `4.2s`, `3m12s`, `2h5m`.
 pub fn human(d: Duration) -> String {
@@ -77,37 +78,9 @@ pub fn render_fiber(fi: &FiberInfo, out: &mut String) {
         crate::sched::quoted_name(&fi.name),
         status_words(fi)
     );
-    if fi.csw == 0 {
-        let _ = writeln!(out, "    (not started yet) entry: {}", fi.entry);
-    }
-    match &fi.backtrace {
-        Some(frames) => out.push_str(&render_list(frames)),
-        None => out.push_str("    (no backtrace)\n"),
-    }
-    for p in &fi.parent_backtrace {
-        match p.fiber {
-            Some(id) => {
-                let _ = writeln!(
-                    out,
-                    "created by fiber {id} {} at:",
-                    crate::sched::quoted_name(&p.name)
-                );
-            }
-            None => {
-                let _ = writeln!(
-                    out,
-                    "created by thread {} at:",
-                    crate::sched::quoted_name(&p.name)
-                );
-            }
-        }
-        let raw: Vec<Frame> = p.frames.iter().map(|f| f.frame).collect();
-        out.push_str(&format::text(info::user_frames(&raw), &text_options()));
-    }
-    if fi.parent_backtrace_omitted > 0 {
-        out.push_str(&more_parents_line(fi.parent_backtrace_omitted));
-        out.push('\n');
-    }
+    let (own, parents) = trace_text(fi);
+    out.push_str(&own);
+    out.push_str(&parents);
 }
 
 /// The line that ends a parent list cut at [`crate::task::PARENT_DEPTH_SHOWN`] ancestors:
@@ -172,11 +145,238 @@ pub fn render_scheduler(s: &SchedulerSnapshot, out: &mut String) {
     }
 }
 
-/// One scheduler's fibers as text (a snapshot of it, taken now).
+/// How the signal dump and the deadlock report show a scheduler's fibers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum View {
+    /// Every fiber with its trace, as Go's `debug=2` goroutine dump (the default).
+    Full,
+    /// Fibers in the same state with the same trace and the same creator folded into one
+    /// group, with their count, ids and names, the biggest group first (Go's `debug=1`):
+    /// the view that finds 9,000 fibers stuck in the same place.
+    Grouped,
+}
+
+static VIEW: AtomicU8 = AtomicU8::new(0);
+
+/// Sets the view of the signal dump ([`install_signal`]) and of the deadlock report.
+pub fn set_view(v: View) {
+    VIEW.store((v == View::Grouped) as u8, Ordering::Relaxed);
+}
+
+/// The view set by [`set_view`].
+pub fn view() -> View {
+    if VIEW.load(Ordering::Relaxed) == 1 {
+        View::Grouped
+    } else {
+        View::Full
+    }
+}
+
+/// A scheduler part in the view set by [`set_view`].
+fn render_scheduler_in_view(s: &SchedulerSnapshot, out: &mut String) {
+    match view() {
+        View::Full => render_scheduler(s, out),
+        View::Grouped => render_scheduler_grouped(s, out),
+    }
+}
+
+/// A snapshot as text in the grouped view (see [`View::Grouped`]), scheduler by scheduler.
+pub fn snapshot_grouped(snap: &Snapshot) -> String {
+    let mut out = String::new();
+    for s in &snap.schedulers {
+        render_scheduler_grouped(s, &mut out);
+    }
+    out
+}
+
+/// The whole process's fibers in the grouped view (see [`View::Grouped`]).
+#[inline(never)]
+pub fn dump_grouped() -> String {
+    report_entry!();
+    snapshot_grouped(&super::snapshot(&InfoOptions::default()))
+}
+
+/// The state of a fiber without its object or duration: the grouping key's first part.
+fn state_kind(fi: &FiberInfo) -> String {
+    match &fi.waiting {
+        Some(w) => match &w.on {
+            WaitOn::Join(_) => "join".to_string(),
+            on => on.words().into_owned(),
+        },
+        None => status_words(fi),
+    }
+}
+
+/// One fiber's trace and creators as text (the part of [`render_fiber`] under its header).
+fn trace_text(fi: &FiberInfo) -> (String, String) {
+    let mut own = String::new();
+    if fi.csw == 0 {
+        let _ = writeln!(own, "    (not started yet) entry: {}", fi.entry);
+    }
+    match &fi.backtrace {
+        Some(frames) => own.push_str(&render_list(frames)),
+        None => own.push_str("    (no backtrace)\n"),
+    }
+    let mut parents = String::new();
+    for p in &fi.parent_backtrace {
+        match p.fiber {
+            Some(id) => {
+                let _ = writeln!(
+                    parents,
+                    "created by fiber {id} {} at:",
+                    crate::sched::quoted_name(&p.name)
+                );
+            }
+            None => {
+                let _ = writeln!(
+                    parents,
+                    "created by thread {} at:",
+                    crate::sched::quoted_name(&p.name)
+                );
+            }
+        }
+        let raw: Vec<Frame> = p.frames.iter().map(|f| f.frame).collect();
+        parents.push_str(&format::text(info::user_frames(&raw), &text_options()));
+    }
+    if fi.parent_backtrace_omitted > 0 {
+        parents.push_str(&more_parents_line(fi.parent_backtrace_omitted));
+        parents.push('\n');
+    }
+    (own, parents)
+}
+
+/// Ids as sorted ranges: `3, 7, 9-12`; past `max` ranges, `... (N more)`.
+fn id_ranges(ids: &[FiberId], max: usize) -> String {
+    let mut v = ids.to_vec();
+    v.sort_unstable();
+    v.dedup();
+    let mut ranges: Vec<(FiberId, FiberId)> = Vec::new();
+    for id in v {
+        match ranges.last_mut() {
+            Some((_, hi)) if hi.checked_add(1) == Some(id) => *hi = id,
+            _ => ranges.push((id, id)),
+        }
+    }
+    let mut out = String::new();
+    for (i, (lo, hi)) in ranges.iter().enumerate() {
+        if i == max {
+            let left: u64 = ranges[i..].iter().map(|(l, h)| h - l + 1).sum();
+            let _ = write!(out, ", ... ({left} more)");
+            break;
+        }
+        if i > 0 {
+            out.push_str(", ");
+        }
+        if lo == hi {
+            let _ = write!(out, "{lo}");
+        } else {
+            let _ = write!(out, "{lo}-{hi}");
+        }
+    }
+    out
+}
+
+/// Names with their counts, most common first: `"worker" ×9000, "x" ×2`; one name alone as
+/// it is; past three names, `... (N more names)`.
+fn name_counts(members: &[&FiberInfo]) -> String {
+    let mut counts: HashMap<&str, usize> = HashMap::new();
+    for fi in members {
+        *counts.entry(&fi.name).or_default() += 1;
+    }
+    let mut v: Vec<(&str, usize)> = counts.into_iter().collect();
+    v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+    if v.len() == 1 {
+        return crate::sched::quoted_name(v[0].0).to_string();
+    }
+    let mut out = String::new();
+    for (i, (name, n)) in v.iter().enumerate() {
+        if i == 3 {
+            let _ = write!(out, ", ... ({} more names)", v.len() - 3);
+            break;
+        }
+        if i > 0 {
+            out.push_str(", ");
+        }
+        let _ = write!(out, "{} \u{d7}{n}", crate::sched::quoted_name(name));
+    }
+    out
+}
+
+/// One scheduler of a snapshot in the grouped view: a header with the fiber and group
+/// counts, then each group — `N fibers [state, shortest..longest]: ids ..., names ...:`, the
+/// shared trace and creators — the biggest first (equal sizes: the lowest id first).
+pub fn render_scheduler_grouped(s: &SchedulerSnapshot, out: &mut String) {
+    // The key: the state's kind, the trace's text, the creators' text.
+    type Key = (String, String, String);
+    let mut order: Vec<Key> = Vec::new();
+    let mut groups: HashMap<Key, Vec<&FiberInfo>> = HashMap::new();
+    for fi in &s.fibers {
+        let (own, parents) = trace_text(fi);
+        let key = (state_kind(fi), own, parents);
+        let g = groups.entry(key.clone()).or_default();
+        if g.is_empty() {
+            order.push(key);
+        }
+        g.push(fi);
+    }
+    let mut list: Vec<(&Key, &Vec<&FiberInfo>)> = order.iter().map(|k| (k, &groups[k])).collect();
+    list.sort_by(|a, b| b.1.len().cmp(&a.1.len()).then(a.1[0].id.cmp(&b.1[0].id)));
+    let _ = writeln!(
+        out,
+        "scheduler {} {}: {} fibers in {} {}\n",
+        s.id,
+        crate::sched::quoted_name(&s.name),
+        s.fibers.len(),
+        list.len(),
+        if list.len() == 1 { "group" } else { "groups" }
+    );
+    if let Some(note) = &s.note {
+        let _ = writeln!(out, "({note})\n");
+    }
+    for ((kind, own, parents), members) in list {
+        let secs = |fi: &&FiberInfo| fi.status_seconds.max(0.0);
+        let lo = members.iter().map(secs).fold(f64::INFINITY, f64::min);
+        let hi = members.iter().map(secs).fold(0.0, f64::max);
+        let span = if members[0].waiting.is_none() {
+            String::new()
+        } else if human(Duration::from_secs_f64(lo)) == human(Duration::from_secs_f64(hi)) {
+            format!(", {}", human(Duration::from_secs_f64(hi)))
+        } else {
+            format!(
+                ", {}..{}",
+                human(Duration::from_secs_f64(lo)),
+                human(Duration::from_secs_f64(hi))
+            )
+        };
+        let ids: Vec<FiberId> = members.iter().map(|f| f.id).collect();
+        if members.len() == 1 {
+            let _ = writeln!(
+                out,
+                "1 fiber [{kind}{span}]: id {}, name {}:",
+                ids[0],
+                name_counts(members)
+            );
+        } else {
+            let _ = writeln!(
+                out,
+                "{} fibers [{kind}{span}]: ids {}, names {}:",
+                members.len(),
+                id_ranges(&ids, 20),
+                name_counts(members)
+            );
+        }
+        out.push_str(own);
+        out.push_str(parents);
+        out.push('\n');
+    }
+}
+
+/// One scheduler's fibers as text in the view set by [`set_view`] (a snapshot of it, taken
+/// now).
 #[inline(never)]
 pub fn scheduler_text(s: &crate::registry::SchedShared, out: &mut String) {
     report_entry!();
-    render_scheduler(&super::scheduler_snapshot(s, &InfoOptions::default()), out);
+    render_scheduler_in_view(&super::scheduler_snapshot(s, &InfoOptions::default()), out);
 }
 
 /// Fibers blocked (waiting on a channel, condition, join or wake-up, or sleeping) for at
@@ -251,7 +451,8 @@ impl std::fmt::Display for InstallError {
 
 impl std::error::Error for InstallError {}
 
-/// Makes `sig` (e.g. `libc::SIGQUIT`) print [`dump_text`] to stderr; the process goes on.
+/// Makes `sig` (e.g. `libc::SIGQUIT`) print [`dump_text`] (or [`dump_grouped`], see
+/// [`set_view`]) to stderr; the process goes on.
 /// Installing twice with the same signal is a no-op; with another, an error.
 pub fn install_signal(sig: i32) -> Result<(), InstallError> {
     if let Some(&s) = INSTALLED.get() {
@@ -293,7 +494,10 @@ pub fn install_signal(sig: i32) -> Result<(), InstallError> {
                     return;
                 }
                 wait_for_handlers();
-                let text = dump_text();
+                let text = match view() {
+                    View::Full => dump_text(),
+                    View::Grouped => dump_grouped(),
+                };
                 write_stderr(&text);
             }
         })

@@ -127,6 +127,19 @@ fn cli() -> Command {
                         ),
                 )
                 .arg(
+                    Arg::new("dump-view")
+                        .long("dump-view")
+                        .value_name("VIEW")
+                        .value_parser(["full", "grouped"])
+                        .default_value("full")
+                        .help(
+                            "How the SIGQUIT dump and the deadlock report show fibers: full \
+                             (every fiber with its trace) or grouped (fibers in the same \
+                             state with the same trace and creator folded into one group \
+                             with their count, ids and names, the biggest group first)",
+                        ),
+                )
+                .arg(
                     Arg::new("native-detail")
                         .long("native-detail")
                         .action(ArgAction::SetTrue)
@@ -366,6 +379,10 @@ fn read_script(r: impl io::Read) -> io::Result<Vec<u8>> {
 
 fn run(m: &clap::ArgMatches) -> ExitCode {
     fibertrace_fiber::glue::set_native_detail(m.get_flag("native-detail"));
+    fibertrace_fiber::dump::set_view(match m.get_one::<String>("dump-view").map(String::as_str) {
+        Some("grouped") => fibertrace_fiber::dump::View::Grouped,
+        _ => fibertrace_fiber::dump::View::Full,
+    });
     let stall = m.get_one::<u64>("stall-ms").copied();
     let blocked = m.get_one::<u64>("blocked-ms").copied();
     if stall.is_some() || blocked.is_some() {
