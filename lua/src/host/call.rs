@@ -56,7 +56,7 @@ pub(crate) unsafe fn push_error(l: *mut ffi::lua_State, e: LErr) {
     // `LUA_MINSTACK` slots the call was given); the message is made in a protected call (its
     // allocation can fail), whose error value is then the one raised.
     unsafe {
-        if matches!(e, LErr::Raised) {
+        if matches!(e, LErr::Raised) && ffi::lua_gettop(l) > 0 {
             return;
         }
         ffi::lua_settop(l, 0);
@@ -91,7 +91,9 @@ macro_rules! lua_fn {
                 $body(&mut c)
             }));
             match r {
-                Ok(Ok(n)) => n,
+                // A count past the values there would make Lua read outside the frame.
+                // SAFETY: `l` is the calling state; lua_gettop reads its frame.
+                Ok(Ok(n)) => n.clamp(0, unsafe { mlua::ffi::lua_gettop(l) }),
                 Ok(Err(e)) => {
                     // SAFETY: `l` is the calling state; the message is pushed (and the error
                     // dropped) before it is raised, with nothing owned by this frame alive.
@@ -455,6 +457,10 @@ impl Call {
         let Some(i) = self.slot(idx) else {
             return Err(LErr::plain("fibertrace: no value to set a metatable on"));
         };
+        // Tables only: a userdata's metatable is its type (`UdBlock`), set only by `new_ud`.
+        if self.type_of(i) != ffi::LUA_TTABLE {
+            return Err(LErr::plain("fibertrace: a metatable is set on tables only"));
+        }
         self.push_ref(mt)?;
         if self.type_of(-1) != ffi::LUA_TTABLE {
             self.pop(1);
@@ -525,6 +531,7 @@ impl Protected {
         // by its lua_pcall; the message is a new string (an allocation may raise first,
         // which ends the call the same way).
         unsafe {
+            ffi::luaL_checkstack(self.l, 1, std::ptr::null());
             ffi::lua_pushstring(self.l, msg.as_ptr());
             ffi::lua_error(self.l)
         }
@@ -688,9 +695,16 @@ impl Protected {
             drop(v);
             self.fail(c"fibertrace: no Lua host on this thread")
         };
+        const {
+            assert!(
+                std::mem::align_of::<T>() <= 8,
+                "a userdata block is 8-aligned"
+            )
+        };
         self.room(2);
-        // SAFETY: room checked; a fresh block of `T`'s size and Lua's alignment (enough for
-        // the host's blocks: pointers and integers) is written before its metatable is set;
+        // SAFETY: room checked; a fresh block of `T`'s size and Lua's alignment (8 bytes in
+        // LuaJIT and Lua 5.4; `T`'s is at most that, asserted above at compile time) is
+        // written before its metatable is set;
         // the metatable reference is `T`'s, checked to be a table.
         unsafe {
             let p = ffi::lua_newuserdata(self.l, std::mem::size_of::<T>()).cast::<T>();
@@ -719,8 +733,11 @@ impl Protected {
     /// Calls the value below the `nargs` values on top in a protected call of its own
     /// (`lua_pcall`): `nresults` results, or its error value (whether it succeeded).
     pub(crate) fn pcall(&mut self, nargs: c_int, nresults: c_int) -> bool {
-        if nargs < 0 || self.top() < nargs + 1 {
+        if nargs < 0 || nargs >= self.top() {
             self.fail(c"fibertrace: nothing to call");
+        }
+        if nresults < 0 && nresults != ffi::LUA_MULTRET {
+            self.fail(c"fibertrace: bad result count");
         }
         self.room(nresults.max(1));
         // SAFETY: a value and its arguments on the stack (checked); calling a non-function

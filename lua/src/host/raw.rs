@@ -116,6 +116,9 @@ impl From<&str> for LErr {
 pub(crate) type LResult = Result<c_int, LErr>;
 
 thread_local! {
+    /// The closure of the innermost [`protect`] under way (null: none), which alone the
+    /// trampoline runs.
+    static PROTECTING: std::cell::Cell<*mut std::ffi::c_void> = const { std::cell::Cell::new(std::ptr::null_mut()) };
     /// Registry reference of [`protect`]'s trampoline in this thread's host state (0: none).
     static TRAMPOLINE: std::cell::Cell<c_int> = const { std::cell::Cell::new(0) };
 }
@@ -126,13 +129,19 @@ type ProtectFn<'a> = &'a mut dyn FnMut(*mut ffi::lua_State) -> c_int;
 /// The C function [`protect`] calls: runs the closure whose address is its first argument,
 /// with its other arguments at 1..; returns what the closure pushed.
 unsafe extern "C-unwind" fn trampoline(l: *mut ffi::lua_State) -> c_int {
-    // SAFETY: `protect` passes a pointer to a live `ProtectFn` as the first argument, and
-    // calls this function only through its own `lua_pcall`.
-    unsafe {
-        let f = ffi::lua_touserdata(l, 1).cast::<ProtectFn<'_>>();
+    // SAFETY: reads of the first argument; a call that is not `protect`'s (the function
+    // reached through its registry reference by other code) does nothing: the pointer must
+    // be the one `protect` set for this call.
+    let f = unsafe {
+        let f = ffi::lua_touserdata(l, 1);
+        if ffi::lua_type(l, 1) != ffi::LUA_TLIGHTUSERDATA || f != PROTECTING.with(|p| p.get()) {
+            return 0;
+        }
         ffi::lua_remove(l, 1);
-        (*f)(l)
-    }
+        f.cast::<ProtectFn<'_>>()
+    };
+    // SAFETY: `protect` passed a pointer to its live `ProtectFn` (checked above).
+    unsafe { (*f)(l) }
 }
 
 /// Makes [`protect`] work on the main state `l` of this thread's host (one reference in its
@@ -191,11 +200,17 @@ pub(crate) unsafe fn protect(
             rawgeti(l, ffi::LUA_REGISTRYINDEX, tr as ffi::lua_Integer);
         }
         let mut f: ProtectFn<'_> = f;
-        ffi::lua_pushlightuserdata(l, (&mut f as *mut ProtectFn<'_>).cast());
+        let fp: *mut std::ffi::c_void = (&mut f as *mut ProtectFn<'_>).cast();
+        ffi::lua_pushlightuserdata(l, fp);
         for &a in &abs[..args.len().min(4)] {
             ffi::lua_pushvalue(l, a);
         }
-        if ffi::lua_pcall(l, args.len().min(4) as c_int + 1, ffi::LUA_MULTRET, 0) != ffi::LUA_OK {
+        // The innermost protect's closure is the one the trampoline runs; the outer one is
+        // back once this returns (also when an error ends it).
+        let outer = PROTECTING.with(|p| p.replace(fp));
+        let st = ffi::lua_pcall(l, args.len().min(4) as c_int + 1, ffi::LUA_MULTRET, 0);
+        PROTECTING.with(|p| p.set(outer));
+        if st != ffi::LUA_OK {
             return Err(LErr::Raised);
         }
         Ok(ffi::lua_gettop(l) - base)
