@@ -43,6 +43,7 @@
 //! that moment, up to [`SOURCE_WAIT`] after the other schedulers' parts.
 
 pub mod dump;
+pub mod export;
 pub mod glue;
 pub mod info;
 pub mod sample;

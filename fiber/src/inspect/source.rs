@@ -63,7 +63,8 @@ pub(crate) fn set(sched: u64, source: Option<Rc<dyn FrameSource>>) {
             r.push(sched);
         }
     }
-    SOURCES.with(|s| {
+    // (A scheduler dropped while the thread's locals are torn down has nothing left here.)
+    let _ = SOURCES.try_with(|s| {
         let mut s = s.borrow_mut();
         s.retain(|(id, _)| *id != sched);
         if let Some(src) = source {
@@ -79,11 +80,16 @@ pub(crate) fn forget(sched: u64) {
 
 /// The source of scheduler `sched`, when it runs on this thread and has one.
 pub(crate) fn source(sched: u64) -> Option<Rc<dyn FrameSource>> {
-    SOURCES.with(|s| {
-        s.try_borrow()
-            .ok()?
-            .iter()
-            .find(|(id, _)| *id == sched)
-            .map(|(_, src)| src.clone())
-    })
+    // (After the thread's locals are gone — a report from an `atexit` handler — there is
+    // none.)
+    SOURCES
+        .try_with(|s| {
+            s.try_borrow()
+                .ok()?
+                .iter()
+                .find(|(id, _)| *id == sched)
+                .map(|(_, src)| src.clone())
+        })
+        .ok()
+        .flatten()
 }

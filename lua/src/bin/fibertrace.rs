@@ -2,10 +2,12 @@
 //! `decode` (backtrace tokens in logs).
 
 use clap::{Arg, ArgAction, Command};
+use fibertrace_fiber::export::Format;
 use fibertrace_lua::decode::LineDecoder;
 use fibertrace_lua::symbols::Symbolizer;
 use fibertrace_lua::LuaHost;
 use std::io::{self, BufRead, BufReader, Write};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -140,6 +142,19 @@ fn cli() -> Command {
                         ),
                 )
                 .arg(
+                    Arg::new("dump-on-exit")
+                        .long("dump-on-exit")
+                        .value_name("FORMAT:FILE")
+                        .action(ArgAction::Append)
+                        .value_parser(parse_dump_on_exit)
+                        .help(
+                            "When the program ends (its end, an error, os.exit, a deadlock, \
+                             SIGINT or SIGTERM), write every fiber in FORMAT to FILE: text, \
+                             grouped, json, pprof (go tool pprof), folded, svg (a flame \
+                             graph) or speedscope (repeatable)",
+                        ),
+                )
+                .arg(
                     Arg::new("native-detail")
                         .long("native-detail")
                         .action(ArgAction::SetTrue)
@@ -199,6 +214,89 @@ fn cli() -> Command {
                         .help("Input files (standard input when none; `-` for standard input)"),
                 ),
         )
+}
+
+/// `--dump-on-exit FORMAT:FILE`: a known format, and a file whose directory exists (checked
+/// now, so that a mistake shows before the program runs, not after).
+fn parse_dump_on_exit(v: &str) -> Result<(Format, PathBuf), String> {
+    let (format, file) = v
+        .split_once(':')
+        .ok_or_else(|| "expected FORMAT:FILE, e.g. pprof:fibers.pb.gz".to_string())?;
+    let format = Format::parse(format).map_err(|e| e.to_string())?;
+    if file.is_empty() {
+        return Err("the file name is empty".into());
+    }
+    let file = PathBuf::from(file);
+    if file.file_name().is_none() {
+        return Err(format!("{}: not a file name", file.display()));
+    }
+    let dir = match file.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    if !dir.is_dir() {
+        return Err(format!("{}: no such directory", dir.display()));
+    }
+    if file.is_dir() {
+        return Err(format!("{}: is a directory", file.display()));
+    }
+    Ok((format, file))
+}
+
+/// The dumps `--dump-on-exit` asked for.
+static DUMPS_ON_EXIT: std::sync::OnceLock<Vec<(Format, PathBuf)>> = std::sync::OnceLock::new();
+static DUMPED_ON_EXIT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Writes the `--dump-on-exit` dumps, once (the first of the exit paths to get here); a
+/// dump that cannot be written is said on stderr, and the others are still written.
+fn dump_on_exit() {
+    let Some(list) = DUMPS_ON_EXIT.get() else {
+        return;
+    };
+    if DUMPED_ON_EXIT.swap(true, std::sync::atomic::Ordering::SeqCst) {
+        return;
+    }
+    for (format, file) in list {
+        if let Err(e) = fibertrace_fiber::export::export_to_file(*format, file) {
+            err!("fibertrace: --dump-on-exit {format}: {e}");
+        }
+    }
+}
+
+/// `os.exit` with the `--dump-on-exit` dumps written first, through `fibertrace.dump`, on
+/// the fiber that exits (its own trace then has its Lua frames).
+const EXIT_WRAPPER: &str = r#"
+local dump, exit, list = ...
+return function(...)
+    for _, d in ipairs(list) do
+        local ok, err = dump({format = d[1], file = d[2]})
+        if not ok then
+            io.stderr:write('fibertrace: --dump-on-exit ', d[1], ': ', tostring(err), '\n')
+        end
+    end
+    return exit(...)
+end
+"#;
+
+/// Replaces `os.exit` with [`EXIT_WRAPPER`].
+fn wrap_os_exit(lua: &mlua::Lua, list: &[(Format, PathBuf)]) -> mlua::Result<()> {
+    use std::os::unix::ffi::OsStrExt as _;
+    let loaded: mlua::Table = lua.globals().get::<mlua::Table>("package")?.get("loaded")?;
+    let dump: mlua::Function = loaded.get::<mlua::Table>("fibertrace")?.get("dump")?;
+    let os: mlua::Table = lua.globals().get("os")?;
+    let exit: mlua::Function = os.get("exit")?;
+    let t = lua.create_table()?;
+    for (i, (format, file)) in list.iter().enumerate() {
+        let pair = lua.create_table()?;
+        pair.raw_set(1, format.name())?;
+        pair.raw_set(2, lua.create_string(file.as_os_str().as_bytes())?)?;
+        t.raw_set(i + 1, pair)?;
+    }
+    let wrapped: mlua::Function = lua
+        .load(EXIT_WRAPPER)
+        .set_name("=fibertrace")
+        .call((dump, exit, t))?;
+    os.set("exit", wrapped)
 }
 
 fn main() -> ExitCode {
@@ -328,6 +426,7 @@ fn install_signals() -> Result<(), String> {
                 // SAFETY: writes one byte from a local buffer to our own pipe.
                 unsafe { libc::write(timer_wr, c.as_ptr().cast(), 1) };
                 say_suppressed();
+                dump_on_exit();
                 let _ = io::stdout().flush();
                 // SAFETY: fflush(NULL) flushes every C output stream; the thread holds no
                 // stream lock itself.
@@ -407,6 +506,9 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
     }
     // SAFETY: registers a function that only takes a count and writes it with write(2).
     unsafe { libc::atexit(say_suppressed_at_exit) };
+    if let Some(v) = m.get_many::<(Format, PathBuf)>("dump-on-exit") {
+        let _ = DUMPS_ON_EXIT.set(v.cloned().collect());
+    }
     let script_bytes = script.as_encoded_bytes();
     let (shown, read): (&[u8], _) = if script == "-" {
         (b"<stdin>", read_script(io::stdin().lock()))
@@ -441,6 +543,12 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
         .next()
         .unwrap_or_else(|| "fibertrace".into());
     host.set_arg(interpreter.as_encoded_bytes(), script_bytes, &args);
+    if let Some(list) = DUMPS_ON_EXIT.get() {
+        if let Err(e) = wrap_os_exit(host.lua(), list) {
+            err!("fibertrace: --dump-on-exit: {e}");
+            return ExitCode::from(1);
+        }
+    }
     let chunk = if script == "-" {
         b"=stdin".to_vec()
     } else {
@@ -456,6 +564,7 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
             1
         }
     };
+    dump_on_exit();
     let _ = io::stdout().flush();
     // `exit` flushes C stdio (Lua's print and io.write); the host is not dropped: fibers
     // still suspended keep their Lua frames and are never unwound.

@@ -437,6 +437,15 @@ impl Call {
         .map(|_| ())
     }
 
+    /// Pushes bytes as a Lua string (made in a protected call).
+    pub(crate) fn push_bytes(&mut self, b: &[u8]) -> Result<(), LErr> {
+        self.protected(&[], |p| {
+            p.push_bytes(b);
+            1
+        })
+        .map(|_| ())
+    }
+
     /// Pops `n` values (at most every value of the frame).
     pub(crate) fn pop(&mut self, n: c_int) {
         let n = n.clamp(0, self.top());
@@ -594,6 +603,14 @@ impl Protected {
         self.room(1);
         // SAFETY: room checked; an allocation inside the protected call.
         unsafe { raw::push_str(self.l, s) };
+    }
+
+    /// Pushes bytes as a Lua string, as they are.
+    pub(crate) fn push_bytes(&mut self, b: &[u8]) {
+        self.room(1);
+        // SAFETY: room checked; the pointer and length describe `b`, which Lua copies; an
+        // allocation inside the protected call.
+        unsafe { ffi::lua_pushlstring(self.l, b.as_ptr().cast(), b.len()) };
     }
 
     /// Pushes an integer.

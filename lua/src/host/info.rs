@@ -643,3 +643,38 @@ impl fibertrace_fiber::inspect::FrameSource for LuaFrames {
         crate::render::lua_line(id)
     }
 }
+
+/// A snapshot of the whole process now, as the runtime takes it (suspended Lua fibers with
+/// their Lua frames interleaved: [`LuaFrames`]), with the calling fiber's own trace read here,
+/// from the Lua call of the C function `upto` on, interleaved with its Lua stack — the one
+/// trace the runtime cannot give (it does not read a running fiber's Lua stack).
+pub(crate) fn snapshot_here(upto: &'static str) -> fibertrace_fiber::Snapshot {
+    let me = fibertrace_fiber::current_id();
+    let root = with_host(|h| h.recs.get(&me).map(|r| r.thread)).flatten();
+    // SAFETY: `root` is the running fiber's own Lua thread (its record's), on this thread.
+    let mine = root.map(|root| unsafe { current_frames(root, upto) });
+    let mut snap = fibertrace_fiber::inspect::snapshot(&fibertrace_fiber::InfoOptions::default());
+    let Some(frames) = mine else {
+        return snap;
+    };
+    let list: std::sync::Arc<[fibertrace_fiber::FrameInfo]> = frames
+        .iter()
+        .map(|f| fibertrace_fiber::FrameInfo {
+            frame: *f,
+            resolved: match f {
+                Frame::Lua(_) => None,
+                _ => fibertrace_core::symbolize::resolve(f),
+            },
+            label: match f {
+                Frame::Lua(id) => crate::render::lua_line(*id).map(std::sync::Arc::from),
+                _ => None,
+            },
+        })
+        .collect();
+    for fi in snap.schedulers.iter_mut().flat_map(|s| s.fibers.iter_mut()) {
+        if fi.id == me {
+            fi.backtrace = Some(list.clone());
+        }
+    }
+    snap
+}

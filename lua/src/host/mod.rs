@@ -47,6 +47,7 @@ mod clock;
 mod cond;
 #[cfg(feature = "luajit")]
 mod cstack;
+mod export;
 mod fiber_fns;
 mod finalize;
 mod info;

@@ -1,0 +1,88 @@
+//! Folded stacks and the flame graph drawn from them.
+//!
+//! One line per distinct stack, root first, with the number of fibers that have it:
+//!
+//! ```text
+//! lua;fiber:worker;lua_fiber_main;call_in_thread;function <s.lua:9> (s.lua);handle (s.lua);get ([C]);fibertrace_lua::host::channel::channel_get;... 40
+//! ```
+//!
+//! The first field is the scheduler's name (the thread), the second `fiber:` and the fiber's
+//! name; then every function level, an inlined call after the function it was inlined into;
+//! a layer's frame (Lua) is its function name and its chunk in parentheses. A native
+//! function is named without its file and line, so a flame merges its calls from different
+//! lines, as flame graphs of native code do. `;` in a name (`[u8; 4]`) is written `,`, and a
+//! line end as a space, so every line splits back into its frames. Lines are sorted.
+
+use std::collections::BTreeMap;
+
+use super::{stack, Kind};
+use crate::inspect::Snapshot;
+
+fn clean(s: &str) -> String {
+    s.replace(';', ",").replace(['\n', '\r'], " ")
+}
+
+/// The snapshot's fibers as folded stacks (see the module doc).
+pub fn folded(snap: &Snapshot) -> String {
+    let mut counts: BTreeMap<String, u64> = BTreeMap::new();
+    for s in &snap.schedulers {
+        for fi in &s.fibers {
+            let mut line = clean(&s.name);
+            line.push_str(";fiber:");
+            line.push_str(&clean(&fi.name));
+            for f in stack(fi).iter().rev() {
+                for l in f.levels.iter().rev() {
+                    line.push(';');
+                    match (f.kind, &l.file) {
+                        (Kind::Layer, Some(file)) => {
+                            line.push_str(&clean(&format!("{} ({file})", l.name)))
+                        }
+                        _ => line.push_str(&clean(&l.name)),
+                    }
+                }
+            }
+            *counts.entry(line).or_default() += 1;
+        }
+    }
+    let mut out = String::new();
+    for (line, n) in counts {
+        out.push_str(&line);
+        out.push(' ');
+        out.push_str(&n.to_string());
+        out.push('\n');
+    }
+    out
+}
+
+/// The snapshot's folded stacks drawn as a flame graph (an SVG that a browser shows and
+/// searches), by the `inferno` crate. A snapshot without fibers gives an SVG that says so.
+pub(super) fn svg(snap: &Snapshot) -> Vec<u8> {
+    let text = folded(snap);
+    let fibers: usize = snap.schedulers.iter().map(|s| s.fibers.len()).sum();
+    let mut opts = inferno::flamegraph::Options::default();
+    opts.title = format!("fibertrace: {fibers} fibers");
+    opts.count_name = "fibers".to_string();
+    opts.name_type = "Function:".to_string();
+    let mut out = Vec::new();
+    // inferno fails only on a write error (none into a Vec) or input it cannot read, which
+    // folded lines are not; an error is drawn as a message in the SVG rather than lost.
+    if let Err(e) = inferno::flamegraph::from_lines(&mut opts, text.lines(), &mut out) {
+        out.clear();
+        out.extend_from_slice(
+            format!(
+                "<?xml version=\"1.0\" standalone=\"no\"?>\n<svg version=\"1.1\" \
+                 xmlns=\"http://www.w3.org/2000/svg\" width=\"800\" height=\"40\"><text x=\"10\" \
+                 y=\"25\">flame graph failed: {}</text></svg>\n",
+                xml_escape(&e.to_string())
+            )
+            .as_bytes(),
+        );
+    }
+    out
+}
+
+fn xml_escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}

@@ -1,0 +1,426 @@
+//! Exports: a [`Snapshot`] in the formats the tools people already use read.
+//!
+//! | [`Format`] | what | read by |
+//! |---|---|---|
+//! | `text` | Go's `debug=2` shape, every fiber ([`super::dump::snapshot_text`]) | a person |
+//! | `grouped` | Go's `debug=1` shape ([`super::dump::snapshot_grouped`]) | a person |
+//! | `json` | the snapshot itself, versioned (`docs/snapshot-schema.md`) | programs |
+//! | `pprof` | gzipped `profile.proto`, one sample per fiber, labelled | `go tool pprof`, Parca, Pyroscope |
+//! | `folded` | `scheduler;fiber:NAME;root;...;leaf COUNT` lines | `inferno-flamegraph`, `flamegraph.pl` |
+//! | `svg` | a flame graph of the folded stacks (the `inferno` crate) | a browser |
+//! | `speedscope` | speedscope's file format, one profile per scheduler | speedscope |
+//!
+//! Every export but `json` shows what the text reports show: the glue frames of the runtime
+//! and of a host left out (see [`super::glue`], and [`super::glue::set_native_detail`] to keep
+//! them), a layer's frames (Lua) in their place in the stack. `json` keeps every frame.
+//!
+//! The stack views (`pprof`, `folded`, `svg`, `speedscope`) show each fiber's own stack;
+//! its creators are in the text views, and in `pprof` its parent is a label. A frame that
+//! did not resolve is named by its image and offset (`libfoo.so+0x1234`), or its address.
+//!
+//! How an export can be wrong: as its snapshot (see [`super`]); a Lua frame's file and line
+//! are read back from its label (`name in @file:line`), so a chunk name that itself holds
+//! ` in ` and `:` can split at the wrong place.
+
+mod folded;
+mod pprof;
+mod speedscope;
+
+use std::io::{self, Write};
+use std::path::Path;
+use std::sync::Arc;
+
+use fibertrace_core::symbolize::{self, ImageRef, Resolved, Symbol};
+use fibertrace_core::Frame;
+
+use super::info::InfoOptions;
+use super::{FiberInfo, FrameInfo, Snapshot};
+
+pub use folded::folded;
+
+/// An export format (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Format {
+    /// Every fiber with its trace, as Go's `debug=2` goroutine dump.
+    Text,
+    /// Identical fibers folded into groups, as Go's `debug=1`.
+    Grouped,
+    /// The snapshot as JSON.
+    Json,
+    /// A gzipped pprof `profile.proto`.
+    Pprof,
+    /// Folded stacks, one line per distinct stack with its fiber count.
+    Folded,
+    /// A flame graph of the folded stacks, as SVG.
+    Svg,
+    /// speedscope's JSON file format.
+    Speedscope,
+}
+
+impl Format {
+    /// Every format, in the order of the module doc.
+    pub const ALL: [Format; 7] = [
+        Format::Text,
+        Format::Grouped,
+        Format::Json,
+        Format::Pprof,
+        Format::Folded,
+        Format::Svg,
+        Format::Speedscope,
+    ];
+
+    /// Its name, as [`Format::parse`] takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Text => "text",
+            Format::Grouped => "grouped",
+            Format::Json => "json",
+            Format::Pprof => "pprof",
+            Format::Folded => "folded",
+            Format::Svg => "svg",
+            Format::Speedscope => "speedscope",
+        }
+    }
+
+    /// The media type an HTTP server gives it.
+    pub fn media_type(self) -> &'static str {
+        match self {
+            Format::Text | Format::Grouped | Format::Folded => "text/plain; charset=utf-8",
+            Format::Json | Format::Speedscope => "application/json",
+            Format::Pprof => "application/octet-stream",
+            Format::Svg => "image/svg+xml",
+        }
+    }
+
+    /// The format named `name` (`text`, `grouped`, `json`, `pprof`, `folded`, `svg`,
+    /// `speedscope`); an unknown name is an error that lists the known ones.
+    pub fn parse(name: &str) -> Result<Format, ExportError> {
+        Format::ALL
+            .into_iter()
+            .find(|f| f.name() == name)
+            .ok_or_else(|| {
+                ExportError(format!(
+                    "unknown dump format {:?}: one of {}",
+                    name,
+                    Format::ALL.map(Format::name).join(", ")
+                ))
+            })
+    }
+}
+
+impl std::fmt::Display for Format {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Why an export failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportError(pub String);
+
+impl std::fmt::Display for ExportError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ExportError {}
+
+/// A snapshot in format `fmt`.
+///
+/// Called on a fiber, the encoding runs on a helper thread: a fiber's stack is small and
+/// fixed, and the encoders (gzip's state, the flame graph's layout) can take more of it than
+/// a fiber has, in a build without optimizations. (If no thread can be made, it runs here.)
+pub fn to_bytes(snap: &Snapshot, fmt: Format) -> Vec<u8> {
+    if crate::current().is_none() {
+        return encode(snap, fmt);
+    }
+    std::thread::scope(|s| {
+        let helper = std::thread::Builder::new()
+            .name("fibertrace-export".into())
+            .stack_size(8 << 20)
+            .spawn_scoped(s, || encode(snap, fmt));
+        match helper {
+            Ok(h) => h.join().unwrap_or_else(|_| {
+                format!("fibertrace: the {fmt} export failed (a panic in its encoder)\n")
+                    .into_bytes()
+            }),
+            Err(_) => encode(snap, fmt),
+        }
+    })
+}
+
+fn encode(snap: &Snapshot, fmt: Format) -> Vec<u8> {
+    match fmt {
+        Format::Text => super::dump::snapshot_text(snap).into_bytes(),
+        Format::Grouped => super::dump::snapshot_grouped(snap).into_bytes(),
+        // A snapshot holds no map with non-string keys and no float that is not finite
+        // (times are clamped): serialization does not fail; if it ever did, the error is
+        // the document.
+        Format::Json => serde_json::to_vec_pretty(snap).unwrap_or_else(|e| {
+            serde_json::json!({ "error": e.to_string() })
+                .to_string()
+                .into_bytes()
+        }),
+        Format::Pprof => pprof::profile(snap),
+        Format::Folded => folded(snap).into_bytes(),
+        Format::Svg => folded::svg(snap),
+        Format::Speedscope => speedscope::file(snap),
+    }
+}
+
+/// The whole process's fibers, now, in format `fmt`.
+#[inline(never)]
+pub fn export(fmt: Format) -> Vec<u8> {
+    report_entry!();
+    to_bytes(&super::snapshot(&InfoOptions::default()), fmt)
+}
+
+/// Writes the whole process's fibers, now, in format `fmt` to the file at `path`: written
+/// beside it and renamed over it once complete, so a reader never sees half a file and a
+/// failed write leaves what was there.
+#[inline(never)]
+pub fn export_to_file(fmt: Format, path: &Path) -> Result<usize, ExportError> {
+    report_entry!();
+    let bytes = to_bytes(&super::snapshot(&InfoOptions::default()), fmt);
+    write_file(path, &bytes)?;
+    Ok(bytes.len())
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same directory, renamed over
+/// `path` once written and synced.
+pub fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ExportError> {
+    let fail = |what: &str, e: io::Error| ExportError(format!("{}: {what}: {e}", path.display()));
+    let name = path
+        .file_name()
+        .ok_or_else(|| ExportError(format!("{}: not a file name", path.display())))?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(format!(".{}.tmp", std::process::id()));
+    let tmp = path.with_file_name(tmp_name);
+    let r = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()
+    })();
+    if let Err(e) = r {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(fail("cannot write", e));
+    }
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        fail("cannot write", e)
+    })
+}
+
+/// One function level of an exported frame.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Level {
+    /// The function's name.
+    pub name: String,
+    /// Its source file, when known.
+    pub file: Option<String>,
+    /// The line, 0 when unknown.
+    pub line: u32,
+}
+
+/// What kind of frame an exported frame is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// Native code.
+    Native,
+    /// A frame of a layer above (Lua).
+    Layer,
+    /// A marker: frames left out, a trace cut short.
+    Marker,
+}
+
+/// One frame of a fiber's stack as the exports see it.
+#[derive(Clone, Debug)]
+pub(crate) struct ExFrame {
+    /// The address looked up (a return address less one); 0 for a layer's frame or a marker.
+    pub address: u64,
+    /// The native frame's image, when known.
+    pub image: Option<ImageRef>,
+    /// Function levels, innermost (most inlined) first; never empty.
+    pub levels: Vec<Level>,
+    pub kind: Kind,
+}
+
+/// A fiber's own stack for the exports, innermost frame first: glue left out as the text
+/// reports leave it out, a layer's frames read from their labels.
+pub(crate) fn stack(fi: &FiberInfo) -> Vec<ExFrame> {
+    let hide = super::glue::filter();
+    let Some(frames) = &fi.backtrace else {
+        return Vec::new();
+    };
+    frames.iter().filter_map(|f| ex_frame(f, hide)).collect()
+}
+
+fn ex_frame(f: &FrameInfo, hide: Option<&dyn Fn(&Symbol) -> bool>) -> Option<ExFrame> {
+    let marker = |name: String| ExFrame {
+        address: 0,
+        image: None,
+        levels: vec![Level {
+            name,
+            file: None,
+            line: 0,
+        }],
+        kind: Kind::Marker,
+    };
+    match f.frame {
+        Frame::Pc(_) | Frame::Ra(_) | Frame::Async(_) => {
+            let resolved: Option<Arc<Resolved>> =
+                f.resolved.clone().or_else(|| symbolize::resolve(&f.frame));
+            let address = match f.frame {
+                Frame::Pc(a) => a,
+                Frame::Ra(a) | Frame::Async(a) => a.saturating_sub(1),
+                _ => 0,
+            };
+            let r = resolved.as_deref();
+            let all = r.map(|r| r.symbols.as_slice()).unwrap_or_default();
+            let kept: Vec<&Symbol> = all.iter().filter(|s| !hide.is_some_and(|h| h(s))).collect();
+            if !all.is_empty() && kept.is_empty() {
+                return None;
+            }
+            let mut levels: Vec<Level> = kept
+                .iter()
+                .map(|s| Level {
+                    name: s.name.clone().unwrap_or_else(|| unnamed(address, r)),
+                    file: s.file.clone(),
+                    line: s.line.unwrap_or(0),
+                })
+                .collect();
+            if levels.is_empty() {
+                levels.push(Level {
+                    name: unnamed(address, r),
+                    file: None,
+                    line: 0,
+                });
+            }
+            Some(ExFrame {
+                address,
+                image: r.and_then(|r| r.image.clone()),
+                levels,
+                kind: Kind::Native,
+            })
+        }
+        Frame::Lua(id) => {
+            let label = f
+                .label
+                .as_deref()
+                .map(str::to_string)
+                .unwrap_or_else(|| format!("[lua frame {}]", id.0));
+            Some(ExFrame {
+                address: 0,
+                image: None,
+                levels: vec![layer_level(&label)],
+                kind: Kind::Layer,
+            })
+        }
+        Frame::Omitted(n) => Some(marker(format!("[{n} frames omitted]"))),
+        Frame::Truncated => Some(marker("[truncated]".to_string())),
+        // Parent markers do not occur in a fiber's own frames; nothing to show.
+        Frame::Parent(_) => None,
+    }
+}
+
+/// The name of a native frame without a symbol: `image+0xOFFSET`, or its address.
+fn unnamed(address: u64, r: Option<&Resolved>) -> String {
+    match r.and_then(|r| r.image.as_ref()) {
+        Some(img) => {
+            let file = img.path.rsplit('/').next().unwrap_or(&img.path);
+            format!("{file}+{:#x}", address.wrapping_sub(img.base))
+        }
+        None => format!("{address:#x}"),
+    }
+}
+
+/// A layer's frame from its label `name in source:line` (Lua's `@file` and `=name` chunk
+/// prefixes dropped; a C function's line `-1` read as unknown). A label of another shape is
+/// the name as it is.
+pub(crate) fn layer_level(label: &str) -> Level {
+    let whole = || Level {
+        name: label.to_string(),
+        file: None,
+        line: 0,
+    };
+    let Some((name, place)) = label.rsplit_once(" in ") else {
+        return whole();
+    };
+    let Some((source, line)) = place.rsplit_once(':') else {
+        return whole();
+    };
+    let Ok(line) = line.parse::<i64>() else {
+        return whole();
+    };
+    let source = source
+        .strip_prefix('@')
+        .or_else(|| source.strip_prefix('='))
+        .unwrap_or(source);
+    Level {
+        name: name.to_string(),
+        file: Some(source.to_string()),
+        line: u32::try_from(line).unwrap_or(0),
+    }
+}
+
+/// The state of a fiber for a label: what it waits on (`channel receive`, `join fiber 3`),
+/// or its status (`running`, `ready`, ...).
+pub(crate) fn state(fi: &FiberInfo) -> String {
+    match &fi.waiting {
+        Some(w) => w.what.to_string(),
+        None => format!("{:?}", fi.status).to_lowercase(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_layers_label_gives_its_name_file_and_line() {
+        assert_eq!(
+            layer_level("wait_here in @s.lua:4"),
+            Level {
+                name: "wait_here".into(),
+                file: Some("s.lua".into()),
+                line: 4
+            }
+        );
+        assert_eq!(
+            layer_level("get in =[C]:-1"),
+            Level {
+                name: "get".into(),
+                file: Some("[C]".into()),
+                line: 0
+            }
+        );
+        assert_eq!(
+            layer_level("function <a in b.lua:5> in @b.lua:7"),
+            Level {
+                name: "function <a in b.lua:5>".into(),
+                file: Some("b.lua".into()),
+                line: 7
+            }
+        );
+        for odd in ["", "no place", "x in nowhere", "x in f:notanumber"] {
+            assert_eq!(layer_level(odd).name, odd);
+            assert_eq!(layer_level(odd).file, None);
+        }
+    }
+
+    #[test]
+    fn formats_parse_by_name_and_refuse_others_with_the_list() {
+        for f in Format::ALL {
+            assert_eq!(Format::parse(f.name()), Ok(f));
+        }
+        let e = Format::parse("PPROF").unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "unknown dump format \"PPROF\": one of text, grouped, json, pprof, folded, svg, \
+             speedscope"
+        );
+        assert!(Format::parse("").is_err());
+    }
+}

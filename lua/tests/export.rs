@@ -1,0 +1,260 @@
+//! Exports from Lua (`require('fibertrace').dump{...}`) and from `fibertrace run
+//! --dump-on-exit FORMAT:FILE`: every exit path writes the dump, Lua frames in place, and
+//! every bad argument is a clear error.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("fibertrace-lexp-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn run(cwd: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_fibertrace"))
+        .arg("run")
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Three workers wait in `wait_here` (line 3) on a channel nobody writes; then the script
+/// ends as its first argument says.
+const WORKERS: &str = r#"local fiber = require('fiber')
+local ch = fiber.channel()
+local function wait_here() local v = ch:get() return v end
+for i = 1, 3 do fiber.create(function() wait_here() end):name('worker') end
+fiber.yield()
+if arg[1] == 'exit' then os.exit(3) end
+if arg[1] == 'error' then error('boom') end
+if arg[1] == 'deadlock' then ch:get() end
+if arg[1] == 'sleep' then io.stdout:write('sleeping\n') io.stdout:flush() fiber.sleep(30) end
+"#;
+
+/// The folded line of the workers: `lua;fiber:worker;...;fibertrace_fiber::sched::block 3`
+/// with the Lua frames in order between the native ones.
+fn check_workers_line(folded: &str) {
+    let line = folded
+        .lines()
+        .find(|l| l.starts_with("lua;fiber:worker;"))
+        .unwrap_or_else(|| panic!("no workers' line in\n{folded}"));
+    let (stack, count) = line.rsplit_once(' ').unwrap();
+    assert_eq!(count, "3", "{folded}");
+    let frames: Vec<&str> = stack.split(';').collect();
+    assert_eq!(
+        frames.last(),
+        Some(&"fibertrace_fiber::sched::block"),
+        "{line}"
+    );
+    let lua: Vec<&str> = frames
+        .iter()
+        .copied()
+        .filter(|f| f.ends_with("(s.lua)") || f.ends_with("([C])"))
+        .collect();
+    assert_eq!(
+        lua,
+        [
+            "function <s.lua:4> (s.lua)",
+            "wait_here (s.lua)",
+            "get ([C])"
+        ],
+        "{line}"
+    );
+}
+
+#[test]
+fn every_way_a_program_ends_writes_its_dump_on_exit() {
+    let d = dir("exit");
+    std::fs::write(d.join("s.lua"), WORKERS).unwrap();
+    for (how, code) in [("end", 0), ("exit", 3), ("error", 1), ("deadlock", 1)] {
+        let out = run(
+            &d,
+            &[
+                "--dump-on-exit",
+                &format!("folded:{how}.folded"),
+                "--dump-on-exit",
+                &format!("pprof:{how}.pb.gz"),
+                "s.lua",
+                how,
+            ],
+        );
+        assert_eq!(
+            out.status.code(),
+            Some(code),
+            "{how}: {}",
+            text(&out.stderr)
+        );
+        let folded = std::fs::read_to_string(d.join(format!("{how}.folded")))
+            .unwrap_or_else(|e| panic!("{how}: {e}: {}", text(&out.stderr)));
+        check_workers_line(&folded);
+        let gz = std::fs::read(d.join(format!("{how}.pb.gz"))).unwrap();
+        assert_eq!(&gz[..2], &[0x1f, 0x8b], "{how}");
+        match how {
+            // The fiber that called os.exit, with its Lua frames: the chunk, the wrapper.
+            "exit" => assert!(
+                folded
+                    .contains("lua;fiber:main;main chunk (s.lua);exit (fibertrace);dump ([C]) 1\n"),
+                "{folded}"
+            ),
+            // The main fiber, in the deadlock too.
+            "deadlock" => assert!(
+                folded.contains("lua;fiber:main;main chunk (s.lua);get ([C]);"),
+                "{folded}"
+            ),
+            _ => assert!(!folded.contains("fiber:main"), "{how}: {folded}"),
+        }
+    }
+    // SIGTERM: the dump is written before the exit with 143.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fibertrace"))
+        .args([
+            "run",
+            "--dump-on-exit",
+            "folded:term.folded",
+            "s.lua",
+            "sleep",
+        ])
+        .current_dir(&d)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.as_mut().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line, "sleeping\n");
+    // SAFETY: signals our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let st = child.wait().unwrap();
+    assert_eq!(st.code(), Some(143));
+    let folded = std::fs::read_to_string(d.join("term.folded")).unwrap();
+    check_workers_line(&folded);
+    assert!(
+        folded.contains("lua;fiber:main;main chunk (s.lua);sleep ([C]);"),
+        "{folded}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_bad_dump_on_exit_is_refused_before_the_script_runs() {
+    let d = dir("bad");
+    std::fs::write(d.join("s.lua"), "print('ran')").unwrap();
+    std::fs::create_dir(d.join("sub")).unwrap();
+    for (arg, msg) in [
+        ("pprof", "expected FORMAT:FILE, e.g. pprof:fibers.pb.gz"),
+        ("xml:a", "unknown dump format \"xml\": one of text, grouped, json, pprof, folded, svg, speedscope"),
+        ("pprof:", "the file name is empty"),
+        ("pprof:no/such/x", "no/such: no such directory"),
+        ("pprof:sub", "sub: is a directory"),
+        ("pprof:..", "..: not a file name"),
+    ] {
+        let out = run(&d, &["--dump-on-exit", arg, "s.lua"]);
+        assert_eq!(out.status.code(), Some(2), "{arg}");
+        assert!(out.stdout.is_empty(), "{arg}: the script ran");
+        let err = text(&out.stderr);
+        assert!(
+            err.starts_with(&format!(
+                "error: invalid value '{arg}' for '--dump-on-exit <FORMAT:FILE>': {msg}\n"
+            )),
+            "{arg}: {err}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// `fibertrace.dump` from Lua: the text of every fiber, the caller's own Lua frames too.
+const FROM_LUA: &str = r#"local fiber = require('fiber')
+local ft = require('fibertrace')
+local ch = fiber.channel()
+local function wait_here() local v = ch:get() return v end
+for i = 1, 2 do fiber.create(function() wait_here() end):name('worker') end
+fiber.yield()
+local function report()
+    local t = ft.dump()
+    return t
+end
+io.write(report())
+io.write('--\n')
+for _, a in ipairs({
+    {1}, {{format = 1}}, {{format = 'xml'}}, {{file = true}}, {{file = ''}}, {{}, 2},
+    {{format = 'folded', file = 'no/such/dir/x'}}, {'grouped'},
+}) do
+    local ok, r, e = pcall(ft.dump, (unpack or table.unpack)(a))
+    print(ok, type(r) == 'string' and #r > 200 and 'a dump' or r, e)
+end
+print(ft.dump{format = 'json', file = 'd.json'} == #io.open('d.json'):read('*a'))
+"#;
+
+#[test]
+fn a_dump_from_lua_shows_every_fiber_with_its_lua_frames_and_refuses_bad_arguments() {
+    let d = dir("lua");
+    std::fs::write(d.join("s.lua"), FROM_LUA).unwrap();
+    let out = run(&d, &["s.lua"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let all = text(&out.stdout);
+    let (dump, rest) = all.split_once("--\n").unwrap();
+    let lua_lines = |block: &str| -> Vec<String> {
+        block
+            .lines()
+            .filter(|l| l.contains(" in @") || l.contains(" in =["))
+            .map(|l| l.split_once("  ").map_or(l, |x| x.1).to_string())
+            .collect()
+    };
+    let main = dump
+        .split("\n\n")
+        .find(|b| b.starts_with("fiber 1 \"main\" [running]:"))
+        .unwrap_or_else(|| panic!("{dump}"));
+    assert_eq!(
+        lua_lines(main),
+        [
+            "dump in =[C]:-1",
+            "report in @s.lua:8",
+            "main chunk in @s.lua:11"
+        ],
+        "{main}"
+    );
+    let workers: Vec<&str> = dump
+        .split("\n\n")
+        .filter(|b| b.starts_with("fiber ") && b.contains(" \"worker\" [channel receive, "))
+        .collect();
+    assert_eq!(workers.len(), 2, "{dump}");
+    for w in workers {
+        assert_eq!(
+            lua_lines(w),
+            [
+                "get in =[C]:-1",
+                "wait_here in @s.lua:4",
+                "function <s.lua:5> in @s.lua:5"
+            ],
+            "{w}"
+        );
+    }
+    let usage = "fibertrace.dump([{format = 'text'|'grouped'|'json'|'pprof'|'folded'|'svg'|'speedscope', file = PATH}])";
+    // The function's name in a bad-argument error is Lua's to find: `?` (LuaJIT, through
+    // pcall) or `fibertrace.dump` (Lua 5.4).
+    let rest = rest
+        .replace("to '?'", "to 'dump'")
+        .replace("to 'fibertrace.dump'", "to 'dump'");
+    let expected = [
+        "false\tbad argument #1 to 'dump' (table expected, got number)\tnil".to_string(),
+        format!("false\t{usage}: format must be a string\tnil"),
+        "false\tunknown dump format \"xml\": one of text, grouped, json, pprof, folded, svg, speedscope\tnil".to_string(),
+        format!("false\t{usage}: file must be a string\tnil"),
+        format!("false\t{usage}: file is empty\tnil"),
+        format!("false\t{usage}: one argument at most\tnil"),
+        "true\tnil\tno/such/dir/x: cannot write: No such file or directory (os error 2)".to_string(),
+        "true\ta dump\tnil".to_string(),
+        "true".to_string(),
+    ];
+    assert_eq!(rest.lines().collect::<Vec<_>>(), expected, "{rest}");
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -1,0 +1,278 @@
+//! The exports opened in the real tools: `go tool pprof` (Debian's `golang-go`) reads the
+//! pprof profile, a headless Chromium (Debian's `chromium`) draws the flame graph SVG, and
+//! speedscope (its release, from npm) loads the speedscope file in the same browser.
+//!
+//! Built only with the `peers` feature (`cargo test -p fibertrace-acceptance --features
+//! peers --test peers`), after the tools are installed: CI installs them (see `.ci/run`) and
+//! points `FIBERTRACE_SPEEDSCOPE` at speedscope's `dist/release` directory. A tool that is
+//! missing is a failure that says how to install it, never a pass.
+
+use std::path::Path;
+use std::process::Command;
+
+use fibertrace_acceptance::{run_in, scratch};
+
+/// Three workers wait in `wait_here` on a channel nobody writes; the script ends, and
+/// `--dump-on-exit` writes every export.
+const WORKERS: &str = r#"local fiber = require('fiber')
+local ch = fiber.channel()
+local function wait_here() local v = ch:get() return v end
+for i = 1, 3 do fiber.create(function() wait_here() end):name('worker') end
+fiber.yield()
+"#;
+
+fn tool(cmd: &mut Command, what: &str, install: &str) -> String {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("{what} cannot run ({e}): {install}"));
+    assert!(
+        out.status.success(),
+        "{what} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Runs the script with every export asked for on exit, in a directory of its own (`name`);
+/// returns the directory.
+fn exports(name: &str) -> std::path::PathBuf {
+    let d = scratch(name);
+    std::fs::write(d.join("s.lua"), WORKERS).unwrap();
+    let out = run_in(
+        &d,
+        &[
+            "run",
+            "--dump-on-exit",
+            "pprof:p.pb.gz",
+            "--dump-on-exit",
+            "svg:f.svg",
+            "--dump-on-exit",
+            "speedscope:s.json",
+            "--dump-on-exit",
+            "folded:f.folded",
+            "s.lua",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    d
+}
+
+/// The frames of the workers' stack, root first, from the folded export.
+fn workers_folded(d: &Path) -> Vec<String> {
+    let folded = std::fs::read_to_string(d.join("f.folded")).unwrap();
+    let line = folded
+        .lines()
+        .find(|l| l.starts_with("lua;fiber:worker;"))
+        .unwrap_or_else(|| panic!("{folded}"));
+    let (stack, n) = line.rsplit_once(' ').unwrap();
+    assert_eq!(n, "3");
+    stack.split(';').skip(2).map(str::to_string).collect()
+}
+
+#[test]
+fn go_tool_pprof_reads_the_profile_with_every_fiber_its_labels_and_lua_frames() {
+    let d = exports("peers-pprof");
+    let go = |args: &[&str]| {
+        tool(
+            Command::new("go")
+                .args(["tool", "pprof"])
+                .args(args)
+                .arg(d.join("p.pb.gz"))
+                .env("HOME", &d)
+                .env("PPROF_TMPDIR", &d),
+            "go tool pprof",
+            "apt-get install golang-go",
+        )
+    };
+    let traces = go(&["-traces"]);
+    let blocks: Vec<&str> = traces
+        .split("-----------+-------------------------------------------------------\n")
+        .skip(1)
+        .collect();
+    let workers: Vec<&str> = blocks
+        .iter()
+        .copied()
+        .filter(|b| b.contains("      name:  worker\n"))
+        .collect();
+    assert_eq!(workers.len(), 3, "{traces}");
+    let folded = workers_folded(&d);
+    for w in &workers {
+        assert!(w.contains("     state:  channel receive\n"), "{w}");
+        assert!(w.contains(" scheduler:  lua\n"), "{w}");
+        assert!(w.contains("    parent:  1\n"), "{w}");
+        assert!(w.contains("  fiber_id:  "), "{w}");
+        assert!(w.contains("waiting_ms:  "), "{w}");
+        let frames: Vec<&str> = w
+            .lines()
+            .skip_while(|l| !l.starts_with("         1   "))
+            .map(|l| l.trim_start_matches("         1   ").trim())
+            .collect();
+        assert_eq!(
+            frames.first(),
+            Some(&"fibertrace_fiber::sched::block"),
+            "{w}"
+        );
+        assert_eq!(
+            frames[frames.len() - 3..],
+            ["get", "wait_here", "function@s.lua:4"],
+            "{w}"
+        );
+        // Every frame of the folded export, one for one.
+        assert_eq!(frames.len(), folded.len(), "{w}\n{folded:?}");
+    }
+    let main = blocks.iter().find(|b| b.contains("      name:  main\n"));
+    assert!(main.is_none(), "the main fiber ended: {traces}");
+    let top = go(&["-top"]);
+    assert!(top.contains("Type: fibers\n"), "{top}");
+    assert!(
+        top.contains("Showing nodes accounting for 3, 100% of 3 total"),
+        "{top}"
+    );
+    let row = top
+        .lines()
+        .find(|l| l.ends_with("  fibertrace_fiber::sched::block"))
+        .unwrap_or_else(|| panic!("{top}"));
+    let cols: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(&cols[..5], ["3", "100%", "100%", "3", "100%"], "{top}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+fn chromium(d: &Path, url: &str) -> String {
+    tool(
+        Command::new("chromium")
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--virtual-time-budget=5000",
+                "--dump-dom",
+            ])
+            .arg(format!("--user-data-dir={}", d.join("chromium").display()))
+            .arg(url)
+            .env("HOME", d),
+        "chromium",
+        "apt-get install chromium",
+    )
+}
+
+#[test]
+fn a_browser_draws_the_flame_graph_with_every_frame() {
+    let d = exports("peers-svg");
+    let dom = chromium(&d, &format!("file://{}", d.join("f.svg").display()));
+    // Chromium parsed the SVG (a parse error is a page that says so) and the flame graph's
+    // script ran (it sets the search box up).
+    assert!(!dom.contains("error on line"), "{dom}");
+    assert!(dom.contains("fibertrace: 3 fibers"), "{dom}");
+    for f in workers_folded(&d) {
+        let title = format!(
+            "<title>{} (3 fibers, 100.00%)</title>",
+            f.replace('&', "&amp;")
+                .replace('<', "&lt;")
+                .replace('>', "&gt;")
+        );
+        assert!(dom.contains(&title), "{title} not in {dom}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn speedscope_loads_the_file_and_lists_every_frame() {
+    let d = exports("peers-speedscope");
+    let release = std::env::var_os("FIBERTRACE_SPEEDSCOPE").unwrap_or_else(|| {
+        panic!(
+            "FIBERTRACE_SPEEDSCOPE is not set: `npm pack speedscope@1.25.0`, unpack it, and \
+             set it to the package's dist/release directory"
+        )
+    });
+    let index = Path::new(&release).join("index.html");
+    assert!(
+        index.exists(),
+        "{} is not speedscope's release",
+        index.display()
+    );
+    // As speedscope's own command line tool opens a file: a script that hands the file over.
+    let bytes = std::fs::read(d.join("s.json")).unwrap();
+    let b64 = base64(&bytes);
+    let js = d.join("load.js");
+    std::fs::write(
+        &js,
+        format!("speedscope.loadFileFromBase64(\"s.json\", \"{b64}\")"),
+    )
+    .unwrap();
+    let dom = chromium(
+        &d,
+        &format!(
+            "file://{}#localProfilePath={}&view=sandwich",
+            index.display(),
+            js.display()
+        ),
+    );
+    let text = strip_tags(&dom);
+    assert!(text.contains("fibertrace: 3 fibers - speedscope"), "{text}");
+    assert!(text.contains("|scheduler 1 \"lua\"|"), "{text}");
+    // The sandwich view's table: total, self, name; the leaf has all three fibers as self.
+    let frames = workers_folded(&d);
+    let leaf = frames.last().unwrap();
+    assert!(
+        text.contains(&format!("|3 (100%)|3 (100%)|{}|", escape(leaf))),
+        "{leaf}: {text}"
+    );
+    for f in &frames[..frames.len() - 1] {
+        // speedscope names Lua frames without the folded export's `(chunk)`.
+        let name = f.rsplit_once(" (").map_or(f.as_str(), |x| x.0);
+        assert!(
+            text.contains(&format!("|3 (100%)|0 (&lt;0.01%)|{}|", escape(name))),
+            "{name}: {text}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// The text of a page, every run of tags made one `|`.
+fn strip_tags(html: &str) -> String {
+    let mut out = String::new();
+    let mut in_tag = false;
+    for c in html.chars() {
+        match c {
+            '<' => {
+                if !in_tag && !out.ends_with('|') {
+                    out.push('|');
+                }
+                in_tag = true;
+            }
+            '>' => in_tag = false,
+            c if !in_tag => out.push(c),
+            _ => {}
+        }
+    }
+    out
+}
+
+fn base64(b: &[u8]) -> String {
+    const A: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut s = String::new();
+    for c in b.chunks(3) {
+        let n = (u32::from(c[0]) << 16)
+            | (u32::from(*c.get(1).unwrap_or(&0)) << 8)
+            | u32::from(*c.get(2).unwrap_or(&0));
+        for i in 0..4 {
+            if i <= c.len() {
+                s.push(A[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                s.push('=');
+            }
+        }
+    }
+    s
+}
