@@ -50,7 +50,7 @@ mod runtime;
 pub mod embed;
 
 pub use frames::TRAMPOLINE;
-pub use inspect::{dump, export, glue, info, sample, watchdog};
+pub use inspect::{dump, export, glue, http, info, sample, watchdog};
 pub use inspect::{FiberInfo, FrameInfo, FrameSource, InfoOptions, Snapshot};
 pub use sched::{
     cancellation_caught, current, current_id, is_cancelled, sleep, spawn, suspend, testcancel,

@@ -15,11 +15,11 @@
 //!   so no value sits in a channel while a receiver sleeps.
 
 use std::cell::{Cell, RefCell};
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::BuildHasherDefault;
 
 use fibertrace_core::symbolize::AddrHasher;
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -27,6 +27,88 @@ use crate::sched::{self, current_id};
 use crate::task::{FiberId, WaitOn};
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// How many fibers [`Users`] remembers per object.
+const USERS_MAX: usize = 16;
+
+/// The fibers that made or used a channel or condition (sent, received, closed, waited,
+/// signalled): the first [`USERS_MAX`] distinct ones. The deadlock report's wait-for graph
+/// reads them ([`users_of`]) to say which fibers could end a wait on the object.
+struct Users {
+    id: u64,
+    ids: [Cell<FiberId>; USERS_MAX],
+    len: Cell<usize>,
+    /// More fibers used it than were kept.
+    more: Cell<bool>,
+}
+
+std::thread_local! {
+    /// The live channels and conditions of this thread, by id (they are `!Send`: an object
+    /// is used on the thread that made it).
+    static OBJECTS: RefCell<HashMap<u64, Weak<Users>, BuildHasherDefault<AddrHasher>>> =
+        RefCell::default();
+}
+
+impl Users {
+    /// The users of a new object `id`, made by the current fiber (none outside a fiber).
+    fn new(id: u64) -> Rc<Users> {
+        let u = Rc::new(Users {
+            id,
+            ids: Default::default(),
+            len: Cell::new(0),
+            more: Cell::new(false),
+        });
+        u.note();
+        let _ = OBJECTS.try_with(|m| {
+            if let Ok(mut m) = m.try_borrow_mut() {
+                m.insert(id, Rc::downgrade(&u));
+            }
+        });
+        u
+    }
+
+    /// Records the current fiber as a user.
+    #[inline]
+    fn note(&self) {
+        let me = current_id();
+        let n = self.len.get();
+        if me == 0 || (n > 0 && self.ids[n - 1].get() == me) {
+            return;
+        }
+        if self.ids[..n].iter().any(|c| c.get() == me) {
+            return;
+        }
+        if n < USERS_MAX {
+            self.ids[n].set(me);
+            self.len.set(n + 1);
+        } else {
+            self.more.set(true);
+        }
+    }
+}
+
+impl Drop for Users {
+    fn drop(&mut self) {
+        let _ = OBJECTS.try_with(|m| {
+            if let Ok(mut m) = m.try_borrow_mut() {
+                m.remove(&self.id);
+            }
+        });
+    }
+}
+
+/// The fibers that made or used channel or condition `id` (see [`Users`]), and whether more
+/// did than are listed; `None` when no such object lives on this thread.
+pub(crate) fn users_of(id: u64) -> Option<(Vec<FiberId>, bool)> {
+    OBJECTS
+        .try_with(|m| {
+            let u = m.try_borrow().ok()?.get(&id)?.upgrade()?;
+            let ids = u.ids[..u.len.get()].iter().map(Cell::get).collect();
+            Some((ids, u.more.get()))
+        })
+        .ok()
+        .flatten()
+}
 
 /// A waiting fiber: its scheduler and id.
 type Waiter = (u64, FiberId);
@@ -191,6 +273,7 @@ struct ChanInner<T> {
     pushed: Cell<u64>,
     receivers: RefCell<WaitQueue>,
     senders: RefCell<WaitQueue>,
+    users: Rc<Users>,
 }
 
 /// A channel between fibers of one scheduler, with a capacity (0: a rendezvous — a send
@@ -209,9 +292,10 @@ impl<T> Clone for Channel<T> {
 
 /// A new channel with room for `capacity` values.
 pub fn channel<T>(capacity: usize) -> Channel<T> {
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
     Channel {
         inner: Rc::new(ChanInner {
-            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            id,
             cap: capacity,
             buf: RefCell::new(VecDeque::new()),
             closed: Cell::new(false),
@@ -219,6 +303,7 @@ pub fn channel<T>(capacity: usize) -> Channel<T> {
             pushed: Cell::new(0),
             receivers: RefCell::default(),
             senders: RefCell::default(),
+            users: Users::new(id),
         }),
     }
 }
@@ -257,6 +342,7 @@ impl<T> Channel<T> {
     /// Closes it: blocked senders and receivers wake up; buffered values can still be read
     /// (a blocked rendezvous sender takes its value back and fails).
     pub fn close(&self) {
+        self.inner.users.note();
         self.inner.closed.set(true);
         wake_all(&self.inner.receivers);
         wake_all(&self.inner.senders);
@@ -310,6 +396,7 @@ impl<T> Channel<T> {
     /// Sends only if there is room now.
     pub fn try_send(&self, v: T) -> Result<(), ChannelError> {
         let c = &self.inner;
+        c.users.note();
         if c.closed.get() {
             return Err(ChannelError::Closed);
         }
@@ -351,6 +438,7 @@ impl<T> Channel<T> {
     #[inline(never)]
     fn send_until(&self, v: T, deadline: Option<Instant>) -> Result<(), SendError<T>> {
         let c = &self.inner;
+        c.users.note();
         let me = current_id();
         let fail = |error, v| Err(SendError { error, value: v });
         loop {
@@ -439,6 +527,7 @@ impl<T> Channel<T> {
 
     /// Receives only if a value is there now.
     pub fn try_recv(&self) -> Result<T, ChannelError> {
+        self.inner.users.note();
         match self.take() {
             Some(v) => Ok(v),
             None if self.inner.closed.get() => Err(ChannelError::Closed),
@@ -461,6 +550,7 @@ impl<T> Channel<T> {
     #[inline(never)]
     fn recv_until(&self, deadline: Option<Instant>) -> Result<T, ChannelError> {
         let c = &self.inner;
+        c.users.note();
         let me = current_id();
         loop {
             if let Some(v) = self.take() {
@@ -547,6 +637,7 @@ fn has_live_waiters(q: &RefCell<WaitQueue>) -> bool {
 pub struct Cond {
     id: u64,
     waiters: RefCell<WaitQueue>,
+    users: Rc<Users>,
 }
 
 impl Default for Cond {
@@ -558,9 +649,11 @@ impl Default for Cond {
 impl Cond {
     /// A new condition.
     pub fn new() -> Cond {
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         Cond {
-            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            id,
             waiters: RefCell::default(),
+            users: Users::new(id),
         }
     }
 
@@ -582,6 +675,7 @@ impl Cond {
 
     #[inline(never)]
     fn wait_until(&self, deadline: Option<Instant>) -> bool {
+        self.users.note();
         let me = current_id();
         if me == 0 {
             return false;
@@ -595,11 +689,13 @@ impl Cond {
 
     /// Wakes one waiter.
     pub fn signal(&self) {
+        self.users.note();
         wake_one(&self.waiters);
     }
 
     /// Wakes every waiter.
     pub fn broadcast(&self) {
+        self.users.note();
         wake_all(&self.waiters);
     }
 }

@@ -274,15 +274,16 @@ fn a_channel_deadlock_is_reported_and_a_long_sleep_is_not_one() {
     let s = Scheduler::new();
     let (a, b) = (channel::<u8>(1), channel::<u8>(1));
     let (a2, b2) = (a.clone(), b.clone());
-    s.builder().name("ping").spawn(move || {
+    let ping = s.builder().name("ping").spawn(move || {
         wait_for(&a2);
         let _ = b2.send(1);
     });
     let (a3, b3) = (a.clone(), b.clone());
-    s.builder().name("pong").spawn(move || {
+    let pong = s.builder().name("pong").spawn(move || {
         wait_for(&b3);
         let _ = a3.send(1);
     });
+    let ids = (ping.id(), pong.id());
     match s.run() {
         Err(RunError::Deadlock { fibers }) => assert_eq!(fibers.len(), 2),
         other => panic!("{other:?}"),
@@ -295,10 +296,18 @@ fn a_channel_deadlock_is_reported_and_a_long_sleep_is_not_one() {
     for name in ["ping", "pong"] {
         let block = report
             .split("\n\n")
-            .find(|b| b.contains(&format!("\"{name}\"")))
+            .find(|b| b.contains(&format!("\"{name}\" [")))
             .unwrap_or_else(|| panic!("{report}"));
         assert!(block.contains("[channel receive, "), "{block}");
         assert!(block.contains(" in stall::wait_for+0x"), "{block}");
+        // In the wait-for graph: the channel's other handle is in the other fiber's closure,
+        // which the runtime cannot see until that fiber uses it.
+        let line = format!(
+            "  fiber {} \"{name}\" receives on channel {}, which no other fiber is known to hold\n",
+            if name == "ping" { ids.0 } else { ids.1 },
+            if name == "ping" { a.id() } else { b.id() },
+        );
+        assert!(report.contains(&line), "{report}");
     }
     a.close();
     b.close();

@@ -64,10 +64,14 @@ fn a_busy_lua_fiber_is_reported_with_its_native_frames() {
         .min_by(|a, b| a.1.total_cmp(&b.1))
         .unwrap_or_else(|| panic!("no stall report:\n{err}"));
     assert!((100.0..=150.0).contains(&ms), "{err}");
+    // This report only: up to a blank line or the next report's heading (reports of a
+    // running fiber follow one another without a blank line).
     let report: Vec<&str> = err
         .lines()
         .skip(first)
-        .take_while(|l| !l.is_empty())
+        .enumerate()
+        .take_while(|(i, l)| !l.is_empty() && (*i == 0 || !l.starts_with("fiber ")))
+        .map(|(_, l)| l)
         .collect();
     let text = report.join("\n");
     // The VM's frames down to the call into the fiber's function; the host's glue below it
@@ -151,6 +155,44 @@ fn a_channel_deadlock_between_two_lua_fibers_exits_with_the_report() {
         .find(|b| b.contains("\"main\" ["))
         .unwrap_or_else(|| panic!("{err}"));
     assert!(main.contains("[join fiber "), "{main}");
+    // The wait-for graph, between the heading and the dump: each fiber's wait and who else
+    // holds its channel (the main chunk's locals, the other fiber's upvalues), then the
+    // cycles, the one of ping and pong among them.
+    let id = |name: &str| -> String {
+        let at = err.find(&format!(" \"{name}\" [")).unwrap();
+        err[..at].rsplit("fiber ").next().unwrap().to_string()
+    };
+    let (m, pi, po) = (id("main"), id("ping"), id("pong"));
+    let graph: Vec<&str> = err.split("\n\n").nth(1).unwrap().lines().collect();
+    let channel = |line: &str| -> String {
+        line.split("on channel ")
+            .nth(1)
+            .unwrap()
+            .split(',')
+            .next()
+            .unwrap()
+            .to_string()
+    };
+    let (ca, cb) = (channel(graph[2]), channel(graph[3]));
+    assert_ne!(ca, cb, "{err}");
+    assert_eq!(
+        graph,
+        [
+            "wait-for graph:".to_string(),
+            format!("  fiber {m} \"main\" joins fiber {pi} \"ping\""),
+            format!(
+                "  fiber {pi} \"ping\" receives on channel {ca}, which fibers {m} \"main\", \
+                 {po} \"pong\" also hold"
+            ),
+            format!(
+                "  fiber {po} \"pong\" receives on channel {cb}, which fibers {m} \"main\", \
+                 {pi} \"ping\" also hold"
+            ),
+            format!("cycle: fiber {m} \"main\" → fiber {pi} \"ping\" → fiber {m} \"main\""),
+            format!("cycle: fiber {pi} \"ping\" → fiber {po} \"pong\" → fiber {pi} \"ping\""),
+        ],
+        "{err}"
+    );
     assert_eq!(
         lua_frames(main),
         [
@@ -178,6 +220,30 @@ fn a_deadlock_of_many_identical_lua_waiters_reads_as_groups() {
     assert_ne!(code, 0, "{err}");
     let blocks: Vec<&str> = err.split("\n\n").collect();
     assert_eq!(blocks[0], "all fibers are asleep — deadlock!", "{err}");
+    // 41 fibers on one channel that all of them hold (the main chunk's local, the waiters'
+    // upvalue), and nobody else: one line for them all, and the knot they make.
+    let graph: Vec<&str> = blocks[1].lines().collect();
+    let ch = graph[1]
+        .split("on channel ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .unwrap_or_else(|| panic!("{err}"));
+    let these = "1 \"main\", 2 \"lua\", 3 \"lua\", 4 \"lua\", 5 \"lua\", 6 \"lua\", 7 \"lua\", \
+                 8 \"lua\" and 33 more";
+    assert_eq!(
+        graph,
+        [
+            "wait-for graph:",
+            &format!(
+                "  41 fibers ({these}) receive on channel {ch}, which no other fiber is known \
+                 to hold (more fibers used it than the runtime remembers)"
+            ),
+            "  all 41 fibers of this knot wait on one another: 1 \"main\", 2 \"lua\", 3 \"lua\", \
+             4 \"lua\", 5 \"lua\", 6 \"lua\", 7 \"lua\", 8 \"lua\" and 33 more",
+        ],
+        "{err}"
+    );
+    let blocks = &blocks[1..];
     assert!(
         blocks[1].starts_with("scheduler ") && blocks[1].ends_with(": 41 fibers in 2 groups"),
         "{err}"

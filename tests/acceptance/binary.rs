@@ -31,8 +31,16 @@ fn a_deadlock_report_from_another_directory_names_the_script_as_given() {
     let out = run_in(&dir, &["run", "app/s.lua"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
+    // The wait-for graph first: main holds the channel ping waits on, and waits for ping.
     assert!(
-        err.starts_with("all fibers are asleep — deadlock!\n\nscheduler "),
+        err.starts_with(
+            "all fibers are asleep — deadlock!\n\n\
+             wait-for graph:\n  \
+             fiber 1 \"main\" joins fiber 2 \"ping\"\n  \
+             fiber 2 \"ping\" receives on channel 1, which fiber 1 \"main\" also holds\n\
+             cycle: fiber 1 \"main\" → fiber 2 \"ping\" → fiber 1 \"main\"\n\n\
+             scheduler "
+        ),
         "{err}"
     );
     let ping = err

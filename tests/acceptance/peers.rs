@@ -1,6 +1,7 @@
 //! The exports opened in the real tools: `go tool pprof` (Debian's `golang-go`) reads the
 //! pprof profile, a headless Chromium (Debian's `chromium`) draws the flame graph SVG, and
-//! speedscope (its release, from npm) loads the speedscope file in the same browser.
+//! speedscope (its release, from npm) loads the speedscope file in the same browser. The live
+//! endpoint (`fibertrace run --http`) answers curl, `go tool pprof URL` and the browser.
 //!
 //! Built only with the `peers` feature (`cargo test -p fibertrace-acceptance --features
 //! peers --test peers`), after the tools are installed: CI installs them (see `.ci/run`) and
@@ -10,7 +11,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use fibertrace_acceptance::{run_in, scratch};
+use fibertrace_acceptance::{binary, run_in, scratch};
 
 /// Three workers wait in `wait_here` on a channel nobody writes; the script ends, and
 /// `--dump-on-exit` writes every export.
@@ -275,4 +276,104 @@ fn base64(b: &[u8]) -> String {
         }
     }
     s
+}
+
+/// Three workers wait in `wait_here`; the main fiber sleeps (the program serves meanwhile).
+const SERVING: &str = r#"local fiber = require('fiber')
+local ch = fiber.channel()
+local function wait_here() local v = ch:get() return v end
+for i = 1, 3 do fiber.create(function() wait_here() end):name('worker') end
+io.stdout:write('ready\n') io.stdout:flush()
+fiber.sleep(120)
+"#;
+
+#[test]
+fn the_live_endpoint_answers_curl_go_tool_pprof_and_a_browser() {
+    use std::io::{BufRead, BufReader};
+    let d = scratch("peers-http");
+    std::fs::write(d.join("s.lua"), SERVING).unwrap();
+    let mut child = Command::new(binary())
+        .args(["run", "--http", ":0", "s.lua"])
+        .current_dir(&d)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stderr.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let base = line
+        .strip_prefix("fibertrace: serving ")
+        .and_then(|r| r.strip_suffix("/debug/fibers\n"))
+        .unwrap_or_else(|| panic!("{line:?}"))
+        .to_string();
+    assert!(base.starts_with("http://127.0.0.1:"), "{base}");
+    let mut ready = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut ready)
+        .unwrap();
+    assert_eq!(ready, "ready\n");
+
+    // curl: every view, with its status and type; the index links each.
+    let curl = |path: &str, out: &Path| {
+        tool(
+            Command::new("curl")
+                .args(["-sS", "--max-time", "30", "-o"])
+                .arg(out)
+                .args(["-w", "%{http_code} %{content_type}"])
+                .arg(format!("{base}{path}")),
+            "curl",
+            "apt-get install curl",
+        )
+    };
+    let index = d.join("index.html");
+    assert_eq!(curl("/", &index), "200 text/html; charset=utf-8");
+    let page = std::fs::read_to_string(&index).unwrap();
+    for (name, ty) in [
+        ("text", "text/plain; charset=utf-8"),
+        ("grouped", "text/plain; charset=utf-8"),
+        ("json", "application/json"),
+        ("pprof", "application/octet-stream"),
+        ("folded", "text/plain; charset=utf-8"),
+        ("svg", "image/svg+xml"),
+        ("speedscope", "application/json"),
+    ] {
+        let path = format!("/debug/fibers?format={name}");
+        assert!(page.contains(&format!("<a href=\"{path}\">")), "{page}");
+        let file = d.join(format!("view.{name}"));
+        assert_eq!(curl(&path, &file), format!("200 {ty}"), "{name}");
+        assert!(std::fs::metadata(&file).unwrap().len() > 0, "{name}");
+    }
+    let grouped = std::fs::read_to_string(d.join("view.grouped")).unwrap();
+    assert!(grouped.contains("3 fibers [channel receive, "), "{grouped}");
+    assert!(grouped.contains(" wait_here in @s.lua:3\n"), "{grouped}");
+
+    // go tool pprof fetches the profile where it fetches a Go program's goroutines.
+    let top = tool(
+        Command::new("go")
+            .args(["tool", "pprof", "-top"])
+            .arg(format!("{base}/debug/pprof/goroutine"))
+            .env("HOME", &d)
+            .env("PPROF_TMPDIR", &d),
+        "go tool pprof",
+        "apt-get install golang-go",
+    );
+    assert!(top.contains("Type: fibers\n"), "{top}");
+    assert!(
+        top.contains("Showing nodes accounting for 4, 100% of 4 total"),
+        "{top}"
+    );
+
+    // The browser draws the flame graph from the endpoint.
+    let dom = chromium(&d, &format!("{base}/debug/fibers?format=svg"));
+    assert!(!dom.contains("error on line"), "{dom}");
+    assert!(dom.contains("fibertrace: 4 fibers"), "{dom}");
+    assert!(
+        dom.contains("<title>wait_here (s.lua) (3 fibers, 75.00%)</title>"),
+        "{dom}"
+    );
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let _ = std::fs::remove_dir_all(&d);
 }

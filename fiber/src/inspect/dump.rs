@@ -173,7 +173,7 @@ pub fn view() -> View {
 }
 
 /// A scheduler part in the view set by [`set_view`].
-fn render_scheduler_in_view(s: &SchedulerSnapshot, out: &mut String) {
+pub(crate) fn render_scheduler_in_view(s: &SchedulerSnapshot, out: &mut String) {
     match view() {
         View::Full => render_scheduler(s, out),
         View::Grouped => render_scheduler_grouped(s, out),

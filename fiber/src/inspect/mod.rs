@@ -45,9 +45,11 @@
 pub mod dump;
 pub mod export;
 pub mod glue;
+pub mod http;
 pub mod info;
 pub mod sample;
 mod source;
+pub mod waitgraph;
 pub mod watchdog;
 
 use std::sync::atomic::Ordering;
@@ -330,13 +332,42 @@ impl crate::Scheduler {
     }
 
     /// The report for a deadlock returned by [`crate::Scheduler::run`]: `all fibers are
-    /// asleep — deadlock!` and the dump of this scheduler's fibers (what each waits on, and
-    /// where).
+    /// asleep — deadlock!`, the wait-for graph (what each fiber waits on, who else could end
+    /// the wait, and the cycles: [`waitgraph`]) and the dump of this scheduler's fibers
+    /// (where each waits). Call it on the scheduler's thread.
     #[inline(never)]
     pub fn deadlock_report(&self) -> String {
         report_entry!();
+        let part = scheduler_snapshot(self.shared(), &InfoOptions::default());
         let mut out = String::from("all fibers are asleep — deadlock!\n\n");
-        dump::scheduler_text(self.shared(), &mut out);
+        let graph = wait_graph_of(self.id(), &part.fibers);
+        if !graph.nodes.is_empty() {
+            graph.render(&mut out);
+            out.push('\n');
+        }
+        dump::render_scheduler_in_view(&part, &mut out);
         out
     }
+
+    /// The wait-for graph of this scheduler's blocked fibers (see [`waitgraph`]). Call it on
+    /// the scheduler's thread: elsewhere the objects' users are not known, and the graph has
+    /// only the joins.
+    pub fn wait_graph(&self) -> waitgraph::WaitGraph {
+        let opts = InfoOptions {
+            backtrace: false,
+            resolve: false,
+            parent_backtrace: false,
+            ..InfoOptions::default()
+        };
+        let fibers = info::scheduler_info(self.shared(), &opts);
+        wait_graph_of(self.id(), &fibers)
+    }
+}
+
+/// The wait-for graph of scheduler `sched`'s `fibers`, with the objects its frame source sees
+/// held (on its thread).
+fn wait_graph_of(sched: u64, fibers: &[FiberInfo]) -> waitgraph::WaitGraph {
+    let src = source::source(sched);
+    let holds = |f: FiberId| src.as_ref().map(|s| s.holds(f)).unwrap_or_default();
+    waitgraph::build(fibers, &holds, &crate::sync::users_of)
 }

@@ -36,6 +36,15 @@ pub trait FrameSource {
 
     /// The body of a line for a frame this layer made (`name in source:line`), or `None`.
     fn name(&self, id: LuaFrameId) -> Option<String>;
+
+    /// The ids of the channels and conditions that suspended fiber `fiber` holds in this
+    /// layer's frames (a Lua local or upvalue), for the deadlock report's wait-for graph:
+    /// the fibers that could end a wait on one of them. Called on the scheduler's thread
+    /// while the fiber is suspended. The default knows of none.
+    fn holds(&self, fiber: FiberId) -> Vec<u64> {
+        let _ = fiber;
+        Vec::new()
+    }
 }
 
 std::thread_local! {

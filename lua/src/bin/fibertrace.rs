@@ -155,6 +155,21 @@ fn cli() -> Command {
                         ),
                 )
                 .arg(
+                    Arg::new("http")
+                        .long("http")
+                        .value_name("ADDR")
+                        .value_parser(parse_http)
+                        .help(
+                            "Serve every fiber's views over HTTP while the program runs, from \
+                             a thread of their own (they answer while a fiber spins): \
+                             /debug/fibers?format=text|grouped|json|pprof|folded|svg|speedscope, \
+                             /debug/pprof/goroutine (pprof, where Go serves it) and an index \
+                             at /. PORT or :PORT listens on 127.0.0.1; HOST:PORT as given \
+                             (0.0.0.0:PORT exposes the stacks to the network). Port 0 picks \
+                             one; the address is printed on stderr",
+                        ),
+                )
+                .arg(
                     Arg::new("native-detail")
                         .long("native-detail")
                         .action(ArgAction::SetTrue)
@@ -241,6 +256,13 @@ fn parse_dump_on_exit(v: &str) -> Result<(Format, PathBuf), String> {
         return Err(format!("{}: is a directory", file.display()));
     }
     Ok((format, file))
+}
+
+/// `--http ADDR`: an address to listen on (resolved now: a mistake shows before the program
+/// runs).
+fn parse_http(v: &str) -> Result<String, String> {
+    fibertrace_fiber::http::parse_addr(v).map_err(|e| e.to_string())?;
+    Ok(v.to_string())
 }
 
 /// The dumps `--dump-on-exit` asked for.
@@ -508,6 +530,22 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
     unsafe { libc::atexit(say_suppressed_at_exit) };
     if let Some(v) = m.get_many::<(Format, PathBuf)>("dump-on-exit") {
         let _ = DUMPS_ON_EXIT.set(v.cloned().collect());
+    }
+    // The server lives as long as the process (never dropped: `exit` ends its thread).
+    if let Some(addr) = m.get_one::<String>("http") {
+        match fibertrace_fiber::http::serve(addr) {
+            Ok(server) => {
+                err!(
+                    "fibertrace: serving http://{}/debug/fibers",
+                    server.local_addr()
+                );
+                std::mem::forget(server);
+            }
+            Err(e) => {
+                err!("fibertrace: --http: {e}");
+                return ExitCode::from(1);
+            }
+        }
     }
     let script_bytes = script.as_encoded_bytes();
     let (shown, read): (&[u8], _) = if script == "-" {

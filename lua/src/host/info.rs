@@ -642,6 +642,22 @@ impl fibertrace_fiber::inspect::FrameSource for LuaFrames {
     fn name(&self, id: fibertrace_core::LuaFrameId) -> Option<String> {
         crate::render::lua_line(id)
     }
+
+    fn holds(&self, fiber: fibertrace_fiber::FiberId) -> Vec<u64> {
+        let root = with_host(|h| {
+            h.recs
+                .get(&fiber)
+                .filter(|r| r.done.is_none())
+                .map(|r| r.thread)
+        })
+        .flatten();
+        match root {
+            // SAFETY: as in `frames`: asked on the scheduler's thread about a suspended
+            // fiber (the `FrameSource` contract), whose Lua thread is not running.
+            Some(root) => unsafe { super::holds::held(root) },
+            None => Vec::new(),
+        }
+    }
 }
 
 /// A snapshot of the whole process now, as the runtime takes it (suspended Lua fibers with

@@ -50,6 +50,7 @@ mod cstack;
 mod export;
 mod fiber_fns;
 mod finalize;
+mod holds;
 mod info;
 mod install;
 mod objects;

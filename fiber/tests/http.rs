@@ -1,0 +1,357 @@
+//! `/debug/fibers` over HTTP (`fibertrace_fiber::http`): every view served while a fiber
+//! spins, the paths Go uses, and every way a client can misbehave answered with a clear
+//! status — the server and the process go on.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fibertrace_fiber::export::Format;
+use fibertrace_fiber::http::{self, Limits};
+use fibertrace_fiber::{channel, Scheduler};
+
+/// A raw exchange: sends `req`, reads to the end; (status, headers, body).
+fn exchange(addr: SocketAddr, req: &[u8]) -> (u16, String, Vec<u8>) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s.write_all(req).unwrap();
+    read_response(&mut s)
+}
+
+fn read_response(s: &mut TcpStream) -> (u16, String, Vec<u8>) {
+    let mut all = Vec::new();
+    s.read_to_end(&mut all).unwrap();
+    let end = all
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no head in {:?}", String::from_utf8_lossy(&all)));
+    let head = String::from_utf8(all[..end].to_vec()).unwrap();
+    let status = head[9..12].parse().unwrap();
+    (status, head, all[end + 4..].to_vec())
+}
+
+fn get(addr: SocketAddr, target: &str) -> (u16, String, Vec<u8>) {
+    exchange(
+        addr,
+        format!("GET {target} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes(),
+    )
+}
+
+fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
+    head.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name}: ")))
+}
+
+#[inline(never)]
+fn spin_here(stop: &AtomicBool) -> u64 {
+    let mut n = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        n = std::hint::black_box(n + 1);
+    }
+    n
+}
+
+#[inline(never)]
+fn wait_here(ch: &fibertrace_fiber::Channel<u8>) {
+    ch.recv();
+}
+
+/// A scheduler on its own thread: three fibers wait on a channel, one spins until `stop`.
+fn spinning_process(stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
+    let started = Arc::new(AtomicBool::new(false));
+    let s2 = started.clone();
+    let t = std::thread::spawn(move || {
+        let s = Scheduler::new();
+        let ch = channel::<u8>(0);
+        for _ in 0..3 {
+            let c = ch.clone();
+            s.builder().name("waiter").spawn(move || wait_here(&c));
+        }
+        let c = ch.clone();
+        s.builder().name("spinner").spawn(move || {
+            s2.store(true, Ordering::SeqCst);
+            spin_here(&stop);
+            c.close();
+        });
+        s.run().unwrap();
+    });
+    while !started.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    t
+}
+
+#[test]
+fn every_view_is_served_while_a_fiber_spins() {
+    let stop = Arc::new(AtomicBool::new(false));
+    let proc_thread = spinning_process(stop.clone());
+    let server = http::serve("127.0.0.1:0").unwrap();
+    let addr = server.local_addr();
+    assert!(addr.ip().is_loopback());
+
+    // The index links every view.
+    let (status, head, body) = get(addr, "/");
+    assert_eq!(status, 200);
+    assert_eq!(
+        header(&head, "Content-Type"),
+        Some("text/html; charset=utf-8")
+    );
+    let page = String::from_utf8(body).unwrap();
+    for f in Format::ALL {
+        assert!(
+            page.contains(&format!("<a href=\"/debug/fibers?format={}\">", f.name())),
+            "{page}"
+        );
+    }
+    assert!(
+        page.contains("<a href=\"/debug/pprof/goroutine\">"),
+        "{page}"
+    );
+
+    for f in Format::ALL {
+        let (status, head, body) = get(addr, &format!("/debug/fibers?format={}", f.name()));
+        assert_eq!(status, 200, "{}", f.name());
+        assert_eq!(header(&head, "Content-Type"), Some(f.media_type()));
+        assert_eq!(
+            header(&head, "Content-Length").map(|v| v.parse::<usize>().unwrap()),
+            Some(body.len())
+        );
+        match f {
+            Format::Text => {
+                let t = String::from_utf8(body).unwrap();
+                // The spinning fiber, sampled where it spins; the waiters where they wait.
+                let spinner = t
+                    .split("\n\n")
+                    .find(|b| b.contains("\"spinner\" [running]"))
+                    .unwrap_or_else(|| panic!("{t}"));
+                assert!(spinner.contains(" in http::spin_here"), "{spinner}");
+                assert_eq!(t.matches("\"waiter\" [channel receive, ").count(), 3, "{t}");
+                assert_eq!(t.matches(" in http::wait_here").count(), 3, "{t}");
+            }
+            Format::Grouped => {
+                let t = String::from_utf8(body).unwrap();
+                assert!(t.contains("3 fibers [channel receive, "), "{t}");
+            }
+            Format::Pprof => assert_eq!(&body[..2], [0x1f, 0x8b]),
+            Format::Json | Format::Speedscope => {
+                serde_json::from_slice::<serde_json::Value>(&body).unwrap();
+            }
+            Format::Svg => {
+                let t = String::from_utf8(body).unwrap();
+                assert!(t.contains("<svg") && t.contains("http::wait_here"), "{t}");
+            }
+            Format::Folded => {
+                let t = String::from_utf8(body).unwrap();
+                assert!(
+                    t.contains(";fiber:waiter;") && t.contains(";fiber:spinner;"),
+                    "{t}"
+                );
+            }
+        }
+    }
+    // The default view is the text dump; Go's paths give pprof, grouped and text.
+    let (_, _, body) = get(addr, "/debug/fibers");
+    assert!(String::from_utf8(body)
+        .unwrap()
+        .contains("\"spinner\" [running]"));
+    let (status, head, body) = get(addr, "/debug/pprof/goroutine");
+    assert_eq!(status, 200);
+    assert_eq!(
+        header(&head, "Content-Type"),
+        Some("application/octet-stream")
+    );
+    assert_eq!(&body[..2], [0x1f, 0x8b]);
+    let (_, _, body) = get(addr, "/debug/pprof/goroutine?debug=1");
+    assert!(String::from_utf8(body)
+        .unwrap()
+        .contains("3 fibers [channel receive, "));
+    let (_, _, body) = get(addr, "/debug/pprof/goroutine?debug=2");
+    assert!(String::from_utf8(body)
+        .unwrap()
+        .contains("\"spinner\" [running]"));
+    // HEAD: the same head, no body.
+    let (status, head, body) = exchange(addr, b"HEAD /debug/fibers?format=json HTTP/1.1\r\n\r\n");
+    assert_eq!((status, body.len()), (200, 0));
+    assert!(
+        header(&head, "Content-Length")
+            .unwrap()
+            .parse::<usize>()
+            .unwrap()
+            > 0
+    );
+
+    stop.store(true, Ordering::SeqCst);
+    proc_thread.join().unwrap();
+    server.stop();
+    assert!(TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_err());
+}
+
+#[test]
+fn bad_requests_get_clear_answers_and_the_server_goes_on() {
+    let limits = Limits {
+        max_connections: 2,
+        max_head: 1024,
+        read_timeout: Duration::from_millis(500),
+        ..Limits::default()
+    };
+    let server = http::serve_with("127.0.0.1:0", limits).unwrap();
+    let addr = server.local_addr();
+    let body = |r: (u16, String, Vec<u8>)| (r.0, String::from_utf8(r.2).unwrap());
+
+    assert_eq!(
+        body(get(addr, "/debug/fibers?format=tree")),
+        (
+            400,
+            "unknown dump format \"tree\": one of text, grouped, json, pprof, folded, svg, \
+             speedscope\n"
+                .into()
+        )
+    );
+    assert_eq!(
+        body(get(addr, "/debug/pprof/goroutine?debug=9")),
+        (
+            400,
+            "bad debug=\"9\": 0 (pprof), 1 (grouped text) or 2 (full text)\n".into()
+        )
+    );
+    assert_eq!(
+        body(get(addr, "/nothing/here")),
+        (
+            404,
+            "no such page \"/nothing/here\": see / for the views\n".into()
+        )
+    );
+    assert_eq!(
+        body(get(addr, "/debug/pprof/heap")),
+        (
+            404,
+            "no heap profile: this process records no allocation metadata\n".into()
+        )
+    );
+    let r = exchange(addr, b"POST / HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc");
+    assert_eq!(header(&r.1, "Allow"), Some("GET, HEAD"));
+    assert_eq!(
+        body(r),
+        (405, "method POST not allowed: GET or HEAD\n".into())
+    );
+    assert_eq!(
+        body(exchange(addr, b"GARBAGE\r\n\r\n")),
+        (400, "bad request line\n".into())
+    );
+    assert_eq!(
+        body(exchange(addr, b"GET / SPDY/3\r\n\r\n")),
+        (400, "unsupported protocol \"SPDY/3\"\n".into())
+    );
+    assert_eq!(
+        body(exchange(addr, b"GET /\xff HTTP/1.1\r\n\r\n")),
+        (400, "the request line is not UTF-8\n".into())
+    );
+    // Escapes: a format named with %-escapes is decoded; a bad escape stays as written.
+    assert_eq!(get(addr, "/debug/fibers?format=%67rouped").0, 200);
+    assert_eq!(get(addr, "/debug/fibers?format=%zz").0, 400);
+    // A head past the limit, and one that never ends.
+    let big = format!("GET / HTTP/1.1\r\nX-Big: {}\r\n\r\n", "a".repeat(2000));
+    assert_eq!(
+        body(exchange(addr, big.as_bytes())),
+        (431, "request head over 1024 bytes\n".into())
+    );
+    {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let chunk = [b'a'; 256];
+        let _ = s.write_all(b"GET / HTTP/1.1\r\nX-Endless: ");
+        // Keeps sending until the server answers and stops reading.
+        for _ in 0..64 {
+            if s.write_all(&chunk).is_err() {
+                break;
+            }
+        }
+        let (status, _, _) = read_response(&mut s);
+        assert_eq!(status, 431);
+    }
+    // A client that sends half a request and goes away: nothing to answer; the next is.
+    {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(b"GET /debug/fib").unwrap();
+    }
+    // A client that sends nothing gets 408 after the read timeout.
+    let t0 = Instant::now();
+    let mut silent = TcpStream::connect(addr).unwrap();
+    silent
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    assert_eq!(read_response(&mut silent).0, 408);
+    assert!(t0.elapsed() >= Duration::from_millis(500));
+
+    // Two silent clients hold both places: a third is told 503 at once, without waiting for
+    // them; once they time out, requests are answered again.
+    let held: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(50));
+    let (status, head, _) = get(addr, "/");
+    assert_eq!(status, 503);
+    assert_eq!(header(&head, "Retry-After"), Some("1"));
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(get(addr, "/").0, 200);
+    drop(held);
+
+    // Many clients at once: each gets an answer, 200 or 503, none hangs.
+    let answers: Vec<u16> = (0..16)
+        .map(|_| std::thread::spawn(move || get(addr, "/debug/fibers?format=grouped").0))
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().unwrap())
+        .collect();
+    assert!(
+        answers.iter().all(|s| *s == 200 || *s == 503),
+        "{answers:?}"
+    );
+    assert!(answers.contains(&200), "{answers:?}");
+    server.stop();
+}
+
+#[test]
+fn addresses_are_checked_before_listening() {
+    let err = |a: &str| http::parse_addr(a).unwrap_err().to_string();
+    let hint = "(expected PORT, :PORT or HOST:PORT, e.g. 127.0.0.1:6060)";
+    assert_eq!(err(""), format!("bad address \"\": empty {hint}"));
+    assert_eq!(
+        err("nohost"),
+        format!("bad address \"nohost\": no port {hint}")
+    );
+    assert_eq!(
+        err(":99999"),
+        format!("bad address \":99999\": the port is past 65535 {hint}")
+    );
+    assert_eq!(
+        err("host:"),
+        format!("bad address \"host:\": the port is not a number {hint}")
+    );
+    assert_eq!(err(":"), format!("bad address \":\": no host {hint}"));
+    assert_eq!(
+        err("127.0.0.1:x"),
+        format!("bad address \"127.0.0.1:x\": the port is not a number {hint}")
+    );
+    // A port alone is the loopback address; a host as given.
+    assert_eq!(
+        http::parse_addr("6060").unwrap(),
+        ["127.0.0.1:6060".parse::<SocketAddr>().unwrap()]
+    );
+    assert_eq!(
+        http::parse_addr(":6060").unwrap(),
+        ["127.0.0.1:6060".parse::<SocketAddr>().unwrap()]
+    );
+    assert_eq!(
+        http::parse_addr("0.0.0.0:6060").unwrap(),
+        ["0.0.0.0:6060".parse::<SocketAddr>().unwrap()]
+    );
+    // A port in use.
+    let first = http::serve("127.0.0.1:0").unwrap();
+    let taken = first.local_addr();
+    let e = http::serve(&taken.to_string()).err().unwrap().to_string();
+    assert_eq!(
+        e,
+        format!("cannot listen on {taken}: Address already in use (os error 98)")
+    );
+}

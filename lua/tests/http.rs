@@ -1,0 +1,183 @@
+//! `fibertrace run --http ADDR`: the views of a running Lua program over HTTP — with the
+//! Lua frames of its fibers while it waits, and an answer (native frames, a note) while a
+//! fiber spins; bad addresses refused before the script runs.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn script(name: &str, body: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("fibertrace-lhttp-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    let p = d.join(name);
+    std::fs::write(&p, body).unwrap();
+    p
+}
+
+/// Starts `fibertrace run --http 127.0.0.1:0 SCRIPT`; the child, the address it serves on,
+/// and its stdout.
+fn start(path: &PathBuf) -> (Child, SocketAddr, BufReader<std::process::ChildStdout>) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fibertrace"))
+        .args(["run", "--http", "127.0.0.1:0"])
+        .arg(path)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    err.read_line(&mut line).unwrap();
+    let addr = line
+        .strip_prefix("fibertrace: serving http://")
+        .and_then(|r| r.strip_suffix("/debug/fibers\n"))
+        .unwrap_or_else(|| panic!("{line:?}"))
+        .parse()
+        .unwrap();
+    let out = BufReader::new(child.stdout.take().unwrap());
+    (child, addr, out)
+}
+
+fn get(addr: SocketAddr, target: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    write!(s, "GET {target} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut all = Vec::new();
+    s.read_to_end(&mut all).unwrap();
+    let all = String::from_utf8_lossy(&all).into_owned();
+    let (head, body) = all.split_once("\r\n\r\n").unwrap();
+    (head[9..12].parse().unwrap(), body.to_string())
+}
+
+const WAITING: &str = r#"local fiber = require('fiber')
+local ch = fiber.channel()
+local function wait_here() local v = ch:get() return v end
+for i = 1, 3 do fiber.create(function() wait_here() end):name('worker') end
+io.stdout:write('ready\n') io.stdout:flush()
+fiber.sleep(60)
+"#;
+
+/// While the program waits, every fiber's Lua frames are in the views (the scheduler builds
+/// its part at its next turn).
+#[test]
+fn the_views_of_a_waiting_program_have_its_lua_frames() {
+    let path = script("waiting.lua", WAITING);
+    let (mut child, addr, mut out) = start(&path);
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    let s = path.to_str().unwrap();
+    let (status, folded) = get(addr, "/debug/fibers?format=folded");
+    assert_eq!(status, 200);
+    let workers = folded
+        .lines()
+        .find(|l| l.starts_with("lua;fiber:worker;"))
+        .unwrap_or_else(|| panic!("{folded}"));
+    assert!(workers.ends_with(" 3"), "{folded}");
+    let lua: Vec<&str> = workers
+        .trim_end_matches(" 3")
+        .split(';')
+        .filter(|f| f.ends_with(".lua)") || f.ends_with("([C])"))
+        .collect();
+    let chunk = format!("({s})");
+    assert_eq!(
+        lua,
+        [
+            format!("function <{s}:4> {chunk}").as_str(),
+            &format!("wait_here {chunk}"),
+            "get ([C])"
+        ]
+        .map(|x| x.to_string()),
+        "{folded}"
+    );
+    let (status, text) = get(addr, "/debug/pprof/goroutine?debug=2");
+    assert_eq!(status, 200);
+    let main = text
+        .split("\n\n")
+        .find(|b| b.contains("\"main\" [sleep, "))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(main.contains(&format!("main chunk in @{s}:6")), "{main}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+const SPINNING: &str = r#"local fiber = require('fiber')
+local clock = require('clock')
+local ch = fiber.channel()
+for i = 1, 3 do fiber.create(function() ch:get() end):name('worker') end
+local f = fiber.new(function()
+  io.stdout:write('spinning\n') io.stdout:flush()
+  local t = clock.monotonic() + 60
+  while clock.monotonic() < t do end
+end)
+f:name('spinner')
+f:set_joinable(true)
+f:join()
+"#;
+
+/// While a Lua fiber spins without yielding, the views still answer: the spinning fiber
+/// sampled where it runs, the others with their native frames and a note saying why their
+/// Lua frames are not there.
+#[test]
+fn the_views_answer_while_a_lua_fiber_spins() {
+    let path = script("spinning.lua", SPINNING);
+    let (mut child, addr, mut out) = start(&path);
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "spinning\n");
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        let (status, text) = get(addr, "/debug/fibers?format=grouped");
+        assert_eq!(status, 200);
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        assert!(
+            text.contains("1 fiber [running]: id 5, name \"spinner\":"),
+            "{text}"
+        );
+        assert!(text.contains("3 fibers [channel receive, "), "{text}");
+        assert!(
+            text.contains("(frames of the layer above the runtime (Lua) not shown: the scheduler's thread did not come back to its run loop within 200 ms"),
+            "{text}"
+        );
+    }
+    assert_eq!(get(addr, "/debug/pprof/goroutine").0, 200);
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+#[test]
+fn a_bad_or_taken_address_is_refused_before_the_script_runs() {
+    let path = script("never.lua", "print('ran')\n");
+    let run = |addr: &str| {
+        Command::new(env!("CARGO_BIN_EXE_fibertrace"))
+            .args(["run", "--http", addr])
+            .arg(&path)
+            .output()
+            .unwrap()
+    };
+    let out = run("nohost");
+    assert_eq!(
+        (out.status.code(), out.stdout.as_slice()),
+        (Some(2), &b""[..])
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(
+            "invalid value 'nohost' for '--http <ADDR>': bad address \"nohost\": no port \
+             (expected PORT, :PORT or HOST:PORT, e.g. 127.0.0.1:6060)"
+        ),
+        "{err}"
+    );
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let a = taken.local_addr().unwrap().to_string();
+    let out = run(&a);
+    assert_eq!(
+        (out.status.code(), out.stdout.as_slice()),
+        (Some(1), &b""[..])
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        format!("fibertrace: --http: cannot listen on {a}: Address already in use (os error 98)\n")
+    );
+}
