@@ -55,7 +55,9 @@ fn spin_here(stop: &AtomicBool) -> u64 {
 
 #[inline(never)]
 fn wait_here(ch: &fibertrace_fiber::Channel<u8>) {
-    ch.recv();
+    // (Used after the call: not a tail call, so the frame stays in release builds.)
+    let v = ch.recv();
+    std::hint::black_box(v);
 }
 
 /// A scheduler on its own thread: three fibers wait on a channel, one spins until `stop`.
@@ -65,7 +67,9 @@ fn spinning_process(stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
     let t = std::thread::spawn(move || {
         let s = Scheduler::new();
         let ch = channel::<u8>(0);
-        for _ in 0..3 {
+        // (A count the compiler cannot see: an unrolled loop would give each waiter its own
+        // creation site, and so a group of its own.)
+        for _ in 0..std::hint::black_box(3) {
             let c = ch.clone();
             s.builder().name("waiter").spawn(move || wait_here(&c));
         }
@@ -126,9 +130,10 @@ fn every_view_is_served_while_a_fiber_spins() {
                     .split("\n\n")
                     .find(|b| b.contains("\"spinner\" [running]"))
                     .unwrap_or_else(|| panic!("{t}"));
-                assert!(spinner.contains(" in http::spin_here"), "{spinner}");
+                // (`in http::spin_here+0x..`, or `inlined into http::spin_here` in release.)
+                assert!(spinner.contains("http::spin_here"), "{spinner}");
                 assert_eq!(t.matches("\"waiter\" [channel receive, ").count(), 3, "{t}");
-                assert_eq!(t.matches(" in http::wait_here").count(), 3, "{t}");
+                assert_eq!(t.matches("http::wait_here").count(), 3, "{t}");
             }
             Format::Grouped => {
                 let t = String::from_utf8(body).unwrap();

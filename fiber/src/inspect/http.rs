@@ -153,9 +153,13 @@ impl Server {
                 SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
             });
         }
-        let _ = TcpStream::connect_timeout(&to, Duration::from_secs(1));
+        let woke = TcpStream::connect_timeout(&to, Duration::from_secs(1)).is_ok();
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            // Without the wake-up the accept may never return: leave the thread (it stops
+            // at its next connection) rather than hang here.
+            if woke {
+                let _ = t.join();
+            }
         }
     }
 }
