@@ -202,7 +202,7 @@ fn go() {
 fn request(addr: std::net::SocketAddr, target: &str) -> (f64, usize) {
     let t0 = Instant::now();
     let mut s = TcpStream::connect(addr).expect("connect");
-    write!(s, "GET {target} HTTP/1.1\r\nHost: x\r\n\r\n").expect("send");
+    write!(s, "GET {target} HTTP/1.1\r\nHost: localhost\r\n\r\n").expect("send");
     let mut all = Vec::new();
     s.read_to_end(&mut all).expect("read");
     assert!(

@@ -35,7 +35,7 @@ fn read_response(s: &mut TcpStream) -> (u16, String, Vec<u8>) {
 fn get(addr: SocketAddr, target: &str) -> (u16, String, Vec<u8>) {
     exchange(
         addr,
-        format!("GET {target} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes(),
+        format!("GET {target} HTTP/1.1\r\nHost: localhost\r\n\r\n").as_bytes(),
     )
 }
 
@@ -281,6 +281,45 @@ fn bad_requests_get_clear_answers_and_the_server_goes_on() {
         let mut s = TcpStream::connect(addr).unwrap();
         s.write_all(b"GET /debug/fib").unwrap();
     }
+    // Another host name on a loopback server (DNS rebinding): refused. The loopback names
+    // (with or without a port), a bare-LF request and no Host at all are served.
+    assert_eq!(
+        body(exchange(
+            addr,
+            b"GET / HTTP/1.1\r\nHost: evil.example:80\r\n\r\n"
+        )),
+        (
+            403,
+            "this server listens on the loopback address and answers only requests for \
+             localhost, 127.0.0.1 or [::1] (Host header)\n"
+                .into()
+        )
+    );
+    for host in ["localhost", "127.0.0.1:8080", "[::1]:1", "LOCALHOST"] {
+        let req = format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n");
+        assert_eq!(exchange(addr, req.as_bytes()).0, 200, "{host}");
+    }
+    assert_eq!(exchange(addr, b"GET / HTTP/1.0\n\n").0, 200);
+    assert_eq!(exchange(addr, b"GET / HTTP/1.0\r\n\r\n").0, 200);
+    // A client that trickles its head a byte every 100 ms (each gap well inside the read
+    // timeout) still gets 408 when the timeout has passed since the connection: the answer
+    // and the close come about 0.5 s + the 0.5 s drain after it connected, where a timeout
+    // per read would have waited until 0.9 s + 0.5 s before even answering.
+    {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let t0 = Instant::now();
+        for b in b"GET / HTTP/1.1\r\nX-Slow".iter().take(9) {
+            let _ = s.write_all(&[*b]);
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert_eq!(read_response(&mut s).0, 408);
+        assert!(
+            t0.elapsed() < Duration::from_millis(1600),
+            "{:?}",
+            t0.elapsed()
+        );
+    }
     // A client that sends nothing gets 408 after the read timeout.
     let t0 = Instant::now();
     let mut silent = TcpStream::connect(addr).unwrap();
@@ -334,6 +373,10 @@ fn addresses_are_checked_before_listening() {
         format!("bad address \"host:\": the port is not a number {hint}")
     );
     assert_eq!(err(":"), format!("bad address \":\": no host {hint}"));
+    assert_eq!(
+        err("::6060"),
+        format!("bad address \"::6060\": an IPv6 host goes in brackets, e.g. [::1]:6060 {hint}")
+    );
     assert_eq!(
         err("127.0.0.1:x"),
         format!("bad address \"127.0.0.1:x\": the port is not a number {hint}")

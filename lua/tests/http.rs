@@ -42,7 +42,7 @@ fn start(path: &PathBuf) -> (Child, SocketAddr, BufReader<std::process::ChildStd
 fn get(addr: SocketAddr, target: &str) -> (u16, String) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    write!(s, "GET {target} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    write!(s, "GET {target} HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
     let mut all = Vec::new();
     s.read_to_end(&mut all).unwrap();
     let all = String::from_utf8_lossy(&all).into_owned();

@@ -434,3 +434,42 @@ fn a_blocked_report_behind_a_hog_says_why_its_lua_frames_are_missing() {
         "{block}"
     );
 }
+
+/// The channel is held only as a key of the main chunk's table (its maker has ended): the
+/// graph finds it there. A zero-size userdata given the channel metatable by the script
+/// (`debug.setmetatable`, LuaJIT's `newproxy`) is not taken for a channel.
+const KEY_HELD: &str = r#"
+local fiber = require('fiber')
+local box = {}
+local maker = fiber.new(function() box[fiber.channel()] = true end)
+maker:set_joinable(true)
+maker:join()
+local fake = newproxy and newproxy(false)
+if fake then debug.setmetatable(fake, debug.getmetatable(next(box))) end
+local w = fiber.new(function() local ch = next(box) ch:get() end)
+w:name('w')
+w:set_joinable(true)
+w:join()
+"#;
+
+#[test]
+fn a_channel_held_as_a_table_key_is_seen_by_the_wait_for_graph() {
+    let (code, _out, err) = run_script(&[], KEY_HELD);
+    assert_eq!(code, 1, "{err}");
+    let graph: Vec<&str> = err.split("\n\n").nth(1).unwrap().lines().collect();
+    let ch = graph[2]
+        .split("on channel ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .unwrap_or_else(|| panic!("{err}"));
+    assert_eq!(
+        graph,
+        [
+            "wait-for graph:".to_string(),
+            "  fiber 1 \"main\" joins fiber 3 \"w\"".to_string(),
+            format!("  fiber 3 \"w\" receives on channel {ch}, which fiber 1 \"main\" also holds"),
+            "cycle: fiber 1 \"main\" → fiber 3 \"w\" → fiber 1 \"main\"".to_string(),
+        ],
+        "{err}"
+    );
+}

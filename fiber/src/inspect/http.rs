@@ -17,14 +17,19 @@
 //! threads and no head limit of their own to set.
 //!
 //! Limits ([`Limits`]): a request head over [`Limits::max_head`] bytes gets 431; one not sent
-//! within [`Limits::read_timeout`] gets 408; past [`Limits::max_connections`] connections
-//! being answered, a new one gets 503 at once; any method but `GET`/`HEAD` gets 405; a bad
-//! query value 400, saying what is accepted. A request never stops the process or a fiber:
+//! within [`Limits::read_timeout`] (in all, however it trickles) gets 408; an answer not taken
+//! by the client within [`Limits::write_timeout`] (in all) is cut; past
+//! [`Limits::max_connections`] connections being answered, a new one gets 503 at once; any
+//! method but `GET`/`HEAD` gets 405; a bad query value 400, saying what is accepted. A server
+//! on the loopback address answers only requests whose `Host` is `localhost`, `127.0.0.1` or
+//! `[::1]` (403 otherwise): a web page in the user's browser cannot read the stacks through a
+//! name that resolves to 127.0.0.1 (DNS rebinding). A request never stops the process or a fiber:
 //! the views are the same snapshots as every dump (see [`super`] for how one can be wrong:
 //! not atomic across fibers; a spinning Lua fiber's frames native only, with a note).
 //!
 //! Listening: [`parse_addr`] takes `PORT` or `:PORT` as the loopback address (127.0.0.1);
-//! anything else (`0.0.0.0:6060`, `[::]:6060`, `myhost:6060`) is listened on as given —
+//! anything else (`0.0.0.0:6060`, `[::]:6060`, `myhost:6060`) is listened on as given (an IPv6
+//! address in brackets: `::6060` is refused, not read as every address) —
 //! exposing every fiber's stack beyond the machine is the caller's explicit choice.
 
 use std::io::{self, Read, Write};
@@ -32,7 +37,7 @@ use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::export::{self, Format};
 
@@ -107,6 +112,9 @@ pub fn parse_addr(s: &str) -> Result<Vec<SocketAddr>, HttpError> {
     };
     if host.is_empty() {
         return Err(bad("no host"));
+    }
+    if host.contains(':') && !(host.starts_with('[') && host.ends_with(']')) {
+        return Err(bad("an IPv6 host goes in brackets, e.g. [::1]:6060"));
     }
     if port.is_empty() || !port.bytes().all(|b| b.is_ascii_digit()) {
         return Err(bad("the port is not a number"));
@@ -254,13 +262,22 @@ impl Drop for Slot {
 /// Answers 503 without reading the request (the acceptor must not wait on a client).
 fn busy(mut s: TcpStream) {
     let _ = s.set_nonblocking(true);
-    let _ = s.write_all(&response(
+    let body: &[u8] = b"too many connections being answered; try again\n";
+    let head = response_head(
         503,
         "text/plain; charset=utf-8",
-        b"too many connections being answered; try again\n",
+        body.len(),
         &[("Retry-After", "1")],
-        false,
-    ));
+    );
+    let _ = s.write_all(&[head.as_slice(), body].concat());
+    // Take in what the request already sent (without waiting for more): closing with
+    // unread bytes would reset the connection and lose the answer.
+    let mut sink = [0u8; 4096];
+    for _ in 0..4 {
+        if !matches!(s.read(&mut sink), Ok(n) if n > 0) {
+            break;
+        }
+    }
     let _ = s.shutdown(Shutdown::Write);
 }
 
@@ -272,20 +289,33 @@ struct Request {
 }
 
 /// Reads the request head: `Err` is the status to answer with (400, 405, 408, 431).
-fn read_request(s: &mut TcpStream, limits: &Limits) -> Result<Request, (u16, String)> {
-    let _ = s.set_read_timeout(Some(limits.read_timeout));
-    let deadline = std::time::Instant::now() + limits.read_timeout;
+fn read_request(
+    s: &mut TcpStream,
+    limits: &Limits,
+    loopback: bool,
+) -> Result<Request, (u16, String)> {
+    let late = || (408, "request not received in time".to_string());
+    let deadline = Instant::now().checked_add(limits.read_timeout);
     let mut head = Vec::with_capacity(1024);
     let mut buf = [0u8; 2048];
     let end = loop {
-        if let Some(i) = find(&head, b"\r\n\r\n") {
+        // The head ends at an empty line (CRLF CRLF, or LF LF from a lenient client); only
+        // the bytes that arrived since the last look are searched again.
+        let from = head.len().saturating_sub(buf.len() + 3);
+        if let Some(i) = head_end(&head, from) {
             break i;
         }
         if head.len() > limits.max_head {
             return Err((431, format!("request head over {} bytes", limits.max_head)));
         }
-        if std::time::Instant::now() >= deadline {
-            return Err((408, "request not received in time".into()));
+        // Each read waits at most until the request's deadline: a client trickling bytes
+        // cannot stretch it.
+        let left = match deadline {
+            Some(d) => d.checked_duration_since(Instant::now()).ok_or_else(late)?,
+            None => Duration::from_secs(3600),
+        };
+        if left.is_zero() || s.set_read_timeout(Some(left)).is_err() {
+            return Err(late());
         }
         match s.read(&mut buf) {
             Ok(0) => return Err((400, "connection closed before the request's end".into())),
@@ -296,7 +326,7 @@ fn read_request(s: &mut TcpStream, limits: &Limits) -> Result<Request, (u16, Str
                     io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
                 ) =>
             {
-                return Err((408, "request not received in time".into()))
+                return Err(late())
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err((400, format!("reading the request: {e}"))),
@@ -305,8 +335,12 @@ fn read_request(s: &mut TcpStream, limits: &Limits) -> Result<Request, (u16, Str
     if end > limits.max_head {
         return Err((431, format!("request head over {} bytes", limits.max_head)));
     }
-    let line_end = find(&head, b"\r\n").unwrap_or(end);
-    let line = std::str::from_utf8(&head[..line_end])
+    let head = &head[..end];
+    let line_end = head.iter().position(|&b| b == b'\n').unwrap_or(end);
+    let line = head[..line_end]
+        .strip_suffix(b"\r")
+        .unwrap_or(&head[..line_end]);
+    let line = std::str::from_utf8(line)
         .map_err(|_| (400, "the request line is not UTF-8".to_string()))?;
     let mut parts = line.split(' ');
     let (Some(method), Some(target), Some(version), None) =
@@ -316,6 +350,14 @@ fn read_request(s: &mut TcpStream, limits: &Limits) -> Result<Request, (u16, Str
     };
     if !version.starts_with("HTTP/1.") {
         return Err((400, format!("unsupported protocol {version:?}")));
+    }
+    if loopback && !host_is_loopback(head) {
+        return Err((
+            403,
+            "this server listens on the loopback address and answers only requests for \
+             localhost, 127.0.0.1 or [::1] (Host header)"
+                .into(),
+        ));
     }
     let head_only = match method {
         "GET" => false,
@@ -338,8 +380,34 @@ fn read_request(s: &mut TcpStream, limits: &Limits) -> Result<Request, (u16, Str
     })
 }
 
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
+/// Where the head ends (the start of its empty line's terminator), looking from `from`.
+fn head_end(head: &[u8], from: usize) -> Option<usize> {
+    let tail = &head[from.min(head.len())..];
+    let crlf = tail.windows(4).position(|w| w == b"\r\n\r\n");
+    let lf = tail.windows(2).position(|w| w == b"\n\n");
+    match (crlf, lf) {
+        (Some(a), Some(b)) => Some(from + a.min(b)),
+        (a, b) => a.or(b).map(|i| from + i),
+    }
+}
+
+/// Whether the `Host` header, if any, names the loopback address (see [`serve`]: a web page
+/// must not reach a loopback server through a name that resolves to it, DNS rebinding).
+fn host_is_loopback(head: &[u8]) -> bool {
+    let text = String::from_utf8_lossy(head);
+    let Some(host) = text.lines().skip(1).find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim()
+            .eq_ignore_ascii_case("host")
+            .then(|| v.trim().to_ascii_lowercase())
+    }) else {
+        return true;
+    };
+    let name = match host.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(""),
+        None => host.rsplit_once(':').map_or(host.as_str(), |(h, _)| h),
+    };
+    matches!(name, "localhost" | "127.0.0.1" | "::1")
 }
 
 /// `%XX` and `+` decoded (lossy: a bad escape stays as written, bytes that are not UTF-8
@@ -367,35 +435,70 @@ fn unescape(s: &str) -> String {
 }
 
 fn answer(mut s: TcpStream, limits: &Limits) {
-    let _ = s.set_write_timeout(Some(limits.write_timeout));
-    let resp = match read_request(&mut s, limits) {
+    let loopback = s.local_addr().is_ok_and(|a| a.ip().is_loopback());
+    let (head, body) = match read_request(&mut s, limits, loopback) {
         Ok(req) => {
             let (status, ty, body, extra) = route(&req);
             let extra: Vec<(&str, &str)> = extra.iter().map(|(k, v)| (*k, v.as_str())).collect();
-            response(status, ty, &body, &extra, req.head_only)
+            let head = response_head(status, ty, body.len(), &extra);
+            (head, if req.head_only { Vec::new() } else { body })
         }
         Err((status, why)) => {
             let allow = [("Allow", "GET, HEAD")];
             let extra: &[(&str, &str)] = if status == 405 { &allow } else { &[] };
-            response(
-                status,
-                "text/plain; charset=utf-8",
-                format!("{why}\n").as_bytes(),
-                extra,
-                false,
-            )
+            let body = format!("{why}\n").into_bytes();
+            let head = response_head(status, "text/plain; charset=utf-8", body.len(), extra);
+            (head, body)
         }
     };
-    let _ = s.write_all(&resp);
-    let _ = s.flush();
+    // The whole answer within the write timeout, however slowly the client reads.
+    let deadline = Instant::now().checked_add(limits.write_timeout.max(Duration::from_millis(1)));
+    let sent = write_until(&mut s, &head, deadline) && write_until(&mut s, &body, deadline);
+    drop(body);
     let _ = s.shutdown(Shutdown::Write);
-    // Drain what the client still sends (a body we did not read) briefly, so closing does
-    // not reset the connection before it read the answer.
-    let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
+    if sent {
+        // Read what the client still sends (a body we did not read) for a moment, so
+        // closing does not reset the connection before it read the answer.
+        drain(&mut s, Duration::from_millis(500));
+    }
+}
+
+/// Writes `buf` in pieces, each waiting at most until `deadline`; whether all was written.
+fn write_until(s: &mut TcpStream, buf: &[u8], deadline: Option<Instant>) -> bool {
+    for piece in buf.chunks(64 * 1024) {
+        let mut piece = piece;
+        while !piece.is_empty() {
+            if let Some(d) = deadline {
+                match d.checked_duration_since(Instant::now()) {
+                    Some(left) if !left.is_zero() => {
+                        if s.set_write_timeout(Some(left)).is_err() {
+                            return false;
+                        }
+                    }
+                    _ => return false,
+                }
+            }
+            match s.write(piece) {
+                Ok(0) => return false,
+                Ok(n) => piece = &piece[n..],
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return false,
+            }
+        }
+    }
+    true
+}
+
+/// Reads and drops what arrives for at most `d` in all.
+fn drain(s: &mut TcpStream, d: Duration) {
+    let until = Instant::now() + d;
     let mut sink = [0u8; 4096];
-    for _ in 0..64 {
+    while let Some(left) = until.checked_duration_since(Instant::now()) {
+        if left.is_zero() || s.set_read_timeout(Some(left)).is_err() {
+            return;
+        }
         match s.read(&mut sink) {
-            Ok(0) | Err(_) => break,
+            Ok(0) | Err(_) => return,
             Ok(_) => {}
         }
     }
@@ -495,6 +598,7 @@ fn reason(status: u16) -> &'static str {
     match status {
         200 => "OK",
         400 => "Bad Request",
+        403 => "Forbidden",
         404 => "Not Found",
         405 => "Method Not Allowed",
         408 => "Request Timeout",
@@ -504,26 +608,16 @@ fn reason(status: u16) -> &'static str {
     }
 }
 
-fn response(
-    status: u16,
-    ty: &str,
-    body: &[u8],
-    extra: &[(&str, &str)],
-    head_only: bool,
-) -> Vec<u8> {
+fn response_head(status: u16, ty: &str, len: usize, extra: &[(&str, &str)]) -> Vec<u8> {
     let mut out = format!(
-        "HTTP/1.1 {status} {}\r\nContent-Type: {ty}\r\nContent-Length: {}\r\n\
+        "HTTP/1.1 {status} {}\r\nContent-Type: {ty}\r\nContent-Length: {len}\r\n\
          Cache-Control: no-store\r\nX-Content-Type-Options: nosniff\r\nConnection: close\r\n",
         reason(status),
-        body.len()
     )
     .into_bytes();
     for (k, v) in extra {
         out.extend_from_slice(format!("{k}: {v}\r\n").as_bytes());
     }
     out.extend_from_slice(b"\r\n");
-    if !head_only {
-        out.extend_from_slice(body);
-    }
     out
 }

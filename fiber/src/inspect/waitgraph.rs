@@ -212,17 +212,26 @@ impl<'a> Bipartite<'a> {
     fn cycles(&self) -> Vec<Cycle> {
         let n = self.nodes.len();
         let mut out = Vec::new();
+        let mut inside = vec![false; n];
+        let mut scratch = Scratch {
+            prev: vec![NONE; n],
+            touched: Vec::new(),
+            expanded: vec![false; self.holders.len()],
+            expanded_list: Vec::new(),
+        };
         for comp in strongly_connected(n + self.holders.len(), |v| self.succ(v)) {
             let mut fibers: Vec<usize> = comp.into_iter().filter(|&v| v < n).collect();
             if fibers.len() < 2 {
                 continue; // a fiber and the object only it holds: not a cycle
             }
             fibers.sort_unstable();
-            let inside: BTreeSet<usize> = fibers.iter().copied().collect();
+            for &f in &fibers {
+                inside[f] = true;
+            }
             let mut paths: Vec<Vec<usize>> = Vec::new();
             let mut sets: BTreeSet<Vec<usize>> = BTreeSet::new();
             for &start in fibers.iter().take(STARTS_MAX) {
-                let Some(mut path) = self.shortest_cycle(start, &inside) else {
+                let Some(mut path) = self.shortest_cycle(start, &inside, &mut scratch) else {
                     continue;
                 };
                 let mut set = path.clone();
@@ -237,6 +246,9 @@ impl<'a> Bipartite<'a> {
                     break;
                 }
             }
+            for &f in &fibers {
+                inside[f] = false;
+            }
             paths.sort();
             let id = |i: &usize| self.nodes[*i].fiber;
             out.push(Cycle {
@@ -248,45 +260,69 @@ impl<'a> Bipartite<'a> {
         out
     }
 
-    /// A shortest cycle of fibers from `start` back to it, through fibers of `inside`
-    /// (breadth first, an object expanded once).
-    fn shortest_cycle(&self, start: usize, inside: &BTreeSet<usize>) -> Option<Vec<usize>> {
+    /// A shortest cycle of fibers from `start` back to it, through fibers marked in
+    /// `inside` (breadth first, an object expanded once). `sc` holds the walk's marks and is
+    /// reset before returning, so the walks of a part cost what they visit, not the graph.
+    fn shortest_cycle(
+        &self,
+        start: usize,
+        inside: &[bool],
+        sc: &mut Scratch,
+    ) -> Option<Vec<usize>> {
+        let found = self.walk(start, inside, sc);
+        for &v in &sc.touched {
+            sc.prev[v] = NONE;
+        }
+        for &o in &sc.expanded_list {
+            sc.expanded[o] = false;
+        }
+        sc.touched.clear();
+        sc.expanded_list.clear();
+        found
+    }
+
+    fn walk(&self, start: usize, inside: &[bool], sc: &mut Scratch) -> Option<Vec<usize>> {
         let n = self.nodes.len();
-        let mut prev: BTreeMap<usize, usize> = BTreeMap::new();
-        let mut expanded: BTreeSet<usize> = BTreeSet::new();
-        let mut queue = VecDeque::from([start]);
-        let back = |prev: &BTreeMap<usize, usize>, v: usize| {
+        let back = |prev: &[usize], v: usize| {
             let mut path = vec![v];
             let mut at = v;
             while at != start {
-                at = prev[&at];
+                at = prev[at];
                 path.push(at);
             }
             path.reverse();
             path
         };
+        let mut queue = VecDeque::from([start]);
         while let Some(v) = queue.pop_front() {
             let Some(t) = self.next[v] else { continue };
-            let found: Vec<usize> = if t < n {
-                vec![t]
+            let single = [t];
+            let step: &[usize] = if t < n {
+                &single
             } else {
                 let hs = &self.holders[t - n];
                 // Another waiter on start's own object reaches start through it even when
-                // the object was expanded already.
-                if v != start && hs.contains(&start) {
-                    return Some(back(&prev, v));
+                // the object was expanded already. (Holders are in index order.)
+                if v != start && hs.binary_search(&start).is_ok() {
+                    return Some(back(&sc.prev, v));
                 }
-                if !expanded.insert(t) {
+                if sc.expanded[t - n] {
                     continue;
                 }
-                hs.iter().copied().filter(|&w| w != v).collect()
+                sc.expanded[t - n] = true;
+                sc.expanded_list.push(t - n);
+                hs
             };
-            for w in found {
-                if w == start {
-                    return Some(back(&prev, v));
+            for &w in step {
+                if w == v {
+                    continue;
                 }
-                if inside.contains(&w) && !prev.contains_key(&w) {
-                    prev.insert(w, v);
+                if w == start {
+                    return Some(back(&sc.prev, v));
+                }
+                if inside[w] && sc.prev[w] == NONE {
+                    sc.prev[w] = v;
+                    sc.touched.push(w);
                     queue.push_back(w);
                 }
             }
@@ -295,10 +331,19 @@ impl<'a> Bipartite<'a> {
     }
 }
 
+const NONE: usize = usize::MAX;
+
+/// The marks of a breadth-first walk, kept between walks (see `shortest_cycle`).
+struct Scratch {
+    prev: Vec<usize>,
+    touched: Vec<usize>,
+    expanded: Vec<bool>,
+    expanded_list: Vec<usize>,
+}
+
 /// Tarjan's strongly connected components over nodes `0..n` with successors `succ`,
 /// iterative (a graph of 100,000 blocked fibers must not overflow a fiber's stack).
 fn strongly_connected<'s>(n: usize, succ: impl Fn(usize) -> &'s [usize]) -> Vec<Vec<usize>> {
-    const NONE: usize = usize::MAX;
     let (mut index, mut low) = (vec![NONE; n], vec![0; n]);
     let mut on_stack = vec![false; n];
     let (mut stack, mut comps, mut next) = (Vec::new(), Vec::new(), 0);
@@ -351,19 +396,24 @@ fn strongly_connected<'s>(n: usize, succ: impl Fn(usize) -> &'s [usize]) -> Vec<
 impl WaitGraph {
     /// The fibers that could end `fiber`'s wait (see the module doc), by id.
     pub fn wakers(&self, fiber: FiberId) -> Vec<FiberId> {
-        let Some(n) = self.nodes.iter().find(|n| n.fiber == fiber) else {
+        let Ok(i) = self.nodes.binary_search_by_key(&fiber, |n| n.fiber) else {
             return Vec::new();
         };
-        match &n.on {
+        match &self.nodes[i].on {
             WaitOn::Join(t) => self
                 .nodes
-                .iter()
-                .any(|m| m.fiber == *t)
-                .then_some(*t)
+                .binary_search_by_key(t, |n| n.fiber)
+                .ok()
+                .map(|_| *t)
                 .into_iter()
                 .collect(),
             on => object(on)
-                .and_then(|o| self.objects.iter().find(|h| h.object == o))
+                .and_then(|o| {
+                    self.objects
+                        .binary_search_by_key(&o, |h| h.object)
+                        .ok()
+                        .map(|j| &self.objects[j])
+                })
                 .map(|h| h.holders.iter().copied().filter(|&f| f != fiber).collect())
                 .unwrap_or_default(),
         }
@@ -381,6 +431,9 @@ impl WaitGraph {
             .iter()
             .map(|n| (n.fiber, n.name.as_str()))
             .collect();
+        let waits: BTreeMap<FiberId, &WaitOn> =
+            self.nodes.iter().map(|n| (n.fiber, &n.on)).collect();
+        let held: BTreeMap<u64, &Held> = self.objects.iter().map(|h| (h.object, h)).collect();
         let fiber = |id: FiberId| match names.get(&id) {
             Some(name) => format!("{id} {name:?}"),
             None => id.to_string(),
@@ -399,9 +452,9 @@ impl WaitGraph {
         };
         // The waits, grouped: same wait, in the order of their first fiber.
         let mut groups: Vec<(&WaitOn, Vec<FiberId>)> = Vec::new();
-        let mut at: BTreeMap<String, usize> = BTreeMap::new();
+        let mut at: std::collections::HashMap<&WaitOn, usize> = Default::default();
         for n in &self.nodes {
-            let key = format!("{:?}", n.on);
+            let key = &n.on;
             match at.get(&key) {
                 Some(&i) => groups[i].1.push(n.fiber),
                 None => {
@@ -445,13 +498,14 @@ impl WaitGraph {
                 WaitOn::Condition(o) => (["waits on", "wait on"], format!("condition {o}")),
             };
             let _ = write!(out, "  {subject} {} {what}, ", verb[usize::from(!one)]);
-            let h = object(on).and_then(|o| self.objects.iter().find(|h| h.object == o));
+            let h = object(on).and_then(|o| held.get(&o));
             let others: Vec<FiberId> = h
                 .map(|h| {
                     h.holders
                         .iter()
                         .copied()
-                        .filter(|f| !who.contains(f))
+                        // (`who` is in id order, as the nodes are.)
+                        .filter(|f| who.binary_search(f).is_err())
                         .collect()
                 })
                 .unwrap_or_default();
@@ -475,13 +529,9 @@ impl WaitGraph {
             for p in &c.paths {
                 // A cycle of fibers that all wait alike on one object (each holds it) says
                 // no more than the object's line: the knot's line below names them.
-                let first = self.nodes.iter().find(|n| n.fiber == p[0]).map(|n| &n.on);
+                let first = waits.get(&p[0]).copied();
                 if first.is_some_and(|on| object(on).is_some())
-                    && p.iter().all(|f| {
-                        self.nodes
-                            .iter()
-                            .any(|n| n.fiber == *f && Some(&n.on) == first)
-                    })
+                    && p.iter().all(|f| waits.get(f).copied() == first)
                 {
                     continue;
                 }

@@ -64,7 +64,7 @@ pub enum Status {
 }
 
 /// What a fiber waits on.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum WaitOn {
     /// A sleep.

@@ -330,7 +330,11 @@ impl Call {
             }
             let same = ffi::lua_topointer(self.l, -1) as usize == mt;
             ffi::lua_settop(self.l, -2);
-            same.then(|| ffi::lua_touserdata(self.l, i).cast::<T>())
+            // A script can put T's metatable on another userdata (`debug.setmetatable`):
+            // one too small to be a T is not one. (One as large is still taken for a T: the
+            // blocks carry no type tag yet.)
+            let fits = ffi::lua_rawlen(self.l, i) >= std::mem::size_of::<T>();
+            (same && fits).then(|| ffi::lua_touserdata(self.l, i).cast::<T>())
         }
     }
 

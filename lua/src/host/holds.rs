@@ -1,6 +1,6 @@
 //! What a suspended Lua fiber holds: the channels and conditions in the named locals and upvalues
-//! of its Lua frames, and in the tables those hold directly (one level, the first
-//! [`TABLE_ENTRIES`] entries), for the runtime's wait-for graph
+//! of its Lua frames, and in the tables those hold directly (keys and values, one level, the
+//! first [`TABLE_ENTRIES`] entries), for the runtime's wait-for graph
 //! ([`fibertrace_fiber::inspect::FrameSource::holds`]): a fiber that holds a channel could
 //! send to it.
 //!
@@ -96,7 +96,7 @@ impl Seen {
     /// directly in the table there) to `out`. Leaves the stack as it was.
     ///
     /// # Safety
-    /// As [`held`], with room for 4 more values on `l`.
+    /// As [`held`], with room for 5 more values on `l`.
     unsafe fn value(&self, l: *mut ffi::lua_State, out: &mut Vec<u64>, tables: bool) {
         // SAFETY: the contract; pushes stay within the room and are popped.
         unsafe {
@@ -109,10 +109,13 @@ impl Seen {
                     ffi::lua_settop(l, -2);
                     let p = ffi::lua_touserdata(l, -1);
                     // The block is initialised before its metatable is set (`UdBlock`'s
-                    // contract); `handle` makes no Lua call.
-                    let id = if mt == self.ch_mt {
+                    // contract); `handle` makes no Lua call. A script can put the metatable
+                    // on another userdata (`debug.setmetatable`): one too small for the
+                    // block is not read (one as large still is: the blocks have no type tag).
+                    let size = ffi::lua_rawlen(l, -1);
+                    let id = if mt == self.ch_mt && size >= std::mem::size_of::<ChannelUd>() {
                         (*p.cast::<ChannelUd>()).handle().map(|c| c.id())
-                    } else if mt == self.cond_mt {
+                    } else if mt == self.cond_mt && size >= std::mem::size_of::<CondUd>() {
                         (*p.cast::<CondUd>()).handle().map(|c| c.id())
                     } else {
                         None
@@ -124,8 +127,11 @@ impl Seen {
                     ffi::lua_pushnil(l);
                     let mut n = 0;
                     while ffi::lua_next(l, t) != 0 {
+                        // The value, then the key (`set[ch] = true`).
                         self.value(l, out, false);
-                        ffi::lua_settop(l, -2);
+                        ffi::lua_pushvalue(l, -2);
+                        self.value(l, out, false);
+                        ffi::lua_settop(l, -3);
                         n += 1;
                         if n == TABLE_ENTRIES {
                             ffi::lua_settop(l, -2);
