@@ -11,7 +11,7 @@
 //! allocation.
 
 use std::cell::{Cell, UnsafeCell};
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::thread::Thread;
 use std::time::Duration;
@@ -20,6 +20,10 @@ use fibertrace_core::unwind::DwarfCache;
 use fibertrace_core::Backtrace;
 
 use crate::task::{single_writer_add, ControlBlock, FiberId};
+
+/// How the layer above brings a running fiber to a safe point (the inspection layer's
+/// `SafePointArm`, which documents it).
+pub(crate) type Arm = fn(thread: u64) -> Result<(), &'static str>;
 
 /// Per-scheduler state of its thread (see the module doc).
 pub(crate) struct OnThread {
@@ -45,6 +49,12 @@ pub(crate) struct OnThread {
     /// Another thread asks the scheduler to do something on its own thread at its next
     /// turn (the inspection layer's `asked` hook says what; see `crate::inspect`).
     pub asked: AtomicBool,
+    /// Set while the scheduler's thread builds what was asked (between fibers or at a safe
+    /// point): an ask that waits is then not given up on at its deadline.
+    pub serving: AtomicBool,
+    /// How the layer above brings the running fiber to a safe point (a
+    /// `Arm` as an address; 0: none).
+    arm: AtomicUsize,
     /// The sample slot, written by the inspection layer's handler on this thread and read
     /// by its requester (see `crate::inspect::sample` for the protocol).
     pub sample: SampleSlot,
@@ -83,6 +93,8 @@ impl OnThread {
             resumes: AtomicU64::new(0),
             handle: OnceLock::new(),
             asked: AtomicBool::new(false),
+            serving: AtomicBool::new(false),
+            arm: AtomicUsize::new(0),
             sample: SampleSlot {
                 requested: AtomicBool::new(false),
                 seq: AtomicU64::new(0),
@@ -94,6 +106,19 @@ impl OnThread {
                 lock: Mutex::new(()),
             },
         }
+    }
+
+    /// Sets how the layer above brings the running fiber to a safe point.
+    pub(crate) fn set_arm(&self, arm: Option<Arm>) {
+        self.arm
+            .store(arm.map_or(0, |f| f as usize), Ordering::Release);
+    }
+
+    /// How the layer above brings the running fiber to a safe point, if it said.
+    pub(crate) fn arm(&self) -> Option<Arm> {
+        let a = self.arm.load(Ordering::Acquire);
+        // SAFETY: a non-zero value was stored by `set_arm` from a `SafePointArm`.
+        (a != 0).then(|| unsafe { std::mem::transmute::<usize, Arm>(a) })
     }
 
     /// The fiber running now (0: none).

@@ -247,10 +247,20 @@ fn marked_scheduler(
     main: fn(&std::sync::atomic::AtomicBool),
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
 ) -> (std::thread::JoinHandle<()>, u64) {
+    marked_scheduler_with_arm(main, stop, None)
+}
+
+/// [`marked_scheduler`] whose layer says how its running fiber is brought to a safe point.
+fn marked_scheduler_with_arm(
+    main: fn(&std::sync::atomic::AtomicBool),
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    arm: Option<fibertrace_fiber::inspect::SafePointArm>,
+) -> (std::thread::JoinHandle<()>, u64) {
     let (tx, rx) = std::sync::mpsc::channel();
     let t = std::thread::spawn(move || {
         let s = Scheduler::new();
         s.set_frame_source(Some(std::rc::Rc::new(Marker)));
+        s.set_safe_point_arm(arm);
         s.block_on(move || {
             let ch = channel::<u8>(1);
             let rx = ch.clone();
@@ -356,4 +366,92 @@ fn a_dump_from_another_thread_says_when_a_spinning_scheduler_cannot_build_its_pa
     assert!(!text.contains("marker of fiber"), "{text}");
     assert!(took >= Duration::from_millis(200), "{took:?}");
     assert!(took < Duration::from_secs(3), "the dump took {took:?}");
+}
+
+/// Set by [`arm_flag`], polled by the spinning fiber of [`spin_to_safe_points`].
+static ARMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// A layer's arm: raises a flag the spinning fiber polls (a Lua host sends a signal that sets
+/// the VM's hook instead).
+fn arm_flag(_thread: u64) -> Result<(), &'static str> {
+    ARMED.store(true, std::sync::atomic::Ordering::Release);
+    Ok(())
+}
+
+fn arm_refusing(_thread: u64) -> Result<(), &'static str> {
+    Err("the layer says no")
+}
+
+/// Spins without yielding; at each raised flag, a safe point where the layer gives the
+/// running fiber's frames: one frame of its own.
+fn spin_to_safe_points(stop: &std::sync::atomic::AtomicBool) {
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        if ARMED.swap(false, std::sync::atomic::Ordering::AcqRel) {
+            fibertrace_fiber::inspect::serve_at_safe_point(&mut || {
+                Some(vec![fibertrace_core::Frame::Lua(
+                    fibertrace_core::LuaFrameId(7_000_001),
+                )])
+            });
+        }
+        std::hint::spin_loop();
+    }
+}
+
+#[test]
+fn a_dump_from_another_thread_is_built_at_a_safe_point_inside_a_spinning_fiber() {
+    let _turn = MARKED.lock().unwrap_or_else(|e| e.into_inner());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (t, parked) = marked_scheduler_with_arm(spin_to_safe_points, stop.clone(), Some(arm_flag));
+    let t0 = Instant::now();
+    let text = dump::dump_text();
+    let took = t0.elapsed();
+    let served_again = fibertrace_fiber::inspect::serve_at_safe_point(&mut || None);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    t.join().unwrap();
+    // Not a scheduler's thread: nothing to serve.
+    assert!(!served_again);
+    assert!(!text.contains("not shown"), "{text}");
+    assert!(took < Duration::from_secs(2), "the dump took {took:?}");
+    // The running fiber: the frames the layer gave at the safe point, labelled by its source.
+    let running = text
+        .split("\n\n")
+        .find(|b| b.contains("\"main\" [running]"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert_eq!(
+        running
+            .lines()
+            .take_while(|l| !l.starts_with("created by "))
+            .filter(|l| l.starts_with('#'))
+            .collect::<Vec<_>>(),
+        ["#0  marker of fiber 7000001 in @marker.lua:1"],
+        "{running}"
+    );
+    // The others: the source's frames too, read at the same safe point.
+    let block = text
+        .split("\n\n")
+        .find(|b| b.contains(&format!("fiber {parked} \"parked\"")))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        block.contains(&format!("#0  marker of fiber {parked} in @marker.lua:1\n")),
+        "{block}"
+    );
+}
+
+#[test]
+fn a_layer_that_cannot_bring_its_fiber_to_a_safe_point_is_named_in_the_note() {
+    let _turn = MARKED.lock().unwrap_or_else(|e| e.into_inner());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (t, _parked) =
+        marked_scheduler_with_arm(spin_to_safe_points, stop.clone(), Some(arm_refusing));
+    let text = dump::dump_text();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    t.join().unwrap();
+    assert!(
+        text.contains(
+            "(frames of the layer above the runtime (Lua) not shown: the scheduler's thread did \
+             not come back to its run loop within 200 ms, and its running fiber cannot be \
+             stopped at a safe point: the layer says no)"
+        ),
+        "{text}"
+    );
 }

@@ -31,19 +31,40 @@ local clock = require('clock')
 local function c(until_t) local n = 0 while clock.monotonic() < until_t do n = n + 1 end return n end
 local function b(t) return c(t) + 0 end
 local function a(t) return b(t) + 0 end
-local f = fiber.new(function() return a(clock.monotonic() + 1.2) end)
+local f = fiber.new(function() local n = a(clock.monotonic() + 1.2) return n end)
 f:name('busy')
 f:set_joinable(true)
 print(f:join())
 "#;
 
-#[test]
-fn a_busy_lua_fiber_is_reported_with_its_native_frames() {
-    let (code, _out, err) = run_script(&["--stall-ms", "100"], BUSY);
-    assert_eq!(code, 0, "{err}");
-    // `fiber N "busy" has run 1xxms without yielding:` — the first report of the run's CPU
-    // time comes within 1.5x the threshold (a wall-time report may come first on a loaded
-    // machine; the smallest figure is the first CPU-time one).
+/// The same under LuaJIT's compiler: the loop is compiled (a trace calls no hook; LuaJIT's
+/// profiler still stops it), and spans lines.
+const BUSY_JIT: &str = r#"
+local fiber = require('fiber')
+local clock = require('clock')
+local function c(until_t)
+  local n = 0
+  while true do
+    n = n + 1
+    if n % 100000 == 0 and clock.monotonic() > until_t then
+      break
+    end
+  end
+  return n
+end
+local function b(t) return c(t) + 0 end
+local function a(t) return b(t) + 0 end
+local f = fiber.new(function() local n = a(clock.monotonic() + 1.2) return n end)
+f:name('busy')
+f:set_joinable(true)
+print(f:join() and 'done')
+"#;
+
+/// The first stall report of fiber "busy" in `err` (the one with the smallest figure: the
+/// first by CPU time; a wall-time report may come first on a loaded machine), with its
+/// figure in ms, up to a blank line or the next report's heading (reports of a running
+/// fiber follow one another without a blank line).
+fn first_busy_report(err: &str) -> (f64, Vec<&str>) {
     let heads: Vec<(usize, f64)> = err
         .lines()
         .enumerate()
@@ -63,34 +84,179 @@ fn a_busy_lua_fiber_is_reported_with_its_native_frames() {
         .iter()
         .min_by(|a, b| a.1.total_cmp(&b.1))
         .unwrap_or_else(|| panic!("no stall report:\n{err}"));
-    assert!((100.0..=150.0).contains(&ms), "{err}");
-    // This report only: up to a blank line or the next report's heading (reports of a
-    // running fiber follow one another without a blank line).
-    let report: Vec<&str> = err
+    let report = err
         .lines()
         .skip(first)
         .enumerate()
         .take_while(|(i, l)| !l.is_empty() && (*i == 0 || !l.starts_with("fiber ")))
         .map(|(_, l)| l)
         .collect();
-    let text = report.join("\n");
-    // The VM's frames down to the call into the fiber's function; the host's glue below it
-    // (the fiber's start) is left out.
-    let frames: Vec<&str> = report
+    (ms, report)
+}
+
+/// A report's frame lines without their numbers.
+fn frame_bodies(report: &[&str]) -> Vec<String> {
+    report
         .iter()
-        .filter(|l| l.starts_with('#'))
-        .copied()
-        .collect();
+        .filter_map(|l| l.strip_prefix('#'))
+        .map(|l| {
+            l.trim_start_matches(|c: char| c.is_ascii_digit())
+                .trim_start()
+                .to_string()
+        })
+        .collect()
+}
+
+#[test]
+fn a_busy_lua_fiber_is_reported_with_its_lua_frames() {
+    // (script, (lines the innermost frame may be at, lines of the three outer frames),
+    // what the script prints first)
+    type Case<'a> = (&'a str, (&'a [u32], [u32; 3]), &'a str);
+    let cases: [Case; 2] = [
+        (BUSY, (&[5], [6, 7, 8]), "true\t"),
+        (BUSY_JIT, (&[6, 7, 8], [14, 15, 16]), "done"),
+    ];
+    for (script, lines, done) in cases {
+        let (code, out, err) = run_script(&["--stall-ms", "100"], script);
+        let path = script_path(&["--stall-ms", "100"], script);
+        assert_eq!(code, 0, "{err}");
+        assert!(out.starts_with(done), "{out}");
+        // `fiber N "busy" has run 1xxms without yielding:` — the first report of the run's
+        // CPU time comes within 1.5x the threshold.
+        let (ms, report) = first_busy_report(&err);
+        assert!((100.0..=150.0).contains(&ms), "{err}");
+        let text = report.join("\n");
+        // Its Lua frames, read inside it at the line it had reached (the interpreter's next
+        // instruction, or the compiled loop's next line): nothing of the VM or of the host's
+        // glue between them, and no note.
+        let (c_lines, [b, a, f]) = lines;
+        let frames = frame_bodies(&report);
+        // The innermost line is one of the loop's (the next one the fiber reached).
+        assert!(
+            c_lines
+                .iter()
+                .any(|c| frames[0] == format!("c in @{path}:{c}")),
+            "{text}"
+        );
+        assert_eq!(
+            frames[1..],
+            [
+                format!("b in @{path}:{b}"),
+                format!("a in @{path}:{a}"),
+                format!("function <{path}:{f}> in @{path}:{f}"),
+            ],
+            "{text}"
+        );
+        assert_eq!(report.len(), 5, "{text}");
+        // Again at twice the threshold while it lasts.
+        assert!(err.matches("\"busy\" has run ").count() >= 2, "{err}");
+    }
+}
+
+/// A fiber inside a C function that does not return to Lua (here: waiting for a child
+/// process) cannot be stopped at a Lua line: the report has its native frames and names the
+/// C function it sits in.
+const IN_C: &str = r#"
+local fiber = require('fiber')
+local f = fiber.new(function() local ok = os.execute('sleep 1.2') return ok end)
+f:name('busy')
+f:set_joinable(true)
+print(f:join() and 'done')
+"#;
+
+#[test]
+fn a_fiber_stuck_in_c_code_is_reported_with_its_native_frames_and_the_c_function_named() {
+    let (code, out, err) = run_script(&["--stall-ms", "100"], IN_C);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("done"), "{out}");
+    // Blocked in the kernel, it uses no CPU: reported by wall time (4x the threshold).
+    let (_, report) = first_busy_report(&err);
+    let text = report.join("\n");
+    let frames = frame_bodies(&report);
+    // `0x... in NAME+0x...`: the innermost native frame, in the C library.
+    let top = frames[0]
+        .split(" in ")
+        .nth(1)
+        .and_then(|r| r.split('+').next())
+        .unwrap_or_else(|| panic!("{text}"));
+    // (`os.execute`'s C function: LuaJIT's name, Lua 5.4's.)
     assert!(
         frames
-            .last()
-            .is_some_and(|l| l.contains(" in lua_pcall+") || l.contains(" in lua_pcallk+")),
+            .iter()
+            .any(|f| f.contains(" in lj_cf_os_execute+") || f.contains(" in os_execute+")),
         "{text}"
     );
-    assert!(!text.contains("lua_fiber_main"), "{text}");
-    assert!(text.contains("Lua frames not shown"), "{text}");
-    // Again at twice the threshold while it lasts.
-    assert!(err.matches("\"busy\" has run ").count() >= 2, "{err}");
+    assert_eq!(
+        report.last().copied(),
+        Some(
+            format!(
+                "    (Lua frames not shown: the fiber runs C code ({top}) that did not return to \
+                 Lua within 200 ms; its native frames are above)"
+            )
+            .as_str()
+        ),
+        "{text}"
+    );
+}
+
+/// A script that takes LuaJIT's profiler (`jit.profile`) has its running fibers reported
+/// with native frames and a note saying why, while it holds it; after its `stop` the host
+/// takes the profiler back and the Lua frames return.
+#[cfg(feature = "luajit")]
+const SCRIPT_PROFILES: &str = r#"
+local fiber = require('fiber')
+local clock = require('clock')
+local profile = require('jit.profile')
+local samples = 0
+local function spin(t)
+  local n = 0
+  while clock.monotonic() < t do
+    n = n + 1
+  end
+  return n
+end
+local f = fiber.new(function()
+  profile.start('li5', function() samples = samples + 1 end)
+  spin(clock.monotonic() + 0.7)
+  profile.stop()
+  fiber.yield()
+  spin(clock.monotonic() + 0.7)
+  return samples
+end)
+f:name('busy')
+f:set_joinable(true)
+local ok, n = f:join()
+print(ok, n > 0)
+"#;
+
+/// (LuaJIT only: Lua 5.4 has no `jit.profile`.)
+#[cfg(feature = "luajit")]
+#[test]
+fn a_script_that_takes_jit_profile_gets_a_note_until_it_gives_it_back() {
+    let (code, out, err) = run_script(&["--stall-ms", "300"], SCRIPT_PROFILES);
+    let path = script_path(&["--stall-ms", "300"], SCRIPT_PROFILES);
+    assert_eq!(code, 0, "{err}");
+    // The script's own profiler worked meanwhile.
+    assert_eq!(out, "true\ttrue\n");
+    let reports: Vec<&str> = err.split("fiber 2 \"busy\" has run ").skip(1).collect();
+    assert!(reports.len() >= 2, "{err}");
+    // The first run: the script holds the profiler (or the fiber yielded first, on a slow
+    // machine: the report says so).
+    assert!(
+        reports[0].contains(
+            "its running fiber cannot be stopped at a safe point: the script's jit.profile \
+             holds LuaJIT's profiler, through which it is read)"
+        ) || reports[0].contains("not shown: the fiber yielded before they could be read)"),
+        "{err}"
+    );
+    // The second run: Lua frames again (the innermost at one of the loop's lines).
+    let last = reports.last().unwrap();
+    assert!(
+        [8, 9].iter().any(|l| last.contains(&format!(
+            "#0  spin in @{path}:{l}\n#1  function <{path}:13> in @{path}:18\n"
+        ))),
+        "{err}"
+    );
 }
 
 const DEADLOCK: &str = r#"
@@ -401,7 +567,7 @@ if jit then jit.off() end
 local fiber = require('fiber')
 local clock = require('clock')
 local ch = fiber.channel(1)
-local f = fiber.new(function() return ch:get() end)
+local f = fiber.new(function() local v = ch:get() return v end)
 f:name('patient')
 f:set_joinable(true)
 fiber.yield()
@@ -411,9 +577,12 @@ ch:put(7)
 print(f:join())
 "#;
 
+/// The report is built inside the hog, at its next Lua line: the patient's Lua frames are
+/// there.
 #[test]
-fn a_blocked_report_behind_a_hog_says_why_its_lua_frames_are_missing() {
+fn a_blocked_report_behind_a_hog_has_its_lua_frames() {
     let (code, out, err) = run_script(&["--blocked-ms", "100"], PATIENT_BEHIND_A_HOG);
+    let path = script_path(&["--blocked-ms", "100"], PATIENT_BEHIND_A_HOG);
     assert_eq!(code, 0, "{err}");
     assert_eq!(out, "true\t7\n");
     let block = err
@@ -425,11 +594,51 @@ fn a_blocked_report_behind_a_hog_says_why_its_lua_frames_are_missing() {
         block.contains(" in fibertrace_lua::host::channel::ch_get"),
         "{block}"
     );
+    assert_eq!(
+        lua_frames(block),
+        [
+            "get in =[C]:-1".to_string(),
+            format!("function <{path}:6> in @{path}:6")
+        ],
+        "{block}"
+    );
+    assert!(!block.contains("not shown"), "{block}");
+}
+
+/// Behind a hog that sits in C code (waiting for a child process), the report cannot be
+/// built on the scheduler's thread: native frames, and a note that says why.
+const PATIENT_BEHIND_C: &str = r#"
+local fiber = require('fiber')
+local ch = fiber.channel(1)
+local f = fiber.new(function() local v = ch:get() return v end)
+f:name('patient')
+f:set_joinable(true)
+fiber.yield()
+os.execute('sleep 0.8')
+ch:put(7)
+print(f:join())
+"#;
+
+#[test]
+fn a_blocked_report_behind_a_hog_in_c_code_says_why_its_lua_frames_are_missing() {
+    let (code, out, err) = run_script(&["--blocked-ms", "100"], PATIENT_BEHIND_C);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out, "true\t7\n");
+    let block = err
+        .split("\n\n")
+        .find(|b| b.contains("blocked: fiber ") && b.contains("\"patient\" ["))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(
+        block.contains(" in fibertrace_lua::host::channel::ch_get"),
+        "{block}"
+    );
     assert_eq!(lua_frames(block), Vec::<String>::new(), "{block}");
     assert!(
-        block.contains(
+        block.ends_with(
             "(frames of the layer above the runtime (Lua) not shown: the scheduler's thread \
-             did not come back to its run loop within 200 ms"
+             did not come back to its run loop within 200 ms, nor its running fiber to a safe \
+             point (it runs native code that does not return to the layer, or the thread waits \
+             outside the runtime))"
         ),
         "{block}"
     );
@@ -472,4 +681,59 @@ fn a_channel_held_as_a_table_key_is_seen_by_the_wait_for_graph() {
         ],
         "{err}"
     );
+}
+
+/// `SIGPROF` from outside (as `kill -PROF` or a profiler's timer sends it) finds the host's
+/// handler: it only stops the running fiber at a safe point with nothing asked, and the
+/// program runs on, its output and its C calls (a child process waited for) unharmed.
+const UNDER_SIGPROF: &str = r#"
+local fiber = require('fiber')
+local clock = require('clock')
+io.stdout:write('ready\n') io.stdout:flush()
+local function work(t)
+  local n = 0
+  while clock.monotonic() < t do n = n + 1 end
+  return n
+end
+local f = fiber.new(function() return work(clock.monotonic() + 0.5) > 0 end)
+f:set_joinable(true)
+local ok = os.execute('sleep 0.3')
+print(f:join(), ok == true or ok == 0)
+"#;
+
+#[test]
+fn stray_sigprof_signals_do_no_harm() {
+    use std::io::{BufRead, Read};
+    let path = script_path(&["sigprof"], UNDER_SIGPROF);
+    std::fs::create_dir_all(std::path::Path::new(&path).parent().unwrap()).unwrap();
+    std::fs::write(&path, UNDER_SIGPROF).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fibertrace"))
+        .arg("run")
+        .arg(&path)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    for _ in 0..200 {
+        // SAFETY: signals the child this test started.
+        unsafe { libc::kill(child.id() as i32, libc::SIGPROF) };
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let mut rest = String::new();
+    out.read_to_string(&mut rest).unwrap();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(0), "{err}");
+    assert_eq!(rest, "true\ttrue\n", "{err}");
+    assert_eq!(err, "");
 }

@@ -75,3 +75,125 @@ fn a_script_that_does_not_exist_is_a_clear_error_from_anywhere() {
     assert!(err.contains("No such file or directory"), "{err}");
     assert!(out.stdout.is_empty());
 }
+
+/// A script whose fiber spins in a compiled loop; it prints `spinning` first.
+const SPIN: &str = "local fiber = require('fiber')\n\
+local function work(n)\n\
+  local x = 0\n\
+  for i = 1, n do\n\
+    x = x + i % 7\n\
+  end\n\
+  return x\n\
+end\n\
+local function hog()\n\
+  io.stdout:write('spinning\\n') io.stdout:flush()\n\
+  while true do\n\
+    work(1000)\n\
+  end\n\
+end\n\
+local f = fiber.new(hog)\n\
+f:name('hog')\n\
+f:set_joinable(true)\n\
+f:join()\n";
+
+/// Runs `app/s.lua` (a script that prints a line when ready) from `dir` with `env`, sends
+/// SIGQUIT once it is ready, and returns what it wrote on stderr by the time the dump of
+/// every fiber is complete (or 20 s passed); the program is killed after.
+fn sigquit_dump(dir: &std::path::Path, env: &[(&str, &str)]) -> String {
+    use std::io::{BufRead, Read};
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(fibertrace_acceptance::binary())
+        .args(["run", "app/s.lua"])
+        .current_dir(dir)
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line, "spinning\n");
+    // SAFETY: signals the child this test started.
+    unsafe { libc::kill(child.id() as i32, libc::SIGQUIT) };
+    let mut stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = stderr.read(&mut buf) {
+            if n == 0 || tx.send(buf[..n].to_vec()).is_err() {
+                break;
+            }
+        }
+    });
+    let mut err = Vec::new();
+    let t0 = std::time::Instant::now();
+    // The dump ends with the last fiber's blank line.
+    while t0.elapsed() < std::time::Duration::from_secs(20) {
+        if let Ok(b) = rx.recv_timeout(std::time::Duration::from_millis(50)) {
+            err.extend(b);
+        }
+        let s = String::from_utf8_lossy(&err);
+        if s.contains("\"hog\" [running]") && s.ends_with("\n\n") {
+            break;
+        }
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    String::from_utf8_lossy(&err).into_owned()
+}
+
+#[test]
+fn sigquit_while_a_fiber_spins_in_compiled_code_shows_its_lua_frames() {
+    let dir = scratch("spin");
+    std::fs::create_dir_all(dir.join("app")).unwrap();
+    std::fs::write(dir.join("app/s.lua"), SPIN).unwrap();
+    let err = sigquit_dump(&dir, &[]);
+    let hog = err
+        .split("\n\n")
+        .find(|b| b.contains("\"hog\" [running]"))
+        .unwrap_or_else(|| panic!("{err}"));
+    // Read inside it, at the next line its compiled loop reached: in `work`'s loop, or in
+    // `hog`'s between two calls.
+    let frames = lua_frames(hog);
+    let in_work = [4, 5, 6, 7].map(|l| {
+        vec![
+            format!("work in @app/s.lua:{l}"),
+            // (Lua names a function value it was handed by where it is defined.)
+            "function <app/s.lua:9> in @app/s.lua:12".to_string(),
+        ]
+    });
+    let in_hog = [11, 12, 13].map(|l| vec![format!("function <app/s.lua:9> in @app/s.lua:{l}")]);
+    assert!(
+        in_work.contains(&frames) || in_hog.contains(&frames),
+        "{hog}"
+    );
+    // Nothing but Lua frames: no VM, no glue.
+    assert_eq!(
+        hog.lines().filter(|l| l.starts_with('#')).count(),
+        frames.len(),
+        "{hog}"
+    );
+    let main = err
+        .split("\n\n")
+        .find(|b| b.contains("fiber 1 \"main\" ["))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert_eq!(
+        lua_frames(main),
+        ["join in =[C]:-1", "main chunk in @app/s.lua:18"],
+        "{main}"
+    );
+    assert!(!err.contains("not shown"), "{err}");
+
+    // Turned off: native frames and a note that says so.
+    let err = sigquit_dump(&dir, &[("FIBERTRACE_LUA_SAFE_POINTS", "0")]);
+    assert!(
+        err.contains(
+            "(frames of the layer above the runtime (Lua) not shown: the scheduler's thread \
+             did not come back to its run loop within 200 ms, and its running fiber cannot be \
+             stopped at a safe point: turned off (FIBERTRACE_LUA_SAFE_POINTS=0))"
+        ),
+        "{err}"
+    );
+}

@@ -94,7 +94,7 @@ pub fn more_parents_line(n: u64) -> String {
 
 /// A list of frames in the default text format: a frame a layer above labelled (a Lua
 /// frame) by its label, the others resolved; no trailing runtime trampoline.
-fn render_list(frames: &[FrameInfo]) -> String {
+pub(crate) fn render_list(frames: &[FrameInfo]) -> String {
     let raw: Vec<Frame> = frames.iter().map(|f| f.frame).collect();
     let labelled = |id| {
         frames

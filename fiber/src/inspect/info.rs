@@ -16,7 +16,7 @@ use crate::sched;
 use crate::task::{ControlBlock, FiberId, RunState, Status, WaitOn};
 
 /// What to include.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct InfoOptions {
     /// Include each fiber's backtrace.
     pub backtrace: bool,
@@ -168,9 +168,14 @@ pub fn fiber_info(id: FiberId, opts: &InfoOptions) -> Option<FiberInfo> {
     Some(one(&f, opts, None, &Now::new()))
 }
 
-/// Info about the fiber whose control block is `f` (no registry lookup).
-pub(crate) fn info_of(f: &Arc<ControlBlock>, opts: &InfoOptions) -> Option<FiberInfo> {
-    Some(one(f, opts, None, &Now::new()))
+/// Info about the fiber whose control block is `f` (no registry lookup); `here`, when it is
+/// of this fiber, gives its frames (the running fiber's, taken at a safe point).
+pub(crate) fn info_of(
+    f: &Arc<ControlBlock>,
+    opts: &InfoOptions,
+    here: Option<&super::sample::Sample>,
+) -> Option<FiberInfo> {
+    Some(one(f, opts, here, &Now::new()))
 }
 
 /// The clocks (and the tick rate) read once per call, not once per fiber.
@@ -206,10 +211,22 @@ const PREFETCH_AHEAD: usize = 4;
 #[inline(never)]
 pub fn scheduler_info(s: &SchedShared, opts: &InfoOptions) -> Vec<FiberInfo> {
     report_entry!();
+    scheduler_info_with(s, opts, None)
+}
+
+/// [`scheduler_info`], with the running fiber's frames given (`here`: taken inside it at a
+/// safe point, see [`super::serve_at_safe_point`]) instead of sampled or captured.
+pub(crate) fn scheduler_info_with(
+    s: &SchedShared,
+    opts: &InfoOptions,
+    here: Option<super::sample::Sample>,
+) -> Vec<FiberInfo> {
     let fibers = s.fibers();
     // A running fiber on another thread: one sample for the whole scheduler.
     let running = s.on_thread.running();
-    let sampled = if opts.backtrace
+    let sampled = if here.is_some() {
+        here
+    } else if opts.backtrace
         && opts.sample_running
         && running != 0
         && running != sched::current_id()

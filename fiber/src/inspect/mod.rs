@@ -31,9 +31,12 @@
 //! interleaved and labelled ([`FrameInfo::label`]). The source may be read only on its
 //! scheduler's thread, so a snapshot taken on another thread (the dump signal's, a user's)
 //! asks that scheduler to build its own part at its next turn of the run loop, and waits for
-//! it at most [`SOURCE_WAIT`]; a scheduler that does not come back to its loop by then (a
-//! fiber runs without yielding, or the thread waits outside the runtime) gets its part built
-//! from the asking thread, with native frames only, and a note that says so
+//! it at most [`SOURCE_WAIT`]. When a fiber is running there, the layer is also asked to bring
+//! it to a *safe point* ([`SafePointArm`]: the Lua host stops it at its next Lua line) where
+//! the layer builds the part inside it, the running fiber's own frames included
+//! ([`serve_at_safe_point`]). A scheduler that does neither by then (a fiber in native code
+//! that does not return to the layer, or the thread waiting outside the runtime) gets its
+//! part built from the asking thread, with native frames only, and a note that says so
 //! ([`SchedulerSnapshot::note`]).
 //!
 //! How a snapshot can be wrong: it is not atomic across fibers — each fiber is read at its
@@ -127,17 +130,33 @@ pub fn scheduler_snapshot(s: &SchedShared, opts: &InfoOptions) -> SchedulerSnaps
 
 /// Scheduler `s`'s part, of every fiber or `only` one, built on the calling thread.
 fn build_part(s: &SchedShared, opts: &InfoOptions, only: Option<FiberId>) -> SchedulerSnapshot {
+    build_part_with(s, opts, only, None)
+}
+
+/// [`build_part`], with the running fiber's frames given (`here`: read inside it at a safe
+/// point, the layer's frames interleaved) rather than sampled.
+fn build_part_with(
+    s: &SchedShared,
+    opts: &InfoOptions,
+    only: Option<FiberId>,
+    here: Option<sample::Sample>,
+) -> SchedulerSnapshot {
+    let here_id = here.as_ref().map(|h| h.fiber);
     let mut fibers = match only {
-        None => info::scheduler_info(s, opts),
+        None => info::scheduler_info_with(s, opts, here),
         Some(id) => s
             .fiber(id)
-            .and_then(|f| info::info_of(&f, opts))
+            .and_then(|f| info::info_of(&f, opts, here.as_ref()))
             .into_iter()
             .collect(),
     };
     if let Some(src) = source::source(s.id) {
         for fi in &mut fibers {
-            add_source_frames(&*src, fi, opts.resolve);
+            if Some(fi.id) == here_id {
+                label_source_frames(&*src, fi);
+            } else {
+                add_source_frames(&*src, fi, opts.resolve);
+            }
         }
     }
     let tid = s.on_thread.tid.load(Ordering::Relaxed);
@@ -155,6 +174,13 @@ fn build_part(s: &SchedShared, opts: &InfoOptions, only: Option<FiberId>) -> Sch
 /// How long a snapshot taken on another thread waits for a scheduler with a frame source to
 /// build its own part (see the module doc).
 pub const SOURCE_WAIT: Duration = Duration::from_millis(200);
+
+/// How long an ask waits past its own limit while the scheduler's thread builds other asks'
+/// parts.
+const SERVING_WAIT: Duration = Duration::from_secs(5);
+
+/// How often an ask brings the running fiber to a safe point again while it waits.
+const REARM: Duration = Duration::from_millis(20);
 
 /// A part asked of a scheduler, built on its thread.
 struct Asked {
@@ -200,10 +226,53 @@ fn part_of(
     only: Option<FiberId>,
     wait: Duration,
 ) -> SchedulerSnapshot {
+    let refused = match ask(s, opts, only, wait) {
+        Ask::Here => return build_part(s, opts, only),
+        Ask::Built(p) => return p,
+        Ask::Late(refused) => refused,
+    };
+    let mut p = build_part(s, opts, only);
+    p.note = Some(late_note(wait, refused));
+    p
+}
+
+/// What the report says of a part its scheduler did not build in time.
+fn late_note(wait: Duration, refused: Option<&str>) -> String {
+    match refused {
+        Some(why) => format!(
+            "frames of the layer above the runtime (Lua) not shown: the scheduler's thread did \
+             not come back to its run loop within {} ms, and its running fiber cannot be \
+             stopped at a safe point: {why}",
+            wait.as_millis()
+        ),
+        None => format!(
+            "frames of the layer above the runtime (Lua) not shown: the scheduler's thread did \
+             not come back to its run loop within {} ms, nor its running fiber to a safe point \
+             (it runs native code that does not return to the layer, or the thread waits \
+             outside the runtime)",
+            wait.as_millis()
+        ),
+    }
+}
+
+/// How an ask went.
+enum Ask {
+    /// Nothing to ask: the part can be built on this thread.
+    Here,
+    /// Built by the scheduler's thread.
+    Built(SchedulerSnapshot),
+    /// Not built in time (withdrawn); with the layer's reason if it could not bring the
+    /// running fiber to a safe point.
+    Late(Option<&'static str>),
+}
+
+/// Asks scheduler `s`'s thread for its part when a frame source only that thread may read
+/// is registered and this is another thread; waits at most `wait`.
+fn ask(s: &SchedShared, opts: &InfoOptions, only: Option<FiberId>, wait: Duration) -> Ask {
     let elsewhere = source::registered(s.id) && source::source(s.id).is_none();
     let handle = s.on_thread.handle.get();
     let (true, Some(thread)) = (elsewhere, handle) else {
-        return build_part(s, opts, only);
+        return Ask::Here;
     };
     let asked = Arc::new(Asked {
         sched: s.id,
@@ -215,8 +284,31 @@ fn part_of(
     lock(&ASKED).push(asked.clone());
     s.on_thread.asked.store(true, Ordering::Release);
     thread.unpark();
-    if let Some(p) = wait_for(&asked, wait) {
-        return p;
+    // A fiber runs: the layer may bring it to a safe point where the part is built inside
+    // it. Asked again every few milliseconds while the part is not there: a request that
+    // came while the layer was serving others at a safe point may have found it deaf.
+    let arm = || match s.on_thread.arm() {
+        Some(arm) if s.on_thread.running() != 0 => {
+            arm(s.on_thread.thread.load(Ordering::Relaxed)).err()
+        }
+        _ => None,
+    };
+    let mut refused = arm();
+    let t0 = Instant::now();
+    loop {
+        let left = wait.saturating_sub(t0.elapsed());
+        if let Some(p) = wait_for(&asked, left.min(REARM)) {
+            return Ask::Built(p);
+        }
+        // The thread is building other asks' parts: it has come back, and takes this one
+        // next (up to a bound).
+        let busy = s.on_thread.serving.load(Ordering::Acquire) && t0.elapsed() < SERVING_WAIT;
+        if left <= REARM && !busy {
+            break;
+        }
+        if refused.is_none() {
+            refused = arm();
+        }
     }
     // Not taken in time: withdraw it, unless the scheduler took it meanwhile (then it is
     // being built: a short wait).
@@ -227,17 +319,28 @@ fn part_of(
     };
     if !withdrawn {
         if let Some(p) = wait_for(&asked, Duration::from_secs(5)) {
-            return p;
+            return Ask::Built(p);
         }
     }
-    let mut p = build_part(s, opts, only);
-    p.note = Some(format!(
-        "frames of the layer above the runtime (Lua) not shown: the scheduler's thread did \
-         not come back to its run loop within {} ms (a fiber runs without yielding, or the \
-         thread waits outside the runtime)",
-        wait.as_millis()
-    ));
-    p
+    Ask::Late(refused)
+}
+
+/// The running fiber `id` of scheduler `s` as read at a safe point inside it (with the
+/// layer's frames), asked from another thread (the watchdog's); `Err` when it could not be
+/// read within `wait`: the note that says why, and whether the layer refused to bring the
+/// fiber to a safe point (rather than the fiber not reaching one). `Ok(None)`: the scheduler
+/// has no layer to ask, or the fiber is gone.
+pub(crate) fn running_part(
+    s: &SchedShared,
+    id: FiberId,
+    opts: &InfoOptions,
+    wait: Duration,
+) -> Result<Option<FiberInfo>, (String, bool)> {
+    match ask(s, opts, Some(id), wait) {
+        Ask::Here => Ok(None),
+        Ask::Built(mut p) => Ok(p.fibers.pop()),
+        Ask::Late(refused) => Err((late_note(wait, refused), refused.is_some())),
+    }
 }
 
 fn wait_for(asked: &Asked, d: Duration) -> Option<SchedulerSnapshot> {
@@ -259,20 +362,134 @@ fn wait_for(asked: &Asked, d: Duration) -> Option<SchedulerSnapshot> {
     }
 }
 
+/// The asks waiting for scheduler `sched`, taken.
+fn take_asked(sched: u64) -> Vec<Arc<Asked>> {
+    let mut v = lock(&ASKED);
+    let (mine, rest) = v.drain(..).partition(|a| a.sched == sched);
+    *v = rest;
+    mine
+}
+
 /// The scheduler's `asked` hook: builds the parts asked of it, on its own thread, between
 /// fibers.
 fn serve(s: &SchedShared) {
-    let mine: Vec<Arc<Asked>> = {
-        let mut v = lock(&ASKED);
-        let (mine, rest) = v.drain(..).partition(|a| a.sched == s.id);
-        *v = rest;
-        mine
-    };
-    for a in mine {
-        let p = build_part(s, &a.opts, a.only);
-        *lock(&a.part) = Some(p);
-        a.done.notify_all();
+    s.on_thread.serving.store(true, Ordering::Release);
+    answer(take_asked(s.id), |opts, only| build_part(s, opts, only));
+    s.on_thread.serving.store(false, Ordering::Release);
+}
+
+/// Answers asks with parts `build` makes: once for all the asks that want the same part
+/// (dumps asked at once from several threads, an HTTP endpoint's connections).
+fn answer(
+    mut asks: Vec<Arc<Asked>>,
+    mut build: impl FnMut(&InfoOptions, Option<FiberId>) -> SchedulerSnapshot,
+) {
+    while let Some(first) = asks.pop() {
+        let p = build(&first.opts, first.only);
+        let (same, rest): (Vec<_>, Vec<_>) = asks
+            .into_iter()
+            .partition(|a| a.opts == first.opts && a.only == first.only);
+        asks = rest;
+        for a in same.into_iter().chain(std::iter::once(first)) {
+            *lock(&a.part) = Some(p.clone());
+            a.done.notify_all();
+        }
     }
+}
+
+/// Brings the fiber a scheduler's thread runs to a *safe point*, from any thread: a point
+/// inside that fiber where a layer above the runtime can read every fiber's frames, the
+/// running one's included (for the Lua host: the next Lua instruction the fiber executes,
+/// reached through LuaJIT's profiler hook, which also reaches JIT-compiled code). There the
+/// layer calls [`serve_at_safe_point`]. Called with the scheduler thread's `pthread_t`; it
+/// must not block. `Err` says why the fiber cannot be brought there (it goes into the
+/// report's note).
+pub type SafePointArm = fn(thread: u64) -> Result<(), &'static str>;
+
+/// How large the stack is on which [`serve_at_safe_point`] builds the parts (a fiber's own
+/// stack can be small, and a part of thousands of fibers, symbolized, needs room).
+const SAFE_POINT_STACK: usize = 8 << 20;
+
+/// Builds the parts other threads asked of the scheduler running on this thread (a dump
+/// taken by a signal or over HTTP, a stall report), from a *safe point* inside its running
+/// fiber (see [`SafePointArm`]): as the run loop would between fibers, but with the running
+/// fiber's frames — `running` gives them (its native frames with the layer's interleaved,
+/// innermost first, as [`FrameSource::frames`] gives a suspended fiber's), called once for
+/// each round of asks it serves (asks that come while a round is built make the next), and
+/// only when something was asked. Returns whether something was asked.
+///
+/// Call it on the scheduler's thread, from the running fiber, where the registered
+/// [`FrameSource`] may read every fiber (a Lua hook). The parts are built on a stack of
+/// their own (8 MiB, mapped lazily), not on the fiber's.
+///
+/// How a result can be wrong: the running fiber's frames are of the safe point, which comes
+/// after the request (for a Lua fiber, at its next Lua instruction — after the native code it
+/// was in returns); the other fibers are read at the same moment.
+#[inline(never)]
+pub fn serve_at_safe_point(running: &mut dyn FnMut() -> Option<Vec<Frame>>) -> bool {
+    let Some(s) = crate::sched::with_sched(|i| i.shared.clone()) else {
+        return false;
+    };
+    let mut served = false;
+    // Asks that come while these are built are served in the next round.
+    while s.on_thread.asked.swap(false, Ordering::AcqRel) {
+        s.on_thread.serving.store(true, Ordering::Release);
+        let mine = take_asked(s.id);
+        if mine.is_empty() {
+            break;
+        }
+        serve_here(&s, mine, running);
+        served = true;
+    }
+    s.on_thread.serving.store(false, Ordering::Release);
+    served
+}
+
+/// Builds the parts `mine` inside the running fiber (see [`serve_at_safe_point`]).
+fn serve_here(
+    s: &Arc<SchedShared>,
+    mine: Vec<Arc<Asked>>,
+    running: &mut dyn FnMut() -> Option<Vec<Frame>>,
+) {
+    let s = s.clone();
+    let fid = crate::sched::current_id();
+    let frames = if fid != 0 { running() } else { None };
+    let here = frames.map(|frames| sample::Sample {
+        fiber: fid,
+        resumes: s.on_thread.resumes.load(Ordering::Relaxed),
+        backtrace: fibertrace_core::Backtrace::from_frames(&frames),
+        latency: Duration::ZERO,
+        handler_time: Duration::ZERO,
+    });
+    let build = move || {
+        answer(mine, |opts, only| {
+            build_part_with(&s, opts, only, here.clone())
+        });
+    };
+    match corosensei::stack::DefaultStack::new(SAFE_POINT_STACK) {
+        Ok(stack) => corosensei::on_stack(stack, build),
+        // No memory for a stack of its own: the fiber's.
+        Err(_) => build(),
+    }
+}
+
+/// Labels the layer's frames in the running fiber's frames given at a safe point (the native
+/// ones are resolved already).
+fn label_source_frames(src: &dyn FrameSource, fi: &mut FiberInfo) {
+    let Some(frames) = &fi.backtrace else {
+        return;
+    };
+    let list: Arc<[FrameInfo]> = frames
+        .iter()
+        .map(|f| match f.frame {
+            Frame::Lua(id) => FrameInfo {
+                label: src.name(id).map(Arc::from),
+                ..f.clone()
+            },
+            _ => f.clone(),
+        })
+        .collect();
+    fi.backtrace = Some(list);
 }
 
 /// Replaces a suspended (or never started) fiber's frames with the source's, when it has
@@ -321,6 +538,13 @@ impl crate::Scheduler {
     pub fn info(&self, opts: &InfoOptions) -> Vec<FiberInfo> {
         report_entry!();
         scheduler_snapshot(self.shared(), opts).fibers
+    }
+
+    /// Sets (or with `None` removes) how a dump or report asked from another thread brings
+    /// this scheduler's running fiber to a safe point where the layer above (a Lua host) reads
+    /// its frames: see [`SafePointArm`] and [`serve_at_safe_point`].
+    pub fn set_safe_point_arm(&self, arm: Option<SafePointArm>) {
+        self.shared().on_thread.set_arm(arm);
     }
 
     /// Sets (or with `None` removes) the source of frames that a layer above the runtime

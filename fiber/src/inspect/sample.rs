@@ -213,6 +213,36 @@ extern "C" fn on_signal(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut
     slot.seq.fetch_add(1, Ordering::Release);
 }
 
+/// In a signal handler on a scheduler's thread: the word the layer above attached to the
+/// fiber whose code the signal interrupted ([`crate::Fiber::set_layer_word`]); 0 when no
+/// fiber's code was running (the scheduler itself, or switching), or the fiber has none.
+/// Async-signal-safe: no lock, no allocation.
+///
+/// # Safety
+/// `uc` is the kernel's `ucontext_t` of the running signal handler.
+pub unsafe fn interrupted_layer_word(uc: *mut libc::c_void) -> u64 {
+    let p = crate::running::on_this_thread();
+    if p.is_null() || uc.is_null() {
+        return 0;
+    }
+    // SAFETY: the pointer names the state of a scheduler that runs on this thread (set while
+    // it runs, see `running`); it is alive while the scheduler is, which it is, since we
+    // interrupted this thread inside it.
+    let sm = unsafe { &*p };
+    // SAFETY: `uc` is the kernel's ucontext for this handler (the contract).
+    let sp = unsafe { fibertrace_core::capture::registers_from_ucontext(uc) }.sp;
+    let f = sm.fiber.load(Ordering::Relaxed);
+    if sm.running.load(Ordering::Acquire) == 0
+        || f.is_null()
+        || !(sm.lo.load(Ordering::Relaxed)..sm.hi.load(Ordering::Relaxed)).contains(&sp)
+    {
+        return 0;
+    }
+    // SAFETY: the interrupted code runs on the running fiber's stack (checked above): that
+    // fiber runs on this thread, so its block is alive until the handler returns.
+    unsafe { (*f).layer_word.load(Ordering::Acquire) }
+}
+
 /// A sample of a running fiber.
 #[derive(Clone, Debug)]
 pub struct Sample {

@@ -10,9 +10,9 @@
 //!
 //! The source is kept per thread: it reads state (a Lua thread) that only its scheduler's
 //! thread may touch, and only while the fiber is suspended. A snapshot taken on another
-//! thread (the dump signal's) asks the scheduler's thread for its part (see
-//! [`super::snapshot`]); the stall watchdog's reports of blocked fibers, built on its own
-//! thread without asking, show native frames.
+//! thread (the dump signal's, the watchdog's) asks the scheduler's thread for its part (see
+//! [`super::snapshot`]), built between fibers or at a safe point inside the running one
+//! ([`super::serve_at_safe_point`]).
 //!
 //! How a result can be wrong: the source is asked only for fibers that are suspended (or
 //! never ran) when the report reads them; it answers from the fiber's state at that moment.

@@ -21,7 +21,11 @@
 //! scheduler is idle waiting for a timer (no fiber runs then).
 //!
 //! Where the stalled fiber runs Lua, its Lua frames cannot be read from another thread while
-//! it runs; a host can annotate reports (see [`set_annotator`]) to say so or add what it knows.
+//! it runs: after the sample, the watchdog asks the scheduler's layer above the runtime (the
+//! Lua host) to bring the fiber to a safe point and read its frames there, interleaved (see
+//! [`super::serve_at_safe_point`]), and waits at most [`super::SOURCE_WAIT`] for them; a
+//! fiber that does not get there (it runs C code that does not return to Lua) is reported
+//! with its native frames and a note that says why (a host can word it: [`set_annotator`]).
 //!
 //! A blocked fiber's report ([`Config::blocked_longer_than`]) is a view of the snapshot: for a
 //! scheduler with a [`crate::FrameSource`] (a Lua host), it is built on that scheduler's thread
@@ -37,7 +41,8 @@ use std::time::{Duration, Instant};
 use fibertrace_core::Backtrace;
 
 use crate::registry::{self, SchedShared};
-use crate::task::FiberId;
+use crate::task::{FiberId, Status};
+use crate::FrameInfo;
 
 /// Watchdog settings.
 #[derive(Clone, Debug)]
@@ -73,8 +78,13 @@ pub struct StallReport {
     pub name: String,
     /// How long it had run without yielding when sampled.
     pub running_for: Duration,
-    /// Its stack at that moment (innermost first, cut at its entry).
+    /// Its stack at that moment (innermost first, cut at its entry): native frames.
     pub backtrace: Backtrace,
+    /// Its frames with a layer's above the runtime interleaved (a Lua fiber's Lua frames),
+    /// read inside it at the safe point the layer brought it to right after the sample (see
+    /// [`super::serve_at_safe_point`]); the report shows these. `None`: the scheduler has
+    /// no such layer, or the fiber did not reach a safe point in time (the note says why).
+    pub frames: Option<Arc<[FrameInfo]>>,
     /// Signal-to-sample latency.
     pub latency: Duration,
     /// Time the walk took inside the signal handler.
@@ -94,7 +104,10 @@ impl StallReport {
             crate::sched::quoted_name(&self.name),
             super::dump::human(self.running_for)
         );
-        s.push_str(&super::dump::render_frames(self.backtrace.frames()));
+        match &self.frames {
+            Some(f) => s.push_str(&super::dump::render_list(f)),
+            None => s.push_str(&super::dump::render_frames(self.backtrace.frames())),
+        }
         if let Some(n) = &self.note {
             s.push_str(&format!("    ({n})\n"));
         }
@@ -241,7 +254,10 @@ pub fn set_handler(f: impl Fn(&Report) + Send + Sync + 'static) {
     *state().handler.lock().unwrap_or_else(|e| e.into_inner()) = Some(Box::new(f));
 }
 
-/// Lets a host add a note to stall reports (called outside the signal handler).
+/// Lets a host say why a stall report has no frames of its own (called outside the signal
+/// handler, when the report's frames are native only: the scheduler has no layer above the
+/// runtime, or its running fiber did not reach a safe point in time); its note replaces the
+/// runtime's.
 pub fn set_annotator(f: Annotator) {
     *state().annotator.lock().unwrap_or_else(|e| e.into_inner()) = Some(f);
 }
@@ -279,6 +295,13 @@ fn wall_limit(threshold: Duration) -> Duration {
         .max(threshold.saturating_add(Duration::from_millis(200)))
 }
 
+/// Doubles a report mark until it is past `t` (a zero mark, a zero threshold's, stays).
+fn double_past(mark: &mut Duration, t: Duration) {
+    while !mark.is_zero() && *mark <= t && *mark < Duration::MAX {
+        *mark = mark.saturating_mul(2);
+    }
+}
+
 fn deliver(r: &Report) {
     let st = state();
     st.reports.fetch_add(1, Ordering::Relaxed);
@@ -286,6 +309,46 @@ fn deliver(r: &Report) {
     match &*h {
         Some(f) => f(r),
         None => super::dump::write_stderr(&r.to_text()),
+    }
+}
+
+/// The stalled fiber's frames with its layer's (Lua) interleaved, read at a safe point inside
+/// it, when its scheduler has such a layer; otherwise the note that says why not (the
+/// host's annotation, see [`set_annotator`], or the runtime's).
+fn layer_frames(
+    s: &SchedShared,
+    sample: &super::sample::Sample,
+) -> (Option<Arc<[FrameInfo]>>, Option<String>) {
+    let annotate = || {
+        let annot = *state().annotator.lock().unwrap_or_else(|e| e.into_inner());
+        annot.and_then(|a| a(&sample.backtrace))
+    };
+    let opts = crate::InfoOptions {
+        parent_backtrace: false,
+        ..crate::InfoOptions::default()
+    };
+    match super::running_part(s, sample.fiber, &opts, super::SOURCE_WAIT) {
+        // No layer above the runtime: its frames are all there is.
+        Ok(None) => (None, None),
+        Ok(Some(fi)) => {
+            let same_run = fi.status == Status::Running
+                && s.on_thread.resumes.load(Ordering::Acquire) == sample.resumes;
+            match fi.backtrace {
+                Some(frames) if same_run => (Some(frames), None),
+                _ => (
+                    None,
+                    Some(
+                        "frames of the layer above the runtime (Lua) not shown: the fiber \
+                         yielded before they could be read"
+                            .to_string(),
+                    ),
+                ),
+            }
+        }
+        // The host words why a fiber did not reach a safe point (the C code it is in);
+        // a refusal's reason is the layer's own.
+        Err((late, false)) => (None, annotate().or(Some(late))),
+        Err((late, true)) => (None, Some(late)),
     }
 }
 
@@ -371,6 +434,10 @@ fn run() {
             } else {
                 continue;
             };
+            // One report per moment: a spinning fiber's wall time passes its mark with its
+            // CPU time (and a wall report's moment is not reported again by CPU time).
+            double_past(&mut w.next_wall_report, wall);
+            double_past(&mut w.next_report, cpu);
             // Rate limit.
             if window_start.elapsed() >= Duration::from_secs(1) {
                 window_start = Instant::now();
@@ -390,14 +457,14 @@ fn run() {
             }
             in_window += 1;
             let name = s.fiber(fid).map(|f| f.name()).unwrap_or_default();
-            let annot = *st.annotator.lock().unwrap_or_else(|e| e.into_inner());
-            let note = annot.and_then(|a| a(&sample.backtrace));
+            let (frames, note) = layer_frames(s, &sample);
             let report = StallReport {
                 scheduler: s.id,
                 fiber: fid,
                 name,
                 running_for,
                 backtrace: sample.backtrace,
+                frames,
                 latency: sample.latency,
                 handler_time: sample.handler_time,
                 suppressed: take_suppressed(),

@@ -52,6 +52,15 @@ impl Fiber {
         name_to_bytes(&self.shared.name_arc()).into_owned()
     }
 
+    /// Attaches a word of the layer above the runtime to the fiber (a Lua host: the fiber's
+    /// Lua thread), which that layer's signal handler reads for the fiber it interrupted
+    /// ([`crate::sample::interrupted_layer_word`]). 0 (the default) means none.
+    pub fn set_layer_word(&self, word: u64) {
+        self.shared
+            .layer_word
+            .store(word, std::sync::atomic::Ordering::Release);
+    }
+
     /// Its status.
     pub fn status(&self) -> Status {
         self.shared.status().0

@@ -208,6 +208,9 @@ pub struct ControlBlock {
     pub(crate) min_sp: AtomicU64,
     /// Stack pointer at the last suspension.
     pub(crate) last_sp: AtomicU64,
+    /// A word the layer above attaches to the fiber (the Lua host: its Lua thread), for its
+    /// signal handler (see `crate::Fiber::set_layer_word`).
+    pub(crate) layer_word: AtomicU64,
     status: AtomicU8,
     /// What a blocked fiber waits on (set only for blocking waits, not for yields).
     /// Packed ([`WaitOn::pack`]): one atomic word, so reading it from another thread takes
@@ -333,6 +336,7 @@ impl ControlBlock {
             stack_size,
             min_sp,
             last_sp,
+            layer_word,
             status,
             wait_on,
             since,
@@ -367,6 +371,7 @@ impl ControlBlock {
         *stack_size = n.stack_size;
         *min_sp.get_mut() = n.stack.hi;
         *last_sp.get_mut() = n.stack.hi;
+        *layer_word.get_mut() = 0;
         *status.get_mut() = Status::Ready.to_u8();
         *wait_on.get_mut() = 0;
         *since.get_mut() = n.now;
@@ -428,6 +433,7 @@ impl ControlBlock {
             stack_size: n.stack_size,
             min_sp: AtomicU64::new(n.stack.hi),
             last_sp: AtomicU64::new(n.stack.hi),
+            layer_word: AtomicU64::new(0),
             status: AtomicU8::new(Status::Ready.to_u8()),
             wait_on: AtomicU64::new(0),
             since: AtomicU64::new(now),

@@ -106,6 +106,9 @@ fn cli() -> Command {
                      interleaved native + Lua traceback and exits with 1. SIGQUIT prints \
                      every fiber's trace to stderr and the script goes on; SIGINT and \
                      SIGTERM flush what the script printed and exit with 130 and 143. \
+                     A fiber running when a dump or report is taken is stopped at its next \
+                     Lua line to read its Lua frames (this takes SIGPROF; \
+                     FIBERTRACE_LUA_SAFE_POINTS=0 turns it off). \
                      Options go before the script: everything after it is the script's",
                 )
                 .arg(
@@ -115,7 +118,8 @@ fn cli() -> Command {
                         .value_parser(clap::value_parser!(u64).range(1..))
                         .help(
                             "Report a fiber that runs more than N ms without yielding \
-                             (its stack, sampled by a signal; again at 2N, 4N, ...)",
+                             (its Lua frames, read at its next Lua line; again at 2N, 4N, \
+                             ...)",
                         ),
                 )
                 .arg(

@@ -124,6 +124,8 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
         set_field(l, hidden, c"stall");
         ffi::lua_pushcfunction(l, f_set_close_mode);
         set_field(l, hidden, c"set_close_mode");
+        ffi::lua_pushcfunction(l, super::hog::f_script_profiles);
+        set_field(l, hidden, c"script_profiles");
         if cfg!(feature = "luajit") {
             let ptrs = super::clock::ffi_pointers();
             ffi::lua_createtable(l, 0, ptrs.len() as c_int);

@@ -50,6 +50,7 @@ mod cstack;
 mod export;
 mod fiber_fns;
 mod finalize;
+mod hog;
 mod holds;
 mod info;
 mod install;
@@ -344,7 +345,11 @@ impl LuaHost {
         unsafe { finalize::install(l) };
         #[cfg(feature = "luajit")]
         cstack::install(l);
-        fibertrace_fiber::watchdog::set_annotator(stall_note);
+        // A running fiber's Lua frames, for dumps and stall reports asked from another
+        // thread.
+        // SAFETY: the main state just made, running nothing.
+        unsafe { hog::start(l, &sched) };
+        fibertrace_fiber::watchdog::set_annotator(hog::stall_note);
         fibertrace_fiber::glue::add_host_glue(spawn::is_glue);
         // The runtime's own reports built on this thread (the deadlock report) show the Lua
         // frames of Lua fibers.
@@ -437,6 +442,11 @@ impl Drop for LuaHost {
     fn drop(&mut self) {
         #[cfg(feature = "luajit")]
         cstack::uninstall();
+        if let Some(lua) = &self.lua {
+            // SAFETY: this thread's host's main state, not closed yet; dropping the host runs
+            // no Lua code of its own here.
+            unsafe { hog::stop(lua.state()) };
+        }
         // Fibers still suspended hold Lua frames on their native stacks: cancel them and run
         // them to their end before anything is freed.
         let fibers: Vec<fibertrace_fiber::Fiber> = with_host(|h| {
@@ -481,15 +491,4 @@ pub(crate) fn set_last_trace(t: Option<String>) {
 
 pub(crate) fn take_last_trace() -> Option<String> {
     LAST_TRACE.with(|c| c.borrow_mut().take())
-}
-
-/// Note added to stall reports of a Lua host: the stalled fiber's Lua stack is being changed
-/// by the thread running it, so it is not read from the watchdog's thread; the native frames
-/// show where in the VM (or in which C function) it spins.
-fn stall_note(_bt: &fibertrace_core::Backtrace) -> Option<String> {
-    Some(
-        "Lua frames not shown: a running fiber's Lua stack cannot be read safely from another \
-         thread; its native frames are above"
-            .to_string(),
-    )
 }

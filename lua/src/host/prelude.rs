@@ -37,6 +37,34 @@ if ptr ~= nil and jit ~= nil then
     fiber.clock64 = function() return clk64() end
 end
 
+-- LuaJIT's profiler serves one user: the host's (it stops a running fiber at a safe point to
+-- read its Lua frames for a dump or a stall report). A script that starts `jit.profile` takes
+-- it over; the host stands aside until the script stops it, then takes it back.
+if jit ~= nil and type(package) == 'table' and type(package.preload) == 'table' then
+    local open = package.preload['jit.profile']
+    if type(open) == 'function' then
+        local taken = hidden.script_profiles
+        package.preload['jit.profile'] = function(...)
+            local m = open(...)
+            if type(m) == 'table' then
+                local start, stop = m.start, m.stop
+                m.start = function(...)
+                    taken(true)
+                    return start(...)
+                end
+                m.stop = function(...)
+                    local ok, err = pcall(stop, ...)
+                    taken(false)
+                    if not ok then
+                        error(err, 2)
+                    end
+                end
+            end
+            return m
+        end
+    end
+end
+
 -- LuaJIT's C declaration parser nests one C call per level of struct or union braces, with no
 -- limit and no Lua instruction in between (where a C stack overflow could be raised): a
 -- declaration nested a few hundred levels deep would run a fiber's stack into its guard.

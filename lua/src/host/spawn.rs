@@ -333,6 +333,8 @@ fn spawn_lua(c: &mut Call, what: &str, starts_now: bool) -> Result<FiberId, LErr
         }
     };
     let fid = fiber.id();
+    // For the signal that brings a running fiber to a safe point (Lua 5.4: see `hog`).
+    fiber.set_layer_word(t as u64);
     with_host(|h| {
         h.recs.insert(
             fid,
@@ -483,6 +485,8 @@ pub(crate) fn run_main_fiber(
         with_host(|h| release_thread(h, t, tref));
         return Err(err(m));
     }
+    // For the signal that brings a running fiber to a safe point (Lua 5.4: see `hog`).
+    me.set_layer_word(t as u64);
     with_host(|h| {
         h.recs.insert(
             fid,

@@ -1,0 +1,182 @@
+//! A running fiber's Lua frames: read inside it, at a safe point reached on demand.
+//!
+//! A fiber that spins in Lua without yielding never comes back to the run loop, where the
+//! runtime reads Lua frames; its Lua stack is being changed by the thread that runs it, so
+//! no other thread may read it. A dump asked from another thread (the dump signal's, the
+//! HTTP endpoint's) or the stall watchdog's report therefore asks *this* thread to stop the
+//! fiber at its next Lua instruction and read the frames there
+//! ([`fibertrace_fiber::inspect::serve_at_safe_point`]): the runtime calls the host's arm
+//! (from the asking thread), which sends `SIGPROF` to the scheduler's thread; what that
+//! signal does is the VM's part:
+//!
+//! * **LuaJIT** ([`luajit`]): hooks set with `lua_sethook` are never called by JIT-compiled
+//!   code, so a hot loop would never stop. LuaJIT's profiler reaches it: while it is started,
+//!   traces are compiled with a check of the profiler's hook bit, and its `SIGPROF` handler
+//!   sets that bit; the interpreter then calls the profiler's callback at its next
+//!   instruction, and a trace exits to the interpreter at its next check.
+//! * **Lua 5.4** ([`lua54`]): the host's own `SIGPROF` handler sets a one-shot count hook
+//!   (`lua_sethook`, which Lua allows from a signal handler) on the interrupted fiber's Lua
+//!   thread; the hook runs at its next instruction.
+//!
+//! A fiber inside a C function gets there when that function returns to Lua (or calls back
+//! into it); until then the reports keep its native frames and name the C function
+//! ([`stall_note`]).
+//!
+//! Costs and limits: `FIBERTRACE_LUA_SAFE_POINTS=0` in the environment turns it all off (no
+//! signal, no profiler; the reports then keep a running fiber's native frames and say why).
+//! The process's `SIGPROF` disposition is the host's while it lives (it does not take it
+//! if another handler was there: a CPU profiler's). The signal interrupts the thread like
+//! any other: a C function blocked in a system call that signals interrupt (`poll`,
+//! `nanosleep`) sees `EINTR`, as it would under LuaJIT's profiler or a debugger. The
+//! flavours' own costs and limits are in their modules.
+//!
+//! How a result can be wrong: the frames are of the safe point, a little after the request
+//! (after the C function the fiber was in returned); the other fibers are read at that same
+//! moment, not at the request's.
+
+use fibertrace_core::{Backtrace, Frame, Unwinder};
+use mlua::ffi;
+
+#[cfg(feature = "luajit")]
+mod luajit;
+#[cfg(feature = "luajit")]
+use luajit as vm;
+
+#[cfg(not(feature = "luajit"))]
+mod lua54;
+#[cfg(not(feature = "luajit"))]
+use lua54 as vm;
+
+pub(crate) use vm::f_script_profiles;
+
+/// The environment variable that turns reading running fibers off (`0`).
+const OFF_VAR: &str = "FIBERTRACE_LUA_SAFE_POINTS";
+
+/// Says how the scheduler of the host of this thread (main state `l`) brings its running
+/// fiber to a safe point, taking what the VM needs for it. Call it on the host's thread
+/// before any fiber runs.
+///
+/// # Safety
+/// `l` is the host's main state, on this thread, running nothing.
+pub(crate) unsafe fn start(l: *mut ffi::lua_State, sched: &fibertrace_fiber::Scheduler) {
+    if std::env::var_os(OFF_VAR).is_some_and(|v| v == "0") {
+        sched.set_safe_point_arm(Some(arm_off));
+        return;
+    }
+    // SAFETY: forwarded contract.
+    let arm = match unsafe { vm::start(l) } {
+        Ok(arm) => {
+            STARTED.with(|s| s.set(true));
+            arm
+        }
+        Err(refusing) => refusing,
+    };
+    sched.set_safe_point_arm(Some(arm));
+}
+
+std::thread_local! {
+    /// Whether this thread's host went through the VM's start (and so must stop).
+    static STARTED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Gives back what [`start`] took (the host of this thread is being dropped).
+///
+/// # Safety
+/// `l` is the host's main state, on this thread, not closed yet, running nothing.
+pub(crate) unsafe fn stop(l: *mut ffi::lua_State) {
+    if STARTED.with(|s| s.replace(false)) {
+        // SAFETY: forwarded contract.
+        unsafe { vm::stop(l) };
+    }
+}
+
+fn arm_off(_thread: u64) -> Result<(), &'static str> {
+    Err("turned off (FIBERTRACE_LUA_SAFE_POINTS=0)")
+}
+
+fn arm_foreign_sigprof(_thread: u64) -> Result<(), &'static str> {
+    Err("SIGPROF, which it needs to reach it, belongs to another handler")
+}
+
+/// The `SIGPROF` handler now (its address; `SIG_DFL` is 0, `SIG_IGN` 1).
+fn sigprof_handler() -> usize {
+    // SAFETY: reading the disposition only (a null new action).
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        if libc::sigaction(libc::SIGPROF, std::ptr::null(), &mut old) != 0 {
+            return 0;
+        }
+        old.sa_sigaction
+    }
+}
+
+/// `SIGPROF` to the scheduler's thread `thread`, if `handler` is still the one installed.
+fn signal(thread: u64, handler: usize) -> Result<(), &'static str> {
+    if handler == 0 || sigprof_handler() != handler {
+        return Err("SIGPROF, which it needs to reach it, was taken by another handler");
+    }
+    // SAFETY: the thread runs the scheduler that registered the arm (the runtime passes its
+    // thread), alive while its scheduler is; the handler only sets a hook.
+    let rc = unsafe { libc::pthread_kill(thread as libc::pthread_t, libc::SIGPROF) };
+    if rc != 0 {
+        return Err("the signal could not be sent to its thread");
+    }
+    Ok(())
+}
+
+/// At a safe point of the Lua code the running fiber runs (a hook, on its thread): serves the
+/// parts other threads asked of this scheduler, with the running fiber's frames read here.
+/// Nothing here raises a Lua error or unwinds into the VM (a panic is caught).
+fn serve() {
+    let _ = std::panic::catch_unwind(|| {
+        fibertrace_fiber::inspect::serve_at_safe_point(&mut || {
+            let me = fibertrace_fiber::current_id();
+            let root = super::with_host(|h| h.recs.get(&me).map(|r| r.thread)).flatten()?;
+            // SAFETY: `root` is the running fiber's own Lua thread, and this is a safe point
+            // of the Lua code it runs (a hook), on its OS thread.
+            Some(unsafe { frames_here(root) })
+        });
+    });
+}
+
+/// The running fiber's frames from a hook inside its Lua code: the native frames below the
+/// hook's (the hook's own and those of the VM that called it are left out), the Lua stack of
+/// `root` interleaved.
+///
+/// # Safety
+/// `root` is the running fiber's Lua thread, and this is called from a hook of the Lua code
+/// it runs, on its OS thread.
+#[inline(never)]
+unsafe fn frames_here(root: *mut ffi::lua_State) -> Vec<Frame> {
+    let Some(native) = fibertrace_fiber::current().and_then(|f| f.backtrace(Unwinder::Fast)) else {
+        return Vec::new();
+    };
+    let vm = crate::interleave::vm_map();
+    let below_hook = native
+        .frames()
+        .iter()
+        .position(|f| f.lookup_address().is_some_and(|a| vm.is_vm(a)))
+        .unwrap_or(0);
+    let native = Backtrace::from_frames(&native.frames()[below_hook..]);
+    // SAFETY: the contract: the running fiber's Lua thread, at a hook, on its thread.
+    let bt = unsafe { crate::capture_interleaved(&native, root) };
+    fibertrace_fiber::info::user_frames(bt.frames()).to_vec()
+}
+
+/// The note of a stall report whose fiber could not be stopped at a safe point in time:
+/// which C function it is in, when its innermost frame is one (not the VM, not JIT-compiled
+/// code); `None` leaves the runtime's note.
+pub(crate) fn stall_note(bt: &Backtrace) -> Option<String> {
+    let top = bt.frames().first()?;
+    let a = top.lookup_address()?;
+    if crate::interleave::vm_map().is_vm(a) {
+        return None;
+    }
+    let r = fibertrace_core::symbolize::resolve(top)?;
+    let name = r.symbols.last()?.name.clone()?;
+    Some(format!(
+        "Lua frames not shown: the fiber runs C code ({name}) that did not return to Lua \
+         within {} ms; its native frames are above",
+        fibertrace_fiber::inspect::SOURCE_WAIT.as_millis()
+    ))
+}
