@@ -2,8 +2,10 @@
 //! against ~20 ns for `Instant::now`), converted to time with a rate measured against the
 //! monotonic clock.
 //!
-//! The rate is measured over the time since the first reading (at least 2 ms, spinning once
-//! if the process is younger than that) and re-measured as the process ages, so it converges.
+//! The rate is measured over the time since the first reading (at least 2 ms, sleeping once
+//! if the process is younger than that) and re-measured as the process ages, so it converges;
+//! each reading pairs the counter with the monotonic clock at one moment (read again if the
+//! thread was preempted between the two).
 //! On a machine whose counter is not invariant (very old CPUs) durations would be wrong;
 //! every x86_64 CPU of the last decade has an invariant counter. The counter is read in
 //! `fibertrace_core::arch`'s leaf file for the architecture.
@@ -25,10 +27,33 @@ struct Base {
 
 fn base() -> &'static Base {
     static BASE: OnceLock<Base> = OnceLock::new();
-    BASE.get_or_init(|| Base {
-        ticks: ticks(),
-        at: Instant::now(),
+    BASE.get_or_init(|| {
+        let (ticks, at) = paired(Instant::now);
+        Base { ticks, at }
     })
+}
+
+/// Reads the counter and `clock` at one moment: the counter on both sides of the clock's
+/// read, again when the thread was preempted in between (the two counter reads then lie far
+/// apart: a pair read across a preemption would skew the rate by the time the thread was
+/// off the CPU — on a loaded machine, several times over); the counter halfway.
+fn paired<T>(clock: impl Fn() -> T) -> (u64, T) {
+    let mut best: Option<(u64, u64, T)> = None;
+    for _ in 0..16 {
+        let t1 = ticks();
+        let c = clock();
+        let t2 = ticks();
+        let gap = t2.wrapping_sub(t1);
+        if best.as_ref().is_none_or(|b| gap < b.0) {
+            best = Some((gap, t1 + gap / 2, c));
+        }
+        // A few hundred ticks: no preemption between the reads.
+        if gap < 4096 {
+            break;
+        }
+    }
+    let (_, t, c) = best.expect("at least one reading");
+    (t, c)
 }
 
 /// Picoseconds per tick, as last measured (0 = not yet).
@@ -41,12 +66,11 @@ pub fn init() {
 
 fn ps_per_tick() -> u64 {
     let b = base();
-    let mut elapsed = b.at.elapsed();
-    if elapsed < Duration::from_millis(2) {
-        std::thread::sleep(Duration::from_millis(2) - elapsed);
-        elapsed = b.at.elapsed();
+    if b.at.elapsed() < Duration::from_millis(2) {
+        std::thread::sleep(Duration::from_millis(2).saturating_sub(b.at.elapsed()));
     }
-    let dt = ticks().wrapping_sub(b.ticks).max(1);
+    let (now, elapsed) = paired(|| b.at.elapsed());
+    let dt = now.wrapping_sub(b.ticks).max(1);
     let ps = (elapsed.as_nanos().saturating_mul(1000) / u128::from(dt)) as u64;
     PS_PER_TICK.store(ps.max(1), Ordering::Relaxed);
     ps.max(1)

@@ -197,3 +197,99 @@ fn sigquit_while_a_fiber_spins_in_compiled_code_shows_its_lua_frames() {
         "{err}"
     );
 }
+
+/// A `fibertrace run` process that sleeps until killed, as a target for `fibertrace dump`.
+fn sleeping_lua_process(dir: &std::path::Path) -> std::process::Child {
+    use std::io::BufRead;
+    std::fs::write(
+        dir.join("sleep.lua"),
+        "io.stdout:write('ready\\n') io.stdout:flush()\nrequire('fiber').sleep(60)\n",
+    )
+    .unwrap();
+    let mut child = std::process::Command::new(fibertrace_acceptance::binary())
+        .args(["run", "sleep.lua"])
+        .current_dir(dir)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line, "ready\n");
+    child
+}
+
+#[test]
+fn dump_pid_reads_another_process_from_anywhere_and_says_why_when_it_cannot() {
+    let dir = scratch("dump-pid");
+    let mut target = sleeping_lua_process(&dir);
+    let pid = target.id().to_string();
+    // From another directory, as a user runs it.
+    let out = run_in(&std::env::temp_dir(), &["dump", &pid]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.starts_with(&format!("process {pid} \"fibertrace\" (")),
+        "{text}"
+    );
+    // The main thread, from its innermost frame (in the C library) to the program's main.
+    let main = text
+        .split("\n\n")
+        .find(|b| b.starts_with(&format!("thread {pid} ")))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(main.contains("\n#0  0x"), "{main}");
+    assert!(main.contains(" in fibertrace::main"), "{main}");
+    assert!(main.contains(" in fibertrace_fiber::"), "{main}");
+    // JSON: the same threads.
+    let out = run_in(&std::env::temp_dir(), &["dump", &pid, "--format", "json"]);
+    assert_eq!(out.status.code(), Some(0));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["pid"].to_string(), pid);
+    assert_eq!(j["mode"], "consistent");
+    assert!(j["threads"].as_array().is_some_and(|t| !t.is_empty()));
+    // Without stopping it.
+    let out = run_in(&std::env::temp_dir(), &["dump", &pid, "--non-blocking"]);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("not stopped: frames not exact"));
+    // Not allowed: the same dump by another user (nobody).
+    if std::process::Command::new("setpriv").arg("--version").output().is_ok()
+        // SAFETY: getuid has no preconditions.
+        && unsafe { libc::getuid() } == 0
+    {
+        let out = std::process::Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(fibertrace_acceptance::binary())
+            .args(["dump", &pid])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.starts_with(&format!(
+                "fibertrace: not allowed to read process {pid}: run fibertrace as the \
+                 process's user or as root (CAP_SYS_PTRACE)"
+            )),
+            "{err}"
+        );
+    }
+    target.kill().unwrap();
+    target.wait().unwrap();
+    // Gone.
+    let out = run_in(&dir, &["dump", &pid]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        format!("fibertrace: no such process: {pid}\n")
+    );
+    // Not a process id.
+    for bad in ["0", "-3", "x", "", "99999999999"] {
+        let out = run_in(&dir, &["dump", bad]);
+        assert_eq!(out.status.code(), Some(2), "{bad}");
+    }
+}

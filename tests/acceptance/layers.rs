@@ -363,6 +363,7 @@ fn each_crate_shows_only_its_documented_modules() {
                 "format",
                 "frame",
                 "image",
+                "remote",
                 "symbolize",
                 "unwind",
             ],

@@ -377,3 +377,90 @@ fn the_live_endpoint_answers_curl_go_tool_pprof_and_a_browser() {
     child.wait().unwrap();
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// The frames of each thread as `(tid, [address...])`, from a dump's text: eu-stack's
+/// (`TID n:` then `#k  0xADDR name`) or ours (`thread n "name":` then `#k  0xADDR in ...`).
+fn thread_addresses(text: &str, eu: bool) -> Vec<(i32, Vec<u64>)> {
+    let mut out: Vec<(i32, Vec<u64>)> = Vec::new();
+    for line in text.lines() {
+        let head = if eu {
+            line.strip_prefix("TID ").and_then(|r| r.strip_suffix(':'))
+        } else {
+            line.strip_prefix("thread ")
+                .and_then(|r| r.split(' ').next())
+        };
+        if let Some(tid) = head.and_then(|t| t.parse().ok()) {
+            out.push((tid, Vec::new()));
+            continue;
+        }
+        let Some(rest) = line.strip_prefix('#') else {
+            continue;
+        };
+        let Some(addr) = rest
+            .split_whitespace()
+            .nth(1)
+            .and_then(|a| a.strip_prefix("0x"))
+            .and_then(|a| u64::from_str_radix(a, 16).ok())
+        else {
+            continue;
+        };
+        if let Some(t) = out.last_mut() {
+            t.1.push(addr);
+        }
+    }
+    out
+}
+
+/// `fibertrace dump PID` and `eu-stack -p PID` (Debian's `elfutils`) on the same stopped-in-
+/// place process agree on every thread's frames: where eu-stack's walk goes, ours goes the
+/// same way, address for address.
+#[test]
+fn dump_pid_agrees_with_eu_stack_on_every_thread() {
+    use std::io::BufRead;
+    let d = scratch("eu-stack");
+    std::fs::write(
+        d.join("s.lua"),
+        "local fiber = require('fiber')\n\
+         for i = 1, 3 do fiber.create(function() fiber.sleep(60) end) end\n\
+         io.stdout:write('ready\\n') io.stdout:flush()\n\
+         fiber.sleep(60)\n",
+    )
+    .unwrap();
+    let mut child = Command::new(binary())
+        .args(["run", "s.lua"])
+        .current_dir(&d)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line, "ready\n");
+    let pid = child.id().to_string();
+    // Every thread waits in the kernel: both readers see the same stacks.
+    let eu = tool(
+        Command::new("eu-stack").args(["-p", &pid]),
+        "eu-stack",
+        "apt-get install elfutils",
+    );
+    let ours = run_in(&d, &["dump", &pid, "--native-detail"]);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(ours.status.success());
+    let ours = String::from_utf8_lossy(&ours.stdout).into_owned();
+    let theirs = thread_addresses(&eu, true);
+    let mine = thread_addresses(&ours, false);
+    assert!(!theirs.is_empty(), "{eu}");
+    let tids = |v: &[(i32, Vec<u64>)]| {
+        let mut t: Vec<i32> = v.iter().map(|x| x.0).collect();
+        t.sort_unstable();
+        t
+    };
+    assert_eq!(tids(&theirs), tids(&mine), "eu-stack:\n{eu}\nours:\n{ours}");
+    for (tid, want) in &theirs {
+        let got = &mine.iter().find(|m| m.0 == *tid).unwrap().1;
+        assert!(want.len() >= 3, "thread {tid}: eu-stack:\n{eu}");
+        assert_eq!(got, want, "thread {tid}: eu-stack:\n{eu}\nours:\n{ours}");
+    }
+}

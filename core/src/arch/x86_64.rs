@@ -87,6 +87,18 @@ pub(crate) const UCONTEXT_REGS: (u64, u64, u64) = {
     )
 };
 
+/// The registers a walk starts from, from a thread's `ptrace` register set.
+pub(crate) fn registers_from_user_regs(r: &libc::user_regs_struct) -> super::Registers {
+    super::Registers {
+        ip: r.rip,
+        sp: r.rsp,
+        fp: r.rbp,
+    }
+}
+
+/// The ELF machine of this architecture's programs (`EM_X86_64`), and its name.
+pub(crate) const ELF_MACHINE: (u16, &str) = (62, "x86_64");
+
 /// framehop's DWARF unwinder for this architecture.
 pub(crate) type DwarfUnwinder<D, P> = framehop::x86_64::UnwinderX86_64<D, P>;
 /// framehop's rule cache for this architecture.

@@ -87,6 +87,46 @@ pub fn text(frames: &[Frame], opts: &TextOptions<'_>) -> String {
     out
 }
 
+/// Formats frames already resolved (another process's, whose names this process's
+/// symbolizer cannot find) in the default format.
+pub fn text_resolved(frames: &[ResolvedFrame], opts: &TextOptions<'_>) -> String {
+    let mut out = String::new();
+    let mut n = opts.first_index;
+    for rf in frames {
+        match (&rf.frame, &rf.resolved) {
+            (Frame::Pc(a) | Frame::Ra(a) | Frame::Async(a), Some(r)) => {
+                if !native_line(&mut out, n, *a, r, opts) {
+                    continue;
+                }
+            }
+            (Frame::Pc(a) | Frame::Ra(a) | Frame::Async(a), None) => {
+                let _ = writeln!(out, "#{n:<2} {a:#x} in ??");
+            }
+            (Frame::Parent(_), _) => {
+                // Not a frame: not numbered.
+                out.push_str(&text(std::slice::from_ref(&rf.frame), opts));
+                continue;
+            }
+            (f, _) => {
+                // Markers and Lua frames as `text` writes them.
+                let one = text(
+                    std::slice::from_ref(f),
+                    &TextOptions {
+                        first_index: n,
+                        ..*opts
+                    },
+                );
+                if one.is_empty() {
+                    continue;
+                }
+                out.push_str(&one);
+            }
+        }
+        n += 1;
+    }
+    out
+}
+
 /// Writes one native frame; `false` when the glue filter left it out whole.
 fn native_line(out: &mut String, n: usize, addr: u64, r: &Resolved, opts: &TextOptions) -> bool {
     let levels = &r.symbols;

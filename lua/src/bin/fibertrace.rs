@@ -201,6 +201,49 @@ fn cli() -> Command {
                 ),
         )
         .subcommand(
+            Command::new("dump")
+                .about(
+                    "Print the stacks of every thread of a live process, read from the \
+                     outside without running its code: symbols, file:line and inline frames \
+                     from its own binaries (found through /proc/PID/root, so a container's \
+                     are its own). By default every thread is stopped (ptrace) for the time \
+                     of the reading and let go after, whatever happens",
+                )
+                .arg(
+                    Arg::new("pid")
+                        .value_name("PID")
+                        .required(true)
+                        .value_parser(clap::value_parser!(i32).range(1..))
+                        .help("The process"),
+                )
+                .arg(
+                    Arg::new("non-blocking")
+                        .long("non-blocking")
+                        .action(ArgAction::SetTrue)
+                        .help(
+                            "Stop nothing: threads blocked in a system call are read where \
+                             they wait, running threads are not read, and nothing is exact",
+                        ),
+                )
+                .arg(
+                    Arg::new("format")
+                        .long("format")
+                        .value_name("FORMAT")
+                        .value_parser(["text", "json"])
+                        .default_value("text")
+                        .help("text, or json (the dump as one JSON object)"),
+                )
+                .arg(
+                    Arg::new("native-detail")
+                        .long("native-detail")
+                        .action(ArgAction::SetTrue)
+                        .help(
+                            "Show every frame, Rust's own glue too (catch_unwind, closure \
+                             shims, thread start), which the text leaves out by default",
+                        ),
+                ),
+        )
+        .subcommand(
             Command::new("decode")
                 .about(
                     "Decode backtraces found in log lines: ~m# (lws; printed as lws's decode \
@@ -330,7 +373,55 @@ fn main() -> ExitCode {
     match m.subcommand() {
         Some(("run", m)) => run(m),
         Some(("decode", m)) => decode(m),
+        Some(("dump", m)) => dump_process(m),
         _ => ExitCode::from(2),
+    }
+}
+
+/// `fibertrace dump PID`: another process's threads (see `fibertrace_core::remote`).
+fn dump_process(m: &clap::ArgMatches) -> ExitCode {
+    use fibertrace_core::remote::{self, DumpOptions, Mode};
+    let pid = *m.get_one::<i32>("pid").expect("required");
+    let opts = DumpOptions {
+        mode: if m.get_flag("non-blocking") {
+            Mode::NonBlocking
+        } else {
+            Mode::Consistent
+        },
+        ..DumpOptions::default()
+    };
+    let d = match remote::dump(pid, &opts) {
+        Ok(d) => d,
+        Err(e) => {
+            err!("fibertrace: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let text = match m.get_one::<String>("format").map(String::as_str) {
+        Some("json") => match serde_json::to_string_pretty(&d) {
+            Ok(j) => j + "\n",
+            Err(e) => {
+                err!("fibertrace: {e}");
+                return ExitCode::from(1);
+            }
+        },
+        _ => {
+            fibertrace_fiber::glue::set_native_detail(m.get_flag("native-detail"));
+            d.to_text_with(&fibertrace_core::format::TextOptions {
+                hide: fibertrace_fiber::glue::filter(),
+                ..Default::default()
+            })
+        }
+    };
+    let mut out = io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => ExitCode::SUCCESS,
+        // A closed pipe (`| head`) ends it quietly.
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            err!("fibertrace: cannot write the dump: {e}");
+            ExitCode::from(1)
+        }
     }
 }
 

@@ -1,0 +1,319 @@
+//! Linux leaf: another process through `/proc`, `ptrace` and `process_vm_readv`.
+//!
+//! Stopping: every thread is *seized* (`PTRACE_SEIZE`, which sends no signal) and interrupted
+//! (`PTRACE_INTERRUPT`); the thread list is read again until it holds no thread not yet
+//! stopped (a stopped thread cannot make new ones). [`Stopped`] detaches every thread when
+//! dropped (on success, on error, on a panic), giving back any signal that arrived while the
+//! thread was held; if this process dies meanwhile (SIGINT, a crash), the kernel detaches its
+//! tracees itself, and a seized thread is then resumed (the interrupt stop is not a group
+//! stop) — the target is never left stopped.
+
+use std::io::{self, Read as _};
+use std::os::unix::fs::FileExt as _;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use crate::arch::Registers;
+
+/// One line of `/proc/PID/maps`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    pub exec: bool,
+    pub offset: u64,
+    /// The file (or `[vdso]`, `[stack]`, ...; empty for anonymous memory). A file deleted
+    /// since it was mapped ends in ` (deleted)`.
+    pub path: String,
+}
+
+fn proc(pid: i32) -> PathBuf {
+    PathBuf::from(format!("/proc/{pid}"))
+}
+
+/// Whether process `pid` exists (and is not a thread of another process).
+pub(super) fn exists(pid: i32) -> bool {
+    std::fs::read_to_string(proc(pid).join("status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Tgid:"))
+                .map(|v| v.trim().parse::<i32>() == Ok(pid))
+        })
+        .unwrap_or(false)
+}
+
+/// The process's memory map.
+pub(super) fn maps(pid: i32) -> io::Result<Vec<Mapping>> {
+    let text = std::fs::read_to_string(proc(pid).join("maps"))?;
+    Ok(text.lines().filter_map(parse_map_line).collect())
+}
+
+/// One line of `/proc/PID/maps` (`None`: not one).
+pub(super) fn parse_map_line(line: &str) -> Option<Mapping> {
+    // start-end perms offset dev inode path
+    let mut it = line.splitn(6, ' ');
+    let range = it.next()?;
+    let perms = it.next()?;
+    let offset = u64::from_str_radix(it.next()?, 16).ok()?;
+    let _dev = it.next()?;
+    let _inode = it.next()?;
+    let path = it.next().unwrap_or("").trim_start().to_string();
+    let (s, e) = range.split_once('-')?;
+    Some(Mapping {
+        start: u64::from_str_radix(s, 16).ok()?,
+        end: u64::from_str_radix(e, 16).ok()?,
+        exec: perms.as_bytes().get(2) == Some(&b'x'),
+        offset,
+        path,
+    })
+}
+
+/// The process's threads (kernel ids), sorted.
+pub(super) fn threads(pid: i32) -> io::Result<Vec<i32>> {
+    let mut v: Vec<i32> = std::fs::read_dir(proc(pid).join("task"))?
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    v.sort_unstable();
+    Ok(v)
+}
+
+/// A thread's name (`comm`).
+pub(super) fn thread_name(pid: i32, tid: i32) -> String {
+    std::fs::read_to_string(proc(pid).join(format!("task/{tid}/comm")))
+        .map(|s| s.trim_end_matches('\n').to_string())
+        .unwrap_or_default()
+}
+
+/// The process's executable, as its own mount namespace names it.
+pub(super) fn exe(pid: i32) -> io::Result<PathBuf> {
+    std::fs::read_link(proc(pid).join("exe"))
+}
+
+/// A file of the process's own mount namespace (a container's), through `/proc/PID/root`.
+pub(super) fn in_root(pid: i32, path: &str) -> PathBuf {
+    proc(pid).join("root").join(path.trim_start_matches('/'))
+}
+
+/// The first bytes of the process's executable (to check its architecture).
+pub(super) fn exe_head(pid: i32) -> io::Result<[u8; 64]> {
+    let mut f = std::fs::File::open(proc(pid).join("exe"))?;
+    let mut b = [0u8; 64];
+    f.read_exact(&mut b)?;
+    Ok(b)
+}
+
+/// What `kernel.yama.ptrace_scope` is set to, if the kernel has Yama.
+pub(super) fn ptrace_scope() -> Option<u8> {
+    std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Reads the process's memory: `process_vm_readv`, or `/proc/PID/mem` where that is refused
+/// (a kernel without it). Returns how many bytes were read (fewer at an unmapped page).
+pub(super) struct MemReader {
+    pid: i32,
+    mem_file: Option<std::fs::File>,
+    vm_readv_works: bool,
+}
+
+impl MemReader {
+    pub(super) fn new(pid: i32) -> MemReader {
+        MemReader {
+            pid,
+            mem_file: None,
+            vm_readv_works: true,
+        }
+    }
+
+    pub(super) fn read(&mut self, addr: u64, buf: &mut [u8]) -> io::Result<usize> {
+        if self.vm_readv_works {
+            let local = libc::iovec {
+                iov_base: buf.as_mut_ptr().cast(),
+                iov_len: buf.len(),
+            };
+            let remote = libc::iovec {
+                iov_base: addr as *mut libc::c_void,
+                iov_len: buf.len(),
+            };
+            // SAFETY: `local` describes `buf`, which we own mutably for the call; the remote
+            // range is only read by the kernel, which checks it.
+            let n = unsafe { libc::process_vm_readv(self.pid, &local, 1, &remote, 1, 0) };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::ENOSYS) {
+                return Err(e);
+            }
+            self.vm_readv_works = false;
+        }
+        if self.mem_file.is_none() {
+            self.mem_file = Some(std::fs::File::open(proc(self.pid).join("mem"))?);
+        }
+        let f = self.mem_file.as_ref().expect("opened above");
+        f.read_at(buf, addr)
+    }
+}
+
+/// The registers of a thread stopped in a system call, from `/proc/PID/task/TID/syscall`
+/// (its stack pointer and program counter; no frame pointer): how a thread is read without
+/// stopping it. `None` for a running thread.
+pub(super) fn syscall_registers(pid: i32, tid: i32) -> Option<Registers> {
+    let s = std::fs::read_to_string(proc(pid).join(format!("task/{tid}/syscall"))).ok()?;
+    let f: Vec<&str> = s.split_whitespace().collect();
+    if f.first() == Some(&"running") || f.len() < 3 {
+        return None;
+    }
+    let hex = |v: &str| u64::from_str_radix(v.trim_start_matches("0x"), 16).ok();
+    let sp = hex(f[f.len() - 2])?;
+    let pc = hex(f[f.len() - 1])?;
+    Some(Registers { ip: pc, sp, fp: 0 })
+}
+
+/// Why stopping a process failed.
+#[derive(Debug)]
+pub(super) enum StopError {
+    /// `ptrace` refused (EPERM).
+    Permission,
+    /// The process went away.
+    Gone,
+    /// Anything else.
+    Other(io::Error),
+}
+
+/// The threads of a process, stopped (see the module doc); detached when dropped.
+pub(super) struct Stopped {
+    /// Each held thread, with the signal to give back at detach (0: none).
+    held: Vec<(i32, i32)>,
+}
+
+/// How long one thread may take to report its stop.
+const STOP_WAIT: Duration = Duration::from_secs(2);
+
+impl Stopped {
+    /// Stops every thread of `pid`.
+    pub(super) fn all(pid: i32) -> Result<Stopped, StopError> {
+        let mut st = Stopped { held: Vec::new() };
+        loop {
+            let tids = match threads(pid) {
+                Ok(t) => t,
+                Err(_) if st.held.is_empty() => return Err(StopError::Gone),
+                Err(_) => break,
+            };
+            let new: Vec<i32> = tids
+                .into_iter()
+                .filter(|t| !st.held.iter().any(|(h, _)| h == t))
+                .collect();
+            if new.is_empty() {
+                break;
+            }
+            for tid in new {
+                // SAFETY: PTRACE_SEIZE with no options on a thread id; the kernel checks it.
+                let rc = unsafe { libc::ptrace(libc::PTRACE_SEIZE, tid, 0, 0) };
+                if rc != 0 {
+                    let e = io::Error::last_os_error();
+                    match e.raw_os_error() {
+                        // It ended meanwhile.
+                        Some(libc::ESRCH) => continue,
+                        Some(libc::EPERM) if st.held.is_empty() => {
+                            return Err(StopError::Permission)
+                        }
+                        _ if st.held.is_empty() => return Err(StopError::Other(e)),
+                        _ => continue,
+                    }
+                }
+                // SAFETY: the thread is seized by us: PTRACE_INTERRUPT makes it stop.
+                unsafe { libc::ptrace(libc::PTRACE_INTERRUPT, tid, 0, 0) };
+                match wait_stop(tid) {
+                    Some(sig) => st.held.push((tid, sig)),
+                    None => {
+                        // It exited (or did not stop in time): let it go.
+                        // SAFETY: detaching a thread we seized.
+                        unsafe { libc::ptrace(libc::PTRACE_DETACH, tid, 0, 0) };
+                    }
+                }
+            }
+        }
+        if st.held.is_empty() {
+            return Err(StopError::Gone);
+        }
+        Ok(st)
+    }
+
+    /// The threads held, sorted.
+    pub(super) fn threads(&self) -> Vec<i32> {
+        let mut v: Vec<i32> = self.held.iter().map(|(t, _)| *t).collect();
+        v.sort_unstable();
+        v
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        for &(tid, sig) in &self.held {
+            // SAFETY: detaching a thread we hold stopped; `sig` is a signal that arrived while
+            // it was held (0: none), given back to it.
+            unsafe { libc::ptrace(libc::PTRACE_DETACH, tid, 0, sig as libc::c_long) };
+        }
+    }
+}
+
+/// Waits for a seized thread's stop. `Some(signal)`: stopped, with the signal that stopped it
+/// to give back at detach (0 for our interrupt); `None`: it exited or did not stop in time.
+fn wait_stop(tid: i32) -> Option<i32> {
+    let t0 = Instant::now();
+    loop {
+        let mut status = 0;
+        // SAFETY: waiting on a thread we trace, without blocking.
+        let r = unsafe { libc::waitpid(tid, &mut status, libc::__WALL | libc::WNOHANG) };
+        if r == tid {
+            if libc::WIFEXITED(status) || libc::WIFSIGNALED(status) {
+                return None;
+            }
+            if libc::WIFSTOPPED(status) {
+                let sig = libc::WSTOPSIG(status);
+                // Our interrupt (an event stop), or a group stop: nothing to give back.
+                let event = (status >> 16) & 0xff;
+                if event == libc::PTRACE_EVENT_STOP {
+                    return Some(0);
+                }
+                // A signal on its way to the thread: it is stopped for it; give it back.
+                return Some(sig);
+            }
+        } else if r < 0 {
+            return None;
+        }
+        if t0.elapsed() > STOP_WAIT {
+            return None;
+        }
+        std::thread::sleep(Duration::from_micros(100));
+    }
+}
+
+/// The registers of a thread we hold stopped.
+pub(super) fn registers(tid: i32) -> io::Result<Registers> {
+    // SAFETY: user_regs_struct is plain integers; zeroes are a valid value.
+    let mut regs: libc::user_regs_struct = unsafe { std::mem::zeroed() };
+    let mut iov = libc::iovec {
+        iov_base: (&mut regs as *mut libc::user_regs_struct).cast(),
+        iov_len: std::mem::size_of::<libc::user_regs_struct>(),
+    };
+    // SAFETY: PTRACE_GETREGSET with NT_PRSTATUS fills at most `iov_len` bytes of `regs`, a
+    // thread we hold stopped.
+    let rc = unsafe {
+        libc::ptrace(
+            libc::PTRACE_GETREGSET,
+            tid,
+            libc::NT_PRSTATUS as libc::c_long,
+            &mut iov as *mut libc::iovec,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(crate::arch::registers_from_user_regs(&regs))
+}

@@ -1,0 +1,910 @@
+//! Another process's stacks, read from the outside without running its code: every thread
+//! of a live process, with symbols, file:line and inline frames from the target's own
+//! binaries ([`dump`]).
+//!
+//! The pipeline is this crate's, over another process: its images are read from
+//! `/proc/PID/maps` and the files it mapped (through `/proc/PID/root`, so a container's files
+//! are its own); its memory through `process_vm_readv` (a page cache in front, bounded); each
+//! thread is walked by framehop over that memory (DWARF call-frame information where the
+//! code has it, frame pointers elsewhere), and each frame symbolized from the target's file
+//! ([`crate::symbolize::ElfSymbols`]), the vDSO from its own memory.
+//!
+//! Two modes ([`Mode`]): *consistent* stops every thread with `ptrace` for the time of the
+//! walk (see the leaf's doc for how it always lets them go); *non-blocking* stops nothing —
+//! a thread blocked in a system call is walked from where the kernel shows it waits (its
+//! stack pointer and program counter), a running thread cannot be walked, and the frames of
+//! a thread that moves meanwhile can be torn: every thread read this way is marked not exact.
+//!
+//! How a result can be wrong: a file replaced on disk since the target mapped it would give
+//! wrong names — its build id is checked against the one in the target's memory, and a
+//! mismatch leaves the image's frames unnamed; code without call-frame information whose
+//! callers keep no frame pointer ends the walk early (the walk then stops where framehop
+//! finds no rule, and says so).
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use framehop::{ExplicitModuleSectionInfo, FrameAddress, MayAllocateDuringUnwind, Unwinder as _};
+use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol};
+use serde::{Deserialize, Serialize};
+
+use crate::arch::{unwind_regs, DwarfUnwinder, Registers, UnwindCache};
+use crate::format::ResolvedFrame;
+use crate::frame::Frame;
+use crate::symbolize::{ElfSymbols, ImageRef, Resolved, Symbol};
+
+#[cfg(target_os = "linux")]
+mod linux;
+#[cfg(target_os = "linux")]
+use linux as platform;
+
+/// How a dump reads the threads.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Stop every thread (`ptrace`) while reading; let them all go after.
+    #[default]
+    Consistent,
+    /// Stop nothing: threads blocked in a system call are read where they wait; running
+    /// threads are not read; nothing read is exact.
+    NonBlocking,
+}
+
+/// Options of a dump.
+#[derive(Clone, Copy, Debug)]
+pub struct DumpOptions {
+    /// See [`Mode`].
+    pub mode: Mode,
+    /// Frames walked at most per thread.
+    pub max_frames: usize,
+    /// Memory read at most (bytes, in 4 KiB pages), for the whole dump.
+    pub max_memory: usize,
+}
+
+impl Default for DumpOptions {
+    fn default() -> Self {
+        DumpOptions {
+            mode: Mode::Consistent,
+            max_frames: 256,
+            max_memory: 64 << 20,
+        }
+    }
+}
+
+/// One thread of a dumped process.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ThreadDump {
+    /// Its kernel id.
+    pub tid: i32,
+    /// Its name (`comm`).
+    pub name: String,
+    /// Its frames, innermost first, resolved.
+    pub frames: Vec<ResolvedFrame>,
+    /// Whether the frames are of one moment (the thread was stopped).
+    pub exact: bool,
+    /// What the frames could not show, and why.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub note: Option<String>,
+}
+
+/// Every thread of a process, read from the outside.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ProcessDump {
+    /// The process id.
+    pub pid: i32,
+    /// Its executable, as the process's own mount namespace names it.
+    pub exe: String,
+    /// How it was read.
+    pub mode: Mode,
+    /// How long its threads were stopped (consistent mode), microseconds.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub paused_us: Option<u64>,
+    /// Its threads, by id.
+    pub threads: Vec<ThreadDump>,
+    /// Images whose frames are unnamed, and why (their file could not be read, or is not
+    /// the one mapped).
+    #[serde(skip_serializing_if = "Vec::is_empty", default)]
+    pub unnamed: Vec<String>,
+}
+
+/// Why a dump could not be made.
+#[derive(Debug)]
+pub enum DumpError {
+    /// No process with that id.
+    NoSuchProcess(i32),
+    /// This process itself (use the in-process dumps).
+    Myself,
+    /// Not allowed to read it.
+    Permission {
+        /// The process.
+        pid: i32,
+        /// What to do about it.
+        advice: String,
+    },
+    /// A program of another architecture.
+    Architecture {
+        /// The process.
+        pid: i32,
+        /// What it is.
+        found: String,
+    },
+    /// It exited while being read.
+    Exited(i32),
+    /// Anything else, said.
+    Other(String),
+}
+
+impl std::fmt::Display for DumpError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DumpError::NoSuchProcess(pid) => write!(f, "no such process: {pid}"),
+            DumpError::Myself => write!(
+                f,
+                "that is this process itself: use its own dumps (SIGQUIT, the dump API)"
+            ),
+            DumpError::Permission { pid, advice } => {
+                write!(f, "not allowed to read process {pid}: {advice}")
+            }
+            DumpError::Architecture { pid, found } => write!(
+                f,
+                "process {pid} is {found}; this fibertrace reads {} processes",
+                crate::arch::ELF_MACHINE.1
+            ),
+            DumpError::Exited(pid) => write!(f, "process {pid} exited during the dump"),
+            DumpError::Other(s) => f.write_str(s),
+        }
+    }
+}
+
+impl std::error::Error for DumpError {}
+
+fn permission(pid: i32) -> DumpError {
+    let scope =
+        match platform::ptrace_scope() {
+            Some(0) => " (kernel.yama.ptrace_scope is 0: a process of the same user may be read)"
+                .to_string(),
+            Some(1) => " (kernel.yama.ptrace_scope is 1: only a process's ancestors may read it — \
+                    run fibertrace as root or with CAP_SYS_PTRACE, or start the target under it)"
+                .to_string(),
+            Some(2) => " (kernel.yama.ptrace_scope is 2: only root or CAP_SYS_PTRACE may read \
+                    another process)"
+                .to_string(),
+            Some(3) => " (kernel.yama.ptrace_scope is 3: no process may read another until reboot)"
+                .to_string(),
+            Some(n) => format!(" (kernel.yama.ptrace_scope is {n})"),
+            None => String::new(),
+        };
+    DumpError::Permission {
+        pid,
+        advice: format!("run fibertrace as the process's user or as root (CAP_SYS_PTRACE){scope}"),
+    }
+}
+
+/// Reads every thread of process `pid` (see the module doc).
+pub fn dump(pid: i32, opts: &DumpOptions) -> Result<ProcessDump, DumpError> {
+    if pid <= 0 {
+        return Err(DumpError::NoSuchProcess(pid));
+    }
+    if pid == std::process::id() as i32 {
+        return Err(DumpError::Myself);
+    }
+    if !platform::exists(pid) {
+        return Err(DumpError::NoSuchProcess(pid));
+    }
+    let exe = platform::exe(pid).map_err(|e| match e.kind() {
+        std::io::ErrorKind::PermissionDenied => permission(pid),
+        std::io::ErrorKind::NotFound => DumpError::Exited(pid),
+        _ => DumpError::Other(format!("cannot read process {pid}'s executable: {e}")),
+    })?;
+    check_architecture(pid)?;
+    let mut mem = Memory::new(pid, opts.max_memory);
+    let mut threads = Vec::new();
+    let mut paused_us = None;
+    let images = match opts.mode {
+        Mode::Consistent => {
+            // The images are read before the threads are stopped (it takes the longest), and
+            // again if the map changed by the time they are (a library came or went).
+            let maps = read_maps(pid)?;
+            let mut images = Images::read(pid, &maps, &mut mem)?;
+            let t0 = Instant::now();
+            let stopped = platform::Stopped::all(pid).map_err(|e| match e {
+                platform::StopError::Permission => permission(pid),
+                platform::StopError::Gone => DumpError::Exited(pid),
+                platform::StopError::Other(e) => {
+                    DumpError::Other(format!("cannot stop process {pid}: {e}"))
+                }
+            })?;
+            let now = read_maps(pid)?;
+            if now != maps {
+                images = Images::read(pid, &now, &mut mem)?;
+            }
+            let mut raw = Vec::new();
+            for tid in stopped.threads() {
+                let (frames, note) = match platform::registers(tid) {
+                    Ok(regs) => walk(&images, &mut mem, regs, opts.max_frames),
+                    Err(e) => (Vec::new(), Some(format!("registers not read: {e}"))),
+                };
+                raw.push((tid, frames, note));
+            }
+            drop(stopped);
+            paused_us = Some(t0.elapsed().as_micros() as u64);
+            for (tid, frames, note) in raw {
+                threads.push(ThreadDump {
+                    tid,
+                    name: platform::thread_name(pid, tid),
+                    frames: images.resolve_all(&frames),
+                    exact: true,
+                    note,
+                });
+            }
+            images
+        }
+        Mode::NonBlocking => {
+            let images = Images::read(pid, &read_maps(pid)?, &mut mem)?;
+            let tids = platform::threads(pid).map_err(|_| DumpError::Exited(pid))?;
+            for tid in tids {
+                let (frames, note) = match platform::syscall_registers(pid, tid) {
+                    Some(regs) => {
+                        let (f, n) = walk(&images, &mut mem, regs, opts.max_frames);
+                        let n = n.map(|n| format!("{n}; ")).unwrap_or_default();
+                        (
+                            f,
+                            Some(format!(
+                                "{n}read without stopping it, from where it waits in the kernel: \
+                                 frames may be torn if it moved meanwhile"
+                            )),
+                        )
+                    }
+                    None => (
+                        Vec::new(),
+                        Some(
+                            "running: its stack is not read without stopping it (the \
+                             consistent mode does)"
+                                .to_string(),
+                        ),
+                    ),
+                };
+                threads.push(ThreadDump {
+                    tid,
+                    name: platform::thread_name(pid, tid),
+                    frames: images.resolve_all(&frames),
+                    exact: false,
+                    note,
+                });
+            }
+            images
+        }
+    };
+    if threads.is_empty() {
+        return Err(DumpError::Exited(pid));
+    }
+    let unnamed = images.unnamed(&threads);
+    Ok(ProcessDump {
+        pid,
+        exe: exe.display().to_string(),
+        mode: opts.mode,
+        paused_us,
+        threads,
+        unnamed,
+    })
+}
+
+fn read_maps(pid: i32) -> Result<Vec<platform::Mapping>, DumpError> {
+    platform::maps(pid).map_err(|e| match e.kind() {
+        std::io::ErrorKind::PermissionDenied => permission(pid),
+        _ => DumpError::Exited(pid),
+    })
+}
+
+fn check_architecture(pid: i32) -> Result<(), DumpError> {
+    let head = platform::exe_head(pid).map_err(|e| match e.kind() {
+        std::io::ErrorKind::PermissionDenied => permission(pid),
+        _ => DumpError::Exited(pid),
+    })?;
+    program_kind(&head).map_err(|found| DumpError::Architecture { pid, found })
+}
+
+/// Whether an executable's first bytes are a program of this architecture; otherwise what
+/// it is.
+fn program_kind(head: &[u8; 64]) -> Result<(), String> {
+    if &head[..4] != b"\x7fELF" {
+        return Err("not an ELF program".into());
+    }
+    let class64 = head[4] == 2;
+    let machine = u16::from_le_bytes([head[18], head[19]]);
+    if class64 && machine == crate::arch::ELF_MACHINE.0 {
+        return Ok(());
+    }
+    Err(match (class64, machine) {
+        (false, 3) => "a 32-bit x86 program".to_string(),
+        (false, 40) => "a 32-bit ARM program".to_string(),
+        (true, 183) => "an aarch64 program".to_string(),
+        (true, 62) => "an x86_64 program".to_string(),
+        (c, m) => format!(
+            "a {}-bit program for ELF machine {m}",
+            if c { 64 } else { 32 }
+        ),
+    })
+}
+
+/// The target's memory, read a page at a time and kept (bounded).
+struct Memory {
+    reader: platform::MemReader,
+    pages: HashMap<u64, Option<Box<[u8; PAGE]>>>,
+    max_pages: usize,
+}
+
+const PAGE: usize = 4096;
+
+impl Memory {
+    fn new(pid: i32, max_bytes: usize) -> Memory {
+        Memory {
+            reader: platform::MemReader::new(pid),
+            pages: HashMap::new(),
+            max_pages: (max_bytes / PAGE).max(16),
+        }
+    }
+
+    fn page(&mut self, base: u64) -> Option<&[u8; PAGE]> {
+        if !self.pages.contains_key(&base) {
+            if self.pages.len() >= self.max_pages {
+                return None;
+            }
+            let mut b = Box::new([0u8; PAGE]);
+            let ok = matches!(self.reader.read(base, &mut b[..]), Ok(n) if n == PAGE);
+            self.pages.insert(base, ok.then_some(b));
+        }
+        self.pages.get(&base)?.as_deref()
+    }
+
+    fn read(&mut self, addr: u64, out: &mut [u8]) -> bool {
+        let mut done = 0;
+        while done < out.len() {
+            let a = addr.wrapping_add(done as u64);
+            let base = a & !(PAGE as u64 - 1);
+            let off = (a - base) as usize;
+            let Some(p) = self.page(base) else {
+                return false;
+            };
+            let n = (PAGE - off).min(out.len() - done);
+            out[done..done + n].copy_from_slice(&p[off..off + n]);
+            done += n;
+        }
+        true
+    }
+
+    fn read_u64(&mut self, addr: u64) -> Option<u64> {
+        let mut b = [0u8; 8];
+        self.read(addr, &mut b).then(|| u64::from_le_bytes(b))
+    }
+
+    /// Reads `len` bytes that need not be cached (a vDSO image): straight from the target.
+    fn read_bytes(&mut self, addr: u64, len: usize) -> Option<Vec<u8>> {
+        let mut v = vec![0u8; len];
+        matches!(self.reader.read(addr, &mut v), Ok(n) if n == len).then_some(v)
+    }
+}
+
+/// One image of the target.
+struct Image {
+    /// Its path as the target names it (`[vdso]` for the vDSO).
+    path: String,
+    bias: u64,
+    start: u64,
+    end: u64,
+    /// Its executable mappings.
+    exec: Vec<(u64, u64)>,
+    build_id: Option<Vec<u8>>,
+    /// Where its symbols come from.
+    symbols: ImageSymbols,
+}
+
+enum ImageSymbols {
+    /// The file, opened on first need (`None`: unusable, with why).
+    File {
+        file: std::path::PathBuf,
+        open: OnceLock<Result<Box<ElfSymbols>, String>>,
+    },
+    /// Function symbols read from memory (the vDSO): (start SVMA, size, name), sorted.
+    Table(Vec<(u64, u64, String)>),
+    /// None (with why).
+    None(String),
+}
+
+/// The target's images and an unwinder over them.
+struct Images {
+    images: Vec<Image>,
+    unwinder: DwarfUnwinder<Arc<[u8]>, MayAllocateDuringUnwind>,
+}
+
+impl Images {
+    fn read(pid: i32, maps: &[platform::Mapping], mem: &mut Memory) -> Result<Images, DumpError> {
+        // Each file's mappings together: the executable ones give its bias.
+        let mut order: Vec<String> = Vec::new();
+        let mut by_path: HashMap<String, Vec<platform::Mapping>> = HashMap::new();
+        for m in maps.iter().cloned() {
+            if m.path.is_empty() || (m.path.starts_with('[') && m.path != "[vdso]") {
+                continue;
+            }
+            if !by_path.contains_key(&m.path) {
+                order.push(m.path.clone());
+            }
+            by_path.entry(m.path.clone()).or_default().push(m);
+        }
+        let mut images = Vec::new();
+        let mut unwinder = DwarfUnwinder::new();
+        for path in order {
+            let maps = &by_path[&path];
+            let Some(exec) = maps.iter().find(|m| m.exec) else {
+                continue;
+            };
+            let exec_ranges: Vec<(u64, u64)> = maps
+                .iter()
+                .filter(|m| m.exec)
+                .map(|m| (m.start, m.end))
+                .collect();
+            let start = maps.iter().map(|m| m.start).min().unwrap_or(exec.start);
+            let end = maps.iter().map(|m| m.end).max().unwrap_or(exec.end);
+            let loaded = if path == "[vdso]" {
+                mem.read_bytes(exec.start, (exec.end - exec.start) as usize)
+                    .map(|b| (Bytes::Owned(b), None))
+            } else {
+                let deleted = path.ends_with(" (deleted)");
+                let file = if deleted {
+                    std::path::PathBuf::from(format!(
+                        "/proc/{pid}/map_files/{:x}-{:x}",
+                        exec.start, exec.end
+                    ))
+                } else {
+                    platform::in_root(pid, &path)
+                };
+                map_file(&file).map(|b| (b, Some(file)))
+            };
+            let Some((bytes, file)) = loaded else {
+                images.push(Image {
+                    path: path.clone(),
+                    bias: exec.start.wrapping_sub(exec.offset),
+                    start,
+                    end,
+                    exec: exec_ranges,
+                    build_id: None,
+                    symbols: ImageSymbols::None("its file could not be read".into()),
+                });
+                continue;
+            };
+            let Ok(obj) = object::File::parse(&bytes[..]) else {
+                continue;
+            };
+            // The load bias: where the segment holding the executable mapping's file offset
+            // was put, minus its address in the file.
+            let bias = if path == "[vdso]" {
+                obj.segments()
+                    .find(|s| s.file_range().0 == 0)
+                    .map(|s| exec.start.wrapping_sub(s.address()))
+                    .unwrap_or(exec.start)
+            } else {
+                // The segment the mapping was made for starts in the mapping's first page
+                // (segments need not start on a page: the loader maps from the page down).
+                let starts_here = |s: &object::Segment<'_, '_>| {
+                    let (off, _) = s.file_range();
+                    off & !(PAGE as u64 - 1) == exec.offset
+                };
+                let exec_flag = |s: &object::Segment<'_, '_>| matches!(s.flags(), object::SegmentFlags::Elf { p_flags, .. } if p_flags.contains(object::elf::PF_X));
+                let seg = obj
+                    .segments()
+                    .filter(starts_here)
+                    .max_by_key(|s| exec_flag(s));
+                match seg {
+                    // Its address at the mapping's start: its own, less the bytes before it
+                    // in that first page.
+                    Some(s) => exec
+                        .start
+                        .wrapping_sub(s.address().wrapping_sub(s.file_range().0 - exec.offset)),
+                    None => exec.start.wrapping_sub(exec.offset),
+                }
+            };
+            let build_id = obj.build_id().ok().flatten().map(<[u8]>::to_vec);
+            let mut symbols = match file {
+                Some(f) => ImageSymbols::File {
+                    file: f,
+                    open: OnceLock::new(),
+                },
+                None => ImageSymbols::Table(symbol_table(&obj)),
+            };
+            // The file on disk must be what is mapped: its build id against the target's
+            // memory (the note lies in the first loaded segment).
+            if let (Some(id), ImageSymbols::File { .. }) = (&build_id, &symbols) {
+                if let Some(in_mem) = build_id_in_memory(&obj, bias, mem) {
+                    if &in_mem != id {
+                        symbols = ImageSymbols::None(
+                            "the file on disk is not the one mapped (another build id)".into(),
+                        );
+                    }
+                }
+            }
+            if let Some(m) = module(&path, &obj, start..end, bias) {
+                unwinder.add_module(m);
+            }
+            images.push(Image {
+                path,
+                bias,
+                start,
+                end,
+                exec: exec_ranges,
+                build_id,
+                symbols,
+            });
+        }
+        Ok(Images { images, unwinder })
+    }
+
+    /// The images some thread's frames fall in whose symbols could not be used, with why.
+    fn unnamed(&self, threads: &[ThreadDump]) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for img in &self.images {
+            let why = match &img.symbols {
+                ImageSymbols::None(why) => why.clone(),
+                ImageSymbols::File { open, .. } => match open.get() {
+                    Some(Err(e)) => e.clone(),
+                    _ => continue,
+                },
+                ImageSymbols::Table(_) => continue,
+            };
+            let used = threads.iter().flat_map(|t| &t.frames).any(|f| {
+                f.frame
+                    .lookup_address()
+                    .is_some_and(|a| a >= img.start && a < img.end)
+            });
+            if used {
+                out.push(format!("{}: {why}", img.path));
+            }
+        }
+        out
+    }
+
+    /// Whether `addr` is in the executable part of an image.
+    fn unwinder_knows(&self, addr: u64) -> bool {
+        self.images
+            .iter()
+            .any(|i| i.exec.iter().any(|&(s, e)| addr >= s && addr < e))
+    }
+
+    fn image_of(&self, addr: u64) -> Option<&Image> {
+        self.images.iter().find(|i| addr >= i.start && addr < i.end)
+    }
+
+    fn resolve_all(&self, frames: &[Frame]) -> Vec<ResolvedFrame> {
+        frames
+            .iter()
+            .map(|f| ResolvedFrame {
+                frame: *f,
+                resolved: f.lookup_address().map(|a| self.resolve(a)),
+            })
+            .collect()
+    }
+
+    fn resolve(&self, addr: u64) -> Resolved {
+        let mut out = Resolved {
+            lookup_address: addr,
+            ..Resolved::default()
+        };
+        let Some(img) = self.image_of(addr) else {
+            return out;
+        };
+        out.image = Some(ImageRef {
+            path: img.path.clone(),
+            base: img.bias,
+            build_id: img.build_id.as_deref().map(crate::image::hex),
+        });
+        let svma = addr.wrapping_sub(img.bias);
+        match &img.symbols {
+            ImageSymbols::File { file, open } => {
+                if let Ok(elf) = open.get_or_init(|| {
+                    ElfSymbols::open(file)
+                        .map(Box::new)
+                        .map_err(|e| e.to_string())
+                }) {
+                    let l = elf.lookup(svma);
+                    out.symbols = l.symbols;
+                    out.function_start = l.function_start.map(|s| s.wrapping_add(img.bias));
+                }
+            }
+            ImageSymbols::Table(t) => {
+                let i = t.partition_point(|&(s, _, _)| s <= svma);
+                if let Some((s, size, name)) = i.checked_sub(1).map(|i| &t[i]) {
+                    if svma < s + (*size).max(1) {
+                        out.symbols.push(Symbol {
+                            name: Some(name.clone()),
+                            ..Symbol::default()
+                        });
+                        out.function_start = Some(s.wrapping_add(img.bias));
+                    }
+                }
+            }
+            ImageSymbols::None(_) => {}
+        }
+        out
+    }
+}
+
+/// An image's bytes: a file mapped, or memory read from the target (the vDSO).
+enum Bytes {
+    Mapped(memmap2::Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Bytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Mapped(m) => m,
+            Bytes::Owned(v) => v,
+        }
+    }
+}
+
+/// Maps a file read-only (a large binary is not copied: only its unwind sections are).
+fn map_file(path: &std::path::Path) -> Option<Bytes> {
+    let f = std::fs::File::open(path).ok()?;
+    // SAFETY: a read-only private mapping of a file; if another process truncates the file
+    // while it is mapped, reading it faults — the hazard every ELF reader that maps files
+    // accepts (and the symbolizer's own). The mapping lives while the image is read.
+    unsafe { memmap2::Mmap::map(&f) }.ok().map(Bytes::Mapped)
+}
+
+/// Function symbols of an in-memory image (the vDSO), sorted by address.
+fn symbol_table(obj: &object::File<'_>) -> Vec<(u64, u64, String)> {
+    let mut v: Vec<(u64, u64, String)> = obj
+        .dynamic_symbols()
+        .chain(obj.symbols())
+        .filter(|s| s.kind() == object::SymbolKind::Text && s.address() != 0)
+        .filter_map(|s| Some((s.address(), s.size(), s.name().ok()?.to_string())))
+        .collect();
+    v.sort();
+    v.dedup_by_key(|e| e.0);
+    v
+}
+
+/// The build id in the target's memory, from the file's note segment.
+fn build_id_in_memory(obj: &object::File<'_>, bias: u64, mem: &mut Memory) -> Option<Vec<u8>> {
+    use object::read::elf::ProgramHeader as _;
+    let object::File::Elf64(elf) = obj else {
+        return None;
+    };
+    let endian = elf.endian();
+    for ph in elf.elf_program_headers() {
+        if ph.p_type(endian) != object::elf::PT_NOTE {
+            continue;
+        }
+        let size = ph.p_filesz(endian) as usize;
+        if size > 64 << 10 {
+            continue;
+        }
+        let bytes = mem.read_bytes(bias.wrapping_add(ph.p_vaddr(endian)), size)?;
+        if let Some(id) = crate::image::parse_build_id_notes(&bytes) {
+            return Some(id);
+        }
+    }
+    None
+}
+
+/// framehop's module for an image: its call-frame information and text.
+fn module(
+    path: &str,
+    obj: &object::File<'_>,
+    avma: std::ops::Range<u64>,
+    bias: u64,
+) -> Option<framehop::Module<Arc<[u8]>>> {
+    let section = |name: &str| {
+        let s = obj.section_by_name(name)?;
+        let data: Arc<[u8]> = Arc::from(s.uncompressed_data().ok()?.as_ref());
+        Some((s.address()..s.address() + s.size(), data))
+    };
+    let eh_frame = section(".eh_frame");
+    let eh_frame_hdr = section(".eh_frame_hdr");
+    let debug_frame = section(".debug_frame");
+    if eh_frame.is_none() && debug_frame.is_none() {
+        return None;
+    }
+    let text = obj
+        .section_by_name(".text")
+        .map(|s| s.address()..s.address() + s.size());
+    let (eh_frame_svma, eh_frame) = eh_frame.map_or((None, None), |(r, d)| (Some(r), Some(d)));
+    let (eh_frame_hdr_svma, eh_frame_hdr) =
+        eh_frame_hdr.map_or((None, None), |(r, d)| (Some(r), Some(d)));
+    let info = ExplicitModuleSectionInfo::<Arc<[u8]>> {
+        base_svma: 0,
+        text_svma: text,
+        eh_frame_svma,
+        eh_frame,
+        eh_frame_hdr_svma,
+        eh_frame_hdr,
+        debug_frame: debug_frame.map(|(_, d)| d),
+        ..Default::default()
+    };
+    Some(framehop::Module::new(path.to_string(), avma, bias, info))
+}
+
+/// Walks one thread from its registers over the target's memory.
+fn walk(
+    images: &Images,
+    mem: &mut Memory,
+    regs: Registers,
+    max_frames: usize,
+) -> (Vec<Frame>, Option<String>) {
+    let mut cache = UnwindCache::<MayAllocateDuringUnwind>::new_in();
+    let mut frames = vec![Frame::Pc(regs.ip)];
+    // Without the frame pointer (a thread read where it waits in the kernel): the innermost
+    // frame record on the stack stands for it.
+    let fp = if regs.fp == 0 {
+        scan_frame_record(images, mem, regs.sp).unwrap_or(0)
+    } else {
+        regs.fp
+    };
+    let mut r = unwind_regs(regs.ip, regs.sp, fp);
+    let mut addr = FrameAddress::from_instruction_pointer(regs.ip);
+    let mut read = |a: u64| mem.read_u64(a).ok_or(());
+    let t0 = Instant::now();
+    let note = loop {
+        if frames.len() >= max_frames {
+            break Some(format!("walk cut at {max_frames} frames"));
+        }
+        if t0.elapsed() > Duration::from_secs(2) {
+            break Some("walk cut after 2 s".to_string());
+        }
+        match images
+            .unwinder
+            .unwind_frame(addr, &mut r, &mut cache, &mut read)
+        {
+            Ok(Some(ra)) if ra != 0 => {
+                frames.push(Frame::Ra(ra));
+                match FrameAddress::from_return_address(ra) {
+                    Some(a) => addr = a,
+                    None => break None,
+                }
+            }
+            Ok(_) => break None,
+            Err(e) => {
+                // framehop ends every walk that reaches the stack's root with an error it
+                // cannot tell from a failure: say so only when it stopped inside code.
+                let last = frames.last().and_then(Frame::lookup_address);
+                let known = last.is_some_and(|a| images.image_of(a).is_some());
+                break (!known).then(|| format!("walk stopped: {e}"));
+            }
+        }
+    };
+    (frames, note)
+}
+
+/// The first frame record at or above `sp`: a slot holding the address of a higher slot of
+/// the same stack (the caller's saved frame pointer), followed by a return address into
+/// known code. Where the innermost functions keep no frame of their own (a system call's C
+/// wrapper), that record is the one the frame pointer names. A guess: only for threads read
+/// without stopping them, whose frames are marked not exact anyway.
+fn scan_frame_record(images: &Images, mem: &mut Memory, sp: u64) -> Option<u64> {
+    const SCAN: u64 = 4096;
+    const STACK_SPAN: u64 = 8 << 20;
+    let mut at = sp & !7;
+    while at < sp.saturating_add(SCAN) {
+        let saved = mem.read_u64(at)?;
+        if saved > at && saved - at < STACK_SPAN && saved & 7 == 0 {
+            if let Some(ra) = mem.read_u64(at + 8) {
+                if images.image_of(ra).is_some() && images.unwinder_knows(ra) {
+                    return Some(at);
+                }
+            }
+        }
+        at += 8;
+    }
+    None
+}
+
+/// The dump as text: a header, then each thread and its frames (`format`'s default lines).
+impl ProcessDump {
+    /// The dump as text.
+    pub fn to_text(&self) -> String {
+        self.to_text_with(&crate::format::TextOptions::default())
+    }
+
+    /// The dump as text, its frames written with `opts` (a glue filter, for one).
+    pub fn to_text_with(&self, opts: &crate::format::TextOptions<'_>) -> String {
+        let mut out = String::new();
+        let name = self.exe.rsplit('/').next().unwrap_or(&self.exe);
+        let how = match (self.mode, self.paused_us) {
+            (Mode::Consistent, Some(us)) => format!("stopped {}", human_us(us)),
+            (Mode::Consistent, None) => "stopped".to_string(),
+            (Mode::NonBlocking, _) => "not stopped: frames not exact".to_string(),
+        };
+        out.push_str(&format!(
+            "process {} \"{}\" ({}): {} threads, {}\n\n",
+            self.pid,
+            name,
+            self.exe,
+            self.threads.len(),
+            how
+        ));
+        for t in &self.threads {
+            out.push_str(&format!("thread {} \"{}\":\n", t.tid, t.name));
+            out.push_str(&crate::format::text_resolved(&t.frames, opts));
+            if let Some(n) = &t.note {
+                out.push_str(&format!("    ({n})\n"));
+            }
+            out.push('\n');
+        }
+        for u in &self.unnamed {
+            out.push_str(&format!("(frames unnamed in {u})\n"));
+        }
+        out
+    }
+}
+
+fn human_us(us: u64) -> String {
+    if us < 1000 {
+        format!("{us} µs")
+    } else if us < 10_000_000 {
+        format!("{:.1} ms", us as f64 / 1000.0)
+    } else {
+        format!("{:.1} s", us as f64 / 1e6)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(class: u8, machine: u16) -> [u8; 64] {
+        let mut h = [0u8; 64];
+        h[..4].copy_from_slice(b"\x7fELF");
+        h[4] = class;
+        h[5] = 1;
+        h[18..20].copy_from_slice(&machine.to_le_bytes());
+        h
+    }
+
+    #[test]
+    fn programs_of_other_architectures_are_named() {
+        assert_eq!(program_kind(&header(2, crate::arch::ELF_MACHINE.0)), Ok(()));
+        assert_eq!(
+            program_kind(&header(1, 3)),
+            Err("a 32-bit x86 program".into())
+        );
+        assert_eq!(
+            program_kind(&header(1, 40)),
+            Err("a 32-bit ARM program".into())
+        );
+        assert_eq!(
+            program_kind(&header(2, 243)),
+            Err("a 64-bit program for ELF machine 243".into())
+        );
+        assert_eq!(program_kind(&[b'#'; 64]), Err("not an ELF program".into()));
+        let e = DumpError::Architecture {
+            pid: 7,
+            found: "a 32-bit x86 program".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "process 7 is a 32-bit x86 program; this fibertrace reads x86_64 processes"
+        );
+    }
+
+    #[test]
+    fn map_lines_parse_and_bad_ones_are_skipped() {
+        let m =
+            linux::parse_map_line("7f00a000-7f00b000 r-xp 00001000 08:01 42    /usr/lib/libc.so.6")
+                .unwrap();
+        assert_eq!(
+            (m.start, m.end, m.exec, m.offset),
+            (0x7f00a000, 0x7f00b000, true, 0x1000)
+        );
+        assert_eq!(m.path, "/usr/lib/libc.so.6");
+        let anon = linux::parse_map_line("7f00a000-7f00b000 rw-p 00000000 00:00 0").unwrap();
+        assert_eq!((anon.exec, anon.path.as_str()), (false, ""));
+        let spaced =
+            linux::parse_map_line("1000-2000 r-xp 00000000 08:01 42 /tmp/a b (deleted)").unwrap();
+        assert_eq!(spaced.path, "/tmp/a b (deleted)");
+        for bad in ["", "zz-1 r-xp 0 0 0", "1000 r-xp 0 0 0 /x", "1000-2000"] {
+            assert!(linux::parse_map_line(bad).is_none(), "{bad}");
+        }
+    }
+}

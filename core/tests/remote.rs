@@ -1,0 +1,278 @@
+//! Another process's threads, read from the outside (`fibertrace_core::remote`): exact frames
+//! of a target whose threads wait in known functions, in both modes; the target runs on and
+//! finishes its work after being read; every way a dump cannot be made is a clear error.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fibertrace_core::remote::{self, DumpError, DumpOptions, Mode, ProcessDump, ThreadDump};
+
+/// The example `remote_target`, built by `cargo test` beside the tests.
+fn target_exe() -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    // target/<profile>/deps/<test> -> target/<profile>/examples/remote_target
+    let p = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .unwrap()
+        .join("examples/remote_target");
+    assert!(p.exists(), "{} is not built", p.display());
+    p
+}
+
+struct Target {
+    child: Child,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl Target {
+    fn start() -> Target {
+        let mut child = Command::new(target_exe())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let t0 = Instant::now();
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(out.read_line(&mut line).unwrap() > 0, "the target ended");
+            if line == "ready\n" {
+                break;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(20));
+        }
+        Target { child, out }
+    }
+
+    fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// The counter's latest value (reads the lines printed so far, waits for one more).
+    fn count(&mut self) -> u64 {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(
+                self.out.read_line(&mut line).unwrap() > 0,
+                "the target ended"
+            );
+            if let Ok(n) = line.trim().parse() {
+                return n;
+            }
+        }
+    }
+
+    /// Tells it to finish; its exit status and last line.
+    fn finish(mut self) -> (i32, String) {
+        self.child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(b"quit\n")
+            .unwrap();
+        let mut last = String::new();
+        let mut line = String::new();
+        while self.out.read_line(&mut line).unwrap() > 0 {
+            last = std::mem::take(&mut line);
+        }
+        let status = self.child.wait().unwrap();
+        (status.code().unwrap_or(-1), last)
+    }
+}
+
+/// The thread named `name`.
+fn thread<'a>(d: &'a ProcessDump, name: &str) -> &'a ThreadDump {
+    d.threads
+        .iter()
+        .find(|t| t.name == name)
+        .unwrap_or_else(|| panic!("no thread {name}:\n{}", d.to_text()))
+}
+
+/// A thread's frames as `function at file:line` for the target's own functions (every
+/// level, inlined ones too), innermost first.
+fn own_frames(t: &ThreadDump) -> Vec<String> {
+    t.frames
+        .iter()
+        .filter_map(|f| f.resolved.as_ref())
+        .flat_map(|r| r.symbols.iter())
+        .filter_map(|s| {
+            let name = s.name.as_deref()?;
+            name.starts_with("remote_target::").then(|| {
+                let file = s.file.as_deref().unwrap_or("?");
+                let file = file.rsplit('/').next().unwrap_or(file);
+                format!("{name} at {file}:{}", s.line.unwrap_or(0))
+            })
+        })
+        .collect()
+}
+
+/// The line of the example's source that ends with `// <mark>`.
+fn line_of(mark: &str) -> u32 {
+    let src = include_str!("../examples/remote_target.rs");
+    let n = src
+        .lines()
+        .position(|l| l.trim_end().ends_with(&format!("// {mark}")))
+        .unwrap_or_else(|| panic!("no line marked {mark}"));
+    n as u32 + 1
+}
+
+#[test]
+fn every_thread_of_a_stopped_process_has_exact_frames_and_it_runs_on() {
+    let mut t = Target::start();
+    let before = t.count();
+    let t0 = Instant::now();
+    let d = remote::dump(t.pid(), &DumpOptions::default()).unwrap();
+    let took = t0.elapsed();
+    assert_eq!(d.mode, Mode::Consistent);
+    assert!(d
+        .paused_us
+        .is_some_and(|us| us < took.as_micros() as u64 + 1));
+    assert_eq!(d.threads.len(), 4, "{}", d.to_text());
+    assert!(d.threads.iter().all(|t| t.exact));
+    let parked = thread(&d, "parked");
+    assert_eq!(
+        own_frames(parked),
+        [
+            format!(
+                "remote_target::parked_inner at remote_target.rs:{}",
+                line_of("parked_inner waits here")
+            ),
+            format!(
+                "remote_target::parked_outer at remote_target.rs:{}",
+                line_of("parked_outer calls here")
+            ),
+            format!(
+                "remote_target::main::{{{{closure}}}} at remote_target.rs:{}",
+                line_of("the parked thread's closure calls here")
+            ),
+        ],
+        "{}",
+        d.to_text()
+    );
+    let reader = thread(&d, "reader");
+    assert_eq!(
+        own_frames(reader).first().map(String::as_str),
+        Some(
+            format!(
+                "remote_target::read_line at remote_target.rs:{}",
+                line_of("read_line waits here")
+            )
+            .as_str()
+        ),
+        "{}",
+        d.to_text()
+    );
+    // Its innermost frame is the system call's, in the C library.
+    let top = reader.frames[0].resolved.as_ref().unwrap();
+    assert!(
+        top.image.as_ref().is_some_and(|i| i.path.contains("libc")),
+        "{}",
+        d.to_text()
+    );
+    // The text names the process and every thread.
+    let text = d.to_text();
+    assert!(
+        text.starts_with(&format!("process {} \"remote_target\" (", t.pid())),
+        "{text}"
+    );
+    assert!(text.contains("): 4 threads, stopped "), "{text}");
+    assert!(
+        text.contains("thread ") && text.contains(" \"parked\":\n#0  0x"),
+        "{text}"
+    );
+    // The target goes on counting, then finishes its work.
+    let after = t.count();
+    let later = t.count();
+    assert!(later > after && after >= before, "{before} {after} {later}");
+    let (code, last) = t.finish();
+    assert_eq!(code, 0);
+    assert!(last.starts_with("done "), "{last}");
+}
+
+#[test]
+fn a_process_read_without_stopping_it_has_its_waiting_threads_marked_not_exact() {
+    let t = Target::start();
+    let opts = DumpOptions {
+        mode: Mode::NonBlocking,
+        ..DumpOptions::default()
+    };
+    let d = remote::dump(t.pid(), &opts).unwrap();
+    assert_eq!(d.mode, Mode::NonBlocking);
+    assert_eq!(d.paused_us, None);
+    assert!(d.threads.iter().all(|t| !t.exact));
+    // The parked thread waits in the kernel: read from where it waits.
+    let parked = thread(&d, "parked");
+    let own = own_frames(parked);
+    assert_eq!(
+        own.first().map(String::as_str),
+        Some(
+            format!(
+                "remote_target::parked_inner at remote_target.rs:{}",
+                line_of("parked_inner waits here")
+            )
+            .as_str()
+        ),
+        "{}",
+        d.to_text()
+    );
+    assert!(
+        parked
+            .note
+            .as_deref()
+            .is_some_and(|n| n.contains("read without stopping it")),
+        "{}",
+        d.to_text()
+    );
+    assert!(d.to_text().contains("not stopped: frames not exact"));
+    let (code, _) = t.finish();
+    assert_eq!(code, 0);
+}
+
+#[test]
+fn the_ways_a_dump_cannot_be_made_are_clear_errors() {
+    // No such process: one that has exited and been waited for.
+    let mut c = Command::new("true").spawn().unwrap();
+    let gone = c.id() as i32;
+    c.wait().unwrap();
+    let e = remote::dump(gone, &DumpOptions::default()).unwrap_err();
+    assert!(matches!(e, DumpError::NoSuchProcess(p) if p == gone), "{e}");
+    assert_eq!(e.to_string(), format!("no such process: {gone}"));
+    for bad in [0, -1, i32::MIN] {
+        assert!(matches!(
+            remote::dump(bad, &DumpOptions::default()),
+            Err(DumpError::NoSuchProcess(_))
+        ));
+    }
+    // This process itself.
+    let e = remote::dump(std::process::id() as i32, &DumpOptions::default()).unwrap_err();
+    assert!(matches!(e, DumpError::Myself), "{e}");
+    // A thread id that is not a process's.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let h = std::thread::spawn(move || {
+        // SAFETY: gettid has no preconditions.
+        tx.send(unsafe { libc::gettid() }).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    });
+    let tid = rx.recv().unwrap();
+    assert!(matches!(
+        remote::dump(tid, &DumpOptions::default()),
+        Err(DumpError::NoSuchProcess(_))
+    ));
+    h.join().unwrap();
+    // A process that has exited but not been waited for (a zombie): it has no threads left
+    // to read.
+    let mut z = Command::new("true").spawn().unwrap();
+    let zpid = z.id() as i32;
+    std::thread::sleep(Duration::from_millis(200));
+    let e = remote::dump(zpid, &DumpOptions::default()).unwrap_err();
+    assert!(matches!(e, DumpError::Exited(p) if p == zpid), "{e:?}: {e}");
+    assert_eq!(
+        e.to_string(),
+        format!("process {zpid} exited during the dump")
+    );
+    z.wait().unwrap();
+}
