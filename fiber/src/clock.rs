@@ -57,7 +57,7 @@ fn paired<T>(clock: impl Fn() -> T) -> (u64, T) {
 }
 
 /// Picoseconds per tick, as last measured (0 = not yet).
-static PS_PER_TICK: AtomicU64 = AtomicU64::new(0);
+pub(crate) static PS_PER_TICK: AtomicU64 = AtomicU64::new(0);
 
 /// Starts the clock (call early; the first call anchors the rate measurement).
 pub fn init() {

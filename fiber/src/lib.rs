@@ -36,6 +36,7 @@ macro_rules! report_entry {
 mod clock;
 mod frames;
 mod overflow;
+mod publish;
 pub mod registry;
 mod running;
 mod sched;

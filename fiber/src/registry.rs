@@ -32,7 +32,7 @@ static NEXT_SCHED: AtomicU64 = AtomicU64::new(1);
 static SCHEDULERS: Mutex<Vec<Weak<SchedShared>>> = Mutex::new(Vec::new());
 
 /// Slots per chunk.
-const CHUNK: usize = 1024;
+pub(crate) const CHUNK: usize = 1024;
 /// Chunks per slab: at most `CHUNK * MAX_CHUNKS` (4 Mi) fibers live at once per scheduler
 /// (more go to a locked overflow list).
 const MAX_CHUNKS: usize = 4096;
@@ -44,9 +44,9 @@ type Chunk = [AtomicPtr<ControlBlock>; CHUNK];
 /// A scheduler's live fibers: see the module docs.
 pub(crate) struct FiberSlab {
     /// The chunk directory (its length is the slab's capacity in chunks).
-    chunks: Box<[AtomicPtr<Chunk>]>,
+    pub(crate) chunks: Box<[AtomicPtr<Chunk>]>,
     /// Slots ever handed out (readers scan `[0, len)`).
-    len: AtomicUsize,
+    pub(crate) len: AtomicUsize,
     /// Readers scanning now.
     readers: AtomicUsize,
     /// Whether `retired` holds anything (read without its lock on every exit).
@@ -237,6 +237,20 @@ pub struct SchedShared {
     pub(crate) on_thread: OnThread,
     /// Whether it is idle, waiting for a timer (a stall detector must not fire then).
     pub(crate) idle: AtomicBool,
+    /// What a reader in another process needs of the fields above (see `crate::publish`).
+    pub(crate) published: SchedPublished,
+}
+
+/// A scheduler's name and slab as a reader in another process reads them (see
+/// `crate::publish`): plain words where `SchedShared` keeps a `String` and a boxed slice.
+/// Both point into heap buffers that do not move while the scheduler lives.
+#[repr(C)]
+#[derive(Debug, Default)]
+pub(crate) struct SchedPublished {
+    pub name_ptr: u64,
+    pub name_len: u64,
+    pub chunk_dir: u64,
+    pub chunk_count: u64,
 }
 
 impl std::fmt::Debug for SchedShared {
@@ -275,12 +289,20 @@ impl SchedShared {
 }
 
 pub(crate) fn register(name: String) -> Arc<SchedShared> {
+    let fibers = FiberSlab::new();
+    let published = SchedPublished {
+        name_ptr: name.as_ptr() as u64,
+        name_len: name.len() as u64,
+        chunk_dir: fibers.chunks.as_ptr() as u64,
+        chunk_count: fibers.chunks.len() as u64,
+    };
     let s = Arc::new(SchedShared {
         id: NEXT_SCHED.fetch_add(1, Ordering::Relaxed),
         name,
-        fibers: FiberSlab::new(),
+        fibers,
         on_thread: OnThread::new(),
         idle: AtomicBool::new(false),
+        published,
     });
     let mut all = SCHEDULERS.lock().unwrap_or_else(|e| e.into_inner());
     all.retain(|w| w.strong_count() > 0);

@@ -246,6 +246,25 @@ fn dump_pid_reads_another_process_from_anywhere_and_says_why_when_it_cannot() {
     assert!(main.contains("\n#0  0x"), "{main}");
     assert!(main.contains(" in fibertrace::main"), "{main}");
     assert!(main.contains(" in fibertrace_fiber::"), "{main}");
+    // Its fibers, from the registry the runtime publishes: the main fiber sleeps.
+    assert!(
+        text.contains("\nscheduler 1 \"lua\": 1 fibers (thread "),
+        "{text}"
+    );
+    let fiber = text
+        .split("\n\n")
+        .find(|b| b.starts_with("fiber 1 \"main\" [sleep, "))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        fiber.contains(" in fibertrace_lua::host::fiber_fns::sleep_body+"),
+        "{fiber}"
+    );
+    assert!(
+        fiber.ends_with(
+            "    (its Lua frames are not read from another process yet: native frames only)"
+        ),
+        "{fiber}"
+    );
     // JSON: the same threads.
     let out = run_in(&std::env::temp_dir(), &["dump", &pid, "--format", "json"]);
     assert_eq!(out.status.code(), Some(0));
@@ -253,6 +272,8 @@ fn dump_pid_reads_another_process_from_anywhere_and_says_why_when_it_cannot() {
     assert_eq!(j["pid"].to_string(), pid);
     assert_eq!(j["mode"], "consistent");
     assert!(j["threads"].as_array().is_some_and(|t| !t.is_empty()));
+    assert_eq!(j["schedulers"][0]["fibers"][0]["name"], "main");
+    assert_eq!(j["schedulers"][0]["fibers"][0]["waiting"], "sleep");
     // Without stopping it.
     let out = run_in(&std::env::temp_dir(), &["dump", &pid, "--non-blocking"]);
     assert_eq!(out.status.code(), Some(0));

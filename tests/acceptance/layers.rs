@@ -280,6 +280,7 @@ const FIBER_LAYERS: &[&[&str]] = &[
     &["overflow"],
     &["stack"],
     &["registry"],
+    &["publish"],
     &["sched"],
     &["sync"],
     &["inspect"],

@@ -17,7 +17,7 @@ mod aarch64;
 mod x86_64;
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86_64::{
-    dwarf, regs_fp, set_regs_fp, unwind_regs, DwarfUnwinder, UnwindCache, UnwindRegs,
+    dwarf, regs_fp, regs_sp, set_regs_fp, unwind_regs, DwarfUnwinder, UnwindCache, UnwindRegs,
 };
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86_64::{is_sigreturn, UCONTEXT_REGS};

@@ -118,6 +118,12 @@ pub(crate) fn regs_fp(r: &UnwindRegs) -> u64 {
     r.bp()
 }
 
+/// The stack pointer of a register set (`rsp`).
+#[inline(always)]
+pub(crate) fn regs_sp(r: &UnwindRegs) -> u64 {
+    r.sp()
+}
+
 /// Sets the frame pointer of a register set (`rbp`).
 #[inline(always)]
 pub(crate) fn set_regs_fp(r: &mut UnwindRegs, fp: u64) {

@@ -183,111 +183,221 @@ fn permission(pid: i32) -> DumpError {
 
 /// Reads every thread of process `pid` (see the module doc).
 pub fn dump(pid: i32, opts: &DumpOptions) -> Result<ProcessDump, DumpError> {
-    if pid <= 0 {
-        return Err(DumpError::NoSuchProcess(pid));
-    }
-    if pid == std::process::id() as i32 {
-        return Err(DumpError::Myself);
-    }
-    if !platform::exists(pid) {
-        return Err(DumpError::NoSuchProcess(pid));
-    }
-    let exe = platform::exe(pid).map_err(|e| match e.kind() {
-        std::io::ErrorKind::PermissionDenied => permission(pid),
-        std::io::ErrorKind::NotFound => DumpError::Exited(pid),
-        _ => DumpError::Other(format!("cannot read process {pid}'s executable: {e}")),
-    })?;
-    check_architecture(pid)?;
-    let mut mem = Memory::new(pid, opts.max_memory);
-    let mut threads = Vec::new();
-    let mut paused_us = None;
-    let images = match opts.mode {
-        Mode::Consistent => {
-            // The images are read before the threads are stopped (it takes the longest), and
-            // again if the map changed by the time they are (a library came or went).
-            let maps = read_maps(pid)?;
-            let mut images = Images::read(pid, &maps, &mut mem)?;
-            let t0 = Instant::now();
-            let stopped = platform::Stopped::all(pid).map_err(|e| match e {
+    let mut s = Session::open(pid, opts)?;
+    let raw = s.threads();
+    s.resume();
+    Ok(s.finish(raw))
+}
+
+/// A thread's frames as walked, before they are named.
+pub struct RawThread {
+    /// Its kernel id.
+    pub tid: i32,
+    /// Its frames, innermost first.
+    pub frames: Vec<Frame>,
+    /// What the walk could not show, and why.
+    pub note: Option<String>,
+}
+
+/// An open reading of another process: its images and memory, and (in the consistent mode)
+/// every thread stopped until [`Session::resume`] (or the session's drop) lets them go. What
+/// a layer above reads of the target (a fiber registry) it reads through this, while the
+/// threads are stopped, and names after.
+pub struct Session {
+    pid: i32,
+    exe: String,
+    opts: DumpOptions,
+    mem: Memory,
+    images: Images,
+    stopped: Option<platform::Stopped>,
+    stopped_at: Option<Instant>,
+    paused: Option<Duration>,
+}
+
+impl Session {
+    /// Opens process `pid`: checks it can be read, reads its images, and (consistent mode)
+    /// stops every thread.
+    pub fn open(pid: i32, opts: &DumpOptions) -> Result<Session, DumpError> {
+        if pid <= 0 {
+            return Err(DumpError::NoSuchProcess(pid));
+        }
+        if pid == std::process::id() as i32 {
+            return Err(DumpError::Myself);
+        }
+        if !platform::exists(pid) {
+            return Err(DumpError::NoSuchProcess(pid));
+        }
+        let exe = platform::exe(pid).map_err(|e| match e.kind() {
+            std::io::ErrorKind::PermissionDenied => permission(pid),
+            std::io::ErrorKind::NotFound => DumpError::Exited(pid),
+            _ => DumpError::Other(format!("cannot read process {pid}'s executable: {e}")),
+        })?;
+        check_architecture(pid)?;
+        let mut mem = Memory::new(pid, opts.max_memory);
+        // The images are read before the threads are stopped (it takes the longest), and
+        // again if the map changed by the time they are (a library came or went).
+        let maps = read_maps(pid)?;
+        let mut images = Images::read(pid, &maps, &mut mem)?;
+        let mut stopped = None;
+        let mut stopped_at = None;
+        if opts.mode == Mode::Consistent {
+            stopped_at = Some(Instant::now());
+            stopped = Some(platform::Stopped::all(pid).map_err(|e| match e {
                 platform::StopError::Permission => permission(pid),
                 platform::StopError::Gone => DumpError::Exited(pid),
                 platform::StopError::Other(e) => {
                     DumpError::Other(format!("cannot stop process {pid}: {e}"))
                 }
-            })?;
+            })?);
             let now = read_maps(pid)?;
             if now != maps {
+                mem.forget();
                 images = Images::read(pid, &now, &mut mem)?;
             }
-            let mut raw = Vec::new();
-            for tid in stopped.threads() {
-                let (frames, note) = match platform::registers(tid) {
-                    Ok(regs) => walk(&images, &mut mem, regs, opts.max_frames),
-                    Err(e) => (Vec::new(), Some(format!("registers not read: {e}"))),
-                };
-                raw.push((tid, frames, note));
-            }
-            drop(stopped);
-            paused_us = Some(t0.elapsed().as_micros() as u64);
-            for (tid, frames, note) in raw {
-                threads.push(ThreadDump {
-                    tid,
-                    name: platform::thread_name(pid, tid),
-                    frames: images.resolve_all(&frames),
-                    exact: true,
-                    note,
-                });
-            }
-            images
         }
-        Mode::NonBlocking => {
-            let images = Images::read(pid, &read_maps(pid)?, &mut mem)?;
-            let tids = platform::threads(pid).map_err(|_| DumpError::Exited(pid))?;
-            for tid in tids {
-                let (frames, note) = match platform::syscall_registers(pid, tid) {
-                    Some(regs) => {
-                        let (f, n) = walk(&images, &mut mem, regs, opts.max_frames);
-                        let n = n.map(|n| format!("{n}; ")).unwrap_or_default();
-                        (
-                            f,
-                            Some(format!(
-                                "{n}read without stopping it, from where it waits in the kernel: \
-                                 frames may be torn if it moved meanwhile"
-                            )),
-                        )
-                    }
-                    None => (
-                        Vec::new(),
-                        Some(
-                            "running: its stack is not read without stopping it (the \
-                             consistent mode does)"
-                                .to_string(),
-                        ),
-                    ),
-                };
-                threads.push(ThreadDump {
-                    tid,
-                    name: platform::thread_name(pid, tid),
-                    frames: images.resolve_all(&frames),
-                    exact: false,
-                    note,
-                });
-            }
-            images
-        }
-    };
-    if threads.is_empty() {
-        return Err(DumpError::Exited(pid));
+        Ok(Session {
+            pid,
+            exe: exe.display().to_string(),
+            opts: *opts,
+            mem,
+            images,
+            stopped,
+            stopped_at,
+            paused: None,
+        })
     }
-    let unnamed = images.unnamed(&threads);
-    Ok(ProcessDump {
-        pid,
-        exe: exe.display().to_string(),
-        mode: opts.mode,
-        paused_us,
-        threads,
-        unnamed,
-    })
+
+    /// The process id.
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// How it is read.
+    pub fn mode(&self) -> Mode {
+        self.opts.mode
+    }
+
+    /// Whether its threads are stopped now.
+    pub fn is_stopped(&self) -> bool {
+        self.stopped.is_some()
+    }
+
+    /// Walks every thread (stopped ones from their registers; in the non-blocking mode, the
+    /// ones waiting in the kernel from where they wait).
+    pub fn threads(&mut self) -> Vec<RawThread> {
+        let max = self.opts.max_frames;
+        let mut out = Vec::new();
+        match &self.stopped {
+            Some(st) => {
+                for tid in st.threads() {
+                    let (frames, note) = match platform::registers(tid) {
+                        Ok(regs) => walk(&self.images, &mut self.mem, regs, None, max),
+                        Err(e) => (Vec::new(), Some(format!("registers not read: {e}"))),
+                    };
+                    out.push(RawThread { tid, frames, note });
+                }
+            }
+            None => {
+                for tid in platform::threads(self.pid).unwrap_or_default() {
+                    let (frames, note) = match platform::syscall_registers(self.pid, tid) {
+                        Some(regs) => {
+                            let (f, n) = walk(&self.images, &mut self.mem, regs, None, max);
+                            let n = n.map(|n| format!("{n}; ")).unwrap_or_default();
+                            (
+                                f,
+                                Some(format!(
+                                    "{n}read without stopping it, from where it waits in the \
+                                     kernel: frames may be torn if it moved meanwhile"
+                                )),
+                            )
+                        }
+                        None => (
+                            Vec::new(),
+                            Some(
+                                "running: its stack is not read without stopping it (the \
+                                 consistent mode does)"
+                                    .to_string(),
+                            ),
+                        ),
+                    };
+                    out.push(RawThread { tid, frames, note });
+                }
+            }
+        }
+        out
+    }
+
+    /// Reads the target's memory at `addr` into `out`; false if some of it is not mapped
+    /// (or past the memory bound).
+    pub fn read(&mut self, addr: u64, out: &mut [u8]) -> bool {
+        self.mem.read(addr, out)
+    }
+
+    /// Reads one little-endian word of the target's memory.
+    pub fn read_u64(&mut self, addr: u64) -> Option<u64> {
+        self.mem.read_u64(addr)
+    }
+
+    /// Where the section `name` of one of the target's files is in its memory (address and
+    /// size), from the first image that has one.
+    pub fn section(&self, name: &str) -> Option<(u64, u64)> {
+        self.images.images.iter().find_map(|i| {
+            i.sections
+                .iter()
+                .find(|(n, _, _)| n == name)
+                .map(|&(_, a, l)| (a.wrapping_add(i.bias), l))
+        })
+    }
+
+    /// Walks a stack from `regs` (a suspended coroutine's saved registers), ending before a
+    /// frame whose stack pointer passes `stop_sp` (its entry) when given.
+    pub fn walk(&mut self, regs: Registers, stop_sp: Option<u64>) -> (Vec<Frame>, Option<String>) {
+        walk(
+            &self.images,
+            &mut self.mem,
+            regs,
+            stop_sp,
+            self.opts.max_frames,
+        )
+    }
+
+    /// Lets the stopped threads go (if they were); the time they were held.
+    pub fn resume(&mut self) -> Option<Duration> {
+        if self.stopped.take().is_some() {
+            self.paused = self.stopped_at.map(|t| t.elapsed());
+        }
+        self.paused
+    }
+
+    /// Names frames from the target's files.
+    pub fn resolve_all(&self, frames: &[Frame]) -> Vec<ResolvedFrame> {
+        self.images.resolve_all(frames)
+    }
+
+    /// The dump of the threads walked (naming their frames), once the threads are let go.
+    pub fn finish(&mut self, raw: Vec<RawThread>) -> ProcessDump {
+        self.resume();
+        let exact = self.opts.mode == Mode::Consistent;
+        let threads: Vec<ThreadDump> = raw
+            .into_iter()
+            .map(|t| ThreadDump {
+                tid: t.tid,
+                name: platform::thread_name(self.pid, t.tid),
+                frames: self.images.resolve_all(&t.frames),
+                exact,
+                note: t.note,
+            })
+            .collect();
+        let unnamed = self.images.unnamed(&threads);
+        ProcessDump {
+            pid: self.pid,
+            exe: self.exe.clone(),
+            mode: self.opts.mode,
+            paused_us: self.paused.map(|d| d.as_micros() as u64),
+            threads,
+            unnamed,
+        }
+    }
 }
 
 fn read_maps(pid: i32) -> Result<Vec<platform::Mapping>, DumpError> {
@@ -346,6 +456,11 @@ impl Memory {
         }
     }
 
+    /// Drops every page read (the map changed).
+    fn forget(&mut self) {
+        self.pages.clear();
+    }
+
     fn page(&mut self, base: u64) -> Option<&[u8; PAGE]> {
         if !self.pages.contains_key(&base) {
             if self.pages.len() >= self.max_pages {
@@ -395,6 +510,8 @@ struct Image {
     end: u64,
     /// Its executable mappings.
     exec: Vec<(u64, u64)>,
+    /// Its `.fibertrace*` sections, which a layer above looks for (name, SVMA, size).
+    sections: Vec<(String, u64, u64)>,
     build_id: Option<Vec<u8>>,
     /// Where its symbols come from.
     symbols: ImageSymbols,
@@ -468,6 +585,7 @@ impl Images {
                     start,
                     end,
                     exec: exec_ranges,
+                    sections: Vec::new(),
                     build_id: None,
                     symbols: ImageSymbols::None("its file could not be read".into()),
                 });
@@ -532,6 +650,14 @@ impl Images {
                 start,
                 end,
                 exec: exec_ranges,
+                sections: obj
+                    .sections()
+                    .filter_map(|sec| {
+                        let name = sec.name().ok()?;
+                        name.starts_with(".fibertrace")
+                            .then(|| (name.to_string(), sec.address(), sec.size()))
+                    })
+                    .collect(),
                 build_id,
                 symbols,
             });
@@ -731,6 +857,7 @@ fn walk(
     images: &Images,
     mem: &mut Memory,
     regs: Registers,
+    stop_sp: Option<u64>,
     max_frames: usize,
 ) -> (Vec<Frame>, Option<String>) {
     let mut cache = UnwindCache::<MayAllocateDuringUnwind>::new_in();
@@ -758,6 +885,10 @@ fn walk(
             .unwind_frame(addr, &mut r, &mut cache, &mut read)
         {
             Ok(Some(ra)) if ra != 0 => {
+                if stop_sp.is_some_and(|stop| crate::arch::regs_sp(&r) >= stop) {
+                    // Past the coroutine's entry: the rest is the runtime's.
+                    break None;
+                }
                 frames.push(Frame::Ra(ra));
                 match FrameAddress::from_return_address(ra) {
                     Some(a) => addr = a,

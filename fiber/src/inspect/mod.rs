@@ -7,6 +7,7 @@
 //! clock, frames, task/          a fiber: control block, run state, parent trace
 //! running, overflow, stack      what a scheduler's thread runs now; the stacks
 //! registry                      every scheduler and fiber of the process
+//! publish                       the registry's header for readers in other processes
 //! sched/, sync                  the machinery: run loop, switching, spawning, channels
 //! inspect/                      this: the snapshot and every report (info, dumps, samples,
 //!                               the watchdog, panic reports)
@@ -47,6 +48,7 @@
 
 pub mod dump;
 pub mod export;
+pub mod foreign;
 pub mod glue;
 pub mod http;
 pub mod info;

@@ -39,7 +39,7 @@ impl Fiber {
 
     /// Renames the fiber.
     pub fn set_name(&self, name: &str) {
-        *self.shared.name.lock().unwrap_or_else(|e| e.into_inner()) = Arc::from(name);
+        self.shared.set_name_arc(Arc::from(name));
     }
 
     /// Renames the fiber with any bytes, kept exactly (see [`name_from_bytes`]).

@@ -249,6 +249,7 @@ impl Scheduler {
         panic::install_hook();
         crate::clock::init();
         let shared = registry::register(opts.name.clone());
+        crate::publish::add(&shared);
         let sched = Scheduler {
             inner: Rc::new(Inner {
                 shared,
@@ -401,6 +402,7 @@ impl Drop for Scheduler {
                 slot.ctx.shared.id,
             );
         }
+        crate::publish::remove(&self.inner.shared);
         registry::unregister(&self.inner.shared);
     }
 }

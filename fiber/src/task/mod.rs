@@ -96,7 +96,7 @@ impl WaitOn {
         (id << 3) | tag
     }
 
-    fn unpack(v: u64) -> Option<WaitOn> {
+    pub(crate) fn unpack(v: u64) -> Option<WaitOn> {
         let id = v >> 3;
         Some(match v & 7 {
             1 => WaitOn::Sleep,
@@ -140,7 +140,7 @@ impl std::fmt::Display for WaitOn {
 const PREFETCH_STACK: usize = 1024;
 
 impl Status {
-    fn from_u8(v: u8) -> Status {
+    pub(crate) fn from_u8(v: u8) -> Status {
         match v {
             0 => Status::Running,
             1 => Status::Ready,
@@ -183,6 +183,36 @@ pub struct PanicReport {
     pub backtrace: Backtrace,
 }
 
+/// A fiber's name and parent as a reader in another process reads them (see
+/// `crate::publish`): plain words, where the control block keeps an `Arc<str>` behind a
+/// mutex and an `Option`.
+#[repr(C)]
+#[derive(Debug, Default)]
+pub(crate) struct Published {
+    /// The name's bytes (the `Arc<str>` in `name` keeps them alive) and length; written
+    /// under `name`'s lock, the pointer last.
+    pub name_len: AtomicU64,
+    pub name_ptr: AtomicU64,
+    /// The creator's fiber id (0: none, or a thread).
+    pub parent: AtomicU64,
+}
+
+impl Published {
+    fn new(name: &Arc<str>, parent: Option<FiberId>) -> Published {
+        let p = Published::default();
+        p.set_name(name);
+        p.parent.store(parent.unwrap_or(0), Ordering::Relaxed);
+        p
+    }
+
+    /// Publishes `name` (kept alive by the caller's `Arc` in the block's `name`).
+    pub(crate) fn set_name(&self, name: &Arc<str>) {
+        self.name_ptr.store(0, Ordering::Release);
+        self.name_len.store(name.len() as u64, Ordering::Release);
+        self.name_ptr.store(name.as_ptr() as u64, Ordering::Release);
+    }
+}
+
 /// The control block of one fiber. Shared with other threads through the registry.
 pub struct ControlBlock {
     pub(crate) id: FiberId,
@@ -211,6 +241,9 @@ pub struct ControlBlock {
     /// A word the layer above attaches to the fiber (the Lua host: its Lua thread), for its
     /// signal handler (see `crate::Fiber::set_layer_word`).
     pub(crate) layer_word: AtomicU64,
+    /// What a reader in another process needs that the fields above keep in Rust's own
+    /// layouts (see `crate::publish`).
+    pub(crate) published: Published,
     status: AtomicU8,
     /// What a blocked fiber waits on (set only for blocking waits, not for yields).
     /// Packed ([`WaitOn::pack`]): one atomic word, so reading it from another thread takes
@@ -337,6 +370,7 @@ impl ControlBlock {
             min_sp,
             last_sp,
             layer_word,
+            published,
             status,
             wait_on,
             since,
@@ -372,6 +406,8 @@ impl ControlBlock {
         *min_sp.get_mut() = n.stack.hi;
         *last_sp.get_mut() = n.stack.hi;
         *layer_word.get_mut() = 0;
+        published.set_name(&n.name);
+        *published.parent.get_mut() = n.parent().unwrap_or(0);
         *status.get_mut() = Status::Ready.to_u8();
         *wait_on.get_mut() = 0;
         *since.get_mut() = n.now;
@@ -434,6 +470,7 @@ impl ControlBlock {
             min_sp: AtomicU64::new(n.stack.hi),
             last_sp: AtomicU64::new(n.stack.hi),
             layer_word: AtomicU64::new(0),
+            published: Published::new(&n.name, n.parent()),
             status: AtomicU8::new(Status::Ready.to_u8()),
             wait_on: AtomicU64::new(0),
             since: AtomicU64::new(now),
@@ -463,6 +500,19 @@ impl ControlBlock {
     /// The fiber's name.
     pub fn name(&self) -> String {
         self.name_arc().to_string()
+    }
+
+    /// Where the fields a reader in another process needs are (see `crate::publish`).
+    pub(crate) const CTX_OFFSET: usize = std::mem::offset_of!(ControlBlock, ctx);
+    pub(crate) const STATUS_OFFSET: usize = std::mem::offset_of!(ControlBlock, status);
+    pub(crate) const WAIT_ON_OFFSET: usize = std::mem::offset_of!(ControlBlock, wait_on);
+
+    /// Renames the fiber.
+    pub(crate) fn set_name_arc(&self, name: Arc<str>) {
+        let mut g = self.name.lock().unwrap_or_else(|e| e.into_inner());
+        self.published.set_name(&name);
+        // (The old name's bytes are freed after the new ones are published.)
+        *g = name;
     }
 
     /// The fiber's name, shared (no copy).

@@ -42,7 +42,7 @@ pub(crate) enum RunState {
 
 impl RunState {
     #[inline]
-    fn from_u8(v: u8) -> RunState {
+    pub(crate) fn from_u8(v: u8) -> RunState {
         match v {
             0 => RunState::New,
             1 => RunState::Running,
@@ -54,7 +54,7 @@ impl RunState {
 }
 
 /// The run state of one fiber (one atomic byte in its control block).
-pub(crate) struct RunCell(AtomicU8);
+pub(crate) struct RunCell(pub(crate) AtomicU8);
 
 impl std::fmt::Debug for RunCell {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -206,8 +206,10 @@ fn cli() -> Command {
                     "Print the stacks of every thread of a live process, read from the \
                      outside without running its code: symbols, file:line and inline frames \
                      from its own binaries (found through /proc/PID/root, so a container's \
-                     are its own). By default every thread is stopped (ptrace) for the time \
-                     of the reading and let go after, whatever happens",
+                     are its own); for a process that uses the fibertrace runtime, every \
+                     fiber too (its registry, its suspended stacks). By default every thread \
+                     is stopped (ptrace) for the time of the reading and let go after, \
+                     whatever happens",
                 )
                 .arg(
                     Arg::new("pid")
@@ -378,9 +380,10 @@ fn main() -> ExitCode {
     }
 }
 
-/// `fibertrace dump PID`: another process's threads (see `fibertrace_core::remote`).
+/// `fibertrace dump PID`: another process's threads (see `fibertrace_core::remote`) and,
+/// when it uses the fibertrace runtime, its fibers (`fibertrace_fiber::inspect::foreign`).
 fn dump_process(m: &clap::ArgMatches) -> ExitCode {
-    use fibertrace_core::remote::{self, DumpOptions, Mode};
+    use fibertrace_core::remote::{DumpOptions, Mode};
     let pid = *m.get_one::<i32>("pid").expect("required");
     let opts = DumpOptions {
         mode: if m.get_flag("non-blocking") {
@@ -390,7 +393,7 @@ fn dump_process(m: &clap::ArgMatches) -> ExitCode {
         },
         ..DumpOptions::default()
     };
-    let d = match remote::dump(pid, &opts) {
+    let d = match fibertrace_fiber::inspect::foreign::dump(pid, &opts) {
         Ok(d) => d,
         Err(e) => {
             err!("fibertrace: {e}");
@@ -407,10 +410,9 @@ fn dump_process(m: &clap::ArgMatches) -> ExitCode {
         },
         _ => {
             fibertrace_fiber::glue::set_native_detail(m.get_flag("native-detail"));
-            d.to_text_with(&fibertrace_core::format::TextOptions {
-                hide: fibertrace_fiber::glue::filter(),
-                ..Default::default()
-            })
+            // (The target may run a Lua host: its glue is left out too.)
+            fibertrace_lua::host::register_glue();
+            d.to_text()
         }
     };
     let mut out = io::stdout().lock();

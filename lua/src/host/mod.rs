@@ -350,7 +350,7 @@ impl LuaHost {
         // SAFETY: the main state just made, running nothing.
         unsafe { hog::start(l, &sched) };
         fibertrace_fiber::watchdog::set_annotator(hog::stall_note);
-        fibertrace_fiber::glue::add_host_glue(spawn::is_glue);
+        register_glue();
         // The runtime's own reports built on this thread (the deadlock report) show the Lua
         // frames of Lua fibers.
         sched.set_frame_source(Some(std::rc::Rc::new(info::LuaFrames)));
@@ -483,6 +483,13 @@ impl Drop for LuaHost {
         // (After the close: finalizers run by it may still not switch.)
         finalize::uninstall();
     }
+}
+
+/// Tells the runtime's reports which native frames are the Lua host's own glue (its C
+/// function wrappers, the fiber start), to leave them out as they leave out their own — also
+/// in a dump of another process that runs a Lua host (`fibertrace dump PID`).
+pub fn register_glue() {
+    fibertrace_fiber::glue::add_host_glue(spawn::is_glue);
 }
 
 pub(crate) fn set_last_trace(t: Option<String>) {

@@ -1,0 +1,518 @@
+//! Another process's fibers, read from the outside (`fibertrace dump PID`): its threads
+//! through [`fibertrace_core::remote`], and, when it uses this runtime, every fiber of every
+//! scheduler through the registry it publishes (`crate::publish`'s header, found in its
+//! `.fibertrace.registry` section) — id, name, status, what it waits on and since when, its
+//! creator, and each suspended fiber's stack walked from its saved registers.
+//!
+//! The registry's meanings are version 1's (see `crate::publish`); a process with another
+//! version is read for its threads only, and the dump says why its fibers are not there.
+//!
+//! How a result can be wrong: in the consistent mode (every thread stopped) a fiber caught
+//! in the middle of a switch reads as running (its thread's stack shows it). Without
+//! stopping (`Mode::NonBlocking`) a fiber that switches while it is read is dropped from the
+//! walk (its switch count or state moved: the dump says so), and the others may be of
+//! slightly different moments. A Lua fiber's Lua frames are not read from another process
+//! yet: its native frames are shown.
+
+use std::time::Duration;
+
+use fibertrace_core::format::ResolvedFrame;
+use fibertrace_core::remote::{DumpError, DumpOptions, Mode, ProcessDump, Session};
+use fibertrace_core::{arch::Registers, Frame};
+use serde::{Deserialize, Serialize};
+
+use crate::publish::{Header, MAGIC, VERSION};
+use crate::task::{FiberId, RunState, Status, WaitOn};
+
+/// One fiber of another process.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ForeignFiber {
+    /// Its id.
+    pub id: FiberId,
+    /// Its name.
+    pub name: String,
+    /// Its status.
+    pub status: Status,
+    /// What it waits on, in words (`channel receive`, `join fiber 3`), when it waits.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub waiting: Option<String>,
+    /// For how long it has been in its status, seconds (`None`: the clock was not known).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub status_seconds: Option<f64>,
+    /// Its creator's fiber id.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub parent: Option<FiberId>,
+    /// Switches so far.
+    pub csw: u64,
+    /// Its frames, innermost first, named from the target's files.
+    pub frames: Vec<ResolvedFrame>,
+    /// What the frames could not show, and why.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub note: Option<String>,
+}
+
+/// One scheduler of another process.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ForeignScheduler {
+    /// Its id.
+    pub id: u64,
+    /// Its name.
+    pub name: String,
+    /// The kernel id of the thread it runs on.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub thread: Option<i32>,
+    /// The fiber it was running.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub running: Option<FiberId>,
+    /// Its fibers, by id.
+    pub fibers: Vec<ForeignFiber>,
+}
+
+/// Every thread and every fiber of another process.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ForeignDump {
+    /// Its threads (and the process); in JSON, its fields are the dump's own.
+    #[serde(flatten)]
+    pub process: ProcessDump,
+    /// Its schedulers and their fibers (empty when it has no registry).
+    pub schedulers: Vec<ForeignScheduler>,
+    /// Why its fibers are missing, or what of them is (no registry, another version, a
+    /// table that was full).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub note: Option<String>,
+}
+
+/// Reads every thread and fiber of process `pid` (see the module doc).
+pub fn dump(pid: i32, opts: &DumpOptions) -> Result<ForeignDump, DumpError> {
+    // This process's counter rate (the machine's), measured before the target is stopped
+    // (the first measurement waits 2 ms).
+    let own_ps = crate::clock::Rate::now().duration(1_000_000).as_nanos() as u64 / 1000;
+    let mut s = Session::open(pid, opts)?;
+    let threads = s.threads();
+    let registry = read_registry(&mut s, own_ps);
+    s.resume();
+    let process = s.finish(threads);
+    let (schedulers, note) = match registry {
+        Ok((raw, note)) => (
+            raw.into_iter()
+                .map(|r| ForeignScheduler {
+                    id: r.id,
+                    name: r.name,
+                    thread: r.thread,
+                    running: r.running,
+                    fibers: r
+                        .fibers
+                        .into_iter()
+                        .map(|f| ForeignFiber {
+                            frames: s.resolve_all(&f.frames),
+                            id: f.id,
+                            name: f.name,
+                            status: f.status,
+                            waiting: f.waiting,
+                            status_seconds: f.status_seconds,
+                            parent: f.parent,
+                            csw: f.csw,
+                            note: f.note,
+                        })
+                        .collect(),
+                })
+                .collect(),
+            note,
+        ),
+        Err(why) => (Vec::new(), Some(why)),
+    };
+    Ok(ForeignDump {
+        process,
+        schedulers,
+        note,
+    })
+}
+
+struct RawScheduler {
+    id: u64,
+    name: String,
+    thread: Option<i32>,
+    running: Option<FiberId>,
+    fibers: Vec<RawFiber>,
+}
+
+struct RawFiber {
+    id: FiberId,
+    name: String,
+    status: Status,
+    waiting: Option<String>,
+    status_seconds: Option<f64>,
+    parent: Option<FiberId>,
+    csw: u64,
+    frames: Vec<Frame>,
+    note: Option<String>,
+}
+
+/// Fibers read at most (a registry that claims more is read up to this).
+const MAX_FIBERS: usize = 4 << 20;
+/// Bytes of a name read at most.
+const MAX_NAME: usize = 256;
+
+fn u32_at(b: &[u8], off: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(b.get(off..off + 4)?.try_into().ok()?))
+}
+
+fn u64_at(b: &[u8], off: usize) -> Option<u64> {
+    Some(u64::from_le_bytes(b.get(off..off + 8)?.try_into().ok()?))
+}
+
+/// The layout a version-1 header gives (offsets of its fields are this build's: the header
+/// is `repr(C)` with a fixed field list, so every version-1 writer has the same).
+struct Layout {
+    sched_slots: usize,
+    chunk_slots: usize,
+    schedulers: u64,
+    unpublished: u64,
+    ps_per_tick: u64,
+    s: [u32; 9],
+    f: [u32; 18],
+}
+
+/// The fibers of every scheduler in the target's registry, with a note of what is missing;
+/// `Err`: why no fiber could be read.
+fn read_registry(
+    s: &mut Session,
+    own_ps: u64,
+) -> Result<(Vec<RawScheduler>, Option<String>), String> {
+    let Some((addr, size)) = s.section(".fibertrace.registry") else {
+        return Err(
+            "no fiber registry: the process does not use the fibertrace runtime \
+                    (or was built without it)"
+                .into(),
+        );
+    };
+    let mut head = vec![0u8; (size as usize).clamp(24, 4096)];
+    if !s.read(addr, &mut head) {
+        return Err("the fiber registry's header could not be read".into());
+    }
+    let l = parse_header(&head)?;
+    // The counter is the machine's: when the target has not measured its rate yet, ours is
+    // its.
+    let ps = match s.read_u64(l.ps_per_tick).unwrap_or(0) {
+        0 => own_ps,
+        ps => ps,
+    };
+    let unpublished = s.read_u64(l.unpublished).unwrap_or(0);
+    let mut table = vec![0u8; l.sched_slots * 8];
+    if !s.read(l.schedulers, &mut table) {
+        return Err("the fiber registry's scheduler table could not be read".into());
+    }
+    let now = fibertrace_core::arch::timestamp_counter();
+    let mut out = Vec::new();
+    let mut total = 0usize;
+    for i in 0..l.sched_slots {
+        let p = u64_at(&table, i * 8).unwrap_or(0);
+        if p == 0 {
+            continue;
+        }
+        if let Some(sched) = read_scheduler(s, &l, p, ps, now, &mut total) {
+            out.push(sched);
+        }
+    }
+    out.sort_by_key(|s| s.id);
+    let note = (unpublished > 0).then(|| {
+        format!("{unpublished} schedulers were not published (the registry's table was full)")
+    });
+    Ok((out, note))
+}
+
+/// A version-1 header's layout, from its bytes; `Err`: why it cannot be read.
+fn parse_header(head: &[u8]) -> Result<Layout, String> {
+    use std::mem::offset_of;
+    let want = std::mem::size_of::<Header>();
+    if head.len() < 24 || head[..16] != MAGIC {
+        return Err("the .fibertrace.registry section holds no fiber registry (bad magic)".into());
+    }
+    let version = u32_at(head, offset_of!(Header, version)).unwrap_or(0);
+    if version != VERSION {
+        return Err(format!(
+            "the process's fiber registry is version {version}; this fibertrace reads version \
+             {VERSION}"
+        ));
+    }
+    let header_size = u32_at(head, offset_of!(Header, header_size)).unwrap_or(0) as usize;
+    let pointer_size = u32_at(head, offset_of!(Header, pointer_size)).unwrap_or(0);
+    if header_size < want || head.len() < want || pointer_size != 8 {
+        return Err(format!(
+            "the fiber registry's header is malformed (size {header_size}, pointers of \
+             {pointer_size} bytes)"
+        ));
+    }
+    let so = offset_of!(Header, sched);
+    let fo = offset_of!(Header, fiber);
+    let mut l = Layout {
+        sched_slots: u32_at(head, offset_of!(Header, sched_slots)).unwrap_or(0) as usize,
+        chunk_slots: u32_at(head, offset_of!(Header, chunk_slots)).unwrap_or(0) as usize,
+        schedulers: u64_at(head, offset_of!(Header, schedulers)).unwrap_or(0),
+        unpublished: u64_at(head, offset_of!(Header, unpublished)).unwrap_or(0),
+        ps_per_tick: u64_at(head, offset_of!(Header, ps_per_tick)).unwrap_or(0),
+        s: [0; 9],
+        f: [0; 18],
+    };
+    for (i, v) in l.s.iter_mut().enumerate() {
+        *v = u32_at(head, so + 4 * i).unwrap_or(0);
+    }
+    for (i, v) in l.f.iter_mut().enumerate() {
+        *v = u32_at(head, fo + 4 * i).unwrap_or(0);
+    }
+    if l.sched_slots == 0
+        || l.sched_slots > 1 << 16
+        || l.chunk_slots == 0
+        || l.chunk_slots > 1 << 20
+    {
+        return Err("the fiber registry's header is malformed (table sizes)".into());
+    }
+    Ok(l)
+}
+
+fn read_string(s: &mut Session, ptr: u64, len: u64) -> String {
+    let n = (len as usize).min(MAX_NAME);
+    let mut b = vec![0u8; n];
+    if ptr == 0 || !s.read(ptr, &mut b) {
+        return String::new();
+    }
+    crate::sched::name_from_bytes(&b).to_string()
+}
+
+fn read_scheduler(
+    s: &mut Session,
+    l: &Layout,
+    p: u64,
+    ps: u64,
+    now: u64,
+    total: &mut usize,
+) -> Option<RawScheduler> {
+    let [size, id, name_ptr, name_len, tid, running, chunk_dir, chunk_count, len] = l.s;
+    let mut b = vec![0u8; (size as usize).min(1 << 16)];
+    if !s.read(p, &mut b) {
+        return None;
+    }
+    let w = |off: u32| u64_at(&b, off as usize).unwrap_or(0);
+    let tid_v = u32_at(&b, tid as usize).unwrap_or(0) as i32;
+    let running_v = w(running);
+    let (dir, count, len_v) = (w(chunk_dir), w(chunk_count) as usize, w(len) as usize);
+    let mut sched = RawScheduler {
+        id: w(id),
+        name: read_string(s, w(name_ptr), w(name_len)),
+        thread: (tid_v != 0).then_some(tid_v),
+        running: (running_v != 0).then_some(running_v),
+        fibers: Vec::new(),
+    };
+    let len_v = len_v.min(count.saturating_mul(l.chunk_slots));
+    let mut chunk = vec![0u8; l.chunk_slots * 8];
+    let mut chunk_at = usize::MAX;
+    for i in 0..len_v {
+        if *total >= MAX_FIBERS {
+            break;
+        }
+        let c = i / l.chunk_slots;
+        if c != chunk_at {
+            chunk_at = c;
+            let cp = s.read_u64(dir + 8 * c as u64).unwrap_or(0);
+            if cp == 0 || !s.read(cp, &mut chunk) {
+                chunk.fill(0);
+            }
+        }
+        let cb = u64_at(&chunk, (i % l.chunk_slots) * 8).unwrap_or(0);
+        if cb == 0 {
+            continue;
+        }
+        if let Some(f) = read_fiber(s, l, cb, ps, now) {
+            *total += 1;
+            sched.fibers.push(f);
+        }
+    }
+    sched.fibers.sort_by_key(|f| f.id);
+    Some(sched)
+}
+
+fn read_fiber(s: &mut Session, l: &Layout, p: u64, ps: u64, now: u64) -> Option<RawFiber> {
+    let [size, id, name_ptr, name_len, parent, run, status, wait_on, since, csw, ip, sp, fp, _lo, _hi, entry_sp, layer, _created] =
+        l.f;
+    let mut b = vec![0u8; (size as usize).min(1 << 16)];
+    if !s.read(p, &mut b) {
+        return None;
+    }
+    let w = |off: u32| u64_at(&b, off as usize).unwrap_or(0);
+    let byte = |off: u32| b.get(off as usize).copied().unwrap_or(0);
+    let state = RunState::from_u8(byte(run));
+    if state == RunState::Dead {
+        return None;
+    }
+    let st = Status::from_u8(byte(status));
+    let waiting = WaitOn::unpack(w(wait_on)).map(|on| on.words().into_owned());
+    let status_seconds = (ps > 0).then(|| {
+        let ticks = now.saturating_sub(w(since));
+        Duration::from_nanos((ticks as u128 * ps as u128 / 1000) as u64).as_secs_f64()
+    });
+    let parent_v = w(parent);
+    let mut f = RawFiber {
+        id: w(id),
+        name: read_string(s, w(name_ptr), w(name_len)),
+        status: st,
+        waiting,
+        status_seconds,
+        parent: (parent_v != 0).then_some(parent_v),
+        csw: w(csw),
+        frames: Vec::new(),
+        note: None,
+    };
+    match state {
+        RunState::New => f.note = Some("not started yet".into()),
+        RunState::Running => {
+            f.note = Some("running: its thread's stack above shows where".into());
+        }
+        RunState::Suspended | RunState::Inspecting => {
+            let regs = Registers {
+                ip: w(ip),
+                sp: w(sp),
+                fp: w(fp),
+            };
+            let stop = w(entry_sp);
+            let (mut frames, note) = s.walk(regs, (stop != 0).then_some(stop));
+            // The first frame is the runtime's suspend wrapper, as in this process's dumps.
+            if !frames.is_empty() {
+                frames.remove(0);
+            }
+            f.frames = frames;
+            f.note = note;
+            if w(layer) != 0 && f.note.is_none() {
+                // A layer above the runtime (a Lua host) runs this fiber.
+                f.note = Some(
+                    "its Lua frames are not read from another process yet: native frames only"
+                        .into(),
+                );
+            }
+            if s.mode() == Mode::NonBlocking {
+                // Torn? Its switch count or state moved while it was read.
+                let mut again = vec![0u8; b.len()];
+                let moved = !s.read(p, &mut again)
+                    || u64_at(&again, csw as usize) != Some(f.csw)
+                    || again.get(run as usize) != b.get(run as usize);
+                if moved {
+                    f.frames.clear();
+                    f.note = Some("it switched while it was read: frames left out".into());
+                }
+            }
+        }
+        RunState::Dead => {}
+    }
+    Some(f)
+}
+
+impl ForeignDump {
+    /// The dump as text: the process and its threads, then each scheduler's fibers as this
+    /// process's own dumps show them (`fiber 7 "worker" [channel receive, 3.2s]:`), glue left
+    /// out unless [`crate::glue::native_detail`].
+    pub fn to_text(&self) -> String {
+        use std::fmt::Write as _;
+        let opts = fibertrace_core::format::TextOptions {
+            hide: crate::inspect::glue::filter(),
+            ..Default::default()
+        };
+        let mut out = self.process.to_text_with(&opts);
+        if let Some(n) = &self.note {
+            let _ = writeln!(out, "(fibers: {n})");
+        }
+        for sched in &self.schedulers {
+            let _ = write!(
+                out,
+                "\nscheduler {} {}: {} fibers",
+                sched.id,
+                crate::sched::quoted_name(&sched.name),
+                sched.fibers.len()
+            );
+            if let Some(t) = sched.thread {
+                let _ = write!(out, " (thread {t})");
+            }
+            out.push_str("\n\n");
+            for f in &sched.fibers {
+                let words = match (&f.waiting, f.status) {
+                    (Some(w), _) => w.clone(),
+                    (None, st) => format!("{st:?}").to_lowercase(),
+                };
+                let since = f
+                    .status_seconds
+                    .map(|s| format!(", {}", super::dump::human(Duration::from_secs_f64(s))))
+                    .unwrap_or_default();
+                let _ = writeln!(
+                    out,
+                    "fiber {} {} [{words}{since}]:",
+                    f.id,
+                    crate::sched::quoted_name(&f.name)
+                );
+                out.push_str(&fibertrace_core::format::text_resolved(&f.frames, &opts));
+                if let Some(n) = &f.note {
+                    let _ = writeln!(out, "    ({n})");
+                }
+                if let Some(p) = f.parent {
+                    let _ = writeln!(out, "created by fiber {p}");
+                }
+                out.push('\n');
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// This process's own header, as bytes (what a reader finds in the section).
+    fn own_header() -> Vec<u8> {
+        let h = &crate::publish::HEADER;
+        // Up to the end of its last field (the padding after it is not read), then zeroes
+        // to the whole size, as a reader's copy of the section would have them.
+        let fields = std::mem::offset_of!(Header, fiber)
+            + std::mem::size_of::<crate::publish::FiberOffsets>();
+        // SAFETY: the first `fields` bytes of a static `repr(C)` value are its fields and the
+        // padding between them, which `repr(C)` puts only between fields of different
+        // alignment: here none (u8 array, u32s, 8-byte pointers at 8-aligned offsets, u32s).
+        let mut v =
+            unsafe { std::slice::from_raw_parts((h as *const Header).cast::<u8>(), fields) }
+                .to_vec();
+        v.resize(std::mem::size_of::<Header>(), 0);
+        v
+    }
+
+    #[test]
+    fn a_header_of_another_version_or_a_broken_one_is_refused_with_why() {
+        let good = own_header();
+        let l = parse_header(&good).unwrap();
+        assert_eq!(l.sched_slots, crate::publish::SCHED_SLOTS);
+        assert_eq!(l.chunk_slots, crate::registry::CHUNK);
+        assert_eq!(
+            l.f[0] as usize,
+            std::mem::size_of::<crate::task::ControlBlock>()
+        );
+        let mut v2 = good.clone();
+        v2[16..20].copy_from_slice(&2u32.to_le_bytes());
+        assert_eq!(
+            parse_header(&v2).err().unwrap(),
+            "the process's fiber registry is version 2; this fibertrace reads version 1"
+        );
+        let mut bad = good.clone();
+        bad[0] = b'X';
+        assert!(parse_header(&bad).err().unwrap().contains("bad magic"));
+        assert!(parse_header(&good[..40])
+            .err()
+            .unwrap()
+            .contains("malformed"));
+        assert!(parse_header(&[]).is_err());
+        let mut ptr4 = good.clone();
+        ptr4[24..28].copy_from_slice(&4u32.to_le_bytes());
+        assert!(parse_header(&ptr4)
+            .err()
+            .unwrap()
+            .contains("pointers of 4 bytes"));
+        let mut slots = good;
+        slots[28..32].copy_from_slice(&0u32.to_le_bytes());
+        assert!(parse_header(&slots).err().unwrap().contains("table sizes"));
+    }
+}

@@ -1,0 +1,220 @@
+//! Another process's fibers, read from the outside (`inspect::foreign`): a target with 1,000
+//! fibers suspended in known functions is read in both modes; every fiber is found with its
+//! name, status and wait, and a fiber's frames are exactly the ones the target's own dump
+//! gives; the target runs on and its fibers finish their work after being read.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use fibertrace_core::remote::{DumpOptions, Mode};
+use fibertrace_fiber::inspect::foreign::{self, ForeignDump, ForeignScheduler};
+
+/// An example built beside the tests (`cargo test` builds the examples).
+fn example(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let p = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .unwrap()
+        .join("examples")
+        .join(name);
+    assert!(p.exists(), "{} is not built", p.display());
+    p
+}
+
+struct Target {
+    child: Child,
+    out: BufReader<std::process::ChildStdout>,
+    /// The frame lines of `waiter-0` in the target's own dump.
+    own_waiter: Vec<String>,
+}
+
+impl Target {
+    fn start(n: usize) -> Target {
+        let mut child = Command::new(example("foreign_target"))
+            .arg(n.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut own = String::new();
+        let mut in_dump = false;
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(out.read_line(&mut line).unwrap() > 0, "the target ended");
+            match line.as_str() {
+                "own-dump\n" => in_dump = true,
+                "end-own-dump\n" => in_dump = false,
+                "ready\n" => break,
+                l if in_dump => own.push_str(l),
+                _ => {}
+            }
+        }
+        let block = own
+            .split("\n\n")
+            .find(|b| b.contains("\"waiter-0\" ["))
+            .unwrap_or_else(|| panic!("{own}"))
+            .to_string();
+        Target {
+            child,
+            out,
+            own_waiter: frame_lines(&block),
+        }
+    }
+
+    fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    fn count(&mut self) -> u64 {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(
+                self.out.read_line(&mut line).unwrap() > 0,
+                "the target ended"
+            );
+            if let Ok(n) = line.trim().parse() {
+                return n;
+            }
+        }
+    }
+
+    fn finish(mut self) -> (i32, String) {
+        self.child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(b"quit\n")
+            .unwrap();
+        let mut last = String::new();
+        let mut line = String::new();
+        while self.out.read_line(&mut line).unwrap() > 0 {
+            last = std::mem::take(&mut line);
+        }
+        (self.child.wait().unwrap().code().unwrap_or(-1), last)
+    }
+}
+
+/// A fiber block's own frame lines (up to its creators).
+fn frame_lines(block: &str) -> Vec<String> {
+    block
+        .lines()
+        .skip(1)
+        .take_while(|l| !l.starts_with("created by "))
+        .map(str::to_string)
+        .collect()
+}
+
+/// The scheduler that holds the target's fibers.
+fn scheduler(d: &ForeignDump) -> &ForeignScheduler {
+    d.schedulers
+        .iter()
+        .max_by_key(|s| s.fibers.len())
+        .unwrap_or_else(|| panic!("no scheduler: {:?}", d.note))
+}
+
+fn check(d: &ForeignDump, t: &Target, n: usize) {
+    assert_eq!(d.note, None, "{}", d.to_text());
+    let s = scheduler(d);
+    // The main fiber and the n others.
+    assert_eq!(s.fibers.len(), n + 1, "{}", d.to_text());
+    assert!(s.thread.is_some());
+    let waiters: Vec<_> = s
+        .fibers
+        .iter()
+        .filter(|f| f.name.starts_with("waiter-"))
+        .collect();
+    let nappers: Vec<_> = s.fibers.iter().filter(|f| f.name == "napper").collect();
+    assert_eq!((waiters.len(), nappers.len()), (n / 2, n / 2));
+    assert!(waiters
+        .iter()
+        .all(|f| f.waiting.as_deref() == Some("channel receive")));
+    assert!(nappers
+        .iter()
+        .all(|f| f.waiting.as_deref() == Some("sleep")));
+    assert!(s
+        .fibers
+        .iter()
+        .all(|f| f.status_seconds.is_some_and(|x| (0.0..60.0).contains(&x))));
+    // Their creator: the main fiber.
+    let main = s.fibers.iter().find(|f| f.name == "main").unwrap();
+    assert!(waiters.iter().all(|f| f.parent == Some(main.id)));
+    // A fiber's frames: exactly the target's own dump's.
+    let text = d.to_text();
+    let block = text
+        .split("\n\n")
+        .find(|b| b.contains("\"waiter-0\" ["))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert_eq!(frame_lines(block), t.own_waiter, "{block}");
+    assert!(
+        t.own_waiter
+            .iter()
+            .any(|l| l.contains(" in foreign_target::wait_inner+")),
+        "{:?}",
+        t.own_waiter
+    );
+}
+
+#[test]
+fn a_thousand_fibers_of_a_stopped_process_are_read_with_their_frames_and_it_runs_on() {
+    let n = 1000;
+    let mut t = Target::start(n);
+    let before = t.count();
+    let d = foreign::dump(t.pid(), &DumpOptions::default()).unwrap();
+    check(&d, &t, n);
+    assert_eq!(d.process.mode, Mode::Consistent);
+    let text = d.to_text();
+    assert!(
+        text.contains(&format!(
+            "\nscheduler 1 \"main\": {} fibers (thread {})",
+            n + 1,
+            t.pid()
+        )),
+        "{}",
+        &text[..text.len().min(4000)]
+    );
+    // It counts on, then every fiber finishes its work.
+    let after = t.count();
+    let later = t.count();
+    assert!(later > after && after >= before);
+    let (code, last) = t.finish();
+    assert_eq!((code, last.as_str()), (0, format!("done {n}\n").as_str()));
+}
+
+#[test]
+fn fibers_are_read_without_stopping_the_process_too() {
+    let n = 200;
+    let t = Target::start(n);
+    let opts = DumpOptions {
+        mode: Mode::NonBlocking,
+        ..DumpOptions::default()
+    };
+    let d = foreign::dump(t.pid(), &opts).unwrap();
+    check(&d, &t, n);
+    assert_eq!(d.process.paused_us, None);
+    let (code, _) = t.finish();
+    assert_eq!(code, 0);
+}
+
+#[test]
+fn a_process_without_the_runtime_has_its_threads_and_a_note() {
+    let mut c = Command::new("sleep").arg("10").spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let d = foreign::dump(c.id() as i32, &DumpOptions::default()).unwrap();
+    c.kill().unwrap();
+    c.wait().unwrap();
+    assert!(d.schedulers.is_empty());
+    assert_eq!(
+        d.note.as_deref(),
+        Some(
+            "no fiber registry: the process does not use the fibertrace runtime (or was built \
+             without it)"
+        )
+    );
+    assert_eq!(d.process.threads.len(), 1);
+    assert!(d.to_text().contains("(fibers: no fiber registry: "));
+}
