@@ -276,3 +276,58 @@ fn the_ways_a_dump_cannot_be_made_are_clear_errors() {
     );
     z.wait().unwrap();
 }
+
+#[test]
+fn a_core_file_of_the_process_has_the_same_exact_frames() {
+    let t = Target::start();
+    let dir = std::env::temp_dir().join(format!("ft-remote-core-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = Command::new("gcore")
+        .arg("-o")
+        .arg(dir.join("core"))
+        .arg(t.pid().to_string())
+        .output()
+        .unwrap_or_else(|e| panic!("gcore cannot run ({e}): apt-get install gdb"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let core = dir.join(format!("core.{}", t.pid()));
+    let d = remote::dump_core(&core, None, None, &DumpOptions::default()).unwrap();
+    let (code, _) = t.finish();
+    assert_eq!(code, 0);
+    assert_eq!(d.threads.len(), 4, "{}", d.to_text());
+    // A core keeps the process's name only: the parked thread is the one in parked_inner.
+    let parked = d
+        .threads
+        .iter()
+        .find(|t| {
+            own_frames(t)
+                .first()
+                .is_some_and(|f| f.contains("parked_inner"))
+        })
+        .unwrap_or_else(|| panic!("{}", d.to_text()));
+    assert_eq!(
+        own_frames(parked),
+        [
+            format!(
+                "remote_target::parked_inner at remote_target.rs:{}",
+                line_of("parked_inner waits here")
+            ),
+            format!(
+                "remote_target::parked_outer at remote_target.rs:{}",
+                line_of("parked_outer calls here")
+            ),
+            format!(
+                "remote_target::main::{{{{closure}}}} at remote_target.rs:{}",
+                line_of("the parked thread's closure calls here")
+            ),
+        ],
+        "{}",
+        d.to_text()
+    );
+    assert!(d.threads.iter().all(|t| t.exact));
+    assert_eq!(thread(&d, "remote_target").tid, d.pid);
+    let _ = std::fs::remove_dir_all(&dir);
+}

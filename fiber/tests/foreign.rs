@@ -218,3 +218,67 @@ fn a_process_without_the_runtime_has_its_threads_and_a_note() {
     assert_eq!(d.process.threads.len(), 1);
     assert!(d.to_text().contains("(fibers: no fiber registry: "));
 }
+
+/// `gcore` (Debian's `gdb`) writes a core of a live process without stopping it for long.
+fn gcore(pid: i32, dir: &std::path::Path) -> std::path::PathBuf {
+    let out = Command::new("gcore")
+        .arg("-o")
+        .arg(dir.join("core"))
+        .arg(pid.to_string())
+        .output()
+        .unwrap_or_else(|e| panic!("gcore cannot run ({e}): apt-get install gdb"));
+    assert!(
+        out.status.success(),
+        "gcore failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let p = dir.join(format!("core.{pid}"));
+    assert!(p.exists(), "{} was not written", p.display());
+    p
+}
+
+#[test]
+fn a_core_file_has_every_fiber_with_the_same_frames() {
+    let n = 400;
+    let mut t = Target::start(n);
+    let dir = std::env::temp_dir().join(format!("ft-foreign-core-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let core = gcore(t.pid(), &dir);
+    // The process ran on meanwhile.
+    let a = t.count();
+    assert!(t.count() > a);
+    let d = foreign::dump_core(&core, None, None, &DumpOptions::default()).unwrap();
+    assert_eq!(d.process.core.as_deref(), Some(core.to_str().unwrap()));
+    assert_eq!(d.process.pid, t.pid());
+    check(&d, &t, n);
+    assert!(
+        d.to_text()
+            .lines()
+            .next()
+            .unwrap()
+            .ends_with(&format!("from the core file {}", core.display())),
+        "{}",
+        d.to_text()
+    );
+    let (code, _) = t.finish();
+    assert_eq!(code, 0);
+    // What is not a core file says so.
+    let e = foreign::dump_core(
+        &example("foreign_target"),
+        None,
+        None,
+        &DumpOptions::default(),
+    )
+    .unwrap_err();
+    assert!(e.to_string().ends_with(": not a core file"), "{e}");
+    let missing = dir.join("no-such-core");
+    let e = foreign::dump_core(&missing, None, None, &DumpOptions::default()).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{}: No such file or directory (os error 2)",
+            missing.display()
+        )
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -299,6 +299,49 @@ fn dump_pid_reads_another_process_from_anywhere_and_says_why_when_it_cannot() {
             "{err}"
         );
     }
+    // Its core file (gdb's gcore writes it; the process runs on), read the same way.
+    let gcore = std::process::Command::new("gcore")
+        .arg("-o")
+        .arg(dir.join("core"))
+        .arg(&pid)
+        .output()
+        .unwrap_or_else(|e| panic!("gcore cannot run ({e}): apt-get install gdb"));
+    assert!(
+        gcore.status.success(),
+        "{}",
+        String::from_utf8_lossy(&gcore.stderr)
+    );
+    let core = dir.join(format!("core.{pid}"));
+    let out = run_in(
+        &std::env::temp_dir(),
+        &["dump", "--core", core.to_str().unwrap()],
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.lines()
+            .next()
+            .unwrap_or("")
+            .ends_with(&format!("from the core file {}", core.display())),
+        "{text}"
+    );
+    assert!(text.contains("\nfiber 1 \"main\" [sleep, "), "{text}");
+    assert!(text.contains(" in fibertrace::main"), "{text}");
+    let _ = std::fs::remove_file(&core);
+    // --root needs --core; a core file that is not one says so.
+    let out = run_in(&dir, &["dump", &pid, "--root", "/"]);
+    assert_eq!(out.status.code(), Some(2));
+    let out = run_in(&dir, &["dump", "--core", "sleep.lua"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        "fibertrace: sleep.lua: not a 64-bit ELF file\n"
+    );
     target.kill().unwrap();
     target.wait().unwrap();
     // Gone.

@@ -382,7 +382,13 @@ fn the_live_endpoint_answers_curl_go_tool_pprof_and_a_browser() {
 /// (`TID n:` then `#k  0xADDR name`) or ours (`thread n "name":` then `#k  0xADDR in ...`).
 fn thread_addresses(text: &str, eu: bool) -> Vec<(i32, Vec<u64>)> {
     let mut out: Vec<(i32, Vec<u64>)> = Vec::new();
+    // Whether the lines are still a thread's (ours go on with the fibers after the threads).
+    let mut in_thread = false;
     for line in text.lines() {
+        if !eu && (line.starts_with("scheduler ") || line.starts_with("fiber ")) {
+            in_thread = false;
+            continue;
+        }
         let head = if eu {
             line.strip_prefix("TID ").and_then(|r| r.strip_suffix(':'))
         } else {
@@ -391,6 +397,10 @@ fn thread_addresses(text: &str, eu: bool) -> Vec<(i32, Vec<u64>)> {
         };
         if let Some(tid) = head.and_then(|t| t.parse().ok()) {
             out.push((tid, Vec::new()));
+            in_thread = true;
+            continue;
+        }
+        if !in_thread {
             continue;
         }
         let Some(rest) = line.strip_prefix('#') else {

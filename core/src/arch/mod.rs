@@ -24,7 +24,7 @@ pub(crate) use x86_64::{is_sigreturn, UCONTEXT_REGS};
 #[cfg(target_arch = "x86_64")]
 pub use x86_64::{prefetch, registers_from_ucontext, timestamp_counter};
 #[cfg(target_arch = "x86_64")]
-pub(crate) use x86_64::{registers_from_user_regs, ELF_MACHINE};
+pub(crate) use x86_64::{registers_from_prstatus, registers_from_user_regs, ELF_MACHINE};
 
 /// The registers a walk starts from.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

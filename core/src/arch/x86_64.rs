@@ -96,6 +96,25 @@ pub(crate) fn registers_from_user_regs(r: &libc::user_regs_struct) -> super::Reg
     }
 }
 
+/// A thread's id and registers from a core file's `NT_PRSTATUS` note (x86_64's
+/// `elf_prstatus`: `pr_pid` at 32, `pr_reg` — a `user_regs_struct` — at 112).
+pub(crate) fn registers_from_prstatus(desc: &[u8]) -> Option<(i32, super::Registers)> {
+    let pid = i32::from_le_bytes(desc.get(32..36)?.try_into().ok()?);
+    let reg = |i: usize| -> Option<u64> {
+        let at = 112 + 8 * i;
+        Some(u64::from_le_bytes(desc.get(at..at + 8)?.try_into().ok()?))
+    };
+    // user_regs_struct: rbp is the 5th word, rip the 17th, rsp the 20th.
+    Some((
+        pid,
+        super::Registers {
+            ip: reg(16)?,
+            sp: reg(19)?,
+            fp: reg(4)?,
+        },
+    ))
+}
+
 /// The ELF machine of this architecture's programs (`EM_X86_64`), and its name.
 pub(crate) const ELF_MACHINE: (u16, &str) = (62, "x86_64");
 

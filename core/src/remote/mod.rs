@@ -35,6 +35,8 @@ use crate::frame::Frame;
 use crate::symbolize::{ElfSymbols, ImageRef, Resolved, Symbol};
 
 #[cfg(target_os = "linux")]
+mod corefile;
+#[cfg(target_os = "linux")]
 mod linux;
 #[cfg(target_os = "linux")]
 use linux as platform;
@@ -100,6 +102,9 @@ pub struct ProcessDump {
     /// How long its threads were stopped (consistent mode), microseconds.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub paused_us: Option<u64>,
+    /// The core file it was read from (not a live process).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub core: Option<String>,
     /// Its threads, by id.
     pub threads: Vec<ThreadDump>,
     /// Images whose frames are unnamed, and why (their file could not be read, or is not
@@ -189,6 +194,18 @@ pub fn dump(pid: i32, opts: &DumpOptions) -> Result<ProcessDump, DumpError> {
     Ok(s.finish(raw))
 }
 
+/// Reads every thread of the process a core file holds (see [`Session::open_core`]).
+pub fn dump_core(
+    core: &std::path::Path,
+    exe: Option<&std::path::Path>,
+    root: Option<&std::path::Path>,
+    opts: &DumpOptions,
+) -> Result<ProcessDump, DumpError> {
+    let mut s = Session::open_core(core, exe, root, opts)?;
+    let raw = s.threads();
+    Ok(s.finish(raw))
+}
+
 /// A thread's frames as walked, before they are named.
 pub struct RawThread {
     /// Its kernel id.
@@ -212,6 +229,8 @@ pub struct Session {
     stopped: Option<platform::Stopped>,
     stopped_at: Option<Instant>,
     paused: Option<Duration>,
+    /// Read from a core file: its path and contents.
+    core: Option<(String, Arc<corefile::Core>)>,
 }
 
 impl Session {
@@ -233,11 +252,12 @@ impl Session {
             _ => DumpError::Other(format!("cannot read process {pid}'s executable: {e}")),
         })?;
         check_architecture(pid)?;
-        let mut mem = Memory::new(pid, opts.max_memory);
+        let mut mem = Memory::new(Source::Live(platform::MemReader::new(pid)), opts.max_memory);
         // The images are read before the threads are stopped (it takes the longest), and
         // again if the map changed by the time they are (a library came or went).
         let maps = read_maps(pid)?;
-        let mut images = Images::read(pid, &maps, &mut mem)?;
+        let files = live_files(pid);
+        let mut images = Images::read(&maps, &files, &mut mem)?;
         let mut stopped = None;
         let mut stopped_at = None;
         if opts.mode == Mode::Consistent {
@@ -252,7 +272,7 @@ impl Session {
             let now = read_maps(pid)?;
             if now != maps {
                 mem.forget();
-                images = Images::read(pid, &now, &mut mem)?;
+                images = Images::read(&now, &files, &mut mem)?;
             }
         }
         Ok(Session {
@@ -264,6 +284,43 @@ impl Session {
             stopped,
             stopped_at,
             paused: None,
+            core: None,
+        })
+    }
+
+    /// Opens a core file as the process it was: its threads' registers, its map and its
+    /// memory (what the core holds, the mapped files for what it left out). `exe` stands for
+    /// the executable the core names (moved since, or read on another machine), `root` is
+    /// prefixed to the other files' paths (a copy of the machine's files).
+    pub fn open_core(
+        core: &std::path::Path,
+        exe: Option<&std::path::Path>,
+        root: Option<&std::path::Path>,
+        opts: &DumpOptions,
+    ) -> Result<Session, DumpError> {
+        let c = Arc::new(corefile::Core::open(core, exe, root).map_err(DumpError::Other)?);
+        let mut mem = Memory::new(Source::Core(c.clone()), opts.max_memory);
+        let cc = c.clone();
+        let files = move |m: &platform::Mapping| cc.file_for(&m.path);
+        let images = Images::read(&c.maps, &files, &mut mem)?;
+        let pid = c.threads[0].tid;
+        let exe_name = exe
+            .map(|e| e.display().to_string())
+            .or_else(|| c.maps.first().map(|m| m.path.clone()))
+            .unwrap_or_default();
+        Ok(Session {
+            pid,
+            exe: exe_name,
+            opts: DumpOptions {
+                mode: Mode::Consistent,
+                ..*opts
+            },
+            mem,
+            images,
+            stopped: None,
+            stopped_at: None,
+            paused: None,
+            core: Some((core.display().to_string(), c)),
         })
     }
 
@@ -287,6 +344,17 @@ impl Session {
     pub fn threads(&mut self) -> Vec<RawThread> {
         let max = self.opts.max_frames;
         let mut out = Vec::new();
+        if let Some((_, c)) = &self.core {
+            for t in &c.threads {
+                let (frames, note) = walk(&self.images, &mut self.mem, t.regs, None, max);
+                out.push(RawThread {
+                    tid: t.tid,
+                    frames,
+                    note,
+                });
+            }
+            return out;
+        }
         match &self.stopped {
             Some(st) => {
                 for tid in st.threads() {
@@ -382,7 +450,12 @@ impl Session {
             .into_iter()
             .map(|t| ThreadDump {
                 tid: t.tid,
-                name: platform::thread_name(self.pid, t.tid),
+                name: match &self.core {
+                    // (A core keeps the process's name only.)
+                    Some((_, c)) if t.tid == self.pid => c.name.clone(),
+                    Some(_) => String::new(),
+                    None => platform::thread_name(self.pid, t.tid),
+                },
                 frames: self.images.resolve_all(&t.frames),
                 exact,
                 note: t.note,
@@ -394,9 +467,22 @@ impl Session {
             exe: self.exe.clone(),
             mode: self.opts.mode,
             paused_us: self.paused.map(|d| d.as_micros() as u64),
+            core: self.core.as_ref().map(|(p, _)| p.clone()),
             threads,
             unnamed,
         }
+    }
+}
+
+/// Where a live process's mapped file is readable from here: through `/proc/PID/root` (its
+/// own mount namespace), or `/proc/PID/map_files` for a file deleted since it was mapped.
+fn live_files(pid: i32) -> impl Fn(&platform::Mapping) -> Option<std::path::PathBuf> {
+    move |m: &platform::Mapping| {
+        Some(if m.path.ends_with(" (deleted)") {
+            std::path::PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end))
+        } else {
+            platform::in_root(pid, &m.path)
+        })
     }
 }
 
@@ -439,8 +525,23 @@ fn program_kind(head: &[u8; 64]) -> Result<(), String> {
 }
 
 /// The target's memory, read a page at a time and kept (bounded).
+/// Where memory comes from: a live process, or a core file.
+enum Source {
+    Live(platform::MemReader),
+    Core(Arc<corefile::Core>),
+}
+
+impl Source {
+    fn read(&mut self, addr: u64, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Source::Live(r) => r.read(addr, buf),
+            Source::Core(c) => c.read(addr, buf),
+        }
+    }
+}
+
 struct Memory {
-    reader: platform::MemReader,
+    reader: Source,
     pages: HashMap<u64, Option<Box<[u8; PAGE]>>>,
     max_pages: usize,
 }
@@ -448,9 +549,9 @@ struct Memory {
 const PAGE: usize = 4096;
 
 impl Memory {
-    fn new(pid: i32, max_bytes: usize) -> Memory {
+    fn new(reader: Source, max_bytes: usize) -> Memory {
         Memory {
-            reader: platform::MemReader::new(pid),
+            reader,
             pages: HashMap::new(),
             max_pages: (max_bytes / PAGE).max(16),
         }
@@ -536,7 +637,11 @@ struct Images {
 }
 
 impl Images {
-    fn read(pid: i32, maps: &[platform::Mapping], mem: &mut Memory) -> Result<Images, DumpError> {
+    fn read(
+        maps: &[platform::Mapping],
+        files: &dyn Fn(&platform::Mapping) -> Option<std::path::PathBuf>,
+        mem: &mut Memory,
+    ) -> Result<Images, DumpError> {
         // Each file's mappings together: the executable ones give its bias.
         let mut order: Vec<String> = Vec::new();
         let mut by_path: HashMap<String, Vec<platform::Mapping>> = HashMap::new();
@@ -567,16 +672,7 @@ impl Images {
                 mem.read_bytes(exec.start, (exec.end - exec.start) as usize)
                     .map(|b| (Bytes::Owned(b), None))
             } else {
-                let deleted = path.ends_with(" (deleted)");
-                let file = if deleted {
-                    std::path::PathBuf::from(format!(
-                        "/proc/{pid}/map_files/{:x}-{:x}",
-                        exec.start, exec.end
-                    ))
-                } else {
-                    platform::in_root(pid, &path)
-                };
-                map_file(&file).map(|b| (b, Some(file)))
+                files(exec).and_then(|file| map_file(&file).map(|b| (b, Some(file))))
             };
             let Some((bytes, file)) = loaded else {
                 images.push(Image {
@@ -942,10 +1038,11 @@ impl ProcessDump {
     pub fn to_text_with(&self, opts: &crate::format::TextOptions<'_>) -> String {
         let mut out = String::new();
         let name = self.exe.rsplit('/').next().unwrap_or(&self.exe);
-        let how = match (self.mode, self.paused_us) {
-            (Mode::Consistent, Some(us)) => format!("stopped {}", human_us(us)),
-            (Mode::Consistent, None) => "stopped".to_string(),
-            (Mode::NonBlocking, _) => "not stopped: frames not exact".to_string(),
+        let how = match (self.mode, self.paused_us, &self.core) {
+            (_, _, Some(core)) => format!("from the core file {core}"),
+            (Mode::Consistent, Some(us), _) => format!("stopped {}", human_us(us)),
+            (Mode::Consistent, None, _) => "stopped".to_string(),
+            (Mode::NonBlocking, _, _) => "not stopped: frames not exact".to_string(),
         };
         out.push_str(&format!(
             "process {} \"{}\" ({}): {} threads, {}\n\n",

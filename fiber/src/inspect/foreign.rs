@@ -86,8 +86,30 @@ pub struct ForeignDump {
 pub fn dump(pid: i32, opts: &DumpOptions) -> Result<ForeignDump, DumpError> {
     // This process's counter rate (the machine's), measured before the target is stopped
     // (the first measurement waits 2 ms).
-    let own_ps = crate::clock::Rate::now().duration(1_000_000).as_nanos() as u64 / 1000;
-    let mut s = Session::open(pid, opts)?;
+    let own_ps = own_rate();
+    from_session(Session::open(pid, opts)?, own_ps)
+}
+
+/// Reads every thread and fiber of the process a core file holds (see
+/// [`Session::open_core`]: `exe` stands for the executable it names, `root` is prefixed to
+/// the other files' paths). The status times are as of the core's writing only if it was
+/// written on this machine since its last boot (the counter is the machine's).
+pub fn dump_core(
+    core: &std::path::Path,
+    exe: Option<&std::path::Path>,
+    root: Option<&std::path::Path>,
+    opts: &DumpOptions,
+) -> Result<ForeignDump, DumpError> {
+    let own_ps = own_rate();
+    from_session(Session::open_core(core, exe, root, opts)?, own_ps)
+}
+
+/// Picoseconds per counter tick, measured in this process.
+fn own_rate() -> u64 {
+    crate::clock::Rate::now().duration(1_000_000).as_nanos() as u64 / 1000
+}
+
+fn from_session(mut s: Session, own_ps: u64) -> Result<ForeignDump, DumpError> {
     let threads = s.threads();
     let registry = read_registry(&mut s, own_ps);
     s.resume();

@@ -212,11 +212,36 @@ fn cli() -> Command {
                      whatever happens",
                 )
                 .arg(
-                    Arg::new("pid")
-                        .value_name("PID")
-                        .required(true)
-                        .value_parser(clap::value_parser!(i32).range(1..))
-                        .help("The process"),
+                    Arg::new("target")
+                        .value_name("PID | EXE")
+                        .required_unless_present("core")
+                        .value_parser(clap::value_parser!(std::ffi::OsString))
+                        .help(
+                            "The process; with --core, the executable the core file names \
+                             (when it is no longer where it was)",
+                        ),
+                )
+                .arg(
+                    Arg::new("core")
+                        .long("core")
+                        .value_name("FILE")
+                        .value_parser(clap::value_parser!(std::ffi::OsString))
+                        .help(
+                            "Read a core file instead of a live process: its threads, its \
+                             fibers and their stacks, from the memory it holds (the mapped \
+                             files for what it left out)",
+                        ),
+                )
+                .arg(
+                    Arg::new("root")
+                        .long("root")
+                        .value_name("DIR")
+                        .requires("core")
+                        .value_parser(clap::value_parser!(std::ffi::OsString))
+                        .help(
+                            "With --core: read the files the core names under DIR (a copy \
+                             of the machine's files)",
+                        ),
                 )
                 .arg(
                     Arg::new("non-blocking")
@@ -384,7 +409,23 @@ fn main() -> ExitCode {
 /// when it uses the fibertrace runtime, its fibers (`fibertrace_fiber::inspect::foreign`).
 fn dump_process(m: &clap::ArgMatches) -> ExitCode {
     use fibertrace_core::remote::{DumpOptions, Mode};
-    let pid = *m.get_one::<i32>("pid").expect("required");
+    let core = m.get_one::<std::ffi::OsString>("core").map(PathBuf::from);
+    let target = m.get_one::<std::ffi::OsString>("target");
+    let pid = match (&core, target) {
+        (Some(_), _) => 0,
+        (None, Some(t)) => match t.to_str().and_then(|t| t.parse::<i32>().ok()) {
+            Some(p) if p > 0 => p,
+            _ => {
+                err!(
+                    "error: invalid PID '{}': a process id (a number above 0) is expected\n\n\
+                     For more information, try '--help'.",
+                    t.to_string_lossy()
+                );
+                return ExitCode::from(2);
+            }
+        },
+        (None, None) => return ExitCode::from(2),
+    };
     let opts = DumpOptions {
         mode: if m.get_flag("non-blocking") {
             Mode::NonBlocking
@@ -393,7 +434,15 @@ fn dump_process(m: &clap::ArgMatches) -> ExitCode {
         },
         ..DumpOptions::default()
     };
-    let d = match fibertrace_fiber::inspect::foreign::dump(pid, &opts) {
+    let d = match &core {
+        Some(c) => {
+            let exe = target.map(PathBuf::from);
+            let root = m.get_one::<std::ffi::OsString>("root").map(PathBuf::from);
+            fibertrace_fiber::inspect::foreign::dump_core(c, exe.as_deref(), root.as_deref(), &opts)
+        }
+        None => fibertrace_fiber::inspect::foreign::dump(pid, &opts),
+    };
+    let d = match d {
         Ok(d) => d,
         Err(e) => {
             err!("fibertrace: {e}");
