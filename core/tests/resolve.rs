@@ -198,3 +198,54 @@ fn offline_lookup_outside_code_finds_nothing() {
     assert_eq!(l.function_start, Some(f - img.base));
     assert_eq!(elf.build_id(), img.build_id.as_deref());
 }
+
+/// A stripped library's internal functions (not exported) are named from its detached debug
+/// file when one is installed (Debian's `libc6-dbg`: CI installs it), with file and line;
+/// without it they stay unnamed. Either way the exported names stay the file's own.
+#[test]
+fn a_stripped_librarys_internals_are_named_from_its_detached_debug_file() {
+    // A thread's outermost frames are glibc's `start_thread`, which glibc does not export.
+    let bt = std::thread::spawn(|| {
+        collect(&CaptureOptions::with_unwinder(
+            fibertrace_core::Unwinder::Precise,
+        ))
+    })
+    .join()
+    .unwrap();
+    let libc: Vec<_> = bt
+        .frames()
+        .iter()
+        .filter_map(resolve)
+        .filter(|r| r.image.as_ref().is_some_and(|i| i.path.contains("libc.so")))
+        .collect();
+    let start = libc.last().expect("a libc frame at the bottom");
+    let id = start.image.as_ref().unwrap().build_id.clone().unwrap();
+    let detached = std::path::PathBuf::from(format!(
+        "/usr/lib/debug/.build-id/{}/{}.debug",
+        &id[..2],
+        &id[2..]
+    ));
+    let names: Vec<&str> = libc.iter().filter_map(|r| r.function()).collect();
+    if detached.is_file() {
+        assert!(names.contains(&"start_thread"), "{names:?}");
+        let s = libc
+            .iter()
+            .find(|r| r.function() == Some("start_thread"))
+            .unwrap();
+        assert!(
+            s.symbols.iter().any(|l| l
+                .file
+                .as_deref()
+                .is_some_and(|f| f.ends_with("pthread_create.c"))),
+            "{s:?}"
+        );
+    } else {
+        assert!(!names.contains(&"start_thread"), "{names:?}");
+    }
+    // The exported name, not the debug file's alias (`__GI_qsort`).
+    let q = libc::qsort as *const () as usize as u64;
+    assert_eq!(
+        resolve(&Frame::Pc(q + 4)).unwrap().function(),
+        Some("qsort")
+    );
+}

@@ -65,6 +65,8 @@ pub struct ElfSymbols {
     /// (DWARF ranges of code removed at link time start at 0 and would otherwise match).
     code: Vec<(u64, u64)>,
     loader: addr2line::Loader,
+    /// The detached debug file of a stripped file (its DWARF, its full symbol table).
+    debug: Option<addr2line::Loader>,
 }
 
 impl std::fmt::Debug for ElfSymbols {
@@ -100,13 +102,22 @@ impl ElfSymbols {
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| err(e.to_string()))?;
         let build_id = read_build_id(&map).map_err(err)?;
         let code = code_ranges(&map);
+        let stripped = is_stripped(&map);
         drop(map);
+        // A file stripped of its symbol table (a distribution's libc) reads its names from
+        // the detached debug file of the same build, when installed (`libc6-dbg`).
+        let detached = build_id
+            .as_deref()
+            .filter(|_| stripped)
+            .and_then(detached_debug_file);
         let loader = addr2line::Loader::new(path).map_err(|e| err(e.to_string()))?;
+        let debug = detached.and_then(|d| addr2line::Loader::new(d).ok());
         Ok(ElfSymbols {
             path: path.display().to_string(),
             build_id,
             code,
             loader,
+            debug,
         })
     }
 
@@ -126,7 +137,9 @@ impl ElfSymbols {
         if !self.code.is_empty() && !self.code.iter().any(|&(s, e)| svma >= s && svma < e) {
             return out;
         }
-        if let Ok(mut frames) = self.loader.find_frames(svma) {
+        // Lines and inline levels from the detached debug file when there is one.
+        let dwarf = self.debug.as_ref().unwrap_or(&self.loader);
+        if let Ok(mut frames) = dwarf.find_frames(svma) {
             while let Ok(Some(f)) = frames.next() {
                 let name = f
                     .function
@@ -149,10 +162,17 @@ impl ElfSymbols {
         if let Some(last) = out.symbols.last_mut() {
             last.inlined = false;
         }
-        if let Some(sym) = self.loader.find_symbol_info(svma) {
+        // The file's own (exported) name first — `qsort`, not the debug file's internal
+        // alias `__GI_qsort` — then the debug file's symbol table for internal functions.
+        let exported = self.loader.find_symbol_info(svma);
+        let from_debug = exported.is_none();
+        let sym = exported.or_else(|| self.debug.as_ref()?.find_symbol_info(svma));
+        if let Some(sym) = sym {
             out.function_start = Some(sym.address());
             let demangled = addr2line::demangle_auto(sym.name().into(), None).into_owned();
             match out.symbols.last_mut() {
+                // A stripped file's export names its function as its users call it.
+                Some(outer) if self.debug.is_some() && !from_debug => outer.name = Some(demangled),
                 // Debug info with line tables only names functions without their path
                 // (`main`, `recv_until<u32>`); the symbol table has the whole name of the
                 // outermost one.
@@ -174,6 +194,26 @@ impl ElfSymbols {
         }
         out
     }
+}
+
+/// Whether an object file has neither a symbol table nor DWARF (only dynamic symbols).
+fn is_stripped(data: &[u8]) -> bool {
+    use object::Object;
+    let Ok(file) = object::File::parse(data) else {
+        return false;
+    };
+    file.section_by_name(".symtab").is_none() && file.section_by_name(".debug_info").is_none()
+}
+
+/// Where the detached debug file of build `id` is installed, if it is: the debuggers'
+/// convention, `/usr/lib/debug/.build-id/ab/cdef….debug`.
+fn detached_debug_file(id: &[u8]) -> Option<std::path::PathBuf> {
+    let (first, rest) = id.split_first()?;
+    let p = std::path::PathBuf::from(format!(
+        "/usr/lib/debug/.build-id/{first:02x}/{}.debug",
+        crate::image::hex(rest)
+    ));
+    p.is_file().then_some(p)
 }
 
 /// Executable segment ranges (file virtual addresses) of an object file; empty if it has no
