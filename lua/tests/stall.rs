@@ -201,7 +201,9 @@ fn a_fiber_stuck_in_c_code_is_reported_with_its_native_frames_and_the_c_function
 
 /// A script that takes LuaJIT's profiler (`jit.profile`) has its running fibers reported
 /// with native frames and a note saying why, while it holds it; after its `stop` the host
-/// takes the profiler back and the Lua frames return.
+/// takes the profiler back and the Lua frames return. (The second spin lasts 2 s: long
+/// enough for a report by wall time, 4x the threshold, when a loaded machine gives the fiber
+/// little CPU.)
 #[cfg(feature = "luajit")]
 const SCRIPT_PROFILES: &str = r#"
 local fiber = require('fiber')
@@ -220,7 +222,7 @@ local f = fiber.new(function()
   spin(clock.monotonic() + 0.7)
   profile.stop()
   fiber.yield()
-  spin(clock.monotonic() + 0.7)
+  spin(clock.monotonic() + 2.0)
   return samples
 end)
 f:name('busy')
