@@ -120,6 +120,24 @@ fn line_of(mark: &str) -> u32 {
     n as u32 + 1
 }
 
+/// The parked thread's own frames, as the example's source places them.
+fn parked_frames() -> [String; 3] {
+    [
+        format!(
+            "remote_target::parked_inner at remote_target.rs:{}",
+            line_of("parked_inner waits here")
+        ),
+        format!(
+            "remote_target::parked_outer at remote_target.rs:{}",
+            line_of("parked_outer calls here")
+        ),
+        format!(
+            "remote_target::main::{{{{closure}}}} at remote_target.rs:{}",
+            line_of("the parked thread's closure calls here")
+        ),
+    ]
+}
+
 #[test]
 fn every_thread_of_a_stopped_process_has_exact_frames_and_it_runs_on() {
     let mut t = Target::start();
@@ -134,25 +152,7 @@ fn every_thread_of_a_stopped_process_has_exact_frames_and_it_runs_on() {
     assert_eq!(d.threads.len(), 4, "{}", d.to_text());
     assert!(d.threads.iter().all(|t| t.exact));
     let parked = thread(&d, "parked");
-    assert_eq!(
-        own_frames(parked),
-        [
-            format!(
-                "remote_target::parked_inner at remote_target.rs:{}",
-                line_of("parked_inner waits here")
-            ),
-            format!(
-                "remote_target::parked_outer at remote_target.rs:{}",
-                line_of("parked_outer calls here")
-            ),
-            format!(
-                "remote_target::main::{{{{closure}}}} at remote_target.rs:{}",
-                line_of("the parked thread's closure calls here")
-            ),
-        ],
-        "{}",
-        d.to_text()
-    );
+    assert_eq!(own_frames(parked), parked_frames(), "{}", d.to_text());
     let reader = thread(&d, "reader");
     assert_eq!(
         own_frames(reader).first().map(String::as_str),
@@ -308,25 +308,7 @@ fn a_core_file_of_the_process_has_the_same_exact_frames() {
                 .is_some_and(|f| f.contains("parked_inner"))
         })
         .unwrap_or_else(|| panic!("{}", d.to_text()));
-    assert_eq!(
-        own_frames(parked),
-        [
-            format!(
-                "remote_target::parked_inner at remote_target.rs:{}",
-                line_of("parked_inner waits here")
-            ),
-            format!(
-                "remote_target::parked_outer at remote_target.rs:{}",
-                line_of("parked_outer calls here")
-            ),
-            format!(
-                "remote_target::main::{{{{closure}}}} at remote_target.rs:{}",
-                line_of("the parked thread's closure calls here")
-            ),
-        ],
-        "{}",
-        d.to_text()
-    );
+    assert_eq!(own_frames(parked), parked_frames(), "{}", d.to_text());
     assert!(d.threads.iter().all(|t| t.exact));
     assert_eq!(thread(&d, "remote_target").tid, d.pid);
     let _ = std::fs::remove_dir_all(&dir);

@@ -493,12 +493,12 @@ mod tests {
         // to the whole size, as a reader's copy of the section would have them.
         let fields = std::mem::offset_of!(Header, fiber)
             + std::mem::size_of::<crate::publish::FiberOffsets>();
-        // SAFETY: the first `fields` bytes of a static `repr(C)` value are its fields and the
-        // padding between them, which `repr(C)` puts only between fields of different
-        // alignment: here none (u8 array, u32s, 8-byte pointers at 8-aligned offsets, u32s).
-        let mut v =
-            unsafe { std::slice::from_raw_parts((h as *const Header).cast::<u8>(), fields) }
-                .to_vec();
+        // (`repr(C)` puts padding only between fields of different alignment: here none —
+        // a u8 array, u32s, 8-byte pointers at 8-aligned offsets, u32s.)
+        let start = (h as *const Header).cast::<u8>();
+        // SAFETY: the first `fields` bytes of a static `repr(C)` value, all fields, no padding.
+        let bytes = unsafe { std::slice::from_raw_parts(start, fields) };
+        let mut v = bytes.to_vec();
         v.resize(std::mem::size_of::<Header>(), 0);
         v
     }
