@@ -76,6 +76,6 @@ pub fn user_frames(frames: &[Frame]) -> &[Frame] {
     }
 }
 
-fn is_trampoline(r: &Resolved) -> bool {
+pub(crate) fn is_trampoline(r: &Resolved) -> bool {
     r.symbols.len() == 1 && r.function().is_some_and(|n| n.starts_with(TRAMPOLINE))
 }

@@ -177,6 +177,46 @@ fn a_thousand_fibers_of_a_stopped_process_are_read_with_their_frames_and_it_runs
         "{}",
         &text[..text.len().min(4000)]
     );
+    // Grouped: the waiters in one group, with the frames the text gives each of them.
+    let grouped = d.to_grouped_text();
+    let headers: Vec<&str> = grouped
+        .lines()
+        .filter(|l| l.contains(" fibers [") || l.contains(" fiber ["))
+        .collect();
+    let group = grouped
+        .split("\n\n")
+        .find(|b| b.starts_with(&format!("{} fibers [channel receive, ", n / 2)))
+        .unwrap_or_else(|| panic!("{headers:#?}"));
+    assert!(
+        group.lines().next().unwrap().ends_with(&format!(
+            "names \"waiter-0\" ×1, \"waiter-10\" ×1, \"waiter-100\" ×1, ... ({} more names):",
+            n / 2 - 3
+        )),
+        "{group}"
+    );
+    assert!(
+        grouped.contains(&format!(
+            "\nscheduler 1 \"main\": {} fibers in 3 groups\n",
+            n + 1
+        )),
+        "{headers:#?}"
+    );
+    assert_eq!(frame_lines(group), t.own_waiter, "{group}");
+    // The exports' snapshot: the threads first (as a scheduler of their own), then every
+    // fiber, its frames named as read from the target (never by this process's symbols).
+    let snap = d.snapshot(true);
+    assert_eq!(snap.schedulers[0].name, "threads");
+    assert_eq!(snap.schedulers[0].fibers.len(), d.process.threads.len());
+    assert_eq!(snap.schedulers[1].fibers.len(), n + 1);
+    let folded = fibertrace_fiber::inspect::export::folded(&snap);
+    assert!(
+        folded
+            .lines()
+            .any(|l| l.starts_with("main;fiber:waiter-100;")
+                && l.contains(";foreign_target::wait_outer;foreign_target::wait_inner;")),
+        "{}",
+        &folded[..folded.len().min(4000)]
+    );
     // It counts on, then every fiber finishes its work.
     let after = t.count();
     let later = t.count();

@@ -131,6 +131,9 @@ fn every_way_a_program_ends_writes_its_dump_on_exit() {
     )
     .unwrap();
     assert_eq!(line, "sleeping\n");
+    // The line is written just before the main fiber goes to sleep: give it the time to
+    // (a loaded machine may not have run it further yet).
+    std::thread::sleep(std::time::Duration::from_millis(300));
     // SAFETY: signals our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let st = child.wait().unwrap();

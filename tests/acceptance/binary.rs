@@ -259,10 +259,9 @@ fn dump_pid_reads_another_process_from_anywhere_and_says_why_when_it_cannot() {
         fiber.contains(" in fibertrace_lua::host::fiber_fns::sleep_body+"),
         "{fiber}"
     );
-    assert!(
-        fiber.ends_with(
-            "    (its Lua frames are not read from another process yet: native frames only)"
-        ),
+    assert_eq!(
+        lua_frames(fiber),
+        ["sleep in =[C]:-1", "main chunk in @sleep.lua:2"],
         "{fiber}"
     );
     // JSON: the same threads.
@@ -356,4 +355,356 @@ fn dump_pid_reads_another_process_from_anywhere_and_says_why_when_it_cannot() {
         let out = run_in(&dir, &["dump", bad]);
         assert_eq!(out.status.code(), Some(2), "{bad}");
     }
+}
+
+/// A Lua script whose fibers wait in known functions until the file `go` appears: three
+/// workers two calls deep, one inside a coroutine, and the poller that lets them go (it
+/// says `ready` when every other fiber waits).
+const WAITERS: &str = "local fiber = require('fiber')\n\
+local ch = fiber.channel(10)\n\
+local function leaf(i)\n\
+  local v = ch:get() return v\n\
+end\n\
+local function middle(i)\n\
+  local v = leaf(i)\n\
+  io.stdout:write('finished ', i, '\\n')\n\
+  return v\n\
+end\n\
+for i = 1, 3 do\n\
+  fiber.create(function() middle(i) end):name('worker' .. i)\n\
+end\n\
+local function in_coroutine()\n\
+  local co = coroutine.wrap(function() middle(4) end)\n\
+  co()\n\
+end\n\
+fiber.create(in_coroutine):name('co')\n\
+local function poll()\n\
+  io.stdout:write('ready\\n') io.stdout:flush()\n\
+  while not io.open('go') do fiber.sleep(0.2) end\n\
+  for i = 1, 4 do ch:put(i) end\n\
+end\n\
+local p = fiber.new(poll)\n\
+p:name('poller')\n\
+p:set_joinable(true)\n\
+p:join()\n\
+fiber.sleep(0.05)\n";
+
+/// The blocks of a dump's fibers, by name, without their header's time and the creator's
+/// line (which the in-process dump words differently).
+fn fiber_blocks(text: &str) -> std::collections::BTreeMap<String, String> {
+    text.split("\n\n")
+        .filter_map(|b| {
+            let b = b.trim_start_matches('\n');
+            let rest = b.strip_prefix("fiber ")?;
+            let name = rest.split('"').nth(1)?.to_string();
+            let body: Vec<&str> = b
+                .lines()
+                .skip(1)
+                .filter(|l| !l.starts_with("created by") && !l.starts_with("--- created by"))
+                .take_while(|l| l.starts_with('#') || l.starts_with("    inlined"))
+                .collect();
+            Some((name, body.join("\n")))
+        })
+        .collect()
+}
+
+#[test]
+fn dump_pid_of_a_lua_process_shows_each_fibers_lua_frames_as_its_own_dump_does() {
+    use std::io::BufRead;
+    let dir = scratch("dump-lua");
+    std::fs::write(dir.join("waiters.lua"), WAITERS).unwrap();
+    let _ = std::fs::remove_file(dir.join("go"));
+    let err_file = std::fs::File::create(dir.join("stderr")).unwrap();
+    let mut child = std::process::Command::new(fibertrace_acceptance::binary())
+        .args(["run", "waiters.lua"])
+        .current_dir(&dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(err_file)
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    // The poller goes to sleep right after its line.
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let pid = child.id().to_string();
+    let dumped = run_in(&std::env::temp_dir(), &["dump", &pid]);
+    assert_eq!(
+        dumped.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&dumped.stderr)
+    );
+    let text = String::from_utf8_lossy(&dumped.stdout).into_owned();
+    let blocks = fiber_blocks(&text);
+    let worker = [
+        "get in =[C]:-1",
+        "leaf in @waiters.lua:4",
+        "middle in @waiters.lua:7",
+        "function <waiters.lua:12> in @waiters.lua:12",
+    ];
+    for w in ["worker1", "worker2", "worker3"] {
+        let b = blocks.get(w).unwrap_or_else(|| panic!("{w}: {text}"));
+        assert_eq!(lua_frames(b), worker, "{w}: {b}");
+        // The native frames the Lua ones are merged with: the channel's wait first.
+        assert!(b.starts_with("#0  0x"), "{b}");
+        assert!(
+            b.contains(" in fibertrace_lua::host::channel::ch_get_body+"),
+            "{b}"
+        );
+    }
+    assert_eq!(
+        lua_frames(&blocks["co"]),
+        [
+            "get in =[C]:-1",
+            "leaf in @waiters.lua:4",
+            "middle in @waiters.lua:7",
+            "function <waiters.lua:15> in @waiters.lua:15",
+            "co in =[C]:-1",
+            // (A fiber's function is called from C: no caller names it.)
+            "function <waiters.lua:14> in @waiters.lua:16",
+        ],
+        "{text}"
+    );
+    assert_eq!(
+        lua_frames(&blocks["poller"]),
+        [
+            "sleep in =[C]:-1",
+            "function <waiters.lua:19> in @waiters.lua:21"
+        ],
+        "{text}"
+    );
+    assert_eq!(
+        lua_frames(&blocks["main"]),
+        ["join in =[C]:-1", "main chunk in @waiters.lua:27"],
+        "{text}"
+    );
+    assert!(!text.contains("Lua frames"), "no fiber has a note: {text}");
+    // The same frames, native and Lua, as the process's own dump (SIGQUIT) at this moment.
+    // SAFETY: signals the child this test started.
+    unsafe { libc::kill(child.id() as i32, libc::SIGQUIT) };
+    let t0 = std::time::Instant::now();
+    let own = loop {
+        let e = std::fs::read_to_string(dir.join("stderr")).unwrap();
+        if e.contains("fiber 6 \"poller\"") && e.ends_with("\n\n") {
+            break e;
+        }
+        assert!(t0.elapsed().as_secs() < 20, "no SIGQUIT dump: {e}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let own_blocks = fiber_blocks(&own);
+    for name in ["worker1", "worker2", "worker3", "co", "main"] {
+        assert_eq!(blocks[name], own_blocks[name], "{name}");
+    }
+    // JSON: each Lua frame says what it is.
+    let j = run_in(&std::env::temp_dir(), &["dump", &pid, "--format", "json"]);
+    assert_eq!(j.status.code(), Some(0));
+    let j: serde_json::Value = serde_json::from_slice(&j.stdout).unwrap();
+    let fibers = j["schedulers"][0]["fibers"].as_array().unwrap();
+    let w1 = fibers.iter().find(|f| f["name"] == "worker1").unwrap();
+    let lua: Vec<String> = w1["frames"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["frame"].get("lua").is_some())
+        .map(|f| {
+            let s = &f["resolved"]["symbols"][0];
+            format!("{} {} {}", s["name"], s["file"], s["line"])
+        })
+        .collect();
+    assert_eq!(
+        lua,
+        [
+            "\"get\" \"=[C]\" null",
+            "\"leaf\" \"@waiters.lua\" 4",
+            "\"middle\" \"@waiters.lua\" 7",
+            "\"function <waiters.lua:12>\" \"@waiters.lua\" 12",
+        ]
+    );
+    // Grouped: the three workers in one group, with their frames.
+    let g = run_in(
+        &std::env::temp_dir(),
+        &["dump", &pid, "--format", "grouped"],
+    );
+    assert_eq!(g.status.code(), Some(0));
+    let g = String::from_utf8_lossy(&g.stdout).into_owned();
+    let group = g
+        .split("\n\n")
+        .find(|b| b.starts_with("3 fibers [channel receive, "))
+        .unwrap_or_else(|| panic!("{g}"));
+    assert!(
+        group
+            .lines()
+            .next()
+            .unwrap()
+            .ends_with("]: ids 2-4, names \"worker1\" ×1, \"worker2\" ×1, \"worker3\" ×1:"),
+        "{group}"
+    );
+    assert_eq!(lua_frames(group), worker, "{group}");
+    assert!(
+        g.contains("\nscheduler 1 \"lua\": 6 fibers in 4 groups\n"),
+        "{g}"
+    );
+    // Folded stacks (and so pprof, svg, speedscope): threads and fibers, root first.
+    let f = run_in(&std::env::temp_dir(), &["dump", &pid, "--format", "folded"]);
+    assert_eq!(f.status.code(), Some(0));
+    let f = String::from_utf8_lossy(&f.stdout).into_owned();
+    assert!(
+        f.lines().any(|l| l.starts_with(
+            "lua;fiber:worker1;function <waiters.lua:12> (waiters.lua);middle (waiters.lua);\
+             leaf (waiters.lua);get ([C]);fibertrace_lua::host::channel::ch_get_body;"
+        ) && l.ends_with(" 1")),
+        "{f}"
+    );
+    assert!(
+        f.lines()
+            .any(|l| l.starts_with("threads;fiber:fibertrace;")
+                && l.contains(";fibertrace::main;")),
+        "{f}"
+    );
+    let p = run_in(&std::env::temp_dir(), &["dump", &pid, "--format", "pprof"]);
+    assert_eq!(p.status.code(), Some(0));
+    assert_eq!(p.stdout[..2], [0x1f, 0x8b], "gzip");
+    // Without stopping it: suspended fibers are exact all the same.
+    let nb = run_in(&std::env::temp_dir(), &["dump", &pid, "--non-blocking"]);
+    assert_eq!(nb.status.code(), Some(0));
+    let nb_blocks = fiber_blocks(&String::from_utf8_lossy(&nb.stdout));
+    assert_eq!(lua_frames(&nb_blocks["worker2"]), worker);
+    // Its core file: the same Lua frames.
+    let gcore = std::process::Command::new("gcore")
+        .arg("-o")
+        .arg(dir.join("core"))
+        .arg(&pid)
+        .output()
+        .unwrap_or_else(|e| panic!("gcore cannot run ({e}): apt-get install gdb"));
+    assert!(gcore.status.success());
+    let core = dir.join(format!("core.{pid}"));
+    let c = run_in(
+        &std::env::temp_dir(),
+        &["dump", "--core", core.to_str().unwrap()],
+    );
+    let _ = std::fs::remove_file(&core);
+    assert_eq!(
+        c.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&c.stderr)
+    );
+    let c_blocks = fiber_blocks(&String::from_utf8_lossy(&c.stdout));
+    assert_eq!(lua_frames(&c_blocks["worker3"]), worker);
+    assert_eq!(lua_frames(&c_blocks["co"]), lua_frames(&blocks["co"]));
+    // The process runs on unharmed: let the fibers go; each finishes its work.
+    std::fs::write(dir.join("go"), "").unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{rest}");
+    let mut finished: Vec<&str> = rest.lines().collect();
+    finished.sort();
+    assert_eq!(
+        finished,
+        ["finished 1", "finished 2", "finished 3", "finished 4"]
+    );
+}
+
+/// The state letter of thread `tid` of process `pid` (`t`: stopped by a tracer).
+fn thread_state(pid: u32, tid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).ok()?;
+    stat.rsplit_once(") ")?.1.chars().next()
+}
+
+#[test]
+fn a_dumper_killed_while_it_holds_the_process_lets_it_go_and_it_runs_on() {
+    use std::io::BufRead;
+    let dir = scratch("dump-killed");
+    // Many fibers (a long read while the process is held) and a ticker that shows it runs.
+    std::fs::write(
+        dir.join("ticker.lua"),
+        "local fiber = require('fiber')\n\
+         local ch = fiber.channel()\n\
+         for i = 1, 3000 do fiber.create(function() ch:get() end) end\n\
+         local n = 0\n\
+         while true do\n\
+           n = n + 1\n\
+           io.stdout:write('tick ', n, '\\n') io.stdout:flush()\n\
+           fiber.sleep(0.01)\n\
+         end\n",
+    )
+    .unwrap();
+    let mut target = std::process::Command::new(fibertrace_acceptance::binary())
+        .args(["run", "ticker.lua"])
+        .current_dir(&dir)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = target.id();
+    let (tx, ticks) = std::sync::mpsc::channel::<String>();
+    let stdout = target.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let next_tick = |ticks: &std::sync::mpsc::Receiver<String>| {
+        ticks
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the target ticks")
+    };
+    next_tick(&ticks);
+    for sig in [libc::SIGINT, libc::SIGKILL] {
+        let mut caught = false;
+        for _ in 0..10 {
+            let mut dumper = std::process::Command::new(fibertrace_acceptance::binary())
+                .args(["dump", &pid.to_string()])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap();
+            // Wait for the target to be held, then kill the dumper.
+            while dumper.try_wait().unwrap().is_none() {
+                if thread_state(pid, pid) == Some('t') {
+                    // SAFETY: signals the child this test started.
+                    unsafe { libc::kill(dumper.id() as i32, sig) };
+                    caught = true;
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+            let status = dumper.wait().unwrap();
+            if caught {
+                assert!(!status.success(), "killed by {sig}");
+                break;
+            }
+        }
+        assert!(
+            caught,
+            "the target was never seen held by a dump (signal {sig})"
+        );
+        // Let go: no thread stays stopped, and it goes on ticking.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        for entry in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+            let tid: u32 = entry
+                .unwrap()
+                .file_name()
+                .to_str()
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert_ne!(
+                thread_state(pid, tid),
+                Some('t'),
+                "thread {tid} (signal {sig})"
+            );
+        }
+        while ticks.try_recv().is_ok() {}
+        let a = next_tick(&ticks);
+        let b = next_tick(&ticks);
+        assert_ne!(a, b);
+    }
+    target.kill().unwrap();
+    target.wait().unwrap();
 }

@@ -455,8 +455,47 @@ fn dump_pid_agrees_with_eu_stack_on_every_thread() {
         "apt-get install elfutils",
     );
     let ours = run_in(&d, &["dump", &pid, "--native-detail"]);
+    // The dump as a pprof profile, read by go tool pprof: threads and fibers, Lua frames in.
+    let p = run_in(&d, &["dump", &pid, "--format", "pprof"]);
+    assert!(p.status.success());
+    std::fs::write(d.join("dump.pb.gz"), &p.stdout).unwrap();
     child.kill().unwrap();
     child.wait().unwrap();
+    let traces = tool(
+        Command::new("go")
+            .args(["tool", "pprof", "-traces"])
+            .arg(d.join("dump.pb.gz"))
+            .env("HOME", &d)
+            .env("PPROF_TMPDIR", &d),
+        "go tool pprof",
+        "apt-get install golang-go",
+    );
+    let blocks: Vec<&str> = traces
+        .split("-----------+-------------------------------------------------------\n")
+        .skip(1)
+        .collect();
+    let sleepers: Vec<Vec<&str>> = blocks
+        .iter()
+        .filter(|b| b.contains(" scheduler:  lua\n") && b.contains("     state:  sleep\n"))
+        .map(|b| {
+            b.lines()
+                .skip_while(|l| !l.starts_with("         1   "))
+                .map(|l| l.trim_start_matches("         1   ").trim())
+                .collect()
+        })
+        .collect();
+    // The three fibers and the main one.
+    assert_eq!(sleepers.len(), 4, "{traces}");
+    let fibers = sleepers
+        .iter()
+        .filter(|f| f[f.len() - 2..] == ["sleep", "function@s.lua:2"])
+        .count();
+    assert_eq!(fibers, 3, "{traces}");
+    let threads = blocks
+        .iter()
+        .filter(|b| b.contains(" scheduler:  threads\n"))
+        .count();
+    assert_eq!(threads, thread_addresses(&eu, true).len(), "{traces}");
     assert!(ours.status.success());
     let ours = String::from_utf8_lossy(&ours.stdout).into_owned();
     let theirs = thread_addresses(&eu, true);

@@ -102,6 +102,17 @@ pub fn text_resolved(frames: &[ResolvedFrame], opts: &TextOptions<'_>) -> String
             (Frame::Pc(a) | Frame::Ra(a) | Frame::Async(a), None) => {
                 let _ = writeln!(out, "#{n:<2} {a:#x} in ??");
             }
+            (Frame::Lua(_), Some(r)) if r.symbols.len() == 1 => {
+                // A Lua frame another process's layer described: `name in source:line`.
+                let sym = &r.symbols[0];
+                let line = sym.line.map_or(-1, i64::from);
+                let _ = writeln!(
+                    out,
+                    "#{n:<2} {} in {}:{line}",
+                    sym.name.as_deref().unwrap_or("?"),
+                    sym.file.as_deref().unwrap_or("?")
+                );
+            }
             (Frame::Parent(_), _) => {
                 // Not a frame: not numbered.
                 out.push_str(&text(std::slice::from_ref(&rf.frame), opts));

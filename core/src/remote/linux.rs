@@ -157,6 +157,62 @@ impl MemReader {
         let f = self.mem_file.as_ref().expect("opened above");
         f.read_at(buf, addr)
     }
+
+    /// Reads pages `(address, buffer)` in one system call where it can: returns how many of
+    /// them, from the first, were read whole (the kernel stops at the first that cannot be).
+    pub(super) fn read_many(&mut self, reqs: &mut [(u64, &mut [u8])]) -> usize {
+        if reqs.is_empty() {
+            return 0;
+        }
+        if !self.vm_readv_works || reqs.len() == 1 {
+            let mut n = 0;
+            for (a, b) in reqs.iter_mut() {
+                if !matches!(self.read(*a, b), Ok(k) if k == b.len()) {
+                    break;
+                }
+                n += 1;
+            }
+            return n;
+        }
+        let mut local = Vec::with_capacity(reqs.len());
+        let mut remote = Vec::with_capacity(reqs.len());
+        for (a, b) in reqs.iter_mut() {
+            local.push(libc::iovec {
+                iov_base: b.as_mut_ptr().cast(),
+                iov_len: b.len(),
+            });
+            remote.push(libc::iovec {
+                iov_base: *a as *mut libc::c_void,
+                iov_len: b.len(),
+            });
+        }
+        // SAFETY: each local iovec describes a buffer of `reqs`, which we own mutably for the
+        // call; the remote ranges are only read by the kernel, which checks them; the counts
+        // are the vectors' lengths (the callers pass at most IOV_MAX).
+        let n = unsafe {
+            libc::process_vm_readv(
+                self.pid,
+                local.as_ptr(),
+                local.len() as libc::c_ulong,
+                remote.as_ptr(),
+                remote.len() as libc::c_ulong,
+                0,
+            )
+        };
+        if n < 0 {
+            return 0;
+        }
+        let mut left = n as usize;
+        let mut whole = 0;
+        for (_, b) in reqs.iter() {
+            if left < b.len() {
+                break;
+            }
+            left -= b.len();
+            whole += 1;
+        }
+        whole
+    }
 }
 
 /// The registers of a thread stopped in a system call, from `/proc/PID/task/TID/syscall`

@@ -4,7 +4,9 @@
 //!
 //! The pipeline is this crate's, over another process: its images are read from
 //! `/proc/PID/maps` and the files it mapped (through `/proc/PID/root`, so a container's files
-//! are its own); its memory through `process_vm_readv` (a page cache in front, bounded); each
+//! are its own); its memory through `process_vm_readv` (a direct-mapped cache of 1 KiB lines
+//! in front, bounded, filled many lines per system call where the reader knows ahead what it
+//! will read: [`Session::prefetch`]); each
 //! thread is walked by framehop over that memory (DWARF call-frame information where the
 //! code has it, frame pointers elsewhere), and each frame symbolized from the target's file
 //! ([`crate::symbolize::ElfSymbols`]), the vDSO from its own memory.
@@ -60,7 +62,8 @@ pub struct DumpOptions {
     pub mode: Mode,
     /// Frames walked at most per thread.
     pub max_frames: usize,
-    /// Memory read at most (bytes, in 4 KiB pages), for the whole dump.
+    /// The size of the cache of the target's memory (bytes, in 4 KiB pages): what this
+    /// process keeps of the target's memory at most (when full, it starts over).
     pub max_memory: usize,
 }
 
@@ -69,7 +72,7 @@ impl Default for DumpOptions {
         DumpOptions {
             mode: Mode::Consistent,
             max_frames: 256,
-            max_memory: 64 << 20,
+            max_memory: 8 << 20,
         }
     }
 }
@@ -231,6 +234,8 @@ pub struct Session {
     paused: Option<Duration>,
     /// Read from a core file: its path and contents.
     core: Option<(String, Arc<corefile::Core>)>,
+    /// The unwinder's rule cache, shared by every walk of the session.
+    cache: UnwindCache<MayAllocateDuringUnwind>,
 }
 
 impl Session {
@@ -285,6 +290,7 @@ impl Session {
             stopped_at,
             paused: None,
             core: None,
+            cache: UnwindCache::new_in(),
         })
     }
 
@@ -321,6 +327,7 @@ impl Session {
             stopped_at: None,
             paused: None,
             core: Some((core.display().to_string(), c)),
+            cache: UnwindCache::new_in(),
         })
     }
 
@@ -346,7 +353,14 @@ impl Session {
         let mut out = Vec::new();
         if let Some((_, c)) = &self.core {
             for t in &c.threads {
-                let (frames, note) = walk(&self.images, &mut self.mem, t.regs, None, max);
+                let (frames, note) = walk(
+                    &self.images,
+                    &mut self.mem,
+                    &mut self.cache,
+                    t.regs,
+                    None,
+                    max,
+                );
                 out.push(RawThread {
                     tid: t.tid,
                     frames,
@@ -359,7 +373,14 @@ impl Session {
             Some(st) => {
                 for tid in st.threads() {
                     let (frames, note) = match platform::registers(tid) {
-                        Ok(regs) => walk(&self.images, &mut self.mem, regs, None, max),
+                        Ok(regs) => walk(
+                            &self.images,
+                            &mut self.mem,
+                            &mut self.cache,
+                            regs,
+                            None,
+                            max,
+                        ),
                         Err(e) => (Vec::new(), Some(format!("registers not read: {e}"))),
                     };
                     out.push(RawThread { tid, frames, note });
@@ -369,7 +390,14 @@ impl Session {
                 for tid in platform::threads(self.pid).unwrap_or_default() {
                     let (frames, note) = match platform::syscall_registers(self.pid, tid) {
                         Some(regs) => {
-                            let (f, n) = walk(&self.images, &mut self.mem, regs, None, max);
+                            let (f, n) = walk(
+                                &self.images,
+                                &mut self.mem,
+                                &mut self.cache,
+                                regs,
+                                None,
+                                max,
+                            );
                             let n = n.map(|n| format!("{n}; ")).unwrap_or_default();
                             (
                                 f,
@@ -401,6 +429,18 @@ impl Session {
         self.mem.read(addr, out)
     }
 
+    /// Reads the target's memory in the ranges `[lo, hi)` ahead of its use (at most 1 MiB
+    /// of each), in as few system calls as possible: the control blocks, stacks and states
+    /// about to be read, of many fibers at once. What cannot be read is left to the reads
+    /// that need it (which say so).
+    pub fn prefetch(&mut self, ranges: &[(u64, u64)]) {
+        let bounded: Vec<(u64, u64)> = ranges
+            .iter()
+            .map(|&(lo, hi)| (lo, hi.min(lo.saturating_add(1 << 20))))
+            .collect();
+        self.mem.prefetch(&bounded);
+    }
+
     /// Reads one little-endian word of the target's memory.
     pub fn read_u64(&mut self, addr: u64) -> Option<u64> {
         self.mem.read_u64(addr)
@@ -417,12 +457,26 @@ impl Session {
         })
     }
 
+    /// The target's files that could be opened, with their load bias: `(file, bias)`, the
+    /// file as this process opens it (through `/proc/PID/root`, or the core's `--root`).
+    pub fn image_files(&self) -> Vec<(std::path::PathBuf, u64)> {
+        self.images
+            .images
+            .iter()
+            .filter_map(|i| match &i.symbols {
+                ImageSymbols::File { file, .. } => Some((file.clone(), i.bias)),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Walks a stack from `regs` (a suspended coroutine's saved registers), ending before a
     /// frame whose stack pointer passes `stop_sp` (its entry) when given.
     pub fn walk(&mut self, regs: Registers, stop_sp: Option<u64>) -> (Vec<Frame>, Option<String>) {
         walk(
             &self.images,
             &mut self.mem,
+            &mut self.cache,
             regs,
             stop_sp,
             self.opts.max_frames,
@@ -540,50 +594,135 @@ impl Source {
     }
 }
 
+/// The target's memory, through a direct-mapped cache of its 1 KiB lines: each line has one
+/// slot (a hash of its address), a miss reads the line into its slot (replacing what was
+/// there), and a line that cannot be read is remembered as such. The cache's memory is allocated
+/// once and reused: no allocation per page, a bound on this process's memory, and a read
+/// never fails because the cache is full.
 struct Memory {
     reader: Source,
-    pages: HashMap<u64, Option<Box<[u8; PAGE]>>>,
-    max_pages: usize,
+    /// Per slot: the line's address, with bit 0 set when it holds the line, bit 1 when the
+    /// line cannot be read; 0: empty.
+    tags: Vec<u64>,
+    data: Vec<u8>,
+    /// log2 of the slot count.
+    bits: u32,
 }
 
 const PAGE: usize = 4096;
+/// The cache's unit: 1 KiB, aligned (a line never crosses a page, so a line is readable
+/// exactly when its page is), a quarter of the bytes a page copies where a walk needs a few
+/// words of each.
+const LINE: usize = 1024;
+/// Lines read in one system call at most (`IOV_MAX` is 1024).
+const BATCH: usize = 256;
 
 impl Memory {
     fn new(reader: Source, max_bytes: usize) -> Memory {
+        let slots = (max_bytes / LINE).clamp(16, 1 << 20).next_power_of_two();
         Memory {
             reader,
-            pages: HashMap::new(),
-            max_pages: (max_bytes / PAGE).max(16),
+            tags: vec![0; slots],
+            // Zeroed memory comes from the kernel untouched: a slot costs only when used.
+            data: vec![0; slots * LINE],
+            bits: slots.trailing_zeros(),
         }
     }
 
     /// Drops every page read (the map changed).
     fn forget(&mut self) {
-        self.pages.clear();
+        self.tags.fill(0);
     }
 
-    fn page(&mut self, base: u64) -> Option<&[u8; PAGE]> {
-        if !self.pages.contains_key(&base) {
-            if self.pages.len() >= self.max_pages {
-                return None;
-            }
-            let mut b = Box::new([0u8; PAGE]);
-            let ok = matches!(self.reader.read(base, &mut b[..]), Ok(n) if n == PAGE);
-            self.pages.insert(base, ok.then_some(b));
+    fn slot(&self, base: u64) -> usize {
+        ((base >> 10).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - self.bits)) as usize
+    }
+
+    /// Whether the page at `base` is in its slot (read, or known unreadable).
+    fn cached(&self, base: u64) -> bool {
+        let t = self.tags[self.slot(base)];
+        t & !3 == base && t & 3 != 0
+    }
+
+    fn page(&mut self, base: u64) -> Option<&[u8]> {
+        let i = self.slot(base);
+        if !self.cached(base) {
+            let buf = &mut self.data[i * LINE..(i + 1) * LINE];
+            let ok = matches!(self.reader.read(base, buf), Ok(n) if n == LINE);
+            self.tags[i] = base | if ok { 1 } else { 2 };
         }
-        self.pages.get(&base)?.as_deref()
+        (self.tags[i] & 1 != 0).then(|| &self.data[i * LINE..(i + 1) * LINE])
+    }
+
+    /// Reads the pages of `[lo, hi)` that are not cached yet in as few system calls as it
+    /// can (what cannot be read is left to be read, and found unreadable, one by one).
+    fn prefetch(&mut self, ranges: &[(u64, u64)]) {
+        let mut want: Vec<u64> = Vec::new();
+        let mut slots: std::collections::HashSet<usize> = std::collections::HashSet::new();
+        for &(lo, hi) in ranges {
+            let mut base = lo & !(LINE as u64 - 1);
+            while base < hi {
+                if !self.cached(base) && slots.insert(self.slot(base)) {
+                    want.push(base);
+                }
+                base += LINE as u64;
+            }
+        }
+        self.fetch(&want);
+    }
+
+    /// Reads the pages at `bases` (not cached, distinct slots) in batches.
+    fn fetch(&mut self, bases: &[u64]) {
+        if !matches!(self.reader, Source::Live(_)) {
+            return;
+        }
+        for chunk in bases.chunks(BATCH) {
+            let slots: Vec<usize> = chunk.iter().map(|&b| self.slot(b)).collect();
+            let Source::Live(reader) = &mut self.reader else {
+                return;
+            };
+            // Disjoint slices of the arena, one per page, in the order of `chunk`.
+            let mut order: Vec<(usize, usize)> = slots.iter().copied().enumerate().collect();
+            order.sort_unstable_by_key(|&(_, s)| s);
+            let mut bufs: Vec<Option<&mut [u8]>> = (0..chunk.len()).map(|_| None).collect();
+            let mut rest: &mut [u8] = &mut self.data;
+            let mut at = 0usize;
+            for &(k, s) in &order {
+                if s < at {
+                    // Two pages of one slot: the second is read when needed.
+                    continue;
+                }
+                let (_, tail) = std::mem::take(&mut rest).split_at_mut((s - at) * LINE);
+                let (page, tail) = tail.split_at_mut(LINE);
+                bufs[k] = Some(page);
+                rest = tail;
+                at = s + 1;
+            }
+            let mut meta: Vec<(u64, usize)> = Vec::with_capacity(chunk.len());
+            let mut reqs: Vec<(u64, &mut [u8])> = Vec::with_capacity(chunk.len());
+            for (k, p) in bufs.into_iter().enumerate() {
+                if let Some(p) = p {
+                    meta.push((chunk[k], slots[k]));
+                    reqs.push((chunk[k], p));
+                }
+            }
+            let whole = reader.read_many(&mut reqs);
+            for &(b, slot) in meta.iter().take(whole) {
+                self.tags[slot] = b | 1;
+            }
+        }
     }
 
     fn read(&mut self, addr: u64, out: &mut [u8]) -> bool {
         let mut done = 0;
         while done < out.len() {
             let a = addr.wrapping_add(done as u64);
-            let base = a & !(PAGE as u64 - 1);
+            let base = a & !(LINE as u64 - 1);
             let off = (a - base) as usize;
             let Some(p) = self.page(base) else {
                 return false;
             };
-            let n = (PAGE - off).min(out.len() - done);
+            let n = (LINE - off).min(out.len() - done);
             out[done..done + n].copy_from_slice(&p[off..off + n]);
             done += n;
         }
@@ -952,11 +1091,11 @@ fn module(
 fn walk(
     images: &Images,
     mem: &mut Memory,
+    cache: &mut UnwindCache<MayAllocateDuringUnwind>,
     regs: Registers,
     stop_sp: Option<u64>,
     max_frames: usize,
 ) -> (Vec<Frame>, Option<String>) {
-    let mut cache = UnwindCache::<MayAllocateDuringUnwind>::new_in();
     let mut frames = vec![Frame::Pc(regs.ip)];
     // Without the frame pointer (a thread read where it waits in the kernel): the innermost
     // frame record on the stack stands for it.
@@ -976,10 +1115,7 @@ fn walk(
         if t0.elapsed() > Duration::from_secs(2) {
             break Some("walk cut after 2 s".to_string());
         }
-        match images
-            .unwinder
-            .unwind_frame(addr, &mut r, &mut cache, &mut read)
-        {
+        match images.unwinder.unwind_frame(addr, &mut r, cache, &mut read) {
             Ok(Some(ra)) if ra != 0 => {
                 if stop_sp.is_some_and(|stop| crate::arch::regs_sp(&r) >= stop) {
                     // Past the coroutine's entry: the rest is the runtime's.
@@ -1134,5 +1270,35 @@ mod tests {
         for bad in ["", "zz-1 r-xp 0 0 0", "1000 r-xp 0 0 0 /x", "1000-2000"] {
             assert!(linux::parse_map_line(bad).is_none(), "{bad}");
         }
+    }
+
+    #[test]
+    fn the_line_cache_reads_what_is_there_whatever_collides_or_fails() {
+        // This process's own memory, read as another's, through a cache of 16 lines.
+        let data: Vec<u8> = (0..64 * 1024).map(|i| (i * 7 % 251) as u8).collect();
+        let mut m = Memory::new(
+            Source::Live(linux::MemReader::new(std::process::id() as i32)),
+            16 * LINE,
+        );
+        let at = data.as_ptr() as u64;
+        // Ahead: more lines than slots, so most collide.
+        m.prefetch(&[(at, at + data.len() as u64), (at + 3, at + 5000)]);
+        for (off, len) in [(0, 64 * 1024), (5, 3000), (1023, 2), (60_000, 5536)] {
+            let mut out = vec![0u8; len];
+            assert!(m.read(at + off as u64, &mut out), "{off}");
+            assert_eq!(out, data[off..off + len], "{off}");
+        }
+        // An unmapped page: its lines fail, and keep failing, the mapped ones still read.
+        let gap = 4096u64; // the zero page is never mapped
+        m.prefetch(&[(gap, gap + 4096), (at, at + 4096)]);
+        let mut b = [0u8; 8];
+        assert!(!m.read(gap + 8, &mut b));
+        assert!(!m.read(gap + 8, &mut b));
+        assert!(m.read(at + 8, &mut b));
+        assert_eq!(b, data[8..16]);
+        // A read of several lines fails whole when one cannot be read.
+        let mut big = vec![0u8; 2 * LINE];
+        assert!(!m.read(gap + 4096 - LINE as u64, &mut big));
+        std::hint::black_box(&data);
     }
 }

@@ -102,13 +102,34 @@ pub(crate) fn render_list(frames: &[FrameInfo]) -> String {
             .find(|f| f.frame == Frame::Lua(id))
             .and_then(|f| f.label.as_deref().map(str::to_string))
     };
-    format::text(
-        info::user_frames(&raw),
-        &TextOptions {
-            lua: Some(&labelled),
-            ..text_options()
-        },
-    )
+    let opts = TextOptions {
+        lua: Some(&labelled),
+        ..text_options()
+    };
+    let named = |f: &FrameInfo| f.frame.address().is_none() || f.resolved.is_some();
+    if !frames.is_empty() && frames.iter().all(named) {
+        // Every native frame named already (another process's, which this process's
+        // symbolizer cannot name): as named.
+        let mut list: Vec<format::ResolvedFrame> = frames
+            .iter()
+            .map(|f| format::ResolvedFrame {
+                frame: f.frame,
+                resolved: f.resolved.as_deref().cloned(),
+            })
+            .collect();
+        let last_is_trampoline = list.last().is_some_and(|rf| {
+            matches!(rf.frame, Frame::Ra(_))
+                && rf
+                    .resolved
+                    .as_ref()
+                    .is_some_and(crate::frames::is_trampoline)
+        });
+        if last_is_trampoline {
+            list.pop();
+        }
+        return format::text_resolved(&list, &opts);
+    }
+    format::text(info::user_frames(&raw), &opts)
 }
 
 /// The whole process's fibers as text, scheduler by scheduler.

@@ -11,13 +11,16 @@
 //! in the middle of a switch reads as running (its thread's stack shows it). Without
 //! stopping (`Mode::NonBlocking`) a fiber that switches while it is read is dropped from the
 //! walk (its switch count or state moved: the dump says so), and the others may be of
-//! slightly different moments. A Lua fiber's Lua frames are not read from another process
-//! yet: its native frames are shown.
+//! slightly different moments. A fiber that a layer above the runtime runs (the Lua host:
+//! its control block carries the layer's word) gets the layer's frames merged in by a
+//! [`ForeignLayer`] when the caller gives one ([`dump_with`]); without one, its native frames
+//! are shown and a note says so.
 
 use std::time::Duration;
 
 use fibertrace_core::format::ResolvedFrame;
 use fibertrace_core::remote::{DumpError, DumpOptions, Mode, ProcessDump, Session};
+use fibertrace_core::symbolize::Resolved;
 use fibertrace_core::{arch::Registers, Frame};
 use serde::{Deserialize, Serialize};
 
@@ -36,6 +39,9 @@ pub struct ForeignFiber {
     /// What it waits on, in words (`channel receive`, `join fiber 3`), when it waits.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub waiting: Option<String>,
+    /// What it waits on (the object), when it waits.
+    #[serde(skip)]
+    pub wait_on: Option<WaitOn>,
     /// For how long it has been in its status, seconds (`None`: the clock was not known).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub status_seconds: Option<f64>,
@@ -66,6 +72,9 @@ pub struct ForeignScheduler {
     pub running: Option<FiberId>,
     /// Its fibers, by id.
     pub fibers: Vec<ForeignFiber>,
+    /// Fibers that could not be read, and why.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub note: Option<String>,
 }
 
 /// Every thread and every fiber of another process.
@@ -82,12 +91,44 @@ pub struct ForeignDump {
     pub note: Option<String>,
 }
 
+/// A layer above the runtime (the Lua host) that reads its own frames of another process's
+/// fibers: the fibers whose control block carries a layer word.
+pub trait ForeignLayer {
+    /// Finds what the layer published in the target, once, while the target is held and
+    /// before any fiber is read. `Err`: why none of its frames can be read (each such fiber's
+    /// note says it).
+    fn open(&mut self, s: &mut Session) -> Result<(), String>;
+    /// A suspended fiber's frames with the layer's merged in, from its native frames
+    /// (innermost first, the runtime's suspend wrapper already left out) and its layer word;
+    /// with a note of what could not be read.
+    fn frames(
+        &mut self,
+        s: &mut Session,
+        word: u64,
+        native: Vec<Frame>,
+    ) -> (Vec<Frame>, Option<String>);
+    /// What one of the layer's own frames (a [`Frame::Lua`]) stands for, for the views.
+    fn resolve(&self, f: &Frame) -> Option<Resolved>;
+    /// Reads ahead ([`Session::prefetch`]) what [`Self::frames`] will read for the fibers
+    /// with these layer words (optional: a speed-up of the read while the target is held).
+    fn prefetch(&mut self, _s: &mut Session, _words: &[u64]) {}
+}
+
 /// Reads every thread and fiber of process `pid` (see the module doc).
 pub fn dump(pid: i32, opts: &DumpOptions) -> Result<ForeignDump, DumpError> {
+    dump_with(pid, opts, None)
+}
+
+/// [`dump`], with a layer's frames merged into the fibers it runs.
+pub fn dump_with(
+    pid: i32,
+    opts: &DumpOptions,
+    layer: Option<&mut dyn ForeignLayer>,
+) -> Result<ForeignDump, DumpError> {
     // This process's counter rate (the machine's), measured before the target is stopped
     // (the first measurement waits 2 ms).
     let own_ps = own_rate();
-    from_session(Session::open(pid, opts)?, own_ps)
+    from_session(Session::open(pid, opts)?, own_ps, layer)
 }
 
 /// Reads every thread and fiber of the process a core file holds (see
@@ -100,8 +141,19 @@ pub fn dump_core(
     root: Option<&std::path::Path>,
     opts: &DumpOptions,
 ) -> Result<ForeignDump, DumpError> {
+    dump_core_with(core, exe, root, opts, None)
+}
+
+/// [`dump_core`], with a layer's frames merged into the fibers it runs.
+pub fn dump_core_with(
+    core: &std::path::Path,
+    exe: Option<&std::path::Path>,
+    root: Option<&std::path::Path>,
+    opts: &DumpOptions,
+    layer: Option<&mut dyn ForeignLayer>,
+) -> Result<ForeignDump, DumpError> {
     let own_ps = own_rate();
-    from_session(Session::open_core(core, exe, root, opts)?, own_ps)
+    from_session(Session::open_core(core, exe, root, opts)?, own_ps, layer)
 }
 
 /// Picoseconds per counter tick, measured in this process.
@@ -109,15 +161,27 @@ fn own_rate() -> u64 {
     crate::clock::Rate::now().duration(1_000_000).as_nanos() as u64 / 1000
 }
 
-fn from_session(mut s: Session, own_ps: u64) -> Result<ForeignDump, DumpError> {
+fn from_session(
+    mut s: Session,
+    own_ps: u64,
+    mut layer: Option<&mut dyn ForeignLayer>,
+) -> Result<ForeignDump, DumpError> {
     let threads = s.threads();
-    let registry = read_registry(&mut s, own_ps);
+    let mut reader = match layer.as_deref_mut() {
+        Some(l) => match l.open(&mut s) {
+            Ok(()) => LayerState::Open(l),
+            Err(why) => LayerState::Failed(why),
+        },
+        None => LayerState::Absent,
+    };
+    let registry = read_registry(&mut s, own_ps, &mut reader);
     s.resume();
     let process = s.finish(threads);
     let (schedulers, note) = match registry {
         Ok((raw, note)) => (
             raw.into_iter()
                 .map(|r| ForeignScheduler {
+                    note: missing_note(r.unreadable, r.lost_slots),
                     id: r.id,
                     name: r.name,
                     thread: r.thread,
@@ -126,11 +190,12 @@ fn from_session(mut s: Session, own_ps: u64) -> Result<ForeignDump, DumpError> {
                         .fibers
                         .into_iter()
                         .map(|f| ForeignFiber {
-                            frames: s.resolve_all(&f.frames),
+                            frames: resolve_with(&s, &f.frames, layer.as_deref()),
                             id: f.id,
                             name: f.name,
                             status: f.status,
                             waiting: f.waiting,
+                            wait_on: f.wait_on,
                             status_seconds: f.status_seconds,
                             parent: f.parent,
                             csw: f.csw,
@@ -150,12 +215,60 @@ fn from_session(mut s: Session, own_ps: u64) -> Result<ForeignDump, DumpError> {
     })
 }
 
+/// What a scheduler's fibers lack: control blocks or slab chunks that could not be read.
+fn missing_note(unreadable: usize, lost_slots: usize) -> Option<String> {
+    match (unreadable, lost_slots) {
+        (0, 0) => None,
+        (n, 0) => Some(format!(
+            "{n} fibers could not be read (their control blocks)"
+        )),
+        (0, k) => Some(format!(
+            "up to {k} fibers could not be read (a part of the fiber table)"
+        )),
+        (n, k) => Some(format!(
+            "{n} fibers could not be read (their control blocks), and up to {k} more (a part \
+             of the fiber table)"
+        )),
+    }
+}
+
+/// The layer as the fibers are read.
+enum LayerState<'a> {
+    /// None was given.
+    Absent,
+    /// It found what it needs.
+    Open(&'a mut dyn ForeignLayer),
+    /// It could not (why).
+    Failed(String),
+}
+
+/// Names every frame: native ones from the target's files, the layer's through the layer.
+fn resolve_with(
+    s: &Session,
+    frames: &[Frame],
+    layer: Option<&dyn ForeignLayer>,
+) -> Vec<ResolvedFrame> {
+    let mut out = s.resolve_all(frames);
+    if let Some(l) = layer {
+        for rf in &mut out {
+            if matches!(rf.frame, Frame::Lua(_)) {
+                rf.resolved = l.resolve(&rf.frame);
+            }
+        }
+    }
+    out
+}
+
 struct RawScheduler {
     id: u64,
     name: String,
     thread: Option<i32>,
     running: Option<FiberId>,
     fibers: Vec<RawFiber>,
+    /// Control blocks that could not be read.
+    unreadable: usize,
+    /// Slab chunks that could not be read (slots of fibers that may be missing).
+    lost_slots: usize,
 }
 
 struct RawFiber {
@@ -163,6 +276,7 @@ struct RawFiber {
     name: String,
     status: Status,
     waiting: Option<String>,
+    wait_on: Option<WaitOn>,
     status_seconds: Option<f64>,
     parent: Option<FiberId>,
     csw: u64,
@@ -200,6 +314,7 @@ struct Layout {
 fn read_registry(
     s: &mut Session,
     own_ps: u64,
+    layer: &mut LayerState<'_>,
 ) -> Result<(Vec<RawScheduler>, Option<String>), String> {
     let Some((addr, size)) = s.section(".fibertrace.registry") else {
         return Err(
@@ -232,7 +347,7 @@ fn read_registry(
         if p == 0 {
             continue;
         }
-        if let Some(sched) = read_scheduler(s, &l, p, ps, now, &mut total) {
+        if let Some(sched) = read_scheduler(s, &l, p, ps, now, &mut total, layer) {
             out.push(sched);
         }
     }
@@ -308,6 +423,7 @@ fn read_scheduler(
     ps: u64,
     now: u64,
     total: &mut usize,
+    layer: &mut LayerState<'_>,
 ) -> Option<RawScheduler> {
     let [size, id, name_ptr, name_len, tid, running, chunk_dir, chunk_count, len] = l.s;
     let mut b = vec![0u8; (size as usize).min(1 << 16)];
@@ -324,50 +440,110 @@ fn read_scheduler(
         thread: (tid_v != 0).then_some(tid_v),
         running: (running_v != 0).then_some(running_v),
         fibers: Vec::new(),
+        unreadable: 0,
+        lost_slots: 0,
     };
     let len_v = len_v.min(count.saturating_mul(l.chunk_slots));
     let mut chunk = vec![0u8; l.chunk_slots * 8];
     let mut chunk_at = usize::MAX;
-    for i in 0..len_v {
-        if *total >= MAX_FIBERS {
-            break;
-        }
-        let c = i / l.chunk_slots;
-        if c != chunk_at {
-            chunk_at = c;
-            let cp = s.read_u64(dir + 8 * c as u64).unwrap_or(0);
-            if cp == 0 || !s.read(cp, &mut chunk) {
-                chunk.fill(0);
+    let mut group: Vec<u64> = Vec::with_capacity(GROUP);
+    let mut i = 0;
+    while i < len_v && *total < MAX_FIBERS {
+        // A group of control blocks, read ahead together with the stacks and states their
+        // fibers are walked from (a few system calls for the group, not a few per fiber).
+        group.clear();
+        while i < len_v && group.len() < GROUP {
+            let c = i / l.chunk_slots;
+            if c != chunk_at {
+                chunk_at = c;
+                let cp = s.read_u64(dir + 8 * c as u64).unwrap_or(0);
+                if cp == 0 || !s.read(cp, &mut chunk) {
+                    chunk.fill(0);
+                    sched.lost_slots += l.chunk_slots.min(len_v - i);
+                }
             }
+            let cb = u64_at(&chunk, (i % l.chunk_slots) * 8).unwrap_or(0);
+            if cb != 0 {
+                group.push(cb);
+            }
+            i += 1;
         }
-        let cb = u64_at(&chunk, (i % l.chunk_slots) * 8).unwrap_or(0);
-        if cb == 0 {
-            continue;
-        }
-        if let Some(f) = read_fiber(s, l, cb, ps, now) {
-            *total += 1;
-            sched.fibers.push(f);
+        prefetch_group(s, l, &group, layer);
+        for &cb in &group {
+            if *total >= MAX_FIBERS {
+                break;
+            }
+            match read_fiber(s, l, cb, ps, now, layer) {
+                Ok(Some(f)) => {
+                    *total += 1;
+                    sched.fibers.push(f);
+                }
+                Ok(None) => {}
+                Err(()) => sched.unreadable += 1,
+            }
         }
     }
     sched.fibers.sort_by_key(|f| f.id);
     Some(sched)
 }
 
-fn read_fiber(s: &mut Session, l: &Layout, p: u64, ps: u64, now: u64) -> Option<RawFiber> {
-    let [size, id, name_ptr, name_len, parent, run, status, wait_on, since, csw, ip, sp, fp, _lo, _hi, entry_sp, layer, _created] =
+/// Control blocks read ahead at once.
+const GROUP: usize = 256;
+
+/// Reads ahead what reading the fibers of `group` (their control blocks) needs: the blocks,
+/// then each suspended fiber's used stack and its layer's state.
+fn prefetch_group(s: &mut Session, l: &Layout, group: &[u64], layer: &mut LayerState<'_>) {
+    let size = l.f[0] as u64;
+    let ranges: Vec<(u64, u64)> = group.iter().map(|&cb| (cb, cb + size)).collect();
+    s.prefetch(&ranges);
+    let [_, _, _, _, _, run, _, _, _, _, _, sp, _, _, hi, entry_sp, layer_word, _] = l.f;
+    let mut stacks = Vec::with_capacity(group.len());
+    let mut words = Vec::new();
+    let mut b = vec![0u8; (size as usize).min(1 << 16)];
+    for &cb in group {
+        if !s.read(cb, &mut b) {
+            continue;
+        }
+        let w = |off: u32| u64_at(&b, off as usize).unwrap_or(0);
+        let state = RunState::from_u8(b.get(run as usize).copied().unwrap_or(0));
+        if !matches!(state, RunState::Suspended | RunState::Inspecting) {
+            continue;
+        }
+        let (from, stop) = (w(sp), w(entry_sp));
+        stacks.push((from, if stop > from { stop } else { w(hi) }));
+        if w(layer_word) != 0 {
+            words.push(w(layer_word));
+        }
+    }
+    s.prefetch(&stacks);
+    if let LayerState::Open(lr) = layer {
+        lr.prefetch(s, &words);
+    }
+}
+
+fn read_fiber(
+    s: &mut Session,
+    l: &Layout,
+    p: u64,
+    ps: u64,
+    now: u64,
+    layer: &mut LayerState<'_>,
+) -> Result<Option<RawFiber>, ()> {
+    let [size, id, name_ptr, name_len, parent, run, status, wait_on, since, csw, ip, sp, fp, _lo, _hi, entry_sp, layer_word, _created] =
         l.f;
     let mut b = vec![0u8; (size as usize).min(1 << 16)];
     if !s.read(p, &mut b) {
-        return None;
+        return Err(());
     }
     let w = |off: u32| u64_at(&b, off as usize).unwrap_or(0);
     let byte = |off: u32| b.get(off as usize).copied().unwrap_or(0);
     let state = RunState::from_u8(byte(run));
     if state == RunState::Dead {
-        return None;
+        return Ok(None);
     }
     let st = Status::from_u8(byte(status));
-    let waiting = WaitOn::unpack(w(wait_on)).map(|on| on.words().into_owned());
+    let wait_on_v = WaitOn::unpack(w(wait_on));
+    let waiting = wait_on_v.as_ref().map(|on| on.words().into_owned());
     let status_seconds = (ps > 0).then(|| {
         let ticks = now.saturating_sub(w(since));
         Duration::from_nanos((ticks as u128 * ps as u128 / 1000) as u64).as_secs_f64()
@@ -378,6 +554,7 @@ fn read_fiber(s: &mut Session, l: &Layout, p: u64, ps: u64, now: u64) -> Option<
         name: read_string(s, w(name_ptr), w(name_len)),
         status: st,
         waiting,
+        wait_on: wait_on_v,
         status_seconds,
         parent: (parent_v != 0).then_some(parent_v),
         csw: w(csw),
@@ -403,12 +580,26 @@ fn read_fiber(s: &mut Session, l: &Layout, p: u64, ps: u64, now: u64) -> Option<
             }
             f.frames = frames;
             f.note = note;
-            if w(layer) != 0 && f.note.is_none() {
+            let word = w(layer_word);
+            if word != 0 {
                 // A layer above the runtime (a Lua host) runs this fiber.
-                f.note = Some(
-                    "its Lua frames are not read from another process yet: native frames only"
-                        .into(),
-                );
+                let why = match layer {
+                    LayerState::Open(lr) => {
+                        let (merged, why) = lr.frames(s, word, std::mem::take(&mut f.frames));
+                        f.frames = merged;
+                        why
+                    }
+                    LayerState::Failed(why) => Some(format!("its Lua frames are not shown: {why}")),
+                    LayerState::Absent => Some(
+                        "a layer above the runtime (a Lua host) runs it: its frames are not \
+                         read here, native frames only"
+                            .into(),
+                    ),
+                };
+                f.note = match (f.note.take(), why) {
+                    (Some(a), Some(b)) => Some(format!("{a}; {b}")),
+                    (a, b) => a.or(b),
+                };
             }
             if s.mode() == Mode::NonBlocking {
                 // Torn? Its switch count or state moved while it was read.
@@ -424,10 +615,152 @@ fn read_fiber(s: &mut Session, l: &Layout, p: u64, ps: u64, now: u64) -> Option<
         }
         RunState::Dead => {}
     }
-    Some(f)
+    Ok(Some(f))
 }
 
 impl ForeignDump {
+    /// The fibers as a [`Snapshot`] of this runtime's, which the grouped view and the
+    /// exports (pprof, folded stacks, flame graph, speedscope) read; with `threads`, the
+    /// process's threads first, as one more scheduler named `threads` whose "fibers" are
+    /// the threads (id: the thread's kernel id). What another process's registry does not
+    /// publish is zero or empty: CPU time, stack use, creation time, the creators' traces.
+    pub fn snapshot(&self, threads: bool) -> super::Snapshot {
+        use std::sync::Arc;
+        let frames = |list: &[ResolvedFrame]| -> Arc<[super::FrameInfo]> {
+            list.iter()
+                .map(|rf| {
+                    let (resolved, label) = match (rf.frame, &rf.resolved) {
+                        (Frame::Lua(_), Some(r)) => {
+                            let sym = r.symbols.first();
+                            let label = sym.map(|s| {
+                                format!(
+                                    "{} in {}:{}",
+                                    s.name.as_deref().unwrap_or("?"),
+                                    s.file.as_deref().unwrap_or("?"),
+                                    s.line.map_or(-1, i64::from)
+                                )
+                            });
+                            (None, label.map(Arc::from))
+                        }
+                        (f, r) => {
+                            // A native frame this process cannot name: named as read (or
+                            // not at all), never by this process's own symbols.
+                            let r = match (f.lookup_address(), r) {
+                                (_, Some(r)) => Some(Arc::new(r.clone())),
+                                (Some(a), None) => Some(Arc::new(Resolved {
+                                    lookup_address: a,
+                                    ..Resolved::default()
+                                })),
+                                (None, None) => None,
+                            };
+                            (r, None)
+                        }
+                    };
+                    super::FrameInfo {
+                        frame: rf.frame,
+                        resolved,
+                        label,
+                    }
+                })
+                .collect()
+        };
+        let info = |id: u64,
+                    name: &str,
+                    sched: u64,
+                    status: Status,
+                    f: Option<&ForeignFiber>,
+                    list: &[ResolvedFrame]| {
+            super::FiberInfo {
+                id,
+                name: Arc::from(name),
+                scheduler: sched,
+                status,
+                status_seconds: f.and_then(|f| f.status_seconds).unwrap_or(0.0),
+                waiting: f.and_then(|f| {
+                    Some(super::Waiting {
+                        on: f.wait_on.clone()?,
+                        what: std::borrow::Cow::Owned(f.waiting.clone()?),
+                        seconds: f.status_seconds.unwrap_or(0.0),
+                    })
+                }),
+                csw: f.map_or(0, |f| f.csw),
+                cpu_time: 0.0,
+                stack_size: 0,
+                stack_used: 0,
+                stack_used_max: 0,
+                created: 0.0,
+                age: 0.0,
+                parent: f.and_then(|f| f.parent),
+                entry: std::borrow::Cow::Borrowed(""),
+                backtrace: Some(frames(list)),
+                parent_backtrace: Vec::new(),
+                parent_backtrace_omitted: 0,
+            }
+        };
+        let mut schedulers = Vec::new();
+        if threads {
+            schedulers.push(super::SchedulerSnapshot {
+                id: 0,
+                name: "threads".into(),
+                thread: None,
+                running: None,
+                fibers: self
+                    .process
+                    .threads
+                    .iter()
+                    .map(|t| info(t.tid as u64, &t.name, 0, Status::Running, None, &t.frames))
+                    .collect(),
+                note: None,
+            });
+        }
+        for s in &self.schedulers {
+            schedulers.push(super::SchedulerSnapshot {
+                id: s.id,
+                name: s.name.clone(),
+                thread: s.thread,
+                running: s.running,
+                fibers: s
+                    .fibers
+                    .iter()
+                    .map(|f| info(f.id, &f.name, s.id, f.status, Some(f), &f.frames))
+                    .collect(),
+                note: s.note.clone(),
+            });
+        }
+        super::Snapshot {
+            version: super::SNAPSHOT_VERSION,
+            taken_at: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs_f64(),
+            schedulers,
+        }
+    }
+
+    /// The process and its threads as text (glue left out unless
+    /// [`crate::glue::native_detail`]), and why fibers are missing, if they are.
+    fn process_text(&self) -> String {
+        let opts = fibertrace_core::format::TextOptions {
+            hide: crate::inspect::glue::filter(),
+            ..Default::default()
+        };
+        let mut out = self.process.to_text_with(&opts);
+        if let Some(n) = &self.note {
+            out.push_str(&format!("(fibers: {n})\n"));
+        }
+        out
+    }
+
+    /// The dump as text with the fibers grouped (Go's `debug=1`, as
+    /// [`super::dump::snapshot_grouped`]): the process and its threads as [`Self::to_text`]
+    /// shows them, then each scheduler's fibers folded by state and trace.
+    pub fn to_grouped_text(&self) -> String {
+        let mut out = self.process_text();
+        out.push('\n');
+        out.push_str(&super::dump::snapshot_grouped(&self.snapshot(false)));
+        out
+    }
+
     /// The dump as text: the process and its threads, then each scheduler's fibers as this
     /// process's own dumps show them (`fiber 7 "worker" [channel receive, 3.2s]:`), glue left
     /// out unless [`crate::glue::native_detail`].
@@ -437,10 +770,7 @@ impl ForeignDump {
             hide: crate::inspect::glue::filter(),
             ..Default::default()
         };
-        let mut out = self.process.to_text_with(&opts);
-        if let Some(n) = &self.note {
-            let _ = writeln!(out, "(fibers: {n})");
-        }
+        let mut out = self.process_text();
         for sched in &self.schedulers {
             let _ = write!(
                 out,
@@ -453,6 +783,9 @@ impl ForeignDump {
                 let _ = write!(out, " (thread {t})");
             }
             out.push_str("\n\n");
+            if let Some(n) = &sched.note {
+                let _ = writeln!(out, "({n})\n");
+            }
             for f in &sched.fibers {
                 let words = match (&f.waiting, f.status) {
                     (Some(w), _) => w.clone(),

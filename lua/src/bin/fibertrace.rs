@@ -207,9 +207,9 @@ fn cli() -> Command {
                      outside without running its code: symbols, file:line and inline frames \
                      from its own binaries (found through /proc/PID/root, so a container's \
                      are its own); for a process that uses the fibertrace runtime, every \
-                     fiber too (its registry, its suspended stacks). By default every thread \
-                     is stopped (ptrace) for the time of the reading and let go after, \
-                     whatever happens",
+                     fiber too (its registry, its suspended stacks, a Lua host's Lua \
+                     frames). By default every thread is stopped (ptrace) for the time of \
+                     the reading and let go after, whatever happens",
                 )
                 .arg(
                     Arg::new("target")
@@ -256,9 +256,22 @@ fn cli() -> Command {
                     Arg::new("format")
                         .long("format")
                         .value_name("FORMAT")
-                        .value_parser(["text", "json"])
+                        .value_parser([
+                            "text",
+                            "grouped",
+                            "json",
+                            "pprof",
+                            "folded",
+                            "svg",
+                            "speedscope",
+                        ])
                         .default_value("text")
-                        .help("text, or json (the dump as one JSON object)"),
+                        .help(
+                            "text; grouped (identical fibers folded, Go's debug=1); json \
+                             (the dump as one JSON object); pprof (gzipped profile.proto), \
+                             folded, svg (a flame graph) or speedscope: the threads and \
+                             fibers as stacks",
+                        ),
                 )
                 .arg(
                     Arg::new("native-detail")
@@ -434,13 +447,21 @@ fn dump_process(m: &clap::ArgMatches) -> ExitCode {
         },
         ..DumpOptions::default()
     };
+    // A Lua host's fibers get their Lua frames (read with the layout it publishes).
+    let mut lua = fibertrace_lua::interleave::foreign::LuaLayer::new();
     let d = match &core {
         Some(c) => {
             let exe = target.map(PathBuf::from);
             let root = m.get_one::<std::ffi::OsString>("root").map(PathBuf::from);
-            fibertrace_fiber::inspect::foreign::dump_core(c, exe.as_deref(), root.as_deref(), &opts)
+            fibertrace_fiber::inspect::foreign::dump_core_with(
+                c,
+                exe.as_deref(),
+                root.as_deref(),
+                &opts,
+                Some(&mut lua),
+            )
         }
-        None => fibertrace_fiber::inspect::foreign::dump(pid, &opts),
+        None => fibertrace_fiber::inspect::foreign::dump_with(pid, &opts, Some(&mut lua)),
     };
     let d = match d {
         Ok(d) => d,
@@ -449,23 +470,32 @@ fn dump_process(m: &clap::ArgMatches) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let text = match m.get_one::<String>("format").map(String::as_str) {
+    fibertrace_fiber::glue::set_native_detail(m.get_flag("native-detail"));
+    // (The target may run a Lua host: its glue is left out too.)
+    fibertrace_lua::host::register_glue();
+    let text: Vec<u8> = match m.get_one::<String>("format").map(String::as_str) {
         Some("json") => match serde_json::to_string_pretty(&d) {
-            Ok(j) => j + "\n",
+            Ok(j) => (j + "\n").into_bytes(),
             Err(e) => {
                 err!("fibertrace: {e}");
                 return ExitCode::from(1);
             }
         },
-        _ => {
-            fibertrace_fiber::glue::set_native_detail(m.get_flag("native-detail"));
-            // (The target may run a Lua host: its glue is left out too.)
-            fibertrace_lua::host::register_glue();
-            d.to_text()
+        Some("grouped") => d.to_grouped_text().into_bytes(),
+        Some(f @ ("pprof" | "folded" | "svg" | "speedscope")) => {
+            use fibertrace_fiber::inspect::export::{to_bytes, Format};
+            match Format::parse(f) {
+                Ok(fmt) => to_bytes(&d.snapshot(true), fmt),
+                Err(e) => {
+                    err!("fibertrace: {e}");
+                    return ExitCode::from(1);
+                }
+            }
         }
+        _ => d.to_text().into_bytes(),
     };
     let mut out = io::stdout().lock();
-    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+    match out.write_all(&text).and_then(|()| out.flush()) {
         Ok(()) => ExitCode::SUCCESS,
         // A closed pipe (`| head`) ends it quietly.
         Err(e) if e.kind() == io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,

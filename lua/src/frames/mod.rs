@@ -35,7 +35,9 @@ use fibertrace_core::LuaFrameId;
 use mlua::ffi;
 use smallvec::SmallVec;
 
+pub mod foreign;
 pub mod intern;
+pub mod publish;
 
 use intern::{LuaKind, RawInfo};
 

@@ -64,6 +64,9 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
     unsafe {
         ffi::lua_checkstack(l, 16);
         let base = ffi::lua_gettop(l);
+        // The layout another process reads this process's Lua stacks with, checked against
+        // this VM once (a mismatch only means no Lua frames in `fibertrace dump PID`).
+        let _ = crate::frames::publish::check(l);
         raw::install_protect(l);
         clear_pending();
         // The constructor of `fiber.info()` entries (see `info::push_fiber`).

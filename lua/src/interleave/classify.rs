@@ -34,6 +34,9 @@ pub struct VmMap {
     pub interpreter: Option<(u64, u64)>,
     /// LuaJIT's `lj_vm_ffi_call` (inside the interpreter but with a frame record of its own).
     pub ffi_call: Option<(u64, u64)>,
+    /// Whether the map is of another process's images (then a function that no symbol table
+    /// gives an end is not looked up in this process's symbolizer).
+    pub foreign: bool,
 }
 
 /// Lua 5.4 core (VM) source files.
@@ -101,6 +104,22 @@ impl VmMap {
                 continue;
             }
             map.add_file(&img.path, img.base);
+        }
+        map.finish();
+        map
+    }
+
+    /// Builds the map of another process from its files and their load biases (see
+    /// `fibertrace_core::remote::Session::image_files`).
+    pub fn from_files(files: &[(std::path::PathBuf, u64)]) -> VmMap {
+        let mut map = VmMap {
+            foreign: true,
+            ..VmMap::default()
+        };
+        for (path, bias) in files {
+            if let Some(p) = path.to_str() {
+                map.add_file(p, *bias);
+            }
         }
         map.finish();
         map

@@ -37,6 +37,7 @@ use smallvec::SmallVec;
 use crate::frames::{capture_lua_stack, LuaLevel, LuaStack};
 
 pub mod classify;
+pub mod foreign;
 
 pub use classify::{vm_map, VmMap};
 
@@ -144,13 +145,15 @@ pub unsafe fn capture_current_raw(
 
 /// Whether native frame `f` lies inside the `lua_CFunction` starting at `cfunc`.
 #[inline]
-fn anchored(f: &Frame, cfunc: usize, end: Option<u64>) -> bool {
+fn anchored(f: &Frame, cfunc: usize, end: Option<u64>, foreign: bool) -> bool {
     let Some(a) = f.lookup_address() else {
         return false;
     };
     let c = cfunc as u64;
     match end {
         Some(e) => a >= c && a < e,
+        // Another process's function that no symbol table gives an end: not known.
+        None if foreign => false,
         // The function is not in any symbol table we read: ask the symbolizer (cached).
         None => a >= c && fibertrace_core::symbolize::resolve_address(a).function_start == Some(c),
     }
@@ -207,7 +210,7 @@ pub fn merge_with_gap<const N: usize>(
         if !l.is_anchor() {
             return None;
         }
-        (from..to).find(|&k| anchored(&native[k], l.cfunc, ends[j]))
+        (from..to).find(|&k| anchored(&native[k], l.cfunc, ends[j], map.foreign))
     };
     let next = |from: usize, want_vm: bool| (from..n).find(|&k| vm[k] == want_vm).unwrap_or(n);
 

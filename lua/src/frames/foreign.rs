@@ -1,0 +1,1032 @@
+//! Lua frames of another process: a LuaJIT state's stack read from its memory, with the
+//! layout the process published ([`super::publish`]), into the same [`LuaStack`] that
+//! [`super::capture_lua_stack`] gives in-process (levels interned in *this* process's table).
+//!
+//! The walk is LuaJIT's own `lua_getstack`/`lua_getinfo("Slnf")` done from outside: from the
+//! state's base down its frame links (a Lua frame's link is its caller's PC, whose call
+//! instruction gives the caller's frame size; other frames carry a delta), dummy frames and
+//! the lower half of a vararg frame skipped; per level, the function's kind, chunk name,
+//! first line, current line (its caller's PC in the line table) and the name its caller
+//! knows it by (decoded from the caller's call instruction: a global, field, method, local
+//! or upvalue, or the metamethod the instruction invokes). Coroutines running inside the
+//! state are followed as in-process (a C level holding a running thread in its first
+//! upvalue or first argument). Levels beyond [`super::MAX_LEVELS`] are cut as in-process.
+//!
+//! Invariants: every read is bounded (frames per thread, threads, bytes of a name); a
+//! frame link that does not go down the stack, or a read that fails, ends the walk with an
+//! error that says where, never a loop or a wild read (the memory is read through
+//! [`Memory`], which fails on an unmapped address).
+//!
+//! How a result can differ from the target's own `lua_getinfo`: the current line of a Lua
+//! function on top of a state (only when a hook or error handler runs) and of a Lua
+//! function below a frame called from C by the runtime (a `__gc` finalizer, an error
+//! handler) need LuaJIT's C-frame chain, which is not read: the line is `-1` there; a PC
+//! inside a trace's exit stub (after `lj_trace_exit` patched it) gives `-1` too. A state
+//! that runs while it is read (a non-blocking dump) may give a torn walk: the caller checks
+//! the fiber did not switch meanwhile.
+
+use std::collections::HashMap;
+
+use smallvec::SmallVec;
+
+use super::intern::{self, LuaKind, RawInfo};
+use super::publish::{self, Header, Layout};
+use super::{LuaLevel, LuaStack, HEAD_LEVELS, MAX_LEVELS, MAX_THREADS};
+
+/// Another process's memory.
+pub trait Memory {
+    /// Fills `out` from address `addr`; `false` if any of it cannot be read.
+    fn read(&mut self, addr: u64, out: &mut [u8]) -> bool;
+}
+
+impl Memory for fibertrace_core::remote::Session {
+    fn read(&mut self, addr: u64, out: &mut [u8]) -> bool {
+        fibertrace_core::remote::Session::read(self, addr, out)
+    }
+}
+
+/// Frames read per thread at most (LuaJIT's own stack limit is about 65,500 slots).
+const MAX_FRAMES: usize = 1 << 17;
+/// Bytes of a string read at most (chunk names loaded from text carry the whole text).
+const MAX_STR: usize = 4096;
+/// Bytes of a prototype's variable-name list read at most.
+const MAX_VARINFO: u64 = 1 << 20;
+/// LuaJIT's `LUA_IDSIZE` (the printable source's room, with its NUL).
+const IDSIZE: usize = 60;
+/// The payload of a 64-bit reference (`LJ_GCVMASK`).
+const GCV_MASK: u64 = (1 << 47) - 1;
+/// The type tags of a thread and a function in a 64-bit `TValue` (`~6`, `~8`).
+const T_THREAD: u32 = !6;
+const T_FUNC: u32 = !8;
+/// The names LuaJIT gives the for-loop's hidden variables (`VARNAME_*`, 1 to 6).
+const HIDDEN_VARS: [&str; 6] = [
+    "(for index)",
+    "(for limit)",
+    "(for step)",
+    "(for generator)",
+    "(for state)",
+    "(for control)",
+];
+/// Metamethod names by number (LuaJIT's `MMS` order, FFI and 5.2 extensions included).
+const MM_NAMES: [&str; 22] = [
+    "__index",
+    "__newindex",
+    "__gc",
+    "__mode",
+    "__eq",
+    "__len",
+    "__lt",
+    "__le",
+    "__concat",
+    "__call",
+    "__add",
+    "__sub",
+    "__mul",
+    "__div",
+    "__mod",
+    "__pow",
+    "__unm",
+    "__metatable",
+    "__tostring",
+    "__new",
+    "__pairs",
+    "__ipairs",
+];
+
+/// Reads Lua stacks of one process, with its layout and caches of what every stack shares
+/// (strings, prototypes).
+pub struct Reader {
+    l: Layout,
+    bc_mode: Vec<u16>,
+    strings: HashMap<u64, Option<Box<[u8]>>>,
+    /// What each prototype read gives a level: first line, line count, source, printable
+    /// source.
+    protos: HashMap<u64, std::rc::Rc<ProtoInfo>>,
+    /// The name a caller gives the function it calls at a position of its code:
+    /// `(prototype, position)`.
+    names: HashMap<(u64, u32), Option<Vec<u8>>>,
+}
+
+/// A prototype's description, read once per dump.
+struct ProtoInfo {
+    firstline: u32,
+    numline: u32,
+    source: Box<[u8]>,
+    short: String,
+}
+
+/// Entries a cache keeps at most (a bound on this process's memory).
+const MAX_CACHED: usize = 1 << 16;
+
+/// One level found by the walk: its frame, the frame above it (`None`: it is on top), and
+/// the thread it belongs to.
+#[derive(Clone, Copy)]
+struct Slot {
+    th: u64,
+    frame: u64,
+    next: Option<u64>,
+    thread: u8,
+}
+
+fn itype(tv: u64) -> u32 {
+    ((tv as i64) >> 47) as u32
+}
+
+impl Reader {
+    /// A reader for the process whose `.fibertrace.lua` header is `head` (the section's
+    /// bytes); `Err`: why its Lua frames cannot be read.
+    pub fn open(mem: &mut dyn Memory, head: &[u8]) -> Result<Reader, String> {
+        use std::mem::offset_of;
+        let u32_at = |off: usize| {
+            head.get(off..off + 4)
+                .map(|b| u32::from_le_bytes(b.try_into().unwrap_or_default()))
+        };
+        let u64_at = |off: usize| {
+            head.get(off..off + 8)
+                .map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
+        };
+        if head.len() < 24 || head[..16] != publish::MAGIC {
+            return Err("its .fibertrace.lua section holds no Lua layout (bad magic)".into());
+        }
+        let version = u32_at(offset_of!(Header, version)).unwrap_or(0);
+        if version != publish::VERSION {
+            return Err(format!(
+                "its Lua layout is version {version}; this fibertrace reads version {}",
+                publish::VERSION
+            ));
+        }
+        let size = u32_at(offset_of!(Header, header_size)).unwrap_or(0) as usize;
+        if size < std::mem::size_of::<Header>()
+            || head.len() < std::mem::size_of::<Header>()
+            || u32_at(offset_of!(Header, pointer_size)) != Some(8)
+        {
+            return Err(format!("its Lua layout header is malformed (size {size})"));
+        }
+        match u32_at(offset_of!(Header, vm)).unwrap_or(0) {
+            publish::VM_LUAJIT_GC64 => {}
+            publish::VM_LUA54 => {
+                return Err(
+                    "it runs Lua 5.4, whose frames are not read from another process \
+                            (only LuaJIT's are)"
+                        .into(),
+                )
+            }
+            vm => {
+                return Err(format!(
+                    "it runs a Lua VM this fibertrace does not know ({vm})"
+                ))
+            }
+        }
+        let word = |off: usize, mem: &mut dyn Memory| {
+            let a = u64_at(off)?;
+            let mut b = [0u8; 8];
+            mem.read(a, &mut b).then(|| u64::from_le_bytes(b))
+        };
+        let checked = word(offset_of!(Header, checked), mem).map(|w| w as u32);
+        match checked {
+            Some(publish::MATCHES) => {}
+            Some(publish::UNCHECKED) => {
+                return Err("its Lua host was not set up yet (the layout is not checked)".into())
+            }
+            Some(publish::MISMATCH) => {
+                return Err(
+                    "its LuaJIT's layout is not the one this fibertrace reads (the \
+                            process found the mismatch at its start)"
+                        .into(),
+                )
+            }
+            _ => return Err("its Lua layout's check word could not be read".into()),
+        }
+        let at = offset_of!(Header, layout);
+        let bytes = head
+            .get(at..at + std::mem::size_of::<Layout>())
+            .ok_or("its Lua layout header is cut short")?;
+        // SAFETY: `bytes` holds `size_of::<Layout>()` bytes; `Layout` is `repr(C)` of plain
+        // integers only, so any bytes are a value of it; the read is unaligned-safe.
+        let l: Layout = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+        let offsets = [
+            l.state_status,
+            l.state_base,
+            l.state_top,
+            l.state_stack,
+            l.func_ffid,
+            l.func_nupvalues,
+            l.func_pc,
+            l.func_cfunc,
+            l.func_c_upvalue,
+            l.proto_size,
+            l.proto_sizebc,
+            l.proto_k,
+            l.proto_chunkname,
+            l.proto_firstline,
+            l.proto_numline,
+            l.proto_lineinfo,
+            l.proto_uvinfo,
+            l.proto_varinfo,
+            l.str_size,
+            l.str_len,
+        ];
+        if offsets.iter().any(|&o| o > 4096) || l.mm_max as usize > MM_NAMES.len() {
+            return Err("its Lua layout is malformed (offsets out of range)".into());
+        }
+        let table = word(offset_of!(Header, bc_mode), mem).unwrap_or(0);
+        let mut raw = [0u8; 256];
+        if table == 0 || !mem.read(table, &mut raw) {
+            return Err("its bytecode mode table could not be read".into());
+        }
+        let bc_mode = raw
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect();
+        Ok(Reader {
+            l,
+            bc_mode,
+            strings: HashMap::new(),
+            protos: HashMap::new(),
+            names: HashMap::new(),
+        })
+    }
+
+    /// A reader of this process's own layout (to compare with the Lua API in tests; the
+    /// layout must have been checked, see [`publish::check`]).
+    #[doc(hidden)]
+    pub fn own() -> Result<Reader, String> {
+        if publish::checked() != publish::MATCHES {
+            return Err("the layout was not checked or does not match".into());
+        }
+        let table = publish::HEADER
+            .bc_mode
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let bc_mode = (0..128u64)
+            // SAFETY: `table` is the address of LuaJIT's mode table (one `u16` per
+            // instruction, 97 of them, in a read-only section; the 31 words after it are
+            // mapped: the table is followed by LuaJIT's other bytecode tables).
+            .map(|i| unsafe { std::ptr::read_unaligned((table + 2 * i) as *const u16) })
+            .collect();
+        Ok(Reader {
+            l: publish::HEADER.layout,
+            bc_mode,
+            strings: HashMap::new(),
+            protos: HashMap::new(),
+            names: HashMap::new(),
+        })
+    }
+
+    fn u64(mem: &mut dyn Memory, a: u64) -> Result<u64, String> {
+        let mut b = [0u8; 8];
+        if mem.read(a, &mut b) {
+            Ok(u64::from_le_bytes(b))
+        } else {
+            Err(format!("cannot read {a:#x}"))
+        }
+    }
+
+    fn u32(mem: &mut dyn Memory, a: u64) -> Result<u32, String> {
+        let mut b = [0u8; 4];
+        if mem.read(a, &mut b) {
+            Ok(u32::from_le_bytes(b))
+        } else {
+            Err(format!("cannot read {a:#x}"))
+        }
+    }
+
+    fn u8(mem: &mut dyn Memory, a: u64) -> Result<u8, String> {
+        let mut b = [0u8; 1];
+        if mem.read(a, &mut b) {
+            Ok(b[0])
+        } else {
+            Err(format!("cannot read {a:#x}"))
+        }
+    }
+
+    /// A string object's bytes (at most [`MAX_STR`]), cached by address.
+    fn string(&mut self, mem: &mut dyn Memory, s: u64) -> Option<Box<[u8]>> {
+        if let Some(v) = self.strings.get(&s) {
+            return v.clone();
+        }
+        let v = (|| {
+            let len = Self::u32(mem, s + self.l.str_len as u64).ok()? as usize;
+            let mut b = vec![0u8; len.min(MAX_STR)];
+            mem.read(s + self.l.str_size as u64, &mut b)
+                .then(|| b.into_boxed_slice())
+        })();
+        if self.strings.len() < MAX_CACHED {
+            self.strings.insert(s, v.clone());
+        }
+        v
+    }
+
+    /// Reads ahead the states `roots` and their stacks' used parts (see
+    /// `Session::prefetch`).
+    pub fn prefetch(&self, s: &mut fibertrace_core::remote::Session, roots: &[u64]) {
+        let l = self.l;
+        let end = l.state_stack.max(l.state_base).max(l.state_top) as u64 + 8;
+        let states: Vec<(u64, u64)> = roots.iter().map(|&r| (r, r + end)).collect();
+        s.prefetch(&states);
+        let stacks: Vec<(u64, u64)> = roots
+            .iter()
+            .filter_map(|&r| {
+                let stack = s.read_u64(r + l.state_stack as u64)?;
+                let top = s.read_u64(r + l.state_top as u64)?;
+                (top > stack).then(|| (stack, top.min(stack + (1 << 16))))
+            })
+            .collect();
+        s.prefetch(&stacks);
+    }
+
+    /// The Lua stack of state `root` and of the coroutines running inside it, innermost
+    /// first (see the module doc).
+    pub fn stack(&mut self, mem: &mut dyn Memory, root: u64) -> Result<LuaStack, String> {
+        let mut chain: SmallVec<[u64; 4]> = SmallVec::new();
+        chain.push(root);
+        let mut per_thread: SmallVec<[Vec<Slot>; 4]> = SmallVec::new();
+        per_thread.push(self.slots(mem, root, 0)?);
+        while chain.len() < MAX_THREADS {
+            let top = per_thread[per_thread.len() - 1].first().copied();
+            let Some(next) = top.and_then(|s| self.resumed_by(mem, s, &chain)) else {
+                break;
+            };
+            chain.push(next);
+            per_thread.push(self.slots(mem, next, 0)?);
+        }
+        // Innermost thread first.
+        let mut all: Vec<Slot> = Vec::new();
+        for (t, slots) in per_thread.into_iter().rev().enumerate() {
+            all.extend(slots.into_iter().map(|s| Slot {
+                thread: t as u8,
+                ..s
+            }));
+        }
+        let mut out = LuaStack::new();
+        out.threads = chain.len();
+        let total = all.len();
+        let (head, tail_from) = if total <= MAX_LEVELS {
+            (total, total)
+        } else {
+            (HEAD_LEVELS, total - (MAX_LEVELS - HEAD_LEVELS))
+        };
+        for (at, s) in all.iter().enumerate() {
+            if at >= head && at < tail_from {
+                if at == head {
+                    out.truncated = true;
+                    out.omitted = (tail_from - head) as u64;
+                    out.omitted_at = out.levels.len();
+                }
+                continue;
+            }
+            out.levels.push(self.level(mem, s)?);
+        }
+        Ok(out)
+    }
+
+    /// Every level of one thread, innermost first (LuaJIT's `lj_debug_frame` order).
+    fn slots(&mut self, mem: &mut dyn Memory, th: u64, thread: u8) -> Result<Vec<Slot>, String> {
+        let l = &self.l;
+        let base = Self::u64(mem, th + l.state_base as u64)?;
+        let stack = Self::u64(mem, th + l.state_stack as u64)?;
+        let bot = stack + 8;
+        let mut frame = base.wrapping_sub(8);
+        let mut next = frame;
+        let mut out = Vec::new();
+        let mut lower_half = false;
+        while frame > bot {
+            if out.len() >= MAX_FRAMES {
+                return Err(format!("more than {MAX_FRAMES} frames in state {th:#x}"));
+            }
+            let tv = Self::u64(mem, frame - 8)?;
+            let func = tv & GCV_MASK;
+            let ftsz = Self::u64(mem, frame)?;
+            if func != th && itype(tv) != T_FUNC {
+                return Err(format!("the frame at {frame:#x} holds no function"));
+            }
+            if func == th {
+                // A dummy frame (LuaJIT puts the state itself there): not a level.
+            } else if lower_half {
+                // The lower half of a vararg frame: the level above was the function.
+                lower_half = false;
+            } else {
+                out.push(Slot {
+                    th,
+                    frame,
+                    next: (next != frame).then_some(next),
+                    thread,
+                });
+            }
+            next = frame;
+            let prev = if ftsz & 3 == 0 {
+                // A Lua frame: the caller's PC; its call instruction's A is the frame size.
+                let ins = Self::u32(mem, ftsz.wrapping_sub(4))?;
+                frame.wrapping_sub(8 * (2 + ((ins >> 8) & 0xff) as u64))
+            } else {
+                lower_half = ftsz & 7 == 3;
+                frame.wrapping_sub(ftsz & !7)
+            };
+            if prev >= frame {
+                return Err(format!(
+                    "a frame link at {frame:#x} does not go down the stack"
+                ));
+            }
+            frame = prev;
+        }
+        Ok(out)
+    }
+
+    /// The thread a top level resumes (see the module doc), if usable.
+    fn resumed_by(&mut self, mem: &mut dyn Memory, top: Slot, chain: &[u64]) -> Option<u64> {
+        let l = self.l;
+        let func = Self::u64(mem, top.frame - 8).ok()? & GCV_MASK;
+        if Self::u8(mem, func + l.func_ffid as u64).ok()? == 0 {
+            return None;
+        }
+        let usable = |co: u64, mem: &mut dyn Memory| -> bool {
+            if co == 0 || chain.contains(&co) {
+                return false;
+            }
+            let ok = (|| {
+                let status = Self::u8(mem, co + l.state_status as u64).ok()?;
+                let base = Self::u64(mem, co + l.state_base as u64).ok()?;
+                let stack = Self::u64(mem, co + l.state_stack as u64).ok()?;
+                Some(status == 0 && base.wrapping_sub(8) > stack + 8)
+            })();
+            ok == Some(true)
+        };
+        if Self::u8(mem, func + l.func_nupvalues as u64).ok()? >= 1 {
+            let tv = Self::u64(mem, func + l.func_c_upvalue as u64).ok()?;
+            if itype(tv) == T_THREAD && usable(tv & GCV_MASK, mem) {
+                return Some(tv & GCV_MASK);
+            }
+        }
+        let base = Self::u64(mem, top.th + l.state_base as u64).ok()?;
+        let stop = Self::u64(mem, top.th + l.state_top as u64).ok()?;
+        if base < stop {
+            let tv = Self::u64(mem, base).ok()?;
+            if itype(tv) == T_THREAD && usable(tv & GCV_MASK, mem) {
+                return Some(tv & GCV_MASK);
+            }
+        }
+        None
+    }
+
+    /// One level's description, interned.
+    fn level(&mut self, mem: &mut dyn Memory, s: &Slot) -> Result<LuaLevel, String> {
+        let l = self.l;
+        let func = Self::u64(mem, s.frame - 8)? & GCV_MASK;
+        let ffid = Self::u8(mem, func + l.func_ffid as u64)?;
+        let name = self.funcname(mem, s.th, s.frame);
+        let (kind, cfunc, id) = if ffid == 0 {
+            let pt = self.proto(mem, func)?;
+            let info = self.proto_info(mem, pt)?;
+            let (firstline, numline) = (info.firstline, info.numline);
+            let (source, short) = (&info.source, &info.short);
+            let kind = if firstline != 0 || numline == 0 {
+                LuaKind::Lua
+            } else {
+                LuaKind::Main
+            };
+            let line = match self.framepc(mem, func, s.next) {
+                Some(pos) => self.line(mem, pt, pos) as i32,
+                None => -1,
+            };
+            let id = intern::intern(&RawInfo {
+                kind,
+                name: name.as_deref(),
+                source,
+                short_src: short.as_bytes(),
+                current_line: line,
+                line_defined: firstline as i32,
+                cfunc: 0,
+            });
+            (kind, 0, id)
+        } else {
+            let cfunc = if ffid == 1 {
+                Self::u64(mem, func + l.func_cfunc as u64)? as usize
+            } else {
+                0
+            };
+            let id = intern::intern(&RawInfo {
+                kind: LuaKind::C,
+                name: name.as_deref(),
+                source: b"=[C]",
+                short_src: b"[C]",
+                current_line: -1,
+                line_defined: -1,
+                cfunc,
+            });
+            (LuaKind::C, cfunc, id)
+        };
+        Ok(LuaLevel {
+            id,
+            kind,
+            cfunc,
+            thread: s.thread,
+        })
+    }
+
+    /// A prototype's description (cached).
+    fn proto_info(
+        &mut self,
+        mem: &mut dyn Memory,
+        pt: u64,
+    ) -> Result<std::rc::Rc<ProtoInfo>, String> {
+        if let Some(i) = self.protos.get(&pt) {
+            return Ok(i.clone());
+        }
+        let l = self.l;
+        let firstline = Self::u32(mem, pt + l.proto_firstline as u64)?;
+        let numline = Self::u32(mem, pt + l.proto_numline as u64)?;
+        let chunk = Self::u64(mem, pt + l.proto_chunkname as u64)?;
+        let source = self
+            .string(mem, chunk)
+            .unwrap_or_else(|| b"=?".to_vec().into());
+        let short = short_src(&source, firstline);
+        let info = std::rc::Rc::new(ProtoInfo {
+            firstline,
+            numline,
+            source,
+            short,
+        });
+        if self.protos.len() < MAX_CACHED {
+            self.protos.insert(pt, info.clone());
+        }
+        Ok(info)
+    }
+
+    /// A Lua function's prototype (its bytecode follows the prototype).
+    fn proto(&self, mem: &mut dyn Memory, func: u64) -> Result<u64, String> {
+        let pc = Self::u64(mem, func + self.l.func_pc as u64)?;
+        pc.checked_sub(self.l.proto_size as u64)
+            .filter(|&p| p != 0)
+            .ok_or_else(|| format!("function {func:#x} has no prototype"))
+    }
+
+    /// The bytecode position a Lua function `func` is at, from the frame above it (LuaJIT's
+    /// `debug_framepc`, without the C-frame cases: see the module doc).
+    fn framepc(&self, mem: &mut dyn Memory, func: u64, next: Option<u64>) -> Option<u32> {
+        let l = self.l;
+        if Self::u8(mem, func + l.func_ffid as u64).ok()? != 0 {
+            return None;
+        }
+        let next = next?;
+        let ftsz = Self::u64(mem, next).ok()?;
+        let ins = if ftsz & 3 == 0 {
+            ftsz
+        } else if ftsz & 7 == 2 {
+            // A continuation frame: its PC two slots below.
+            Self::u64(mem, next - 16).ok()?
+        } else {
+            return None;
+        };
+        let pt = self.proto(mem, func).ok()?;
+        let bc = pt + l.proto_size as u64;
+        let sizebc = Self::u32(mem, pt + l.proto_sizebc as u64).ok()?;
+        let pos = (ins.wrapping_sub(bc) / 4) as u32;
+        match pos.wrapping_sub(1) {
+            u32::MAX => Some(1),
+            p if p > sizebc => None,
+            p => Some(p),
+        }
+    }
+
+    /// The source line of bytecode position `pos` (LuaJIT's `lj_debug_line`).
+    fn line(&self, mem: &mut dyn Memory, pt: u64, pos: u32) -> u32 {
+        let l = self.l;
+        let mut r = || -> Result<u32, String> {
+            let sizebc = Self::u32(mem, pt + l.proto_sizebc as u64)?;
+            let lineinfo = Self::u64(mem, pt + l.proto_lineinfo as u64)?;
+            let first = Self::u32(mem, pt + l.proto_firstline as u64)?;
+            let numline = Self::u32(mem, pt + l.proto_numline as u64)?;
+            if pos > sizebc || lineinfo == 0 {
+                return Ok(0);
+            }
+            if pos == sizebc {
+                return Ok(first.wrapping_add(numline));
+            }
+            if pos == 0 {
+                return Ok(first);
+            }
+            let i = (pos - 1) as u64;
+            let d = if numline < 256 {
+                Self::u8(mem, lineinfo + i)? as u32
+            } else if numline < 65536 {
+                let mut b = [0u8; 2];
+                if !mem.read(lineinfo + 2 * i, &mut b) {
+                    return Err(String::new());
+                }
+                u16::from_le_bytes(b) as u32
+            } else {
+                Self::u32(mem, lineinfo + 4 * i)?
+            };
+            Ok(first.wrapping_add(d))
+        };
+        r().unwrap_or(0)
+    }
+
+    fn mode(&self, op: u8) -> u16 {
+        self.bc_mode.get(op as usize).copied().unwrap_or(0)
+    }
+
+    /// The name the caller of the level at `frame` knows it by (LuaJIT's
+    /// `lj_debug_funcname`).
+    fn funcname(&mut self, mem: &mut dyn Memory, th: u64, frame: u64) -> Option<Vec<u8>> {
+        let l = self.l;
+        let stack = Self::u64(mem, th + l.state_stack as u64).ok()?;
+        if frame <= stack + 8 {
+            return None;
+        }
+        let mut frame = frame;
+        let mut ftsz = Self::u64(mem, frame).ok()?;
+        if ftsz & 7 == 3 {
+            frame = frame.wrapping_sub(ftsz & !7);
+            ftsz = Self::u64(mem, frame).ok()?;
+        }
+        let pframe = if ftsz & 3 == 0 {
+            let ins = Self::u32(mem, ftsz.wrapping_sub(4)).ok()?;
+            frame.wrapping_sub(8 * (2 + ((ins >> 8) & 0xff) as u64))
+        } else {
+            frame.wrapping_sub(ftsz & !7)
+        };
+        if pframe >= frame || pframe <= stack {
+            return None;
+        }
+        let pfunc = Self::u64(mem, pframe - 8).ok()? & GCV_MASK;
+        let pos = self.framepc(mem, pfunc, Some(frame))?;
+        let pt = self.proto(mem, pfunc).ok()?;
+        if let Some(n) = self.names.get(&(pt, pos)) {
+            return n.clone();
+        }
+        let n = self.callee_name(mem, pt, pos);
+        if self.names.len() < MAX_CACHED {
+            self.names.insert((pt, pos), n.clone());
+        }
+        n
+    }
+
+    /// The name of the function called at position `pos` of prototype `pt`.
+    fn callee_name(&mut self, mem: &mut dyn Memory, pt: u64, pos: u32) -> Option<Vec<u8>> {
+        let l = self.l;
+        let sizebc = Self::u32(mem, pt + l.proto_sizebc as u64).ok()?;
+        if pos >= sizebc {
+            return None;
+        }
+        let bc = pt + l.proto_size as u64;
+        let ip = bc + 4 * pos as u64;
+        let ins = Self::u32(mem, ip).ok()?;
+        let op = (ins & 0xff) as u8;
+        let mm = (self.mode(op) >> 11) as u8;
+        if mm == l.mm_call {
+            let mut slot = (ins >> 8) & 0xff;
+            if op == l.op_iterc {
+                slot = slot.wrapping_sub(3);
+            }
+            self.slotname(mem, pt, ip, slot)
+        } else if mm != l.mm_max {
+            MM_NAMES.get(mm as usize).map(|n| n.as_bytes().to_vec())
+        } else {
+            None
+        }
+    }
+
+    /// What slot `slot` holds at instruction `ip` of prototype `pt`, by name (LuaJIT's
+    /// `lj_debug_slotname`).
+    fn slotname(&mut self, mem: &mut dyn Memory, pt: u64, ip: u64, slot: u32) -> Option<Vec<u8>> {
+        let l = self.l;
+        let bc = pt + l.proto_size as u64;
+        let (mut ip, mut slot) = (ip, slot);
+        // Each MOV restarts the search one instruction further up: bounded by the code.
+        'restart: loop {
+            let pos = ((ip - bc) / 4) as u32;
+            if let Some(n) = self.varname(mem, pt, pos, slot) {
+                return Some(n);
+            }
+            while ip > bc + 4 {
+                ip -= 4;
+                let ins = Self::u32(mem, ip).ok()?;
+                let op = (ins & 0xff) as u8;
+                let ra = (ins >> 8) & 0xff;
+                let mode_a = self.mode(op) & 7;
+                if mode_a == 2 {
+                    // BCMbase: the slot is overwritten by a call, loop or KNIL here.
+                    if slot >= ra && (op != l.op_knil || slot <= ins >> 16) {
+                        return None;
+                    }
+                } else if mode_a == 1 && ra == slot {
+                    // BCMdst: where the slot got its value.
+                    let d = ins >> 16;
+                    if op == l.op_mov {
+                        slot = d;
+                        continue 'restart;
+                    } else if op == l.op_gget {
+                        return self.kstr(mem, pt, d);
+                    } else if op == l.op_tgets {
+                        return self.kstr(mem, pt, (ins >> 16) & 0xff);
+                    } else if op == l.op_uget {
+                        return self.uvname(mem, pt, d);
+                    } else {
+                        return None;
+                    }
+                }
+            }
+            return None;
+        }
+    }
+
+    /// The string constant number `idx` of prototype `pt`.
+    fn kstr(&mut self, mem: &mut dyn Memory, pt: u64, idx: u32) -> Option<Vec<u8>> {
+        let k = Self::u64(mem, pt + self.l.proto_k as u64).ok()?;
+        let s = Self::u64(mem, k.wrapping_sub(8 * (idx as u64 + 1))).ok()? & GCV_MASK;
+        self.string(mem, s).map(|b| b.into_vec())
+    }
+
+    /// The name of upvalue `idx` of prototype `pt` (LuaJIT's `lj_debug_uvname`).
+    fn uvname(&mut self, mem: &mut dyn Memory, pt: u64, idx: u32) -> Option<Vec<u8>> {
+        let p = Self::u64(mem, pt + self.l.proto_uvinfo as u64).ok()?;
+        if p == 0 {
+            return Some(Vec::new());
+        }
+        let mut c = Cursor::new(p);
+        for _ in 0..idx {
+            c.skip_cstr(mem)?;
+        }
+        c.cstr(mem)
+    }
+
+    /// The name of the `slot`th live local at bytecode position `pc` (LuaJIT's
+    /// `debug_varname`).
+    fn varname(&mut self, mem: &mut dyn Memory, pt: u64, pc: u32, slot: u32) -> Option<Vec<u8>> {
+        let p = Self::u64(mem, pt + self.l.proto_varinfo as u64).ok()?;
+        if p == 0 {
+            return None;
+        }
+        let mut c = Cursor::new(p);
+        let mut slot = slot;
+        let mut lastpc = 0u32;
+        loop {
+            let at = c.at;
+            let vn = c.byte(mem)?;
+            if vn as usize > HIDDEN_VARS.len() {
+                c.skip_cstr(mem)?;
+            } else if vn == 0 {
+                return None;
+            }
+            let start = lastpc.wrapping_add(c.uleb(mem)?);
+            lastpc = start;
+            if start > pc {
+                return None;
+            }
+            let end = start.wrapping_add(c.uleb(mem)?);
+            if pc < end {
+                if slot == 0 {
+                    return if (vn as usize) <= HIDDEN_VARS.len() {
+                        Some(HIDDEN_VARS[vn as usize - 1].as_bytes().to_vec())
+                    } else {
+                        Cursor::new(at).cstr(mem)
+                    };
+                }
+                slot -= 1;
+            }
+        }
+    }
+}
+
+/// Reads bytes one by one from another process, 64 bytes at a time (an aligned block never
+/// crosses a page), for at most [`MAX_VARINFO`] bytes.
+struct Cursor {
+    start: u64,
+    at: u64,
+    block: u64,
+    buf: [u8; 64],
+}
+
+impl Cursor {
+    fn new(at: u64) -> Cursor {
+        Cursor {
+            start: at,
+            at,
+            block: u64::MAX,
+            buf: [0; 64],
+        }
+    }
+
+    fn byte(&mut self, mem: &mut dyn Memory) -> Option<u8> {
+        if self.at - self.start > MAX_VARINFO {
+            return None;
+        }
+        let b = self.at & !63;
+        if b != self.block {
+            if !mem.read(b, &mut self.buf) {
+                return None;
+            }
+            self.block = b;
+        }
+        let v = self.buf[(self.at - b) as usize];
+        self.at += 1;
+        Some(v)
+    }
+
+    /// Skips past the next NUL.
+    fn skip_cstr(&mut self, mem: &mut dyn Memory) -> Option<()> {
+        while self.byte(mem)? != 0 {}
+        Some(())
+    }
+
+    /// The bytes up to the next NUL (at most [`MAX_STR`]).
+    fn cstr(&mut self, mem: &mut dyn Memory) -> Option<Vec<u8>> {
+        let mut v = Vec::new();
+        loop {
+            match self.byte(mem)? {
+                0 => return Some(v),
+                b if v.len() < MAX_STR => v.push(b),
+                _ => {}
+            }
+        }
+    }
+
+    /// An unsigned LEB128 number (at most 32 bits).
+    fn uleb(&mut self, mem: &mut dyn Memory) -> Option<u32> {
+        let mut v = 0u32;
+        let mut shift = 0;
+        loop {
+            let b = self.byte(mem)?;
+            if shift < 32 {
+                v |= ((b & 0x7f) as u32) << shift;
+            }
+            if b & 0x80 == 0 {
+                return Some(v);
+            }
+            shift += 7;
+            if shift > 35 {
+                return None;
+            }
+        }
+    }
+}
+
+/// The printable source of a chunk name, as LuaJIT's `lj_debug_shortname` makes it.
+pub fn short_src(src: &[u8], firstline: u32) -> String {
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    match src.first() {
+        Some(b'=') => text(&src[1..src.len().min(IDSIZE)]),
+        Some(b'@') => {
+            let rest = &src[1..];
+            if rest.len() >= IDSIZE {
+                format!("...{}", text(&rest[rest.len() - (IDSIZE - 4)..]))
+            } else {
+                text(rest)
+            }
+        }
+        _ => {
+            let builtin = firstline == u32::MAX;
+            let mut len = 0;
+            while len < IDSIZE - 12 && len < src.len() && src[len] >= b' ' {
+                len += 1;
+            }
+            let mut out = String::from(if builtin { "[builtin:" } else { "[string \"" });
+            if len < src.len() {
+                out.push_str(&text(&src[..len.min(IDSIZE - 15)]));
+                out.push_str("...");
+            } else {
+                out.push_str(&text(src));
+            }
+            out.push_str(if builtin { "]" } else { "\"]" });
+            out
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_sources_as_luajit_makes_them() {
+        assert_eq!(short_src(b"=stdin", 1), "stdin");
+        assert_eq!(short_src(b"@app/main.lua", 1), "app/main.lua");
+        let long = format!("@{}", "d/".repeat(40));
+        let s = short_src(long.as_bytes(), 1);
+        assert!(s.starts_with("...") && s.len() == 3 + 56, "{s}");
+        assert_eq!(short_src(b"return 1", 1), "[string \"return 1\"]");
+        assert_eq!(
+            short_src(b"local x = 1\nreturn x", 1),
+            "[string \"local x = 1...\"]"
+        );
+        assert_eq!(short_src(b"", 1), "[string \"\"]");
+    }
+
+    #[test]
+    fn a_header_that_is_not_one_is_refused_with_why() {
+        struct NoMem;
+        impl Memory for NoMem {
+            fn read(&mut self, _: u64, _: &mut [u8]) -> bool {
+                false
+            }
+        }
+        let e = Reader::open(&mut NoMem, b"").err().unwrap();
+        assert!(e.contains("bad magic"), "{e}");
+        let mut h = vec![0u8; std::mem::size_of::<Header>()];
+        h[..16].copy_from_slice(&publish::MAGIC);
+        h[16..20].copy_from_slice(&7u32.to_le_bytes());
+        let e = Reader::open(&mut NoMem, &h).err().unwrap();
+        assert_eq!(
+            e,
+            "its Lua layout is version 7; this fibertrace reads version 1"
+        );
+        h[16..20].copy_from_slice(&1u32.to_le_bytes());
+        let e = Reader::open(&mut NoMem, &h).err().unwrap();
+        assert!(e.contains("malformed"), "{e}");
+    }
+
+    /// This process's own header as a reader finds it in the section.
+    fn own_header() -> Vec<u8> {
+        use std::mem::{offset_of, size_of};
+        let h = &publish::HEADER;
+        let mut v = vec![0u8; size_of::<Header>()];
+        v[..16].copy_from_slice(&h.magic);
+        let put32 = |v: &mut Vec<u8>, off: usize, x: u32| {
+            v[off..off + 4].copy_from_slice(&x.to_le_bytes());
+        };
+        put32(&mut v, offset_of!(Header, version), h.version);
+        put32(&mut v, offset_of!(Header, header_size), h.header_size);
+        put32(&mut v, offset_of!(Header, vm), h.vm);
+        put32(&mut v, offset_of!(Header, pointer_size), h.pointer_size);
+        // The two words' "addresses" in the fake memory below: 0x1000 and 0x2000.
+        v[offset_of!(Header, checked)..][..8].copy_from_slice(&0x1000u64.to_le_bytes());
+        v[offset_of!(Header, bc_mode)..][..8].copy_from_slice(&0x2000u64.to_le_bytes());
+        let at = offset_of!(Header, layout);
+        let l = &h.layout;
+        // SAFETY: `Layout` is `repr(C)` of plain integers: its bytes are initialized
+        // (padding aside, which the reader ignores) and readable for its size.
+        let bytes = unsafe {
+            std::slice::from_raw_parts((l as *const Layout).cast::<u8>(), size_of::<Layout>())
+        };
+        v[at..at + bytes.len()].copy_from_slice(bytes);
+        v
+    }
+
+    /// A memory with the check word at 0x1000 and a mode table at 0x2000.
+    struct Words(u32);
+    impl Memory for Words {
+        fn read(&mut self, addr: u64, out: &mut [u8]) -> bool {
+            match addr {
+                0x1000 => {
+                    out.fill(0);
+                    out[..4].copy_from_slice(&self.0.to_le_bytes());
+                    true
+                }
+                0x2000 => {
+                    out.fill(0);
+                    out[..8].copy_from_slice(&0x3000u64.to_le_bytes());
+                    true
+                }
+                0x3000 => {
+                    out.fill(7);
+                    true
+                }
+                _ => false,
+            }
+        }
+    }
+
+    #[test]
+    fn a_layout_is_read_only_once_the_process_checked_it_against_its_vm() {
+        let h = own_header();
+        let mut other = h.clone();
+        other[std::mem::offset_of!(Header, vm)] = 9;
+        let e = Reader::open(&mut Words(publish::MATCHES), &other)
+            .err()
+            .unwrap();
+        assert_eq!(e, "it runs a Lua VM this fibertrace does not know (9)");
+        if !cfg!(feature = "luajit") {
+            // A Lua 5.4 build says so, whatever its check found.
+            for w in [publish::UNCHECKED, publish::MISMATCH, publish::MATCHES] {
+                let e = Reader::open(&mut Words(w), &h).err().unwrap();
+                assert_eq!(
+                    e,
+                    "it runs Lua 5.4, whose frames are not read from another process (only \
+                     LuaJIT's are)"
+                );
+            }
+            return;
+        }
+        let e = Reader::open(&mut Words(publish::UNCHECKED), &h)
+            .err()
+            .unwrap();
+        assert_eq!(
+            e,
+            "its Lua host was not set up yet (the layout is not checked)"
+        );
+        let e = Reader::open(&mut Words(publish::MISMATCH), &h)
+            .err()
+            .unwrap();
+        assert!(e.starts_with("its LuaJIT's layout is not the one"), "{e}");
+        let r = Reader::open(&mut Words(publish::MATCHES), &h).unwrap();
+        assert_eq!(r.l, publish::Layout::LUAJIT_GC64);
+        assert_eq!(r.mode(18), 0x0707);
+        let mut wild = h;
+        let at = std::mem::offset_of!(Header, layout);
+        wild[at..at + 4].copy_from_slice(&100_000u32.to_le_bytes());
+        let e = Reader::open(&mut Words(publish::MATCHES), &wild)
+            .err()
+            .unwrap();
+        assert!(e.contains("offsets out of range"), "{e}");
+    }
+}

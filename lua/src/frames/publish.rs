@@ -1,0 +1,403 @@
+//! What another process needs to read this process's Lua stacks (`fibertrace dump PID` of a
+//! `fibertrace run` process, or of any program that runs the Lua host): a header in an ELF
+//! section of its own, `.fibertrace.lua`, beside the fiber runtime's `.fibertrace.registry`.
+//! Each Lua fiber's control block carries its `lua_State` (the layer word); with this header
+//! a reader walks that state's frames from outside (see [`super::foreign`]).
+//!
+//! The header has a magic, a version, which VM the process runs, and the layout of the
+//! VM's objects a reader needs ([`Layout`]): where `lua_State` keeps its stack, base, top
+//! and status; where a function keeps its kind, prototype and C function; where a prototype
+//! keeps its chunk name, lines, constants and variable names; the string header; and the
+//! bytecode numbers and mode table (`lj_bc_mode`, read from memory) that name a function
+//! from its caller's call instruction, as LuaJIT's own `lua_getinfo` does.
+//!
+//! LuaJIT's structures are C structures of its own headers, which Rust cannot see: the
+//! layout here is the one of LuaJIT 2.1 with 64-bit references (GC64, the x86-64 default).
+//! It is *checked against the running VM* once, when the first Lua host is set up
+//! ([`check`]): a state's stack, a Lua function's prototype (chunk name, first line, line
+//! count), a C function's pointer and the bytecode modes of every instruction used are read
+//! through this layout and compared with what the Lua API says. The header's `checked` word
+//! says the outcome, and a reader refuses a layout that was not checked or did not match
+//! (it says why) — a LuaJIT of another layout gives no Lua frames, never wrong ones.
+//! A Lua 5.4 build publishes the header with its VM kind and no layout: its frames are not
+//! read from outside (the reader says so).
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use mlua::ffi;
+
+/// The magic at the start of the header.
+pub const MAGIC: [u8; 16] = *b"fibertrace-lua\0\0";
+/// The version of the header's meanings.
+pub const VERSION: u32 = 1;
+/// `vm`: LuaJIT 2.1 with 64-bit references (GC64).
+pub const VM_LUAJIT_GC64: u32 = 1;
+/// `vm`: Lua 5.4 (no layout published).
+pub const VM_LUA54: u32 = 2;
+
+/// `checked`: the layout was not checked yet (no Lua host was set up).
+pub const UNCHECKED: u32 = 0;
+/// `checked`: the layout matches the running VM.
+pub const MATCHES: u32 = 1;
+/// `checked`: the layout does not match the running VM (another LuaJIT).
+pub const MISMATCH: u32 = 2;
+
+/// Where a reader finds what it needs in LuaJIT's objects (byte offsets, sizes; all plain
+/// integers, so any bytes are a value of it).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Layout {
+    /// `lua_State`: `u8` status, and the `TValue *` base, top and stack.
+    pub state_status: u32,
+    pub state_base: u32,
+    pub state_top: u32,
+    pub state_stack: u32,
+    /// A function (`GCfunc`): `u8` fast-function id (0 Lua, 1 C, above: built-in), `u8`
+    /// upvalue count, the bytecode pointer (`pc`: just after the prototype), the C function,
+    /// and a C function's first upvalue (a `TValue`).
+    pub func_ffid: u32,
+    pub func_nupvalues: u32,
+    pub func_pc: u32,
+    pub func_cfunc: u32,
+    pub func_c_upvalue: u32,
+    /// A prototype (`GCproto`): its size (the bytecode follows it), `u32` instruction count,
+    /// the constants' middle (`k`; strings at negative indices), the chunk name (a string),
+    /// `u32` first line and line count, and the line, upvalue-name and variable-name arrays.
+    pub proto_size: u32,
+    pub proto_sizebc: u32,
+    pub proto_k: u32,
+    pub proto_chunkname: u32,
+    pub proto_firstline: u32,
+    pub proto_numline: u32,
+    pub proto_lineinfo: u32,
+    pub proto_uvinfo: u32,
+    pub proto_varinfo: u32,
+    /// A string (`GCstr`): its size (the bytes follow it) and `u32` length.
+    pub str_size: u32,
+    pub str_len: u32,
+    /// Bytecode numbers: `MOV`, `KNIL`, `GGET`, `TGETS`, `UGET`, `ITERC`; the metamethod
+    /// numbers `MM_call` and `MM__MAX` (the bytecode mode's "none").
+    pub op_mov: u8,
+    pub op_knil: u8,
+    pub op_gget: u8,
+    pub op_tgets: u8,
+    pub op_uget: u8,
+    pub op_iterc: u8,
+    pub mm_call: u8,
+    pub mm_max: u8,
+}
+
+impl Layout {
+    /// LuaJIT 2.1's layout with 64-bit references (what [`check`] verifies).
+    pub const LUAJIT_GC64: Layout = Layout {
+        state_status: 11,
+        state_base: 32,
+        state_top: 40,
+        state_stack: 56,
+        func_ffid: 10,
+        func_nupvalues: 11,
+        func_pc: 32,
+        func_cfunc: 40,
+        func_c_upvalue: 48,
+        proto_size: 104,
+        proto_sizebc: 12,
+        proto_k: 32,
+        proto_chunkname: 64,
+        proto_firstline: 72,
+        proto_numline: 76,
+        proto_lineinfo: 80,
+        proto_uvinfo: 88,
+        proto_varinfo: 96,
+        str_size: 24,
+        str_len: 20,
+        op_mov: 18,
+        op_knil: 44,
+        op_gget: 54,
+        op_tgets: 57,
+        op_uget: 45,
+        op_iterc: 69,
+        mm_call: 9,
+        mm_max: 22,
+    };
+}
+
+/// The header a reader finds in `.fibertrace.lua`.
+#[repr(C)]
+#[derive(Debug)]
+pub struct Header {
+    /// [`MAGIC`].
+    pub magic: [u8; 16],
+    /// [`VERSION`].
+    pub version: u32,
+    /// `size_of::<Header>()`.
+    pub header_size: u32,
+    /// [`VM_LUAJIT_GC64`] or [`VM_LUA54`].
+    pub vm: u32,
+    /// `size_of::<usize>()` of the writer.
+    pub pointer_size: u32,
+    /// [`UNCHECKED`], [`MATCHES`] or [`MISMATCH`] (a `u32`).
+    pub checked: &'static AtomicU32,
+    /// The address of LuaJIT's bytecode mode table (`u16` per instruction; 0 until checked).
+    pub bc_mode: &'static AtomicU64,
+    /// The layout (meaningful for [`VM_LUAJIT_GC64`]).
+    pub layout: Layout,
+}
+
+static CHECKED: AtomicU32 = AtomicU32::new(UNCHECKED);
+static BC_MODE: AtomicU64 = AtomicU64::new(0);
+
+/// The header, in a section of its own (see the module doc).
+#[used]
+#[link_section = ".fibertrace.lua"]
+pub static HEADER: Header = Header {
+    magic: MAGIC,
+    version: VERSION,
+    header_size: std::mem::size_of::<Header>() as u32,
+    vm: if cfg!(feature = "luajit") {
+        VM_LUAJIT_GC64
+    } else {
+        VM_LUA54
+    },
+    pointer_size: std::mem::size_of::<usize>() as u32,
+    checked: &CHECKED,
+    bc_mode: &BC_MODE,
+    layout: Layout::LUAJIT_GC64,
+};
+
+/// The outcome of the check so far ([`UNCHECKED`], [`MATCHES`], [`MISMATCH`]).
+pub fn checked() -> u32 {
+    CHECKED.load(Ordering::Acquire)
+}
+
+/// Checks the published layout against the running VM, once per process (the first call
+/// does it; see the module doc), with `l` a state of a Lua host being set up; returns the
+/// outcome, with what did not match.
+///
+/// # Safety
+/// `l` is a valid state of the linked Lua, used only by this thread during the call.
+pub unsafe fn check(l: *mut ffi::lua_State) -> Result<(), String> {
+    // A reference the linker sees: a section nothing refers to may be dropped.
+    std::hint::black_box(&HEADER);
+    static ONCE: std::sync::Mutex<Option<Result<(), String>>> = std::sync::Mutex::new(None);
+    let mut once = ONCE.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(r) = &*once {
+        return r.clone();
+    }
+    // SAFETY: forwarded contract.
+    let r = unsafe { imp::check(l, &HEADER.layout) };
+    match &r {
+        Ok(bc) => {
+            BC_MODE.store(*bc, Ordering::Relaxed);
+            CHECKED.store(MATCHES, Ordering::Release);
+        }
+        Err(_) => CHECKED.store(MISMATCH, Ordering::Release),
+    }
+    let r = r.map(|_| ());
+    *once = Some(r.clone());
+    r
+}
+
+#[cfg(feature = "luajit")]
+mod imp {
+    use super::{ffi, Layout};
+
+    // SAFETY: LuaJIT's bytecode mode table, a constant array of `u16` (one per instruction)
+    // in the statically linked LuaJIT; only its address is taken here.
+    unsafe extern "C" {
+        static lj_bc_mode: u16;
+    }
+
+    /// Bytecode operand modes (LuaJIT's `BCMode` numbers), as this check needs them.
+    const BCM_NONE: u16 = 0;
+    const BCM_DST: u16 = 1;
+    const BCM_BASE: u16 = 2;
+    const BCM_VAR: u16 = 3;
+    const BCM_UV: u16 = 5;
+    const BCM_LIT: u16 = 6;
+    const BCM_STR: u16 = 10;
+
+    fn mode(a: u16, b: u16, c: u16, mm: u8) -> u16 {
+        a | (b << 3) | (c << 7) | ((mm as u16) << 11)
+    }
+
+    unsafe extern "C-unwind" fn probe_c(_: *mut ffi::lua_State) -> std::ffi::c_int {
+        0
+    }
+
+    /// # Safety
+    /// `p` .. `p + 8` readable.
+    unsafe fn rd<T: Copy>(p: usize) -> T {
+        // SAFETY: the caller's contract; unaligned-safe read of a plain integer.
+        unsafe { std::ptr::read_unaligned(p as *const T) }
+    }
+
+    /// Checks `lay` against the VM `l` runs; `Ok`: the address of the bytecode mode table.
+    ///
+    /// # Safety
+    /// `l` is a valid state used only by this thread during the call.
+    pub(super) unsafe fn check(l: *mut ffi::lua_State, lay: &Layout) -> Result<u64, String> {
+        let o = |v: u32| v as usize;
+        // SAFETY: every read below is of an object the Lua API just handed out (a state, a
+        // function, its prototype, its chunk name), at offsets inside those objects if the
+        // layout is right; if it is wrong, the reads stay inside the first 112 bytes of a
+        // live heap object (all offsets are below that) or follow a pointer read from one
+        // only after the first checks passed, which the values compared make unlikely to be
+        // wild. The stack is restored before returning.
+        unsafe {
+            ffi::lua_checkstack(l, 8);
+            let top0 = ffi::lua_gettop(l);
+            let done = |r: Result<u64, String>| {
+                ffi::lua_settop(l, top0);
+                r
+            };
+            // A state: three values pushed on a new thread.
+            let th = ffi::lua_newthread(l);
+            for i in 0..3 {
+                ffi::lua_pushinteger(th, i);
+            }
+            let t = th as usize;
+            let base: usize = rd(t + o(lay.state_base));
+            let top: usize = rd(t + o(lay.state_top));
+            let stack: usize = rd(t + o(lay.state_stack));
+            let status: u8 = rd(t + o(lay.state_status));
+            if top.wrapping_sub(base) != 3 * 8 || stack == 0 || stack > base || status != 0 {
+                return done(Err(format!(
+                    "lua_State: base/top/stack/status read {base:#x}/{top:#x}/{stack:#x}/{status}"
+                )));
+            }
+            // A Lua function from a known chunk, defined on line 3, one line long.
+            let src = b"\n\nreturn function(a)\n  return a end";
+            let name = c"=fibertrace-probe";
+            if ffi::luaL_loadbuffer(l, src.as_ptr().cast(), src.len(), name.as_ptr()) != 0
+                || ffi::lua_pcall(l, 0, 1, 0) != 0
+            {
+                return done(Err("the probe chunk did not load".into()));
+            }
+            let f = ffi::lua_topointer(l, -1) as usize;
+            let ffid: u8 = rd(f + o(lay.func_ffid));
+            let pc: usize = rd(f + o(lay.func_pc));
+            if ffid != 0 || pc < o(lay.proto_size) {
+                return done(Err(format!("Lua function: ffid {ffid}, pc {pc:#x}")));
+            }
+            let pt = pc - o(lay.proto_size);
+            let firstline: u32 = rd(pt + o(lay.proto_firstline));
+            let numline: u32 = rd(pt + o(lay.proto_numline));
+            let sizebc: u32 = rd(pt + o(lay.proto_sizebc));
+            let chunk: usize = rd(pt + o(lay.proto_chunkname));
+            if firstline != 3 || numline != 1 || sizebc == 0 || sizebc > 16 || chunk == 0 {
+                return done(Err(format!(
+                    "prototype: first line {firstline}, {numline} lines, {sizebc} instructions"
+                )));
+            }
+            let len: u32 = rd(chunk + o(lay.str_len));
+            let want = name.to_bytes();
+            if len as usize != want.len()
+                || std::slice::from_raw_parts((chunk + o(lay.str_size)) as *const u8, want.len())
+                    != want
+            {
+                return done(Err(format!("chunk name: length {len}")));
+            }
+            // A C function.
+            ffi::lua_pushcfunction(l, probe_c);
+            let c = ffi::lua_topointer(l, -1) as usize;
+            let cffid: u8 = rd(c + o(lay.func_ffid));
+            let cf: usize = rd(c + o(lay.func_cfunc));
+            if cffid != 1 || cf != probe_c as *const () as usize {
+                return done(Err(format!("C function: ffid {cffid}")));
+            }
+            // The bytecode modes of the instructions a reader decodes.
+            let bc = std::ptr::addr_of!(lj_bc_mode);
+            let m = |op: u8| *bc.add(op as usize);
+            let none = lay.mm_max;
+            let want = [
+                (lay.op_mov, mode(BCM_DST, BCM_NONE, BCM_VAR, none), "MOV"),
+                (
+                    lay.op_knil,
+                    mode(BCM_BASE, BCM_NONE, BCM_BASE, none),
+                    "KNIL",
+                ),
+                (lay.op_gget, mode(BCM_DST, BCM_NONE, BCM_STR, 0), "GGET"),
+                (lay.op_tgets, mode(BCM_DST, BCM_VAR, BCM_STR, 0), "TGETS"),
+                (lay.op_uget, mode(BCM_DST, BCM_NONE, BCM_UV, none), "UGET"),
+                (
+                    lay.op_iterc,
+                    mode(BCM_BASE, BCM_LIT, BCM_LIT, lay.mm_call),
+                    "ITERC",
+                ),
+            ];
+            for (op, want, what) in want {
+                if m(op) != want {
+                    return done(Err(format!(
+                        "bytecode {what} ({op}) has mode {:#x}, not {want:#x}",
+                        m(op)
+                    )));
+                }
+            }
+            done(Ok(bc as u64))
+        }
+    }
+}
+
+#[cfg(not(feature = "luajit"))]
+mod imp {
+    use super::{ffi, Layout};
+
+    /// # Safety
+    /// Nothing is read.
+    pub(super) unsafe fn check(_: *mut ffi::lua_State, _: &Layout) -> Result<u64, String> {
+        Err("Lua 5.4's frames are not published for other processes".into())
+    }
+}
+
+#[cfg(all(test, feature = "luajit"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_layout_matches_the_linked_luajit_and_a_wrong_one_is_found() {
+        let lua = mlua::Lua::new();
+        let l = lua.current_thread();
+        // SAFETY: the main state of a Lua used by this thread only.
+        let ok = unsafe { imp::check(l.state(), &Layout::LUAJIT_GC64) };
+        assert!(ok.is_ok(), "{ok:?}");
+        let wrong = [
+            (
+                Layout {
+                    state_top: 48,
+                    ..Layout::LUAJIT_GC64
+                },
+                "lua_State",
+            ),
+            (
+                Layout {
+                    proto_firstline: 76,
+                    ..Layout::LUAJIT_GC64
+                },
+                "prototype",
+            ),
+            (
+                Layout {
+                    func_cfunc: 32,
+                    ..Layout::LUAJIT_GC64
+                },
+                "C function",
+            ),
+            (
+                Layout {
+                    op_uget: 44,
+                    ..Layout::LUAJIT_GC64
+                },
+                "bytecode UGET (44)",
+            ),
+        ];
+        for (lay, what) in wrong {
+            // SAFETY: as above; a wrong layout reads within the probe objects (see `check`).
+            let e = unsafe { imp::check(l.state(), &lay) }.unwrap_err();
+            assert!(e.starts_with(what), "{what}: {e}");
+        }
+        // The published one, through the once-only entry.
+        // SAFETY: as above.
+        assert_eq!(unsafe { check(l.state()) }, Ok(()));
+        assert_eq!(checked(), MATCHES);
+    }
+}
