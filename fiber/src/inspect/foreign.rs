@@ -619,7 +619,7 @@ fn read_fiber(
 }
 
 impl ForeignDump {
-    /// The fibers as a [`Snapshot`] of this runtime's, which the grouped view and the
+    /// The fibers as a [`Snapshot`](super::Snapshot) of this runtime's, which the grouped view and the
     /// exports (pprof, folded stacks, flame graph, speedscope) read; with `threads`, the
     /// process's threads first, as one more scheduler named `threads` whose "fibers" are
     /// the threads (id: the thread's kernel id). What another process's registry does not
