@@ -49,8 +49,8 @@ fn lines(s: &LuaStack) -> Vec<String> {
         .collect()
 }
 
-/// What each probe call saw: its tag and the levels read.
-type Seen = Vec<(String, Vec<String>)>;
+/// What each probe call saw: its tag, the levels read, and their C functions.
+type Seen = Vec<(String, Vec<String>, Vec<usize>)>;
 
 const SHAPES: &str = r#"
 local probe = probe
@@ -90,6 +90,9 @@ load("probe('named chunk')", "=named")()
 deep(300)
 tail()
 for i = 1, 200 do if i == 150 then probe('jit loop') end end
+local sorted = false
+table.sort({3, 1, 2}, function(a, b) if not sorted then sorted = true probe('sort') end return a < b end)
+string.gsub('x', 'x', function() probe('gsub') end)
 "#;
 
 #[test]
@@ -117,14 +120,15 @@ fn the_foreign_reader_gives_the_debug_apis_levels_for_every_shape_of_call() {
                 (api.threads, api.truncated, api.omitted, api.omitted_at),
                 "{what}"
             );
-            seen2.borrow_mut().push((what, lines(&read)));
+            let cfuncs = read.levels.iter().map(|l| l.cfunc).collect();
+            seen2.borrow_mut().push((what, lines(&read), cfuncs));
             Ok(())
         })
         .unwrap();
     lua.globals().set("probe", probe).unwrap();
     lua.load(SHAPES).set_name("@shapes.lua").exec().unwrap();
     let seen = seen.borrow();
-    let whats: Vec<&str> = seen.iter().map(|(w, _)| w.as_str()).collect();
+    let whats: Vec<&str> = seen.iter().map(|(w, _, _)| w.as_str()).collect();
     assert_eq!(
         whats,
         [
@@ -145,11 +149,13 @@ fn the_foreign_reader_gives_the_debug_apis_levels_for_every_shape_of_call() {
             "named chunk",
             "deep",
             "tail",
-            "jit loop"
+            "jit loop",
+            "sort",
+            "gsub"
         ]
     );
     // A few exactly, as the reader gives them (the API gives the same, checked above).
-    let get = |w: &str| &seen.iter().find(|(x, _)| x == w).unwrap().1;
+    let get = |w: &str| &seen.iter().find(|(x, _, _)| x == w).unwrap().1;
     assert_eq!(
         get("method")[..3],
         [
@@ -196,6 +202,11 @@ fn the_foreign_reader_gives_the_debug_apis_levels_for_every_shape_of_call() {
             "main chunk in @shapes.lua:37 (defined 0, Main, thread 0)",
         ]
     );
+    // A library function written in C (not a fast function): its C function is known, as
+    // `lua_tocfunction` knows it.
+    assert_eq!(get("sort")[2], "sort in =[C]:-1 (defined -1, C, thread 0)");
+    let sort = &seen.iter().find(|(x, _, _)| x == "sort").unwrap().2;
+    assert!(sort[2] != 0, "{sort:?}");
     let deep = get("deep");
     assert_eq!(deep.len(), fibertrace_lua::frames::MAX_LEVELS);
 }

@@ -62,8 +62,9 @@ pub struct DumpOptions {
     pub mode: Mode,
     /// Frames walked at most per thread.
     pub max_frames: usize,
-    /// The size of the cache of the target's memory (bytes, in 4 KiB pages): what this
-    /// process keeps of the target's memory at most (when full, it starts over).
+    /// The size of the cache of the target's memory (bytes, in 1 KiB lines): what this
+    /// process keeps of the target's memory at most (a line read replaces the one in its
+    /// slot). It bounds memory, not what is read.
     pub max_memory: usize,
 }
 
@@ -665,7 +666,10 @@ impl Memory {
                 if !self.cached(base) && slots.insert(self.slot(base)) {
                     want.push(base);
                 }
-                base += LINE as u64;
+                let Some(next) = base.checked_add(LINE as u64) else {
+                    break;
+                };
+                base = next;
             }
         }
         self.fetch(&want);
@@ -705,6 +709,10 @@ impl Memory {
                     meta.push((chunk[k], slots[k]));
                     reqs.push((chunk[k], p));
                 }
+            }
+            // The slots change hands: empty until read whole.
+            for &(_, slot) in &meta {
+                self.tags[slot] = 0;
             }
             let whole = reader.read_many(&mut reqs);
             for &(b, slot) in meta.iter().take(whole) {

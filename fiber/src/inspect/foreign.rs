@@ -494,7 +494,10 @@ const GROUP: usize = 256;
 /// then each suspended fiber's used stack and its layer's state.
 fn prefetch_group(s: &mut Session, l: &Layout, group: &[u64], layer: &mut LayerState<'_>) {
     let size = l.f[0] as u64;
-    let ranges: Vec<(u64, u64)> = group.iter().map(|&cb| (cb, cb + size)).collect();
+    let ranges: Vec<(u64, u64)> = group
+        .iter()
+        .map(|&cb| (cb, cb.saturating_add(size)))
+        .collect();
     s.prefetch(&ranges);
     let [_, _, _, _, _, run, _, _, _, _, _, sp, _, _, hi, entry_sp, layer_word, _] = l.f;
     let mut stacks = Vec::with_capacity(group.len());

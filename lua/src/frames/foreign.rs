@@ -46,11 +46,21 @@ impl Memory for fibertrace_core::remote::Session {
 }
 
 /// Frames read per thread at most (LuaJIT's own stack limit is about 65,500 slots).
-const MAX_FRAMES: usize = 1 << 17;
+const MAX_FRAMES: usize = 1 << 16;
+/// Time one stack's read may take at most (its target may be held stopped meanwhile).
+const MAX_TIME: std::time::Duration = std::time::Duration::from_secs(2);
+/// Bytes the caches keep at most.
+const MAX_CACHED_BYTES: usize = 16 << 20;
 /// Bytes of a string read at most (chunk names loaded from text carry the whole text).
 const MAX_STR: usize = 4096;
 /// Bytes of a prototype's variable-name list read at most.
 const MAX_VARINFO: u64 = 1 << 20;
+/// Bytes of variable and upvalue names one name's search reads at most, over all its
+/// restarts (each `MOV` it follows restarts it).
+const NAME_BUDGET: usize = 64 << 10;
+/// Time all the stacks one reader reads may take together (a target stopped meanwhile is
+/// let go at most this late because of them, whatever its memory holds).
+const MAX_TOTAL_TIME: std::time::Duration = std::time::Duration::from_secs(10);
 /// LuaJIT's `LUA_IDSIZE` (the printable source's room, with its NUL).
 const IDSIZE: usize = 60;
 /// The payload of a 64-bit reference (`LJ_GCVMASK`).
@@ -105,6 +115,10 @@ pub struct Reader {
     /// The name a caller gives the function it calls at a position of its code:
     /// `(prototype, position)`.
     names: HashMap<(u64, u32), Option<Vec<u8>>>,
+    /// Bytes the caches hold (about).
+    cached: usize,
+    /// Time spent reading stacks so far.
+    spent: std::time::Duration,
 }
 
 /// A prototype's description, read once per dump.
@@ -230,7 +244,8 @@ impl Reader {
             return Err("its Lua layout is malformed (offsets out of range)".into());
         }
         let table = word(offset_of!(Header, bc_mode), mem).unwrap_or(0);
-        let mut raw = [0u8; 256];
+        // Up to FUNCCW, the last instruction.
+        let mut raw = vec![0u8; 2 * (l.op_funcc as usize + 2)];
         if table == 0 || !mem.read(table, &mut raw) {
             return Err("its bytecode mode table could not be read".into());
         }
@@ -244,6 +259,8 @@ impl Reader {
             strings: HashMap::new(),
             protos: HashMap::new(),
             names: HashMap::new(),
+            cached: 0,
+            spent: std::time::Duration::ZERO,
         })
     }
 
@@ -257,10 +274,11 @@ impl Reader {
         let table = publish::HEADER
             .bc_mode
             .load(std::sync::atomic::Ordering::Relaxed);
-        let bc_mode = (0..128u64)
-            // SAFETY: `table` is the address of LuaJIT's mode table (one `u16` per
-            // instruction, 97 of them, in a read-only section; the 31 words after it are
-            // mapped: the table is followed by LuaJIT's other bytecode tables).
+        let entries = publish::HEADER.layout.op_funcc as u64 + 2;
+        let bc_mode = (0..entries)
+            // SAFETY: `table` is the address of LuaJIT's mode table, which the check found
+            // has these entries (one `u16` per instruction, up to FUNCCW, the last), in a
+            // read-only section.
             .map(|i| unsafe { std::ptr::read_unaligned((table + 2 * i) as *const u16) })
             .collect();
         Ok(Reader {
@@ -269,6 +287,8 @@ impl Reader {
             strings: HashMap::new(),
             protos: HashMap::new(),
             names: HashMap::new(),
+            cached: 0,
+            spent: std::time::Duration::ZERO,
         })
     }
 
@@ -305,12 +325,20 @@ impl Reader {
             return v.clone();
         }
         let v = (|| {
-            let len = Self::u32(mem, s + self.l.str_len as u64).ok()? as usize;
+            let len = Self::u32(mem, s.wrapping_add(self.l.str_len as u64)).ok()? as usize;
             let mut b = vec![0u8; len.min(MAX_STR)];
-            mem.read(s + self.l.str_size as u64, &mut b)
-                .then(|| b.into_boxed_slice())
+            if !mem.read(s.wrapping_add(self.l.str_size as u64), &mut b) {
+                return None;
+            }
+            // As a C string (what the debug API hands out): up to its first NUL.
+            if let Some(z) = b.iter().position(|&c| c == 0) {
+                b.truncate(z);
+            }
+            Some(b.into_boxed_slice())
         })();
-        if self.strings.len() < MAX_CACHED {
+        let bytes = v.as_ref().map_or(0, |b| b.len()) + 32;
+        if self.strings.len() < MAX_CACHED && self.cached + bytes <= MAX_CACHED_BYTES {
+            self.cached += bytes;
             self.strings.insert(s, v.clone());
         }
         v
@@ -321,14 +349,14 @@ impl Reader {
     pub fn prefetch(&self, s: &mut fibertrace_core::remote::Session, roots: &[u64]) {
         let l = self.l;
         let end = l.state_stack.max(l.state_base).max(l.state_top) as u64 + 8;
-        let states: Vec<(u64, u64)> = roots.iter().map(|&r| (r, r + end)).collect();
+        let states: Vec<(u64, u64)> = roots.iter().map(|&r| (r, r.wrapping_add(end))).collect();
         s.prefetch(&states);
         let stacks: Vec<(u64, u64)> = roots
             .iter()
             .filter_map(|&r| {
-                let stack = s.read_u64(r + l.state_stack as u64)?;
-                let top = s.read_u64(r + l.state_top as u64)?;
-                (top > stack).then(|| (stack, top.min(stack + (1 << 16))))
+                let stack = s.read_u64(r.wrapping_add(l.state_stack as u64))?;
+                let top = s.read_u64(r.wrapping_add(l.state_top as u64))?;
+                (top > stack).then(|| (stack, top.min(stack.saturating_add(1 << 16))))
             })
             .collect();
         s.prefetch(&stacks);
@@ -337,17 +365,31 @@ impl Reader {
     /// The Lua stack of state `root` and of the coroutines running inside it, innermost
     /// first (see the module doc).
     pub fn stack(&mut self, mem: &mut dyn Memory, root: u64) -> Result<LuaStack, String> {
+        if self.spent > MAX_TOTAL_TIME {
+            return Err(format!(
+                "not read: reading Lua stacks took {MAX_TOTAL_TIME:?} already"
+            ));
+        }
+        let t0 = std::time::Instant::now();
+        let r = self.stack_inner(mem, root);
+        self.spent += t0.elapsed();
+        r
+    }
+
+    fn stack_inner(&mut self, mem: &mut dyn Memory, root: u64) -> Result<LuaStack, String> {
         let mut chain: SmallVec<[u64; 4]> = SmallVec::new();
         chain.push(root);
+        let deadline = std::time::Instant::now() + MAX_TIME;
+        let mut left = MAX_FRAMES;
         let mut per_thread: SmallVec<[Vec<Slot>; 4]> = SmallVec::new();
-        per_thread.push(self.slots(mem, root, 0)?);
+        per_thread.push(self.slots(mem, root, &mut left, deadline)?);
         while chain.len() < MAX_THREADS {
             let top = per_thread[per_thread.len() - 1].first().copied();
             let Some(next) = top.and_then(|s| self.resumed_by(mem, s, &chain)) else {
                 break;
             };
             chain.push(next);
-            per_thread.push(self.slots(mem, next, 0)?);
+            per_thread.push(self.slots(mem, next, &mut left, deadline)?);
         }
         // Innermost thread first.
         let mut all: Vec<Slot> = Vec::new();
@@ -374,26 +416,43 @@ impl Reader {
                 }
                 continue;
             }
+            if std::time::Instant::now() > deadline {
+                return Err(format!("its read was cut after {MAX_TIME:?}"));
+            }
             out.levels.push(self.level(mem, s)?);
         }
         Ok(out)
     }
 
-    /// Every level of one thread, innermost first (LuaJIT's `lj_debug_frame` order).
-    fn slots(&mut self, mem: &mut dyn Memory, th: u64, thread: u8) -> Result<Vec<Slot>, String> {
+    /// Every level of one thread, innermost first (LuaJIT's `lj_debug_frame` order), at most
+    /// `left` of them (less those found), until `deadline`.
+    fn slots(
+        &mut self,
+        mem: &mut dyn Memory,
+        th: u64,
+        left: &mut usize,
+        deadline: std::time::Instant,
+    ) -> Result<Vec<Slot>, String> {
         let l = &self.l;
-        let base = Self::u64(mem, th + l.state_base as u64)?;
-        let stack = Self::u64(mem, th + l.state_stack as u64)?;
-        let bot = stack + 8;
+        let base = Self::u64(mem, th.wrapping_add(l.state_base as u64))?;
+        let stack = Self::u64(mem, th.wrapping_add(l.state_stack as u64))?;
+        let bot = stack.wrapping_add(8);
         let mut frame = base.wrapping_sub(8);
         let mut next = frame;
         let mut out = Vec::new();
         let mut lower_half = false;
+        let mut steps = 0usize;
         while frame > bot {
-            if out.len() >= MAX_FRAMES {
-                return Err(format!("more than {MAX_FRAMES} frames in state {th:#x}"));
+            // Every frame counts, the ones that are not levels too (a chain of dummy frames
+            // in garbage memory).
+            steps += 1;
+            if out.len() >= *left || steps > 2 * MAX_FRAMES {
+                return Err(format!("more than {MAX_FRAMES} frames"));
             }
-            let tv = Self::u64(mem, frame - 8)?;
+            if steps.is_multiple_of(1024) && std::time::Instant::now() > deadline {
+                return Err(format!("its read was cut after {MAX_TIME:?}"));
+            }
+            let tv = Self::u64(mem, frame.wrapping_sub(8))?;
             let func = tv & GCV_MASK;
             let ftsz = Self::u64(mem, frame)?;
             if func != th && itype(tv) != T_FUNC {
@@ -409,7 +468,7 @@ impl Reader {
                     th,
                     frame,
                     next: (next != frame).then_some(next),
-                    thread,
+                    thread: 0,
                 });
             }
             next = frame;
@@ -428,14 +487,15 @@ impl Reader {
             }
             frame = prev;
         }
+        *left -= out.len();
         Ok(out)
     }
 
     /// The thread a top level resumes (see the module doc), if usable.
     fn resumed_by(&mut self, mem: &mut dyn Memory, top: Slot, chain: &[u64]) -> Option<u64> {
         let l = self.l;
-        let func = Self::u64(mem, top.frame - 8).ok()? & GCV_MASK;
-        if Self::u8(mem, func + l.func_ffid as u64).ok()? == 0 {
+        let func = Self::u64(mem, top.frame.wrapping_sub(8)).ok()? & GCV_MASK;
+        if Self::u8(mem, func.wrapping_add(l.func_ffid as u64)).ok()? == 0 {
             return None;
         }
         let usable = |co: u64, mem: &mut dyn Memory| -> bool {
@@ -443,21 +503,21 @@ impl Reader {
                 return false;
             }
             let ok = (|| {
-                let status = Self::u8(mem, co + l.state_status as u64).ok()?;
-                let base = Self::u64(mem, co + l.state_base as u64).ok()?;
-                let stack = Self::u64(mem, co + l.state_stack as u64).ok()?;
-                Some(status == 0 && base.wrapping_sub(8) > stack + 8)
+                let status = Self::u8(mem, co.wrapping_add(l.state_status as u64)).ok()?;
+                let base = Self::u64(mem, co.wrapping_add(l.state_base as u64)).ok()?;
+                let stack = Self::u64(mem, co.wrapping_add(l.state_stack as u64)).ok()?;
+                Some(status == 0 && base.wrapping_sub(8) > stack.wrapping_add(8))
             })();
             ok == Some(true)
         };
-        if Self::u8(mem, func + l.func_nupvalues as u64).ok()? >= 1 {
-            let tv = Self::u64(mem, func + l.func_c_upvalue as u64).ok()?;
+        if Self::u8(mem, func.wrapping_add(l.func_nupvalues as u64)).ok()? >= 1 {
+            let tv = Self::u64(mem, func.wrapping_add(l.func_c_upvalue as u64)).ok()?;
             if itype(tv) == T_THREAD && usable(tv & GCV_MASK, mem) {
                 return Some(tv & GCV_MASK);
             }
         }
-        let base = Self::u64(mem, top.th + l.state_base as u64).ok()?;
-        let stop = Self::u64(mem, top.th + l.state_top as u64).ok()?;
+        let base = Self::u64(mem, top.th.wrapping_add(l.state_base as u64)).ok()?;
+        let stop = Self::u64(mem, top.th.wrapping_add(l.state_top as u64)).ok()?;
         if base < stop {
             let tv = Self::u64(mem, base).ok()?;
             if itype(tv) == T_THREAD && usable(tv & GCV_MASK, mem) {
@@ -470,8 +530,8 @@ impl Reader {
     /// One level's description, interned.
     fn level(&mut self, mem: &mut dyn Memory, s: &Slot) -> Result<LuaLevel, String> {
         let l = self.l;
-        let func = Self::u64(mem, s.frame - 8)? & GCV_MASK;
-        let ffid = Self::u8(mem, func + l.func_ffid as u64)?;
+        let func = Self::u64(mem, s.frame.wrapping_sub(8))? & GCV_MASK;
+        let ffid = Self::u8(mem, func.wrapping_add(l.func_ffid as u64))?;
         let name = self.funcname(mem, s.th, s.frame);
         let (kind, cfunc, id) = if ffid == 0 {
             let pt = self.proto(mem, func)?;
@@ -498,8 +558,13 @@ impl Reader {
             });
             (kind, 0, id)
         } else {
-            let cfunc = if ffid == 1 {
-                Self::u64(mem, func + l.func_cfunc as u64)? as usize
+            // As `lua_tocfunction`: the C function of any function whose pseudo-instruction
+            // is FUNCC or FUNCCW (a C function, or a library function written in C such as
+            // `print` or `table.sort`); 0 for the fast functions written in assembler.
+            let pc = Self::u64(mem, func.wrapping_add(l.func_pc as u64))?;
+            let op = (Self::u32(mem, pc).unwrap_or(0) & 0xff) as u8;
+            let cfunc = if op == l.op_funcc || op == l.op_funcc.wrapping_add(1) {
+                Self::u64(mem, func.wrapping_add(l.func_cfunc as u64))? as usize
             } else {
                 0
             };
@@ -532,13 +597,24 @@ impl Reader {
             return Ok(i.clone());
         }
         let l = self.l;
-        let firstline = Self::u32(mem, pt + l.proto_firstline as u64)?;
-        let numline = Self::u32(mem, pt + l.proto_numline as u64)?;
-        let chunk = Self::u64(mem, pt + l.proto_chunkname as u64)?;
+        let firstline = Self::u32(mem, pt.wrapping_add(l.proto_firstline as u64))?;
+        let numline = Self::u32(mem, pt.wrapping_add(l.proto_numline as u64))?;
+        let chunk = Self::u64(mem, pt.wrapping_add(l.proto_chunkname as u64))?;
         let source = self
             .string(mem, chunk)
             .unwrap_or_else(|| b"=?".to_vec().into());
-        let short = short_src(&source, firstline);
+        let mut short = short_src(&source, firstline);
+        if source.first() == Some(&b'@') && source.len() == MAX_STR {
+            // A file name longer than what was read: its printable form is its tail.
+            let len = Self::u32(mem, chunk.wrapping_add(l.str_len as u64))? as u64;
+            let mut tail = vec![0u8; IDSIZE - 4];
+            let at = chunk
+                .wrapping_add(l.str_size as u64)
+                .wrapping_add(len.saturating_sub(tail.len() as u64));
+            if len as usize >= IDSIZE && mem.read(at, &mut tail) {
+                short = format!("...{}", String::from_utf8_lossy(&tail));
+            }
+        }
         let info = std::rc::Rc::new(ProtoInfo {
             firstline,
             numline,
@@ -553,7 +629,7 @@ impl Reader {
 
     /// A Lua function's prototype (its bytecode follows the prototype).
     fn proto(&self, mem: &mut dyn Memory, func: u64) -> Result<u64, String> {
-        let pc = Self::u64(mem, func + self.l.func_pc as u64)?;
+        let pc = Self::u64(mem, func.wrapping_add(self.l.func_pc as u64))?;
         pc.checked_sub(self.l.proto_size as u64)
             .filter(|&p| p != 0)
             .ok_or_else(|| format!("function {func:#x} has no prototype"))
@@ -563,7 +639,7 @@ impl Reader {
     /// `debug_framepc`, without the C-frame cases: see the module doc).
     fn framepc(&self, mem: &mut dyn Memory, func: u64, next: Option<u64>) -> Option<u32> {
         let l = self.l;
-        if Self::u8(mem, func + l.func_ffid as u64).ok()? != 0 {
+        if Self::u8(mem, func.wrapping_add(l.func_ffid as u64)).ok()? != 0 {
             return None;
         }
         let next = next?;
@@ -572,13 +648,13 @@ impl Reader {
             ftsz
         } else if ftsz & 7 == 2 {
             // A continuation frame: its PC two slots below.
-            Self::u64(mem, next - 16).ok()?
+            Self::u64(mem, next.wrapping_sub(16)).ok()?
         } else {
             return None;
         };
         let pt = self.proto(mem, func).ok()?;
-        let bc = pt + l.proto_size as u64;
-        let sizebc = Self::u32(mem, pt + l.proto_sizebc as u64).ok()?;
+        let bc = pt.wrapping_add(l.proto_size as u64);
+        let sizebc = Self::u32(mem, pt.wrapping_add(l.proto_sizebc as u64)).ok()?;
         let pos = (ins.wrapping_sub(bc) / 4) as u32;
         match pos.wrapping_sub(1) {
             u32::MAX => Some(1),
@@ -591,10 +667,10 @@ impl Reader {
     fn line(&self, mem: &mut dyn Memory, pt: u64, pos: u32) -> u32 {
         let l = self.l;
         let mut r = || -> Result<u32, String> {
-            let sizebc = Self::u32(mem, pt + l.proto_sizebc as u64)?;
-            let lineinfo = Self::u64(mem, pt + l.proto_lineinfo as u64)?;
-            let first = Self::u32(mem, pt + l.proto_firstline as u64)?;
-            let numline = Self::u32(mem, pt + l.proto_numline as u64)?;
+            let sizebc = Self::u32(mem, pt.wrapping_add(l.proto_sizebc as u64))?;
+            let lineinfo = Self::u64(mem, pt.wrapping_add(l.proto_lineinfo as u64))?;
+            let first = Self::u32(mem, pt.wrapping_add(l.proto_firstline as u64))?;
+            let numline = Self::u32(mem, pt.wrapping_add(l.proto_numline as u64))?;
             if pos > sizebc || lineinfo == 0 {
                 return Ok(0);
             }
@@ -606,31 +682,36 @@ impl Reader {
             }
             let i = (pos - 1) as u64;
             let d = if numline < 256 {
-                Self::u8(mem, lineinfo + i)? as u32
+                Self::u8(mem, lineinfo.wrapping_add(i))? as u32
             } else if numline < 65536 {
                 let mut b = [0u8; 2];
-                if !mem.read(lineinfo + 2 * i, &mut b) {
+                if !mem.read(lineinfo.wrapping_add(2 * i), &mut b) {
                     return Err(String::new());
                 }
                 u16::from_le_bytes(b) as u32
             } else {
-                Self::u32(mem, lineinfo + 4 * i)?
+                Self::u32(mem, lineinfo.wrapping_add(4 * i))?
             };
             Ok(first.wrapping_add(d))
         };
         r().unwrap_or(0)
     }
 
+    /// An instruction's mode; one that is not an instruction has none (no operand, no
+    /// metamethod).
     fn mode(&self, op: u8) -> u16 {
-        self.bc_mode.get(op as usize).copied().unwrap_or(0)
+        self.bc_mode
+            .get(op as usize)
+            .copied()
+            .unwrap_or((self.l.mm_max as u16) << 11)
     }
 
     /// The name the caller of the level at `frame` knows it by (LuaJIT's
     /// `lj_debug_funcname`).
     fn funcname(&mut self, mem: &mut dyn Memory, th: u64, frame: u64) -> Option<Vec<u8>> {
         let l = self.l;
-        let stack = Self::u64(mem, th + l.state_stack as u64).ok()?;
-        if frame <= stack + 8 {
+        let stack = Self::u64(mem, th.wrapping_add(l.state_stack as u64)).ok()?;
+        if frame <= stack.wrapping_add(8) {
             return None;
         }
         let mut frame = frame;
@@ -648,14 +729,16 @@ impl Reader {
         if pframe >= frame || pframe <= stack {
             return None;
         }
-        let pfunc = Self::u64(mem, pframe - 8).ok()? & GCV_MASK;
+        let pfunc = Self::u64(mem, pframe.wrapping_sub(8)).ok()? & GCV_MASK;
         let pos = self.framepc(mem, pfunc, Some(frame))?;
         let pt = self.proto(mem, pfunc).ok()?;
         if let Some(n) = self.names.get(&(pt, pos)) {
             return n.clone();
         }
         let n = self.callee_name(mem, pt, pos);
-        if self.names.len() < MAX_CACHED {
+        let bytes = n.as_ref().map_or(0, Vec::len) + 32;
+        if self.names.len() < MAX_CACHED && self.cached + bytes <= MAX_CACHED_BYTES {
+            self.cached += bytes;
             self.names.insert((pt, pos), n.clone());
         }
         n
@@ -664,12 +747,12 @@ impl Reader {
     /// The name of the function called at position `pos` of prototype `pt`.
     fn callee_name(&mut self, mem: &mut dyn Memory, pt: u64, pos: u32) -> Option<Vec<u8>> {
         let l = self.l;
-        let sizebc = Self::u32(mem, pt + l.proto_sizebc as u64).ok()?;
+        let sizebc = Self::u32(mem, pt.wrapping_add(l.proto_sizebc as u64)).ok()?;
         if pos >= sizebc {
             return None;
         }
-        let bc = pt + l.proto_size as u64;
-        let ip = bc + 4 * pos as u64;
+        let bc = pt.wrapping_add(l.proto_size as u64);
+        let ip = bc.wrapping_add(4 * pos as u64);
         let ins = Self::u32(mem, ip).ok()?;
         let op = (ins & 0xff) as u8;
         let mm = (self.mode(op) >> 11) as u8;
@@ -690,15 +773,16 @@ impl Reader {
     /// `lj_debug_slotname`).
     fn slotname(&mut self, mem: &mut dyn Memory, pt: u64, ip: u64, slot: u32) -> Option<Vec<u8>> {
         let l = self.l;
-        let bc = pt + l.proto_size as u64;
+        let bc = pt.wrapping_add(l.proto_size as u64);
         let (mut ip, mut slot) = (ip, slot);
+        let mut budget = NAME_BUDGET;
         // Each MOV restarts the search one instruction further up: bounded by the code.
         'restart: loop {
-            let pos = ((ip - bc) / 4) as u32;
-            if let Some(n) = self.varname(mem, pt, pos, slot) {
+            let pos = (ip.wrapping_sub(bc) / 4) as u32;
+            if let Some(n) = self.varname(mem, pt, pos, slot, &mut budget) {
                 return Some(n);
             }
-            while ip > bc + 4 {
+            while ip > bc.wrapping_add(4) {
                 ip -= 4;
                 let ins = Self::u32(mem, ip).ok()?;
                 let op = (ins & 0xff) as u8;
@@ -720,7 +804,7 @@ impl Reader {
                     } else if op == l.op_tgets {
                         return self.kstr(mem, pt, (ins >> 16) & 0xff);
                     } else if op == l.op_uget {
-                        return self.uvname(mem, pt, d);
+                        return self.uvname(mem, pt, d, &mut budget);
                     } else {
                         return None;
                     }
@@ -732,18 +816,24 @@ impl Reader {
 
     /// The string constant number `idx` of prototype `pt`.
     fn kstr(&mut self, mem: &mut dyn Memory, pt: u64, idx: u32) -> Option<Vec<u8>> {
-        let k = Self::u64(mem, pt + self.l.proto_k as u64).ok()?;
+        let k = Self::u64(mem, pt.wrapping_add(self.l.proto_k as u64)).ok()?;
         let s = Self::u64(mem, k.wrapping_sub(8 * (idx as u64 + 1))).ok()? & GCV_MASK;
         self.string(mem, s).map(|b| b.into_vec())
     }
 
     /// The name of upvalue `idx` of prototype `pt` (LuaJIT's `lj_debug_uvname`).
-    fn uvname(&mut self, mem: &mut dyn Memory, pt: u64, idx: u32) -> Option<Vec<u8>> {
-        let p = Self::u64(mem, pt + self.l.proto_uvinfo as u64).ok()?;
+    fn uvname(
+        &mut self,
+        mem: &mut dyn Memory,
+        pt: u64,
+        idx: u32,
+        budget: &mut usize,
+    ) -> Option<Vec<u8>> {
+        let p = Self::u64(mem, pt.wrapping_add(self.l.proto_uvinfo as u64)).ok()?;
         if p == 0 {
             return Some(Vec::new());
         }
-        let mut c = Cursor::new(p);
+        let mut c = Cursor::new(p, budget);
         for _ in 0..idx {
             c.skip_cstr(mem)?;
         }
@@ -752,12 +842,19 @@ impl Reader {
 
     /// The name of the `slot`th live local at bytecode position `pc` (LuaJIT's
     /// `debug_varname`).
-    fn varname(&mut self, mem: &mut dyn Memory, pt: u64, pc: u32, slot: u32) -> Option<Vec<u8>> {
-        let p = Self::u64(mem, pt + self.l.proto_varinfo as u64).ok()?;
+    fn varname(
+        &mut self,
+        mem: &mut dyn Memory,
+        pt: u64,
+        pc: u32,
+        slot: u32,
+        budget: &mut usize,
+    ) -> Option<Vec<u8>> {
+        let p = Self::u64(mem, pt.wrapping_add(self.l.proto_varinfo as u64)).ok()?;
         if p == 0 {
             return None;
         }
-        let mut c = Cursor::new(p);
+        let mut c = Cursor::new(p, budget);
         let mut slot = slot;
         let mut lastpc = 0u32;
         loop {
@@ -779,7 +876,7 @@ impl Reader {
                     return if (vn as usize) <= HIDDEN_VARS.len() {
                         Some(HIDDEN_VARS[vn as usize - 1].as_bytes().to_vec())
                     } else {
-                        Cursor::new(at).cstr(mem)
+                        Cursor::new(at, c.budget).cstr(mem)
                     };
                 }
                 slot -= 1;
@@ -789,28 +886,33 @@ impl Reader {
 }
 
 /// Reads bytes one by one from another process, 64 bytes at a time (an aligned block never
-/// crosses a page), for at most [`MAX_VARINFO`] bytes.
-struct Cursor {
+/// crosses a page), for at most [`MAX_VARINFO`] bytes, and at most its budget (shared by the
+/// cursors of one name's search: a crafted prototype cannot make it read without end).
+struct Cursor<'b> {
     start: u64,
     at: u64,
     block: u64,
     buf: [u8; 64],
+    /// Bytes this cursor and the others of the same search may still read.
+    budget: &'b mut usize,
 }
 
-impl Cursor {
-    fn new(at: u64) -> Cursor {
+impl Cursor<'_> {
+    fn new(at: u64, budget: &mut usize) -> Cursor<'_> {
         Cursor {
             start: at,
             at,
             block: u64::MAX,
             buf: [0; 64],
+            budget,
         }
     }
 
     fn byte(&mut self, mem: &mut dyn Memory) -> Option<u8> {
-        if self.at - self.start > MAX_VARINFO {
+        if self.at.wrapping_sub(self.start) > MAX_VARINFO || *self.budget == 0 {
             return None;
         }
+        *self.budget -= 1;
         let b = self.at & !63;
         if b != self.block {
             if !mem.read(b, &mut self.buf) {
@@ -819,7 +921,7 @@ impl Cursor {
             self.block = b;
         }
         let v = self.buf[(self.at - b) as usize];
-        self.at += 1;
+        self.at = self.at.wrapping_add(1);
         Some(v)
     }
 
@@ -1028,5 +1130,87 @@ mod tests {
             .err()
             .unwrap();
         assert!(e.contains("offsets out of range"), "{e}");
+    }
+
+    /// Memory where every address holds bytes drawn from a seed: whatever a target's
+    /// garbage can be.
+    struct Garbage(u64);
+    impl Memory for Garbage {
+        fn read(&mut self, addr: u64, out: &mut [u8]) -> bool {
+            for (i, b) in out.iter_mut().enumerate() {
+                let mut x = (addr.wrapping_add(i as u64) >> 3) ^ self.0;
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                *b = (x >> ((addr.wrapping_add(i as u64) & 7) * 8)) as u8;
+            }
+            true
+        }
+    }
+
+    /// Memory where every word holds the same value.
+    struct Same(u64);
+    impl Memory for Same {
+        fn read(&mut self, addr: u64, out: &mut [u8]) -> bool {
+            let w = self.0.to_le_bytes();
+            for (i, b) in out.iter_mut().enumerate() {
+                *b = w[(addr.wrapping_add(i as u64) & 7) as usize];
+            }
+            true
+        }
+    }
+
+    #[test]
+    fn garbage_memory_gives_an_error_or_levels_never_a_panic_or_a_hang() {
+        let reader = || Reader {
+            l: publish::Layout::LUAJIT_GC64,
+            bc_mode: (0..104u32)
+                .map(|i| (i.wrapping_mul(2_654_435_761) >> 7) as u16)
+                .collect(),
+            strings: HashMap::new(),
+            protos: HashMap::new(),
+            names: HashMap::new(),
+            cached: 0,
+            spent: std::time::Duration::ZERO,
+        };
+        let t0 = std::time::Instant::now();
+        for seed in 0..40u64 {
+            let mut r = reader();
+            for root in [
+                0,
+                8,
+                0x1000,
+                u64::MAX - 7,
+                seed.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            ] {
+                let _ = r.stack(&mut Garbage(seed), root);
+            }
+        }
+        for w in [
+            0,
+            1,
+            8,
+            0x10,
+            u64::MAX,
+            1 << 47,
+            (0x7fff_u64 << 47) | 0x1000,
+            0x1000,
+        ] {
+            let mut r = reader();
+            for root in [0, 0x1000, u64::MAX] {
+                let _ = r.stack(&mut Same(w), root);
+            }
+        }
+        // Bounded: the readers above did not run away (each stack is cut at 2^17 frames or
+        // 2 s, a reader at 10 s).
+        assert!(t0.elapsed() < std::time::Duration::from_secs(120));
+        // All-zero memory: a chain of dummy frames down from the top of the address space.
+        let e = reader().stack(&mut Same(0), 0).err().unwrap();
+        assert_eq!(e, "more than 65536 frames");
+        // One reader's total is bounded whatever its stacks are.
+        let mut r = reader();
+        r.spent = MAX_TOTAL_TIME + std::time::Duration::from_millis(1);
+        let e = r.stack(&mut Garbage(1), 0x1000).err().unwrap();
+        assert_eq!(e, "not read: reading Lua stacks took 10s already");
     }
 }

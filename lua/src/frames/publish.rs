@@ -75,14 +75,16 @@ pub struct Layout {
     /// A string (`GCstr`): its size (the bytes follow it) and `u32` length.
     pub str_size: u32,
     pub str_len: u32,
-    /// Bytecode numbers: `MOV`, `KNIL`, `GGET`, `TGETS`, `UGET`, `ITERC`; the metamethod
-    /// numbers `MM_call` and `MM__MAX` (the bytecode mode's "none").
+    /// Bytecode numbers: `MOV`, `KNIL`, `GGET`, `TGETS`, `UGET`, `ITERC`, `FUNCC` (a C
+    /// function's pseudo-instruction; `FUNCCW` follows it, and is the last instruction); the
+    /// metamethod numbers `MM_call` and `MM__MAX` (the bytecode mode's "none").
     pub op_mov: u8,
     pub op_knil: u8,
     pub op_gget: u8,
     pub op_tgets: u8,
     pub op_uget: u8,
     pub op_iterc: u8,
+    pub op_funcc: u8,
     pub mm_call: u8,
     pub mm_max: u8,
 }
@@ -116,6 +118,7 @@ impl Layout {
         op_tgets: 57,
         op_uget: 45,
         op_iterc: 69,
+        op_funcc: 102,
         mm_call: 9,
         mm_max: 22,
     };
@@ -201,10 +204,16 @@ pub unsafe fn check(l: *mut ffi::lua_State) -> Result<(), String> {
 mod imp {
     use super::{ffi, Layout};
 
-    // SAFETY: LuaJIT's bytecode mode table, a constant array of `u16` (one per instruction)
-    // in the statically linked LuaJIT; only its address is taken here.
+    /// Entries of LuaJIT's mode table this code reads: up to `FUNCCW` (the last
+    /// instruction; `Layout::op_funcc + 1`).
+    pub(super) const MODES: usize = Layout::LUAJIT_GC64.op_funcc as usize + 2;
+
+    // SAFETY: LuaJIT's bytecode mode table, a constant array of `u16`, one per instruction,
+    // in the statically linked LuaJIT: `MODES` of them in the LuaJIT this layout is for (an
+    // older one has fewer: the read of the last ones then reads the constant data after
+    // the table, which the check finds does not match, and says so).
     unsafe extern "C" {
-        static lj_bc_mode: u16;
+        static lj_bc_mode: [u16; MODES];
     }
 
     /// Bytecode operand modes (LuaJIT's `BCMode` numbers), as this check needs them.
@@ -212,6 +221,7 @@ mod imp {
     const BCM_DST: u16 = 1;
     const BCM_BASE: u16 = 2;
     const BCM_VAR: u16 = 3;
+    const BCM_RBASE: u16 = 4;
     const BCM_UV: u16 = 5;
     const BCM_LIT: u16 = 6;
     const BCM_STR: u16 = 10;
@@ -238,11 +248,12 @@ mod imp {
     pub(super) unsafe fn check(l: *mut ffi::lua_State, lay: &Layout) -> Result<u64, String> {
         let o = |v: u32| v as usize;
         // SAFETY: every read below is of an object the Lua API just handed out (a state, a
-        // function, its prototype, its chunk name), at offsets inside those objects if the
-        // layout is right; if it is wrong, the reads stay inside the first 112 bytes of a
-        // live heap object (all offsets are below that) or follow a pointer read from one
-        // only after the first checks passed, which the values compared make unlikely to be
-        // wild. The stack is restored before returning.
+        // function, its prototype, its chunk name, a C function's pseudo-instruction), at
+        // offsets inside those objects if the layout is right; if it is wrong, the reads stay
+        // inside the first 112 bytes of a live heap object (all offsets are below that) or
+        // follow a pointer read from one only after the first checks passed, which the values
+        // compared make unlikely to be wild; the mode table is read through its declared
+        // array, with bounds checks. The stack is restored before returning.
         unsafe {
             ffi::lua_checkstack(l, 8);
             let top0 = ffi::lua_gettop(l);
@@ -302,12 +313,21 @@ mod imp {
             let c = ffi::lua_topointer(l, -1) as usize;
             let cffid: u8 = rd(c + o(lay.func_ffid));
             let cf: usize = rd(c + o(lay.func_cfunc));
-            if cffid != 1 || cf != probe_c as *const () as usize {
+            let cpc: usize = rd(c + o(lay.func_pc));
+            if cffid != 1 || cf != probe_c as *const () as usize || cpc == 0 {
                 return done(Err(format!("C function: ffid {cffid}")));
+            }
+            // Its pseudo-instruction (the global state's `bc_cfunc_ext`): FUNCC.
+            let cop = (rd::<u32>(cpc) & 0xff) as u8;
+            if cop != lay.op_funcc {
+                return done(Err(format!(
+                    "C function: instruction {cop}, not FUNCC ({})",
+                    lay.op_funcc
+                )));
             }
             // The bytecode modes of the instructions a reader decodes.
             let bc = std::ptr::addr_of!(lj_bc_mode);
-            let m = |op: u8| *bc.add(op as usize);
+            let m = |op: u8| (*bc).get(op as usize).copied().unwrap_or(0);
             let none = lay.mm_max;
             let want = [
                 (lay.op_mov, mode(BCM_DST, BCM_NONE, BCM_VAR, none), "MOV"),
@@ -323,6 +343,16 @@ mod imp {
                     lay.op_iterc,
                     mode(BCM_BASE, BCM_LIT, BCM_LIT, lay.mm_call),
                     "ITERC",
+                ),
+                (
+                    lay.op_funcc,
+                    mode(BCM_RBASE, BCM_NONE, BCM_NONE, none),
+                    "FUNCC",
+                ),
+                (
+                    lay.op_funcc.wrapping_add(1),
+                    mode(BCM_RBASE, BCM_NONE, BCM_NONE, none),
+                    "FUNCCW",
                 ),
             ];
             for (op, want, what) in want {
@@ -388,6 +418,13 @@ mod tests {
                     ..Layout::LUAJIT_GC64
                 },
                 "bytecode UGET (44)",
+            ),
+            (
+                Layout {
+                    op_funcc: 101,
+                    ..Layout::LUAJIT_GC64
+                },
+                "C function: instruction 102, not FUNCC (101)",
             ),
         ];
         for (lay, what) in wrong {
