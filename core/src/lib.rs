@@ -22,6 +22,7 @@ pub mod capture;
 pub mod codec;
 pub mod format;
 pub mod frame;
+pub mod heap;
 pub mod image;
 pub mod remote;
 pub mod symbolize;

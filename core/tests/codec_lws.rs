@@ -39,6 +39,41 @@ fn encode_every_line() {
     }
 }
 
+/// The allocator's encoder (a fixed buffer, no allocation) writes the same bytes as the
+/// vectors' `~m#` lines: the blobs hidden in front of allocations are lws's.
+#[test]
+fn encode_into_a_fixed_buffer_matches_every_line() {
+    use fibertrace_core::codec::lws::{encode_into, MAX_BLOB};
+    for (n, m, b) in lines() {
+        let t = LwsTrace::from_b_line(b).unwrap();
+        let mut buf = [0u8; MAX_BLOB];
+        let len =
+            encode_into(&t.addrs, t.size, &mut buf).unwrap_or_else(|e| panic!("line {n}: {e}"));
+        let line = format!("~m#{}", fibertrace_core::codec::base64::encode(&buf[..len]));
+        assert_eq!(line, m, "line {n}");
+        // Too small a buffer is an error, never a cut blob.
+        assert!(
+            encode_into(&t.addrs, t.size, &mut buf[..len - 1]).is_err(),
+            "line {n}"
+        );
+    }
+    // The largest blob fits MAX_BLOB.
+    let worst: Vec<u64> = (0..31u64)
+        .map(|i| (1u64 << 62) + i * (1u64 << 58))
+        .collect();
+    let mut buf = [0u8; MAX_BLOB];
+    let len = encode_into(&worst, (1u64 << 63) - 1, &mut buf).unwrap();
+    assert_eq!(
+        buf[..len].to_vec(),
+        LwsTrace {
+            size: (1u64 << 63) - 1,
+            addrs: worst
+        }
+        .encode()
+        .unwrap()
+    );
+}
+
 #[test]
 fn edge_lines() {
     let l = lines();

@@ -132,6 +132,17 @@ pub fn current_stacks() -> Vec<StackBounds> {
     buf[..n].to_vec()
 }
 
+/// The known stack (an entered coroutine stack or the thread's own) that holds the caller's
+/// stack pointer, without allocating: what [`collect_raw`] reads. `None` when the current
+/// stack is none of them.
+#[inline(never)]
+pub fn stack_here() -> Option<StackBounds> {
+    let sp = crate::__fibertrace_registers_here!().sp;
+    let mut buf = [StackBounds::default(); MAX_ENTERED + 1];
+    let n = fill_current_stacks(&mut buf);
+    buf[..n].iter().copied().find(|s| s.contains(sp))
+}
+
 /// Writes the current thread's readable stacks into `buf`; returns how many.
 #[inline]
 fn fill_current_stacks(buf: &mut [StackBounds; MAX_ENTERED + 1]) -> usize {

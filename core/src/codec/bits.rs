@@ -55,6 +55,71 @@ impl BitWriter {
     }
 }
 
+/// Where MSB-first bits go: a growing vector ([`BitWriter`]) or a fixed buffer
+/// ([`SliceBitWriter`], for callers that must not allocate, such as an allocator).
+pub(crate) trait BitSink {
+    /// Writes the low `n` ≤ 64 bits of `v`, most significant first.
+    fn write(&mut self, v: u64, n: u32);
+}
+
+impl BitSink for BitWriter {
+    #[inline]
+    fn write(&mut self, v: u64, n: u32) {
+        BitWriter::write(self, v, n)
+    }
+}
+
+/// Writes bits MSB-first into a fixed buffer; bits beyond its end are dropped and counted
+/// ([`SliceBitWriter::overflowed`]).
+pub(crate) struct SliceBitWriter<'a> {
+    buf: &'a mut [u8],
+    len: usize,
+    overflow: bool,
+}
+
+impl<'a> SliceBitWriter<'a> {
+    /// A writer over `buf`, which it zeroes.
+    pub(crate) fn new(buf: &'a mut [u8]) -> Self {
+        buf.fill(0);
+        SliceBitWriter {
+            buf,
+            len: 0,
+            overflow: false,
+        }
+    }
+
+    /// Bytes used (the last one zero-padded).
+    pub(crate) fn byte_len(&self) -> usize {
+        self.len.div_ceil(8)
+    }
+
+    /// Whether a write did not fit.
+    pub(crate) fn overflowed(&self) -> bool {
+        self.overflow
+    }
+}
+
+impl BitSink for SliceBitWriter<'_> {
+    #[inline]
+    fn write(&mut self, v: u64, n: u32) {
+        debug_assert!(n <= 64);
+        if self.len + n as usize > self.buf.len() * 8 {
+            self.overflow = true;
+            return;
+        }
+        let mut left = n;
+        while left > 0 {
+            let used = (self.len & 7) as u32;
+            let room = 8 - used;
+            let take = room.min(left);
+            let chunk = ((v >> (left - take)) & ((1u64 << take) - 1)) as u8;
+            self.buf[self.len >> 3] |= chunk << (room - take);
+            left -= take;
+            self.len += take as usize;
+        }
+    }
+}
+
 /// Reads bits MSB-first from a byte slice.
 #[derive(Debug, Clone)]
 pub(crate) struct BitReader<'a> {

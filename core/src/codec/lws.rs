@@ -41,7 +41,7 @@
 //! * lws records raw `_Unwind_GetIP` values: return addresses, not adjusted. [`LwsTrace::to_frames`]
 //!   therefore yields [`Frame::Ra`] for every entry.
 
-use super::bits::{BitReader, BitWriter};
+use super::bits::{BitReader, BitSink, BitWriter, SliceBitWriter};
 use super::{base64, Error};
 use crate::Frame;
 use std::fmt::Write as _;
@@ -67,10 +67,105 @@ fn sigbits(v: u64) -> u32 {
     (64 - v.leading_zeros()).max(1)
 }
 
+/// Most bytes an lws blob takes, its 2-byte length included: a 5-bit depth, 31 entries of at
+/// most 1+3+1+6+63 bits (a delta), a 6-bit size count and 63 size bits, each field with its
+/// pad bit.
+pub const MAX_BLOB: usize = (6 + MAX_DEPTH * (2 + 4 + 2 + 7 + 64) + 7 + 64).div_ceil(8) + 2;
+
 /// Writes one lws field: `n` bits of `v` then the pad bit.
-fn put(w: &mut BitWriter, v: u64, n: u32) {
+fn put(w: &mut impl BitSink, v: u64, n: u32) {
     w.write(v, n);
-    w.bit(false);
+    w.write(0, 1);
+}
+
+/// Encodes `addrs` (innermost first) and `size` as an lws blob with its 2-byte length into
+/// `out`, without allocating; returns the bytes written. The same bytes as
+/// [`LwsTrace::encode`]. Fails when a value needs 64 bits, when there are more than
+/// [`MAX_DEPTH`] addresses, or when `out` is too small (it never is at [`MAX_BLOB`] bytes).
+pub fn encode_into(addrs: &[u64], size: u64, out: &mut [u8]) -> Result<usize, Error> {
+    let room = out.len().saturating_sub(2);
+    let (body, _) = out.split_at_mut(room);
+    let mut w = SliceBitWriter::new(body);
+    encode_bits(addrs, size, &mut w)?;
+    if w.overflowed() {
+        return Err(Error::NotRepresentable(format!(
+            "blob needs more than the {} bytes given",
+            out.len()
+        )));
+    }
+    let n = w.byte_len();
+    let total = n + 2;
+    let total16 = u16::try_from(total).map_err(|_| {
+        Error::NotRepresentable(format!("blob of {total} bytes exceeds the 16-bit length"))
+    })?;
+    out[n..total].copy_from_slice(&total16.to_be_bytes());
+    Ok(total)
+}
+
+/// The bit fields of a blob (without the length trailer).
+fn encode_bits(st: &[u64], size: u64, w: &mut impl BitSink) -> Result<(), Error> {
+    if st.len() > MAX_DEPTH {
+        return Err(Error::NotRepresentable(format!(
+            "{} frames; an lws blob holds at most {MAX_DEPTH}",
+            st.len()
+        )));
+    }
+    put(w, st.len() as u64, 5);
+    for n in 0..st.len() {
+        let cur = st[n];
+        // Best reference: smallest |difference|, strict `<` so the earliest wins ties.
+        let mut best: Option<(usize, u64, bool)> = None;
+        for (m, &prev) in st.iter().enumerate().take(n).skip(n.saturating_sub(8)) {
+            let (d, sub) = if cur > prev {
+                (cur - prev, false)
+            } else {
+                (prev - cur, true)
+            };
+            if best.is_none_or(|(_, bd, _)| d < bd) {
+                best = Some((m, d, sub));
+            }
+        }
+        let ql = sigbits(cur);
+        let delta = match best {
+            // lws tests `hit` for truthiness, so a best reference at index 0 is never used.
+            Some((m, d, sub)) if m != 0 && sigbits(d) + 11 < ql + 7 => Some((n - m, d, sub)),
+            _ => None,
+        };
+        match delta {
+            Some((back, d, sub)) => {
+                let q = sigbits(d);
+                if q > 63 {
+                    return Err(Error::NotRepresentable(format!(
+                        "delta {d:#x} needs 64 bits (lws bit counts are 6 bits)"
+                    )));
+                }
+                put(w, 1, 1);
+                put(w, back as u64 - 1, 3);
+                put(w, u64::from(sub), 1);
+                put(w, u64::from(q), 6);
+                put(w, d, q);
+            }
+            None => {
+                if ql > 63 {
+                    return Err(Error::NotRepresentable(format!(
+                        "address {cur:#x} needs 64 bits (lws bit counts are 6 bits)"
+                    )));
+                }
+                put(w, 0, 1);
+                put(w, u64::from(ql), 6);
+                put(w, cur, ql);
+            }
+        }
+    }
+    let s = sigbits(size);
+    if s > 63 {
+        return Err(Error::NotRepresentable(format!(
+            "size {size} needs 64 bits (lws bit counts are 6 bits)"
+        )));
+    }
+    put(w, u64::from(s), 6);
+    put(w, size, s);
+    Ok(())
 }
 
 /// Reads one lws field of `n` bits and skips its pad bit.
@@ -100,73 +195,11 @@ impl LwsTrace {
     /// Encodes the compressed blob including its 2-byte length trailer (exactly the bytes lws
     /// base64-encodes after `~m#`).
     pub fn encode(&self) -> Result<Vec<u8>, Error> {
-        let st = &self.addrs;
-        if st.len() > MAX_DEPTH {
-            return Err(Error::NotRepresentable(format!(
-                "{} frames; an lws blob holds at most {MAX_DEPTH}",
-                st.len()
-            )));
-        }
         let mut w = BitWriter::new();
-        put(&mut w, st.len() as u64, 5);
-        for n in 0..st.len() {
-            let cur = st[n];
-            // Best reference: smallest |difference|, strict `<` so the earliest wins ties.
-            let mut best: Option<(usize, u64, bool)> = None;
-            for (m, &prev) in st.iter().enumerate().take(n).skip(n.saturating_sub(8)) {
-                let (d, sub) = if cur > prev {
-                    (cur - prev, false)
-                } else {
-                    (prev - cur, true)
-                };
-                if best.is_none_or(|(_, bd, _)| d < bd) {
-                    best = Some((m, d, sub));
-                }
-            }
-            let ql = sigbits(cur);
-            let delta = match best {
-                // lws tests `hit` for truthiness, so a best reference at index 0 is never used.
-                Some((m, d, sub)) if m != 0 && sigbits(d) + 11 < ql + 7 => Some((n - m, d, sub)),
-                _ => None,
-            };
-            match delta {
-                Some((back, d, sub)) => {
-                    let q = sigbits(d);
-                    if q > 63 {
-                        return Err(Error::NotRepresentable(format!(
-                            "delta {d:#x} needs 64 bits (lws bit counts are 6 bits)"
-                        )));
-                    }
-                    put(&mut w, 1, 1);
-                    put(&mut w, back as u64 - 1, 3);
-                    put(&mut w, u64::from(sub), 1);
-                    put(&mut w, u64::from(q), 6);
-                    put(&mut w, d, q);
-                }
-                None => {
-                    if ql > 63 {
-                        return Err(Error::NotRepresentable(format!(
-                            "address {cur:#x} needs 64 bits (lws bit counts are 6 bits)"
-                        )));
-                    }
-                    put(&mut w, 0, 1);
-                    put(&mut w, u64::from(ql), 6);
-                    put(&mut w, cur, ql);
-                }
-            }
-        }
-        let s = sigbits(self.size);
-        if s > 63 {
-            return Err(Error::NotRepresentable(format!(
-                "size {} needs 64 bits (lws bit counts are 6 bits)",
-                self.size
-            )));
-        }
-        put(&mut w, u64::from(s), 6);
-        put(&mut w, self.size, s);
+        encode_bits(&self.addrs, self.size, &mut w)?;
         let mut bytes = w.into_bytes();
         let total = bytes.len() + 2;
-        // At most 5+1 + 31*(2+4+2+7+64) + 7+64 bits: far below 65535 bytes.
+        // At most MAX_BLOB bytes: far below 65535.
         let total = u16::try_from(total).map_err(|_| {
             Error::NotRepresentable(format!("blob of {total} bytes exceeds the 16-bit length"))
         })?;

@@ -1,0 +1,397 @@
+//! Heap metadata: which code — and which fiber — allocated every live byte.
+//!
+//! [`Tracked`] wraps any [`GlobalAlloc`] (the system allocator, usually) as the process's
+//! `#[global_allocator]`, in one of two tiers:
+//!
+//! * **every allocation** ([`Tracked::every`]): lws's `alloc_metadata` scheme. Each
+//!   allocation carries, hidden in front of the pointer handed out, the lws-compressed
+//!   backtrace of the code that made it and its size (the blob), the blob's 16-bit big-endian
+//!   length, and three words of links (previous, next, owner slot) that chain it into the live
+//!   list. Free works backwards from the pointer. Live allocations can be listed
+//!   ([`live`]), printed as lws `~m#` lines ([`write_m_lines`], which lws's own decoder
+//!   reads), grouped by stack ([`group`]); every alloc and free can be reported to a
+//!   callback ([`set_events`]). For tests and small systems: every allocation pays a stack walk.
+//! * **sampled** ([`Tracked::sampled`]): Poisson sampling by bytes, as jemalloc and Go do: a
+//!   per-thread countdown of bytes drawn from an exponential distribution (mean
+//!   [`Config::sample_interval`], 512 KiB by default); the allocation that crosses it is
+//!   sampled: its stack is recorded in a table and it stands for `1/p` allocations of its size,
+//!   `p = 1 − e^(−size/interval)` (the estimate is unbiased). Free finds a sampled pointer by
+//!   a probe in a counting filter (one load for the others). Cheap enough to leave on.
+//!
+//! [`Tracked::from_env`] picks the tier when the process starts from `FIBERTRACE_HEAP`
+//! (`every`, `sampled` or `off`), so one binary can do both.
+//!
+//! Each allocation is charged to the current [`Owner`] (a runtime switches it with each
+//! fiber, see [`switch_to`]) and credited back to it on free, whichever thread frees it:
+//! [`Owner::usage`] and [`owners`] give live bytes per fiber, exited fibers included.
+//!
+//! Invariants: the tracker never re-enters itself — all of its own work (capture, tables,
+//! callbacks) runs under a per-thread busy flag, and allocations made meanwhile go to the
+//! inner allocator untracked (in the every tier still with a header, marked unlinked).
+//! Thread-locals are plain `const` cells without destructors, so allocations during a
+//! thread's teardown are served (untracked once the capture's own thread-locals are gone).
+//! Capture is the frame-pointer walk when the code keeps frame pointers (no allocation, no
+//! lock once the image table is built), else the DWARF walk.
+//!
+//! How a result can be wrong: the recorded stack starts inside the allocation machinery
+//! (`__rust_alloc`, `alloc::raw_vec`…) — views drop those frames by name; a stack deeper than
+//! [`Config::depth`] keeps its innermost frames; `realloc` in the every tier is a new
+//! allocation (its stack is the `realloc`'s); sampled figures are estimates.
+
+mod every;
+mod owner;
+mod sample;
+mod view;
+
+pub use owner::{owners, restore, switch_to, Owner, OwnerRow, Usage, MAX_OWNERS};
+pub use view::{
+    group, human_bytes, live, render_groups, share_name, write_m_lines, Group, LiveAlloc, Share,
+};
+
+use std::alloc::{GlobalAlloc, Layout};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+
+/// Which tier a [`Tracked`] allocator runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Tier {
+    /// Not tracking: allocations go straight to the inner allocator.
+    Off,
+    /// Every allocation carries its stack (lws `alloc_metadata`).
+    Every,
+    /// Poisson-sampled by bytes.
+    Sampled,
+}
+
+const UNDECIDED: u8 = 0;
+const OFF: u8 = 1;
+const EVERY: u8 = 2;
+const SAMPLED: u8 = 3;
+
+/// The tier of the process's tracker, decided at its first allocation.
+static MODE: AtomicU8 = AtomicU8::new(UNDECIDED);
+
+/// The active tier (`Off` when no [`Tracked`] allocator is installed or it has not
+/// allocated yet).
+pub fn tier() -> Tier {
+    match MODE.load(Ordering::Relaxed) {
+        EVERY => Tier::Every,
+        SAMPLED => Tier::Sampled,
+        _ => Tier::Off,
+    }
+}
+
+/// Settings of the tracker (change them at any time with [`configure`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Frames dropped at the top of each recorded stack (besides the tracker's own).
+    pub snip_pre: usize,
+    /// Frames dropped at the bottom (the thread's start code, say).
+    pub snip_post: usize,
+    /// Most frames recorded per stack (at most [`crate::codec::lws::MAX_DEPTH`] = 31, lws's
+    /// limit).
+    pub depth: usize,
+    /// Mean bytes between samples in the sampled tier.
+    pub sample_interval: u64,
+    /// Whether the every tier records stacks (when off, allocations keep their headers but
+    /// are not listed).
+    pub record: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            snip_pre: 0,
+            snip_post: 0,
+            depth: crate::codec::lws::MAX_DEPTH,
+            sample_interval: 512 * 1024,
+            record: true,
+        }
+    }
+}
+
+static SNIP_PRE: AtomicUsize = AtomicUsize::new(0);
+static SNIP_POST: AtomicUsize = AtomicUsize::new(0);
+static DEPTH: AtomicUsize = AtomicUsize::new(crate::codec::lws::MAX_DEPTH);
+static INTERVAL: AtomicU64 = AtomicU64::new(512 * 1024);
+static RECORD: AtomicBool = AtomicBool::new(true);
+
+/// Applies `c` (to allocations made from now on).
+pub fn configure(c: Config) {
+    SNIP_PRE.store(c.snip_pre.min(64), Ordering::Relaxed);
+    SNIP_POST.store(c.snip_post.min(64), Ordering::Relaxed);
+    DEPTH.store(
+        c.depth.clamp(1, crate::codec::lws::MAX_DEPTH),
+        Ordering::Relaxed,
+    );
+    INTERVAL.store(c.sample_interval.max(1), Ordering::Relaxed);
+    RECORD.store(c.record, Ordering::Relaxed);
+}
+
+/// The settings in force.
+pub fn config() -> Config {
+    Config {
+        snip_pre: SNIP_PRE.load(Ordering::Relaxed),
+        snip_post: SNIP_POST.load(Ordering::Relaxed),
+        depth: DEPTH.load(Ordering::Relaxed),
+        sample_interval: INTERVAL.load(Ordering::Relaxed),
+        record: RECORD.load(Ordering::Relaxed),
+    }
+}
+
+/// An allocation or a free, as reported to the [`set_events`] callback.
+#[derive(Debug)]
+pub struct Event<'a> {
+    /// Whether it is an allocation (else a free).
+    pub alloc: bool,
+    /// The pointer handed out.
+    pub ptr: usize,
+    /// Its size.
+    pub size: usize,
+    /// The fiber it is charged to (`None`: outside fibers).
+    pub fiber: Option<u64>,
+    /// The lws blob (with its 2-byte length) of its allocation stack: what a `~m#` line
+    /// carries. Empty for allocations whose stack was not recorded.
+    pub blob: &'a [u8],
+}
+
+type EventFn = fn(&Event<'_>);
+static EVENTS: std::sync::atomic::AtomicPtr<()> =
+    std::sync::atomic::AtomicPtr::new(std::ptr::null_mut());
+
+/// Calls `f` for every recorded allocation and its free in the every tier (`None`: stop).
+/// The callback runs inside the allocator: its own allocations are not tracked and it must
+/// not block on a lock an allocating thread could hold.
+pub fn set_events(f: Option<EventFn>) {
+    EVENTS.store(
+        f.map_or(std::ptr::null_mut(), |f| f as *mut ()),
+        Ordering::Release,
+    );
+}
+
+fn events() -> Option<EventFn> {
+    let p = EVENTS.load(Ordering::Acquire);
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: only `set_events` stores here, always a `fn(&Event)` cast to a pointer.
+    Some(unsafe { std::mem::transmute::<*mut (), EventFn>(p) })
+}
+
+thread_local! {
+    /// Set while the tracker works on this thread: allocations meanwhile are not tracked.
+    static BUSY: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The busy flag held: the tracker's own work, never tracked.
+pub(crate) struct Busy {
+    was: bool,
+}
+
+impl Busy {
+    /// Enters (a nested enter keeps the flag set).
+    #[inline]
+    pub(crate) fn enter() -> Busy {
+        let was = BUSY.try_with(|b| b.replace(true)).unwrap_or(true);
+        Busy { was }
+    }
+
+    /// Whether the thread was already busy (then the work must not be tracked).
+    #[inline]
+    pub(crate) fn nested(&self) -> bool {
+        self.was
+    }
+}
+
+impl Drop for Busy {
+    #[inline]
+    fn drop(&mut self) {
+        if !self.was {
+            let _ = BUSY.try_with(|b| b.set(false));
+        }
+    }
+}
+
+/// Runs `f` with tracking paused on this thread (its allocations are served untracked).
+pub fn untracked<R>(f: impl FnOnce() -> R) -> R {
+    let _b = Busy::enter();
+    f()
+}
+
+/// A global allocator that records who allocated every live byte. See the module docs.
+///
+/// ```no_run
+/// use fibertrace_core::heap::Tracked;
+/// #[global_allocator]
+/// static HEAP: Tracked<std::alloc::System> = Tracked::sampled(std::alloc::System);
+/// ```
+pub struct Tracked<A> {
+    inner: A,
+    tier: u8,
+}
+
+impl<A> Tracked<A> {
+    /// Every allocation carries its stack.
+    pub const fn every(inner: A) -> Self {
+        Tracked { inner, tier: EVERY }
+    }
+
+    /// Poisson-sampled by bytes.
+    pub const fn sampled(inner: A) -> Self {
+        Tracked {
+            inner,
+            tier: SAMPLED,
+        }
+    }
+
+    /// The tier named by `FIBERTRACE_HEAP` (`every`, `sampled`, `off`) when the process
+    /// starts, `default` when it is unset or names none of them.
+    pub const fn from_env(inner: A, default: Tier) -> Self {
+        let tier = match default {
+            Tier::Off => OFF,
+            Tier::Every => EVERY,
+            Tier::Sampled => SAMPLED,
+        };
+        Tracked {
+            inner,
+            tier: tier | 0x80,
+        }
+    }
+
+    #[inline]
+    fn mode(&self) -> u8 {
+        match MODE.load(Ordering::Relaxed) {
+            UNDECIDED => self.decide(),
+            m => m,
+        }
+    }
+
+    #[cold]
+    fn decide(&self) -> u8 {
+        let mut m = self.tier & 0x7f;
+        if self.tier & 0x80 != 0 {
+            m = env_tier().unwrap_or(m);
+        }
+        match MODE.compare_exchange(UNDECIDED, m, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => m,
+            Err(won) => won,
+        }
+    }
+}
+
+/// `FIBERTRACE_HEAP`, read without allocating.
+fn env_tier() -> Option<u8> {
+    // SAFETY: getenv with a NUL-terminated name; the result, when not null, is a
+    // NUL-terminated string owned by the environment, read at once.
+    let v = unsafe { libc::getenv(c"FIBERTRACE_HEAP".as_ptr()) };
+    if v.is_null() {
+        return None;
+    }
+    // SAFETY: as above.
+    let v = unsafe { std::ffi::CStr::from_ptr(v) }.to_bytes();
+    match v {
+        b"every" => Some(EVERY),
+        b"sampled" => Some(SAMPLED),
+        b"off" | b"" | b"0" => Some(OFF),
+        _ => None,
+    }
+}
+
+// SAFETY: every method hands out memory from the inner allocator, with a layout that holds
+// the caller's (size and alignment) at the pointer returned, and frees it with the layout it
+// was allocated with (recomputed from the caller's layout and the header's length).
+unsafe impl<A: GlobalAlloc> GlobalAlloc for Tracked<A> {
+    #[inline]
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        match self.mode() {
+            // SAFETY: the caller's contract (a non-zero-sized layout).
+            EVERY => unsafe { every::alloc(&self.inner, layout, false) },
+            // SAFETY: as above.
+            SAMPLED => unsafe { sample::alloc(&self.inner, layout, false) },
+            // SAFETY: as above.
+            _ => unsafe { self.inner.alloc(layout) },
+        }
+    }
+
+    #[inline]
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        match self.mode() {
+            // SAFETY: the caller's contract.
+            EVERY => unsafe { every::alloc(&self.inner, layout, true) },
+            // SAFETY: as above.
+            SAMPLED => unsafe { sample::alloc(&self.inner, layout, true) },
+            // SAFETY: as above.
+            _ => unsafe { self.inner.alloc_zeroed(layout) },
+        }
+    }
+
+    #[inline]
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        match self.mode() {
+            // SAFETY: `ptr` was handed out by this allocator in this mode, with `layout`.
+            EVERY => unsafe { every::dealloc(&self.inner, ptr, layout) },
+            // SAFETY: as above.
+            SAMPLED => unsafe { sample::dealloc(&self.inner, ptr, layout) },
+            // SAFETY: as above.
+            _ => unsafe { self.inner.dealloc(ptr, layout) },
+        }
+    }
+
+    #[inline]
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        match self.mode() {
+            // SAFETY: the caller's contract for realloc.
+            EVERY => unsafe { every::realloc(&self.inner, ptr, layout, new_size) },
+            // SAFETY: as above.
+            SAMPLED => unsafe { sample::realloc(&self.inner, ptr, layout, new_size) },
+            // SAFETY: as above.
+            _ => unsafe { self.inner.realloc(ptr, layout, new_size) },
+        }
+    }
+}
+
+/// Most frames captured before snipping.
+const CAPTURE: usize = 96;
+
+/// Captures the current stack for a record into `out`: the frames above the tracker's own,
+/// snipped per [`Config`], at most [`Config::depth`]. Call under [`Busy`].
+#[inline(never)]
+pub(crate) fn capture(out: &mut [u64; crate::codec::lws::MAX_DEPTH]) -> usize {
+    let mut buf = [0u64; CAPTURE];
+    let pre = SNIP_PRE.load(Ordering::Relaxed);
+    let post = SNIP_POST.load(Ordering::Relaxed);
+    let depth = DEPTH.load(Ordering::Relaxed).min(out.len());
+    let stack = crate::capture::stack_here();
+    // Frame 0 is the return into this function, frame 1 into the tier's record function:
+    // both the tracker's. The next is the allocator entry (`__rg_alloc`, where the
+    // `GlobalAlloc` methods are inlined), dropped by name in the views with the rest of the
+    // allocation machinery.
+    let n = match stack.and_then(|s| crate::capture::collect_raw(2, 0, s, &mut buf)) {
+        Some(n) => n,
+        None => {
+            let mut bt = crate::Backtrace::new();
+            let opts = crate::CaptureOptions {
+                unwinder: crate::Unwinder::Auto,
+                limit: CAPTURE.min(crate::CAPACITY),
+                offset: 2,
+                top: 0,
+            };
+            crate::capture::collect_into(&opts, &mut bt);
+            let mut n = 0;
+            for a in bt.frames().iter().filter_map(crate::Frame::address) {
+                if n == buf.len() {
+                    break;
+                }
+                buf[n] = a;
+                n += 1;
+            }
+            n
+        }
+    };
+    let lo = pre.min(n);
+    let hi = n.saturating_sub(post).max(lo);
+    let k = (hi - lo).min(depth);
+    out[..k].copy_from_slice(&buf[lo..lo + k]);
+    k
+}

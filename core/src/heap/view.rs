@@ -1,0 +1,300 @@
+//! Views of the live heap: the allocations, grouped by stack, as text and as lws `~m#` lines.
+//!
+//! Stacks are recorded from inside the allocation machinery; [`group`] resolves them and
+//! drops the leading frames whose every function level is that machinery (`__rust_alloc`,
+//! `alloc::`, `core::`, `std::`, `hashbrown::`, the tracker), so a group starts at the code
+//! that asked for memory. A stack that is all machinery keeps its frames.
+
+use super::{every, owner, sample, Tier};
+use crate::codec::lws::{LwsTrace, M_LEAD};
+use crate::frame::Frame;
+use std::collections::HashMap;
+use std::fmt::Write as _;
+
+/// One live allocation (every tier) or sample (sampled tier).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LiveAlloc {
+    /// The pointer handed out.
+    pub ptr: usize,
+    /// Its size.
+    pub size: usize,
+    /// The fiber it is charged to (`None`: outside fibers).
+    pub fiber: Option<u64>,
+    /// Whether that fiber has ended.
+    pub exited: bool,
+    /// Return addresses of its allocation stack, innermost first (machinery included).
+    pub addrs: Vec<u64>,
+    /// Bytes it stands for (its size in the every tier; the estimate in the sampled one).
+    pub bytes: i64,
+    /// Allocations it stands for (1 in the every tier).
+    pub objects: i64,
+    /// The lws blob with its length (every tier: as stored in front of the allocation;
+    /// sampled: encoded from the sample).
+    #[serde(skip)]
+    pub blob: Vec<u8>,
+}
+
+/// The live allocations (every tier) or samples (sampled tier), newest first in the every
+/// tier. Empty when no tier is active.
+pub fn live() -> Vec<LiveAlloc> {
+    let mut raw: Vec<(usize, Vec<u8>, u32)> = Vec::new();
+    let mut out = Vec::new();
+    match super::tier() {
+        Tier::Every => {
+            raw.reserve(every::count() + 64);
+            every::for_each(|p, blob, slot| raw.push((p, blob.to_vec(), slot)));
+            for (ptr, blob, slot) in raw {
+                let Ok(t) = LwsTrace::decode(&blob) else {
+                    continue;
+                };
+                let (fiber, exited) = owner::fiber_of(slot);
+                out.push(LiveAlloc {
+                    ptr,
+                    size: t.size as usize,
+                    fiber,
+                    exited,
+                    addrs: t.addrs,
+                    bytes: t.size as i64,
+                    objects: 1,
+                    blob,
+                });
+            }
+        }
+        Tier::Sampled => {
+            for (ptr, s) in sample::samples() {
+                let addrs = s.frames[..usize::from(s.depth)].to_vec();
+                let blob = LwsTrace {
+                    size: s.size as u64,
+                    addrs: addrs.clone(),
+                }
+                .encode()
+                .unwrap_or_default();
+                let (fiber, exited) = owner::fiber_of(s.slot);
+                out.push(LiveAlloc {
+                    ptr,
+                    size: s.size,
+                    fiber,
+                    exited,
+                    addrs,
+                    bytes: s.bytes,
+                    objects: s.objects,
+                    blob,
+                });
+            }
+        }
+        Tier::Off => {}
+    }
+    out
+}
+
+/// Writes one lws `~m#` line per live allocation (the every tier's stored blobs, which lws's
+/// decoder reads; in the sampled tier one per sample). Returns how many.
+pub fn write_m_lines(w: &mut dyn std::io::Write) -> std::io::Result<usize> {
+    let all = live();
+    for a in &all {
+        writeln!(w, "{M_LEAD}{}", crate::codec::base64::encode(&a.blob))?;
+    }
+    Ok(all.len())
+}
+
+/// A fiber's share of a [`Group`].
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Share {
+    /// The fiber (`None`: outside fibers).
+    pub fiber: Option<u64>,
+    /// Whether it has ended.
+    pub exited: bool,
+    /// Bytes.
+    pub bytes: i64,
+    /// Allocations.
+    pub objects: i64,
+}
+
+/// Live allocations that share a stack.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Group {
+    /// The stack from the code that asked for memory outward (return addresses).
+    pub frames: Vec<Frame>,
+    /// Bytes.
+    pub bytes: i64,
+    /// Allocations.
+    pub objects: i64,
+    /// Per fiber, most bytes first.
+    pub fibers: Vec<Share>,
+}
+
+/// Whether a function name belongs to the allocation machinery.
+fn machinery(name: &str) -> bool {
+    const PREFIXES: [&str; 17] = [
+        "__rust_",
+        "__rustc::",
+        "__rg_",
+        "__rdl_",
+        "fibertrace_core::heap",
+        "<fibertrace_core::heap",
+        "alloc::",
+        "<alloc::",
+        "core::",
+        "<core::",
+        "std::",
+        "<std::",
+        "hashbrown::",
+        "<hashbrown::",
+        "malloc",
+        "realloc",
+        "calloc",
+    ];
+    PREFIXES.iter().any(|p| name.starts_with(p))
+}
+
+/// Leading frames of `addrs` that are all machinery.
+fn machinery_prefix(addrs: &[u64]) -> usize {
+    let mut n = 0;
+    for &a in addrs {
+        let r = crate::symbolize::resolve(&Frame::Ra(a));
+        let all = r.as_ref().is_some_and(|r| {
+            !r.symbols.is_empty()
+                && r.symbols
+                    .iter()
+                    .all(|s| s.name.as_deref().is_some_and(machinery))
+        });
+        if !all {
+            break;
+        }
+        n += 1;
+    }
+    if n == addrs.len() {
+        0
+    } else {
+        n
+    }
+}
+
+/// Groups allocations by stack (machinery frames dropped), most bytes first.
+pub fn group(allocs: &[LiveAlloc]) -> Vec<Group> {
+    let mut trim: HashMap<&[u64], usize> = HashMap::new();
+    /// Bytes and allocations per (fiber, exited).
+    type PerFiber = HashMap<(Option<u64>, bool), (i64, i64)>;
+    let mut by: HashMap<&[u64], (i64, i64, PerFiber)> = HashMap::new();
+    for a in allocs {
+        let k = *trim
+            .entry(&a.addrs)
+            .or_insert_with(|| machinery_prefix(&a.addrs));
+        let e = by.entry(&a.addrs[k..]).or_default();
+        e.0 += a.bytes;
+        e.1 += a.objects;
+        let f = e.2.entry((a.fiber, a.exited)).or_default();
+        f.0 += a.bytes;
+        f.1 += a.objects;
+    }
+    let mut out: Vec<Group> = by
+        .into_iter()
+        .map(|(addrs, (bytes, objects, fibers))| {
+            let mut fibers: Vec<Share> = fibers
+                .into_iter()
+                .map(|((fiber, exited), (bytes, objects))| Share {
+                    fiber,
+                    exited,
+                    bytes,
+                    objects,
+                })
+                .collect();
+            fibers.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.fiber.cmp(&b.fiber)));
+            Group {
+                frames: addrs.iter().map(|&a| Frame::Ra(a)).collect(),
+                bytes,
+                objects,
+                fibers,
+            }
+        })
+        .collect();
+    out.sort_by(|a, b| {
+        b.bytes.cmp(&a.bytes).then_with(|| {
+            a.frames
+                .iter()
+                .map(Frame::address)
+                .cmp(b.frames.iter().map(Frame::address))
+        })
+    });
+    out
+}
+
+/// Bytes for people: `512 B`, `1.5 KiB`, `12.0 MiB`.
+pub fn human_bytes(b: i64) -> String {
+    let a = b.unsigned_abs() as f64;
+    let sign = if b < 0 { "-" } else { "" };
+    if a < 1024.0 {
+        format!("{b} B")
+    } else if a < 1024.0 * 1024.0 {
+        format!("{sign}{:.1} KiB", a / 1024.0)
+    } else if a < 1024.0 * 1024.0 * 1024.0 {
+        format!("{sign}{:.1} MiB", a / (1024.0 * 1024.0))
+    } else {
+        format!("{sign}{:.1} GiB", a / (1024.0 * 1024.0 * 1024.0))
+    }
+}
+
+/// Who a share belongs to, in words: `fiber 3 "worker"`, `exited fiber 7`, `threads`.
+pub fn share_name(
+    fiber: Option<u64>,
+    exited: bool,
+    name: &dyn Fn(u64) -> Option<String>,
+) -> String {
+    match fiber {
+        None => "outside fibers".to_string(),
+        Some(f) if exited => format!("held by exited fiber {f}"),
+        Some(f) => match name(f) {
+            Some(n) => format!("fiber {f} {n:?}"),
+            None => format!("fiber {f}"),
+        },
+    }
+}
+
+/// The `top` groups with most bytes as text: a header line, then per group its figures, its
+/// fibers and its frames (resolved). `name` gives a live fiber's name. `opts` formats frames
+/// (Lua namer, glue filter).
+pub fn render_groups(
+    groups: &[Group],
+    top: usize,
+    name: &dyn Fn(u64) -> Option<String>,
+    opts: &crate::format::TextOptions<'_>,
+) -> String {
+    let (bytes, objects) = groups
+        .iter()
+        .fold((0i64, 0i64), |(b, o), g| (b + g.bytes, o + g.objects));
+    let estimate = if super::tier() == Tier::Sampled {
+        " (estimated from samples)"
+    } else {
+        ""
+    };
+    let mut out = format!(
+        "heap: {} live in {objects} allocations{estimate}, {} stacks; top {} by bytes:\n",
+        human_bytes(bytes),
+        groups.len(),
+        top.min(groups.len())
+    );
+    for (i, g) in groups.iter().take(top).enumerate() {
+        let who: Vec<String> = g
+            .fibers
+            .iter()
+            .map(|s| {
+                format!(
+                    "{}: {} in {}",
+                    share_name(s.fiber, s.exited, name),
+                    human_bytes(s.bytes),
+                    s.objects
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "\n[{}] {} in {} allocations — {}",
+            i + 1,
+            human_bytes(g.bytes),
+            g.objects,
+            who.join(", ")
+        );
+        out.push_str(&crate::format::text(&g.frames, opts));
+    }
+    out
+}
