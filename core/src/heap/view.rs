@@ -144,7 +144,11 @@ fn machinery(name: &str) -> bool {
         "realloc",
         "calloc",
     ];
+    // An impl of one of `alloc`'s own traits for any type (`<u8 as
+    // alloc::vec::spec_from_elem::SpecFromElem>::from_elem`) is the library's too.
     PREFIXES.iter().any(|p| name.starts_with(p))
+        || (name.starts_with('<')
+            && (name.contains(" as alloc::") || name.contains(" as hashbrown::")))
 }
 
 /// Leading frames of `addrs` that are all machinery.

@@ -78,6 +78,9 @@ pub fn render_fiber(fi: &FiberInfo, out: &mut String) {
         crate::sched::quoted_name(&fi.name),
         status_words(fi)
     );
+    if let Some(u) = &fi.heap {
+        let _ = writeln!(out, "{}", heap_words(u));
+    }
     let (own, parents) = trace_text(fi);
     out.push_str(&own);
     out.push_str(&parents);
@@ -145,7 +148,38 @@ pub fn snapshot_text(snap: &Snapshot) -> String {
     for s in &snap.schedulers {
         render_scheduler(s, &mut out);
     }
+    if let Some(h) = &snap.heap {
+        render_heap_summary(h, &mut out);
+    }
     out
+}
+
+/// `heap: 1.2 MiB in 30 allocations` (`, estimated` in the sampled tier).
+pub fn heap_words(u: &fibertrace_core::heap::Usage) -> String {
+    let est = if fibertrace_core::heap::tier() == fibertrace_core::heap::Tier::Sampled {
+        ", estimated"
+    } else {
+        ""
+    };
+    format!(
+        "heap: {} in {} {}{est}",
+        fibertrace_core::heap::human_bytes(u.live_bytes),
+        u.live_objects,
+        if u.live_objects == 1 {
+            "allocation"
+        } else {
+            "allocations"
+        }
+    )
+}
+
+/// The heap outside live fibers: code outside fibers, then each exited fiber still holding
+/// bytes.
+pub fn render_heap_summary(h: &super::HeapSummary, out: &mut String) {
+    let _ = writeln!(out, "outside fibers: {}", heap_words(&h.outside));
+    for (f, u) in &h.exited {
+        let _ = writeln!(out, "held by exited fiber {f}: {}", heap_words(u));
+    }
 }
 
 /// One scheduler of a snapshot as text.
@@ -206,6 +240,9 @@ pub fn snapshot_grouped(snap: &Snapshot) -> String {
     let mut out = String::new();
     for s in &snap.schedulers {
         render_scheduler_grouped(s, &mut out);
+    }
+    if let Some(h) = &snap.heap {
+        render_heap_summary(h, &mut out);
     }
     out
 }
@@ -385,6 +422,14 @@ pub fn render_scheduler_grouped(s: &SchedulerSnapshot, out: &mut String) {
                 id_ranges(&ids, 20),
                 name_counts(members)
             );
+        }
+        if members.iter().any(|f| f.heap.is_some()) {
+            let mut sum = fibertrace_core::heap::Usage::default();
+            for u in members.iter().filter_map(|f| f.heap.as_ref()) {
+                sum.live_bytes += u.live_bytes;
+                sum.live_objects += u.live_objects;
+            }
+            let _ = writeln!(out, "{}", heap_words(&sum));
         }
         out.push_str(own);
         out.push_str(parents);

@@ -698,6 +698,7 @@ impl ForeignDump {
                 backtrace: Some(frames(list)),
                 parent_backtrace: Vec::new(),
                 parent_backtrace_omitted: 0,
+                heap: None,
             }
         };
         let mut schedulers = Vec::new();
@@ -737,6 +738,7 @@ impl ForeignDump {
                 .unwrap_or_default()
                 .as_secs_f64(),
             schedulers,
+            heap: None,
         }
     }
 

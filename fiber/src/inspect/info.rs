@@ -106,6 +106,10 @@ pub struct FiberInfo {
     /// How many more ancestors it has past those in `parent_backtrace` (not shown: the cap).
     #[serde(default)]
     pub parent_backtrace_omitted: u64,
+    /// The heap charged to it and still live (when a `fibertrace_core::heap::Tracked`
+    /// allocator tracks the process; estimates in its sampled tier).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heap: Option<fibertrace_core::heap::Usage>,
 }
 
 thread_local! {
@@ -315,6 +319,8 @@ fn one(
         backtrace,
         parent_backtrace,
         parent_backtrace_omitted,
+        heap: (fibertrace_core::heap::tier() != fibertrace_core::heap::Tier::Off)
+            .then(|| f.heap.usage()),
     }
 }
 

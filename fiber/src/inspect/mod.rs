@@ -83,6 +83,45 @@ pub struct Snapshot {
     pub taken_at: f64,
     /// Every scheduler alive, in the order they were made.
     pub schedulers: Vec<SchedulerSnapshot>,
+    /// The heap outside the live fibers (when the process's allocator tracks it; each
+    /// fiber's own is its [`FiberInfo::heap`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heap: Option<HeapSummary>,
+}
+
+/// The heap not charged to a live fiber (see `fibertrace_core::heap`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeapSummary {
+    /// The tracker's tier.
+    pub tier: Option<fibertrace_core::heap::Tier>,
+    /// Charged to code outside fibers (threads, schedulers between fibers).
+    pub outside: fibertrace_core::heap::Usage,
+    /// Still held by fibers that have ended, most bytes first.
+    pub exited: Vec<(FiberId, fibertrace_core::heap::Usage)>,
+}
+
+impl HeapSummary {
+    /// The summary now, or `None` when the heap is not tracked.
+    pub fn now() -> Option<HeapSummary> {
+        let tier = fibertrace_core::heap::tier();
+        if tier == fibertrace_core::heap::Tier::Off {
+            return None;
+        }
+        let mut s = HeapSummary {
+            tier: Some(tier),
+            ..HeapSummary::default()
+        };
+        for r in fibertrace_core::heap::owners() {
+            match r.fiber {
+                None => s.outside = r.usage,
+                Some(f) if r.exited && r.usage.live_objects > 0 => s.exited.push((f, r.usage)),
+                _ => {}
+            }
+        }
+        s.exited
+            .sort_by(|a, b| b.1.live_bytes.cmp(&a.1.live_bytes).then(a.0.cmp(&b.0)));
+        Some(s)
+    }
 }
 
 /// One scheduler and its fibers.
@@ -119,6 +158,7 @@ pub fn snapshot(opts: &InfoOptions) -> Snapshot {
             .iter()
             .map(|s| part(s, opts))
             .collect(),
+        heap: HeapSummary::now(),
     }
 }
 

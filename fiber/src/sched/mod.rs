@@ -387,9 +387,12 @@ impl Drop for Scheduler {
                 slot.ctx.unwinding.set(true);
                 slot.ctx.dropping.set(true);
                 if co.started() && !co.done() {
+                    let prev = fibertrace_core::heap::switch_to(Some(&slot.ctx.shared.heap));
                     let _ = std::panic::catch_unwind(AssertUnwindSafe(|| co.force_unwind()));
+                    fibertrace_core::heap::restore(prev);
                 }
                 CURRENT.with(|c| c.set(std::ptr::null()));
+                slot.ctx.shared.heap.close();
                 slot.ctx.shared.run.mark_dead();
                 drop(co);
             } else {

@@ -246,9 +246,11 @@ impl Inner {
         self.current.set(fid);
         let prev = CURRENT.with(|c| c.replace(ctx_ptr));
         let _stack = fibertrace_core::enter_stack(shared.stack);
+        let prev_owner = fibertrace_core::heap::switch_to(Some(&shared.heap));
         crate::running::set_running(&self.shared.on_thread, shared, self.last_tick.get());
         let r = co.resume(());
         crate::running::set_idle(&self.shared.on_thread);
+        fibertrace_core::heap::restore(prev_owner);
         // Fibers this one started at once ran inside the resume and moved `last_tick`: the
         // time since is this fiber's.
         let t1 = crate::clock::ticks();
@@ -269,6 +271,8 @@ impl Inner {
             CoroutineResult::Return(()) => {
                 shared.run.mark_dead();
                 shared.set_status(Status::Dead);
+                // What it still holds is "held by exited fiber N" from here on.
+                shared.heap.close();
                 let slot = self.slots.borrow_mut().remove(&fid);
                 if let Some(slot) = &slot {
                     self.shared

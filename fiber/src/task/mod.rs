@@ -269,6 +269,9 @@ pub struct ControlBlock {
     walked_csw: AtomicU64,
     /// Whether suspensions record the registers (tracing on).
     pub(crate) traced: bool,
+    /// What its heap allocations are charged to (see `fibertrace_core::heap`): current
+    /// while it runs, closed when it ends.
+    pub(crate) heap: fibertrace_core::heap::Owner,
 }
 
 // SAFETY: every field is Sync except `ctx`, which is written only by the fiber's own thread
@@ -384,6 +387,7 @@ impl ControlBlock {
             trace_cache,
             walked_csw,
             traced,
+            heap,
         } = m;
         *id = n.id;
         *sched = n.sched;
@@ -423,6 +427,8 @@ impl ControlBlock {
         trace_cache.clear_poison();
         *walked_csw.get_mut() = u64::MAX;
         *traced = n.traced;
+        // (The old owner was closed when its fiber ended; dropping it again is a no-op.)
+        *heap = fibertrace_core::heap::Owner::new(n.id);
         m.fill_parent_frames(captured);
     }
 
@@ -484,6 +490,7 @@ impl ControlBlock {
             trace_cache: Mutex::new(None),
             walked_csw: AtomicU64::new(u64::MAX),
             traced: n.traced,
+            heap: fibertrace_core::heap::Owner::new(n.id),
         }
     }
 
