@@ -41,6 +41,7 @@ compile_error!("fibertrace-lua: enable one Lua flavour: `luajit` (default) or `l
 
 pub mod decode;
 pub mod frames;
+pub mod heap;
 pub mod host;
 pub mod interleave;
 pub mod render;
@@ -48,6 +49,7 @@ pub mod symbols;
 
 pub use frames::intern::{describe, LuaFrameInfo, LuaKind};
 pub use frames::{capture_lua_stack, LuaLevel, LuaStack};
+pub use heap::{heap_groups, heap_text};
 pub use host::{LuaHost, ScriptError};
 pub use interleave::{
     capture_current, capture_current_raw, capture_interleaved, capture_interleaved_with,

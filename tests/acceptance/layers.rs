@@ -363,6 +363,7 @@ fn each_crate_shows_only_its_documented_modules() {
                 "codec",
                 "format",
                 "frame",
+                "heap",
                 "image",
                 "remote",
                 "symbolize",
@@ -377,6 +378,7 @@ fn each_crate_shows_only_its_documented_modules() {
             &[
                 "decode",
                 "frames",
+                "heap",
                 "host",
                 "interleave",
                 "render",

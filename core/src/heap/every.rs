@@ -133,6 +133,12 @@ unsafe fn record<A: GlobalAlloc>(inner: &A, layout: Layout, zeroed: bool) -> *mu
         return user;
     }
     owner::charge(slot, layout.size() as i64, 1);
+    super::totals::add(
+        &frames[..n],
+        owner::fiber_of(slot).0.unwrap_or(0),
+        layout.size() as i64,
+        1,
+    );
     // SAFETY: `user` was just made by raw_block with links in front.
     unsafe { link(links(user)) };
     if let Some(f) = super::events() {

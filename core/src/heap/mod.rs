@@ -41,15 +41,18 @@
 mod every;
 mod owner;
 mod sample;
+mod totals;
 mod view;
 
 pub use owner::{owners, restore, switch_to, Owner, OwnerRow, Usage, MAX_OWNERS};
+pub use crate::untracked::{pause, Busy};
+pub use totals::{totals, Total, MAX_ENTRIES};
 pub use view::{
-    group, human_bytes, live, render_groups, share_name, write_m_lines, Group, LiveAlloc, Share,
+    group, human_bytes, live, machinery_frames, render_groups, share_name, write_m_lines, Group,
+    LiveAlloc, Share,
 };
 
 use std::alloc::{GlobalAlloc, Layout};
-use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
 /// Which tier a [`Tracked`] allocator runs.
@@ -97,6 +100,11 @@ pub struct Config {
     /// Whether the every tier records stacks (when off, allocations keep their headers but
     /// are not listed).
     pub record: bool,
+    /// Walk stacks with DWARF (`Unwinder::Precise`) instead of the frame-pointer walk: for
+    /// programs that link code built without frame pointers into an image that has them
+    /// (LuaJIT's C, say), whose frames the lean walk would lose or misread. Slower per
+    /// recorded stack.
+    pub precise: bool,
 }
 
 impl Default for Config {
@@ -107,6 +115,7 @@ impl Default for Config {
             depth: crate::codec::lws::MAX_DEPTH,
             sample_interval: 512 * 1024,
             record: true,
+            precise: false,
         }
     }
 }
@@ -116,6 +125,7 @@ static SNIP_POST: AtomicUsize = AtomicUsize::new(0);
 static DEPTH: AtomicUsize = AtomicUsize::new(crate::codec::lws::MAX_DEPTH);
 static INTERVAL: AtomicU64 = AtomicU64::new(512 * 1024);
 static RECORD: AtomicBool = AtomicBool::new(true);
+static PRECISE: AtomicBool = AtomicBool::new(false);
 
 /// Applies `c` (to allocations made from now on).
 pub fn configure(c: Config) {
@@ -127,6 +137,7 @@ pub fn configure(c: Config) {
     );
     INTERVAL.store(c.sample_interval.max(1), Ordering::Relaxed);
     RECORD.store(c.record, Ordering::Relaxed);
+    PRECISE.store(c.precise, Ordering::Relaxed);
 }
 
 /// The settings in force.
@@ -137,6 +148,7 @@ pub fn config() -> Config {
         depth: DEPTH.load(Ordering::Relaxed),
         sample_interval: INTERVAL.load(Ordering::Relaxed),
         record: RECORD.load(Ordering::Relaxed),
+        precise: PRECISE.load(Ordering::Relaxed),
     }
 }
 
@@ -177,40 +189,6 @@ fn events() -> Option<EventFn> {
     }
     // SAFETY: only `set_events` stores here, always a `fn(&Event)` cast to a pointer.
     Some(unsafe { std::mem::transmute::<*mut (), EventFn>(p) })
-}
-
-thread_local! {
-    /// Set while the tracker works on this thread: allocations meanwhile are not tracked.
-    static BUSY: Cell<bool> = const { Cell::new(false) };
-}
-
-/// The busy flag held: the tracker's own work, never tracked.
-pub(crate) struct Busy {
-    was: bool,
-}
-
-impl Busy {
-    /// Enters (a nested enter keeps the flag set).
-    #[inline]
-    pub(crate) fn enter() -> Busy {
-        let was = BUSY.try_with(|b| b.replace(true)).unwrap_or(true);
-        Busy { was }
-    }
-
-    /// Whether the thread was already busy (then the work must not be tracked).
-    #[inline]
-    pub(crate) fn nested(&self) -> bool {
-        self.was
-    }
-}
-
-impl Drop for Busy {
-    #[inline]
-    fn drop(&mut self) {
-        if !self.was {
-            let _ = BUSY.try_with(|b| b.set(false));
-        }
-    }
 }
 
 /// Runs `f` with tracking paused on this thread (its allocations are served untracked).
@@ -351,6 +329,53 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Tracked<A> {
     }
 }
 
+/// The high bits that mark a Lua frame in a recorded stack (a host's stack hook writes
+/// `LUA_TAG | id` for a Lua frame it interleaves, see [`set_stack_hook`]): no native address
+/// has them (user space ends below 2^47), and the value stays below 2^63, as an lws blob
+/// needs.
+pub const LUA_TAG: u64 = 0x7f1b_0000_0000_0000;
+
+/// A recorded stack's entries as frames: Lua frames for tagged entries, return addresses
+/// for the others.
+pub fn frames_of(addrs: &[u64]) -> Vec<crate::Frame> {
+    addrs
+        .iter()
+        .map(|&a| {
+            if a & 0xffff_0000_0000_0000 == LUA_TAG {
+                crate::Frame::Lua(crate::LuaFrameId((a & 0xffff_ffff) as u32))
+            } else {
+                crate::Frame::Ra(a)
+            }
+        })
+        .collect()
+}
+
+/// Adds a layer's frames to a stack being recorded: gets the native return addresses
+/// (innermost first, the allocator's own frames cut) and their count, rewrites them in
+/// place and returns the new count (at most the array's length). It runs inside the
+/// allocator, on the allocating thread, with tracking paused; it must not block.
+pub type StackHook = fn(&mut [u64; crate::codec::lws::MAX_DEPTH], usize) -> usize;
+
+static HOOK: std::sync::atomic::AtomicPtr<()> =
+    std::sync::atomic::AtomicPtr::new(std::ptr::null_mut());
+
+/// Sets (or with `None` removes) the [`StackHook`].
+pub fn set_stack_hook(h: Option<StackHook>) {
+    HOOK.store(
+        h.map_or(std::ptr::null_mut(), |f| f as *mut ()),
+        Ordering::Release,
+    );
+}
+
+fn stack_hook() -> Option<StackHook> {
+    let p = HOOK.load(Ordering::Acquire);
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: only `set_stack_hook` stores here, always a `StackHook` cast to a pointer.
+    Some(unsafe { std::mem::transmute::<*mut (), StackHook>(p) })
+}
+
 /// Most frames captured before snipping.
 const CAPTURE: usize = 96;
 
@@ -362,7 +387,11 @@ pub(crate) fn capture(out: &mut [u64; crate::codec::lws::MAX_DEPTH]) -> usize {
     let pre = SNIP_PRE.load(Ordering::Relaxed);
     let post = SNIP_POST.load(Ordering::Relaxed);
     let depth = DEPTH.load(Ordering::Relaxed).min(out.len());
-    let stack = crate::capture::stack_here();
+    let stack = if PRECISE.load(Ordering::Relaxed) {
+        None
+    } else {
+        crate::capture::stack_here()
+    };
     // Frame 0 is the return into this function, frame 1 into the tier's record function:
     // both the tracker's. The next is the allocator entry (`__rg_alloc`, where the
     // `GlobalAlloc` methods are inlined), dropped by name in the views with the rest of the
@@ -372,7 +401,11 @@ pub(crate) fn capture(out: &mut [u64; crate::codec::lws::MAX_DEPTH]) -> usize {
         None => {
             let mut bt = crate::Backtrace::new();
             let opts = crate::CaptureOptions {
-                unwinder: crate::Unwinder::Auto,
+                unwinder: if PRECISE.load(Ordering::Relaxed) {
+                    crate::Unwinder::Precise
+                } else {
+                    crate::Unwinder::Auto
+                },
                 limit: CAPTURE.min(crate::CAPACITY),
                 offset: 2,
                 top: 0,
@@ -391,7 +424,11 @@ pub(crate) fn capture(out: &mut [u64; crate::codec::lws::MAX_DEPTH]) -> usize {
     };
     let lo = pre.min(n);
     let hi = n.saturating_sub(post).max(lo);
-    let k = (hi - lo).min(depth);
+    let k = (hi - lo).min(out.len());
     out[..k].copy_from_slice(&buf[lo..lo + k]);
-    k
+    let k = match stack_hook() {
+        Some(h) => h(out, k).min(out.len()),
+        None => k,
+    };
+    k.min(depth)
 }

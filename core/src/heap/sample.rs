@@ -159,6 +159,12 @@ fn record(p: usize, size: usize, mean: u64) {
         FILTER_COUNTS[filter_index(p)].fetch_add(1, Ordering::Relaxed);
     }
     owner::charge(slot, bytes, objects);
+    super::totals::add(
+        &frames[..depth],
+        owner::fiber_of(slot).0.unwrap_or(0),
+        bytes,
+        objects,
+    );
 }
 
 /// Forgets `p` if it is a sample (before it goes back to the inner allocator, so that an

@@ -151,6 +151,13 @@ fn machinery(name: &str) -> bool {
             && (name.contains(" as alloc::") || name.contains(" as hashbrown::")))
 }
 
+/// How many leading frames of a recorded stack are the allocation machinery (every function
+/// level of each named `__rust_alloc`, `alloc::…`, `core::…`, `std::…`, `hashbrown::…`, the
+/// tracker's own): what the views drop. 0 when the whole stack is machinery.
+pub fn machinery_frames(addrs: &[u64]) -> usize {
+    machinery_prefix(addrs)
+}
+
 /// Leading frames of `addrs` that are all machinery.
 fn machinery_prefix(addrs: &[u64]) -> usize {
     let mut n = 0;

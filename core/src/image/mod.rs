@@ -243,6 +243,9 @@ pub fn refresh() -> &'static ImageTable {
 }
 
 fn build(prev: Option<&'static ImageTable>) -> &'static ImageTable {
+    // Untracked by the heap tracker: its stack walks read this table, and would wait for
+    // this lock on this very thread if an allocation made while it is held were recorded.
+    let _untracked = crate::untracked::pause();
     let _guard = BUILD.lock().unwrap_or_else(|e| e.into_inner());
     // Someone else may have built while we waited.
     if let Some(cur) = published() {

@@ -142,6 +142,9 @@ pub fn resolve_address(addr: u64) -> Arc<Resolved> {
     if let Some(hit) = r.cache.get(&addr) {
         return Arc::clone(hit.value());
     }
+    // The symbolizer's tables are this library's, not the program's: not tracked by the heap
+    // tracker (nor listed in its views).
+    let _untracked = crate::untracked::pause();
     let resolved = Arc::new(resolve_uncached(r, addr));
     if r.cache.len() >= CACHE_LIMIT {
         r.cache.clear();

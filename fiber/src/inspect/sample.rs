@@ -52,6 +52,8 @@ thread_local! {
 /// hook): installs the handler once per process, and gives the thread its walk cache and an
 /// alternate signal stack, before the scheduler publishes its state to this thread's handlers.
 pub(crate) fn prepare_thread(s: &SchedShared) {
+    // The sampler's tables are this library's: not tracked by the heap tracker.
+    let _untracked = fibertrace_core::heap::pause();
     install();
     fibertrace_core::prepare();
     // SAFETY: only this (the scheduler's) thread touches the cache, and the handler does not

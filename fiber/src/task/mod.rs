@@ -522,6 +522,12 @@ impl ControlBlock {
         *g = name;
     }
 
+    /// The heap charged to the fiber and still live (zero when the process's allocator does
+    /// not track it; see `fibertrace_core::heap`).
+    pub fn heap_usage(&self) -> fibertrace_core::heap::Usage {
+        self.heap.usage()
+    }
+
     /// The fiber's name, shared (no copy).
     pub fn name_arc(&self) -> Arc<str> {
         self.name.lock().unwrap_or_else(|e| e.into_inner()).clone()

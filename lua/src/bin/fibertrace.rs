@@ -11,6 +11,12 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+/// The heap tracker: off unless `FIBERTRACE_HEAP` (which `--heap` and `--leaks` set, running
+/// the program again) names a tier. Off, it costs a load and a branch per allocation.
+#[global_allocator]
+static HEAP: fibertrace_core::heap::Tracked<std::alloc::System> =
+    fibertrace_core::heap::Tracked::from_env(std::alloc::System, fibertrace_core::heap::Tier::Off);
+
 /// Writes a line to standard error; a standard error that cannot be written (closed, full)
 /// loses the message, never the program.
 macro_rules! err {
@@ -182,6 +188,48 @@ fn cli() -> Command {
                              and the host's glue too (catch_unwind, wrappers, the trampoline), \
                              which are left out by default",
                         ),
+                )
+                .arg(
+                    Arg::new("heap")
+                        .long("heap")
+                        .value_name("TIER")
+                        .num_args(0..=1)
+                        .require_equals(true)
+                        .default_missing_value("sampled")
+                        .value_parser(["sampled", "every"])
+                        .help(
+                            "Track the heap: who allocated every live byte, charged to the \
+                             fiber that made it (fiber.info's memory.heap, the dumps, \
+                             require('fibertrace').heap()). sampled (the default): Poisson \
+                             sampling by bytes, estimates, cheap; every: each allocation \
+                             carries its stack (lws alloc_metadata). The program is run again \
+                             with FIBERTRACE_HEAP set (which does the same)",
+                        ),
+                )
+                .arg(
+                    Arg::new("heap-interval")
+                        .long("heap-interval")
+                        .value_name("BYTES")
+                        .value_parser(clap::value_parser!(u64).range(1..=(1u64 << 40)))
+                        .help("Mean bytes between samples of --heap=sampled (default 524288)"),
+                )
+                .arg(
+                    Arg::new("leaks")
+                        .long("leaks")
+                        .action(ArgAction::SetTrue)
+                        .help(
+                            "At exit, print on stderr the allocations still live, grouped by \
+                             stack, biggest first, with the fiber that made each (tracks \
+                             every allocation unless --heap=sampled is given)",
+                        ),
+                )
+                .arg(
+                    Arg::new("leaks-top")
+                        .long("leaks-top")
+                        .value_name("N")
+                        .value_parser(clap::value_parser!(u64).range(1..=100_000))
+                        .default_value("20")
+                        .help("How many stacks the --leaks report lists"),
                 )
                 .arg(
                     // The script and its arguments as one list, so that option parsing stops
@@ -674,7 +722,89 @@ fn read_script(r: impl io::Read) -> io::Result<Vec<u8>> {
     Ok(b)
 }
 
+/// The stacks `--leaks` lists at exit (0: no report).
+static LEAKS_TOP: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// `--leaks`: the live heap at exit, on stderr (an `atexit` handler: every way out passes
+/// there). Off a fiber's stack (the symbolizer wants more than a fiber has).
+extern "C" fn leaks_at_exit() {
+    let top = LEAKS_TOP.swap(0, std::sync::atomic::Ordering::SeqCst);
+    if top == 0 {
+        return;
+    }
+    let _ = io::stdout().flush();
+    let report = || fibertrace_core::heap::untracked(|| fibertrace_lua::heap_text(top));
+    let text = if fibertrace_fiber::current().is_some() {
+        std::thread::scope(|s| {
+            std::thread::Builder::new()
+                .stack_size(8 << 20)
+                .spawn_scoped(s, report)
+                .ok()
+                .and_then(|h| h.join().ok())
+        })
+        .unwrap_or_else(report)
+    } else {
+        report()
+    };
+    let _ = write!(io::stderr(), "fibertrace: --leaks: live at exit:\n{text}");
+}
+
+/// The heap tier `--heap`/`--leaks` ask for, and, when the process does not run it yet, the
+/// program run again with `FIBERTRACE_HEAP` set (the tracker's tier is fixed when the
+/// process starts). Returns only when the tier runs (or none was asked for); an error
+/// otherwise.
+fn heap_tier(m: &clap::ArgMatches) -> Result<(), String> {
+    use fibertrace_core::heap::{self, Tier};
+    let asked = m.get_one::<String>("heap").map(String::as_str);
+    let want = match (asked, m.get_flag("leaks")) {
+        (Some("every"), _) | (None, true) => Some(("every", Tier::Every)),
+        (Some(_), _) => Some(("sampled", Tier::Sampled)),
+        (None, false) => None,
+    };
+    // LuaJIT's C keeps no frame pointers inside this binary, which does: DWARF where they
+    // are missing.
+    heap::configure(heap::Config {
+        sample_interval: m
+            .get_one::<u64>("heap-interval")
+            .copied()
+            .unwrap_or(heap::config().sample_interval),
+        precise: true,
+        ..heap::config()
+    });
+    let Some((name, tier)) = want else {
+        return Ok(());
+    };
+    if heap::tier() == tier {
+        return Ok(());
+    }
+    if std::env::var_os("FIBERTRACE_HEAP").is_some_and(|v| v == name) {
+        return Err(format!(
+            "--heap={name}: the heap tracker does not run in this build (its tier is {:?})",
+            heap::tier()
+        ));
+    }
+    let exe =
+        std::env::current_exe().map_err(|e| format!("--heap: cannot find this program: {e}"))?;
+    use std::os::unix::process::CommandExt as _;
+    let e = std::process::Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .env("FIBERTRACE_HEAP", name)
+        .exec();
+    Err(format!("--heap: cannot run this program again: {e}"))
+}
+
 fn run(m: &clap::ArgMatches) -> ExitCode {
+    if let Err(e) = heap_tier(m) {
+        err!("fibertrace: {e}");
+        return ExitCode::from(1);
+    }
+    let tracked = fibertrace_core::heap::tier() != fibertrace_core::heap::Tier::Off;
+    if m.get_flag("leaks") {
+        let top = m.get_one::<u64>("leaks-top").copied().unwrap_or(20) as usize;
+        LEAKS_TOP.store(top, std::sync::atomic::Ordering::SeqCst);
+        // SAFETY: registers a function that runs at exit, once.
+        unsafe { libc::atexit(leaks_at_exit) };
+    }
     fibertrace_fiber::glue::set_native_detail(m.get_flag("native-detail"));
     fibertrace_fiber::dump::set_view(match m.get_one::<String>("dump-view").map(String::as_str) {
         Some("grouped") => fibertrace_fiber::dump::View::Grouped,
@@ -743,9 +873,16 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    // SAFETY: nothing in this program clones the host's `mlua::Lua`; it is used only through
-    // the host, which outlives every use.
-    let host = match unsafe { LuaHost::new_with_own_allocator() } {
+    // With the heap tracked, the Lua state allocates through the process's allocator
+    // (mlua's), so Lua's own allocations are counted too.
+    let made = if tracked {
+        LuaHost::new()
+    } else {
+        // SAFETY: nothing in this program clones the host's `mlua::Lua`; it is used only
+        // through the host, which outlives every use.
+        unsafe { LuaHost::new_with_own_allocator() }
+    };
+    let host = match made {
         Ok(h) => h,
         Err(e) => {
             err!("fibertrace: {e}");

@@ -624,6 +624,13 @@ impl Protected {
         unsafe { ffi::lua_pushinteger(self.l, n as ffi::lua_Integer) };
     }
 
+    /// Pushes a boolean.
+    pub(crate) fn push_bool_value(&mut self, b: bool) {
+        self.room(1);
+        // SAFETY: room checked.
+        unsafe { ffi::lua_pushboolean(self.l, c_int::from(b)) };
+    }
+
     /// Pushes a number.
     pub(crate) fn push_number(&mut self, n: f64) {
         self.room(1);

@@ -83,3 +83,227 @@ pub(super) fn dump_body(c: &mut Call) -> LResult {
     }
 }
 lua_fn!(f_dump, dump_body);
+
+const HEAP_USAGE: &str =
+    "fibertrace.heap([{format = 'table'|'text'|'pprof'|'lws', top = N, file = PATH}])";
+
+/// Most stacks `fibertrace.heap` lists.
+const HEAP_TOP_MAX: i64 = 100_000;
+
+use crate::heap::fiber_name;
+
+/// Reads `top` of the options table at 1: 20 when nil, else an integer in 1..=HEAP_TOP_MAX.
+fn top_field(c: &mut Call) -> Result<usize, LErr> {
+    c.push_field(1, "top")?;
+    let r = match c.type_of(-1) {
+        ffi::LUA_TNIL => Ok(20),
+        ffi::LUA_TNUMBER => match c.to_number(-1) {
+            Some(n) if n.fract() == 0.0 && n >= 1.0 && n <= HEAP_TOP_MAX as f64 => Ok(n as usize),
+            _ => Err(LErr::plain(format!(
+                "{HEAP_USAGE}: top must be an integer from 1 to {HEAP_TOP_MAX}"
+            ))),
+        },
+        _ => Err(LErr::plain(format!("{HEAP_USAGE}: top must be a number"))),
+    };
+    c.pop(1);
+    r
+}
+
+/// `fibertrace.heap([opts])`: the live heap (see the module doc of `fibertrace_core::heap`).
+/// `format`: `table` (the default: figures, exited fibers and the top stacks as a Lua
+/// table), `text` (the same as a report), `pprof` (a gzipped heap profile with Go's four
+/// sample types), `lws` (one `~m#` line per live allocation). `nil, message` when the heap
+/// is not tracked or the file cannot be written.
+pub(super) fn heap_body(c: &mut Call) -> LResult {
+    use fibertrace_core::heap;
+    if c.top() > 1 {
+        return Err(LErr::plain(format!("{HEAP_USAGE}: one argument at most")));
+    }
+    let (format, file, top) = match c.type_of(1) {
+        ffi::LUA_TNONE | ffi::LUA_TNIL => (None, None, 20),
+        ffi::LUA_TSTRING => (c.string_bytes(1), None, 20),
+        ffi::LUA_TTABLE => (
+            string_field(c, "format")?,
+            string_field(c, "file")?,
+            top_field(c)?,
+        ),
+        _ => return Err(c.type_error(1, "table")),
+    };
+    let format = format.unwrap_or_else(|| b"table".to_vec());
+    if file.as_deref().is_some_and(<[u8]>::is_empty) {
+        return Err(LErr::plain(format!("{HEAP_USAGE}: file is empty")));
+    }
+    if !matches!(&format[..], b"table" | b"text" | b"pprof" | b"lws") {
+        return Err(LErr::plain(format!(
+            "{HEAP_USAGE}: unknown format {:?}",
+            String::from_utf8_lossy(&format)
+        )));
+    }
+    if format == b"table" && file.is_some() {
+        return Err(LErr::plain(format!(
+            "{HEAP_USAGE}: a table is not written to a file (format text, pprof or lws is)"
+        )));
+    }
+    if heap::tier() == heap::Tier::Off {
+        c.push_nil()?;
+        c.push_str(export::NOT_TRACKED)?;
+        return Ok(2);
+    }
+    let label = |id| crate::render::lua_line(id);
+    // The report's own work is not tracked (it would list itself).
+    let _untracked = heap::pause();
+    let bytes = match &format[..] {
+        b"pprof" => match export::heap_pprof(&fiber_name, &label, heap::frames_of) {
+            Ok(b) => b,
+            Err(e) => {
+                c.push_nil()?;
+                c.push_str(&e.to_string())?;
+                return Ok(2);
+            }
+        },
+        b"lws" => {
+            let mut out = Vec::new();
+            let _ = heap::write_m_lines(&mut out);
+            out
+        }
+        b"text" => crate::heap_text(top).into_bytes(),
+        _ => return heap_table(c, top),
+    };
+    match file {
+        None => {
+            c.push_bytes(&bytes)?;
+            Ok(1)
+        }
+        Some(path) => match export::write_file(Path::new(OsStr::from_bytes(&path)), &bytes) {
+            Ok(()) => {
+                c.push_int(bytes.len() as i64)?;
+                Ok(1)
+            }
+            Err(e) => {
+                c.push_nil()?;
+                c.push_str(&e.to_string())?;
+                Ok(2)
+            }
+        },
+    }
+}
+lua_fn!(f_heap, heap_body);
+
+/// The table view: `{tier, estimated, live_bytes, live_objects, outside = {bytes, objects},
+/// exited = {{fiber, bytes, objects}...}, stacks = {{bytes, objects, fibers = {{fiber,
+/// name, exited, bytes, objects}...}, frames = {line...}}...}}`.
+fn heap_table(c: &mut Call, top: usize) -> LResult {
+    use fibertrace_core::heap;
+    let allocs = heap::live();
+    let groups = crate::heap_groups(&allocs);
+    let summary = fibertrace_fiber::inspect::HeapSummary::now().unwrap_or_default();
+    let tier = heap::tier();
+    /// A share: fiber, its name (live), exited, bytes, allocations.
+    type Share = (Option<u64>, Option<String>, bool, i64, i64);
+    struct G {
+        bytes: i64,
+        objects: i64,
+        fibers: Vec<Share>,
+        frames: Vec<String>,
+    }
+    let gs: Vec<G> = groups
+        .iter()
+        .take(top)
+        .map(|(g, frames)| G {
+            bytes: g.bytes,
+            objects: g.objects,
+            fibers: g
+                .fibers
+                .iter()
+                .map(|s| {
+                    let name = s.fiber.filter(|_| !s.exited).and_then(fiber_name);
+                    (s.fiber, name, s.exited, s.bytes, s.objects)
+                })
+                .collect(),
+            frames: frames.clone(),
+        })
+        .collect();
+    let (live_bytes, live_objects) = allocs
+        .iter()
+        .fold((0i64, 0i64), |(b, o), a| (b + a.bytes, o + a.objects));
+    let n = c.protected(&[], |p| {
+        p.new_table(0, 8);
+        let t = p.top();
+        p.push_str(match tier {
+            heap::Tier::Every => "every",
+            heap::Tier::Sampled => "sampled",
+            heap::Tier::Off => "off",
+        });
+        p.set_field(t, c"tier");
+        p.push_bool_value(tier == heap::Tier::Sampled);
+        p.set_field(t, c"estimated");
+        p.push_int(live_bytes);
+        p.set_field(t, c"live_bytes");
+        p.push_int(live_objects);
+        p.set_field(t, c"live_objects");
+        p.new_table(0, 2);
+        let o = p.top();
+        p.push_int(summary.outside.live_bytes);
+        p.set_field(o, c"bytes");
+        p.push_int(summary.outside.live_objects);
+        p.set_field(o, c"objects");
+        p.set_field(t, c"outside");
+        p.new_table(summary.exited.len() as i32, 0);
+        let e = p.top();
+        for (i, (f, u)) in summary.exited.iter().enumerate() {
+            p.new_table(0, 3);
+            let r = p.top();
+            p.push_int(*f as i64);
+            p.set_field(r, c"fiber");
+            p.push_int(u.live_bytes);
+            p.set_field(r, c"bytes");
+            p.push_int(u.live_objects);
+            p.set_field(r, c"objects");
+            p.set_index(e, i as i64 + 1);
+        }
+        p.set_field(t, c"exited");
+        p.new_table(gs.len() as i32, 0);
+        let st = p.top();
+        for (i, g) in gs.iter().enumerate() {
+            p.new_table(0, 4);
+            let r = p.top();
+            p.push_int(g.bytes);
+            p.set_field(r, c"bytes");
+            p.push_int(g.objects);
+            p.set_field(r, c"objects");
+            p.new_table(g.fibers.len() as i32, 0);
+            let fs = p.top();
+            for (j, (fiber, name, exited, bytes, objects)) in g.fibers.iter().enumerate() {
+                p.new_table(0, 5);
+                let x = p.top();
+                if let Some(f) = fiber {
+                    p.push_int(*f as i64);
+                    p.set_field(x, c"fiber");
+                }
+                if let Some(n) = name {
+                    p.push_str(n);
+                    p.set_field(x, c"name");
+                }
+                p.push_bool_value(*exited);
+                p.set_field(x, c"exited");
+                p.push_int(*bytes);
+                p.set_field(x, c"bytes");
+                p.push_int(*objects);
+                p.set_field(x, c"objects");
+                p.set_index(fs, j as i64 + 1);
+            }
+            p.set_field(r, c"fibers");
+            p.new_table(g.frames.len() as i32, 0);
+            let fr = p.top();
+            for (j, line) in g.frames.iter().enumerate() {
+                p.push_str(line);
+                p.set_index(fr, j as i64 + 1);
+            }
+            p.set_field(r, c"frames");
+            p.set_index(st, i as i64 + 1);
+        }
+        p.set_field(t, c"stacks");
+        1
+    })?;
+    Ok(n)
+}

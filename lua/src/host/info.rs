@@ -508,6 +508,13 @@ unsafe fn push_fiber(
         }
         // An error (out of memory) ends the protected call this runs in.
         ffi::lua_call(l, 12, 1);
+        // The heap charged to the fiber, when the process's allocator tracks it.
+        if fibertrace_core::heap::tier() != fibertrace_core::heap::Tier::Off {
+            ffi::lua_getfield(l, -1, c"memory".as_ptr());
+            ffi::lua_pushinteger(l, sh.heap_usage().live_bytes as ffi::lua_Integer);
+            ffi::lua_setfield(l, -2, c"heap".as_ptr());
+            ffi::lua_pop(l, 1);
+        }
         // The effective max slice when it has a finite part (only those parts, as
         // Tarantool shows it).
         if slice.warn < Slice::INFINITE || slice.err < Slice::INFINITE {

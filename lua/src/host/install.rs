@@ -115,7 +115,13 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
         let clock_t = ffi::lua_gettop(l);
         ffi::lua_pushvalue(l, clock_t);
         set_field(l, loaded, c"clock");
-        push_lib(l, &[(c"dump", super::export::f_dump)]);
+        push_lib(
+            l,
+            &[
+                (c"dump", super::export::f_dump),
+                (c"heap", super::export::f_heap),
+            ],
+        );
         set_field(l, loaded, c"fibertrace");
 
         // The Lua part (see `prelude`): (fiber, clock, hidden) -> make_error, info metatable.

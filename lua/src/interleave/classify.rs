@@ -245,7 +245,8 @@ impl VmMap {
 pub fn vm_map() -> &'static VmMap {
     static MAP: OnceLock<VmMap> = OnceLock::new();
     MAP.get_or_init(|| {
-        let m = VmMap::build();
+        // This library's own table: not tracked by the heap tracker.
+        let m = fibertrace_core::heap::untracked(VmMap::build);
         register_luajit_hop(&m);
         m
     })

@@ -126,6 +126,82 @@ impl std::fmt::Display for ExportError {
 
 impl std::error::Error for ExportError {}
 
+/// The process's heap (see `fibertrace_core::heap`) as a gzipped pprof heap profile with Go's
+/// four sample types (`alloc_objects`, `alloc_space`, `inuse_objects`, `inuse_space`), one
+/// sample per stack and fiber, labelled by fiber. `name` names a live fiber, `label` a Lua
+/// frame, and `frames_of` turns a recorded stack into frames (a host that records Lua
+/// frames in stacks decodes them; [`native_frames`] otherwise). An error when no tracker
+/// runs.
+pub fn heap_pprof(
+    name: &dyn Fn(u64) -> Option<String>,
+    label: &dyn Fn(fibertrace_core::LuaFrameId) -> Option<String>,
+    frames_of: fn(&[u64]) -> Vec<Frame>,
+) -> Result<Vec<u8>, ExportError> {
+    use fibertrace_core::heap;
+    if heap::tier() == heap::Tier::Off {
+        return Err(ExportError(NOT_TRACKED.to_string()));
+    }
+    let mut d = pprof::HeapData {
+        rows: std::collections::HashMap::new(),
+        names: std::collections::HashMap::new(),
+        labels: std::collections::HashMap::new(),
+        frames_of,
+    };
+    for t in heap::totals() {
+        let e = d.rows.entry((t.addrs, t.fiber)).or_default();
+        e.0[0] += t.objects as i64;
+        e.0[1] += t.bytes as i64;
+    }
+    for a in heap::live() {
+        let e = d.rows.entry((a.addrs, a.fiber)).or_default();
+        e.0[2] += a.objects;
+        e.0[3] += a.bytes;
+        e.1 |= a.exited;
+    }
+    for (addrs, fiber) in d.rows.keys() {
+        if let Some(f) = fiber {
+            if !d.names.contains_key(f) {
+                if let Some(n) = name(*f) {
+                    d.names.insert(*f, n);
+                }
+            }
+        }
+        for fr in frames_of(addrs) {
+            if let Frame::Lua(id) = fr {
+                if let std::collections::hash_map::Entry::Vacant(v) = d.labels.entry(id) {
+                    if let Some(l) = label(id) {
+                        v.insert(l);
+                    }
+                }
+            }
+        }
+    }
+    if crate::current().is_none() {
+        return Ok(pprof::heap_profile(&d));
+    }
+    // On a fiber: the symbolizer and the encoder on a thread of their own (see `to_bytes`).
+    Ok(std::thread::scope(|s| {
+        match std::thread::Builder::new()
+            .name("fibertrace-export".into())
+            .stack_size(8 << 20)
+            .spawn_scoped(s, || pprof::heap_profile(&d))
+        {
+            Ok(h) => h.join().unwrap_or_default(),
+            Err(_) => pprof::heap_profile(&d),
+        }
+    }))
+}
+
+/// Why there is no heap view: no tracker runs.
+pub const NOT_TRACKED: &str = "the heap is not tracked in this process: install \
+fibertrace_core::heap::Tracked as the global allocator (fibertrace run: --heap or --leaks, or \
+FIBERTRACE_HEAP=sampled|every)";
+
+/// A recorded stack's return addresses as frames.
+pub fn native_frames(addrs: &[u64]) -> Vec<Frame> {
+    addrs.iter().map(|&a| Frame::Ra(a)).collect()
+}
+
 /// A snapshot in format `fmt`.
 ///
 /// Called on a fiber, the encoding runs on a helper thread: a fiber's stack is small and

@@ -51,6 +51,8 @@ struct Profile {
     period: i64,
     #[prost(int64, repeated, tag = "13")]
     comment: Vec<i64>,
+    #[prost(int64, tag = "14")]
+    default_sample_type: i64,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -344,6 +346,117 @@ pub(super) fn profile(snap: &Snapshot) -> Vec<u8> {
         flate2::Compression::fast(),
     );
     // Writing into a Vec does not fail.
+    let _ = gz.write_all(&raw);
+    gz.finish().unwrap_or_default()
+}
+
+/// A heap frame for the exports: a native return address resolved here, or a layer's frame
+/// (Lua) with its label.
+fn heap_frame(
+    f: &fibertrace_core::Frame,
+    labels: &HashMap<fibertrace_core::LuaFrameId, String>,
+) -> Option<ExFrame> {
+    let info = crate::frames::FrameInfo {
+        frame: *f,
+        resolved: None,
+        label: match f {
+            fibertrace_core::Frame::Lua(id) => labels.get(id).map(|s| std::sync::Arc::from(&**s)),
+            _ => None,
+        },
+    };
+    super::ex_frame(&info, None)
+}
+
+/// What a heap profile is made of, gathered where the names are known (see
+/// [`heap_profile`]): per (recorded stack, fiber), the four figures and whether the fiber
+/// ended; live fibers' names; Lua frames' labels.
+/// Per (recorded stack, fiber): alloc objects, alloc space, inuse objects, inuse space, and
+/// whether the fiber ended.
+pub(crate) type HeapRows = HashMap<(Vec<u64>, Option<u64>), ([i64; 4], bool)>;
+
+pub(crate) struct HeapData {
+    pub rows: HeapRows,
+    pub names: HashMap<u64, String>,
+    pub labels: HashMap<fibertrace_core::LuaFrameId, String>,
+    pub frames_of: fn(&[u64]) -> Vec<fibertrace_core::Frame>,
+}
+
+/// The live heap and the allocations made so far as a gzipped `profile.proto` heap profile,
+/// as Go's: sample types `alloc_objects`/`count`, `alloc_space`/`bytes`,
+/// `inuse_objects`/`count`, `inuse_space`/`bytes` (the default), one sample per stack and
+/// fiber, labelled `fiber_id` (number), `name` (a live fiber's), `exited` (`true` for an
+/// ended fiber's). Stacks start at the code that asked for memory (the allocation
+/// machinery left out). In the sampled tier the figures are the samples' estimates.
+pub(crate) fn heap_profile(d: &HeapData) -> Vec<u8> {
+    use fibertrace_core::heap;
+    let images = symbolize::images();
+    let mut b = Builder::new();
+    for (t, u) in [
+        ("alloc_objects", "count"),
+        ("alloc_space", "bytes"),
+        ("inuse_objects", "count"),
+        ("inuse_space", "bytes"),
+    ] {
+        let vt = ValueType {
+            r#type: b.str(t),
+            unit: b.str(u),
+        };
+        b.p.sample_type.push(vt);
+    }
+    b.p.default_sample_type = b.str("inuse_space");
+    b.p.period_type = Some(ValueType {
+        r#type: b.str("space"),
+        unit: b.str("bytes"),
+    });
+    b.p.period = if heap::tier() == heap::Tier::Sampled {
+        heap::config().sample_interval as i64
+    } else {
+        1
+    };
+    b.p.time_nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as i64);
+    // Merged again after the machinery is cut off (two recorded stacks can differ only
+    // there).
+    let mut by: HeapRows = HashMap::new();
+    for ((addrs, fiber), (v, exited)) in &d.rows {
+        let k = heap::machinery_frames(addrs);
+        let e = by.entry((addrs[k..].to_vec(), *fiber)).or_default();
+        for (sum, x) in e.0.iter_mut().zip(v) {
+            *sum += x;
+        }
+        e.1 |= *exited;
+    }
+    let mut keys: Vec<_> = by.into_iter().collect();
+    keys.sort_by(|a, b| {
+        b.1 .0[3]
+            .cmp(&a.1 .0[3])
+            .then(b.1 .0[1].cmp(&a.1 .0[1]))
+            .then(a.0.cmp(&b.0))
+    });
+    for ((addrs, fiber), (values, exited)) in keys {
+        let location_id: Vec<u64> = (d.frames_of)(&addrs)
+            .iter()
+            .filter_map(|f| heap_frame(f, &d.labels))
+            .map(|f| b.location(&f, &images))
+            .collect();
+        let mut label = Vec::new();
+        if let Some(f) = fiber {
+            label.push(b.label_num("fiber_id", f as i64, ""));
+            if exited {
+                label.push(b.label_str("exited", "true"));
+            } else if let Some(n) = d.names.get(&f) {
+                label.push(b.label_str("name", n));
+            }
+        }
+        b.p.sample.push(Sample {
+            location_id,
+            value: values.to_vec(),
+            label,
+        });
+    }
+    let raw = prost::Message::encode_to_vec(&b.p);
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
     let _ = gz.write_all(&raw);
     gz.finish().unwrap_or_default()
 }

@@ -1,0 +1,235 @@
+//! `fibertrace run --heap` / `--leaks` end to end: the heap charged per fiber in
+//! `fiber.info()`, `require('fibertrace').heap()` in its formats and its refusals, the leak
+//! report at exit, and `~m#` lines read back by `fibertrace decode`.
+
+use fibertrace_acceptance::{binary, run_in, scratch};
+use std::io::Write as _;
+use std::process::{Command, Stdio};
+
+/// A builder fiber that leaves a 3,000-string table behind when it ends, a holder that keeps
+/// 500 other strings while it sleeps (other: Lua interns strings), then the main fiber's
+/// report lines.
+const SCRIPT: &str = "local fiber = require('fiber')\n\
+local ft = require('fibertrace')\n\
+keep = {}\n\
+local function build(n, c)\n\
+  local t = {}\n\
+  for i = 1, n do t[i] = string.rep(c, 100) .. i end\n\
+  return t\n\
+end\n\
+local function middle(n, c) return build(n, c) end\n\
+local b = fiber.create(function() keep[1] = middle(3000, 'x') end)\n\
+local builder = b:id()\n\
+local h = fiber.create(function() fiber.self():name('holder'); local x = middle(500, 'y'); fiber.sleep(100) end)\n\
+fiber.sleep(0)\n\
+for _, e in pairs(fiber.info()) do\n\
+  if e.name == 'holder' then print('holder heap', e.memory.heap, e.memory.used ~= nil) end\n\
+end\n\
+local t = ft.heap()\n\
+print('tier', t.tier, t.estimated)\n\
+for _, e in ipairs(t.exited) do\n\
+  if e.fiber == builder then print('builder held', e.bytes, e.objects) end\n\
+end\n\
+print('stacks', #t.stacks <= 20, t.live_bytes > 0)\n\
+print('top', t.stacks[1].fibers[1].fiber == builder, t.stacks[1].fibers[1].exited)\n\
+local text = ft.heap{format = 'text', top = 2}\n\
+print('text', text:match('^heap: [^\\n]* live in %d+ allocations') ~= nil)\n\
+print('lws', ft.heap{format = 'lws'}:match('^~m#') ~= nil)\n\
+io.stdout:flush()\n\
+if arg[1] == 'lws' then io.stderr:write(ft.heap{format = 'lws'}) end\n\
+if arg[1] == 'pprof' then print('pprof', ft.heap{format = 'pprof', file = arg[2]}) end\n";
+
+fn lines(out: &std::process::Output) -> Vec<String> {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn heap_every_charges_each_fiber_and_keeps_an_exited_fibers_bytes() {
+    let dir = scratch("heap-every");
+    std::fs::write(dir.join("s.lua"), SCRIPT).unwrap();
+    let out = run_in(&dir, &["run", "--heap=every", "s.lua"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let l = lines(&out);
+    let held: Vec<&str> = l[2].split('\t').collect();
+    let (bytes, objects): (i64, i64) = (held[1].parse().unwrap(), held[2].parse().unwrap());
+    // 3,000 strings (a 24-byte header, 101..104 bytes and a NUL, in 8-byte steps of
+    // LuaJIT's string allocator: 128..136 each) and the table's parts (its array grown to
+    // 4,096 slots).
+    assert!((3000..3100).contains(&objects), "{l:?}");
+    assert!((420_000..500_000).contains(&bytes), "{l:?}");
+    // 500 strings of ~104 bytes and the table: the holder's own heap.
+    let holder: Vec<&str> = l[0].split('\t').collect();
+    assert_eq!(holder[0], "holder heap", "{l:?}");
+    let bytes: i64 = holder[1].parse().unwrap();
+    assert!((50_000..200_000).contains(&bytes), "{l:?}");
+    assert_eq!(holder[2], "true");
+    assert_eq!(
+        l[1..],
+        [
+            "tier\tevery\tfalse",
+            &l[2],
+            "stacks\ttrue\ttrue",
+            "top\ttrue\ttrue",
+            "text\ttrue",
+            "lws\ttrue"
+        ],
+        "{err}"
+    );
+}
+
+#[test]
+fn heap_sampled_estimates_and_the_env_variable_does_the_same() {
+    let dir = scratch("heap-sampled");
+    std::fs::write(dir.join("s.lua"), SCRIPT).unwrap();
+    for (args, env) in [
+        (
+            &["run", "--heap", "--heap-interval", "1024", "s.lua"][..],
+            None,
+        ),
+        (
+            &["run", "--heap-interval", "1024", "s.lua"][..],
+            Some("sampled"),
+        ),
+    ] {
+        let mut c = Command::new(binary());
+        c.args(args).current_dir(&dir);
+        if let Some(v) = env {
+            c.env("FIBERTRACE_HEAP", v);
+        }
+        let out = c.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{err}");
+        let l = lines(&out);
+        assert_eq!(l[1], "tier\tsampled\ttrue", "{l:?}");
+        // The builder's ~460 KB in ~3,014 allocations, estimated from samples every 1 KiB on
+        // average (~380 samples: within 25% is four standard errors).
+        let held: Vec<&str> = l[2].split('\t').collect();
+        assert_eq!(held[0], "builder held", "{l:?}");
+        let (bytes, objects): (f64, f64) = (held[1].parse().unwrap(), held[2].parse().unwrap());
+        assert!((bytes / 460_000.0 - 1.0).abs() < 0.25, "{l:?}");
+        assert!((objects / 3014.0 - 1.0).abs() < 0.25, "{l:?}");
+    }
+}
+
+#[test]
+fn leaks_at_exit_lists_what_is_still_live_with_the_fiber_that_made_it() {
+    let dir = scratch("heap-leaks");
+    std::fs::write(dir.join("s.lua"), SCRIPT).unwrap();
+    let out = run_in(&dir, &["run", "--leaks", "--leaks-top", "3", "s.lua"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let report = err
+        .split_once("fibertrace: --leaks: live at exit:\n")
+        .unwrap_or_else(|| panic!("{err}"))
+        .1;
+    assert!(report.starts_with("heap: "), "{report}");
+    assert!(report.contains("top 3 by bytes:"), "{report}");
+    // The biggest stack: the builder's strings, made in LuaJIT's string allocator, held
+    // by the builder, which has ended.
+    let first = report.split("\n\n").nth(1).unwrap();
+    assert!(first.starts_with("[1] "), "{report}");
+    assert!(first.contains("held by exited fiber 2: "), "{report}");
+    assert!(first.contains("lj_str_new+0x"), "{report}");
+    assert!(
+        report.contains("\nheld by exited fiber 2: heap: "),
+        "{report}"
+    );
+}
+
+#[test]
+fn lws_lines_of_the_live_heap_decode_with_fibertrace_decode() {
+    let dir = scratch("heap-lws");
+    std::fs::write(dir.join("s.lua"), SCRIPT).unwrap();
+    let out = run_in(&dir, &["run", "--heap=every", "s.lua", "lws"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let m: Vec<&str> = err.lines().filter(|l| l.starts_with("~m#")).collect();
+    assert!(m.len() > 3000, "{}", m.len());
+    let mut dec = Command::new(binary())
+        .args(["decode"])
+        .current_dir(&dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let input = m[..50].join("\n") + "\n";
+    dec.stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let d = dec.wait_with_output().unwrap();
+    assert_eq!(d.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&d.stdout);
+    // Each line decodes to lws's decoded form: a size and addresses.
+    assert_eq!(
+        text.lines().filter(|l| l.starts_with("~b#size: ")).count(),
+        50,
+        "{text}"
+    );
+}
+
+#[test]
+fn heap_refuses_bad_options_clearly_and_says_when_the_heap_is_not_tracked() {
+    let dir = scratch("heap-errors");
+    let script = "local ft = require('fibertrace')\n\
+local function try(...) local ok, a, b = pcall(ft.heap, ...) print(ok, a, b) end\n\
+try()\n\
+try(5)\n\
+try({format = 'nope'})\n\
+try({top = 0})\n\
+try({top = 1.5})\n\
+try({top = 'x'})\n\
+try({format = 'table', file = 'x'})\n\
+try({format = 'text', file = ''})\n\
+try({}, {})\n";
+    std::fs::write(dir.join("e.lua"), script).unwrap();
+    let out = run_in(&dir, &["run", "e.lua"]);
+    assert_eq!(out.status.code(), Some(0));
+    let l = lines(&out);
+    let usage = "fibertrace.heap([{format = 'table'|'text'|'pprof'|'lws', top = N, file = PATH}])";
+    assert_eq!(
+        l,
+        [
+            "true\tnil\tthe heap is not tracked in this process: install \
+             fibertrace_core::heap::Tracked as the global allocator (fibertrace run: --heap or \
+             --leaks, or FIBERTRACE_HEAP=sampled|every)"
+                .to_string(),
+            "false\tbad argument #1 to '?' (table expected, got number)\tnil".to_string(),
+            format!("false\t{usage}: unknown format \"nope\"\tnil"),
+            format!("false\t{usage}: top must be an integer from 1 to 100000\tnil"),
+            format!("false\t{usage}: top must be an integer from 1 to 100000\tnil"),
+            format!("false\t{usage}: top must be a number\tnil"),
+            format!(
+                "false\t{usage}: a table is not written to a file (format text, pprof or lws is)\tnil"
+            ),
+            format!("false\t{usage}: file is empty\tnil"),
+            format!("false\t{usage}: one argument at most\tnil"),
+        ]
+    );
+    // Tracked: a file that cannot be written is `nil, message`, nothing left behind.
+    std::fs::write(
+        dir.join("w.lua"),
+        "local ft = require('fibertrace')\n\
+         print(ft.heap{format = 'pprof', file = 'no/such/dir/h.pb.gz'})\n",
+    )
+    .unwrap();
+    let out = run_in(&dir, &["run", "--heap", "w.lua"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with("nil\t"), "{text}");
+    assert!(text.contains("no/such/dir/h.pb.gz"), "{text}");
+    // Bad flags: clap's errors, exit 2.
+    for args in [
+        &["run", "--heap=bogus", "w.lua"][..],
+        &["run", "--heap-interval", "0", "w.lua"][..],
+        &["run", "--leaks-top", "0", "w.lua"][..],
+    ] {
+        let out = run_in(&dir, args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(!out.stderr.is_empty());
+    }
+}
