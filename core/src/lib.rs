@@ -23,10 +23,10 @@ pub mod codec;
 pub mod format;
 pub mod frame;
 pub mod heap;
-mod untracked;
 pub mod image;
 pub mod remote;
 pub mod symbolize;
+mod untracked;
 pub mod unwind;
 
 pub use backtrace::{Backtrace, CaptureOptions, Unwinder, CAPACITY};

@@ -270,3 +270,40 @@ fn many_threads_allocating_and_freeing_at_once_leave_a_consistent_list() {
         assert_eq!(LwsTrace::decode(&a.blob).unwrap().size as usize, a.size);
     }
 }
+
+thread_local! {
+    static HOOKED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// A layer's hook: puts a Lua frame (id 7) above the native frames, on threads that ask.
+fn add_lua_frame(addrs: &mut [u64; 31], n: usize) -> usize {
+    if !HOOKED.with(|h| h.get()) || n == 31 {
+        return n;
+    }
+    addrs.copy_within(0..n, 1);
+    addrs[0] = heap::LUA_TAG | 7;
+    n + 1
+}
+
+#[test]
+fn a_stack_hook_adds_a_layers_frames_which_the_views_read_back() {
+    let _l = lock();
+    heap::set_stack_hook(Some(add_lua_frame));
+    HOOKED.with(|h| h.set(true));
+    let v = outer(4321);
+    HOOKED.with(|h| h.set(false));
+    heap::set_stack_hook(None);
+    let a = find(v.as_ptr() as usize).unwrap();
+    let frames = heap::frames_of(&a.addrs);
+    assert_eq!(
+        frames[0],
+        fibertrace_core::Frame::Lua(fibertrace_core::LuaFrameId(7))
+    );
+    assert_eq!(frames[1], fibertrace_core::Frame::Ra(a.addrs[1]));
+    // The tagged entry survives the lws blob (it is below 2^63).
+    assert_eq!(
+        LwsTrace::decode(&a.blob).unwrap().addrs[0],
+        heap::LUA_TAG | 7
+    );
+    drop(v);
+}

@@ -1,6 +1,20 @@
 //! The heap views of a Lua host: live allocations grouped by stack, with fibers named and Lua
 //! frames (entries a stack hook recorded, see `fibertrace_core::heap::LUA_TAG`) named as in
 //! the dumps.
+//!
+//! [`lua_stack_hook`] puts the running fiber's Lua frames into each recorded stack (LuaJIT).
+//! It cannot use the Lua debug API: an allocation happens in the middle of a VM instruction,
+//! and `lua_getinfo` pushes onto a stack whose top is not synced then (it corrupted a
+//! table constructor's registers when tried). It reads the VM's memory instead, with the
+//! reader another process's dump uses (`frames::foreign`, over this process's own memory
+//! through `process_vm_readv`: a stale pointer is a failed read, never a fault), and
+//! touches nothing.
+//!
+//! How a recorded stack can be wrong: an allocation made by compiled code (a LuaJIT trace)
+//! sees the Lua frames as they were when the trace was entered (LuaJIT writes the stack back
+//! when a trace exits), so its innermost Lua frame may be a caller of the function that
+//! allocated; the trace's own native frame is `??`. A stack that cannot be read (a layout
+//! not checked, a budget spent) keeps its native frames only.
 
 use fibertrace_core::format::TextOptions;
 use fibertrace_core::heap::{self, Group, LiveAlloc};
@@ -66,4 +80,67 @@ pub fn heap_text(top: usize) -> String {
         fibertrace_fiber::dump::render_heap_summary(&s, &mut out);
     }
     out
+}
+
+/// This process's memory read as another's: an address that is not mapped is a failed read.
+struct SelfMem;
+
+impl crate::frames::foreign::Memory for SelfMem {
+    fn read(&mut self, addr: u64, out: &mut [u8]) -> bool {
+        let local = libc::iovec {
+            iov_base: out.as_mut_ptr().cast(),
+            iov_len: out.len(),
+        };
+        let remote = libc::iovec {
+            iov_base: addr as *mut libc::c_void,
+            iov_len: out.len(),
+        };
+        // SAFETY: process_vm_readv writes at most `out.len()` bytes into `out` and reads the
+        // other range through the kernel (an unmapped address is an error, not a fault).
+        let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+        n == out.len() as isize
+    }
+}
+
+/// The tracker's stack hook (`fibertrace_core::heap::set_stack_hook`, installed by the host
+/// when the heap is tracked): the running fiber's Lua frames interleaved with the recorded
+/// native frames, each a `LUA_TAG | id` entry. See the module doc.
+pub fn lua_stack_hook(
+    addrs: &mut [u64; fibertrace_core::codec::lws::MAX_DEPTH],
+    n: usize,
+) -> usize {
+    use fibertrace_core::Frame;
+    let Some(f) = fibertrace_fiber::current() else {
+        return n;
+    };
+    let root = f.layer_word();
+    if root == 0 {
+        return n;
+    }
+    // A reader per stack: its caches are keyed by address, which the collector reuses.
+    let Ok(mut reader) = crate::frames::foreign::Reader::own() else {
+        return n;
+    };
+    let Ok(lua) = reader.stack(&mut SelfMem, root) else {
+        return n;
+    };
+    if lua.levels.is_empty() {
+        return n;
+    }
+    let native: Vec<Frame> = addrs[..n].iter().map(|&a| Frame::Ra(a)).collect();
+    let bt = crate::interleave(&native, &lua, &crate::InterleaveOptions::default());
+    let mut k = 0;
+    for fr in bt.frames() {
+        if k == addrs.len() {
+            break;
+        }
+        let v = match fr {
+            Frame::Ra(a) | Frame::Pc(a) | Frame::Async(a) => *a,
+            Frame::Lua(id) => heap::LUA_TAG | u64::from(id.0),
+            _ => continue,
+        };
+        addrs[k] = v;
+        k += 1;
+    }
+    k
 }

@@ -19,8 +19,17 @@ fn script(name: &str, body: &str) -> PathBuf {
 /// Starts `fibertrace run --http 127.0.0.1:0 SCRIPT`; the child, the address it serves on,
 /// and its stdout.
 fn start(path: &PathBuf) -> (Child, SocketAddr, BufReader<std::process::ChildStdout>) {
+    start_with(path, &[])
+}
+
+/// [`start`] with more options before the script.
+fn start_with(
+    path: &PathBuf,
+    opts: &[&str],
+) -> (Child, SocketAddr, BufReader<std::process::ChildStdout>) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_fibertrace"))
         .args(["run", "--http", "127.0.0.1:0"])
+        .args(opts)
         .arg(path)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -213,4 +222,30 @@ fn a_bad_or_taken_address_is_refused_before_the_script_runs() {
         String::from_utf8_lossy(&out.stderr),
         format!("fibertrace: --http: cannot listen on {a}: Address already in use (os error 98)\n")
     );
+}
+
+/// With `--heap`, `/debug/pprof/heap` (where Go serves it) answers the heap profile; without,
+/// a 404 that says how to turn it on (checked in the fiber crate's tests).
+#[test]
+fn the_heap_profile_is_served_where_go_serves_it_when_the_heap_is_tracked() {
+    let path = script("heap.lua", WAITING);
+    let (mut child, addr, mut out) = start_with(&path, &["--heap=every"]);
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    for target in ["/debug/pprof/heap", "/debug/pprof/allocs"] {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        write!(s, "GET {target} HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
+        let mut all = Vec::new();
+        s.read_to_end(&mut all).unwrap();
+        let at = all.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+        let head = String::from_utf8_lossy(&all[..at]);
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        assert!(head.contains("heap.pb.gz"), "{head}");
+        // A gzip stream.
+        assert_eq!(&all[at + 4..at + 6], &[0x1f, 0x8b]);
+    }
+    child.kill().unwrap();
+    let _ = child.wait();
 }

@@ -513,3 +513,66 @@ fn dump_pid_agrees_with_eu_stack_on_every_thread() {
         assert_eq!(got, want, "thread {tid}: eu-stack:\n{eu}\nours:\n{ours}");
     }
 }
+
+/// The heap profile (`require('fibertrace').heap{format = 'pprof'}` under `--heap=every`):
+/// `go tool pprof` reads Go's four sample types, and the builder fiber's strings are the
+/// biggest in-use entry, labelled with its fiber id.
+#[test]
+fn go_tool_pprof_reads_the_heap_profile_with_its_four_sample_types_and_fiber_labels() {
+    let d = scratch("peers-heap");
+    std::fs::write(
+        d.join("h.lua"),
+        "local fiber = require('fiber')\n\
+         keep = {}\n\
+         local function build(n) local t = {} for i = 1, n do t[i] = string.rep('h', 300) .. i end return t end\n\
+         fiber.create(function() fiber.self():name('builder') keep[1] = build(4000) fiber.sleep(100) end)\n\
+         fiber.sleep(0)\n\
+         print(require('fibertrace').heap{format = 'pprof', file = 'heap.pb.gz'})\n\
+         os.exit(0)\n",
+    )
+    .unwrap();
+    let out = run_in(&d, &["run", "--heap=every", "h.lua"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let go = |args: &[&str]| {
+        tool(
+            Command::new("go")
+                .args(["tool", "pprof"])
+                .args(args)
+                .arg(d.join("heap.pb.gz"))
+                .env("HOME", &d)
+                .env("PPROF_TMPDIR", &d),
+            "go tool pprof",
+            "apt-get install golang-go",
+        )
+    };
+    let raw = go(&["-raw"]);
+    assert!(
+        raw.contains("alloc_objects/count alloc_space/bytes inuse_objects/count inuse_space/bytes"),
+        "{raw}"
+    );
+    let top = go(&["-sample_index=inuse_space", "-top", "-nodecount=3"]);
+    assert!(top.contains("Type: inuse_space"), "{top}");
+    // The biggest in-use stack (traces come biggest first): the builder's strings, with the
+    // Lua frames that made them.
+    let traces = go(&["-sample_index=inuse_space", "-traces"]);
+    let biggest = traces
+        .split("-----------+-------------------------------------------------------\n")
+        .nth(1)
+        .unwrap_or_else(|| panic!("{traces}"));
+    assert!(biggest.contains("      name:  builder\n"), "{biggest}");
+    assert!(biggest.contains("  fiber_id:  2\n"), "{biggest}");
+    let frames: Vec<&str> = biggest
+        .lines()
+        .skip_while(|l| !l.contains("mlua::memory::allocator"))
+        .map(|l| l.split_whitespace().last().unwrap_or(""))
+        .collect();
+    assert_eq!(
+        frames[..3],
+        ["mlua::memory::allocator", "build", "function@h.lua:4"],
+        "{biggest}"
+    );
+}

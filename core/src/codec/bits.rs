@@ -69,28 +69,51 @@ impl BitSink for BitWriter {
     }
 }
 
-/// Writes bits MSB-first into a fixed buffer; bits beyond its end are dropped and counted
-/// ([`SliceBitWriter::overflowed`]).
+/// Writes bits MSB-first into a fixed buffer through a 128-bit accumulator (a whole byte
+/// at a time: an allocator encodes a trace per allocation); bits beyond its end are dropped
+/// and counted ([`SliceBitWriter::overflowed`]). Call [`SliceBitWriter::finish`] last.
 pub(crate) struct SliceBitWriter<'a> {
     buf: &'a mut [u8],
-    len: usize,
+    /// Whole bytes written.
+    bytes: usize,
+    acc: u128,
+    /// Bits in `acc` not written yet (< 8 between writes).
+    nacc: u32,
     overflow: bool,
 }
 
 impl<'a> SliceBitWriter<'a> {
-    /// A writer over `buf`, which it zeroes.
+    /// A writer over `buf`.
     pub(crate) fn new(buf: &'a mut [u8]) -> Self {
-        buf.fill(0);
         SliceBitWriter {
             buf,
-            len: 0,
+            bytes: 0,
+            acc: 0,
+            nacc: 0,
             overflow: false,
         }
     }
 
-    /// Bytes used (the last one zero-padded).
-    pub(crate) fn byte_len(&self) -> usize {
-        self.len.div_ceil(8)
+    /// Writes the last bits, zero-padded to a byte; returns the bytes used.
+    pub(crate) fn finish(&mut self) -> usize {
+        if self.nacc > 0 {
+            let b = ((self.acc << (8 - self.nacc)) & 0xff) as u8;
+            self.push(b);
+            self.nacc = 0;
+            self.acc = 0;
+        }
+        self.bytes
+    }
+
+    #[inline]
+    fn push(&mut self, b: u8) {
+        match self.buf.get_mut(self.bytes) {
+            Some(slot) => {
+                *slot = b;
+                self.bytes += 1;
+            }
+            None => self.overflow = true,
+        }
     }
 
     /// Whether a write did not fit.
@@ -103,19 +126,16 @@ impl BitSink for SliceBitWriter<'_> {
     #[inline]
     fn write(&mut self, v: u64, n: u32) {
         debug_assert!(n <= 64);
-        if self.len + n as usize > self.buf.len() * 8 {
-            self.overflow = true;
+        if n == 0 {
             return;
         }
-        let mut left = n;
-        while left > 0 {
-            let used = (self.len & 7) as u32;
-            let room = 8 - used;
-            let take = room.min(left);
-            let chunk = ((v >> (left - take)) & ((1u64 << take) - 1)) as u8;
-            self.buf[self.len >> 3] |= chunk << (room - take);
-            left -= take;
-            self.len += take as usize;
+        let mask = if n == 64 { u64::MAX } else { (1u64 << n) - 1 };
+        self.acc = (self.acc << n) | u128::from(v & mask);
+        self.nacc += n;
+        while self.nacc >= 8 {
+            self.nacc -= 8;
+            let b = ((self.acc >> self.nacc) & 0xff) as u8;
+            self.push(b);
         }
     }
 }

@@ -72,10 +72,12 @@ fn sigbits(v: u64) -> u32 {
 /// pad bit.
 pub const MAX_BLOB: usize = (6 + MAX_DEPTH * (2 + 4 + 2 + 7 + 64) + 7 + 64).div_ceil(8) + 2;
 
-/// Writes one lws field: `n` bits of `v` then the pad bit.
+/// Writes one lws field: `n` (< 64) bits of `v` then the pad bit, as one write.
+#[inline]
 fn put(w: &mut impl BitSink, v: u64, n: u32) {
-    w.write(v, n);
-    w.write(0, 1);
+    debug_assert!(n < 64);
+    let mask = (1u64 << n) - 1;
+    w.write((v & mask) << 1, n + 1);
 }
 
 /// Encodes `addrs` (innermost first) and `size` as an lws blob with its 2-byte length into
@@ -87,13 +89,13 @@ pub fn encode_into(addrs: &[u64], size: u64, out: &mut [u8]) -> Result<usize, Er
     let (body, _) = out.split_at_mut(room);
     let mut w = SliceBitWriter::new(body);
     encode_bits(addrs, size, &mut w)?;
+    let n = w.finish();
     if w.overflowed() {
         return Err(Error::NotRepresentable(format!(
             "blob needs more than the {} bytes given",
             out.len()
         )));
     }
-    let n = w.byte_len();
     let total = n + 2;
     let total16 = u16::try_from(total).map_err(|_| {
         Error::NotRepresentable(format!("blob of {total} bytes exceeds the 16-bit length"))

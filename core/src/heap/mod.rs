@@ -44,8 +44,8 @@ mod sample;
 mod totals;
 mod view;
 
-pub use owner::{owners, restore, switch_to, Owner, OwnerRow, Usage, MAX_OWNERS};
 pub use crate::untracked::{pause, Busy};
+pub use owner::{owners, restore, switch_to, Owner, OwnerRow, Usage, MAX_OWNERS};
 pub use totals::{totals, Total, MAX_ENTRIES};
 pub use view::{
     group, human_bytes, live, machinery_frames, render_groups, share_name, write_m_lines, Group,

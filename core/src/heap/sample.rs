@@ -120,22 +120,26 @@ pub(crate) unsafe fn alloc<A: GlobalAlloc>(inner: &A, layout: Layout, zeroed: bo
 #[inline(never)]
 fn take(p: usize, size: usize) {
     let busy = Busy::enter();
+    if let Some(mean) = draw(&busy) {
+        let mut frames = [0u64; MAX_DEPTH];
+        let depth = super::capture(&mut frames);
+        record(p, size, mean, &frames, depth);
+    }
+}
+
+/// Draws the next sample point; the mean interval when this allocation is to be recorded.
+fn draw(busy: &Busy) -> Option<u64> {
     let mean = super::INTERVAL.load(Ordering::Relaxed);
     let first = RNG.try_with(|r| r.get() == 0).unwrap_or(true);
     let next = next_interval(mean);
     let _ = COUNTDOWN.try_with(|c| c.set(next));
-    if busy.nested() || first {
-        // The first allocation of a thread only starts its countdown (sampling it always
-        // would bias toward threads' first allocations).
-        return;
-    }
-    record(p, size, mean);
+    // The first allocation of a thread only starts its countdown (sampling it always would
+    // bias toward threads' first allocations).
+    (!busy.nested() && !first).then_some(mean)
 }
 
-#[inline(never)]
-fn record(p: usize, size: usize, mean: u64) {
-    let mut frames = [0u64; MAX_DEPTH];
-    let depth = super::capture(&mut frames);
+fn record(p: usize, size: usize, mean: u64, frames: &[u64; MAX_DEPTH], depth: usize) {
+    let frames = *frames;
     let prob = 1.0 - (-(size as f64) / mean as f64).exp();
     let w = if prob > 0.0 { 1.0 / prob } else { 1.0 };
     let bytes = (size as f64 * w).round() as i64;
@@ -211,12 +215,33 @@ pub(crate) unsafe fn realloc<A: GlobalAlloc>(
     new_size: usize,
 ) -> *mut u8 {
     forget(p as usize);
+    if !crosses(new_size) {
+        // SAFETY: the caller's contract.
+        return unsafe { inner.realloc(p, layout, new_size) };
+    }
+    // Sampled: the stack is read before the block moves (a stack hook may read the memory
+    // being reallocated: a Lua stack that grows).
+    let busy = Busy::enter();
+    let drawn = draw(&busy);
+    let mut frames = [0u64; MAX_DEPTH];
+    let depth = if drawn.is_some() {
+        realloc_capture(&mut frames)
+    } else {
+        0
+    };
     // SAFETY: the caller's contract.
     let q = unsafe { inner.realloc(p, layout, new_size) };
-    if !q.is_null() && crosses(new_size) {
-        take(q as usize, new_size);
+    if let (false, Some(mean)) = (q.is_null(), drawn) {
+        record(q as usize, new_size, mean, &frames, depth);
     }
     q
+}
+
+/// [`super::capture`] from `realloc` (one frame like `take`'s, so the same frames are
+/// skipped).
+#[inline(never)]
+fn realloc_capture(frames: &mut [u64; MAX_DEPTH]) -> usize {
+    super::capture(frames)
 }
 
 /// Copies the samples (under [`Busy`]).

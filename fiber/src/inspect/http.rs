@@ -8,7 +8,7 @@
 //! | `/`, `/debug/fibers/`, `/debug/pprof/` | an index page linking every view |
 //! | `/debug/fibers?format=NAME` | one view: `text` (the default), `grouped`, `json`, `pprof`, `folded`, `svg`, `speedscope` |
 //! | `/debug/pprof/goroutine` | the pprof profile, where Go serves its goroutines (so Parca, Pyroscope and Grafana Alloy scrape it unchanged); `?debug=1` the grouped text, `?debug=2` the full text, as Go |
-//! | `/debug/pprof/heap` | 404 with why: no allocation metadata is recorded |
+//! | `/debug/pprof/heap`, `/debug/pprof/allocs` | the heap profile (pprof with Go's four sample types, labelled by fiber) when the process's allocator tracks the heap (`fibertrace_core::heap`); 404 with why otherwise |
 //!
 //! Why a server of its own on `std` and not a crate: it serves `GET` (and `HEAD`) of a few
 //! fixed paths and closes each connection after one answer, and what it must bound — bytes of
@@ -527,6 +527,24 @@ fn view(fmt: Format) -> Routed {
     (200, fmt.media_type(), body, extra)
 }
 
+/// The heap profile (pprof, Go's four sample types), or 404 with why when the heap is not
+/// tracked.
+fn heap_view() -> Routed {
+    let name = |id: u64| crate::registry::find(id).map(|(_, cb)| cb.name_arc().to_string());
+    match export::heap_pprof(&name, &|_| None, fibertrace_core::heap::frames_of) {
+        Ok(body) => (
+            200,
+            Format::Pprof.media_type(),
+            body,
+            vec![(
+                "Content-Disposition",
+                "attachment; filename=\"heap.pb.gz\"".to_string(),
+            )],
+        ),
+        Err(e) => text(404, format!("no heap profile: {e}\n")),
+    }
+}
+
 fn route(req: &Request) -> Routed {
     let q = |k: &str| {
         req.query
@@ -554,10 +572,7 @@ fn route(req: &Request) -> Routed {
                 format!("bad debug={other:?}: 0 (pprof), 1 (grouped text) or 2 (full text)\n"),
             ),
         },
-        "/debug/pprof/heap" | "/debug/pprof/allocs" => text(
-            404,
-            "no heap profile: this process records no allocation metadata\n".into(),
-        ),
+        "/debug/pprof/heap" | "/debug/pprof/allocs" => heap_view(),
         other => text(
             404,
             format!("no such page {other:?}: see / for the views\n"),

@@ -61,6 +61,13 @@ impl Fiber {
             .store(word, std::sync::atomic::Ordering::Release);
     }
 
+    /// The word set by [`Fiber::set_layer_word`] (0: none).
+    pub fn layer_word(&self) -> u64 {
+        self.shared
+            .layer_word
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// Its status.
     pub fn status(&self) -> Status {
         self.shared.status().0

@@ -241,6 +241,9 @@ pub(crate) fn intern(raw: &RawInfo<'_>) -> LuaFrameId {
             return LuaFrameId(*id);
         }
     }
+    // Not tracked by the heap tracker: the table is this library's, and the tracker's stack
+    // hook interns Lua frames itself (it would wait on this shard's lock, held here).
+    let _untracked = fibertrace_core::heap::pause();
     let mut entry = t.by_hash.entry(h).or_default();
     if let Some((id, _)) = entry.iter().find(|(_, i)| raw.matches(i)) {
         return LuaFrameId(*id);

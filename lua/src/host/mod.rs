@@ -314,6 +314,13 @@ impl LuaHost {
 
     fn make(own_allocator: bool) -> Result<LuaHost, String> {
         crate::prepare();
+        // With the heap tracked, recorded stacks get the running fiber's Lua frames (LuaJIT:
+        // read from its memory, see `crate::heap`).
+        if cfg!(feature = "luajit")
+            && fibertrace_core::heap::tier() != fibertrace_core::heap::Tier::Off
+        {
+            fibertrace_core::heap::set_stack_hook(Some(crate::heap::lua_stack_hook));
+        }
         if HOST.with(|h| h.borrow().is_some()) {
             return Err("a Lua host already exists on this thread".into());
         }
