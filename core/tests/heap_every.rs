@@ -307,3 +307,54 @@ fn a_stack_hook_adds_a_layers_frames_which_the_views_read_back() {
     );
     drop(v);
 }
+
+/// The live list is walked while other threads allocate and free (the walk's own buffer
+/// grows under the list's lock: it must be untracked, or its free would take the lock
+/// again), and `~m#` lines are written meanwhile.
+#[test]
+fn listing_the_heap_while_threads_allocate_neither_hangs_nor_loses_blocks() {
+    let _l = lock();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let hs: Vec<_> = (0..2)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut keep = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    keep.push(format!("{}", keep.len()));
+                    if keep.len() > 5000 {
+                        keep.clear();
+                    }
+                }
+            })
+        })
+        .collect();
+    let mine = outer(2222);
+    for _ in 0..30 {
+        assert!(heap::live().iter().any(|a| a.size == 2222));
+        let mut out = Vec::new();
+        assert!(heap::write_m_lines(&mut out).unwrap() > 0);
+    }
+    stop.store(true, Ordering::Relaxed);
+    for h in hs {
+        h.join().unwrap();
+    }
+    drop(mine);
+}
+
+/// Closing owners while another, which has no slot yet, is current: the free list's growth
+/// inside the close must not open a slot (which takes the same list's lock).
+#[test]
+fn closing_many_owners_while_a_fresh_one_is_current_does_not_hang() {
+    let _l = lock();
+    for i in 0..3000u64 {
+        let b = Owner::new(50_000 + i);
+        let prev = heap::switch_to(Some(&b));
+        drop(std::hint::black_box(vec![1u8; 10]));
+        heap::restore(prev);
+        let a = Owner::new(90_000 + i);
+        let prev = heap::switch_to(Some(&a));
+        b.close();
+        heap::restore(prev);
+    }
+}

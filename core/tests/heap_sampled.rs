@@ -153,3 +153,21 @@ fn threads_allocating_in_their_destructors_and_at_once_do_not_crash() {
         assert_eq!(h.join().unwrap(), 5000);
     }
 }
+
+/// A tiny interval samples most allocations: the sample table grows many times while most
+/// filter counters are set, and freeing its old buckets must not look the table up again
+/// (its lock is held). Every sample is credited back at the end.
+#[test]
+fn a_dense_sample_table_grows_and_empties_without_hanging() {
+    let _l = lock();
+    interval(64);
+    let owner = Owner::new(77);
+    let prev = heap::switch_to(Some(&owner));
+    let keep: Vec<Vec<u8>> = (0..100_000).map(|i| vec![0u8; 16 + i % 100]).collect();
+    heap::restore(prev);
+    assert!(heap::live().len() > 10_000);
+    drop(keep);
+    interval(64 * 1024);
+    assert_eq!(owner.usage().live_bytes, 0);
+    assert_eq!(owner.usage().live_objects, 0);
+}

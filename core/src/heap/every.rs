@@ -141,15 +141,13 @@ unsafe fn record<A: GlobalAlloc>(inner: &A, layout: Layout, zeroed: bool) -> *mu
     );
     // SAFETY: `user` was just made by raw_block with links in front.
     unsafe { link(links(user)) };
-    if let Some(f) = super::events() {
-        f(&Event {
-            alloc: true,
-            ptr: user as usize,
-            size: layout.size(),
-            fiber: owner::fiber_of(slot).0,
-            blob: &blob[..len],
-        });
-    }
+    super::report(&Event {
+        alloc: true,
+        ptr: user as usize,
+        size: layout.size(),
+        fiber: owner::fiber_of(slot).0,
+        blob: &blob[..len],
+    });
     user
 }
 
@@ -249,17 +247,16 @@ pub(crate) unsafe fn dealloc<A: GlobalAlloc>(inner: &A, user: *mut u8, layout: L
         let l = links(user);
         let meta = (*l).meta;
         if meta != 0 {
-            let busy = Busy::enter();
-            if let Some(f) = super::events().filter(|_| !busy.nested()) {
-                let slot = (meta - 1) as u32;
-                f(&Event {
-                    alloc: false,
-                    ptr: user as usize,
-                    size: layout.size(),
-                    fiber: owner::fiber_of(slot).0,
-                    blob: blob(user),
-                });
-            }
+            // Reported however the free is made (paused or not): its allocation was.
+            let _busy = Busy::enter();
+            let slot = (meta - 1) as u32;
+            super::report(&Event {
+                alloc: false,
+                ptr: user as usize,
+                size: layout.size(),
+                fiber: owner::fiber_of(slot).0,
+                blob: blob(user),
+            });
             unlink(l);
             owner::credit((meta - 1) as u32, layout.size() as i64, 1);
         }

@@ -182,6 +182,14 @@ pub fn set_events(f: Option<EventFn>) {
     );
 }
 
+/// Calls the event callback, if any, catching a panic (one unwinding out of the allocator
+/// aborts the process).
+pub(crate) fn report(e: &Event<'_>) {
+    if let Some(f) = events() {
+        let _ = std::panic::catch_unwind(|| f(e));
+    }
+}
+
 fn events() -> Option<EventFn> {
     let p = EVENTS.load(Ordering::Acquire);
     if p.is_null() {
@@ -427,7 +435,18 @@ pub(crate) fn capture(out: &mut [u64; crate::codec::lws::MAX_DEPTH]) -> usize {
     let k = (hi - lo).min(out.len());
     out[..k].copy_from_slice(&buf[lo..lo + k]);
     let k = match stack_hook() {
-        Some(h) => h(out, k).min(out.len()),
+        // A panic in the hook must not unwind out of the allocator (that aborts): the stack
+        // keeps its native frames.
+        Some(h) => {
+            let mut copy = *out;
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(&mut copy, k))) {
+                Ok(n) => {
+                    *out = copy;
+                    n.min(out.len())
+                }
+                Err(_) => k,
+            }
+        }
         None => k,
     };
     k.min(depth)

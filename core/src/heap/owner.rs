@@ -99,6 +99,8 @@ pub(crate) fn slot_or_zero(i: u32) -> &'static Slot {
 
 /// Takes a free slot for `fiber` (0 when none is left).
 fn open_slot(fiber: u64) -> u32 {
+    // The free list's own growth must not be tracked: a tracked allocation opens a slot.
+    let _busy = super::Busy::enter();
     let reused = FREE.lock().ok().and_then(|mut f| f.pop());
     let i = match reused {
         Some(i) => i,
@@ -125,6 +127,8 @@ fn recycle(i: u32) {
     if i == 0 {
         return;
     }
+    // As in `open_slot`: the push may grow the list, under its lock.
+    let _busy = super::Busy::enter();
     if let Some(s) = slot(i, false) {
         s.live_bytes.store(0, Ordering::Relaxed);
         s.live_objects.store(0, Ordering::Relaxed);

@@ -36,7 +36,31 @@ pub(crate) struct Sample {
 
 pub(crate) static TABLE: Mutex<Option<HashMap<usize, Sample>>> = Mutex::new(None);
 
+/// The table locked by this thread: the map's own growth frees its old buckets, which must
+/// not look the table up again (they were allocated by the tracker's own work, so are never
+/// samples).
+fn lock_table() -> (
+    std::sync::MutexGuard<'static, Option<HashMap<usize, Sample>>>,
+    Holding,
+) {
+    let g = TABLE.lock().unwrap_or_else(|e| e.into_inner());
+    let _ = HOLDING.try_with(|h| h.set(true));
+    (g, Holding)
+}
+
+/// Clears the holding flag when dropped (after the guard it is paired with: declared
+/// second, dropped first is fine either way — the flag only stops look-ups on this thread).
+struct Holding;
+
+impl Drop for Holding {
+    fn drop(&mut self) {
+        let _ = HOLDING.try_with(|h| h.set(false));
+    }
+}
+
 thread_local! {
+    /// This thread holds the table's lock.
+    static HOLDING: Cell<bool> = const { Cell::new(false) };
     /// Bytes left before this thread's next sample point (≤ 0: the next allocation samples).
     static COUNTDOWN: Cell<i64> = const { Cell::new(0) };
     /// xorshift state (0: not seeded yet).
@@ -153,9 +177,10 @@ fn record(p: usize, size: usize, mean: u64, frames: &[u64; MAX_DEPTH], depth: us
         bytes,
         objects,
     };
-    let mut t = TABLE.lock().unwrap_or_else(|e| e.into_inner());
+    let (mut t, holding) = lock_table();
     let replaced = t.get_or_insert_with(HashMap::new).insert(p, s);
     drop(t);
+    drop(holding);
     if let Some(old) = replaced {
         // A stale entry for the same address (freed without passing here): forget it.
         owner::credit(old.slot, old.bytes, old.objects);
@@ -182,10 +207,15 @@ fn forget(p: usize) {
 
 #[inline(never)]
 fn forget_slow(p: usize) {
+    if HOLDING.try_with(|h| h.get()).unwrap_or(true) {
+        // The table's own buckets, freed while this thread holds it: never samples.
+        return;
+    }
     let _busy = Busy::enter();
-    let mut t = TABLE.lock().unwrap_or_else(|e| e.into_inner());
+    let (mut t, holding) = lock_table();
     let removed = t.as_mut().and_then(|m| m.remove(&p));
     drop(t);
+    drop(holding);
     if let Some(s) = removed {
         FILTER_COUNTS[filter_index(p)].fetch_sub(1, Ordering::Relaxed);
         owner::credit(s.slot, s.bytes, s.objects);
@@ -247,7 +277,7 @@ fn realloc_capture(frames: &mut [u64; MAX_DEPTH]) -> usize {
 /// Copies the samples (under [`Busy`]).
 pub(crate) fn samples() -> Vec<(usize, Sample)> {
     let _busy = Busy::enter();
-    let t = TABLE.lock().unwrap_or_else(|e| e.into_inner());
+    let (t, _holding) = lock_table();
     t.as_ref()
         .map(|m| m.iter().map(|(&p, s)| (p, *s)).collect())
         .unwrap_or_default()

@@ -37,6 +37,9 @@ pub struct LiveAlloc {
 /// The live allocations (every tier) or samples (sampled tier), newest first in the every
 /// tier. Empty when no tier is active.
 pub fn live() -> Vec<LiveAlloc> {
+    // Paused throughout: the list is walked under its lock, and a tracked block freed or
+    // grown meanwhile (this very vector's) would take that lock again.
+    let _busy = super::pause();
     let mut raw: Vec<(usize, Vec<u8>, u32)> = Vec::new();
     let mut out = Vec::new();
     match super::tier() {
@@ -90,6 +93,7 @@ pub fn live() -> Vec<LiveAlloc> {
 /// Writes one lws `~m#` line per live allocation (the every tier's stored blobs, which lws's
 /// decoder reads; in the sampled tier one per sample). Returns how many.
 pub fn write_m_lines(w: &mut dyn std::io::Write) -> std::io::Result<usize> {
+    let _busy = super::pause();
     let all = live();
     for a in &all {
         writeln!(w, "{M_LEAD}{}", crate::codec::base64::encode(&a.blob))?;

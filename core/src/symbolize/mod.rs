@@ -124,9 +124,13 @@ enum FileState {
 
 fn resolver() -> &'static Resolver {
     static R: OnceLock<Resolver> = OnceLock::new();
-    R.get_or_init(|| Resolver {
-        cache: AddrMap::default(),
-        files: AddrMap::default(),
+    R.get_or_init(|| {
+        // The library's own table: untracked (see `crate::untracked`).
+        let _untracked = crate::untracked::pause();
+        Resolver {
+            cache: AddrMap::default(),
+            files: AddrMap::default(),
+        }
     })
 }
 

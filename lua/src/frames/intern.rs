@@ -218,17 +218,22 @@ struct Table {
 
 fn table() -> &'static Table {
     static T: OnceLock<Table> = OnceLock::new();
-    T.get_or_init(|| Table {
-        by_hash: DashMap::default(),
-        by_id: RwLock::new(vec![Arc::new(LuaFrameInfo {
-            kind: LuaKind::Other,
-            name: Some("(lua frame table full)".into()),
-            source: "=?".into(),
-            short_src: "?".into(),
-            current_line: -1,
-            line_defined: -1,
-            cfunc: 0,
-        })]),
+    T.get_or_init(|| {
+        // This library's own table: not tracked by the heap tracker, whose stack hook interns
+        // frames itself (it would re-enter this initialisation).
+        let _untracked = fibertrace_core::heap::pause();
+        Table {
+            by_hash: DashMap::default(),
+            by_id: RwLock::new(vec![Arc::new(LuaFrameInfo {
+                kind: LuaKind::Other,
+                name: Some("(lua frame table full)".into()),
+                source: "=?".into(),
+                short_src: "?".into(),
+                current_line: -1,
+                line_defined: -1,
+                cfunc: 0,
+            })]),
+        }
     })
 }
 

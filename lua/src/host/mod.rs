@@ -319,6 +319,10 @@ impl LuaHost {
         if cfg!(feature = "luajit")
             && fibertrace_core::heap::tier() != fibertrace_core::heap::Tier::Off
         {
+            // What the hook uses, made before it runs (their first use allocates).
+            let _ = crate::frames::intern::interned_count();
+            let _ =
+                fibertrace_core::symbolize::resolve_address(new_lua as *const () as usize as u64);
             fibertrace_core::heap::set_stack_hook(Some(crate::heap::lua_stack_hook));
         }
         if HOST.with(|h| h.borrow().is_some()) {
