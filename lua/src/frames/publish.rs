@@ -247,13 +247,14 @@ mod imp {
     /// `l` is a valid state used only by this thread during the call.
     pub(super) unsafe fn check(l: *mut ffi::lua_State, lay: &Layout) -> Result<u64, String> {
         let o = |v: u32| v as usize;
-        // SAFETY: every read below is of an object the Lua API just handed out (a state, a
-        // function, its prototype, its chunk name, a C function's pseudo-instruction), at
-        // offsets inside those objects if the layout is right; if it is wrong, the reads stay
-        // inside the first 112 bytes of a live heap object (all offsets are below that) or
-        // follow a pointer read from one only after the first checks passed, which the values
-        // compared make unlikely to be wild; the mode table is read through its declared
-        // array, with bounds checks. The stack is restored before returning.
+        // Every read below is of an object the Lua API just handed out (a state, a function,
+        // its prototype, its chunk name, a C function's pseudo-instruction), at offsets inside
+        // those objects if the layout is right; if it is wrong, the reads stay inside the
+        // first 112 bytes of a live heap object (all offsets are below that) or follow a
+        // pointer read from one only after the first checks passed, which the values compared
+        // make unlikely to be wild; the mode table is read through its declared array, with
+        // bounds checks. The stack is restored before returning.
+        // SAFETY: reads of live objects the API handed out, as said just above.
         unsafe {
             ffi::lua_checkstack(l, 8);
             let top0 = ffi::lua_gettop(l);
