@@ -82,26 +82,6 @@ pub fn heap_text(top: usize) -> String {
     out
 }
 
-/// This process's memory read as another's: an address that is not mapped is a failed read.
-struct SelfMem;
-
-impl crate::frames::foreign::Memory for SelfMem {
-    fn read(&mut self, addr: u64, out: &mut [u8]) -> bool {
-        let local = libc::iovec {
-            iov_base: out.as_mut_ptr().cast(),
-            iov_len: out.len(),
-        };
-        let remote = libc::iovec {
-            iov_base: addr as *mut libc::c_void,
-            iov_len: out.len(),
-        };
-        // SAFETY: process_vm_readv writes at most `out.len()` bytes into `out` and reads the
-        // other range through the kernel (an unmapped address is an error, not a fault).
-        let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
-        n == out.len() as isize
-    }
-}
-
 /// The tracker's stack hook (`fibertrace_core::heap::set_stack_hook`, installed by the host
 /// when the heap is tracked): the running fiber's Lua frames interleaved with the recorded
 /// native frames, each a `LUA_TAG | id` entry. See the module doc.
@@ -121,7 +101,7 @@ pub fn lua_stack_hook(
     let Ok(mut reader) = crate::frames::foreign::Reader::own() else {
         return n;
     };
-    let Ok(lua) = reader.stack(&mut SelfMem, root) else {
+    let Ok(lua) = reader.stack(&mut crate::frames::foreign::SelfMem, root) else {
         return n;
     };
     if lua.levels.is_empty() {

@@ -7,29 +7,9 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
-use fibertrace_lua::frames::foreign::{Memory, Reader};
+use fibertrace_lua::frames::foreign::{Reader, SelfMem};
 use fibertrace_lua::frames::publish;
 use fibertrace_lua::{capture_lua_stack, describe, LuaStack};
-
-/// This process's memory, read as another process's is (a bad address fails, never faults).
-struct SelfMem;
-
-impl Memory for SelfMem {
-    fn read(&mut self, addr: u64, out: &mut [u8]) -> bool {
-        let local = libc::iovec {
-            iov_base: out.as_mut_ptr().cast(),
-            iov_len: out.len(),
-        };
-        let remote = libc::iovec {
-            iov_base: addr as *mut libc::c_void,
-            iov_len: out.len(),
-        };
-        // SAFETY: process_vm_readv writes at most `out.len()` bytes into `out` and reads the
-        // remote range through the kernel (an unmapped address is an error, not a fault).
-        let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
-        n == out.len() as isize
-    }
-}
 
 fn lines(s: &LuaStack) -> Vec<String> {
     s.levels

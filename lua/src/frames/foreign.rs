@@ -45,6 +45,26 @@ impl Memory for fibertrace_core::remote::Session {
     }
 }
 
+/// This process's memory read as another's: an address that is not mapped is a failed read.
+pub struct SelfMem;
+
+impl Memory for SelfMem {
+    fn read(&mut self, addr: u64, out: &mut [u8]) -> bool {
+        let local = libc::iovec {
+            iov_base: out.as_mut_ptr().cast(),
+            iov_len: out.len(),
+        };
+        let remote = libc::iovec {
+            iov_base: addr as *mut libc::c_void,
+            iov_len: out.len(),
+        };
+        // SAFETY: process_vm_readv writes at most `out.len()` bytes into `out` and reads the
+        // other range through the kernel (an unmapped address is an error, not a fault).
+        let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+        n == out.len() as isize
+    }
+}
+
 /// Frames read per thread at most (LuaJIT's own stack limit is about 65,500 slots).
 const MAX_FRAMES: usize = 1 << 16;
 /// Time one stack's read may take at most (its target may be held stopped meanwhile).

@@ -64,12 +64,19 @@ pub(super) fn dump_body(c: &mut Call) -> LResult {
     }
     let snap = super::info::snapshot_here("f_dump");
     let bytes = export::to_bytes(&snap, format);
+    give(c, &bytes, file)
+}
+lua_fn!(f_dump, dump_body);
+
+/// Returns `bytes` to Lua, or writes them to `file` and returns how many (`nil, message` as
+/// `io.open` when the file cannot be written; what was at the path stays).
+fn give(c: &mut Call, bytes: &[u8], file: Option<Vec<u8>>) -> LResult {
     match file {
         None => {
-            c.push_bytes(&bytes)?;
+            c.push_bytes(bytes)?;
             Ok(1)
         }
-        Some(path) => match export::write_file(Path::new(OsStr::from_bytes(&path)), &bytes) {
+        Some(path) => match export::write_file(Path::new(OsStr::from_bytes(&path)), bytes) {
             Ok(()) => {
                 c.push_int(bytes.len() as i64)?;
                 Ok(1)
@@ -82,7 +89,6 @@ pub(super) fn dump_body(c: &mut Call) -> LResult {
         },
     }
 }
-lua_fn!(f_dump, dump_body);
 
 const HEAP_USAGE: &str =
     "fibertrace.heap([{format = 'table'|'text'|'pprof'|'lws', top = N, file = PATH}])";
@@ -169,23 +175,7 @@ pub(super) fn heap_body(c: &mut Call) -> LResult {
         b"text" => crate::heap_text(top).into_bytes(),
         _ => return heap_table(c, top),
     };
-    match file {
-        None => {
-            c.push_bytes(&bytes)?;
-            Ok(1)
-        }
-        Some(path) => match export::write_file(Path::new(OsStr::from_bytes(&path)), &bytes) {
-            Ok(()) => {
-                c.push_int(bytes.len() as i64)?;
-                Ok(1)
-            }
-            Err(e) => {
-                c.push_nil()?;
-                c.push_str(&e.to_string())?;
-                Ok(2)
-            }
-        },
-    }
+    give(c, &bytes, file)
 }
 lua_fn!(f_heap, heap_body);
 
