@@ -50,9 +50,9 @@ local sleepers = {}
 for i = 1, N_SLEEPERS do sleepers[i] = fiber.create(top) end
 local count = 0
 for _ in pairs(fiber.info()) do count = count + 1 end
-dt = best(5, function() fiber.info() end)
+dt = best(11, function() fiber.info() end)
 print(string.format('fiber.info() over %d fibers: %.2f ms', count, dt * 1e3))
-dt = best(5, function() fiber.info({backtrace = false}) end)
+dt = best(11, function() fiber.info({backtrace = false}) end)
 print(string.format('fiber.info({backtrace = false}) over %d fibers: %.2f ms', count, dt * 1e3))
 for i = 1, N_SLEEPERS do sleepers[i]:cancel() end
 os.exit(0)

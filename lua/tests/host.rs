@@ -371,6 +371,60 @@ KEYS = {a.fid == f:id(), a.name, a.status, a.waiting.on, type(a.csw), type(a.tim
     );
 }
 
+/// Each entry has exactly the keys its fiber has values for, whatever shape it takes (each
+/// shape has its own constructor: see `info::entry_ctors_source`), with and without
+/// backtraces; `max_slice` lands in a full table.
+#[test]
+fn info_entries_have_exactly_the_keys_of_their_fiber() {
+    let host = run(r#"local fiber = require('fiber')
+local function keys(t)
+  local k = {}
+  for n in pairs(t) do k[#k + 1] = n end
+  table.sort(k)
+  return table.concat(k, ',')
+end
+local s = fiber.create(function() fiber.sleep(100) end)
+local r = fiber.new(function() end)
+fiber.parent_backtrace_enable()
+local p = fiber.create(function() fiber.sleep(100) end)
+fiber.parent_backtrace_disable()
+p:set_max_slice(5)
+local all, nobt, me = fiber.info(), fiber.info({bt = false}), fiber.id()
+KEYS = {keys(all[me]), keys(all[s:id()]), keys(all[r:id()]), keys(all[p:id()]),
+        keys(nobt[me]), keys(nobt[s:id()]), keys(nobt[r:id()]), keys(nobt[p:id()]),
+        keys(all[s:id()].waiting), keys(all[p:id()].max_slice), keys(all[p:id()].memory)}
+"#);
+    let keys: Vec<String> = host.lua().globals().get("KEYS").unwrap();
+    let base = "csw,fid,memory,name,status,time";
+    let with = |extra: &[&str]| {
+        let mut k: Vec<&str> = base.split(',').chain(extra.iter().copied()).collect();
+        k.sort_unstable();
+        k.join(",")
+    };
+    assert_eq!(
+        keys,
+        vec![
+            with(&["backtrace"]),
+            with(&["backtrace", "parent", "waiting"]),
+            with(&["backtrace", "parent"]),
+            with(&[
+                "backtrace",
+                "max_slice",
+                "parent",
+                "parent_backtrace",
+                "waiting"
+            ]),
+            with(&[]),
+            with(&["parent", "waiting"]),
+            with(&["parent"]),
+            with(&["max_slice", "parent", "waiting"]),
+            "on,seconds".to_string(),
+            "err".to_string(),
+            "total,used".to_string(),
+        ]
+    );
+}
+
 #[test]
 fn lua_error_in_the_main_fiber_has_an_interleaved_traceback() {
     let host = LuaHost::new().unwrap();

@@ -257,13 +257,40 @@ fn signalled(sig: i32, ignore_first: bool) -> (String, String, Option<i32>, Opti
         );
         std::thread::sleep(Duration::from_millis(10));
     }
+    // Read as it comes: the dump's end is awaited below.
+    let mut stderr = c.stderr.take().unwrap();
+    let err = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let reader = {
+        let err = err.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n @ 1..) = stderr.read(&mut buf) {
+                err.lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        })
+    };
     let pid = c.id() as i32;
     // SAFETY: signals a child process of this test.
     unsafe { libc::kill(pid, sig) };
     let mut still = None;
     if sig == libc::SIGQUIT {
-        // The dump is printed and the program goes on: end it with SIGTERM.
-        std::thread::sleep(Duration::from_millis(500));
+        // The dump is printed (both fibers, then nothing more for 300 ms: a debug build
+        // symbolizing on a loaded machine takes a while) and the program goes on: end it
+        // with SIGTERM.
+        let (mut len, mut since) = (0, Instant::now());
+        while t0.elapsed() < Duration::from_secs(20) {
+            let now = err.lock().unwrap().clone();
+            if now.len() != len {
+                (len, since) = (now.len(), Instant::now());
+            } else if now.matches("\nfiber ").count() >= 2
+                && since.elapsed() > Duration::from_millis(300)
+            {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
         still = c.try_wait().unwrap().map(|s| s.code().unwrap_or(-1));
         // SAFETY: as above.
         unsafe { libc::kill(pid, libc::SIGTERM) };
@@ -279,8 +306,8 @@ fn signalled(sig: i32, ignore_first: bool) -> (String, String, Option<i32>, Opti
         );
         std::thread::sleep(Duration::from_millis(10));
     };
-    let mut err = String::new();
-    c.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    reader.join().unwrap();
+    let err = err.lock().unwrap().clone();
     (
         std::fs::read_to_string(&out).unwrap(),
         err,

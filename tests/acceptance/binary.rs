@@ -708,3 +708,71 @@ fn a_dumper_killed_while_it_holds_the_process_lets_it_go_and_it_runs_on() {
     target.kill().unwrap();
     target.wait().unwrap();
 }
+
+/// `examples/speed.sh` (the speed goals' command) run from another directory.
+fn speed_script(
+    dir: &std::path::Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> std::process::Output {
+    let script = fibertrace_acceptance::repo().join("examples/speed.sh");
+    let mut c = std::process::Command::new("sh");
+    c.arg(&script).args(args).current_dir(dir);
+    c.env("FIBERTRACE_BIN", fibertrace_acceptance::binary());
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("sh runs")
+}
+
+#[test]
+fn the_speed_command_rejects_a_bad_run_count() {
+    let dir = scratch("speed-args");
+    for (arg, msg) in [
+        ("abc", "N must be a number of runs, not 'abc'"),
+        ("1x", "N must be a number of runs, not '1x'"),
+        ("-3", "N must be a number of runs, not '-3'"),
+        ("0", "N must be at least 1"),
+    ] {
+        let out = speed_script(&dir, &[arg], &[]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{arg:?}: {err}");
+        assert!(err.contains(msg), "{arg:?}: {err}");
+        assert!(out.stdout.is_empty(), "{arg:?}");
+    }
+}
+
+#[test]
+fn the_speed_command_reads_every_lua_figure_and_says_when_tarantool_is_missing() {
+    let dir = scratch("speed-lua");
+    let out = speed_script(
+        &dir,
+        &["1"],
+        &[
+            ("SPEED_LUA_ONLY", "1"),
+            ("TARANTOOL", "/nonexistent/tarantool"),
+        ],
+    );
+    let (text, err) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("tarantool is not installed (apt-get install tarantool)"),
+        "{err}"
+    );
+    // Every figure parsed from the program's lines: a positive number on each line.
+    let figures: Vec<f64> = text
+        .lines()
+        .filter(|l| l.starts_with("fiber.info") || l.starts_with("Lua yield"))
+        .flat_map(|l| {
+            l.split(|c: char| c == ' ' || c == ';')
+                .filter_map(|w| w.parse::<f64>().ok())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    // 3 sizes x (size, no-backtrace, backtrace) + (yield, create).
+    assert_eq!(figures.len(), 11, "{text}");
+    assert!(figures.iter().all(|x| x.is_finite() && *x > 0.0), "{text}");
+}

@@ -214,37 +214,24 @@ impl Published {
 }
 
 /// The control block of one fiber. Shared with other threads through the registry.
+///
+/// Laid out in declaration order (`repr(C)`), on cache-line boundaries: the first line holds
+/// what changes as the fiber runs and what every listing reads (status, what it waits on,
+/// counters, stack in use), the second what a listing reads and rarely changes (id, stack
+/// bounds, parent, name); a report over many fibers touches two lines per block, which
+/// [`ControlBlock::prefetch`] asks for ahead of use.
+#[repr(C, align(64))]
 pub struct ControlBlock {
-    pub(crate) id: FiberId,
-    pub(crate) sched: u64,
-    pub(crate) name: Mutex<Arc<str>>,
-    pub(crate) parent: Option<FiberId>,
-    pub(crate) parent_trace: Option<ParentTrace>,
-    /// Clock ticks at creation (see [`crate::clock`]; reading the system clocks twice per
-    /// spawn cost more than the rest of the bookkeeping). With `created_at_start`, the
-    /// scheduler's last accounting point until the fiber first runs, then its start.
-    pub(crate) created: AtomicU64,
+    // Line 0.
+    status: AtomicU8,
+    pub(crate) run: RunCell,
+    /// How its function ended (`OUTCOME_*`), written by the fiber as it finishes.
+    pub(crate) outcome: AtomicU8,
+    pub(crate) cancelled: AtomicBool,
+    /// Whether suspensions record the registers (tracing on).
+    pub(crate) traced: bool,
     /// The creation time is taken when it first runs (see [`crate::Builder::created_at_start`]).
     pub(crate) created_at_start: bool,
-    pub(crate) run: RunCell,
-    /// Written by the fiber before publishing SUSPENDED; read only under INSPECTING.
-    ctx: UnsafeCell<SavedContext>,
-    /// Stack pointer of the runtime's entry frame on this fiber's stack, at its call of the
-    /// user's code (0 before start): walks of this fiber end below it.
-    pub(crate) entry_sp: AtomicU64,
-    pub(crate) stack: StackBounds,
-    pub(crate) stack_size: usize,
-    /// Lowest stack pointer seen at a suspension or sample.
-    pub(crate) min_sp: AtomicU64,
-    /// Stack pointer at the last suspension.
-    pub(crate) last_sp: AtomicU64,
-    /// A word the layer above attaches to the fiber (the Lua host: its Lua thread), for its
-    /// signal handler (see `crate::Fiber::set_layer_word`).
-    pub(crate) layer_word: AtomicU64,
-    /// What a reader in another process needs that the fields above keep in Rust's own
-    /// layouts (see `crate::publish`).
-    pub(crate) published: Published,
-    status: AtomicU8,
     /// What a blocked fiber waits on (set only for blocking waits, not for yields).
     /// Packed ([`WaitOn::pack`]): one atomic word, so reading it from another thread takes
     /// no lock.
@@ -253,22 +240,45 @@ pub struct ControlBlock {
     pub(crate) since: AtomicU64,
     pub(crate) csw: AtomicU64,
     pub(crate) cpu_ticks: AtomicU64,
-    pub(crate) cancelled: AtomicBool,
+    /// Stack pointer at the last suspension.
+    pub(crate) last_sp: AtomicU64,
+    pub(crate) stack_size: usize,
+    /// The switch count of the walk in `trace_cache` (a hint readable without the lock:
+    /// whether a new walk is due, so its stack is worth prefetching).
+    walked_csw: AtomicU64,
+    // Line 1.
+    pub(crate) id: FiberId,
+    pub(crate) stack: StackBounds,
+    pub(crate) parent: Option<FiberId>,
+    pub(crate) name: Mutex<Arc<str>>,
+    // The rest.
+    pub(crate) sched: u64,
+    pub(crate) parent_trace: Option<ParentTrace>,
+    /// Clock ticks at creation (see [`crate::clock`]; reading the system clocks twice per
+    /// spawn cost more than the rest of the bookkeeping). With `created_at_start`, the
+    /// scheduler's last accounting point until the fiber first runs, then its start.
+    pub(crate) created: AtomicU64,
+    /// Written by the fiber before publishing SUSPENDED; read only under INSPECTING.
+    ctx: UnsafeCell<SavedContext>,
+    /// Stack pointer of the runtime's entry frame on this fiber's stack, at its call of the
+    /// user's code (0 before start): walks of this fiber end below it.
+    pub(crate) entry_sp: AtomicU64,
+    /// Lowest stack pointer seen at a suspension or sample.
+    pub(crate) min_sp: AtomicU64,
+    /// A word the layer above attaches to the fiber (the Lua host: its Lua thread), for its
+    /// signal handler (see `crate::Fiber::set_layer_word`).
+    pub(crate) layer_word: AtomicU64,
+    /// What a reader in another process needs that the fields above keep in Rust's own
+    /// layouts (see `crate::publish`).
+    pub(crate) published: Published,
     /// Address of the fiber's entry function (shown for a fiber that never ran).
     pub(crate) entry_fn: u64,
     /// The type name of the fiber's entry closure (a closure has no symbol of its own).
     pub(crate) entry_name: &'static str,
     pub(crate) panic: Mutex<Option<Box<PanicReport>>>,
-    /// How its function ended (`OUTCOME_*`), written by the fiber as it finishes.
-    pub(crate) outcome: AtomicU8,
     /// The last walk of this fiber's suspended stack: valid while the fiber has not been
     /// resumed since (same switch count), for the same capture options.
     trace_cache: Mutex<Option<TraceCache>>,
-    /// The switch count of the walk in `trace_cache` (a hint readable without the lock:
-    /// whether a new walk is due, so its stack is worth prefetching).
-    walked_csw: AtomicU64,
-    /// Whether suspensions record the registers (tracing on).
-    pub(crate) traced: bool,
     /// What its heap allocations are charged to (see `fibertrace_core::heap`): current
     /// while it runs, closed when it ends.
     pub(crate) heap: fibertrace_core::heap::Owner,
@@ -744,6 +754,13 @@ impl ControlBlock {
     ) -> (Status, Option<WaitOn>, std::time::Duration) {
         let (st, on, since) = self.status_raw();
         (st, on, rate.duration(now.saturating_sub(since)))
+    }
+
+    /// Asks the CPU for the block's two first cache lines (what a listing reads: see the
+    /// layout), so that a report over many blocks overlaps their misses; a hint only.
+    #[inline]
+    pub fn prefetch(&self) {
+        fibertrace_core::arch::prefetch(self as *const ControlBlock as u64, 128);
     }
 
     /// Whether the fiber has finished.

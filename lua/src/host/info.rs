@@ -71,6 +71,49 @@ thread_local! {
 /// Most cached rendered entries (the cache is cleared when it grows past this).
 const CACHE_MAX: usize = 100_000;
 
+/// A trace compared and hashed by its address (see [`intern`]).
+#[derive(Clone)]
+struct ByAddress(Rc<[Frame]>);
+
+impl PartialEq for ByAddress {
+    fn eq(&self, o: &ByAddress) -> bool {
+        Rc::ptr_eq(&self.0, &o.0)
+    }
+}
+
+impl Eq for ByAddress {}
+
+impl std::hash::Hash for ByAddress {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        h.write_usize(self.0.as_ptr() as usize);
+    }
+}
+
+type TraceSet = std::collections::HashSet<Rc<[Frame]>, BuildHasherDefault<AddrHasher>>;
+
+thread_local! {
+    /// Traces by content: fibers stopped at the same place hold one `Rc`, so a listing finds
+    /// the array it built for a trace by the trace's address, without hashing its frames.
+    static TRACES: RefCell<TraceSet> = RefCell::new(TraceSet::default());
+}
+
+/// The one `Rc` of traces equal to `t` (the set is emptied when it grows past
+/// [`CACHE_MAX`]: equal traces interned before and after are two, which costs a listing
+/// only a second array).
+fn intern(t: Rc<[Frame]>) -> Rc<[Frame]> {
+    TRACES.with(|c| {
+        let mut c = c.borrow_mut();
+        if let Some(x) = c.get(&t) {
+            return x.clone();
+        }
+        if c.len() >= CACHE_MAX {
+            c.clear();
+        }
+        c.insert(t.clone());
+        t
+    })
+}
+
 fn entry(n: u32, f: &Frame) -> Option<Entry> {
     if matches!(f, Frame::Parent(_)) {
         return None;
@@ -132,11 +175,13 @@ pub(crate) struct InfoBuild {
     base: c_int,
     /// Absolute index of the scratch table holding the arrays.
     scratch: c_int,
-    /// Absolute index of the entry constructor ([`ENTRY_CTOR`]).
+    /// Absolute index of the table of entry constructors ([`entry_ctors_source`]).
     ctor: c_int,
     /// By frames and the count of parent fibers left out after them (0 for a fiber's own
     /// trace).
-    by_trace: HashMap<(Rc<[Frame]>, u64), ffi::lua_Integer, BuildHasherDefault<AddrHasher>>,
+    /// Traces are interned ([`intern`]): equal traces are one `Rc`, found by its address
+    /// (held here, so no other trace takes that address during the call).
+    by_trace: HashMap<(ByAddress, u64), ffi::lua_Integer, BuildHasherDefault<AddrHasher>>,
     /// The entry tables already built, by (number, frame): arrays share them (a deep fiber's
     /// parent part repeats its ancestors' entries).
     by_entry: HashMap<(u32, Frame), ffi::lua_Integer, BuildHasherDefault<AddrHasher>>,
@@ -224,7 +269,7 @@ impl InfoBuild {
         // SAFETY: the scratch table at its index (the contract); arrays and entries are made
         // in the caller's protected call and stored raw into the scratch table and arrays.
         unsafe {
-            let key = (frames.clone(), more);
+            let key = (ByAddress(frames.clone()), more);
             if let Some(&k) = self.by_trace.get(&key) {
                 super::raw::rawgeti(l, self.scratch, k);
                 return;
@@ -371,8 +416,12 @@ unsafe fn running_frames(root: *mut ffi::lua_State) -> Rc<[Frame]> {
     Rc::from(&v[k..])
 }
 
-/// A fiber's interleaved trace now: recomputed only when it has run since the last time
-/// (a suspended fiber's native stack and Lua stack change only when it runs).
+/// A fiber's last interleaved trace and its context-switch count then (its record's, read
+/// when the listing gathers the fibers).
+type TraceCache = (u64, Rc<[Frame]>);
+
+/// A fiber's interleaved trace now: `cache` unless it has run since (a suspended fiber's
+/// native stack and Lua stack change only when it runs).
 ///
 /// # Safety
 /// `root` is the fiber's Lua thread; the fiber is the current one or suspended on this thread.
@@ -380,27 +429,22 @@ unsafe fn fiber_frames(
     f: &fibertrace_fiber::Fiber,
     root: *mut ffi::lua_State,
     call: &InfoBuild,
+    cache: Option<TraceCache>,
 ) -> Option<Rc<[Frame]>> {
     if f.id() == call.me {
         return call.current.clone();
     }
     let csw = f.control_block().csw();
-    let cached = with_host(|h| {
-        h.recs
-            .get(&f.id())
-            .and_then(|r| r.trace_cache.as_ref())
-            .filter(|(c, _)| *c == csw && csw > 0)
-            .map(|(_, t)| t.clone())
-    })
-    .flatten();
-    if cached.is_some() {
-        return cached;
+    if let Some((c, t)) = cache {
+        if c == csw && csw > 0 {
+            return Some(t);
+        }
     }
     let native = f.backtrace(Unwinder::Fast)?;
     // SAFETY: the fiber is suspended (or never ran) on this OS thread, so its Lua thread is
     // not running; it is read through the debug API only.
     let bt = unsafe { crate::capture_interleaved(&native, root) };
-    let t: Rc<[Frame]> = Rc::from(fibertrace_fiber::info::user_frames(bt.frames()));
+    let t = intern(Rc::from(fibertrace_fiber::info::user_frames(bt.frames())));
     // The count is read again: the capture may not race with a resume on this thread, but
     // the cache must only hold a trace taken while the fiber was suspended.
     if f.control_block().csw() == csw && f.control_block().status().0 != Status::Running {
@@ -437,16 +481,38 @@ fn status_slot(s: Status) -> c_int {
         }
 }
 
-/// The Lua function that makes one entry from its values. A table constructor with constant
-/// keys is one template copy plus a store per value (LuaJIT's `TDUP`), where building the same
-/// table through the C API inserts key by key: about a third of the cost of `fiber.info()`.
-pub(crate) const ENTRY_CTOR: &str = "\
-return function(fid, name, csw, time, used, total, status, on, seconds, parent, bt, pbt)
-  return {fid = fid, name = name, csw = csw, time = time,
-          memory = {used = used, total = total}, status = status,
-          waiting = on and {on = on, seconds = seconds} or nil, parent = parent,
-          backtrace = bt, parent_backtrace = pbt}
-end";
+/// The Lua functions that make one entry from its values, one per set of optional keys
+/// present (bit 0 `waiting`, 1 `parent`, 2 `backtrace`, 3 `parent_backtrace`; the function
+/// for mask `m` at index `m + 1`). A table constructor with constant keys is one template copy
+/// plus a store per value (LuaJIT's `TDUP`), where building the same table through the C API
+/// inserts key by key: about a third of the cost of `fiber.info()`. One constructor per shape
+/// sizes each template to the keys it has: a template with every key holds 16 slots where a
+/// sleeping fiber without backtraces needs 8, and a smaller table is less for the collector.
+pub(crate) fn entry_ctors_source() -> String {
+    let mut s = String::from("local c = {}\n");
+    for mask in 0..16u8 {
+        s.push_str(&format!(
+            "c[{}] = function(fid, name, csw, time, used, total, status, on, seconds, parent, bt, pbt)\n  \
+             return {{fid = fid, name = name, csw = csw, time = time, \
+             memory = {{used = used, total = total}}, status = status",
+            mask + 1
+        ));
+        for (bit, field) in [
+            (1, "waiting = {on = on, seconds = seconds}"),
+            (2, "parent = parent"),
+            (4, "backtrace = bt"),
+            (8, "parent_backtrace = pbt"),
+        ] {
+            if mask & bit != 0 {
+                s.push_str(", ");
+                s.push_str(field);
+            }
+        }
+        s.push_str("}\nend\n");
+    }
+    s.push_str("return c\n");
+    s
+}
 
 /// Pushes one fiber's info table.
 ///
@@ -460,14 +526,32 @@ unsafe fn push_fiber(
     slice: Slice,
     opts: &Opts,
     call: &mut InfoBuild,
+    cache: Option<TraceCache>,
 ) {
     let sh = f.control_block();
     let (status, on, secs) = sh.status_with(call.now, call.rate);
-    // SAFETY: the constructor (a Lua function of this host) gets 12 plain values and
-    // returns a fresh table.
+    let status = if f.id() == call.me {
+        Status::Running
+    } else {
+        status
+    };
+    let parent = f.parent();
+    let bt = opts
+        .backtrace
+        // SAFETY: `root` is the fiber's Lua thread, on this thread (the contract).
+        .then(|| unsafe { fiber_frames(f, root, call, cache) })
+        .flatten();
+    // The nearest ancestors only, and a count of the others: bounded per fiber.
+    let pbt = opts.backtrace.then(|| f.parent_trace()).flatten();
+    let mask = on.is_some() as ffi::lua_Integer
+        | (parent.is_some() as ffi::lua_Integer) << 1
+        | (bt.is_some() as ffi::lua_Integer) << 2
+        | (pbt.is_some() as ffi::lua_Integer) << 3;
+    // SAFETY: the constructor (a Lua function of this host, read raw from the table of
+    // them) gets 12 plain values and returns a fresh table.
     unsafe {
         ffi::lua_checkstack(l, 16);
-        ffi::lua_pushvalue(l, call.ctor);
+        super::raw::rawgeti(l, call.ctor, mask + 1);
         ffi::lua_pushinteger(l, f.id() as ffi::lua_Integer);
         push_str(l, &sh.name_arc());
         // Tarantool counts switches away: the runtime's count of switches in, one less
@@ -477,11 +561,6 @@ unsafe fn push_fiber(
         ffi::lua_pushnumber(l, sh.cpu_time_with(call.rate).as_secs_f64());
         ffi::lua_pushinteger(l, sh.stack_used() as ffi::lua_Integer);
         ffi::lua_pushinteger(l, sh.stack_size() as ffi::lua_Integer);
-        let status = if f.id() == call.me {
-            Status::Running
-        } else {
-            status
-        };
         call.text(l, status_slot(status));
         match on {
             Some(on @ WaitOn::Join(_)) => push_str(l, &on.to_string()),
@@ -489,21 +568,16 @@ unsafe fn push_fiber(
             None => ffi::lua_pushnil(l),
         }
         ffi::lua_pushnumber(l, secs.as_secs_f64());
-        match f.parent() {
+        match parent {
             Some(p) => ffi::lua_pushinteger(l, p as ffi::lua_Integer),
             None => ffi::lua_pushnil(l),
         }
-        match opts
-            .backtrace
-            .then(|| fiber_frames(f, root, call))
-            .flatten()
-        {
+        match bt {
             Some(frames) => call.push(l, &frames, 0),
             None => ffi::lua_pushnil(l),
         }
-        // The nearest ancestors only, and a count of the others: bounded per fiber.
-        match opts.backtrace.then(|| f.parent_trace()).flatten() {
-            Some(pt) => call.push(l, &Rc::from(pt.flatten()), pt.omitted()),
+        match pbt {
+            Some(pt) => call.push(l, &intern(Rc::from(pt.flatten())), pt.omitted()),
             None => ffi::lua_pushnil(l),
         }
         // An error (out of memory) ends the protected call this runs in.
@@ -558,28 +632,41 @@ unsafe fn built(
     }
 }
 
+/// How many fibers ahead of the one being listed the listing asks for the control block.
+const PREFETCH_AHEAD: usize = 4;
+
 /// Pushes `fiber.info()`'s table: every live Lua fiber of this host by id; a full Lua heap
 /// is `Err(LErr::Raised)` with `not enough memory` on top.
 pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LErr> {
     let l = c.state();
-    type Entry = (fibertrace_fiber::Fiber, *mut ffi::lua_State, Slice);
-    let fibers: Vec<Entry> = with_host(|h| {
+    type Entry = (
+        fibertrace_fiber::Fiber,
+        *mut ffi::lua_State,
+        Slice,
+        Option<TraceCache>,
+    );
+    // Whether each fiber ended is read in the listing's loop, where its block is prefetched.
+    let mut fibers: Vec<Entry> = with_host(|h| {
         h.recs
             .values()
-            .filter(|r| r.done.is_none() && !r.fiber.control_block().is_dead())
+            .filter(|r| r.done.is_none())
             .map(|r| {
                 let slice = r.max_slice.unwrap_or(h.default_slice);
-                (r.fiber.clone(), r.thread, slice)
+                let cache = opts.backtrace.then(|| r.trace_cache.clone()).flatten();
+                (r.fiber.clone(), r.thread, slice, cache)
             })
             .collect()
     })
     .ok_or_else(|| LErr::plain("fibertrace: no Lua host on this thread"))?;
+    // Control blocks in memory order (the records are in hash order): with the prefetch
+    // below, a listing of many fibers streams through them instead of missing on each.
+    fibers.sort_unstable_by_key(|(f, ..)| f.control_block() as *const _ as usize);
     let me = fibertrace_fiber::current_id();
     let current = fibers
         .iter()
-        .find(|(f, _, _)| opts.backtrace && f.id() == me)
+        .find(|(f, ..)| opts.backtrace && f.id() == me)
         // SAFETY: the running fiber's own Lua thread.
-        .map(|(_, root, _)| unsafe { running_frames(*root) });
+        .map(|(_, root, ..)| unsafe { running_frames(*root) });
     // SAFETY: `l` is the state of the running call `c` (`f_info`); fresh tables; each
     // fiber's table is set under its id; the build's slots (below the result) are removed at
     // the end; in a protected call.
@@ -588,8 +675,14 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
             let mut call = InfoBuild::new(l, current.clone());
             ffi::lua_createtable(l, 0, fibers.len() as c_int);
             let all = ffi::lua_gettop(l);
-            for (f, root, slice) in &fibers {
-                push_fiber(l, f, *root, *slice, opts, &mut call);
+            for (i, (f, root, slice, cache)) in fibers.iter().enumerate() {
+                if let Some((ahead, ..)) = fibers.get(i + PREFETCH_AHEAD) {
+                    ahead.control_block().prefetch();
+                }
+                if f.control_block().is_dead() {
+                    continue;
+                }
+                push_fiber(l, f, *root, *slice, opts, &mut call, cache.clone());
                 super::raw::rawseti(l, all, f.id() as ffi::lua_Integer);
             }
             call.finish(l);
@@ -602,10 +695,10 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
 ///
 pub(crate) fn push_one(c: &mut super::call::Call, fid: FiberId, opts: &Opts) -> Result<(), LErr> {
     let l = c.state();
-    let (f, root, slice) = with_host(|h| {
+    let (f, root, slice, cache) = with_host(|h| {
         h.recs.get(&fid).map(|r| {
             let slice = r.max_slice.unwrap_or(h.default_slice);
-            (r.fiber.clone(), r.thread, slice)
+            (r.fiber.clone(), r.thread, slice, r.trace_cache.clone())
         })
     })
     .flatten()
@@ -618,7 +711,7 @@ pub(crate) fn push_one(c: &mut super::call::Call, fid: FiberId, opts: &Opts) -> 
     unsafe {
         built(l, &mut |l| {
             let mut call = InfoBuild::new(l, current.clone());
-            push_fiber(l, &f, root, slice, opts, &mut call);
+            push_fiber(l, &f, root, slice, opts, &mut call, cache.clone());
             call.finish(l);
         })
     }

@@ -70,7 +70,7 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
         raw::install_protect(l);
         clear_pending();
         // The constructor of `fiber.info()` entries (see `info::push_fiber`).
-        if let Err(e) = run_chunk(l, super::info::ENTRY_CTOR, c"=fiber.info", 0, 1) {
+        if let Err(e) = run_chunk(l, &super::info::entry_ctors_source(), c"=fiber.info", 0, 1) {
             ffi::lua_settop(l, base);
             return Err(format!("fibertrace: cannot set up fiber.info: {e}"));
         }

@@ -1,0 +1,434 @@
+//! The speed goals (issue #20) for the Rust side, each figure beside its anchor measured in the
+//! same run, then a table of ratios against the goals.
+//!
+//! `cargo bench -p fibertrace-fiber --bench speed` (the Lua figures: `sh examples/speed.sh`,
+//! which runs this too).
+//!
+//! - precise (DWARF) capture of a 42-frame stack against libunwind's `unw_backtrace` on the
+//!   same stack;
+//! - the frame-pointer walk of a suspended 30-frame coroutine against its floor: the same
+//!   chain of saved frame pointers on the same stack, followed with nothing else done (a chain
+//!   of dependent loads, the least any walk can do);
+//! - a Rust-level yield through the scheduler, traced and untraced, beside a bare corosensei
+//!   resume/suspend;
+//! - the native codec's module-relative encode against CBF's, per frame, on the lws vector
+//!   corpus, and its bytes per frame.
+//!
+//! Every figure is criterion's: each measured routine records the samples criterion asks it
+//! for, and the table takes their median time per operation.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use corosensei::stack::{DefaultStack, Stack};
+use corosensei::{Coroutine, CoroutineResult, Yielder};
+use criterion::{criterion_group, Criterion};
+use fibertrace_core::codec::cbf::{self, WordSize};
+use fibertrace_core::codec::native;
+use fibertrace_core::{
+    collect_from_into, collect_into, Backtrace, CaptureOptions, Frame, SavedContext, StackBounds,
+    Unwinder,
+};
+use fibertrace_fiber::{yield_now, Scheduler, SchedulerOptions};
+
+#[path = "../../core/tests/synth/mod.rs"]
+mod synth;
+
+const LWS_TSV: &str = include_str!("../../core/tests/data/lws-vectors.tsv");
+
+thread_local! {
+    /// Per figure: (operations, time) of every sample criterion took.
+    static SAMPLES: RefCell<BTreeMap<&'static str, Vec<(u64, Duration)>>> =
+        const { RefCell::new(BTreeMap::new()) };
+}
+
+fn record(key: &'static str, ops: u64, d: Duration) -> Duration {
+    SAMPLES.with(|s| s.borrow_mut().entry(key).or_default().push((ops, d)));
+    d
+}
+
+/// Median ns per operation of a figure's samples.
+fn median(key: &str) -> Option<f64> {
+    SAMPLES.with(|s| {
+        let s = s.borrow();
+        let mut v: Vec<f64> = s
+            .get(key)?
+            .iter()
+            .filter(|(n, _)| *n > 0)
+            .map(|(n, d)| d.as_nanos() as f64 / *n as f64)
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied()
+    })
+}
+
+/// Recurses `n` levels, then runs `f` at the bottom.
+#[inline(never)]
+fn deep(n: u32, f: &mut dyn FnMut()) {
+    if n == 0 {
+        f();
+    } else {
+        deep(n - 1, f);
+    }
+    black_box(());
+}
+
+type BacktraceFn = unsafe extern "C" fn(*mut *mut libc::c_void, libc::c_int) -> libc::c_int;
+
+/// `unw_backtrace` from libunwind opened privately (RTLD_LOCAL), so that it rebinds nothing.
+fn unw_backtrace() -> Option<BacktraceFn> {
+    // SAFETY: dlopen/dlsym with valid NUL-terminated names; the handle is never closed, so
+    // the function pointer stays valid.
+    unsafe {
+        let h = libc::dlopen(
+            c"libunwind.so.8".as_ptr(),
+            libc::RTLD_NOW | libc::RTLD_LOCAL,
+        );
+        if h.is_null() {
+            return None;
+        }
+        let p = libc::dlsym(h, c"unw_backtrace".as_ptr());
+        (!p.is_null()).then(|| std::mem::transmute::<*mut libc::c_void, BacktraceFn>(p))
+    }
+}
+
+const STACK_FRAMES: usize = 42;
+
+/// Runs `f` where a precise capture sees exactly [`STACK_FRAMES`] frames: `f` captures once
+/// and returns the count it saw, then measures only when that count is right (the recursion
+/// is resized until it is).
+fn at_42_frames(f: &mut dyn FnMut() -> usize) {
+    let mut n = 0u32;
+    for _ in 0..8 {
+        let mut seen = 0;
+        deep(n, &mut || seen = f());
+        match seen.cmp(&STACK_FRAMES) {
+            std::cmp::Ordering::Equal => return,
+            std::cmp::Ordering::Less => n += (STACK_FRAMES - seen) as u32,
+            std::cmp::Ordering::Greater => n = n.saturating_sub((seen - STACK_FRAMES) as u32),
+        }
+    }
+    panic!("no recursion depth gives a {STACK_FRAMES}-frame stack");
+}
+
+fn capture(c: &mut Criterion) {
+    let opts = CaptureOptions::with_unwinder(Unwinder::Precise);
+    let mut g = c.benchmark_group("precise_capture_42_frames");
+    let (mut ours, mut theirs) = (0usize, 0usize);
+    g.bench_function("fibertrace_precise", |b| {
+        b.iter_custom(|n| {
+            let mut d = Duration::ZERO;
+            at_42_frames(&mut || {
+                let mut bt = Backtrace::new();
+                collect_into(&opts, &mut bt);
+                if bt.len() != STACK_FRAMES {
+                    return bt.len();
+                }
+                let t0 = Instant::now();
+                for _ in 0..n {
+                    collect_into(&opts, &mut bt);
+                    black_box(&bt);
+                }
+                d = t0.elapsed();
+                ours = bt.len();
+                ours
+            });
+            record("precise", n, d)
+        })
+    });
+    match unw_backtrace() {
+        Some(unw) => {
+            g.bench_function("libunwind_unw_backtrace", |b| {
+                b.iter_custom(|n| {
+                    let mut d = Duration::ZERO;
+                    at_42_frames(&mut || {
+                        let mut buf = [std::ptr::null_mut::<libc::c_void>(); 64];
+                        // SAFETY: a valid buffer of 64 pointers.
+                        let seen = unsafe { unw(buf.as_mut_ptr(), 64) } as usize;
+                        if seen != STACK_FRAMES {
+                            return seen;
+                        }
+                        let t0 = Instant::now();
+                        for _ in 0..n {
+                            // SAFETY: a valid buffer of 64 pointers.
+                            theirs = unsafe { unw(buf.as_mut_ptr(), 64) } as usize;
+                            black_box(&buf);
+                        }
+                        d = t0.elapsed();
+                        theirs
+                    });
+                    record("libunwind", n, d)
+                })
+            });
+        }
+        None => println!("libunwind.so.8 not installed: apt-get install libunwind8"),
+    }
+    g.finish();
+    println!("frames captured: fibertrace precise {ours}, libunwind {theirs}");
+}
+
+#[inline(never)]
+fn park(y: &Yielder<(), ()>, ctx: &std::cell::Cell<SavedContext>, n: u32) {
+    if n > 0 {
+        park(y, ctx, n - 1);
+        black_box(());
+        return;
+    }
+    let mut c = ctx.get();
+    c.record();
+    ctx.set(c);
+    y.suspend(());
+    black_box(());
+}
+
+type Parked = (
+    Coroutine<(), (), (), DefaultStack>,
+    std::rc::Rc<std::cell::Cell<SavedContext>>,
+);
+
+/// A coroutine suspended `levels` calls of `park` deep, whose walk ends at its entry
+/// closure's stack pointer (as the runtime's walks end at its entry frame).
+fn parked(levels: u32) -> Parked {
+    let stack = DefaultStack::new(256 * 1024).unwrap();
+    let bounds = StackBounds::new(stack.limit().get() as u64, stack.base().get() as u64 - 16);
+    let ctx = std::rc::Rc::new(std::cell::Cell::new(SavedContext::new(bounds)));
+    let c2 = ctx.clone();
+    let mut co = Coroutine::with_stack(stack, move |y: &Yielder<(), ()>, ()| {
+        let here = fibertrace_core::__fibertrace_registers_here!();
+        let mut c = c2.get();
+        c.stop_sp = here.sp;
+        c2.set(c);
+        park(y, &c2, levels);
+        black_box(());
+    });
+    co.resume(());
+    (co, ctx)
+}
+
+/// The floor of a frame-pointer walk: the saved pc, then 29 (return address, next frame
+/// pointer) pairs read along the same chain on the same stack, nothing checked.
+#[inline(never)]
+fn chase(saved: &SavedContext, out: &mut [u64; 30]) {
+    let mut fp = saved.regs.fp as *const u64;
+    out[0] = saved.regs.ip;
+    for slot in out.iter_mut().skip(1) {
+        // SAFETY: `fp` follows the chain of saved frame pointers of a suspended coroutine
+        // whose 30 frames were walked (and counted) by the runtime's walk first: every
+        // address read is a frame record on its live stack.
+        unsafe {
+            *slot = std::ptr::read_volatile(fp.add(1));
+            fp = std::ptr::read_volatile(fp) as *const u64;
+        }
+    }
+}
+
+fn suspended(c: &mut Criterion) {
+    let opts = CaptureOptions::with_unwinder(Unwinder::Fast);
+    let mut bt = Backtrace::new();
+    // Sized to 30 frames as the walk counts them.
+    let (mut co, ctx) = (20..40)
+        .map(parked)
+        .find(|(_, ctx)| {
+            collect_from_into(&ctx.get(), &opts, &mut bt);
+            bt.len() == 30
+        })
+        .expect("a 30-frame suspended coroutine");
+    let saved = ctx.get();
+    let mut floor = [0u64; 30];
+    chase(&saved, &mut floor);
+    let walked: Vec<u64> = bt.frames().iter().filter_map(Frame::address).collect();
+    assert_eq!(walked, floor, "the floor follows the walk's own chain");
+    let mut g = c.benchmark_group("suspended_walk_30_frames");
+    g.bench_function("fibertrace_fast", |b| {
+        b.iter_custom(|n| {
+            let t0 = Instant::now();
+            for _ in 0..n {
+                collect_from_into(black_box(&saved), &opts, &mut bt);
+                black_box(&bt);
+            }
+            record("walk", n, t0.elapsed())
+        })
+    });
+    g.bench_function("pointer_chase_floor", |b| {
+        b.iter_custom(|n| {
+            let t0 = Instant::now();
+            for _ in 0..n {
+                chase(black_box(&saved), &mut floor);
+                black_box(&floor);
+            }
+            record("floor", n, t0.elapsed())
+        })
+    });
+    g.finish();
+    while let CoroutineResult::Yield(()) = co.resume(()) {}
+}
+
+/// Time of `iters` yields in each of two fibers, per switch.
+fn ping_pong(traced: bool, iters: u64) -> Duration {
+    let s = Scheduler::with_options(SchedulerOptions {
+        traced,
+        parent_traces: false,
+        stack_size: 64 * 1024,
+        ..SchedulerOptions::default()
+    });
+    for _ in 0..2 {
+        s.spawn(move || {
+            for _ in 0..iters {
+                yield_now();
+            }
+        });
+    }
+    let t0 = Instant::now();
+    s.run().unwrap();
+    t0.elapsed() / 2
+}
+
+fn yields(c: &mut Criterion) {
+    let mut g = c.benchmark_group("yield_per_switch");
+    g.bench_function("traced", |b| {
+        b.iter_custom(|n| record("traced", n, ping_pong(true, n)))
+    });
+    g.bench_function("untraced", |b| {
+        b.iter_custom(|n| record("untraced", n, ping_pong(false, n)))
+    });
+    g.bench_function("bare_corosensei", |b| {
+        b.iter_custom(|n| {
+            let mut co = Coroutine::new(move |y, ()| {
+                for _ in 0..n {
+                    y.suspend(());
+                }
+            });
+            let t0 = Instant::now();
+            while let CoroutineResult::Yield(()) = co.resume(()) {}
+            record("corosensei", n, t0.elapsed())
+        })
+    });
+    g.finish();
+}
+
+fn codec(c: &mut Criterion) {
+    let traces = synth::lws_corpus(LWS_TSV);
+    let tables = synth::infer_tables(&traces);
+    // CBF's usual shape: frame 0 a program counter.
+    let cbf_traces: Vec<Vec<Frame>> = traces
+        .iter()
+        .map(|t| {
+            let mut g = t.clone();
+            if let Some(a) = g[0].address() {
+                g[0] = Frame::Pc(a);
+            }
+            g
+        })
+        .collect();
+    let frames: u64 = traces.iter().map(|t| t.len() as u64).sum();
+    let bytes: usize = traces
+        .iter()
+        .zip(&tables)
+        .map(|(t, tab)| native::encode(t, Some(tab)).len())
+        .sum();
+    let cbf_bytes: usize = cbf_traces
+        .iter()
+        .map(|t| cbf::encode(t, WordSize::W64).unwrap().len())
+        .sum();
+    SAMPLES.with(|s| {
+        let mut s = s.borrow_mut();
+        s.insert(
+            "native_bytes",
+            vec![(frames, Duration::from_nanos(bytes as u64))],
+        );
+        s.insert(
+            "cbf_bytes",
+            vec![(frames, Duration::from_nanos(cbf_bytes as u64))],
+        );
+    });
+    let mut g = c.benchmark_group("encode_per_frame");
+    g.bench_function("native_module_relative", |b| {
+        b.iter_custom(|n| {
+            let t0 = Instant::now();
+            for _ in 0..n {
+                for (t, tab) in traces.iter().zip(&tables) {
+                    black_box(native::encode(t, Some(tab)));
+                }
+            }
+            record("native", n * frames, t0.elapsed())
+        })
+    });
+    g.bench_function("cbf_64", |b| {
+        b.iter_custom(|n| {
+            let t0 = Instant::now();
+            for _ in 0..n {
+                for t in &cbf_traces {
+                    black_box(cbf::encode(t, WordSize::W64).unwrap());
+                }
+            }
+            record("cbf", n * frames, t0.elapsed())
+        })
+    });
+    g.finish();
+}
+
+/// One line of the table: the figure, its anchor, the ratio, the goal and whether it holds.
+fn line(what: &str, ours: f64, unit: &str, anchor: &str, theirs: f64, goal: f64) {
+    let ratio = ours / theirs;
+    let holds = if ratio <= goal { "holds" } else { "MISSED" };
+    println!(
+        "{what:<44} {ours:>8.2} {unit}  vs {anchor} {theirs:.2}: {ratio:>6.3}x  (goal <= {goal})  {holds}"
+    );
+}
+
+fn table(_c: &mut Criterion) {
+    println!();
+    println!("== speed goals (issue #20): Rust figures, medians of criterion's samples ==");
+    if let (Some(a), Some(b)) = (median("precise"), median("libunwind")) {
+        line("precise capture, 42 frames", a, "ns", "libunwind", b, 0.8);
+    }
+    if let (Some(a), Some(b)) = (median("walk"), median("floor")) {
+        line("suspended fast walk, 30 frames", a, "ns", "floor", b, 1.3);
+    }
+    if let (Some(t), Some(u), Some(c)) =
+        (median("traced"), median("untraced"), median("corosensei"))
+    {
+        let holds = if t <= 25.0 { "holds" } else { "MISSED" };
+        println!(
+            "{:<44} {t:>8.2} ns  (bare corosensei switch {c:.2} ns)  (goal <= 25 ns)  {holds}",
+            "yield through the scheduler, traced"
+        );
+        line("yield, traced vs untraced", t, "ns", "untraced", u, 1.05);
+    }
+    if let (Some(a), Some(b), Some(nb), Some(cb)) = (
+        median("native"),
+        median("cbf"),
+        median("native_bytes"),
+        median("cbf_bytes"),
+    ) {
+        line(
+            "native encode (module-relative), per frame",
+            a,
+            "ns",
+            "CBF",
+            b,
+            1.0,
+        );
+        let holds = if nb <= 3.0 { "holds" } else { "MISSED" };
+        println!(
+            "{:<44} {nb:>8.3} B   (CBF {cb:.3} B)  (goal <= 3.0)  {holds}",
+            "native bytes per frame"
+        );
+    }
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+        .sample_size(30);
+    targets = capture, suspended, yields, codec, table
+}
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}
