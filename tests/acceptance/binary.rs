@@ -767,7 +767,7 @@ fn the_speed_command_reads_every_lua_figure_and_says_when_tarantool_is_missing()
         .lines()
         .filter(|l| l.starts_with("fiber.info") || l.starts_with("Lua yield"))
         .flat_map(|l| {
-            l.split(|c: char| c == ' ' || c == ';')
+            l.split([' ', ';'])
                 .filter_map(|w| w.parse::<f64>().ok())
                 .collect::<Vec<_>>()
         })
