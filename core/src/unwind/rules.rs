@@ -95,6 +95,28 @@ impl RuleCache {
         }
     }
 
+    /// Whether the entries were derived under `table` ([`RuleCache::rule`] makes them so).
+    #[inline(always)]
+    pub(crate) fn is_for(&self, table: &ImageTable) -> bool {
+        self.table == table as *const ImageTable as usize
+    }
+
+    /// The cached rule for the lookup `addr` (`ra - 1`), if it is cached, under the table
+    /// the entries were derived from (see [`RuleCache::is_for`]); never reads CFI. A hit in
+    /// the second way moves it first, as in [`RuleCache::rule`].
+    #[inline(always)]
+    pub(crate) fn cached(&mut self, addr: u64) -> Option<Rule> {
+        let set = &mut self.entries[set_of(addr)];
+        if set[0].key == addr {
+            return Some(set[0].rule);
+        }
+        if set[1].key == addr {
+            set.swap(0, 1);
+            return Some(set[0].rule);
+        }
+        None
+    }
+
     /// The rule for the return-address lookup `addr` (`ra - 1`) under `table`.
     #[inline]
     pub fn rule(&mut self, table: &ImageTable, addr: u64) -> Rule {
