@@ -543,6 +543,14 @@ impl ControlBlock {
         self.name.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// Runs `f` on the name under its lock (no clone: for a listing that compares it with
+    /// the name it saw last). `f` must not reach this fiber's name again (it would wait on
+    /// itself): run no callbacks or scripts in it.
+    #[inline]
+    pub fn with_name<R>(&self, f: impl FnOnce(&Arc<str>) -> R) -> R {
+        f(&self.name.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
     /// Records the suspension point. Called by the fiber itself, on its own stack, in the
     /// suspend wrapper, just before publishing SUSPENDED.
     #[inline(always)]

@@ -195,6 +195,10 @@ pub(crate) struct InfoBuild {
     me: FiberId,
     /// The running fiber's trace, taken before the protected call (see [`push_all`]).
     current: Option<Rc<[Frame]>>,
+    /// Absolute index of the slot holding the name string pushed last.
+    name_slot: c_int,
+    /// The name pushed last (held: no other name takes its address during the call).
+    last_name: Option<std::sync::Arc<str>>,
 }
 
 impl InfoBuild {
@@ -215,10 +219,13 @@ impl InfoBuild {
             let scratch = ffi::lua_gettop(l);
             let r = with_host(|h| h.info_ctor_ref).unwrap_or(ffi::LUA_REFNIL);
             super::raw::rawgeti(l, ffi::LUA_REGISTRYINDEX, r as ffi::lua_Integer);
+            ffi::lua_pushnil(l);
             InfoBuild {
                 base,
                 scratch,
-                ctor: ffi::lua_gettop(l),
+                ctor: ffi::lua_gettop(l) - 1,
+                name_slot: ffi::lua_gettop(l),
+                last_name: None,
                 by_trace: HashMap::default(),
                 by_entry: HashMap::default(),
                 slots: 0,
@@ -251,6 +258,35 @@ impl InfoBuild {
     unsafe fn key(&self, l: *mut ffi::lua_State, k: K) {
         // SAFETY: the slot holds a string pushed by `new`.
         unsafe { ffi::lua_pushvalue(l, self.base + k as c_int) };
+    }
+
+    /// Pushes the name of the fiber `sh`: the string pushed for the fiber before when it
+    /// has the same name (fibers mostly share their default name: one string, not one
+    /// interning per fiber).
+    ///
+    /// # Safety
+    /// As `key`; in a protected call (a new string allocates).
+    #[inline]
+    unsafe fn name(&mut self, l: *mut ffi::lua_State, sh: &fibertrace_fiber::ControlBlock) {
+        // Only compared under the name's lock: Lua runs (a string allocates, a collection
+        // may run finalizers) after it is released.
+        let new = sh.with_name(|n| match &self.last_name {
+            Some(last) if std::sync::Arc::ptr_eq(last, n) => None,
+            _ => Some(n.clone()),
+        });
+        // SAFETY: `name_slot` is the build's own slot (made by `new`); room on the stack
+        // (the contract).
+        unsafe {
+            match new {
+                None => ffi::lua_pushvalue(l, self.name_slot),
+                Some(n) => {
+                    push_str(l, &n);
+                    ffi::lua_pushvalue(l, -1);
+                    ffi::lua_replace(l, self.name_slot);
+                    self.last_name = Some(n);
+                }
+            }
+        }
     }
 
     /// Pushes the string of slot `i` of [`TEXTS`].
@@ -553,7 +589,7 @@ unsafe fn push_fiber(
         ffi::lua_checkstack(l, 16);
         super::raw::rawgeti(l, call.ctor, mask + 1);
         ffi::lua_pushinteger(l, f.id() as ffi::lua_Integer);
-        push_str(l, &sh.name_arc());
+        call.name(l, sh);
         // Tarantool counts switches away: the runtime's count of switches in, one less
         // for the running fiber.
         let csw = sh.csw() - (f.id() == call.me && sh.csw() > 0) as u64;
