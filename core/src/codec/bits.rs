@@ -38,7 +38,7 @@ impl BitWriter {
         }
     }
 
-    #[inline]
+    #[cfg(test)]
     pub(crate) fn bit(&mut self, b: bool) {
         self.write(u64::from(b), 1);
     }
