@@ -261,8 +261,29 @@ fn suspended(c: &mut Criterion) {
             record("floor", n, t0.elapsed())
         })
     });
+    // The same walk over a 10-frame coroutine: with the 30-frame one, the walk's cost per
+    // frame and its fixed part.
+    let (mut co10, ctx10) = (1..20)
+        .map(parked)
+        .find(|(_, ctx)| {
+            collect_from_into(&ctx.get(), &opts, &mut bt);
+            bt.len() == 10
+        })
+        .expect("a 10-frame suspended coroutine");
+    let saved10 = ctx10.get();
+    g.bench_function("fibertrace_fast_10_frames", |b| {
+        b.iter_custom(|n| {
+            let t0 = Instant::now();
+            for _ in 0..n {
+                collect_from_into(black_box(&saved10), &opts, &mut bt);
+                black_box(&bt);
+            }
+            record("walk10", n, t0.elapsed())
+        })
+    });
     g.finish();
     while let CoroutineResult::Yield(()) = co.resume(()) {}
+    while let CoroutineResult::Yield(()) = co10.resume(()) {}
 }
 
 /// Time of `iters` yields in each of two fibers, per switch.
@@ -386,6 +407,15 @@ fn table(_c: &mut Criterion) {
     }
     if let (Some(a), Some(b)) = (median("walk"), median("floor")) {
         line("suspended fast walk, 30 frames", a, "ns", "floor", b, 1.3);
+        if let Some(a10) = median("walk10") {
+            let per = (a - a10) / 20.0;
+            println!(
+                "{:<44} {per:>8.2} ns per frame + {:.1} ns per walk (floor: {:.2} ns per frame)",
+                "  its cost, from a 10-frame walk",
+                a10 - 10.0 * per,
+                b / 29.0
+            );
+        }
     }
     if let (Some(t), Some(u), Some(c)) =
         (median("traced"), median("untraced"), median("corosensei"))

@@ -216,19 +216,22 @@ fn walk_inner(
     let mut mode = mode;
     if mode == Unwinder::Fast || table.is_none() || cache.is_none() {
         // The first frame record read is that of the function at `ip`.
-        let ip_ok = match table {
-            None => true,
+        let (ip_ok, seed) = match table {
+            None => (true, None),
             Some(t) => {
                 let range = match cache.as_deref_mut() {
                     Some(c) => c.ranges.range(t, ip),
                     None => t.code_range(ip),
                 };
-                range.is_none_or(|r| r.2) || !hop::Hops::snapshot().misses(ip)
+                let ok = range.is_none_or(|r| r.2) || !hop::Hops::snapshot().misses(ip);
+                // The function at `ip` keeps frame pointers: the walk's first known range
+                // (its first return addresses are often in it: a recursion, a loop's calls).
+                (ok, range.filter(|r| r.2).map(|(s, e, _)| (s, e)))
             }
         };
         if ip_ok {
             let ranges = cache.as_deref_mut().map(|c| &mut c.ranges);
-            match fp_walk(fp, sp, start.stop_sp, stacks, table, ranges, sink) {
+            match fp_walk(fp, sp, start.stop_sp, stacks, table, ranges, seed, sink) {
                 FpEnd::Done(cut) => return cut,
                 // Stopped at a return address into code without frame pointers (emitted):
                 // the walk goes on from its caller's state.
@@ -864,6 +867,7 @@ fn fp_walk(
     stacks: &Stacks<'_>,
     table: Option<&ImageTable>,
     ranges: Option<&mut RangeCache>,
+    seed: Option<(u64, u64)>,
     sink: &mut FrameSink<'_>,
 ) -> FpEnd {
     let Some(seg) = stacks.find(fp) else {
@@ -875,6 +879,10 @@ fn fp_walk(
     let mut own = RangeCache::new();
     let ranges = ranges.unwrap_or(&mut own);
     let (mut w, fp) = FpWalk::new(stacks, fp, stop_sp, seg, table, ranges);
+    if let Some((s, e)) = seed.filter(|_| table.is_some()) {
+        // Code known to keep frame pointers, as a lookup of a return address there finds.
+        (w.ok_lo, w.ok_len) = (s, e - s);
+    }
     let cut = fp_walk_loop(&mut w, fp, sink);
     match w.not_fp {
         Some((ra, sp, bp)) if !cut => FpEnd::NotFp { ra, sp, bp },
