@@ -231,7 +231,7 @@ fn walk_inner(
         };
         if ip_ok {
             let ranges = cache.as_deref_mut().map(|c| &mut c.ranges);
-            match fp_walk(fp, sp, start.stop_sp, stacks, table, ranges, seed, sink) {
+            match fp_walk((fp, sp), start.stop_sp, stacks, table, ranges, seed, sink) {
                 FpEnd::Done(cut) => return cut,
                 // Stopped at a return address into code without frame pointers (emitted):
                 // the walk goes on from its caller's state.
@@ -860,9 +860,10 @@ enum FpEnd {
     NotFp { ra: u64, sp: u64, bp: u64 },
 }
 
+/// The walk from frame pointer and stack pointer `(fp, sp)`; `seed` is a code range known to
+/// keep frame pointers (none: learnt on the way).
 fn fp_walk(
-    fp: u64,
-    sp: u64,
+    (fp, sp): (u64, u64),
     stop_sp: u64,
     stacks: &Stacks<'_>,
     table: Option<&ImageTable>,
