@@ -5,16 +5,33 @@
 #  2. the Lua figures: examples/bench.lua under `fibertrace run` and `tarantool`, alternately,
 #     N runs each at 1,000 / 10,000 / 30,000 sleeping fibers (default N = 3), medians.
 # Usage: sh examples/speed.sh [N]      (from anywhere; builds the release binary first)
-# SPEED_LUA_ONLY=1 skips the Rust figures; FIBERTRACE_BIN / TARANTOOL name other binaries.
+# Environment: SPEED_LUA_ONLY=1 skips the Rust figures; FIBERTRACE_BIN / TARANTOOL name other
+# binaries; SPEED_SIZES (default "1000 10000 30000") the fiber counts; SPEED_COUNTS (default
+# "100000 500000") the fibers created and the switches of each fiber per run.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 root=$here/..
 n=${1:-3}
 case $n in '' | *[!0-9]*) echo "N must be a number of runs, not '$n'" >&2; exit 2 ;; esac
 [ "$n" -ge 1 ] || { echo "N must be at least 1" >&2; exit 2; }
+sizes=${SPEED_SIZES:-1000 10000 30000}
+counts=${SPEED_COUNTS:-100000 500000}
+for v in $sizes $counts; do
+    case $v in *[!0-9]* | 0*) echo "SPEED_SIZES and SPEED_COUNTS take positive numbers, not '$v'" >&2; exit 2 ;; esac
+done
+set -- $counts
+[ $# -eq 2 ] || { echo "SPEED_COUNTS takes two numbers (fibers created, switches), not '$counts'" >&2; exit 2; }
+creates=$1 switches=$2
 if [ -z "${SPEED_LUA_ONLY:-}" ]; then
-    (cd "$root" && cargo bench -q -p fibertrace-fiber --bench speed 2>&1) |
-        grep -v '^Benchmarking\|^Found\|outlier\|^Warning\|^ *$' || true
+    rust=$(mktemp)
+    if ! (cd "$root" && cargo bench -q -p fibertrace-fiber --bench speed) > "$rust" 2>&1; then
+        cat "$rust" >&2
+        rm -f "$rust"
+        echo "the Rust figures failed: cargo bench -p fibertrace-fiber --bench speed" >&2
+        exit 1
+    fi
+    grep -v '^Benchmarking\|^Found\|outlier\|^Warning\|^ *$' "$rust" || true
+    rm -f "$rust"
 fi
 bin=${FIBERTRACE_BIN:-$root/target/release/fibertrace}
 if [ -z "${FIBERTRACE_BIN:-}" ]; then
@@ -26,20 +43,38 @@ if ! command -v "$tt" > /dev/null 2>&1; then
     echo "tarantool is not installed (apt-get install tarantool): the Lua figures have no peer" >&2
     tt=
 fi
-out=$(mktemp)
-trap 'rm -f "$out"' EXIT
-# One run of bench.lua: its lines become "prog size key value" records (ns, or us per fiber).
+out=$(mktemp) one=$(mktemp)
+trap 'rm -f "$out" "$one"' EXIT
+# One run of bench.lua: its figures become "prog size key value" records (ns, or us per
+# fiber); a run that fails or lacks a figure ends the script with what it printed.
 run() { # prog-name size command...
     p=$1 s=$2
     shift 2
-    "$@" "$here/bench.lua" 100000 500000 "$s" | awk -v p="$p" -v s="$s" '
+    if ! "$@" "$here/bench.lua" "$creates" "$switches" "$s" > "$one" 2>&1; then
+        cat "$one" >&2
+        echo "$p failed on examples/bench.lua at $s fibers" >&2
+        exit 1
+    fi
+    got=$(awk -v p="$p" -v s="$s" '
         /^fiber.create/ { print p, s, "create", $(NF - 3) }
         /^yield ping-pong/ { print p, s, "yield", $(NF - 3) }
-        /^fiber.info\(\) over/ { print p, s, "bt", $(NF - 1) * 1000 / $3 }
+        /^fiber.info\(\) over [0-9]+ fibers:/ { print p, s, "bt", $(NF - 1) * 1000 / $3 }
         /^fiber.info\(\{backtrace = false\}\) over/ { print p, s, "nobt", $(NF - 1) * 1000 / $5 }
-    ' >> "$out"
+        /^fiber.info\(\) over [0-9]+ fibers, each moved/ { print p, s, "moved", $(NF - 1) * 1000 / $3 }
+    ' "$one")
+    if [ "$(printf '%s\n' "$got" | grep -c .)" -ne 5 ]; then
+        cat "$one" >&2
+        echo "$p: examples/bench.lua at $s fibers did not print its five figures" >&2
+        exit 1
+    fi
+    if [ "$(printf '%s\n' "$got" | awk '$4 > 0' | grep -c .)" -ne 5 ]; then
+        cat "$one" >&2
+        echo "$p: a figure at $s fibers is too small to measure (0): use more fibers" >&2
+        exit 1
+    fi
+    printf '%s\n' "$got" >> "$out"
 }
-for size in 1000 10000 30000; do
+for size in $sizes; do
     i=0
     while [ "$i" -lt "$n" ]; do
         run fibertrace "$size" "$bin" run
@@ -49,7 +84,7 @@ for size in 1000 10000 30000; do
 done
 median() { # prog size-or-* key
     awk -v p="$1" -v s="$2" -v k="$3" '$1 == p && (s == "*" || $2 == s) && $3 == k { print $4 }' "$out" |
-        sort -g | awk '{ v[NR] = $1 } END { if (NR) print v[int((NR + 1) / 2)]; else print "nan" }'
+        sort -g | awk '{ v[NR] = $1 } END { if (NR) print v[int((NR + 1) / 2)]; else exit 1 }'
 }
 verdict() { # holds? -> word
     if [ "$1" = 1 ]; then echo holds; else echo MISSED; fi
@@ -57,36 +92,42 @@ verdict() { # holds? -> word
 echo
 echo "== speed goals (issue #20): Lua figures, medians of $n alternating runs per size =="
 if [ -z "$tt" ]; then
-    for size in 1000 10000 30000; do
-        printf 'fiber.info({backtrace=false}) %5d fibers: %.3f us per fiber; fiber.info(): %.3f\n' \
-            "$size" "$(median fibertrace $size nobt)" "$(median fibertrace $size bt)"
+    for size in $sizes; do
+        printf 'fiber.info({backtrace=false}) %5d fibers: %.3f us per fiber; fiber.info(): %.3f; each moved: %.3f\n' \
+            "$size" "$(median fibertrace "$size" nobt)" "$(median fibertrace "$size" bt)" \
+            "$(median fibertrace "$size" moved)"
     done
     printf 'Lua yield: %s ns per switch; create+run: %s ns per fiber\n' \
         "$(median fibertrace '*' yield)" "$(median fibertrace '*' create)"
     exit 0
 fi
-for size in 1000 10000 30000; do
-    a=$(median fibertrace $size nobt) b=$(median tarantool $size nobt)
-    ok=$(awk -v a="$a" -v b="$b" 'BEGIN { print (a > 0 && b > 0 && a / b <= 0.5) }')
+for size in $sizes; do
+    a=$(median fibertrace "$size" nobt) b=$(median tarantool "$size" nobt)
+    ok=$(awk -v a="$a" -v b="$b" 'BEGIN { print (a / b <= 0.5) }')
     awk -v s="$size" -v a="$a" -v b="$b" -v v="$(verdict "$ok")" 'BEGIN {
         printf "fiber.info({backtrace=false}), %5d fibers   %7.3f us/fiber vs tarantool %7.3f: %6.3fx  (goal <= 0.5)  %s\n", s, a, b, a / b, v }'
 done
 lo= hi=
-for size in 1000 10000 30000; do
-    a=$(median fibertrace $size bt) b=$(median tarantool $size bt)
-    ok=$(awk -v a="$a" -v b="$b" 'BEGIN { print (a > 0 && b > 0 && b / a >= 40) }')
-    awk -v s="$size" -v a="$a" -v b="$b" -v v="$(verdict "$ok")" 'BEGIN {
-        printf "fiber.info() with backtraces, %5d fibers   %7.3f us/fiber vs tarantool %7.3f: %6.1fx faster  (goal >= 40)  %s\n", s, a, b, b / a, v }'
-    lo=$(awk -v x="$a" -v m="${lo:-$a}" 'BEGIN { print (x < m ? x : m) }')
-    hi=$(awk -v x="$a" -v m="${hi:-$a}" 'BEGIN { print (x > m ? x : m) }')
+for key in bt moved; do
+    for size in $sizes; do
+        a=$(median fibertrace "$size" $key) b=$(median tarantool "$size" $key)
+        ok=$(awk -v a="$a" -v b="$b" 'BEGIN { print (b / a >= 40) }')
+        case $key in bt) what="fiber.info() with backtraces," ;; *) what="  the same, every fiber moved," ;; esac
+        awk -v w="$what" -v s="$size" -v a="$a" -v b="$b" -v v="$(verdict "$ok")" 'BEGIN {
+            printf "%s %5d fibers   %7.3f us/fiber vs tarantool %7.3f: %6.1fx faster  (goal >= 40)  %s\n", w, s, a, b, b / a, v }'
+        if [ $key = bt ]; then
+            lo=$(awk -v x="$a" -v m="${lo:-$a}" 'BEGIN { print (x < m ? x : m) }')
+            hi=$(awk -v x="$a" -v m="${hi:-$a}" 'BEGIN { print (x > m ? x : m) }')
+        fi
+    done
 done
-ok=$(awk -v l="$lo" -v h="$hi" 'BEGIN { print (l > 0 && h / l <= 1.3) }')
+ok=$(awk -v l="$lo" -v h="$hi" 'BEGIN { print (h / l <= 1.3) }')
 awk -v l="$lo" -v h="$hi" -v v="$(verdict "$ok")" 'BEGIN {
     printf "fiber.info() with backtraces, flatness        max/min over sizes %.3f  (goal <= 1.3)  %s\n", h / l, v }'
 for k in yield create; do
     a=$(median fibertrace '*' $k) b=$(median tarantool '*' $k)
     case $k in yield) goal=0.33 what="Lua yield, ns per switch" ;; *) goal=0.4 what="Lua fiber.create (create + run), ns" ;; esac
-    ok=$(awk -v a="$a" -v b="$b" -v g="$goal" 'BEGIN { print (a > 0 && b > 0 && a / b <= g) }')
+    ok=$(awk -v a="$a" -v b="$b" -v g="$goal" 'BEGIN { print (a / b <= g) }')
     awk -v w="$what" -v a="$a" -v b="$b" -v g="$goal" -v v="$(verdict "$ok")" 'BEGIN {
         printf "%-44s %7.1f vs tarantool %7.1f: %6.3fx  (goal <= %s)  %s\n", w, a, b, a / b, g, v }'
 done

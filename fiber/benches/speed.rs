@@ -49,12 +49,15 @@ fn record(key: &'static str, ops: u64, d: Duration) -> Duration {
     d
 }
 
-/// Median ns per operation of a figure's samples.
+/// Samples criterion measures per figure (its warm-up calls come first and are left out).
+const SAMPLE_SIZE: usize = 30;
+
+/// Median ns per operation of a figure's measured samples (the last [`SAMPLE_SIZE`]).
 fn median(key: &str) -> Option<f64> {
     SAMPLES.with(|s| {
         let s = s.borrow();
-        let mut v: Vec<f64> = s
-            .get(key)?
+        let all = s.get(key)?;
+        let mut v: Vec<f64> = all[all.len().saturating_sub(SAMPLE_SIZE)..]
             .iter()
             .filter(|(n, _)| *n > 0)
             .map(|(n, d)| d.as_nanos() as f64 / *n as f64)
@@ -96,9 +99,10 @@ fn unw_backtrace() -> Option<BacktraceFn> {
 
 const STACK_FRAMES: usize = 42;
 
-/// Runs `f` where a precise capture sees exactly [`STACK_FRAMES`] frames: `f` captures once
-/// and returns the count it saw, then measures only when that count is right (the recursion
-/// is resized until it is).
+/// Runs `f` where a capture sees exactly [`STACK_FRAMES`] frames: `f` captures once and
+/// returns the count it saw, then measures only when that count is right (the recursion is
+/// resized until it is). Both sides of the ratio walk the same code (this recursion under
+/// criterion's frames), each sized to 42 frames by its own count.
 fn at_42_frames(f: &mut dyn FnMut() -> usize) {
     let mut n = 0u32;
     for _ in 0..8 {
@@ -454,7 +458,7 @@ criterion_group! {
     config = Criterion::default()
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2))
-        .sample_size(30);
+        .sample_size(SAMPLE_SIZE);
     targets = capture, suspended, yields, codec, table
 }
 

@@ -259,15 +259,18 @@ fn signalled(sig: i32, ignore_first: bool) -> (String, String, Option<i32>, Opti
     }
     // Read as it comes: the dump's end is awaited below.
     let mut stderr = c.stderr.take().unwrap();
-    let err = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let err = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
     let reader = {
         let err = err.clone();
         std::thread::spawn(move || {
             let mut buf = [0u8; 4096];
-            while let Ok(n @ 1..) = stderr.read(&mut buf) {
-                err.lock()
-                    .unwrap()
-                    .push_str(&String::from_utf8_lossy(&buf[..n]));
+            loop {
+                match stderr.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => err.lock().unwrap().extend_from_slice(&buf[..n]),
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => panic!("reading stderr: {e}"),
+                }
             }
         })
     };
@@ -279,9 +282,9 @@ fn signalled(sig: i32, ignore_first: bool) -> (String, String, Option<i32>, Opti
         // The dump is printed (both fibers, then nothing more for 300 ms: a debug build
         // symbolizing on a loaded machine takes a while) and the program goes on: end it
         // with SIGTERM.
-        let (mut len, mut since) = (0, Instant::now());
-        while t0.elapsed() < Duration::from_secs(20) {
-            let now = err.lock().unwrap().clone();
+        let (mut len, mut since, signalled) = (0, Instant::now(), Instant::now());
+        while signalled.elapsed() < Duration::from_secs(20) {
+            let now = String::from_utf8_lossy(&err.lock().unwrap()).into_owned();
             if now.len() != len {
                 (len, since) = (now.len(), Instant::now());
             } else if now.matches("\nfiber ").count() >= 2
@@ -307,7 +310,7 @@ fn signalled(sig: i32, ignore_first: bool) -> (String, String, Option<i32>, Opti
         std::thread::sleep(Duration::from_millis(10));
     };
     reader.join().unwrap();
-    let err = err.lock().unwrap().clone();
+    let err = String::from_utf8(err.lock().unwrap().clone()).expect("stderr is UTF-8");
     (
         std::fs::read_to_string(&out).unwrap(),
         err,

@@ -726,8 +726,60 @@ fn speed_script(
 }
 
 #[test]
-fn the_speed_command_rejects_a_bad_run_count() {
+fn the_speed_command_rejects_bad_run_counts_sizes_and_programs() {
     let dir = scratch("speed-args");
+    let bad_env = [
+        (
+            "SPEED_SIZES",
+            "1x",
+            "SPEED_SIZES and SPEED_COUNTS take positive numbers, not '1x'",
+        ),
+        (
+            "SPEED_SIZES",
+            "0",
+            "SPEED_SIZES and SPEED_COUNTS take positive numbers, not '0'",
+        ),
+        (
+            "SPEED_COUNTS",
+            "5",
+            "SPEED_COUNTS takes two numbers (fibers created, switches), not '5'",
+        ),
+    ];
+    for (k, v, msg) in bad_env {
+        let out = speed_script(&dir, &["1"], &[(k, v), ("SPEED_LUA_ONLY", "1")]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{k}={v}: {err}");
+        assert!(err.contains(msg), "{k}={v}: {err}");
+    }
+    // A program that fails, or prints no figures: an error naming it, not a table.
+    for (bin, msg) in [
+        (
+            "/bin/false",
+            "fibertrace failed on examples/bench.lua at 100 fibers",
+        ),
+        (
+            "/bin/true",
+            "fibertrace: examples/bench.lua at 100 fibers did not print its five figures",
+        ),
+    ] {
+        let script = fibertrace_acceptance::repo().join("examples/speed.sh");
+        let out = std::process::Command::new("sh")
+            .arg(&script)
+            .arg("1")
+            .current_dir(&dir)
+            .env("FIBERTRACE_BIN", bin)
+            .env("SPEED_LUA_ONLY", "1")
+            .env("SPEED_SIZES", "100")
+            .output()
+            .expect("sh runs");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{bin}: {err}");
+        assert!(err.contains(msg), "{bin}: {err}");
+        assert!(
+            !String::from_utf8_lossy(&out.stdout).contains("speed goals"),
+            "{bin}"
+        );
+    }
     for (arg, msg) in [
         ("abc", "N must be a number of runs, not 'abc'"),
         ("1x", "N must be a number of runs, not '1x'"),
@@ -751,6 +803,8 @@ fn the_speed_command_reads_every_lua_figure_and_says_when_tarantool_is_missing()
         &[
             ("SPEED_LUA_ONLY", "1"),
             ("TARANTOOL", "/nonexistent/tarantool"),
+            ("SPEED_SIZES", "100 200 300"),
+            ("SPEED_COUNTS", "2000 2000"),
         ],
     );
     let (text, err) = (
@@ -772,7 +826,11 @@ fn the_speed_command_reads_every_lua_figure_and_says_when_tarantool_is_missing()
                 .collect::<Vec<_>>()
         })
         .collect();
-    // 3 sizes x (size, no-backtrace, backtrace) + (yield, create).
-    assert_eq!(figures.len(), 11, "{text}");
+    // 3 sizes x (size, no backtrace, backtrace, every fiber moved) + (yield, create).
+    assert_eq!(figures.len(), 14, "{text}");
+    assert!(
+        text.contains("fiber.info({backtrace=false})   200 fibers: "),
+        "{text}"
+    );
     assert!(figures.iter().all(|x| x.is_finite() && *x > 0.0), "{text}");
 }

@@ -267,7 +267,7 @@ fn walk_inner(
                 steps += compact_run(
                     table,
                     &mut c.compact,
-                    start.stop_sp,
+                    (start.stop_sp, MAX_WALK - steps),
                     &cur,
                     &mut regs,
                     &mut addr,
@@ -540,12 +540,13 @@ fn dwarf_step(
 /// library (where a signal trampoline may be), no room left in the backtrace's head, or
 /// entries of another image table. Each frame it takes is what [`dwarf_step`] and the
 /// walk's checks give for it (the same rule, [`apply`]'s checks, the stop and the signal
-/// frame checks), so the walk's result is unchanged. Returns how many frames it took.
+/// frame checks), so the walk's result is unchanged. Takes at most `most` frames (what is
+/// left of the walk's [`MAX_WALK`]); returns how many it took.
 #[inline(always)]
 fn compact_run(
     table: &ImageTable,
     rules: &mut rules::RuleCache,
-    stop_sp: u64,
+    (stop_sp, most): (u64, usize),
     cur: &SegCursor,
     regs: &mut UnwindRegs,
     addr: &mut FrameAddress,
@@ -570,8 +571,9 @@ fn compact_run(
     let mut pc = addr.address_for_lookup();
     let mut last = 0u64;
     let dst = sink.direct_slots();
+    let room = dst.len().min(most);
     let mut n = 0;
-    while n < dst.len() {
+    while n < room {
         let Some(rule) = rules.cached(pc) else { break };
         let (cfa, new_bp) = match rule {
             rules::Rule::Sp { cfa8, bp8 } => {

@@ -284,6 +284,13 @@ pub struct ControlBlock {
     pub(crate) heap: fibertrace_core::heap::Owner,
 }
 
+// The two lines a listing reads (see `ControlBlock`): only speed depends on it.
+#[cfg(target_pointer_width = "64")]
+const _: () = {
+    assert!(std::mem::offset_of!(ControlBlock, id) == 64);
+    assert!(std::mem::offset_of!(ControlBlock, sched) == 128);
+};
+
 // SAFETY: every field is Sync except `ctx`, which is written only by the fiber's own thread
 // while the fiber runs (run == RUNNING) and read by other threads only after they won the
 // SUSPENDED -> INSPECTING swap, which orders the accesses (release / acquire).
@@ -680,7 +687,7 @@ impl ControlBlock {
     /// Starts loading the used part of a parked stack (up to 4 KiB from the stack pointer)
     /// when a walk of it is due: its frames are then read from cache, not one memory round
     /// trip per frame. A hint; racy reads of the atomics are fine.
-    pub(crate) fn prefetch_stack(&self) {
+    pub fn prefetch_stack(&self) {
         if self.run.get(Ordering::Relaxed) != RunState::Suspended
             || self.walked_csw.load(Ordering::Relaxed) == self.csw.load(Ordering::Relaxed)
         {

@@ -97,17 +97,28 @@ thread_local! {
     static TRACES: RefCell<TraceSet> = RefCell::new(TraceSet::default());
 }
 
-/// The one `Rc` of traces equal to `t` (the set is emptied when it grows past
-/// [`CACHE_MAX`]: equal traces interned before and after are two, which costs a listing
-/// only a second array).
+/// Traces the set holds before it drops those nobody else holds (see [`intern`]).
+const TRACES_MIN: usize = 4096;
+
+thread_local! {
+    /// The size of [`TRACES`] at which it next drops the traces only it holds.
+    static TRACES_NEXT: std::cell::Cell<usize> = const { std::cell::Cell::new(TRACES_MIN) };
+}
+
+/// The one `Rc` of traces equal to `t`. When the set reaches its next size, the traces only
+/// it holds (their fibers ended or moved on) are dropped and the next size is twice what
+/// stays (at least [`TRACES_MIN`]): the set holds the live traces, which the fibers' records
+/// hold anyway, and at most as many dropped ones again — and a live trace stays the one `Rc`
+/// of its content.
 fn intern(t: Rc<[Frame]>) -> Rc<[Frame]> {
     TRACES.with(|c| {
         let mut c = c.borrow_mut();
         if let Some(x) = c.get(&t) {
             return x.clone();
         }
-        if c.len() >= CACHE_MAX {
-            c.clear();
+        if c.len() >= TRACES_NEXT.get() {
+            c.retain(|x| Rc::strong_count(x) > 1);
+            TRACES_NEXT.set((c.len() * 2).max(TRACES_MIN));
         }
         c.insert(t.clone());
         t
@@ -715,6 +726,10 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
                 if let Some((ahead, ..)) = fibers.get(i + PREFETCH_AHEAD) {
                     ahead.control_block().prefetch();
                 }
+                // The next fiber's stack, when it is to be walked again (it ran since).
+                if let Some((next, ..)) = fibers.get(i + 1).filter(|_| opts.backtrace) {
+                    next.control_block().prefetch_stack();
+                }
                 if f.control_block().is_dead() {
                     continue;
                 }
@@ -829,4 +844,23 @@ pub(crate) fn snapshot_here(upto: &'static str) -> fibertrace_fiber::Snapshot {
         }
     }
     snap
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interned_traces_nobody_holds_are_dropped_and_held_ones_stay_one() {
+        let trace = |i: u64| -> Rc<[Frame]> { Rc::from(vec![Frame::Ra(0x1000 + i)]) };
+        let held: Vec<Rc<[Frame]>> = (0..10).map(|i| intern(trace(i))).collect();
+        for i in 100..100 + 3 * TRACES_MIN as u64 {
+            intern(trace(i));
+        }
+        let len = TRACES.with(|c| c.borrow().len());
+        assert!((10..=TRACES_MIN).contains(&len), "{len} traces kept");
+        for (i, h) in held.iter().enumerate() {
+            assert!(Rc::ptr_eq(h, &intern(trace(i as u64))), "trace {i}");
+        }
+    }
 }
