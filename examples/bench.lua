@@ -52,9 +52,9 @@ for i = 1, N_SLEEPERS do sleepers[i] = fiber.create(top) end
 local count = 0
 for _ in pairs(fiber.info()) do count = count + 1 end
 dt = best(11, function() fiber.info() end)
-print(string.format('fiber.info() over %d fibers: %.2f ms', count, dt * 1e3))
+print(string.format('fiber.info() over %d fibers: %.3f ms', count, dt * 1e3))
 dt = best(11, function() fiber.info({backtrace = false}) end)
-print(string.format('fiber.info({backtrace = false}) over %d fibers: %.2f ms', count, dt * 1e3))
+print(string.format('fiber.info({backtrace = false}) over %d fibers: %.3f ms', count, dt * 1e3))
 -- The same, each fiber having run since the last call (woken, back to sleep): no trace of
 -- an earlier call may be reused.
 dt = math.huge
@@ -66,6 +66,6 @@ for _ = 1, 5 do
     local d = clock.monotonic() - t0
     if d < dt then dt = d end
 end
-print(string.format('fiber.info() over %d fibers, each moved since: %.2f ms', count, dt * 1e3))
+print(string.format('fiber.info() over %d fibers, each moved since: %.3f ms', count, dt * 1e3))
 for i = 1, N_SLEEPERS do sleepers[i]:cancel() end
 os.exit(0)

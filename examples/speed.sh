@@ -30,7 +30,7 @@ if [ -z "${SPEED_LUA_ONLY:-}" ]; then
         echo "the Rust figures failed: cargo bench -p fibertrace-fiber --bench speed" >&2
         exit 1
     fi
-    grep -v '^Benchmarking\|^Found\|outlier\|^Warning\|^ *$' "$rust" || true
+    grep -v '^Benchmarking\|^Found\|outlier\|^Warning\|^ *$\|change:\|Performance has\|hange within noise\|No change in\|^ *[0-9]* ([0-9.]*%) ' "$rust" || true
     rm -f "$rust"
 fi
 bin=${FIBERTRACE_BIN:-$root/target/release/fibertrace}
