@@ -186,7 +186,8 @@ pub(crate) struct InfoBuild {
     base: c_int,
     /// Absolute index of the scratch table holding the arrays.
     scratch: c_int,
-    /// Absolute index of the table of entry constructors ([`entry_ctors_source`]).
+    /// Absolute index of the first of the 16 entry constructors ([`entry_ctors_source`]),
+    /// in mask order on the stack.
     ctor: c_int,
     /// By frames and the count of parent fibers left out after them (0 for a fiber's own
     /// trace).
@@ -221,20 +222,25 @@ impl InfoBuild {
         // SAFETY: `l` is in a protected call (the contract), so the strings and the table
         // (allocations) may raise there; room asked for first; the constructor is read raw.
         unsafe {
-            ffi::lua_checkstack(l, TEXTS.len() as c_int + 16);
+            ffi::lua_checkstack(l, TEXTS.len() as c_int + CTORS as c_int + 16);
             let base = ffi::lua_gettop(l) + 1;
             for t in TEXTS {
                 push_str(l, t);
             }
             ffi::lua_createtable(l, 8, 0);
             let scratch = ffi::lua_gettop(l);
+            // The constructors on the stack (a push of a slot per entry, not a table read).
             let r = with_host(|h| h.info_ctor_ref).unwrap_or(ffi::LUA_REFNIL);
             super::raw::rawgeti(l, ffi::LUA_REGISTRYINDEX, r as ffi::lua_Integer);
+            let table = ffi::lua_gettop(l);
+            for m in 1..=CTORS as ffi::lua_Integer {
+                super::raw::rawgeti(l, table, m);
+            }
             ffi::lua_pushnil(l);
             InfoBuild {
                 base,
                 scratch,
-                ctor: ffi::lua_gettop(l) - 1,
+                ctor: table + 1,
                 name_slot: ffi::lua_gettop(l),
                 last_name: None,
                 by_trace: HashMap::default(),
@@ -528,6 +534,9 @@ fn status_slot(s: Status) -> c_int {
         }
 }
 
+/// How many entry constructors there are (one per mask of [`entry_ctors_source`]).
+const CTORS: usize = 16;
+
 /// The Lua functions that make one entry from its values, one per set of optional keys
 /// present (bit 0 `waiting`, 1 `parent`, 2 `backtrace`, 3 `parent_backtrace`; the function
 /// for mask `m` at index `m + 1`). A table constructor with constant keys is one template copy
@@ -537,7 +546,7 @@ fn status_slot(s: Status) -> c_int {
 /// sleeping fiber without backtraces needs 8, and a smaller table is less for the collector.
 pub(crate) fn entry_ctors_source() -> String {
     let mut s = String::from("local c = {}\n");
-    for mask in 0..16u8 {
+    for mask in 0..CTORS as u8 {
         s.push_str(&format!(
             "c[{}] = function(fid, name, csw, time, used, total, status, on, seconds, parent, bt, pbt)\n  \
              return {{fid = fid, name = name, csw = csw, time = time, \
@@ -594,11 +603,11 @@ unsafe fn push_fiber(
         | (parent.is_some() as ffi::lua_Integer) << 1
         | (bt.is_some() as ffi::lua_Integer) << 2
         | (pbt.is_some() as ffi::lua_Integer) << 3;
-    // SAFETY: the constructor (a Lua function of this host, read raw from the table of
-    // them) gets 12 plain values and returns a fresh table.
+    // SAFETY: the constructor (a Lua function of this host, on the stack since `new`) gets
+    // up to 12 plain values and returns a fresh table.
     unsafe {
         ffi::lua_checkstack(l, 16);
-        super::raw::rawgeti(l, call.ctor, mask + 1);
+        ffi::lua_pushvalue(l, call.ctor + mask as c_int);
         ffi::lua_pushinteger(l, f.id() as ffi::lua_Integer);
         call.name(l, sh);
         // Tarantool counts switches away: the runtime's count of switches in, one less
@@ -619,16 +628,24 @@ unsafe fn push_fiber(
             Some(p) => ffi::lua_pushinteger(l, p as ffi::lua_Integer),
             None => ffi::lua_pushnil(l),
         }
+        // The last arguments only when present (missing ones are nil to the constructor).
+        let args = if pbt.is_some() {
+            12
+        } else if bt.is_some() {
+            11
+        } else {
+            10
+        };
         match bt {
             Some(frames) => call.push(l, &frames, 0),
-            None => ffi::lua_pushnil(l),
+            None if args > 10 => ffi::lua_pushnil(l),
+            None => {}
         }
-        match pbt {
-            Some(pt) => call.push(l, &intern(Rc::from(pt.flatten())), pt.omitted()),
-            None => ffi::lua_pushnil(l),
+        if let Some(pt) = pbt {
+            call.push(l, &intern(Rc::from(pt.flatten())), pt.omitted());
         }
         // An error (out of memory) ends the protected call this runs in.
-        ffi::lua_call(l, 12, 1);
+        ffi::lua_call(l, args, 1);
         // The heap charged to the fiber, when the process's allocator tracks it.
         if fibertrace_core::heap::tier() != fibertrace_core::heap::Tier::Off {
             ffi::lua_getfield(l, -1, c"memory".as_ptr());
