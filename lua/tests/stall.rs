@@ -155,10 +155,12 @@ fn a_busy_lua_fiber_is_reported_with_its_lua_frames() {
 
 /// A fiber inside a C function that does not return to Lua (here: waiting for a child
 /// process) cannot be stopped at a Lua line: the report has its native frames and names the
-/// C function it sits in.
+/// C function it sits in. (It waits 3 s: the report comes at 4x the threshold, 200 ms more for
+/// the Lua frames, then the symbolizer's first use, slow for a debug build on a fresh machine;
+/// 1.2 s was once not enough in CI, and the report died with the process.)
 const IN_C: &str = r#"
 local fiber = require('fiber')
-local f = fiber.new(function() local ok = os.execute('sleep 1.2') return ok end)
+local f = fiber.new(function() local ok = os.execute('sleep 3') return ok end)
 f:name('busy')
 f:set_joinable(true)
 print(f:join() and 'done')
