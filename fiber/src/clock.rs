@@ -115,6 +115,25 @@ impl Rate {
     }
 }
 
+impl Rate {
+    /// As [`Rate::now`], but `None` instead of waiting for the clock's first 2 ms (its first
+    /// measurement needs them): for a caller that can do without.
+    pub fn now_without_wait() -> Option<Rate> {
+        if PS_PER_TICK.load(Ordering::Relaxed) == 0
+            && base().at.elapsed() < Duration::from_millis(2)
+        {
+            return None;
+        }
+        Some(Rate::now())
+    }
+
+    /// How many ticks `d` lasts at this rate (saturating).
+    pub fn ticks_in(self, d: Duration) -> u64 {
+        let t = d.as_nanos().saturating_mul(1000) / u128::from(self.ps_per_tick.max(1));
+        u64::try_from(t).unwrap_or(u64::MAX)
+    }
+}
+
 /// Converts a tick count to a duration.
 pub fn to_duration(delta_ticks: u64) -> Duration {
     Rate::now().duration(delta_ticks)

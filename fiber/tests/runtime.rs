@@ -71,6 +71,67 @@ fn sleep_orders_by_deadline_and_wakeup_ends_it_early() {
     assert_eq!(order, ["fast", "mid", "slow"]);
 }
 
+/// Timers fire on time while the ready queue never empties: the loop then looks at them
+/// only when the counter read at a switch passes the gate set from the first deadline, never
+/// after it (each sleeper wakes no earlier than asked, in deadline order, and none is late by
+/// more than what a loaded machine's scheduling explains), and a sleep added while fibers
+/// spin is seen (its gate is reset).
+#[test]
+fn sleepers_wake_on_time_while_other_fibers_keep_yielding() {
+    let woke = Scheduler::new()
+        .block_on(|| {
+            let stop = Rc::new(std::cell::Cell::new(false));
+            let spinners: Vec<_> = (0..2)
+                .map(|_| {
+                    let stop = stop.clone();
+                    spawn(move || {
+                        // Bounded: a loop that never looked at its timers fails the test
+                        // below (late sleepers) instead of hanging it.
+                        let t0 = Instant::now();
+                        let mut n = 0u64;
+                        while !stop.get() && t0.elapsed() < Duration::from_secs(3) {
+                            yield_now();
+                            n += 1;
+                        }
+                        n
+                    })
+                })
+                .collect();
+            let log = Rc::new(RefCell::new(Vec::new()));
+            let mut sleepers = Vec::new();
+            for ms in [40u64, 5, 20, 80] {
+                let log = log.clone();
+                sleepers.push(spawn(move || {
+                    let t0 = Instant::now();
+                    sleep(Duration::from_millis(ms));
+                    log.borrow_mut().push((ms, t0.elapsed()));
+                }));
+                yield_now();
+            }
+            for s in sleepers {
+                s.join().unwrap();
+            }
+            stop.set(true);
+            for s in spinners {
+                // They yielded all along: thousands of switches per millisecond of sleep.
+                assert!(s.join().unwrap() > 1000);
+            }
+            let v = log.borrow().clone();
+            v
+        })
+        .unwrap();
+    let order: Vec<u64> = woke.iter().map(|(ms, _)| *ms).collect();
+    assert_eq!(order, [5, 20, 40, 80]);
+    for (ms, took) in woke {
+        let asked = Duration::from_millis(ms);
+        assert!(took >= asked, "slept {took:?} for {asked:?}");
+        assert!(
+            took < asked + Duration::from_millis(500),
+            "slept {took:?} for {asked:?}"
+        );
+    }
+}
+
 struct Cleanup(Rc<RefCell<bool>>);
 impl Drop for Cleanup {
     fn drop(&mut self) {

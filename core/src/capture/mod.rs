@@ -81,6 +81,7 @@ fn thread_stack_uncached() -> Option<StackBounds> {
 /// dropped, so that walks from inside it may read it. A runtime wraps each resume of a
 /// coroutine in one. Walks follow the innermost 8 entered stacks (nested deeper, a walk from
 /// the innermost stops where it would leave the eighth).
+#[inline]
 pub fn enter_stack(stack: StackBounds) -> EnteredStack {
     // The entries form a ring holding the innermost MAX_ENTERED stacks; a guard puts back
     // the entry it replaced, so leaving a deeper nesting restores the outer ones.
@@ -113,6 +114,7 @@ pub struct EnteredStack {
 }
 
 impl Drop for EnteredStack {
+    #[inline]
     fn drop(&mut self) {
         STACKS.with(|s| {
             let d = s.depth.get().saturating_sub(1);

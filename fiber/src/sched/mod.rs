@@ -109,6 +109,20 @@ struct Slot {
     top: TopStat,
 }
 
+/// A fiber in the ready queue, with its slot: resuming it and putting it back after it yields
+/// take no lookup in the slot map.
+///
+/// Invariant (what makes `slot` valid when the entry is taken): a fiber is in the queue at
+/// most once (its `queued` flag), only while it is suspended, and a slot leaves the map only
+/// when its fiber returns — after it was taken out of the queue to run — or when the
+/// scheduler is dropped (the queue with it). So the box `slot` points to is in the map, and
+/// holds this fiber, for as long as the entry is queued.
+#[derive(Clone, Copy)]
+pub(crate) struct Ready {
+    fid: FiberId,
+    slot: std::ptr::NonNull<Slot>,
+}
+
 /// One row of `fiber.top()` as the scheduler keeps it: CPU ticks at the end of the last loop
 /// turn, the ticks of that turn, their moving average over turns, and the ticks when top was
 /// turned on (its time counts from there).
@@ -179,8 +193,14 @@ pub(crate) struct Inner {
     /// wait) or the start of a nested one. One counter read per switch serves both the
     /// finished share's CPU time and the next run's start time.
     last_tick: Cell<u64>,
-    ready: RefCell<VecDeque<FiberId>>,
+    /// Fibers ready to run, in order, each with its slot (see [`Ready`]).
+    ready: RefCell<VecDeque<Ready>>,
     timers: RefCell<BinaryHeap<std::cmp::Reverse<(Instant, u64, FiberId)>>>,
+    /// The clock ticks (`last_tick`) from which the timers must be looked at: a little before
+    /// the first one is due (`u64::MAX`: no timer; 0: at the next loop iteration). The loop
+    /// compares the counter it read at the last switch with it instead of reading the
+    /// monotonic clock at every switch while some fiber sleeps.
+    timer_gate: Cell<u64>,
     next_seq: Cell<u64>,
     current: Cell<FiberId>,
     pool: RefCell<stack::Pool>,
@@ -260,6 +280,7 @@ impl Scheduler {
                 last_tick: Cell::new(crate::clock::ticks()),
                 ready: RefCell::new(VecDeque::new()),
                 timers: RefCell::new(BinaryHeap::new()),
+                timer_gate: Cell::new(u64::MAX),
                 next_seq: Cell::new(1),
                 current: Cell::new(0),
                 pool: RefCell::new(stack::Pool::new()),

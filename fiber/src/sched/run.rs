@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use corosensei::CoroutineResult;
 
 use super::{
-    current_ctx, with_sched, Co, FiberCore, Inner, RunError, TopRow, TopStat, Yield, CURRENT,
-    ON_THREAD, SLOT_POOL_MAX,
+    current_ctx, with_sched, Co, FiberCore, Inner, Ready, RunError, TopRow, TopStat, Yield,
+    CURRENT, ON_THREAD, SLOT_POOL_MAX,
 };
 use crate::task::{FiberId, Status};
 
@@ -22,7 +22,9 @@ impl Inner {
                 // (a request made while it idled woke it up, and it comes here first).
                 self.serve_asked();
             }
-            self.fire_timers();
+            if self.last_tick.get() >= self.timer_gate.get() {
+                self.fire_timers();
+            }
             let next = {
                 let mut ready = self.ready.borrow_mut();
                 let mut left = self.turn_left.get();
@@ -39,8 +41,13 @@ impl Inner {
                     .set(if next.is_some() { left - 1 } else { 0 });
                 next
             };
-            if let Some(fid) = next {
-                self.resume(fid);
+            if let Some(r) = next {
+                self.resume(r);
+                continue;
+            }
+            // Nothing ready: the timers due now, whatever the gate says (it is read from the
+            // counter at the last switch, which may be a while ago).
+            if self.fire_timers() {
                 continue;
             }
             if done() {
@@ -135,11 +142,16 @@ impl Inner {
         timers.peek().map(|std::cmp::Reverse((when, _, _))| *when)
     }
 
-    pub(super) fn fire_timers(&self) {
+    /// Makes the fibers whose timers are due ready, and sets the gate of the next check.
+    /// Returns whether any was made ready.
+    #[inline(never)]
+    pub(super) fn fire_timers(&self) -> bool {
         if self.timers.borrow().is_empty() {
-            return;
+            self.timer_gate.set(u64::MAX);
+            return false;
         }
         let now = Instant::now();
+        let mut fired = false;
         loop {
             let top = {
                 let timers = self.timers.borrow();
@@ -156,9 +168,34 @@ impl Inner {
                 .get(&fid)
                 .is_some_and(|s| s.timer_seq == seq);
             if due {
-                self.make_ready(fid);
+                fired |= self.make_ready_if(fid, false);
             }
         }
+        self.set_timer_gate(now);
+        fired
+    }
+
+    /// Sets the gate to a little before the first timer is due (read at `now`): a sixteenth
+    /// of the wait early, so that a tick rate measured a little off (or counters a little
+    /// apart between cores) never makes a timer late, and at most about a second ahead, so
+    /// that a long sleep is looked at again now and then whatever the counter does.
+    fn set_timer_gate(&self, now: Instant) {
+        let first = self
+            .timers
+            .borrow()
+            .peek()
+            .map(|std::cmp::Reverse((when, _, _))| *when);
+        let gate = match (first, crate::clock::Rate::now_without_wait()) {
+            (None, _) => u64::MAX,
+            // The clock's rate is not known yet (its first 2 ms): at every iteration.
+            (Some(_), None) => 0,
+            (Some(when), Some(rate)) => {
+                let wait = rate.ticks_in(when.saturating_duration_since(now));
+                let wait = (wait - wait / 16).min(1 << 31);
+                crate::clock::ticks().saturating_add(wait)
+            }
+        };
+        self.timer_gate.set(gate);
     }
 
     pub(crate) fn make_ready(&self, fid: FiberId) {
@@ -179,7 +216,8 @@ impl Inner {
         if !slot.ctx.queued.get() && fid != self.current.get() {
             slot.ctx.queued.set(true);
             slot.ctx.shared.set_status(Status::Ready);
-            self.ready.borrow_mut().push_back(fid);
+            let slot = std::ptr::NonNull::from(&mut **slot);
+            self.ready.borrow_mut().push_back(Ready { fid, slot });
         }
         true
     }
@@ -192,6 +230,8 @@ impl Inner {
         }
         let mut timers = self.timers.borrow_mut();
         timers.push(std::cmp::Reverse((when, seq, fid)));
+        // Looked at on the next loop iteration, which sets the gate from the first timer.
+        self.timer_gate.set(0);
         // A fiber woken early (or cancelled, or gone) leaves its timer in the heap until the
         // timer's time comes: a fiber that sleeps an hour and is cancelled at once, a million
         // times, would leave a million. Each fiber has at most one live timer, so past twice
@@ -204,21 +244,34 @@ impl Inner {
         }
     }
 
-    /// Takes fiber `fid`'s coroutine out of its slot to resume it (`None`: gone, or running).
-    pub(super) fn take_co(&self, fid: FiberId) -> Option<(Co, *const FiberCore)> {
-        let mut slots = self.slots.borrow_mut();
-        let slot = slots.get_mut(&fid)?;
-        let co = slot.co.take()?;
-        slot.ctx.queued.set(false);
-        Some((co, &slot.ctx as *const FiberCore))
+    /// Takes a ready fiber's coroutine out of its slot to resume it (`None`: running).
+    fn take_co(&self, r: Ready) -> Option<Co> {
+        let p = r.slot.as_ptr();
+        // SAFETY: `r` was just taken out of the ready queue: its slot is in the map and holds
+        // fiber `r.fid` (the invariant of `Ready`). No reference to this slot is live: the
+        // map is not borrowed, and the fiber is suspended (its own frames hold none while
+        // parked that are used before it runs again). Only the two fields are touched.
+        unsafe {
+            let ctx: &FiberCore = &(*p).ctx;
+            debug_assert_eq!(ctx.shared.id, r.fid);
+            let co = (*p).co.take()?;
+            (*p).ctx.queued.set(false);
+            Some(co)
+        }
     }
 
-    /// Resumes fiber `fid` from the scheduler loop.
-    pub(super) fn resume(&self, fid: FiberId) {
-        let Some((co, ctx_ptr)) = self.take_co(fid) else {
+    /// Resumes ready fiber `r` from the scheduler loop.
+    ///
+    /// Inlined into the loop, as `run_co` is: every return executed right after a stack
+    /// switch is mispredicted (the CPU's return-address stack holds the other stack's
+    /// calls), so each function left between the switch back and the next resume cost a
+    /// pipeline flush — two of them were a fifth of a yield (51 -> 41 ns).
+    #[inline(always)]
+    pub(super) fn resume(&self, r: Ready) {
+        let Some(co) = self.take_co(r) else {
             return;
         };
-        self.run_co(fid, co, ctx_ptr);
+        self.run_co(r, co);
         self.current.set(0);
     }
 
@@ -226,9 +279,14 @@ impl Inner {
     /// resume (run state, status, switch count, CPU time, sampler), then puts it back in its
     /// slot or, when it returned, frees it. Leaves the sampler showing no fiber running and
     /// `CURRENT` as it found it; `self.current` is the caller's to restore.
-    pub(super) fn run_co(&self, fid: FiberId, mut co: Co, ctx_ptr: *const FiberCore) {
-        // SAFETY: the FiberCore is boxed in its slot, which lives until the fiber finishes
-        // (removed below, after the coroutine returned).
+    #[inline(always)]
+    pub(super) fn run_co(&self, this: Ready, mut co: Co) {
+        let fid = this.fid;
+        let slot_ptr = this.slot.as_ptr();
+        // SAFETY: the slot is boxed in the map, where it stays until the fiber finishes
+        // (removed below, after the coroutine returned); see `Ready`.
+        let ctx_ptr: *const FiberCore = unsafe { &raw const (*slot_ptr).ctx };
+        // SAFETY: as above: the context lives in the slot.
         let ctx = unsafe { &*ctx_ptr };
         let shared = &ctx.shared;
         shared.run.begin_resume();
@@ -242,7 +300,7 @@ impl Inner {
         }
         // Counted before it runs: the count differs from the one of its last suspension
         // (trace caches are keyed by it) as soon as it can suspend again.
-        shared.add_run(1, 0);
+        shared.add_switch();
         self.current.set(fid);
         let prev = CURRENT.with(|c| c.replace(ctx_ptr));
         let _stack = fibertrace_core::enter_stack(shared.stack);
@@ -254,18 +312,17 @@ impl Inner {
         // Fibers this one started at once ran inside the resume and moved `last_tick`: the
         // time since is this fiber's.
         let t1 = crate::clock::ticks();
-        shared.add_run(0, t1.wrapping_sub(self.last_tick.get()));
+        shared.add_ticks(t1.wrapping_sub(self.last_tick.get()));
         self.last_tick.set(t1);
         CURRENT.with(|c| c.set(prev));
         match r {
             CoroutineResult::Yield(y) => {
-                let mut slots = self.slots.borrow_mut();
-                if let Some(slot) = slots.get_mut(&fid) {
-                    slot.co = Some(co);
-                    if y == Yield::Ready && !slot.ctx.queued.get() {
-                        slot.ctx.queued.set(true);
-                        self.ready.borrow_mut().push_back(fid);
-                    }
+                // SAFETY: a fiber that suspended is still in the map (see `Ready`), and no
+                // reference to its `co` field is live (it was taken out before the resume).
+                unsafe { (*slot_ptr).co = Some(co) };
+                if y == Yield::Ready && !ctx.queued.get() {
+                    ctx.queued.set(true);
+                    self.ready.borrow_mut().push_back(this);
                 }
             }
             CoroutineResult::Return(()) => {
@@ -307,13 +364,14 @@ impl Inner {
     pub(super) fn run_nested(&self, me: &FiberCore, target: FiberId) -> bool {
         let me_id = me.shared.id;
         // Searched from the back, where a fiber just spawned is.
-        let pos = self.ready.borrow().iter().rposition(|&x| x == target);
+        let pos = self.ready.borrow().iter().rposition(|x| x.fid == target);
         let Some(pos) = pos else {
             return false;
         };
+        let r = self.ready.borrow()[pos];
         // A fiber in the ready queue is suspended: its coroutine is in its slot (if not, it
         // is left where it is).
-        let Some((co, ctx_ptr)) = self.take_co(target) else {
+        let Some(co) = self.take_co(r) else {
             return false;
         };
         self.ready.borrow_mut().remove(pos);
@@ -323,16 +381,16 @@ impl Inner {
         shared.run.publish_suspended();
         // `me`'s share of the CPU ends here.
         let t = crate::clock::ticks();
-        shared.add_run(0, t.wrapping_sub(self.last_tick.get()));
+        shared.add_ticks(t.wrapping_sub(self.last_tick.get()));
         self.last_tick.set(t);
         crate::running::set_idle(&self.shared.on_thread);
-        self.run_co(target, co, ctx_ptr);
+        self.run_co(r, co);
         // Back in `me`: its run goes on.
         me.queued.set(false);
         self.current.set(me_id);
         shared.run.begin_resume();
         shared.set_status(Status::Running);
-        shared.add_run(1, 0);
+        shared.add_switch();
         // A new run for the sampler and the stall watchdog, from the end of the nested one.
         crate::running::set_running(&self.shared.on_thread, shared, self.last_tick.get());
         true

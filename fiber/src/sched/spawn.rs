@@ -15,8 +15,8 @@ use super::handle::{needs_slot, Fiber, JoinError, JoinHandle, ResultSlot};
 use super::names::name_from_bytes;
 use super::panic;
 use super::{
-    current_ctx, with_sched, Cancelled, Co, FiberCore, Inner, Scheduler, Slot, TopStat, Yield,
-    SCHED,
+    current_ctx, with_sched, Cancelled, Co, FiberCore, Inner, Ready, Scheduler, Slot, TopStat,
+    Yield, SCHED,
 };
 use crate::frames::call_user;
 use crate::registry::SlabIndex;
@@ -326,8 +326,11 @@ impl Builder {
             .shared
             .fibers
             .add(&mut inner.reg.borrow_mut(), shared.clone());
-        inner.slots.borrow_mut().insert(id, slot);
-        inner.ready.borrow_mut().push_back(id);
+        let slot = {
+            let mut slots = inner.slots.borrow_mut();
+            std::ptr::NonNull::from(&mut **slots.entry(id).insert_entry(slot).into_mut())
+        };
+        inner.ready.borrow_mut().push_back(Ready { fid: id, slot });
         Ok(JoinHandle {
             fiber: Fiber { shared },
             result,

@@ -715,11 +715,16 @@ impl ControlBlock {
         unsafe { *self.ctx.get() }
     }
 
-    /// Counts switches into the fiber and adds CPU ticks (the scheduler's thread is the only
-    /// writer of both: a load and a store each, no locked read-modify-write).
+    /// Counts a switch into the fiber (the scheduler's thread is the only writer: a load and
+    /// a store, no locked read-modify-write).
     #[inline]
-    pub(crate) fn add_run(&self, switches: u64, ticks: u64) {
-        single_writer_add(&self.csw, switches);
+    pub(crate) fn add_switch(&self) {
+        single_writer_add(&self.csw, 1);
+    }
+
+    /// Adds the CPU ticks of a run (single writer, as [`ControlBlock::add_switch`]).
+    #[inline]
+    pub(crate) fn add_ticks(&self, ticks: u64) {
         single_writer_add(&self.cpu_ticks, ticks);
     }
 
