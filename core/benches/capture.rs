@@ -14,35 +14,10 @@ use fibertrace_core::{
     Unwinder,
 };
 
+mod shared;
+use shared::{deep, park, private_symbol};
+
 const DEPTH: u32 = 32;
-
-/// Recurses `n` levels, then runs `f` at the bottom.
-#[inline(never)]
-fn deep(n: u32, f: &mut dyn FnMut()) {
-    if n == 0 {
-        f();
-    } else {
-        deep(n - 1, f);
-    }
-    black_box(());
-}
-
-type BacktraceFn = unsafe extern "C" fn(*mut *mut libc::c_void, libc::c_int) -> libc::c_int;
-
-/// `backtrace` from a library opened privately (RTLD_LOCAL): glibc's, or libunwind's
-/// `unw_backtrace`, without letting either rebind anything in this process.
-fn private_symbol(lib: &std::ffi::CStr, sym: &std::ffi::CStr) -> Option<BacktraceFn> {
-    // SAFETY: dlopen/dlsym with valid NUL-terminated names; the handle is never closed, so
-    // the function pointer stays valid.
-    unsafe {
-        let h = libc::dlopen(lib.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
-        if h.is_null() {
-            return None;
-        }
-        let p = libc::dlsym(h, sym.as_ptr());
-        (!p.is_null()).then(|| std::mem::transmute::<*mut libc::c_void, BacktraceFn>(p))
-    }
-}
 
 fn frames_at_depth() -> u64 {
     let mut n = 0;
@@ -131,20 +106,6 @@ fn capture(c: &mut Criterion) {
         }
     }
     g.finish();
-}
-
-#[inline(never)]
-fn park(y: &Yielder<(), ()>, ctx: &std::cell::Cell<SavedContext>, n: u32) {
-    if n > 0 {
-        park(y, ctx, n - 1);
-        black_box(());
-        return;
-    }
-    let mut c = ctx.get();
-    c.record();
-    ctx.set(c);
-    y.suspend(());
-    black_box(());
 }
 
 fn suspended(c: &mut Criterion) {

@@ -4,6 +4,8 @@
 #![cfg(feature = "libunwind")]
 
 mod common;
+#[path = "../benches/shared/mod.rs"]
+mod shared;
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -51,22 +53,9 @@ mod coro {
     use corosensei::{Coroutine, Yielder};
     use fibertrace_core::{SavedContext, StackBounds};
     use std::cell::Cell;
-    use std::hint::black_box;
     use std::rc::Rc;
 
-    #[inline(never)]
-    fn park(y: &Yielder<(), ()>, ctx: &Cell<SavedContext>, depth: u32) {
-        if depth > 0 {
-            park(y, ctx, depth - 1);
-            black_box(());
-            return;
-        }
-        let mut c = ctx.get();
-        c.record();
-        ctx.set(c);
-        y.suspend(());
-        black_box(());
-    }
+    use super::shared::park;
 
     pub fn parked() -> (Coroutine<(), (), ()>, SavedContext) {
         let stack = DefaultStack::new(128 * 1024).unwrap();

@@ -9,34 +9,10 @@ use std::time::{Duration, Instant};
 
 use corosensei::{Coroutine, CoroutineResult};
 use criterion::{criterion_group, criterion_main, Criterion};
-use fibertrace_fiber::{
-    channel, spawn, yield_now, Channel, InfoOptions, Scheduler, SchedulerOptions,
-};
+mod shared;
+use shared::{ping_pong, sched};
 
-fn sched(traced: bool, parent_traces: bool) -> Scheduler {
-    Scheduler::with_options(SchedulerOptions {
-        traced,
-        parent_traces,
-        stack_size: 64 * 1024,
-        ..SchedulerOptions::default()
-    })
-}
-
-/// Time per switch of `iters` yields in each of two fibers.
-fn ping_pong(traced: bool, iters: u64) -> Duration {
-    let s = sched(traced, false);
-    for _ in 0..2 {
-        s.spawn(move || {
-            // Measured from inside: each yield switches to the other fiber.
-            for _ in 0..iters {
-                yield_now();
-            }
-        });
-    }
-    let t0 = Instant::now();
-    s.run().unwrap();
-    t0.elapsed()
-}
+use fibertrace_fiber::{channel, spawn, Channel, InfoOptions, Scheduler};
 
 fn switches(c: &mut Criterion) {
     let mut g = c.benchmark_group("yield_ping_pong");

@@ -31,10 +31,16 @@ use fibertrace_core::{
     collect_from_into, collect_into, Backtrace, CaptureOptions, Frame, SavedContext, StackBounds,
     Unwinder,
 };
-use fibertrace_fiber::{yield_now, Scheduler, SchedulerOptions};
 
 #[path = "../../core/tests/synth/mod.rs"]
 mod synth;
+
+#[path = "../../core/benches/shared/mod.rs"]
+mod core_shared;
+use core_shared::{deep, park, private_symbol};
+
+mod shared;
+use shared::ping_pong;
 
 const LWS_TSV: &str = include_str!("../../core/tests/data/lws-vectors.tsv");
 
@@ -65,36 +71,6 @@ fn median(key: &str) -> Option<f64> {
         v.sort_by(f64::total_cmp);
         v.get(v.len() / 2).copied()
     })
-}
-
-/// Recurses `n` levels, then runs `f` at the bottom.
-#[inline(never)]
-fn deep(n: u32, f: &mut dyn FnMut()) {
-    if n == 0 {
-        f();
-    } else {
-        deep(n - 1, f);
-    }
-    black_box(());
-}
-
-type BacktraceFn = unsafe extern "C" fn(*mut *mut libc::c_void, libc::c_int) -> libc::c_int;
-
-/// `unw_backtrace` from libunwind opened privately (RTLD_LOCAL), so that it rebinds nothing.
-fn unw_backtrace() -> Option<BacktraceFn> {
-    // SAFETY: dlopen/dlsym with valid NUL-terminated names; the handle is never closed, so
-    // the function pointer stays valid.
-    unsafe {
-        let h = libc::dlopen(
-            c"libunwind.so.8".as_ptr(),
-            libc::RTLD_NOW | libc::RTLD_LOCAL,
-        );
-        if h.is_null() {
-            return None;
-        }
-        let p = libc::dlsym(h, c"unw_backtrace".as_ptr());
-        (!p.is_null()).then(|| std::mem::transmute::<*mut libc::c_void, BacktraceFn>(p))
-    }
 }
 
 const STACK_FRAMES: usize = 42;
@@ -142,7 +118,7 @@ fn capture(c: &mut Criterion) {
             record("precise", n, d)
         })
     });
-    match unw_backtrace() {
+    match private_symbol(c"libunwind.so.8", c"unw_backtrace") {
         Some(unw) => {
             g.bench_function("libunwind_unw_backtrace", |b| {
                 b.iter_custom(|n| {
@@ -171,20 +147,6 @@ fn capture(c: &mut Criterion) {
     }
     g.finish();
     println!("frames captured: fibertrace precise {ours}, libunwind {theirs}");
-}
-
-#[inline(never)]
-fn park(y: &Yielder<(), ()>, ctx: &std::cell::Cell<SavedContext>, n: u32) {
-    if n > 0 {
-        park(y, ctx, n - 1);
-        black_box(());
-        return;
-    }
-    let mut c = ctx.get();
-    c.record();
-    ctx.set(c);
-    y.suspend(());
-    black_box(());
 }
 
 type Parked = (
@@ -228,33 +190,48 @@ fn chase(saved: &SavedContext, out: &mut [u64; 30]) {
     }
 }
 
+/// A suspended coroutine whose fast walk finds exactly `frames` frames (the parking depth
+/// tried from `depths`), and its saved context.
+fn parked_walking(frames: usize, depths: std::ops::Range<u32>) -> (Parked, SavedContext) {
+    let opts = CaptureOptions::with_unwinder(Unwinder::Fast);
+    let mut bt = Backtrace::new();
+    let p = depths
+        .map(parked)
+        .find(|(_, ctx)| {
+            collect_from_into(&ctx.get(), &opts, &mut bt);
+            bt.len() == frames
+        })
+        .unwrap_or_else(|| panic!("a {frames}-frame suspended coroutine"));
+    let saved = p.1.get();
+    (p, saved)
+}
+
+/// A timed loop of fast walks of `saved`, recorded as figure `key`.
+fn walks(b: &mut criterion::Bencher, key: &'static str, saved: &SavedContext) {
+    let opts = CaptureOptions::with_unwinder(Unwinder::Fast);
+    let mut bt = Backtrace::new();
+    b.iter_custom(|n| {
+        let t0 = Instant::now();
+        for _ in 0..n {
+            collect_from_into(black_box(saved), &opts, &mut bt);
+            black_box(&bt);
+        }
+        record(key, n, t0.elapsed())
+    })
+}
+
 fn suspended(c: &mut Criterion) {
     let opts = CaptureOptions::with_unwinder(Unwinder::Fast);
     let mut bt = Backtrace::new();
     // Sized to 30 frames as the walk counts them.
-    let (mut co, ctx) = (20..40)
-        .map(parked)
-        .find(|(_, ctx)| {
-            collect_from_into(&ctx.get(), &opts, &mut bt);
-            bt.len() == 30
-        })
-        .expect("a 30-frame suspended coroutine");
-    let saved = ctx.get();
+    let ((mut co, _ctx), saved) = parked_walking(30, 20..40);
+    collect_from_into(&saved, &opts, &mut bt);
     let mut floor = [0u64; 30];
     chase(&saved, &mut floor);
     let walked: Vec<u64> = bt.frames().iter().filter_map(Frame::address).collect();
     assert_eq!(walked, floor, "the floor follows the walk's own chain");
     let mut g = c.benchmark_group("suspended_walk_30_frames");
-    g.bench_function("fibertrace_fast", |b| {
-        b.iter_custom(|n| {
-            let t0 = Instant::now();
-            for _ in 0..n {
-                collect_from_into(black_box(&saved), &opts, &mut bt);
-                black_box(&bt);
-            }
-            record("walk", n, t0.elapsed())
-        })
-    });
+    g.bench_function("fibertrace_fast", |b| walks(b, "walk", &saved));
     g.bench_function("pointer_chase_floor", |b| {
         b.iter_custom(|n| {
             let t0 = Instant::now();
@@ -267,56 +244,22 @@ fn suspended(c: &mut Criterion) {
     });
     // The same walk over a 10-frame coroutine: with the 30-frame one, the walk's cost per
     // frame and its fixed part.
-    let (mut co10, ctx10) = (1..20)
-        .map(parked)
-        .find(|(_, ctx)| {
-            collect_from_into(&ctx.get(), &opts, &mut bt);
-            bt.len() == 10
-        })
-        .expect("a 10-frame suspended coroutine");
-    let saved10 = ctx10.get();
+    let ((mut co10, _ctx10), saved10) = parked_walking(10, 1..20);
     g.bench_function("fibertrace_fast_10_frames", |b| {
-        b.iter_custom(|n| {
-            let t0 = Instant::now();
-            for _ in 0..n {
-                collect_from_into(black_box(&saved10), &opts, &mut bt);
-                black_box(&bt);
-            }
-            record("walk10", n, t0.elapsed())
-        })
+        walks(b, "walk10", &saved10)
     });
     g.finish();
     while let CoroutineResult::Yield(()) = co.resume(()) {}
     while let CoroutineResult::Yield(()) = co10.resume(()) {}
 }
 
-/// Time of `iters` yields in each of two fibers, per switch.
-fn ping_pong(traced: bool, iters: u64) -> Duration {
-    let s = Scheduler::with_options(SchedulerOptions {
-        traced,
-        parent_traces: false,
-        stack_size: 64 * 1024,
-        ..SchedulerOptions::default()
-    });
-    for _ in 0..2 {
-        s.spawn(move || {
-            for _ in 0..iters {
-                yield_now();
-            }
-        });
-    }
-    let t0 = Instant::now();
-    s.run().unwrap();
-    t0.elapsed() / 2
-}
-
 fn yields(c: &mut Criterion) {
     let mut g = c.benchmark_group("yield_per_switch");
     g.bench_function("traced", |b| {
-        b.iter_custom(|n| record("traced", n, ping_pong(true, n)))
+        b.iter_custom(|n| record("traced", n, ping_pong(true, n) / 2))
     });
     g.bench_function("untraced", |b| {
-        b.iter_custom(|n| record("untraced", n, ping_pong(false, n)))
+        b.iter_custom(|n| record("untraced", n, ping_pong(false, n) / 2))
     });
     g.bench_function("bare_corosensei", |b| {
         b.iter_custom(|n| {
