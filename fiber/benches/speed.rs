@@ -10,7 +10,8 @@
 //!   chain of saved frame pointers on the same stack, followed with nothing else done (a chain
 //!   of dependent loads, the least any walk can do);
 //! - a Rust-level yield through the scheduler, traced and untraced, beside a bare corosensei
-//!   resume/suspend;
+//!   resume/suspend and a minimal scheduler (two coroutines in a queue whose bodies yield
+//!   through a function call: the switch's cost once returns follow it);
 //! - the native codec's module-relative encode against CBF's, per frame, on the lws vector
 //!   corpus, and its bytes per frame.
 //!
@@ -273,7 +274,40 @@ fn yields(c: &mut Criterion) {
             record("corosensei", n, t0.elapsed())
         })
     });
+    // The least a scheduler does: two coroutines in a queue, each resumed in turn, whose
+    // bodies yield through a function call (as every runtime's yield is called). The bare
+    // switch above is ~2 ns only because nothing returns between a resume and the next
+    // suspend; a call in between costs every return after a switch a misprediction (the
+    // return-address stack holds the other stack's calls): this is the floor of a yield
+    // that user code calls.
+    g.bench_function("minimal_scheduler", |b| {
+        b.iter_custom(|n| {
+            type Min = Coroutine<(), (), ()>;
+            let mk = || {
+                Box::new(Min::new(move |y: &Yielder<(), ()>, ()| {
+                    for _ in 0..n {
+                        yield_through_a_call(y);
+                    }
+                }))
+            };
+            let mut ready: std::collections::VecDeque<Box<Min>> = [mk(), mk()].into();
+            let t0 = Instant::now();
+            while let Some(mut co) = ready.pop_front() {
+                if let CoroutineResult::Yield(()) = co.resume(()) {
+                    ready.push_back(co);
+                }
+            }
+            record("minimal", n, t0.elapsed() / 2)
+        })
+    });
     g.finish();
+}
+
+/// A yield as user code calls it: a function that suspends.
+#[inline(never)]
+fn yield_through_a_call(y: &Yielder<(), ()>) {
+    y.suspend(());
+    black_box(());
 }
 
 fn codec(c: &mut Criterion) {
@@ -364,13 +398,20 @@ fn table(_c: &mut Criterion) {
             );
         }
     }
-    if let (Some(t), Some(u), Some(c)) =
-        (median("traced"), median("untraced"), median("corosensei"))
-    {
+    if let (Some(t), Some(u), Some(c), Some(m)) = (
+        median("traced"),
+        median("untraced"),
+        median("corosensei"),
+        median("minimal"),
+    ) {
         let holds = if t <= 25.0 { "holds" } else { "MISSED" };
         println!(
             "{:<44} {t:>8.2} ns  (bare corosensei switch {c:.2} ns)  (goal <= 25 ns)  {holds}",
             "yield through the scheduler, traced"
+        );
+        println!(
+            "{:<44} {m:>8.2} ns  (two coroutines in a queue, yielding through a call)",
+            "  the least a scheduler's yield costs"
         );
         line("yield, traced vs untraced", t, "ns", "untraced", u, 1.05);
     }
