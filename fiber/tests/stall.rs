@@ -514,3 +514,57 @@ fn stalls_suppressed_by_the_rate_limit_are_counted_when_the_burst_ends() {
         .to_text()
         .contains("more stall reports suppressed by the rate limit")));
 }
+
+/// `flush` waits for a report the watchdog is making (a program about to end calls it, or
+/// its exit would cut the report off): when it returns true, the report's delivery is over;
+/// given too little time it says false; with nothing being made it returns at once.
+#[test]
+fn flush_waits_for_the_report_being_made() {
+    let _t = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let t0 = Instant::now();
+    assert!(watchdog::flush(Duration::from_secs(5)));
+    assert!(
+        t0.elapsed() < Duration::from_millis(200),
+        "{:?}",
+        t0.elapsed()
+    );
+    let entered = Arc::new(AtomicBool::new(false));
+    let delivered = Arc::new(AtomicBool::new(false));
+    let (e2, d2) = (entered.clone(), delivered.clone());
+    // The first stall report's delivery takes 800 ms (as a cold symbolization may).
+    watchdog::set_handler(move |r| {
+        if matches!(r, Report::Stall(_)) && !e2.swap(true, Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(800));
+            d2.store(true, Ordering::SeqCst);
+        }
+    });
+    watchdog::start(Config {
+        threshold: Duration::from_millis(50),
+        ..Config::default()
+    });
+    let t = std::thread::spawn(|| {
+        Scheduler::new()
+            .block_on(|| {
+                Builder::new()
+                    .name("hog")
+                    .spawn(|| busy_1(Instant::now() + Duration::from_millis(300)))
+                    .join()
+                    .unwrap()
+            })
+            .unwrap()
+    });
+    let t0 = Instant::now();
+    while !entered.load(Ordering::SeqCst) {
+        assert!(t0.elapsed() < Duration::from_secs(10), "no stall report");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(!watchdog::flush(Duration::from_millis(50)));
+    assert!(!delivered.load(Ordering::SeqCst));
+    assert!(watchdog::flush(Duration::from_secs(5)));
+    assert!(
+        delivered.load(Ordering::SeqCst),
+        "flush returned while a report was being delivered"
+    );
+    t.join().unwrap();
+    watchdog::stop();
+}

@@ -153,6 +153,43 @@ fn a_busy_lua_fiber_is_reported_with_its_lua_frames() {
     }
 }
 
+/// A stall found just before the program ends is reported before it ends: the exit waits
+/// (a few seconds at most) for a report still being made — the first one of a debug build
+/// symbolizes its frames cold, which takes longer than the 100 ms this script has left —
+/// whether the script returns or calls `os.exit`.
+#[test]
+fn a_stall_found_just_before_the_end_is_reported_before_the_exit() {
+    for end in ["", "os.exit(0)"] {
+        let script = format!(
+            r#"
+if jit then jit.off() end
+local fiber = require('fiber')
+local clock = require('clock')
+local function spin(until_t) local n = 0 while clock.monotonic() < until_t do n = n + 1 end return n end
+local f = fiber.new(function() local n = spin(clock.monotonic() + 0.6) return n end)
+f:name('busy')
+f:set_joinable(true)
+print(f:join())
+{end}
+"#
+        );
+        let (code, out, err) = run_script(&["--stall-ms", "100"], &script);
+        assert_eq!(code, 0, "{err}");
+        assert!(out.starts_with("true\t"), "{out}");
+        let (ms, report) = first_busy_report(&err);
+        assert!((100.0..=250.0).contains(&ms), "{err}");
+        let path = script_path(&["--stall-ms", "100"], &script);
+        assert_eq!(
+            frame_bodies(&report),
+            [
+                format!("spin in @{path}:5"),
+                format!("function <{path}:6> in @{path}:6")
+            ],
+            "{err}"
+        );
+    }
+}
+
 /// A fiber inside a C function that does not return to Lua (here: waiting for a child
 /// process) cannot be stopped at a Lua line: the report has its native frames and names the
 /// C function it sits in. (It waits 3 s: the report comes at 4x the threshold, 200 ms more for

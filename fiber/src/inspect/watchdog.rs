@@ -10,7 +10,8 @@
 //! the threshold. Reports are rate-limited; the next one says how many were suppressed (or,
 //! when no report follows within the second, a [`Report::Suppressed`] does). A count still
 //! pending when the program ends is the program's to say: [`take_suppressed`] (or
-//! [`stop`], which delivers it).
+//! [`stop`], which delivers it). A program about to end waits for a report still being made
+//! with [`flush`] (its exit would cut it off).
 //!
 //! A run is measured in the CPU time of the scheduler's thread, so a thread the OS
 //! preempted under load is not taken for a hogging fiber. A fiber blocked in the kernel (a
@@ -178,6 +179,25 @@ struct State {
     reports: AtomicU64,
     /// Stall reports dropped by the rate limit and not yet counted in a delivered report.
     suppressed: AtomicU64,
+    /// Reports being made now, from the sample (or the scan) that found them to their
+    /// delivery: what [`flush`] waits for.
+    in_flight: AtomicU64,
+}
+
+/// Counts a report as being made while it lives (see [`flush`]).
+struct InFlight;
+
+impl InFlight {
+    fn new() -> InFlight {
+        state().in_flight.fetch_add(1, Ordering::AcqRel);
+        InFlight
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        state().in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 fn state() -> &'static State {
@@ -191,6 +211,7 @@ fn state() -> &'static State {
         thread: Mutex::new(None),
         reports: AtomicU64::new(0),
         suppressed: AtomicU64::new(0),
+        in_flight: AtomicU64::new(0),
     })
 }
 
@@ -226,6 +247,25 @@ pub fn stop() {
     if n > 0 {
         deliver(&Report::Suppressed(n));
     }
+}
+
+/// Waits, at most `max`, until no report is being made: one the watchdog found (it sampled
+/// the fiber, or its scan found a blocked one) is delivered by then — for a program about to
+/// end, whose exit would otherwise cut off a report still being built (symbolizing a large
+/// binary's frames the first time takes a while). Returns whether none is left; a stall the
+/// watchdog has not noticed yet (it looks once per tick) is not waited for. Safe from any
+/// thread but the watchdog's own (from a report handler it would wait for itself: it returns
+/// false after `max`).
+pub fn flush(max: Duration) -> bool {
+    let st = state();
+    let t0 = Instant::now();
+    while st.in_flight.load(Ordering::Acquire) > 0 {
+        if t0.elapsed() >= max {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    true
 }
 
 /// Takes the count of stall reports suppressed by the rate limit that no delivered report
@@ -447,6 +487,7 @@ fn run() {
                 st.suppressed.fetch_add(1, Ordering::AcqRel);
                 continue;
             }
+            let _in_flight = InFlight::new();
             let Some(sample) = super::sample::sample(s, Duration::from_millis(500)) else {
                 continue;
             };
@@ -506,6 +547,7 @@ fn run() {
                             continue;
                         }
                         let opts = crate::InfoOptions::default();
+                        let _in_flight = InFlight::new();
                         if let Some((fiber, note)) = super::fiber_part(s, f.id, &opts, wait) {
                             if note.is_some() {
                                 wait = Duration::ZERO;
