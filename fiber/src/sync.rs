@@ -229,7 +229,8 @@ pub enum ChannelError {
     Closed,
     /// The deadline passed.
     Timeout,
-    /// The operation would block and the caller is not a fiber (or `try_` was used).
+    /// The operation would block and the caller is not a fiber (or `try_` was used, or its
+    /// scheduler is being dropped: a destructor run by the drop cannot wait).
     WouldBlock,
 }
 
@@ -504,6 +505,10 @@ impl<T> Channel<T> {
         sched::block(WaitOn::ChannelSend(c.id), deadline);
         drop(waiting);
         std::mem::forget(pass_on);
+        if sched::dropping() {
+            // Its scheduler is being dropped: no room can come any more.
+            return Err(ChannelError::WouldBlock);
+        }
         if deadline.is_some_and(|d| Instant::now() >= d) && !c.closed.get() {
             // A wake-up for room may have come with the timeout: pass it on.
             if c.buf.borrow().len() < c.cap.max(1) {
@@ -578,6 +583,10 @@ impl<T> Channel<T> {
             sched::block(WaitOn::ChannelReceive(c.id), deadline);
             drop(waiting);
             std::mem::forget(pass_on);
+            if sched::dropping() {
+                // Its scheduler is being dropped: nothing can come any more.
+                return Err(ChannelError::WouldBlock);
+            }
         }
     }
 }
@@ -684,7 +693,8 @@ impl Cond {
         sched::block(WaitOn::Condition(self.id), deadline);
         let still_waiting = self.waiters.borrow().is_queued(waiting.ticket);
         drop(waiting);
-        !(still_waiting && deadline.is_some_and(|d| Instant::now() >= d))
+        // (Its scheduler being dropped, the wait ends at once, unsignalled: as a timeout.)
+        !(still_waiting && (deadline.is_some_and(|d| Instant::now() >= d) || sched::dropping()))
     }
 
     /// Wakes one waiter.

@@ -730,3 +730,137 @@ fn timers_of_cancelled_sleepers_do_not_accumulate() {
     // At most two fibers lived at a time: the heap never held more than 2 * 2 + 64 + 1.
     assert!(s.timer_entries() <= 69, "{} timers", s.timer_entries());
 }
+
+/// Calls `yield_to` on the fiber it is given when dropped (from a fiber's stack being
+/// unwound).
+struct StartsOnDrop(Rc<RefCell<Option<fibertrace_fiber::Fiber>>>);
+impl Drop for StartsOnDrop {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.borrow_mut().take() {
+            fibertrace_fiber::yield_to(&f);
+        }
+    }
+}
+
+/// A scheduler dropped with fibers left: a destructor of a suspended fiber that asks to start
+/// another fiber still in the ready queue (`yield_to`) starts nothing — the queue is emptied
+/// before the fibers are unwound (its entries point into slots the drop frees) — and the
+/// fiber that never ran never runs.
+#[test]
+fn a_destructor_run_by_the_scheduler_drop_starts_no_queued_fiber() {
+    for _ in 0..20 {
+        let s = Scheduler::new();
+        let target: Rc<RefCell<Option<fibertrace_fiber::Fiber>>> = Rc::new(RefCell::new(None));
+        let t2 = target.clone();
+        // Parked for good, with a destructor on its stack.
+        s.spawn(move || {
+            let _guard = StartsOnDrop(t2);
+            fibertrace_fiber::suspend();
+        });
+        // (Its run ends as a deadlock: the only fiber left waits for a wake-up.)
+        assert!(matches!(s.run(), Err(RunError::Deadlock { .. })));
+        // Queued, never run.
+        let ran = Rc::new(std::cell::Cell::new(false));
+        let r2 = ran.clone();
+        let never = s.spawn(move || r2.set(true));
+        assert_eq!(never.fiber().status(), Status::Ready);
+        *target.borrow_mut() = Some(never.fiber().clone());
+        assert_eq!(s.fiber_count(), 2);
+        drop(s);
+        assert!(
+            !ran.get(),
+            "a queued fiber ran while its scheduler was dropped"
+        );
+    }
+}
+
+/// A scheduler runs once at a time: `run` or `block_on` called from one of its own fibers is
+/// refused (its loop would see the calling fiber as not running), and the outer run goes on.
+#[test]
+fn running_a_scheduler_from_its_own_fiber_is_refused() {
+    let s = Rc::new(Scheduler::new());
+    let inner = s.clone();
+    let got = s
+        .block_on(move || {
+            let ran = Rc::new(std::cell::Cell::new(false));
+            let r2 = ran.clone();
+            inner.spawn(move || r2.set(true));
+            let run = inner.run();
+            let block = inner.block_on(|| 1).err().map(|e| e.to_string());
+            yield_now();
+            (run, block, ran.get())
+        })
+        .unwrap();
+    assert_eq!(got.0, Err(RunError::Reentered));
+    assert_eq!(
+        got.1.as_deref(),
+        Some("the scheduler is already running: run or block_on from its own fiber")
+    );
+    // The fiber spawned from inside ran in the outer run, as usual.
+    assert!(got.2);
+    // And the scheduler runs again once the outer run ended.
+    assert_eq!(s.block_on(|| 7).unwrap(), 7);
+}
+
+/// Waits something does in a destructor that the scheduler's drop runs (unwinding a fiber
+/// left suspended) end at once instead of switching — a switch there made the unwinding
+/// start over inside the destructor: a panic while panicking, the process aborted. Each wait
+/// says it did not get what it waited for; none sleeps or hangs.
+#[test]
+fn waits_in_destructors_run_by_the_scheduler_drop_end_at_once() {
+    struct WaitsOnDrop(
+        Rc<RefCell<Vec<String>>>,
+        fibertrace_fiber::Channel<u8>,
+        Rc<Cond>,
+    );
+    impl Drop for WaitsOnDrop {
+        fn drop(&mut self) {
+            let mut log = Vec::new();
+            yield_now();
+            log.push("yielded".to_string());
+            let t0 = Instant::now();
+            sleep(Duration::from_secs(30));
+            log.push(format!("slept {}", t0.elapsed() < Duration::from_secs(5)));
+            log.push(format!(
+                "recv {:?}",
+                self.1.recv_timeout(Duration::from_secs(30))
+            ));
+            log.push(format!("recv {:?}", self.1.recv()));
+            self.1.try_send(1).unwrap();
+            log.push(format!(
+                "send {:?}",
+                self.1.send_timeout(2, Duration::from_secs(30))
+            ));
+            log.push(format!(
+                "cond {}",
+                self.2.wait_timeout(Duration::from_secs(30))
+            ));
+            fibertrace_fiber::suspend();
+            log.push("suspended".to_string());
+            self.0.borrow_mut().extend(log);
+        }
+    }
+    let log = Rc::new(RefCell::new(Vec::new()));
+    let s = Scheduler::new();
+    let (l2, ch, cond) = (log.clone(), channel::<u8>(1), Rc::new(Cond::new()));
+    s.spawn(move || {
+        let _guard = WaitsOnDrop(l2, ch, cond);
+        fibertrace_fiber::suspend();
+    });
+    assert!(matches!(s.run(), Err(RunError::Deadlock { .. })));
+    let t0 = Instant::now();
+    drop(s);
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    assert_eq!(
+        *log.borrow(),
+        [
+            "yielded",
+            "slept true",
+            "recv Err(WouldBlock)",
+            "recv None",
+            "send Err(WouldBlock)",
+            "cond false",
+            "suspended"
+        ]
+    );
+}

@@ -530,10 +530,15 @@ fn flush_waits_for_the_report_being_made() {
     );
     let entered = Arc::new(AtomicBool::new(false));
     let delivered = Arc::new(AtomicBool::new(false));
-    let (e2, d2) = (entered.clone(), delivered.clone());
-    // The first stall report's delivery takes 800 ms (as a cold symbolization may).
+    let in_handler = Arc::new(Mutex::new(None));
+    let (e2, d2, h2) = (entered.clone(), delivered.clone(), in_handler.clone());
+    // The first stall report's delivery takes 800 ms (as a cold symbolization may). A
+    // handler's own `flush` (one that ends the program) does not wait for itself.
     watchdog::set_handler(move |r| {
         if matches!(r, Report::Stall(_)) && !e2.swap(true, Ordering::SeqCst) {
+            let t0 = Instant::now();
+            let flushed = watchdog::flush(Duration::from_secs(5));
+            *h2.lock().unwrap() = Some((flushed, t0.elapsed()));
             std::thread::sleep(Duration::from_millis(800));
             d2.store(true, Ordering::SeqCst);
         }
@@ -565,6 +570,9 @@ fn flush_waits_for_the_report_being_made() {
         delivered.load(Ordering::SeqCst),
         "flush returned while a report was being delivered"
     );
+    let (flushed, took) = in_handler.lock().unwrap().unwrap();
+    assert!(!flushed);
+    assert!(took < Duration::from_millis(100), "{took:?}");
     t.join().unwrap();
     watchdog::stop();
 }

@@ -184,6 +184,12 @@ struct State {
     in_flight: AtomicU64,
 }
 
+thread_local! {
+    /// Set on the watchdog's own thread (a report handler that ends the program runs there:
+    /// its `flush` would wait for its own report).
+    static ON_WATCHDOG: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// Counts a report as being made while it lives (see [`flush`]).
 struct InFlight;
 
@@ -253,11 +259,14 @@ pub fn stop() {
 /// the fiber, or its scan found a blocked one) is delivered by then — for a program about to
 /// end, whose exit would otherwise cut off a report still being built (symbolizing a large
 /// binary's frames the first time takes a while). Returns whether none is left; a stall the
-/// watchdog has not noticed yet (it looks once per tick) is not waited for. Safe from any
-/// thread but the watchdog's own (from a report handler it would wait for itself: it returns
-/// false after `max`).
+/// watchdog has not noticed yet (it looks once per tick) is not waited for. On the
+/// watchdog's own thread (a report handler that ends the program) it does not wait: the
+/// report being made is the caller's own.
 pub fn flush(max: Duration) -> bool {
     let st = state();
+    if ON_WATCHDOG.with(|w| w.get()) {
+        return st.in_flight.load(Ordering::Acquire) == 0;
+    }
     let t0 = Instant::now();
     while st.in_flight.load(Ordering::Acquire) > 0 {
         if t0.elapsed() >= max {
@@ -393,6 +402,7 @@ fn layer_frames(
 }
 
 fn run() {
+    ON_WATCHDOG.with(|w| w.set(true));
     let st = state();
     // Open the program's symbols now, on the side, not when the first report is printed: a
     // large binary's debug info takes a while to index (the stalled process may not live
@@ -519,6 +529,7 @@ fn run() {
             && window_start.elapsed() >= Duration::from_secs(1)
             && st.suppressed.load(Ordering::Acquire) > 0
         {
+            let _in_flight = InFlight::new();
             let n = take_suppressed();
             if n > 0 {
                 deliver(&Report::Suppressed(n));

@@ -115,8 +115,11 @@ struct Slot {
 /// Invariant (what makes `slot` valid when the entry is taken): a fiber is in the queue at
 /// most once (its `queued` flag), only while it is suspended, and a slot leaves the map only
 /// when its fiber returns — after it was taken out of the queue to run — or when the
-/// scheduler is dropped (the queue with it). So the box `slot` points to is in the map, and
-/// holds this fiber, for as long as the entry is queued.
+/// scheduler is dropped (which empties the queue first). So the box `slot` points to is in
+/// the map, and holds this fiber, for as long as the entry is queued. This needs the run
+/// loop not to be re-entered (a loop run inside one of its own fibers would see that fiber
+/// as not running and could queue it): `run` and `block_on` refuse that
+/// ([`RunError::Reentered`]).
 #[derive(Clone, Copy)]
 pub(crate) struct Ready {
     fid: FiberId,
@@ -214,6 +217,8 @@ pub(crate) struct Inner {
     turn: Cell<u64>,
     /// Fibers of the current turn not run yet.
     turn_left: Cell<usize>,
+    /// Set while `run` or `block_on` runs this scheduler (see `Running`).
+    running: Cell<bool>,
     /// `fiber.top()`: whether on, the clock ticks when the current turn began, and the
     /// scheduler's own row (the time of a turn no fiber ran, waiting included) and the
     /// whole turn's (the sum of every row).
@@ -247,6 +252,9 @@ pub enum RunError {
         /// The fibers left waiting.
         fibers: Vec<FiberId>,
     },
+    /// `run` or `block_on` was called from one of the scheduler's own fibers while it runs
+    /// (a scheduler runs once at a time; its fibers yield to it instead).
+    Reentered,
 }
 
 impl std::fmt::Display for RunError {
@@ -257,6 +265,9 @@ impl std::fmt::Display for RunError {
                 "all fibers are asleep — deadlock ({} fibers waiting)",
                 fibers.len()
             ),
+            RunError::Reentered => {
+                f.write_str("the scheduler is already running: run or block_on from its own fiber")
+            }
         }
     }
 }
@@ -287,6 +298,7 @@ impl Scheduler {
                 free_slots: RefCell::new(Vec::new()),
                 turn: Cell::new(1),
                 turn_left: Cell::new(0),
+                running: Cell::new(false),
                 top_on: Cell::new(false),
                 turn_start: Cell::new(0),
                 top_sched: Cell::new(TopStat::default()),
@@ -361,6 +373,7 @@ impl Scheduler {
     /// Runs fibers until none is left. Returns an error (and leaves the waiting fibers in
     /// place) on a deadlock.
     pub fn run(&self) -> Result<(), RunError> {
+        let _running = Running::new(&self.inner)?;
         let _enter = Enter::new(&self.inner);
         self.inner.run_loop(|| false)
     }
@@ -372,6 +385,7 @@ impl Scheduler {
         F: FnOnce() -> T + 'static,
         T: 'static,
     {
+        let _running = Running::new(&self.inner).map_err(BlockOnError::Run)?;
         let h = Builder::new()
             .name("main")
             .spawn_on(&self.inner, f, 3)
@@ -399,6 +413,10 @@ impl Drop for Scheduler {
         // Fibers still suspended are dropped: corosensei unwinds their stacks (running their
         // destructors). Mark each dead first, so no inspector walks a stack being freed.
         (self.inner.hooks.dropped)(self.inner.shared.id);
+        // No fiber is resumed from the queue again: a destructor run below that starts a
+        // queued fiber (`yield_to`) finds none (the entries point into slots freed here).
+        self.inner.ready.borrow_mut().clear();
+        self.inner.turn_left.set(0);
         let _enter = Enter::new(&self.inner);
         let slots: Vec<(FiberId, Box<Slot>)> = self.inner.slots.borrow_mut().drain().collect();
         for (_, mut slot) in slots {
@@ -453,6 +471,25 @@ impl std::fmt::Display for BlockOnError {
 }
 
 impl std::error::Error for BlockOnError {}
+
+/// Marks a scheduler as running while `run` or `block_on` runs it: the run loop is not
+/// re-entered (the ready queue's slot pointers rely on it, see [`Ready`]).
+struct Running<'a>(&'a Inner);
+
+impl<'a> Running<'a> {
+    fn new(inner: &'a Inner) -> Result<Running<'a>, RunError> {
+        if inner.running.replace(true) {
+            return Err(RunError::Reentered);
+        }
+        Ok(Running(inner))
+    }
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.0.running.set(false);
+    }
+}
 
 /// Makes a scheduler current on this thread while it runs.
 struct Enter {
@@ -526,6 +563,13 @@ pub(crate) struct Cancelled;
 #[inline(never)]
 pub(crate) fn suspend_current(why: Yield) {
     let ctx = current_ctx().expect("suspend outside a fiber");
+    if ctx.dropping.get() {
+        // Its scheduler is being dropped and unwinds this fiber's stack: nothing will resume
+        // it, and a switch now would make corosensei unwind again from inside the
+        // destructor that waits (a panic while panicking: the process aborts). The wait
+        // ends at once; the waits that loop see `dropping()` and give up.
+        return;
+    }
     let shared = &ctx.shared;
     shared.record_suspension();
     shared.run.publish_suspended();
@@ -577,6 +621,12 @@ pub(crate) fn is_cancelled_fiber(sched: u64, fid: FiberId) -> bool {
                 .unwrap_or(false)
     })
     .unwrap_or(false)
+}
+
+/// Whether the current fiber is being unwound by its scheduler's drop: its waits end at
+/// once (see `suspend_current`), and the waits that loop give up.
+pub(crate) fn dropping() -> bool {
+    current_ctx().is_some_and(|c| c.dropping.get())
 }
 
 /// Whether the current fiber was cancelled.

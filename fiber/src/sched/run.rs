@@ -150,7 +150,7 @@ impl Inner {
             self.timer_gate.set(u64::MAX);
             return false;
         }
-        let now = Instant::now();
+        let (now, now_ticks) = (Instant::now(), crate::clock::ticks());
         let mut fired = false;
         loop {
             let top = {
@@ -171,15 +171,16 @@ impl Inner {
                 fired |= self.make_ready_if(fid, false);
             }
         }
-        self.set_timer_gate(now);
+        self.set_timer_gate(now, now_ticks);
         fired
     }
 
-    /// Sets the gate to a little before the first timer is due (read at `now`): a sixteenth
-    /// of the wait early, so that a tick rate measured a little off (or counters a little
-    /// apart between cores) never makes a timer late, and at most about a second ahead, so
-    /// that a long sleep is looked at again now and then whatever the counter does.
-    fn set_timer_gate(&self, now: Instant) {
+    /// Sets the gate to a little before the first timer is due (`now` read with the counter
+    /// at `now_ticks`): a sixteenth of the wait early, so that a tick rate measured a little
+    /// off (or counters a little apart between cores) never makes a timer late, and at most
+    /// about a second ahead, so that a long sleep is looked at again now and then whatever
+    /// the counter does.
+    fn set_timer_gate(&self, now: Instant, now_ticks: u64) {
         let first = self
             .timers
             .borrow()
@@ -192,7 +193,7 @@ impl Inner {
             (Some(when), Some(rate)) => {
                 let wait = rate.ticks_in(when.saturating_duration_since(now));
                 let wait = (wait - wait / 16).min(1 << 31);
-                crate::clock::ticks().saturating_add(wait)
+                now_ticks.saturating_add(wait)
             }
         };
         self.timer_gate.set(gate);
@@ -247,8 +248,9 @@ impl Inner {
     /// Takes a ready fiber's coroutine out of its slot to resume it (`None`: running).
     fn take_co(&self, r: Ready) -> Option<Co> {
         let p = r.slot.as_ptr();
-        // SAFETY: `r` was just taken out of the ready queue: its slot is in the map and holds
-        // fiber `r.fid` (the invariant of `Ready`). No reference to this slot is live: the
+        // SAFETY: `r` is an entry of the ready queue (just taken out of it, or about to be, in
+        // `run_nested`): its slot is in the map and holds fiber `r.fid` (the invariant of
+        // `Ready`). No reference to this slot is live: the
         // map is not borrowed, and the fiber is suspended (its own frames hold none while
         // parked that are used before it runs again). Only the two fields are touched.
         unsafe {
