@@ -13,6 +13,10 @@ use super::{
 use crate::task::{FiberId, Status};
 
 impl Inner {
+    /// The loop of `run` and `block_on`. Compiled on its own, whatever its caller holds: the
+    /// yield's cost depends on how the loop around the inlined resume is laid out, and inlined
+    /// into `run` beside one more guard it was a third slower (40 -> 57 ns a yield).
+    #[inline(never)]
     pub(super) fn run_loop(&self, mut done: impl FnMut() -> bool) -> Result<(), RunError> {
         // Time between runs is nobody's: the first fiber's share starts now.
         self.last_tick.set(crate::clock::ticks());
