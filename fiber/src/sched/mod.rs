@@ -557,12 +557,12 @@ pub(crate) fn current_shared() -> Option<Arc<ControlBlock>> {
 /// Marker payload of the unwinding that cancels a fiber.
 pub(crate) struct Cancelled;
 
-/// Switches away from the running fiber back to the scheduler (the other suspension point is
-/// `Inner::run_nested`): records the registers (when tracing), publishes `Suspended`, and
-/// switches. After the resume, raises the cancellation if the fiber was cancelled meanwhile.
+/// Switches the running fiber (`ctx`: its context, which the caller has already read) back
+/// to the scheduler (the other suspension point is `Inner::run_nested`): records the
+/// registers (when tracing), publishes `Suspended`, and switches. After the resume, raises the
+/// cancellation if the fiber was cancelled meanwhile.
 #[inline(never)]
-pub(crate) fn suspend_current(why: Yield) {
-    let ctx = current_ctx().expect("suspend outside a fiber");
+pub(crate) fn suspend_current(ctx: &FiberCore, why: Yield) {
     if ctx.dropping.get() {
         // Its scheduler is being dropped and unwinds this fiber's stack: nothing will resume
         // it, and a switch now would make corosensei unwind again from inside the
@@ -639,7 +639,7 @@ pub fn is_cancelled() -> bool {
 pub fn yield_now() {
     if let Some(ctx) = current_ctx() {
         ctx.shared.set_status(Status::Ready);
-        suspend_current(Yield::Ready);
+        suspend_current(ctx, Yield::Ready);
         // Not a tail call: `yield_now` stays in the suspended fiber's trace.
         std::hint::black_box(());
     }
@@ -667,7 +667,7 @@ macro_rules! yield_to_body {
                 return;
             }
         }
-        suspend_current(Yield::Ready);
+        suspend_current(ctx, Yield::Ready);
     }};
 }
 
@@ -706,7 +706,7 @@ pub fn sleep(d: Duration) {
     let fid = ctx.shared.id;
     with_sched(|s| s.add_timer(fid, Instant::now() + d));
     ctx.shared.begin_wait(Status::Sleeping, WaitOn::Sleep);
-    suspend_current(Yield::Blocked);
+    suspend_current(ctx, Yield::Blocked);
     ctx.shared.end_wait();
 }
 
@@ -725,7 +725,7 @@ pub(crate) fn block(on: WaitOn, deadline: Option<Instant>) {
         with_sched(|s| s.add_timer(fid, d));
     }
     ctx.shared.begin_wait(Status::Waiting, on);
-    suspend_current(Yield::Blocked);
+    suspend_current(ctx, Yield::Blocked);
     ctx.shared.end_wait();
 }
 
@@ -737,7 +737,7 @@ pub fn suspend() {
         return;
     };
     ctx.shared.begin_wait(Status::Suspended, WaitOn::Wakeup);
-    suspend_current(Yield::Blocked);
+    suspend_current(ctx, Yield::Blocked);
     ctx.shared.end_wait();
 }
 
