@@ -20,6 +20,19 @@ fn collect_reports() -> Arc<Mutex<Vec<(Instant, Report)>>> {
     got
 }
 
+/// Runs `f` as fiber `name`, the only fiber of a scheduler on a thread of its own; joining
+/// the thread gives `f`'s result.
+fn on_own_thread<T: Send + 'static>(
+    name: &'static str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> std::thread::JoinHandle<T> {
+    std::thread::spawn(move || {
+        Scheduler::new()
+            .block_on(move || Builder::new().name(name).spawn(f).join().unwrap())
+            .unwrap()
+    })
+}
+
 #[inline(never)]
 fn busy_3(until: Instant) -> u64 {
     let mut n = 0u64;
@@ -147,17 +160,7 @@ fn a_stall_inside_glibc_still_gets_a_full_native_trace() {
         threshold: Duration::from_millis(50),
         ..Config::default()
     });
-    let t = std::thread::spawn(|| {
-        Scheduler::new()
-            .block_on(|| {
-                Builder::new()
-                    .name("sorter")
-                    .spawn(sort_stuck)
-                    .join()
-                    .unwrap();
-            })
-            .unwrap()
-    });
+    let t = on_own_thread("sorter", sort_stuck);
     let t0 = Instant::now();
     while t0.elapsed() < Duration::from_secs(10)
         && !got
@@ -373,16 +376,8 @@ fn reports_are_rate_limited_with_a_suppressed_count() {
         max_reports_per_sec: 1,
         ..Config::default()
     });
-    let t = std::thread::spawn(|| {
-        Scheduler::new()
-            .block_on(|| {
-                Builder::new()
-                    .name("greedy")
-                    .spawn(|| busy_1(Instant::now() + Duration::from_millis(2200)))
-                    .join()
-                    .unwrap()
-            })
-            .unwrap()
+    let t = on_own_thread("greedy", || {
+        busy_1(Instant::now() + Duration::from_millis(2200))
     });
     t.join().unwrap();
     watchdog::stop();
@@ -412,16 +407,8 @@ fn an_idle_scheduler_waiting_for_a_timer_is_not_a_stall() {
         threshold: Duration::from_millis(20),
         ..Config::default()
     });
-    let t = std::thread::spawn(|| {
-        Scheduler::new()
-            .block_on(|| {
-                Builder::new()
-                    .name("napper")
-                    .spawn(|| fibertrace_fiber::sleep(Duration::from_millis(300)))
-                    .join()
-                    .unwrap()
-            })
-            .unwrap()
+    let t = on_own_thread("napper", || {
+        fibertrace_fiber::sleep(Duration::from_millis(300))
     });
     t.join().unwrap();
     watchdog::stop();
@@ -547,16 +534,8 @@ fn flush_waits_for_the_report_being_made() {
         threshold: Duration::from_millis(50),
         ..Config::default()
     });
-    let t = std::thread::spawn(|| {
-        Scheduler::new()
-            .block_on(|| {
-                Builder::new()
-                    .name("hog")
-                    .spawn(|| busy_1(Instant::now() + Duration::from_millis(300)))
-                    .join()
-                    .unwrap()
-            })
-            .unwrap()
+    let t = on_own_thread("hog", || {
+        busy_1(Instant::now() + Duration::from_millis(300))
     });
     let t0 = Instant::now();
     while !entered.load(Ordering::SeqCst) {
