@@ -251,12 +251,12 @@ impl Inner {
 
     /// Takes a ready fiber's coroutine out of its slot to resume it (`None`: running).
     fn take_co(&self, r: Ready) -> Option<Co> {
+        // `r` is an entry of the ready queue (just taken out of it, or about to be, in
+        // `run_nested`). No reference to its slot is live: the map is not borrowed, and the
+        // fiber is suspended (its frames use none before it runs again).
         let p = r.slot.as_ptr();
-        // SAFETY: `r` is an entry of the ready queue (just taken out of it, or about to be, in
-        // `run_nested`): its slot is in the map and holds fiber `r.fid` (the invariant of
-        // `Ready`). No reference to this slot is live: the
-        // map is not borrowed, and the fiber is suspended (its own frames hold none while
-        // parked that are used before it runs again). Only the two fields are touched.
+        // SAFETY: a queued entry's slot is in the map and holds fiber `r.fid` (the invariant
+        // of `Ready`); only its `ctx.queued` and `co` fields are touched.
         unsafe {
             let ctx: &FiberCore = &(*p).ctx;
             debug_assert_eq!(ctx.shared.id, r.fid);
