@@ -11,8 +11,8 @@
 //! gets a fair share of the capacity and loses frames from its middle, recorded as `Omitted`;
 //! boundary markers are never dropped, so no ancestor disappears.
 
+use arrayvec::ArrayVec;
 use serde::{Deserialize, Serialize};
-use smallvec::SmallVec;
 
 use crate::frame::{FiberId, Frame};
 
@@ -91,7 +91,22 @@ impl CaptureOptions {
 #[derive(Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(into = "Vec<Frame>", from = "Vec<Frame>")]
 pub struct Backtrace {
-    frames: SmallVec<[Frame; CAPACITY]>,
+    /// (Fixed capacity, the length beside the array: a `SmallVec`'s length, which moves when
+    /// it spills, is read through a conditional move, and a capture's read of it right after
+    /// the previous capture wrote it stalled: ~5 ns a capture.)
+    frames: Frames,
+}
+
+/// A backtrace's storage.
+type Frames = ArrayVec<Frame, CAPACITY>;
+
+/// Appends `more` to `v`, which the caller has checked it fits in (the rest is dropped if
+/// not, never a panic).
+fn extend(v: &mut Frames, more: &[Frame]) {
+    let n = more.len().min(v.remaining_capacity());
+    debug_assert_eq!(n, more.len(), "a backtrace's frames fit its capacity");
+    v.try_extend_from_slice(&more[..n])
+        .expect("at most the remaining capacity");
 }
 
 impl std::fmt::Debug for Backtrace {
@@ -116,7 +131,7 @@ impl Backtrace {
     /// An empty backtrace.
     pub const fn new() -> Self {
         Backtrace {
-            frames: SmallVec::new_const(),
+            frames: ArrayVec::new_const(),
         }
     }
 
@@ -125,7 +140,7 @@ impl Backtrace {
     pub fn from_frames(frames: &[Frame]) -> Self {
         let mut bt = Backtrace::new();
         if frames.len() <= CAPACITY {
-            bt.frames.extend_from_slice(frames);
+            extend(&mut bt.frames, frames);
         } else {
             bt.frames = fit(frames, CAPACITY);
         }
@@ -138,7 +153,7 @@ impl Backtrace {
     pub fn set_frames(&mut self, frames: &[Frame]) {
         self.frames.clear();
         if frames.len() <= CAPACITY {
-            self.frames.extend_from_slice(frames);
+            extend(&mut self.frames, frames);
         } else {
             self.frames = fit(frames, CAPACITY);
         }
@@ -204,8 +219,8 @@ impl Backtrace {
     fn splice(&mut self, middle: &[Frame], other: &[Frame]) {
         let total = self.frames.len() + middle.len() + other.len();
         if total <= CAPACITY {
-            self.frames.extend_from_slice(middle);
-            self.frames.extend_from_slice(other);
+            extend(&mut self.frames, middle);
+            extend(&mut self.frames, other);
             return;
         }
         let mut all: Vec<Frame> = Vec::with_capacity(total);
@@ -260,14 +275,15 @@ impl<'a> Iterator for Segments<'a> {
 /// Fits `frames` into `cap` entries: `Parent` markers are kept; the segments between them
 /// share the rest fairly (water-filling) and each over-long segment keeps its innermost and
 /// outermost frames around an `Omitted` marker.
-pub(crate) fn fit(frames: &[Frame], cap: usize) -> SmallVec<[Frame; CAPACITY]> {
+pub(crate) fn fit(frames: &[Frame], cap: usize) -> Frames {
+    let cap = cap.min(CAPACITY);
     let segs: Vec<&[Frame]> = frames.split(|f| matches!(f, Frame::Parent(_))).collect();
     let markers: Vec<Frame> = frames
         .iter()
         .copied()
         .filter(|f| matches!(f, Frame::Parent(_)))
         .collect();
-    let mut out: SmallVec<[Frame; CAPACITY]> = SmallVec::new();
+    let mut out = Frames::new();
     if markers.len() >= cap {
         // Pathological: more ancestors than room. Keep the innermost ancestry.
         out.extend(
@@ -325,9 +341,9 @@ fn water_fill(lens: &[usize], room: usize) -> Vec<usize> {
 /// Pushes `seg` into `out` using at most `share` entries: when it is longer, its middle is
 /// replaced by one `Omitted` marker (counting omitted frames, including the counts of any
 /// `Omitted` markers that were inside the dropped part).
-fn squeeze_into(seg: &[Frame], share: usize, out: &mut SmallVec<[Frame; CAPACITY]>) {
+fn squeeze_into(seg: &[Frame], share: usize, out: &mut Frames) {
     if seg.len() <= share {
-        out.extend_from_slice(seg);
+        extend(out, seg);
         return;
     }
     if share == 0 {
@@ -345,9 +361,9 @@ fn squeeze_into(seg: &[Frame], share: usize, out: &mut SmallVec<[Frame; CAPACITY
             _ => omitted = omitted.saturating_add(1),
         }
     }
-    out.extend_from_slice(&seg[..head]);
+    extend(out, &seg[..head]);
     out.push(Frame::Omitted(omitted));
-    out.extend_from_slice(&seg[seg.len() - tail..]);
+    extend(out, &seg[seg.len() - tail..]);
 }
 
 /// Collects frames during a walk and applies `limit` / `offset` / `top` without allocating:
@@ -355,8 +371,8 @@ fn squeeze_into(seg: &[Frame], share: usize, out: &mut SmallVec<[Frame; CAPACITY
 pub(crate) struct FrameSink<'a> {
     out: &'a mut Backtrace,
     /// The backtrace's storage, written directly during the walk; `len` frames are written.
-    /// The SmallVec's own length is set once, in `finish` (keeping the length in a register
-    /// instead of re-reading the SmallVec's header per frame halves the per-frame cost of
+    /// The backtrace's own length is set once, in `finish` (keeping the length in a register
+    /// instead of re-reading the vector's header per frame halves the per-frame cost of
     /// the DWARF walk's bookkeeping).
     head: *mut Frame,
     len: usize,
@@ -390,8 +406,7 @@ impl<'a> FrameSink<'a> {
         out.clear();
         let limit = opts.effective_limit();
         let top = opts.effective_top();
-        // A backtrace never spills (it never holds more than CAPACITY frames), so its inline
-        // storage holds at least CAPACITY >= limit slots.
+        // A backtrace's storage holds CAPACITY >= limit slots.
         debug_assert!(out.frames.capacity() >= limit);
         let head = out.frames.as_mut_ptr();
         FrameSink {
@@ -502,7 +517,23 @@ impl<'a> FrameSink<'a> {
 
     /// Ends the capture; `cut_short` says the walk stopped at its safety bound although the
     /// stack went on.
+    ///
+    /// Inlined for the common case, every frame seen in the backtrace: only its length is
+    /// set (the rest is [`Self::finish_rest`]).
+    #[inline(always)]
     pub fn finish(&mut self, cut_short: bool) {
+        if !self.full && !cut_short && self.seen == self.len as u64 {
+            // SAFETY: exactly the first `len` slots were written (push, push_ras,
+            // commit_direct).
+            unsafe { self.out.frames.set_len(self.len) };
+            return;
+        }
+        self.finish_rest(cut_short);
+    }
+
+    /// [`Self::finish`] when frames were cut, omitted or counted beyond the backtrace.
+    #[inline(never)]
+    fn finish_rest(&mut self, cut_short: bool) {
         let (limit, top, seen, ring_len, ring_pos, full) = (
             self.limit,
             self.top,
@@ -529,10 +560,10 @@ impl<'a> FrameSink<'a> {
             let ring_start = if ring_len < top { 0 } else { ring_pos };
             // The tail is the last `top` frames overall: some may still be in the head if
             // fewer than `top` frames went beyond it.
-            let mut tail: SmallVec<[Frame; CAPACITY]> = SmallVec::new();
+            let mut tail = Frames::new();
             let from_head = top.saturating_sub(ring_len);
             let head_slice_end = out.frames.len();
-            tail.extend_from_slice(&out.frames[head_slice_end - from_head..]);
+            extend(&mut tail, &out.frames[head_slice_end - from_head..]);
             for k in 0..ring_len {
                 // SAFETY: positions are written in order from 0; with ring_len < top the first
                 // ring_len are written, otherwise all `top` are: every index read here was
@@ -542,7 +573,7 @@ impl<'a> FrameSink<'a> {
             let omitted = seen - keep_head as u64 - tail.len() as u64;
             out.frames.truncate(keep_head);
             out.frames.push(Frame::Omitted(omitted));
-            out.frames.extend_from_slice(&tail);
+            extend(&mut out.frames, &tail);
         }
         if cut_short {
             if out.frames.len() >= CAPACITY {

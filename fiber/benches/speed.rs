@@ -221,6 +221,33 @@ fn walks(b: &mut criterion::Bencher, key: &'static str, saved: &SavedContext) {
     })
 }
 
+/// `saved` with its frame pointer made to depend on `dep`, the last word the previous walk
+/// produced (a return address: its top bit is never set in user space, so the frame pointer
+/// stays as it was): each walk starts only when the last one has ended, as each load of a
+/// chain waits for the one before.
+#[inline(always)]
+fn after(saved: &SavedContext, dep: u64) -> SavedContext {
+    let mut c = *saved;
+    c.regs.fp |= dep >> 63;
+    c
+}
+
+/// A timed loop of fast walks of `saved`, each waiting for the last, recorded as `key`.
+fn walks_chained(b: &mut criterion::Bencher, key: &'static str, saved: &SavedContext) {
+    let opts = CaptureOptions::with_unwinder(Unwinder::Fast);
+    let mut bt = Backtrace::new();
+    b.iter_custom(|n| {
+        let mut dep = 0;
+        let t0 = Instant::now();
+        for _ in 0..n {
+            collect_from_into(&after(saved, dep), &opts, &mut bt);
+            dep = bt.frames().last().and_then(Frame::address).unwrap_or(0);
+        }
+        black_box(dep);
+        record(key, n, t0.elapsed())
+    })
+}
+
 fn suspended(c: &mut Criterion) {
     let opts = CaptureOptions::with_unwinder(Unwinder::Fast);
     let mut bt = Backtrace::new();
@@ -241,6 +268,23 @@ fn suspended(c: &mut Criterion) {
                 black_box(&floor);
             }
             record("floor", n, t0.elapsed())
+        })
+    });
+    // Each walk (and each chase) waiting for the last: the floor is then the latency of the
+    // chain of 30 dependent loads, and the walk's is what one walk takes, start to end.
+    g.bench_function("fibertrace_fast_chained", |b| {
+        walks_chained(b, "walk_chained", &saved)
+    });
+    g.bench_function("pointer_chase_floor_chained", |b| {
+        b.iter_custom(|n| {
+            let mut dep = 0;
+            let t0 = Instant::now();
+            for _ in 0..n {
+                chase(&after(&saved, dep), &mut floor);
+                dep = floor[29];
+            }
+            black_box(dep);
+            record("floor_chained", n, t0.elapsed())
         })
     });
     // The same walk over a 10-frame coroutine: with the 30-frame one, the walk's cost per
@@ -388,6 +432,16 @@ fn table(_c: &mut Criterion) {
     }
     if let (Some(a), Some(b)) = (median("walk"), median("floor")) {
         line("suspended fast walk, 30 frames", a, "ns", "floor", b, 1.3);
+        if let (Some(a), Some(b)) = (median("walk_chained"), median("floor_chained")) {
+            line(
+                "  the same, each walk after the last",
+                a,
+                "ns",
+                "floor",
+                b,
+                1.3,
+            );
+        }
         if let Some(a10) = median("walk10") {
             let per = (a - a10) / 20.0;
             println!(

@@ -410,8 +410,8 @@ pub fn collect_from(ctx: &SavedContext, opts: &CaptureOptions) -> Backtrace {
 
 /// [`collect_from`] into an existing backtrace.
 pub fn collect_from_into(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Backtrace) {
-    out.clear();
     if !ctx.is_recorded() {
+        out.clear();
         return;
     }
     let bounds = [StackBounds::new(ctx.regs.sp, ctx.stack.hi)];
@@ -531,10 +531,10 @@ mod tests {
         assert_eq!(current_stacks(), [own]);
     }
 
-    /// A precise capture of the current stack with the given cache.
+    /// A precise capture, with the given cache, of the stack from `regs` (a frame of the
+    /// caller's, live while this runs).
     #[inline(never)]
-    fn precise_with(cache: &mut DwarfCache, out: &mut Backtrace) {
-        let regs = crate::__fibertrace_registers_here!();
+    fn precise_with(regs: Registers, cache: &mut DwarfCache, out: &mut Backtrace) {
         let stack = thread_stack();
         let stacks = [StackBounds::new(regs.sp.max(stack.lo), stack.hi)];
         let opts = CaptureOptions::with_unwinder(Unwinder::Precise);
@@ -558,16 +558,20 @@ mod tests {
         sink.finish(end.cut);
     }
 
-    /// Both walks from one call site, so the stacks are the same: (compact, framehop only).
+    /// Both walks from the same registers, so the stacks are the same: (compact, framehop
+    /// only). (Not from two call sites: the compiler may duplicate a loop around one.)
     #[inline(never)]
     fn both() -> (Vec<Frame>, Vec<Frame>) {
+        let regs = crate::__fibertrace_registers_here!();
         let mut out = [Backtrace::new(), Backtrace::new()];
-        for (i, on) in [true, false].into_iter().enumerate() {
-            let mut cache = DwarfCache::new();
-            cache.set_compact_rules(on);
-            precise_with(&mut cache, &mut out[i]);
-            // A second walk with the now warm cache.
-            precise_with(&mut cache, &mut out[i]);
+        let mut caches = [DwarfCache::new(), DwarfCache::new()];
+        caches[1].set_compact_rules(false);
+        caches[0].set_compact_rules(true);
+        // Cold caches, then warm ones.
+        for _ in 0..2 {
+            for (cache, out) in caches.iter_mut().zip(&mut out) {
+                precise_with(regs, cache, out);
+            }
         }
         let [a, b] = out;
         (a.frames().to_vec(), b.frames().to_vec())

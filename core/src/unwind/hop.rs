@@ -112,6 +112,12 @@ impl Hops {
         h
     }
 
+    /// The span of every hop's range, `[lo, hi)`: empty (`lo == hi`) when none is registered.
+    #[inline]
+    pub(crate) fn span(&self) -> (u64, u64) {
+        (self.lo, self.hi)
+    }
+
     /// Whether `ra` lies outside every hop (one subtraction and one compare: the span is
     /// empty when no hop is registered).
     #[inline(always)]
