@@ -159,6 +159,37 @@ impl Backtrace {
         }
     }
 
+    /// Fills the backtrace in place: `f` writes the first frames of its storage (at most
+    /// `limit`, at most [`CAPACITY`]) and says how many. `None` leaves it empty and says
+    /// `false`.
+    #[inline(always)]
+    pub(crate) fn fill_with(
+        &mut self,
+        limit: usize,
+        f: impl FnOnce(&mut [std::mem::MaybeUninit<Frame>]) -> Option<usize>,
+    ) -> bool {
+        self.frames.clear();
+        // SAFETY: the storage holds CAPACITY slots from `as_mut_ptr`, all free after the
+        // clear and exclusively borrowed; viewing them as MaybeUninit is sound whatever
+        // they hold.
+        let slots = unsafe {
+            std::slice::from_raw_parts_mut(
+                self.frames.as_mut_ptr() as *mut std::mem::MaybeUninit<Frame>,
+                limit.min(CAPACITY),
+            )
+        };
+        let room = slots.len();
+        match f(slots) {
+            Some(n) => {
+                assert!(n <= room, "a fill says it wrote more than it had room for");
+                // SAFETY: `f` wrote the first `n` slots (its contract), n <= CAPACITY.
+                unsafe { self.frames.set_len(n) };
+                true
+            }
+            None => false,
+        }
+    }
+
     /// The frames, innermost first.
     #[inline]
     pub fn frames(&self) -> &[Frame] {

@@ -23,7 +23,7 @@
 
 use std::cell::{Cell, RefCell};
 
-use crate::backtrace::{new_ring, Backtrace, CaptureOptions, FrameSink};
+use crate::backtrace::{new_ring, Backtrace, CaptureOptions, FrameSink, Unwinder};
 use crate::unwind::{self, DwarfCache, Stacks, Start};
 
 pub use crate::arch::{prefetch, registers_from_ucontext, Registers, SavedContext, StackBounds};
@@ -414,6 +414,14 @@ pub fn collect_from_into(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Ba
         out.clear();
         return;
     }
+    if opts.unwinder == Unwinder::Fast && opts.offset == 0 && fp_walk_whole(ctx, opts, out) {
+        return;
+    }
+    collect_from_general(ctx, opts, out);
+}
+
+/// [`collect_from_into`] by the general walk, for a recorded context.
+fn collect_from_general(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Backtrace) {
     let bounds = [StackBounds::new(ctx.regs.sp, ctx.stack.hi)];
     let start = Start {
         regs: ctx.regs,
@@ -422,6 +430,29 @@ pub fn collect_from_into(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Ba
         stop_sp: ctx.stop_sp,
     };
     walk_with_refresh(start, &Stacks::new(&bounds), opts, out);
+}
+
+/// A suspended context's `Fast` walk in one go, when it needs none of the general walk's
+/// machinery (see `unwind::fp_walk_into`): `false` when the general walk must do it (and `out`
+/// is then empty).
+#[inline]
+fn fp_walk_whole(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Backtrace) -> bool {
+    // (The first walk builds the table, through the general walk.)
+    let Some(table) = crate::image::published() else {
+        return false;
+    };
+    with_thread_cache(|c| {
+        out.fill_with(opts.effective_limit(), |dst| {
+            unwind::fp_walk_into(
+                ctx.regs,
+                ctx.stack.hi,
+                ctx.stop_sp,
+                table,
+                &mut c.ranges,
+                dst,
+            )
+        })
+    })
 }
 
 /// [`collect_from_into`] for a signal handler: async-signal-safe (no lock, no allocation, no
@@ -529,6 +560,96 @@ mod tests {
             drop(g);
         }
         assert_eq!(current_stacks(), [own]);
+    }
+
+    /// A coroutine suspended `depth` calls deep, with its saved context (its entry's stack
+    /// pointer as the stop, as the runtime records it).
+    fn parked(
+        depth: u32,
+    ) -> (
+        corosensei::Coroutine<(), (), ()>,
+        std::rc::Rc<std::cell::Cell<SavedContext>>,
+    ) {
+        #[inline(never)]
+        fn park(y: &corosensei::Yielder<(), ()>, ctx: &std::cell::Cell<SavedContext>, n: u32) {
+            if n > 0 {
+                park(y, ctx, n - 1);
+                std::hint::black_box(());
+                return;
+            }
+            let mut c = ctx.get();
+            c.record();
+            ctx.set(c);
+            y.suspend(());
+        }
+        let stack = corosensei::stack::DefaultStack::new(256 * 1024).unwrap();
+        use corosensei::stack::Stack;
+        let bounds = StackBounds::new(stack.limit().get() as u64, stack.base().get() as u64);
+        let ctx = std::rc::Rc::new(std::cell::Cell::new(SavedContext::new(bounds)));
+        let c2 = ctx.clone();
+        let mut co =
+            corosensei::Coroutine::with_stack(stack, move |y: &corosensei::Yielder<(), ()>, ()| {
+                let here = crate::__fibertrace_registers_here!();
+                let mut c = c2.get();
+                c.stop_sp = here.sp;
+                c2.set(c);
+                park(y, &c2, depth);
+                std::hint::black_box(());
+            });
+        co.resume(());
+        (co, ctx)
+    }
+
+    /// The one-go walk of a suspended context (`fp_walk_whole`) gives exactly the general
+    /// walk's frames, and is taken whenever the frames fit: coroutines parked shallower than,
+    /// as deep as and deeper than the backtrace's capacity, with the entry's stop and
+    /// without, under limits and tops that cut, omit, or leave room.
+    #[test]
+    fn a_suspended_walk_in_one_go_gives_the_general_walks_frames() {
+        let mut taken = 0;
+        for depth in [0, 1, 5, 30, 55, 60, 61, 62, 63, 64, 90] {
+            let (mut co, ctx) = parked(depth);
+            for stop in [true, false] {
+                let mut c = ctx.get();
+                if !stop {
+                    c.stop_sp = 0;
+                }
+                for (limit, top) in [(64, 16), (64, 0), (10, 3), (2, 0), (1, 0), (0, 0)] {
+                    let opts = CaptureOptions {
+                        unwinder: Unwinder::Fast,
+                        limit,
+                        offset: 0,
+                        top,
+                    };
+                    let mut general = Backtrace::new();
+                    collect_from_general(&c, &opts, &mut general);
+                    let mut one_go = Backtrace::new();
+                    let whole = fp_walk_whole(&c, &opts, &mut one_go);
+                    let mut api = Backtrace::new();
+                    collect_from_into(&c, &opts, &mut api);
+                    assert_eq!(api, general, "depth {depth}, stop {stop}, {opts:?}");
+                    let fits = !general
+                        .frames()
+                        .iter()
+                        .any(|f| matches!(f, Frame::Omitted(_) | Frame::Truncated));
+                    if whole {
+                        assert_eq!(one_go, general, "depth {depth}, stop {stop}, {opts:?}");
+                        taken += 1;
+                    } else {
+                        assert!(one_go.is_empty());
+                    }
+                    // With the entry's stop and room to spare, the one-go walk does it (a
+                    // stack that fills the limit exactly goes to the general walk, which
+                    // alone knows what is cut; without the stop the chain runs on into the
+                    // coroutine library's entry code, which keeps no frame pointers: DWARF).
+                    if stop && fits && general.len() < opts.effective_limit() {
+                        assert!(whole, "depth {depth}, stop {stop}, {opts:?}: {general:?}");
+                    }
+                }
+            }
+            while let corosensei::CoroutineResult::Yield(()) = co.resume(()) {}
+        }
+        assert!(taken >= 15, "the one-go walk was taken {taken} times");
     }
 
     /// A precise capture, with the given cache, of the stack from `regs` (a frame of the

@@ -191,6 +191,60 @@ pub(crate) fn walk(
     end
 }
 
+/// Whether a frame-pointer walk may start at `ip`, whose code range (as the image table has
+/// it) is `range`: its function keeps frame pointers, or lies outside every image (frame
+/// pointers are the only hope), or in a hop. With the range to seed the walk's fast path
+/// with (a function's first return addresses are often in it: a recursion, a loop's calls).
+#[inline]
+fn fp_at_ip(range: Option<(u64, u64, bool)>, ip: u64) -> (bool, Option<(u64, u64)>) {
+    let ok = range.is_none_or(|r| r.2) || !hop::Hops::snapshot().misses(ip);
+    (ok, range.filter(|r| r.2).map(|(s, e, _)| (s, e)))
+}
+
+/// The frame-pointer walk of a suspended context's stack, `[regs.sp, hi)`, into `dst`: its
+/// `Pc`, then a return address per frame, ending at the frame whose caller's stack pointer
+/// reaches `stop_sp` (when nonzero). The frames are those of the general walk (`walk` with
+/// `Fast`, one stack, no skipping), written straight into `dst` without its generality (the
+/// sink, the walk's state for DWARF): a few hundred instructions fewer a walk.
+///
+/// `None` when the general walk is needed: the code at `ip`, or at a return address on the
+/// way, keeps no frame pointers (DWARF goes on from there), or the frames do not fit `dst`
+/// (the general walk keeps the outermost ones).
+pub(crate) fn fp_walk_into(
+    regs: Registers,
+    hi: u64,
+    stop_sp: u64,
+    table: &ImageTable,
+    ranges: &mut RangeCache,
+    dst: &mut [std::mem::MaybeUninit<Frame>],
+) -> Option<usize> {
+    let Registers { ip, sp, fp } = regs;
+    let (ip_ok, seed) = fp_at_ip(ranges.range(table, ip), ip);
+    if !ip_ok || dst.len() < 2 {
+        return None;
+    }
+    dst[0] = std::mem::MaybeUninit::new(Frame::Pc(ip));
+    let bounds = [StackBounds::new(sp, hi)];
+    let stacks = Stacks::new(&bounds);
+    let Some(seg) = fp_start(&stacks, fp, sp) else {
+        return Some(1);
+    };
+    let (mut w, mut fp) = FpWalk::new(&stacks, fp, stop_sp, seg, Some(table), ranges);
+    if let Some((s, e)) = seed {
+        w.set_ok(s, e - s);
+    }
+    let (n, ended) = w.fill(&mut fp, &mut dst[1..]);
+    (ended && w.not_fp.is_none()).then_some(1 + n)
+}
+
+/// The stack holding frame pointer `fp`, if a frame-pointer walk may start there (inside a
+/// stack, and not below the stack pointer `sp` in it).
+#[inline]
+fn fp_start(stacks: &Stacks<'_>, fp: u64, sp: u64) -> Option<usize> {
+    let seg = stacks.find(fp)?;
+    (stacks.find(sp) != Some(seg) || fp >= sp).then_some(seg)
+}
+
 /// Whether a walk at stack pointer `sp`, in the stack `[lo, hi)`, has reached the stop frame.
 #[inline(always)]
 fn at_stop(stop_sp: u64, sp: u64, lo: u64, hi: u64) -> bool {
@@ -227,10 +281,7 @@ fn walk_inner(
                     Some(c) => c.ranges.range(t, ip),
                     None => t.code_range(ip),
                 };
-                let ok = range.is_none_or(|r| r.2) || !hop::Hops::snapshot().misses(ip);
-                // The function at `ip` keeps frame pointers: the walk's first known range
-                // (its first return addresses are often in it: a recursion, a loop's calls).
-                (ok, range.filter(|r| r.2).map(|(s, e, _)| (s, e)))
+                fp_at_ip(range, ip)
             }
         };
         if ip_ok {
@@ -374,8 +425,20 @@ impl RangeCache {
     }
 
     /// The range holding `pc` (see [`ImageTable::code_range`]).
-    #[inline]
+    ///
+    /// Inlined for the common case, the last range found (a walk's frames are mostly in
+    /// one); the rest is [`RangeCache::range_slow`].
+    #[inline(always)]
     pub(crate) fn range(&mut self, table: &ImageTable, pc: u64) -> Option<(u64, u64, bool)> {
+        let r = self.r[0];
+        if self.table == table as *const ImageTable as usize && pc >= r.0 && pc < r.1 {
+            return Some(r);
+        }
+        self.range_slow(table, pc)
+    }
+
+    #[inline(never)]
+    fn range_slow(&mut self, table: &ImageTable, pc: u64) -> Option<(u64, u64, bool)> {
         let t = table as *const ImageTable as usize;
         if self.table != t {
             *self = RangeCache::new();
@@ -724,6 +787,9 @@ struct FpWalk<'s, 'a> {
     not_fp: Option<(u64, u64, u64)>,
     lo: u64,
     hi: u64,
+    /// The lowest record address in this segment that is the stop frame's (its caller's
+    /// stack pointer, 16 above it, reaches `stop_sp`): `u64::MAX` when the stop is elsewhere.
+    stop_at: u64,
     seg: usize,
     visited: u64,
     hops: hop::Hops,
@@ -752,6 +818,7 @@ impl<'s, 'a> FpWalk<'s, 'a> {
             top: 0,
             lo: 0,
             hi: 0,
+            stop_at: u64::MAX,
             seg,
             visited: 1 << (seg % 64),
             hops: hop::Hops::snapshot(),
@@ -786,14 +853,20 @@ impl<'s, 'a> FpWalk<'s, 'a> {
     /// About ten instructions a frame: two loads, five compares with their branches (taken
     /// only at the end), the frame's two words stored.
     #[inline(always)]
-    fn run(&self, fp: &mut u64, dst: &mut [std::mem::MaybeUninit<Frame>], mut n: usize) -> usize {
+    fn run(&self, fp: &mut u64, dst: &mut [std::mem::MaybeUninit<Frame>], n: usize) -> usize {
         let (top, (lo, hi)) = (self.top, self.run_ras);
         let mut at = *fp;
         // (0: the walk has ended; above `top`: a stop frame below the start, for `step`.)
         if at.wrapping_sub(1) >= top {
             return n;
         }
-        while n < dst.len() {
+        // One pointer through the free slots, no count beside it; `next` aligned and at most
+        // `top` in one compare (rotated, a misaligned value's low bits make it huge).
+        let top8 = top >> 3;
+        let base = dst.as_mut_ptr();
+        let end = base.wrapping_add(dst.len());
+        let mut slot = base.wrapping_add(n);
+        while slot < end {
             // SAFETY: by the invariant, [at, at+16) lies inside stack segment `seg`, which
             // the caller vouched is mapped and readable (`at` is nonzero and at most `top`,
             // checked above for the first record and below for each next one). Volatile:
@@ -805,15 +878,18 @@ impl<'s, 'a> FpWalk<'s, 'a> {
                 )
             };
             // (`next > at`, aligned, and `next <= top` keep the invariant for `next`.)
-            if next <= at || next > top || !next.is_multiple_of(8) || ra < lo || ra > hi {
+            if next <= at || next.rotate_right(3) > top8 || ra < lo || ra > hi {
                 break;
             }
-            dst[n] = std::mem::MaybeUninit::new(Frame::Ra(ra));
-            n += 1;
+            // SAFETY: `slot` is one of `dst`'s slots (n <= slot - base < dst.len()), which
+            // `dst` borrows exclusively.
+            unsafe { slot.write(std::mem::MaybeUninit::new(Frame::Ra(ra))) };
+            slot = slot.wrapping_add(1);
             at = next;
         }
         *fp = at;
-        n
+        // SAFETY: `slot` lies in [base, end], inside (or one past) the same slice.
+        unsafe { slot.offset_from(base) as usize }
     }
 
     /// Fills `dst` with the walk's next frames: how many, and whether the walk has ended.
@@ -850,9 +926,11 @@ impl<'s, 'a> FpWalk<'s, 'a> {
         self.lo = b.lo;
         self.hi = b.hi;
         self.top = b.hi.saturating_sub(16);
+        self.stop_at = u64::MAX;
         if self.stop_sp != 0 && self.stop_sp >= b.lo && self.stop_sp <= b.hi {
             // A record at or above `stop_sp - 16` is the stop frame's: the slow path.
             self.top = self.top.min(self.stop_sp.saturating_sub(24));
+            self.stop_at = self.stop_sp.saturating_sub(16);
         }
     }
 
@@ -896,6 +974,13 @@ impl<'s, 'a> FpWalk<'s, 'a> {
         let fp_code = ra.wrapping_sub(1).wrapping_sub(self.ok_lo) < self.ok_len;
         if up & (ra != 0) & self.hops.misses(ra) & fp_code {
             *fp = next;
+            return Some(ra);
+        }
+        // The usual end of a suspended walk, without the slow path's call: a return address
+        // the fast path takes, whose caller's record (readable, up) is the stop frame's.
+        let (lo, hi) = self.run_ras;
+        if ra >= lo && ra <= hi && next > at && next >= self.stop_at && self.readable(next) != 0 {
+            *fp = 0;
             return Some(ra);
         }
         // (`step_slow` is not inlined: it takes and returns the frame pointer by value, since
@@ -983,12 +1068,9 @@ fn fp_walk(
     seed: Option<(u64, u64)>,
     sink: &mut FrameSink<'_>,
 ) -> FpEnd {
-    let Some(seg) = stacks.find(fp) else {
+    let Some(seg) = fp_start(stacks, fp, sp) else {
         return FpEnd::Done(false);
     };
-    if stacks.find(sp) == Some(seg) && fp < sp {
-        return FpEnd::Done(false);
-    }
     // (Made only when needed: zeroing it cost a nanosecond or two per walk.)
     let mut own;
     let ranges = match ranges {
