@@ -28,6 +28,17 @@
 //! nor anything above them appear. A stack pointer, not a frame pointer: in code built without
 //! frame pointers `rbp` is an ordinary register that may hold the same value for many frames.
 //!
+//! The frame-pointer walk's common step — the caller's record higher up in the same stack,
+//! aligned, below the stop frame, and a return address into code known to keep frame pointers
+//! with no hop in it — runs in a tight loop (`FpWalk::run`, about ten instructions a frame);
+//! anything else takes the full step (`FpWalk::step`), which the loop never contradicts: the
+//! loop accepts a subset of what the full step's fast path accepts (a test checks both
+//! against a plain reference walk on random stacks). A suspended context's `Fast` walk runs
+//! in one go (`fp_walk_into`, into the backtrace's storage without the general walk's sink
+//! and DWARF state); where it cannot finish alone (code without frame pointers on the way,
+//! more frames than fit) it gives up and the general walk starts over, so its result is
+//! always the general walk's (a test compares the two).
+//!
 //! Frame-pointer steps honour registered [`hop`]s (code such as LuaJIT's interpreter that
 //! calls out with a fixed C frame and no frame record of its own).
 //!
