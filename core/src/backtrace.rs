@@ -100,8 +100,8 @@ pub struct Backtrace {
 /// A backtrace's storage.
 type Frames = ArrayVec<Frame, CAPACITY>;
 
-/// Appends `more` to `v`, which the caller has checked it fits in (the rest is dropped if
-/// not, never a panic).
+/// Appends `more` to `v`, which the caller has checked it fits in (if not: a debug build
+/// asserts, a release build drops the rest rather than panic).
 fn extend(v: &mut Frames, more: &[Frame]) {
     let n = more.len().min(v.remaining_capacity());
     debug_assert_eq!(n, more.len(), "a backtrace's frames fit its capacity");
@@ -162,8 +162,12 @@ impl Backtrace {
     /// Fills the backtrace in place: `f` writes the first frames of its storage (at most
     /// `limit`, at most [`CAPACITY`]) and says how many. `None` leaves it empty and says
     /// `false`.
+    ///
+    /// # Safety
+    /// When `f` returns `Some(n)`, it has written the first `n` slots it was given (the
+    /// backtrace then holds them as frames).
     #[inline(always)]
-    pub(crate) fn fill_with(
+    pub(crate) unsafe fn fill_with(
         &mut self,
         limit: usize,
         f: impl FnOnce(&mut [std::mem::MaybeUninit<Frame>]) -> Option<usize>,
@@ -182,7 +186,8 @@ impl Backtrace {
         match f(slots) {
             Some(n) => {
                 assert!(n <= room, "a fill says it wrote more than it had room for");
-                // SAFETY: `f` wrote the first `n` slots (its contract), n <= CAPACITY.
+                // SAFETY: `f` wrote the first `n` slots (the caller's contract), and
+                // n <= room <= CAPACITY.
                 unsafe { self.frames.set_len(n) };
                 true
             }

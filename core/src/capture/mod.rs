@@ -441,18 +441,25 @@ fn fp_walk_whole(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Backtrace)
     let Some(table) = crate::image::published() else {
         return false;
     };
-    with_thread_cache(|c| {
-        out.fill_with(opts.effective_limit(), |dst| {
-            unwind::fp_walk_into(
-                ctx.regs,
-                ctx.stack.hi,
-                ctx.stop_sp,
-                table,
-                &mut c.ranges,
-                dst,
-            )
-        })
-    })
+    let whole = with_thread_cache(|c| {
+        // SAFETY: `fp_walk_into` returns `Some(n)` only having written `dst[..n]` (its `Pc`,
+        // then the frames its walk's `fill` wrote after it).
+        unsafe {
+            out.fill_with(opts.effective_limit(), |dst| {
+                unwind::fp_walk_into(
+                    ctx.regs,
+                    ctx.stack.hi,
+                    ctx.stop_sp,
+                    table,
+                    &mut c.ranges,
+                    dst,
+                )
+            })
+        }
+    });
+    #[cfg(test)]
+    tests::ONE_GO.with(|n| n.set(n.get() + usize::from(whole)));
+    whole
 }
 
 /// [`collect_from_into`] for a signal handler: async-signal-safe (no lock, no allocation, no
@@ -562,6 +569,11 @@ mod tests {
         assert_eq!(current_stacks(), [own]);
     }
 
+    thread_local! {
+        /// One-go walks taken on this thread (`fp_walk_whole`).
+        pub(super) static ONE_GO: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+
     /// A coroutine suspended `depth` calls deep, with its saved context (its entry's stack
     /// pointer as the stop, as the runtime records it).
     fn parked(
@@ -625,8 +637,16 @@ mod tests {
                     collect_from_general(&c, &opts, &mut general);
                     let mut one_go = Backtrace::new();
                     let whole = fp_walk_whole(&c, &opts, &mut one_go);
+                    // The public call takes the one-go walk exactly when it can.
                     let mut api = Backtrace::new();
+                    let before = ONE_GO.with(|n| n.get());
                     collect_from_into(&c, &opts, &mut api);
+                    let used = ONE_GO.with(|n| n.get()) - before;
+                    assert_eq!(
+                        used,
+                        usize::from(whole),
+                        "depth {depth}, stop {stop}, {opts:?}"
+                    );
                     assert_eq!(api, general, "depth {depth}, stop {stop}, {opts:?}");
                     let fits = !general
                         .frames()

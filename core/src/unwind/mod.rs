@@ -854,12 +854,12 @@ impl<'s, 'a> FpWalk<'s, 'a> {
         self.run_ras = run_ras(lo, len, self.hops.span());
     }
 
-    /// The common steps in a tight loop, writing each return address to `dst[n..]`: from
-    /// the record at `*fp`, as long as the caller's record is higher up in the same stack,
-    /// aligned and below the stop frame's, and the return address is one of `run_ras`
-    /// (exactly the steps `step` takes on its fast path, with two compares fewer per frame).
-    /// Returns the new count: at `dst`'s end, or at the first record that needs `step`
-    /// (left at `*fp`).
+    /// The common steps in a tight loop, writing each return address to `dst[n..]`
+    /// (`n <= dst.len()`): from the record at `*fp`, as long as the caller's record is higher
+    /// up in the same stack, aligned and below the stop frame's, and the return address is
+    /// one of `run_ras` (a subset of the steps `step` takes on its fast path, with fewer
+    /// compares per frame). Returns the new count: at `dst`'s end, or at the first record
+    /// that needs `step` (left at `*fp`).
     ///
     /// About ten instructions a frame: two loads, five compares with their branches (taken
     /// only at the end), the frame's two words stored.
@@ -874,6 +874,7 @@ impl<'s, 'a> FpWalk<'s, 'a> {
         // One pointer through the free slots, no count beside it; `next` aligned and at most
         // `top` in one compare (rotated, a misaligned value's low bits make it huge).
         let top8 = top >> 3;
+        assert!(n <= dst.len(), "a count within the slots");
         let base = dst.as_mut_ptr();
         let end = base.wrapping_add(dst.len());
         let mut slot = base.wrapping_add(n);
@@ -1277,9 +1278,10 @@ mod tests {
                 StackBounds::new(base[0], base[0] + 8 * WORDS as u64),
                 StackBounds::new(base[1], hi1),
             ];
+            // (Sometimes misaligned: a stop frame's record can then lie below the start.)
             let stop_sp = match rnd(3) {
                 0 | 1 => 0,
-                _ => base[rnd(2) as usize] + 8 * rnd(WORDS as u64),
+                _ => base[rnd(2) as usize] + 8 * rnd(WORDS as u64) + [0, 0, 0, 3][rnd(4) as usize],
             };
             for s in 0..2 {
                 for i in (0..WORDS).step_by(2) {
