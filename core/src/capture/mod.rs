@@ -414,7 +414,7 @@ pub fn collect_from_into(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Ba
         out.clear();
         return;
     }
-    if opts.unwinder == Unwinder::Fast && opts.offset == 0 && fp_walk_whole(ctx, opts, out) {
+    if opts.unwinder != Unwinder::Precise && opts.offset == 0 && fp_walk_whole(ctx, opts, out) {
         return;
     }
     collect_from_general(ctx, opts, out);
@@ -433,8 +433,9 @@ fn collect_from_general(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Bac
 }
 
 /// A suspended context's `Fast` walk in one go, when it needs none of the general walk's
-/// machinery (see `unwind::fp_walk_into`): `false` when the general walk must do it (and `out`
-/// is then empty).
+/// machinery (see `unwind::fp_walk_into`), and its `Auto` walk the same way when the frames
+/// are provably `Auto`'s (`unwind::fp_walk_is_auto`): `false` when the general walk must do
+/// it (and `out` is then empty).
 #[inline]
 fn fp_walk_whole(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Backtrace) -> bool {
     // (The first walk builds the table, through the general walk.)
@@ -457,9 +458,29 @@ fn fp_walk_whole(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Backtrace)
             })
         }
     });
+    // (Apart, so that a `Fast` walk pays one compare for it.)
+    let whole = whole && (opts.unwinder != Unwinder::Auto || fp_walk_is_auto(ctx, table, out));
     #[cfg(test)]
     tests::ONE_GO.with(|n| n.set(n.get() + usize::from(whole)));
     whole
+}
+
+/// Whether a one-go walk's frames in `out` are also `Auto`'s (`unwind::fp_walk_is_auto`);
+/// if not, `out` is emptied.
+#[inline(never)]
+fn fp_walk_is_auto(
+    ctx: &SavedContext,
+    table: &crate::image::ImageTable,
+    out: &mut Backtrace,
+) -> bool {
+    let (regs, hi, stop) = (ctx.regs, ctx.stack.hi, ctx.stop_sp);
+    let is = with_thread_cache(|c| {
+        unwind::fp_walk_is_auto(regs, hi, stop, table, &mut c.ranges, out.frames())
+    });
+    if !is {
+        out.clear();
+    }
+    is
 }
 
 /// [`collect_from_into`] for a signal handler: async-signal-safe (no lock, no allocation, no
@@ -596,7 +617,8 @@ mod tests {
         }
         let stack = corosensei::stack::DefaultStack::new(256 * 1024).unwrap();
         use corosensei::stack::Stack;
-        let bounds = StackBounds::new(stack.limit().get() as u64, stack.base().get() as u64);
+        // (As the runtime has them: the top 16 bytes, corosensei's parent link, left out.)
+        let bounds = StackBounds::new(stack.limit().get() as u64, stack.base().get() as u64 - 16);
         let ctx = std::rc::Rc::new(std::cell::Cell::new(SavedContext::new(bounds)));
         let c2 = ctx.clone();
         let mut co =
@@ -613,63 +635,69 @@ mod tests {
     }
 
     /// The one-go walk of a suspended context (`fp_walk_whole`) gives exactly the general
-    /// walk's frames, and is taken whenever the frames fit: coroutines parked shallower than,
-    /// as deep as and deeper than the backtrace's capacity, with the entry's stop and
-    /// without, under limits and tops that cut, omit, or leave room.
+    /// walk's frames, `Fast`'s and `Auto`'s, and is taken whenever the frames fit:
+    /// coroutines parked shallower than, as deep as and deeper than the backtrace's
+    /// capacity, with the entry's stop and without, under limits and tops that cut, omit, or
+    /// leave room.
     #[test]
     fn a_suspended_walk_in_one_go_gives_the_general_walks_frames() {
-        let mut taken = 0;
+        let mut taken = [0, 0];
         for depth in [0, 1, 5, 30, 55, 60, 61, 62, 63, 64, 90] {
             let (mut co, ctx) = parked(depth);
-            for stop in [true, false] {
-                let mut c = ctx.get();
-                if !stop {
-                    c.stop_sp = 0;
-                }
-                for (limit, top) in [(64, 16), (64, 0), (10, 3), (2, 0), (1, 0), (0, 0)] {
-                    let opts = CaptureOptions {
-                        unwinder: Unwinder::Fast,
-                        limit,
-                        offset: 0,
-                        top,
-                    };
-                    let mut general = Backtrace::new();
-                    collect_from_general(&c, &opts, &mut general);
-                    let mut one_go = Backtrace::new();
-                    let whole = fp_walk_whole(&c, &opts, &mut one_go);
-                    // The public call takes the one-go walk exactly when it can.
-                    let mut api = Backtrace::new();
-                    let before = ONE_GO.with(|n| n.get());
-                    collect_from_into(&c, &opts, &mut api);
-                    let used = ONE_GO.with(|n| n.get()) - before;
-                    assert_eq!(
-                        used,
-                        usize::from(whole),
-                        "depth {depth}, stop {stop}, {opts:?}"
-                    );
-                    assert_eq!(api, general, "depth {depth}, stop {stop}, {opts:?}");
-                    let fits = !general
-                        .frames()
-                        .iter()
-                        .any(|f| matches!(f, Frame::Omitted(_) | Frame::Truncated));
-                    if whole {
-                        assert_eq!(one_go, general, "depth {depth}, stop {stop}, {opts:?}");
-                        taken += 1;
-                    } else {
-                        assert!(one_go.is_empty());
+            for (u, unwinder) in [Unwinder::Fast, Unwinder::Auto].into_iter().enumerate() {
+                for stop in [true, false] {
+                    let mut c = ctx.get();
+                    if !stop {
+                        c.stop_sp = 0;
                     }
-                    // With the entry's stop and room to spare, the one-go walk does it (a
-                    // stack that fills the limit exactly goes to the general walk, which
-                    // alone knows what is cut; without the stop the chain runs on into the
-                    // coroutine library's entry code, which keeps no frame pointers: DWARF).
-                    if stop && fits && general.len() < opts.effective_limit() {
-                        assert!(whole, "depth {depth}, stop {stop}, {opts:?}: {general:?}");
+                    for (limit, top) in [(64, 16), (64, 0), (10, 3), (2, 0), (1, 0), (0, 0)] {
+                        let opts = CaptureOptions {
+                            unwinder,
+                            limit,
+                            offset: 0,
+                            top,
+                        };
+                        let mut general = Backtrace::new();
+                        collect_from_general(&c, &opts, &mut general);
+                        let mut one_go = Backtrace::new();
+                        let whole = fp_walk_whole(&c, &opts, &mut one_go);
+                        // The public call takes the one-go walk exactly when it can.
+                        let mut api = Backtrace::new();
+                        let before = ONE_GO.with(|n| n.get());
+                        collect_from_into(&c, &opts, &mut api);
+                        let used = ONE_GO.with(|n| n.get()) - before;
+                        assert_eq!(
+                            used,
+                            usize::from(whole),
+                            "depth {depth}, stop {stop}, {opts:?}"
+                        );
+                        assert_eq!(api, general, "depth {depth}, stop {stop}, {opts:?}");
+                        let fits = !general
+                            .frames()
+                            .iter()
+                            .any(|f| matches!(f, Frame::Omitted(_) | Frame::Truncated));
+                        if whole {
+                            assert_eq!(one_go, general, "depth {depth}, stop {stop}, {opts:?}");
+                            taken[u] += 1;
+                        } else {
+                            assert!(one_go.is_empty());
+                        }
+                        // With the entry's stop and room to spare, the one-go walk does it (a
+                        // stack that fills the limit exactly goes to the general walk, which
+                        // alone knows what is cut; without the stop the chain runs on into the
+                        // coroutine library's entry code, which keeps no frame pointers: DWARF).
+                        if stop && fits && general.len() < opts.effective_limit() {
+                            assert!(whole, "depth {depth}, stop {stop}, {opts:?}: {general:?}");
+                        }
                     }
                 }
             }
             while let corosensei::CoroutineResult::Yield(()) = co.resume(()) {}
         }
-        assert!(taken >= 15, "the one-go walk was taken {taken} times");
+        assert!(
+            taken.iter().all(|&t| t >= 15),
+            "the one-go walk was taken {taken:?} times (Fast, Auto)"
+        );
     }
 
     /// A precise capture, with the given cache, of the stack from `regs` (a frame of the

@@ -37,7 +37,9 @@
 //! in one go (`fp_walk_into`, into the backtrace's storage without the general walk's sink
 //! and DWARF state); where it cannot finish alone (code without frame pointers on the way,
 //! more frames than fit) it gives up and the general walk starts over, so its result is
-//! always the general walk's (a test compares the two).
+//! always the general walk's (a test compares the two). An `Auto` walk takes the same path
+//! when `fp_walk_is_auto` finds every step one `Auto` takes the same way (else, again, the
+//! general walk).
 //!
 //! Frame-pointer steps honour registered [`hop`]s (code such as LuaJIT's interpreter that
 //! calls out with a fixed C frame and no frame record of its own).
@@ -246,6 +248,84 @@ pub(crate) fn fp_walk_into(
     }
     let (n, ended) = w.fill(&mut fp, &mut dst[1..]);
     (ended && w.not_fp.is_none()).then_some(1 + n)
+}
+
+/// Whether `frames`, a suspended context's `Fast` walk done in one go ([`fp_walk_into`]), are
+/// also what `Auto` finds: `Auto` takes a frame-pointer step wherever the code keeps frame
+/// pointers, so they are its frames when every step was one it takes the same way. Checked
+/// by following the chain again beside them: the code at `ip` and at each return address
+/// known to the image table (`Auto` rereads the loader's list when it is not), each record at
+/// least 16 bytes above the last (its rule: a frame pointer at or above the stack pointer;
+/// elsewhere it tries DWARF), the last one's caller the stop frame (not a broken chain, where
+/// it would try DWARF too), and no return address in a hop's span or at its edges (`Auto`
+/// judges the code at `ra - 1`, the walk at `ra`) or in the C library's code (where `Auto`
+/// looks for the signal trampoline).
+///
+/// Kept apart from the walk itself, so that `Fast` walks pay nothing for it.
+pub(crate) fn fp_walk_is_auto(
+    regs: Registers,
+    hi: u64,
+    stop_sp: u64,
+    table: &ImageTable,
+    ranges: &mut RangeCache,
+    frames: &[Frame],
+) -> bool {
+    let Registers { ip, sp, fp } = regs;
+    let (hl, hh) = hop::Hops::snapshot().span();
+    let libc = table.libc_span;
+    let plain = |ra: u64| (hl >= hh || ra < hl || ra > hh) && (ra < libc.0 || ra >= libc.1);
+    // The stop frame's records start at `stop_at` (when the stop is in this stack).
+    if stop_sp == 0 || stop_sp < sp || stop_sp > hi || !ranges.range(table, ip).is_some_and(|r| r.2)
+    {
+        return false;
+    }
+    let stop_at = stop_sp.saturating_sub(16);
+    let readable =
+        |at: u64| at.is_multiple_of(8) && at >= sp && at.checked_add(16).is_some_and(|e| e <= hi);
+    let [Frame::Pc(first), ras @ ..] = frames else {
+        return false;
+    };
+    if *first != ip || !readable(fp) {
+        return false;
+    }
+    let mut at = fp;
+    for (k, f) in ras.iter().enumerate() {
+        let &Frame::Ra(want) = f else {
+            return false;
+        };
+        let pc = want.wrapping_sub(1);
+        if at >= stop_at || !plain(want) || !ranges.range(table, pc).is_some_and(|r| r.2) {
+            return false;
+        }
+        // SAFETY: [at, at+16) lies inside the context's stack, `[sp, hi)` (`readable`
+        // checked `fp` above and each next record below before it became `at`), which the
+        // caller vouched is mapped and readable. Volatile: another thread may own the stack.
+        let (next, ra) = unsafe {
+            (
+                std::ptr::read_volatile(at as *const u64),
+                std::ptr::read_volatile((at + 8) as *const u64),
+            )
+        };
+        if ra != want || next < at + 16 {
+            return false;
+        }
+        if k + 1 == ras.len() {
+            // The last: the walk ended because its caller's record is the stop frame's.
+            // `Auto` steps to it by frame pointers when it may be read (exact). When not —
+            // the runtime's stop record often reaches into the 16 bytes its stack bounds
+            // leave out — it takes a DWARF step, whose frame address, for code the image
+            // table judged to keep frame pointers, is that record plus 16 (rbp-based): at
+            // the stop too. An rsp-based rule at such a return address would break this;
+            // none is known (how the result could be wrong: one frame more from `Auto`).
+            return next >= stop_at;
+        }
+        if !readable(next) {
+            return false;
+        }
+        at = next;
+    }
+    // Only the `Pc`: the first record is the stop frame's.
+    at >= stop_at
 }
 
 /// The stack holding frame pointer `fp`, if a frame-pointer walk may start there (inside a
@@ -1187,6 +1267,95 @@ mod tests {
             }
         }
         out
+    }
+
+    /// `fp_walk_is_auto` accepts a one-go walk only when every step is one `Auto` takes the
+    /// same way: on a stack built by hand (return addresses into this program's own code,
+    /// which keeps frame pointers), the walk's frames pass, and each broken condition fails.
+    #[test]
+    fn an_auto_walk_in_one_go_needs_every_step_as_auto_takes_it() {
+        let table = crate::image::table();
+        // Addresses inside functions of this module that keep frame pointers (what a
+        // return address into them is to the range checks).
+        let fns = [
+            fp_walk_is_auto as *const () as usize,
+            fp_walk_into as *const () as usize,
+            run_ras as *const () as usize,
+            fp_start as *const () as usize,
+        ];
+        let fp_code = |a: &u64| table.code_range(a - 1).is_some_and(|r| r.2);
+        let code: Vec<u64> = fns
+            .iter()
+            .map(|&f| f as u64 + 8)
+            .filter(fp_code)
+            .take(3)
+            .collect();
+        assert_eq!(
+            code.len(),
+            3,
+            "functions keeping frame pointers among {fns:x?}"
+        );
+        let mut mem = vec![0u64; 64];
+        let base = mem.as_ptr() as u64;
+        let hi = base + 64 * 8;
+        let at = |i: usize| base + 8 * i as u64;
+        // Records at words 4 and 10; word 20 is the stop frame's (its caller's stack pointer,
+        // 16 above it, is the stop).
+        let build = |mem: &mut Vec<u64>, ras: [u64; 2]| {
+            mem[4] = at(10);
+            mem[5] = ras[0];
+            mem[10] = at(20);
+            mem[11] = ras[1];
+        };
+        let regs = Registers {
+            ip: code[0],
+            sp: base,
+            fp: at(4),
+        };
+        let stop = at(20) + 16;
+        let check = |mem: &mut Vec<u64>, ras: [u64; 2], stop: u64| {
+            build(mem, ras);
+            let mut dst = [const { std::mem::MaybeUninit::<Frame>::uninit() }; 8];
+            let mut ranges = RangeCache::new();
+            let n = fp_walk_into(regs, hi, stop, table, &mut ranges, &mut dst)?;
+            // SAFETY: `fp_walk_into` wrote the first `n` slots.
+            let frames: Vec<Frame> = dst[..n]
+                .iter()
+                .map(|f| unsafe { f.assume_init() })
+                .collect();
+            Some((
+                fp_walk_is_auto(regs, hi, stop, table, &mut ranges, &frames),
+                frames,
+            ))
+        };
+        let good = [code[1], code[2]];
+        let (ok, frames) = check(&mut mem, good, stop).expect("the one-go walk");
+        assert_eq!(
+            frames,
+            [Frame::Pc(code[0]), Frame::Ra(code[1]), Frame::Ra(code[2])]
+        );
+        assert!(ok, "a plain chain ending at the stop");
+        // No stop, or a chain that ends before it: `Auto` would try DWARF where it broke.
+        let (ok, _) = check(&mut mem, good, 0).expect("the one-go walk");
+        assert!(!ok, "no stop");
+        let (ok, _) = check(&mut mem, good, at(40)).expect("the one-go walk");
+        assert!(!ok, "ended before the stop");
+        // A return address in the C library's code (where `Auto` looks for the signal
+        // trampoline), when the library keeps frame pointers; else the walk leaves the path.
+        let libc = table.libc_span.0 + 16;
+        if let Some((ok, _)) = check(&mut mem, [libc, code[2]], stop) {
+            assert!(!ok, "a return into the C library");
+        }
+        // Code outside every image: `Auto` would reread the loader's list.
+        if let Some((ok, _)) = check(&mut mem, [0x10, code[2]], stop) {
+            assert!(!ok, "code outside every image");
+        }
+        // Frames that are not this stack's.
+        build(&mut mem, good);
+        let mut ranges = RangeCache::new();
+        let other = [Frame::Pc(code[0]), Frame::Ra(code[2]), Frame::Ra(code[2])];
+        assert!(!fp_walk_is_auto(regs, hi, stop, table, &mut ranges, &other));
+        drop(mem);
     }
 
     /// The walk as the capture runs it (`fill`: the tight loop, `step` where it stops), into
