@@ -707,6 +707,70 @@ ch:put(1)
     assert_eq!(s("S"), "running waiting");
 }
 
+/// `fiber.info()` lists exactly the live fibers, each under its own id, whether the ids are
+/// dense (the result's array part holds them) or spread out by many fibers that ended (its
+/// hash part): with and without backtraces, by `pairs` and by `next`.
+#[test]
+fn info_lists_exactly_the_live_fibers_whether_their_ids_are_dense_or_spread() {
+    let host = run(r#"local fiber = require('fiber')
+local mine = {}
+for i = 1, 40 do mine[i] = fiber.create(function() fiber.sleep(100) end) end
+local function expected()
+  local e = {[fiber.id()] = true}
+  for _, f in ipairs(mine) do
+    if f:status() ~= 'dead' then e[f:id()] = true end
+  end
+  return e
+end
+local function check(opts)
+  local got, exp = fiber.info(opts), expected()
+  local n, m = 0, 0
+  for id, entry in pairs(got) do
+    if not exp[id] or entry.fid ~= id then return 'unexpected ' .. tostring(id) end
+    n = n + 1
+  end
+  for id in pairs(exp) do
+    if got[id] == nil then return 'missing ' .. id end
+    m = m + 1
+  end
+  local k, c = next(got), 0
+  while k ~= nil do c = c + 1; k = next(got, k) end
+  return n == m and c == n and n or 'counts ' .. n .. ' ' .. m .. ' ' .. c
+end
+R = {}
+R[1] = check()
+R[2] = check({backtrace = false})
+-- Many fibers that end: the ids of the live ones spread out.
+for _ = 1, 2000 do fiber.create(function() end) end
+for i = 1, 35 do mine[i]:cancel() end
+fiber.yield()
+R[3] = check()
+R[4] = check({backtrace = false})
+mine[#mine + 1] = fiber.create(function() fiber.sleep(100) end)
+R[5] = check({bt = false})
+MAXID = mine[#mine]:id()
+"#);
+    let g = host.lua().globals();
+    let r: Vec<Value> = g
+        .get::<Table>("R")
+        .unwrap()
+        .sequence_values::<Value>()
+        .map(Result::unwrap)
+        .collect();
+    let r: Vec<String> = r
+        .iter()
+        .map(|v| match v {
+            Value::Integer(n) => n.to_string(),
+            Value::Number(n) => n.to_string(),
+            Value::String(s) => s.to_string_lossy(),
+            other => format!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(r, v(&["41", "41", "6", "6", "7"]));
+    // The last fiber's id is far past twice the count: the spread case was taken.
+    assert!(g.get::<i64>("MAXID").unwrap() > 2000);
+}
+
 /// A debug hook that would raise inside `fiber.info()`'s entry constructor does not run
 /// there (hooks are off during the call), and it is back afterwards.
 #[test]
