@@ -37,7 +37,24 @@ pub struct VmMap {
     /// Whether the map is of another process's images (then a function that no symbol table
     /// gives an end is not looked up in this process's symbolizer).
     pub foreign: bool,
+    /// One byte per page from `pages_lo` to the page of the last VM range's end: whether
+    /// the page holds no VM code ([`PAGE_NONE`]), only VM code ([`PAGE_ALL`]), or both
+    /// ([`PAGE_MIXED`]: the ranges are searched). Empty when the ranges span more than
+    /// [`MAX_PAGES`] pages (each lookup searches then). A frame's lookup was a binary search
+    /// of thousands of ranges, most of an interleave's merge; it is now one load for nearly
+    /// every frame.
+    pages: Vec<u8>,
+    /// Address of the first page of `pages`.
+    pages_lo: u64,
 }
+
+/// Page size of [`VmMap`]'s page table (any power of two works: only speed depends on it).
+const PAGE_SHIFT: u32 = 12;
+/// At most this many pages (bytes) in [`VmMap`]'s page table.
+const MAX_PAGES: u64 = 1 << 20;
+const PAGE_NONE: u8 = 0;
+const PAGE_ALL: u8 = 1;
+const PAGE_MIXED: u8 = 2;
 
 /// Lua 5.4 core (VM) source files.
 const LUA54_CORE: &[&str] = &[
@@ -204,11 +221,57 @@ impl VmMap {
             }
         }
         self.vm = merged;
+        self.build_pages();
+    }
+
+    /// Builds the page table of [`VmMap::is_vm`] from the sorted, disjoint ranges.
+    fn build_pages(&mut self) {
+        self.pages = Vec::new();
+        self.pages_lo = 0;
+        let ranges: Vec<(u64, u64)> = self.vm.iter().copied().filter(|&(s, e)| s < e).collect();
+        let (Some(&(first, _)), Some(&(_, last_end))) = (ranges.first(), ranges.last()) else {
+            return;
+        };
+        let lo = first >> PAGE_SHIFT;
+        let hi = (last_end - 1) >> PAGE_SHIFT;
+        if hi - lo >= MAX_PAGES {
+            return;
+        }
+        let mut pages = vec![PAGE_NONE; (hi - lo + 1) as usize];
+        for (s, e) in ranges {
+            for p in (s >> PAGE_SHIFT)..=((e - 1) >> PAGE_SHIFT) {
+                let first = p << PAGE_SHIFT;
+                let last = first | ((1 << PAGE_SHIFT) - 1);
+                // Merged ranges neither overlap nor touch: a page all VM is one range's.
+                pages[(p - lo) as usize] = if s <= first && e > last {
+                    PAGE_ALL
+                } else {
+                    PAGE_MIXED
+                };
+            }
+        }
+        self.pages = pages;
+        self.pages_lo = lo << PAGE_SHIFT;
     }
 
     /// Whether the lookup address `a` (`pc`, or `ra - 1`) is VM code.
     #[inline]
     pub fn is_vm(&self, a: u64) -> bool {
+        if !self.pages.is_empty() {
+            let page = a.wrapping_sub(self.pages_lo) >> PAGE_SHIFT;
+            match self.pages.get(page as usize) {
+                // Below or past every range.
+                None => return false,
+                Some(&PAGE_NONE) => return false,
+                Some(&PAGE_ALL) => return true,
+                Some(_) => {}
+            }
+        }
+        self.search_vm(a)
+    }
+
+    /// [`VmMap::is_vm`] by a binary search of the ranges.
+    fn search_vm(&self, a: u64) -> bool {
         let i = self.vm.partition_point(|&(s, _)| s <= a);
         i > 0 && a < self.vm[i - 1].1
     }
@@ -312,10 +375,76 @@ mod tests {
         assert_eq!(m.function_end(41), None);
     }
 
+    /// The page table answers as the binary search does, for addresses at and around every
+    /// range's and page's edges and at random, with ranges within a page, across pages,
+    /// touching (merged) and at the ends of the address space.
+    #[test]
+    fn the_page_table_answers_as_the_search() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mut cases: Vec<Vec<(u64, u64)>> = vec![
+            vec![],
+            vec![(0x1000, 0x2000)],
+            vec![(0x1000, 0x1001), (0x1fff, 0x3001)],
+            vec![(0x10, 0x20), (0x20, 0x30), (0x5000, 0x9000)],
+            vec![(u64::MAX - 0x1800, u64::MAX)],
+            vec![(0, 0x10), (u64::MAX - 0x10, u64::MAX)],
+        ];
+        for _ in 0..200 {
+            let base = rnd() % (1 << 40);
+            let n = (rnd() % 20) as usize;
+            let mut v = Vec::new();
+            let mut at = base;
+            for _ in 0..n {
+                at += rnd() % 0x3000;
+                let len = 1 + rnd() % 0x2800;
+                v.push((at, at + len));
+                at += len;
+            }
+            cases.push(v);
+        }
+        for ranges in cases {
+            let m = VmMap::from_ranges(&ranges, &[]);
+            let mut probes: Vec<u64> = Vec::new();
+            for &(s, e) in &ranges {
+                for x in [s, e, s & !0xfff, (e - 1) | 0xfff] {
+                    for d in [0u64, 1, 2, 0x1000] {
+                        probes.push(x.wrapping_add(d));
+                        probes.push(x.wrapping_sub(d));
+                    }
+                }
+            }
+            probes.extend((0..200).map(|_| {
+                let r = rnd();
+                ranges
+                    .first()
+                    .map_or(r, |f| f.0.wrapping_add(r % 0x40000).wrapping_sub(0x1000))
+            }));
+            probes.extend([0, 1, u64::MAX, u64::MAX - 1]);
+            for a in probes {
+                assert_eq!(m.is_vm(a), m.search_vm(a), "{a:#x} in {ranges:x?}");
+            }
+            if !ranges.is_empty() && ranges.last().unwrap().1 - ranges[0].0 < 1 << 32 {
+                assert!(!m.pages.is_empty(), "a page table for {ranges:x?}");
+            }
+        }
+        // Ranges too far apart for a table: the search alone, with the same answers.
+        let far = VmMap::from_ranges(&[(0x1000, 0x2000), (1 << 50, (1 << 50) + 8)], &[]);
+        assert!(far.pages.is_empty());
+        assert!(far.is_vm(0x1000) && far.is_vm(1 << 50) && !far.is_vm(0x2000));
+    }
+
     #[test]
     fn the_linked_vm_is_found() {
         let m = vm_map();
         assert!(m.vm_ranges() > 0, "{m:?}");
+        // The linked VM is in this binary: its lookups take the page table.
+        assert!(!m.pages.is_empty(), "{} pages", m.pages.len());
         let gettop = crate::ffi::lua_gettop as *const () as u64;
         assert!(m.is_vm(gettop));
         let traceback = crate::ffi::luaL_traceback as *const () as u64;
