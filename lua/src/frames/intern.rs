@@ -4,7 +4,9 @@
 //! Capturing a level looks its description up by value — hashing the bytes the Lua debug API
 //! returned, comparing against the entries with that hash — and allocates only the first time
 //! a description is seen. A hit costs one hash of a few dozen bytes and one shard read lock;
-//! no `String` is built.
+//! no `String` is built. In front of the table, each thread keeps a small memo found by the
+//! strings' addresses: a level seen before costs a compare of its bytes with the description
+//! (an address reused by other bytes is a miss, never a wrong id).
 //!
 //! Invariants:
 //! * ids are never reused or removed: a [`Frame::Lua`](fibertrace_core::Frame::Lua) kept in a
@@ -18,6 +20,7 @@
 
 use fibertrace_core::symbolize::AddrHasher;
 use std::borrow::Cow;
+use std::cell::RefCell;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, OnceLock, RwLock};
 
@@ -238,32 +241,133 @@ fn table() -> &'static Table {
 }
 
 /// Interns a description; allocates only when it is new.
+///
+/// Looked up first in this thread's memo ([`MEMO_SLOTS`] descriptions, by the addresses
+/// of the strings the debug API returned and the numbers): a level read again — every
+/// fiber parked in the same code — skips the hash of its strings and the shared table's
+/// lock. A memo entry is only a guess (a string freed and another made at its address has
+/// the same key): it is taken when the description compares equal, byte for byte, as in
+/// the table.
 pub(crate) fn intern(raw: &RawInfo<'_>) -> LuaFrameId {
+    let key = MemoKey::of(raw);
+    let slot = key.slot();
+    // (A thread being torn down, or a lookup from inside one, goes to the table.)
+    let hit = MEMO
+        .try_with(|m| {
+            let m = m.try_borrow().ok()?;
+            let e = m.get(slot)?.as_ref()?;
+            (e.key == key && raw.matches(&e.info)).then_some(e.id)
+        })
+        .ok()
+        .flatten();
+    if let Some(id) = hit {
+        return id;
+    }
+    let (id, info) = intern_shared(raw);
+    if let Some(info) = info {
+        remember(slot, MemoEntry { key, id, info });
+    }
+    id
+}
+
+/// Entries of each thread's memo in front of the table (a power of two).
+const MEMO_SLOTS: usize = 512;
+
+/// What a memo entry is found by: the strings' addresses (not their bytes) and the rest.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct MemoKey {
+    source: usize,
+    name: usize,
+    lines: u64,
+    cfunc: usize,
+    kind: LuaKind,
+}
+
+impl MemoKey {
+    fn of(raw: &RawInfo<'_>) -> MemoKey {
+        MemoKey {
+            source: raw.source.as_ptr() as usize,
+            name: raw.name.map_or(0, |n| n.as_ptr() as usize),
+            lines: ((raw.current_line as u32 as u64) << 32) | raw.line_defined as u32 as u64,
+            cfunc: raw.cfunc,
+            kind: raw.kind,
+        }
+    }
+
+    fn slot(&self) -> usize {
+        let mut h = AddrHasher::default();
+        h.write_u64(self.source as u64);
+        h.write_u64(self.name as u64 ^ self.lines.rotate_left(17) ^ self.cfunc as u64);
+        (h.finish() >> 32) as usize % MEMO_SLOTS
+    }
+}
+
+struct MemoEntry {
+    key: MemoKey,
+    id: LuaFrameId,
+    /// The table's description (the table holds it too: dropping this never frees it).
+    info: Arc<LuaFrameInfo>,
+}
+
+thread_local! {
+    /// This thread's memo: empty until the first description is remembered.
+    static MEMO: RefCell<Vec<Option<MemoEntry>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Puts `e` in the memo's `slot` (replacing what was there). Allocates the memo once, not
+/// tracked by the heap tracker (whose stack hook interns frames itself: it finds the memo
+/// busy and goes to the table); nothing allocates while the memo is borrowed.
+fn remember(slot: usize, e: MemoEntry) {
+    let fresh = MEMO
+        .try_with(|m| m.try_borrow().is_ok_and(|m| m.is_empty()))
+        .unwrap_or(false);
+    let table = fresh.then(|| {
+        let _untracked = fibertrace_core::heap::pause();
+        let mut v = Vec::with_capacity(MEMO_SLOTS);
+        v.resize_with(MEMO_SLOTS, || None);
+        v
+    });
+    let old = MEMO.try_with(|m| {
+        let mut m = m.try_borrow_mut().ok()?;
+        if let Some(t) = table {
+            if m.is_empty() {
+                *m = t;
+            }
+        }
+        m.get_mut(slot).map(|s| s.replace(e))
+    });
+    // Dropped with the memo released (the entry's description is still in the table).
+    drop(old);
+}
+
+/// The shared table's lookup (and insertion): the id, and the description unless the table
+/// is full.
+fn intern_shared(raw: &RawInfo<'_>) -> (LuaFrameId, Option<Arc<LuaFrameInfo>>) {
     let t = table();
     let h = raw.hash();
     if let Some(bucket) = t.by_hash.get(&h) {
-        if let Some((id, _)) = bucket.iter().find(|(_, i)| raw.matches(i)) {
-            return LuaFrameId(*id);
+        if let Some((id, i)) = bucket.iter().find(|(_, i)| raw.matches(i)) {
+            return (LuaFrameId(*id), Some(Arc::clone(i)));
         }
     }
     // Not tracked by the heap tracker: the table is this library's, and the tracker's stack
     // hook interns Lua frames itself (it would wait on this shard's lock, held here).
     let _untracked = fibertrace_core::heap::pause();
     let mut entry = t.by_hash.entry(h).or_default();
-    if let Some((id, _)) = entry.iter().find(|(_, i)| raw.matches(i)) {
-        return LuaFrameId(*id);
+    if let Some((id, i)) = entry.iter().find(|(_, i)| raw.matches(i)) {
+        return (LuaFrameId(*id), Some(Arc::clone(i)));
     }
     let info = Arc::new(raw.to_owned_info());
     let id = {
         let mut ids = t.by_id.write().unwrap_or_else(|e| e.into_inner());
         if ids.len() > MAX_DESCRIPTIONS {
-            return OVERFLOW;
+            return (OVERFLOW, None);
         }
         ids.push(Arc::clone(&info));
         (ids.len() - 1) as u32
     };
-    entry.push((id, info));
-    LuaFrameId(id)
+    entry.push((id, Arc::clone(&info)));
+    (LuaFrameId(id), Some(info))
 }
 
 /// The description of an id given out by this process (`None` for an id it never gave out,
@@ -317,6 +421,54 @@ mod tests {
         );
         assert!(describe(LuaFrameId(u32::MAX)).is_none());
         assert_eq!(describe(OVERFLOW).unwrap().kind, LuaKind::Other);
+    }
+
+    /// The memo is found by the strings' addresses, but gives an id only for equal bytes:
+    /// the same buffers holding another description (a string freed and another made at
+    /// its address) get that description's id, on this thread and on another.
+    #[test]
+    fn the_memo_never_gives_the_id_of_other_bytes_at_the_same_address() {
+        let mut source = *b"@memo_test_a.lua";
+        let mut name = *b"fa";
+        let raw = |source: &[u8; 16], name: &[u8; 2]| -> LuaFrameId {
+            intern(&RawInfo {
+                kind: LuaKind::Lua,
+                name: Some(&name[..]),
+                source: &source[..],
+                short_src: b"memo_test.lua",
+                current_line: 7,
+                line_defined: 1,
+                cfunc: 0,
+            })
+        };
+        let a = raw(&source, &name);
+        assert_eq!(raw(&source, &name), a, "the memo's hit is the table's id");
+        name[1] = b'b';
+        let b = raw(&source, &name);
+        assert_ne!(a, b);
+        assert_eq!(&*describe(b).unwrap().name.clone().unwrap(), "fb");
+        source[11] = b'b';
+        let c = raw(&source, &name);
+        assert_ne!(b, c);
+        assert_eq!(&*describe(c).unwrap().source, "@memo_test_b.lua");
+        name[1] = b'a';
+        source[11] = b'a';
+        assert_eq!(
+            raw(&source, &name),
+            a,
+            "back to the first bytes: the first id"
+        );
+        // Another thread (its own memo) agrees.
+        let other = std::thread::spawn(move || {
+            let mut source = source;
+            let n = *b"fa";
+            let first = raw(&source, &n);
+            source[11] = b'b';
+            (first, raw(&source, b"fb"))
+        })
+        .join()
+        .unwrap();
+        assert_eq!(other, (a, c));
     }
 
     #[test]
