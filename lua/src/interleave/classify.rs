@@ -19,6 +19,8 @@
 //! frames only; a Lua built with link-time optimisation across files can fold VM code into a
 //! library function (or the reverse), moving a Lua run by a frame or two.
 
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 use object::{Object, ObjectSymbol, SymbolKind};
@@ -46,11 +48,29 @@ pub struct VmMap {
     pages: Vec<u8>,
     /// Address of the first page of `pages`.
     pages_lo: u64,
+    /// This map's number (unique in the process, 0 before [`VmMap::finish`]): what this
+    /// thread's memo of [`VmMap::function_end`] is keyed by beside the address.
+    id: u64,
+}
+
+/// Numbers of the maps finished so far.
+static MAPS: AtomicU64 = AtomicU64::new(1);
+
+/// Slots of each thread's memo of [`VmMap::function_end`] (a power of two).
+const END_MEMO: usize = 64;
+
+thread_local! {
+    /// `(map, start, end or 0)` of the last lookups: the C functions a Lua stack calls are a
+    /// few, looked up for every fiber (a search of every function symbol, on cold lines).
+    static ENDS: [Cell<(u64, u64, u64)>; END_MEMO] =
+        const { [const { Cell::new((0, 0, 0)) }; END_MEMO] };
 }
 
 /// Page size of [`VmMap`]'s page table (any power of two works: only speed depends on it).
-const PAGE_SHIFT: u32 = 12;
-/// At most this many pages (bytes) in [`VmMap`]'s page table.
+/// Small: VM functions and library functions alternate in LuaJIT's code, and a page holding
+/// both is searched.
+const PAGE_SHIFT: u32 = 8;
+/// At most this many pages (bytes) in [`VmMap`]'s page table (a span of 256 MiB).
 const MAX_PAGES: u64 = 1 << 20;
 const PAGE_NONE: u8 = 0;
 const PAGE_ALL: u8 = 1;
@@ -222,6 +242,7 @@ impl VmMap {
         }
         self.vm = merged;
         self.build_pages();
+        self.id = MAPS.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Builds the page table of [`VmMap::is_vm`] from the sorted, disjoint ranges.
@@ -279,6 +300,24 @@ impl VmMap {
     /// The end of the function symbol starting exactly at `start`, if there is one.
     #[inline]
     pub fn function_end(&self, start: u64) -> Option<u64> {
+        let slot = (start.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58) as usize % END_MEMO;
+        let known = ENDS
+            .try_with(|m| {
+                let (map, s, e) = m[slot].get();
+                (map == self.id && s == start).then_some(e)
+            })
+            .ok()
+            .flatten();
+        if let Some(e) = known {
+            return (e != 0).then_some(e);
+        }
+        let end = self.search_end(start);
+        let _ = ENDS.try_with(|m| m[slot].set((self.id, start, end.unwrap_or(0))));
+        end
+    }
+
+    /// [`VmMap::function_end`] by a binary search of the functions.
+    fn search_end(&self, start: u64) -> Option<u64> {
         let i = self.funcs.partition_point(|&(s, _)| s < start);
         self.funcs
             .get(i)
@@ -375,6 +414,31 @@ mod tests {
         assert_eq!(m.function_end(41), None);
     }
 
+    /// The memo of `function_end` answers as the search, again and again, for each map
+    /// apart: two maps with functions at the same addresses but other ends (another
+    /// process's images, a map built again) never get each other's answers.
+    #[test]
+    fn function_ends_are_remembered_per_map() {
+        let a = VmMap::from_ranges(&[], &[(0x1000, 0x1100), (0x2000, 0x2400)]);
+        let b = VmMap::from_ranges(&[], &[(0x1000, 0x1800)]);
+        for _ in 0..3 {
+            assert_eq!(a.function_end(0x1000), Some(0x1100));
+            assert_eq!(b.function_end(0x1000), Some(0x1800));
+            assert_eq!(a.function_end(0x2000), Some(0x2400));
+            assert_eq!(b.function_end(0x2000), None);
+            assert_eq!(a.function_end(0x1001), None);
+        }
+        // Many starts sharing slots: each still right.
+        let funcs: Vec<(u64, u64)> = (1..500u64).map(|i| (i << 12, (i << 12) + i)).collect();
+        let c = VmMap::from_ranges(&[], &funcs);
+        for _ in 0..2 {
+            for i in 1..500u64 {
+                assert_eq!(c.function_end(i << 12), Some((i << 12) + i));
+                assert_eq!(c.function_end((i << 12) + 1), None);
+            }
+        }
+    }
+
     /// The page table answers as the binary search does, for addresses at and around every
     /// range's and page's edges and at random, with ranges within a page, across pages,
     /// touching (merged) and at the ends of the address space.
@@ -412,8 +476,9 @@ mod tests {
             let m = VmMap::from_ranges(&ranges, &[]);
             let mut probes: Vec<u64> = Vec::new();
             for &(s, e) in &ranges {
-                for x in [s, e, s & !0xfff, (e - 1) | 0xfff] {
-                    for d in [0u64, 1, 2, 0x1000] {
+                let pm = (1u64 << PAGE_SHIFT) - 1;
+                for x in [s, e, s & !pm, (e - 1) | pm] {
+                    for d in [0u64, 1, 2, pm + 1] {
                         probes.push(x.wrapping_add(d));
                         probes.push(x.wrapping_sub(d));
                     }
@@ -429,7 +494,7 @@ mod tests {
             for a in probes {
                 assert_eq!(m.is_vm(a), m.search_vm(a), "{a:#x} in {ranges:x?}");
             }
-            if !ranges.is_empty() && ranges.last().unwrap().1 - ranges[0].0 < 1 << 32 {
+            if !ranges.is_empty() && ranges.last().unwrap().1 - ranges[0].0 < 1 << 28 {
                 assert!(!m.pages.is_empty(), "a page table for {ranges:x?}");
             }
         }
