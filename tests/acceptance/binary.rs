@@ -759,7 +759,7 @@ fn the_speed_command_rejects_bad_run_counts_sizes_and_programs() {
         ),
         (
             "/bin/true",
-            "fibertrace: examples/bench.lua at 100 fibers did not print its five figures",
+            "fibertrace: examples/bench.lua at 100 fibers did not print its seven figures",
         ),
     ] {
         let script = fibertrace_acceptance::repo().join("examples/speed.sh");
@@ -821,13 +821,14 @@ fn the_speed_command_reads_every_lua_figure_and_says_when_tarantool_is_missing()
         .lines()
         .filter(|l| l.starts_with("fiber.info") || l.starts_with("Lua yield"))
         .flat_map(|l| {
-            l.split([' ', ';'])
+            l.split([' ', ';', '(', ')'])
                 .filter_map(|w| w.parse::<f64>().ok())
                 .collect::<Vec<_>>()
         })
         .collect();
-    // 3 sizes x (size, no backtrace, backtrace, every fiber moved) + (yield, create).
-    assert_eq!(figures.len(), 14, "{text}");
+    // 3 sizes x (size, no backtrace and its mean, backtrace and its mean, every fiber
+    // moved) + (yield, create).
+    assert_eq!(figures.len(), 20, "{text}");
     assert!(
         text.contains("fiber.info({backtrace=false})   200 fibers: "),
         "{text}"
