@@ -711,6 +711,32 @@ fn result_shape(max: FiberId, count: usize) -> (c_int, c_int) {
     }
 }
 
+/// Most bytes of a Lua stack asked for ahead of its walk.
+const PREFETCH_LUA_STACK: u64 = 2048;
+
+/// Asks the CPU for the used part of `root`'s Lua stack (its slots from the bottom to the
+/// top, at most [`PREFETCH_LUA_STACK`] bytes), which the debug API's walk of its levels reads
+/// next: a hint, through the layout the running VM was checked against
+/// ([`crate::frames::publish`]); an address that makes no sense asks for nothing.
+///
+/// # Safety
+/// `root` is a live Lua state of this thread, not running, and the layout matched the VM.
+unsafe fn prefetch_lua_stack(root: *mut ffi::lua_State) {
+    let lay = &crate::frames::publish::HEADER.layout;
+    let at = |off: u32| (root as usize + off as usize) as *const u64;
+    // SAFETY: two words inside the live state (the contract), where the checked layout says
+    // its stack and top are.
+    let (stack, top) = unsafe {
+        (
+            std::ptr::read_volatile(at(lay.state_stack)),
+            std::ptr::read_volatile(at(lay.state_top)),
+        )
+    };
+    if top > stack {
+        fibertrace_core::capture::prefetch(stack, (top - stack).min(PREFETCH_LUA_STACK) as usize);
+    }
+}
+
 /// How many fibers ahead of the one being listed the listing asks for the control block.
 const PREFETCH_AHEAD: usize = 4;
 
@@ -750,6 +776,11 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
         .find(|(f, ..)| opts.backtrace && f.id() == me)
         // SAFETY: the running fiber's own Lua thread.
         .map(|(_, root, ..)| unsafe { running_frames(*root) });
+    // Whether the Lua stacks of the fibers to walk are asked for ahead (the VM's layout,
+    // which says where a state keeps its stack, was checked against the running VM).
+    let lua_stacks = (opts.backtrace
+        && crate::frames::publish::checked() == crate::frames::publish::MATCHES)
+        .then_some(());
     // SAFETY: `l` is the state of the running call `c` (`f_info`); fresh tables; each
     // fiber's table is set under its id; the build's slots (below the result) are removed at
     // the end; in a protected call.
@@ -764,8 +795,23 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
                     ahead.control_block().prefetch();
                 }
                 // The next fiber's stack, when it is to be walked again (it ran since).
-                if let Some((next, ..)) = fibers.get(i + 1).filter(|_| opts.backtrace) {
+                if let Some((next, root, _, cache)) = fibers.get(i + 1).filter(|_| opts.backtrace) {
                     next.control_block().prefetch_stack();
+                    if lua_stacks.is_some()
+                        && cache
+                            .as_ref()
+                            .is_none_or(|c| c.0 != next.control_block().csw())
+                    {
+                        // (In the build's unsafe block: `root` is the Lua thread of a live
+                        // fiber of this thread, which stays alive while the listing runs —
+                        // no fiber ends during it: nothing switches — and is not running;
+                        // the layout matched, per `lua_stacks`.)
+                        prefetch_lua_stack(*root);
+                    }
+                }
+                // The Lua state of the one after, whose stack is asked for at the next fiber.
+                if let Some((_, root, ..)) = fibers.get(i + 2).filter(|_| lua_stacks.is_some()) {
+                    fibertrace_core::capture::prefetch(*root as u64, 128);
                 }
                 if f.control_block().is_dead() {
                     continue;
