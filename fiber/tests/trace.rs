@@ -56,6 +56,9 @@ fn suspended_fiber_blocked_three_calls_deep_in_a_channel_receive() {
             assert_eq!(h.fiber().status(), Status::Waiting);
             for u in [Unwinder::Fast, Unwinder::Precise, Unwinder::Auto] {
                 let bt = h.fiber().backtrace(u).unwrap();
+                // A walk not kept in the fiber (a caller keeping its own): the same frames,
+                // before and after the kept one.
+                assert_eq!(h.fiber().backtrace_unkept(u).unwrap(), bt, "{u:?}");
                 let n = names(bt.frames());
                 // Runtime frames first (the suspend wrapper itself is skipped), then ours.
                 assert_eq!(
@@ -151,6 +154,7 @@ fn a_fiber_that_never_ran_shows_its_entry_and_a_dead_one_nothing() {
     let bt = h.fiber().backtrace(Unwinder::Auto).unwrap();
     assert_eq!(bt.len(), 1);
     assert!(matches!(bt.frames()[0], Frame::Pc(_)));
+    assert_eq!(h.fiber().backtrace_unkept(Unwinder::Fast).unwrap(), bt);
     let r = fibertrace_core::resolve(&bt.frames()[0]).unwrap();
     let name = r.function().unwrap();
     assert_eq!(name, "fibertrace_fiber::frames::call_user");
@@ -167,6 +171,7 @@ fn a_fiber_that_never_ran_shows_its_entry_and_a_dead_one_nothing() {
     s.run().unwrap();
     assert!(h.is_finished());
     assert_eq!(f.backtrace(Unwinder::Auto), None);
+    assert_eq!(f.backtrace_unkept(Unwinder::Auto), None);
 }
 
 #[inline(never)]

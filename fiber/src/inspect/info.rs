@@ -345,13 +345,13 @@ fn info_backtrace(
         }
     }
     // Running, new, dead, or it moved in the meantime.
-    backtrace_of(f, opts.unwinder, sample_running)
+    backtrace_of(f, opts.unwinder, sample_running, true)
         .map(|bt| frames_info_shared(bt.frames(), opts.resolve))
 }
 
 /// A fiber's backtrace now (see [`crate::Fiber::backtrace`]).
 pub(crate) fn fiber_backtrace(f: &Arc<ControlBlock>, unwinder: Unwinder) -> Option<Backtrace> {
-    backtrace_of(f, unwinder, true)
+    backtrace_of(f, unwinder, true, true)
 }
 
 #[inline(never)]
@@ -359,6 +359,7 @@ fn backtrace_of(
     f: &Arc<ControlBlock>,
     unwinder: Unwinder,
     sample_running: bool,
+    keep: bool,
 ) -> Option<Backtrace> {
     if sched::current_id() == f.id {
         return Some(current_backtrace(f, unwinder));
@@ -387,7 +388,7 @@ fn backtrace_of(
             RunState::Suspended => {}
         }
         let mut bt = Backtrace::new();
-        if f.inspect_suspended(&opts, &mut bt) {
+        if f.inspect_suspended(&opts, &mut bt, keep) {
             return Some(bt);
         }
         if !f.traced {
@@ -407,7 +408,7 @@ pub fn suspended_backtrace(f: &crate::Fiber, unwinder: Unwinder) -> Option<Backt
     };
     let mut bt = Backtrace::new();
     f.control_block()
-        .inspect_suspended(&opts, &mut bt)
+        .inspect_suspended(&opts, &mut bt, true)
         .then_some(bt)
 }
 
@@ -455,5 +456,45 @@ impl crate::Fiber {
     pub fn backtrace(&self, unwinder: Unwinder) -> Option<Backtrace> {
         report_entry!();
         fiber_backtrace(self.control_block(), unwinder)
+    }
+
+    /// [`crate::Fiber::backtrace`] for a caller that keeps traces of its own (the Lua host's
+    /// `fiber.info()` keeps each fiber's interleaved trace): a suspended fiber's stack is
+    /// walked afresh and the walk is not kept in the fiber (no copy made, none freed; the
+    /// next [`crate::Fiber::backtrace`] walks again). The same frames otherwise.
+    #[inline(never)]
+    pub fn backtrace_unkept(&self, unwinder: Unwinder) -> Option<Backtrace> {
+        report_entry!();
+        backtrace_of(self.control_block(), unwinder, true, false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::Scheduler;
+    use fibertrace_core::Unwinder;
+
+    /// A walk for a caller that keeps traces itself is not kept in the fiber (and does not
+    /// take the fiber's kept walk for one of its own); a plain walk is kept.
+    #[test]
+    fn an_unkept_walk_leaves_the_fiber_without_a_kept_walk() {
+        Scheduler::new()
+            .block_on(|| {
+                let h = crate::spawn(crate::suspend);
+                crate::yield_now();
+                let f = h.fiber().clone();
+                let cb = f.control_block();
+                assert!(!cb.has_kept_walk());
+                let a = f.backtrace_unkept(Unwinder::Fast).unwrap();
+                assert!(!a.is_empty());
+                assert!(!cb.has_kept_walk());
+                let b = f.backtrace(Unwinder::Fast).unwrap();
+                assert!(cb.has_kept_walk());
+                assert_eq!(a, b);
+                assert_eq!(f.backtrace_unkept(Unwinder::Fast).unwrap(), b);
+                f.wakeup();
+                h.join().unwrap();
+            })
+            .unwrap();
     }
 }

@@ -599,11 +599,30 @@ impl ControlBlock {
         Some(f(ctx, csw))
     }
 
-    /// Walks the fiber's stack if it is suspended, never racing a resume (a walk kept since
-    /// it last ran is reused). False if it is not suspended (running, new, dead) or tracing
-    /// is off.
-    pub(crate) fn inspect_suspended(&self, opts: &CaptureOptions, out: &mut Backtrace) -> bool {
+    /// Whether a walk is kept in the fiber (for tests of [`ControlBlock::inspect_suspended`]).
+    #[cfg(test)]
+    pub(crate) fn has_kept_walk(&self) -> bool {
+        self.trace_cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    /// Walks the fiber's stack if it is suspended, never racing a resume (with `keep`, a
+    /// walk kept since it last ran is reused, and a new one kept; without, the walk is new
+    /// and not kept: for a caller that keeps traces of its own). False if it is not
+    /// suspended (running, new, dead) or tracing is off.
+    pub(crate) fn inspect_suspended(
+        &self,
+        opts: &CaptureOptions,
+        out: &mut Backtrace,
+        keep: bool,
+    ) -> bool {
         self.with_parked(|ctx, csw| {
+            if !keep {
+                fibertrace_core::collect_from_into(ctx, opts, out);
+                return;
+            }
             let cached = {
                 let c = self.trace_cache.lock().unwrap_or_else(|e| e.into_inner());
                 match &*c {
@@ -688,11 +707,19 @@ impl ControlBlock {
     /// when a walk of it is due: its frames are then read from cache, not one memory round
     /// trip per frame. A hint; racy reads of the atomics are fine.
     pub fn prefetch_stack(&self) {
-        if self.run.get(Ordering::Relaxed) != RunState::Suspended
-            || self.walked_csw.load(Ordering::Relaxed) == self.csw.load(Ordering::Relaxed)
-        {
+        if self.walked_csw.load(Ordering::Relaxed) == self.csw.load(Ordering::Relaxed) {
             return;
         }
+        self.prefetch_walk();
+    }
+
+    /// [`ControlBlock::prefetch_stack`] for a caller that knows a walk is due (it keeps
+    /// traces of its own): the stack, and the block's line with the saved registers.
+    pub fn prefetch_walk(&self) {
+        if self.run.get(Ordering::Relaxed) != RunState::Suspended {
+            return;
+        }
+        fibertrace_core::capture::prefetch(self.ctx.get() as u64, 64);
         let sp = self.last_sp.load(Ordering::Relaxed);
         if self.stack.contains(sp) {
             fibertrace_core::capture::prefetch(

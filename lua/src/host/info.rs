@@ -493,7 +493,8 @@ unsafe fn fiber_frames(
             return Some(t);
         }
     }
-    let native = f.backtrace(Unwinder::Fast)?;
+    // Not kept in the fiber: the interleaved trace is kept here, in the fiber's record.
+    let native = f.backtrace_unkept(Unwinder::Fast)?;
     // SAFETY: the fiber is suspended (or never ran) on this OS thread, so its Lua thread is
     // not running; it is read through the debug API only.
     let bt = unsafe { crate::capture_interleaved(&native, root) };
@@ -794,14 +795,16 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
                 if let Some((ahead, ..)) = fibers.get(i + PREFETCH_AHEAD) {
                     ahead.control_block().prefetch();
                 }
-                // The next fiber's stack, when it is to be walked again (it ran since).
+                // The next fiber's stacks, when they are to be walked again: the trace kept
+                // here is not of its last suspension (it ran since).
                 if let Some((next, root, _, cache)) = fibers.get(i + 1).filter(|_| opts.backtrace) {
-                    next.control_block().prefetch_stack();
-                    if lua_stacks.is_some()
-                        && cache
-                            .as_ref()
-                            .is_none_or(|c| c.0 != next.control_block().csw())
-                    {
+                    let due = cache
+                        .as_ref()
+                        .is_none_or(|c| c.0 != next.control_block().csw());
+                    if due {
+                        next.control_block().prefetch_walk();
+                    }
+                    if due && lua_stacks.is_some() {
                         // (In the build's unsafe block: `root` is the Lua thread of a live
                         // fiber of this thread, which stays alive while the listing runs —
                         // no fiber ends during it: nothing switches — and is not running;
