@@ -745,11 +745,14 @@ const PREFETCH_AHEAD: usize = 4;
 /// is `Err(LErr::Raised)` with `not enough memory` on top.
 pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LErr> {
     let l = c.state();
+    // The last: where the fiber's record keeps its key and its trace (addresses only asked
+    // for ahead, never read through: a record's trace is stored by a lookup).
     type Entry = (
         fibertrace_fiber::Fiber,
         *mut ffi::lua_State,
         Slice,
         Option<TraceCache>,
+        [u64; 2],
     );
     // Whether each fiber ended is read in the listing's loop, where its block is prefetched.
     // The largest id, from the map's keys (a fiber's own id is in its control block, not
@@ -759,11 +762,12 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
         h.recs
             .iter()
             .filter(|(_, r)| r.done.is_none())
-            .map(|(&id, r)| {
-                max_id = max_id.max(id);
+            .map(|(id, r)| {
+                max_id = max_id.max(*id);
                 let slice = r.max_slice.unwrap_or(h.default_slice);
                 let cache = opts.backtrace.then(|| r.trace_cache.clone()).flatten();
-                (r.fiber.clone(), r.thread, slice, cache)
+                let rec = [&raw const *id as u64, &raw const r.trace_cache as u64];
+                (r.fiber.clone(), r.thread, slice, cache, rec)
             })
             .collect()
     })
@@ -791,18 +795,25 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
             let (narr, nrec) = result_shape(max_id, fibers.len());
             ffi::lua_createtable(l, narr, nrec);
             let all = ffi::lua_gettop(l);
-            for (i, (f, root, slice, cache)) in fibers.iter().enumerate() {
+            for (i, (f, root, slice, cache, _)) in fibers.iter().enumerate() {
                 if let Some((ahead, ..)) = fibers.get(i + PREFETCH_AHEAD) {
                     ahead.control_block().prefetch();
                 }
                 // The next fiber's stacks, when they are to be walked again: the trace kept
                 // here is not of its last suspension (it ran since).
-                if let Some((next, root, _, cache)) = fibers.get(i + 1).filter(|_| opts.backtrace) {
+                if let Some((next, root, _, cache, rec)) =
+                    fibers.get(i + 1).filter(|_| opts.backtrace)
+                {
                     let due = cache
                         .as_ref()
                         .is_none_or(|c| c.0 != next.control_block().csw());
                     if due {
                         next.control_block().prefetch_walk();
+                        // Its record, where the new trace is stored (a lookup by id that
+                        // missed the cache on each fiber of a large listing).
+                        for a in rec {
+                            fibertrace_core::capture::prefetch(*a, 8);
+                        }
                     }
                     if due && lua_stacks.is_some() {
                         // (In the build's unsafe block: `root` is the Lua thread of a live
