@@ -59,7 +59,15 @@ static MAPS: AtomicU64 = AtomicU64::new(1);
 /// Slots of each thread's memo of [`VmMap::function_end`] (a power of two).
 const END_MEMO: usize = 64;
 
+/// Slots of each thread's memo of [`VmMap::is_vm`] for addresses on pages that hold VM code
+/// and other code (a power of two).
+const VM_MEMO: usize = 64;
+
 thread_local! {
+    /// `(map, address, VM?)` of the last searched lookups: the return addresses a Lua
+    /// fiber's stack holds are few, the same in every fiber parked in the same code.
+    static SEARCHED: [Cell<(u64, u64, bool)>; VM_MEMO] =
+        const { [const { Cell::new((0, 0, false)) }; VM_MEMO] };
     /// `(map, start, end or 0)` of the last lookups: the C functions a Lua stack calls are a
     /// few, looked up for every fiber (a search of every function symbol, on cold lines).
     static ENDS: [Cell<(u64, u64, u64)>; END_MEMO] =
@@ -288,7 +296,20 @@ impl VmMap {
                 Some(_) => {}
             }
         }
-        self.search_vm(a)
+        let slot = (a.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58) as usize % VM_MEMO;
+        let known = SEARCHED
+            .try_with(|m| {
+                let (map, at, vm) = m[slot].get();
+                (map == self.id && at == a).then_some(vm)
+            })
+            .ok()
+            .flatten();
+        if let Some(vm) = known {
+            return vm;
+        }
+        let vm = self.search_vm(a);
+        let _ = SEARCHED.try_with(|m| m[slot].set((self.id, a, vm)));
+        vm
     }
 
     /// [`VmMap::is_vm`] by a binary search of the ranges.
@@ -492,7 +513,21 @@ mod tests {
             }));
             probes.extend([0, 1, u64::MAX, u64::MAX - 1]);
             for a in probes {
+                // Twice: the second answer may come from the memo.
                 assert_eq!(m.is_vm(a), m.search_vm(a), "{a:#x} in {ranges:x?}");
+                assert_eq!(m.is_vm(a), m.search_vm(a), "{a:#x} in {ranges:x?} (again)");
+            }
+            // Another map at the same addresses with other ranges: never the first's memo.
+            let other: Vec<(u64, u64)> = ranges
+                .iter()
+                .map(|&(s, e)| (s, s + (e - s) / 2 + 1))
+                .collect();
+            let o = VmMap::from_ranges(&other, &[]);
+            for &(s, e) in &ranges {
+                for a in [s, e - 1, s + (e - s) / 2 + 1] {
+                    assert_eq!(m.is_vm(a), m.search_vm(a));
+                    assert_eq!(o.is_vm(a), o.search_vm(a), "{a:#x} in {other:x?}");
+                }
             }
             if !ranges.is_empty() && ranges.last().unwrap().1 - ranges[0].0 < 1 << 28 {
                 assert!(!m.pages.is_empty(), "a page table for {ranges:x?}");
