@@ -823,9 +823,17 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
                         prefetch_lua_stack(*root);
                     }
                 }
-                // The Lua state of the one after, whose stack is asked for at the next fiber.
-                if let Some((_, root, ..)) = fibers.get(i + 2).filter(|_| lua_stacks.is_some()) {
-                    fibertrace_core::capture::prefetch(*root as u64, 128);
+                // The Lua state of the one after, whose stack is asked for at the next fiber
+                // (when it is to be walked: its block, asked for earlier, says).
+                if let Some((after, root, _, cache, _)) =
+                    fibers.get(i + 2).filter(|_| lua_stacks.is_some())
+                {
+                    if cache
+                        .as_ref()
+                        .is_none_or(|c| c.0 != after.control_block().csw())
+                    {
+                        fibertrace_core::capture::prefetch(*root as u64, 128);
+                    }
                 }
                 if f.control_block().is_dead() {
                     continue;
