@@ -66,11 +66,11 @@ const VM_MEMO: usize = 64;
 thread_local! {
     /// `(map, address, VM?)` of the last searched lookups: the return addresses a Lua
     /// fiber's stack holds are few, the same in every fiber parked in the same code.
-    static SEARCHED: [Cell<(u64, u64, bool)>; VM_MEMO] =
+    static SEARCHED: Memo<bool, VM_MEMO> =
         const { [const { Cell::new((0, 0, false)) }; VM_MEMO] };
     /// `(map, start, end or 0)` of the last lookups: the C functions a Lua stack calls are a
     /// few, looked up for every fiber (a search of every function symbol, on cold lines).
-    static ENDS: [Cell<(u64, u64, u64)>; END_MEMO] =
+    static ENDS: Memo<u64, END_MEMO> =
         const { [const { Cell::new((0, 0, 0)) }; END_MEMO] };
 }
 
@@ -137,6 +137,33 @@ fn name_is_vm(name: &str) -> bool {
         || name.starts_with("lua_")
         || name.starts_with("luaJIT_")
         || LUA54_INTERNAL.iter().any(|p| name.starts_with(p))
+}
+
+/// A thread's memo of answers: `(map number, key, answer)` per slot.
+type Memo<T, const N: usize> = [Cell<(u64, u64, T)>; N];
+
+/// `f()`, the answer for `key` of map number `map`, from this thread's memo `memo` when it
+/// holds it (one slot per key, the last key there wins), remembered there otherwise. A
+/// thread being torn down computes it.
+fn memoized<T: Copy, const N: usize>(
+    memo: &'static std::thread::LocalKey<Memo<T, N>>,
+    map: u64,
+    key: u64,
+    f: impl FnOnce() -> T,
+) -> T {
+    let slot = (key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40) as usize % N;
+    let known = memo
+        .try_with(|m| {
+            let (id, k, v) = m[slot].get();
+            (id == map && k == key).then_some(v)
+        })
+        .ok()
+        .flatten();
+    known.unwrap_or_else(|| {
+        let v = f();
+        let _ = memo.try_with(|m| m[slot].set((map, key, v)));
+        v
+    })
 }
 
 impl VmMap {
@@ -296,20 +323,7 @@ impl VmMap {
                 Some(_) => {}
             }
         }
-        let slot = (a.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58) as usize % VM_MEMO;
-        let known = SEARCHED
-            .try_with(|m| {
-                let (map, at, vm) = m[slot].get();
-                (map == self.id && at == a).then_some(vm)
-            })
-            .ok()
-            .flatten();
-        if let Some(vm) = known {
-            return vm;
-        }
-        let vm = self.search_vm(a);
-        let _ = SEARCHED.try_with(|m| m[slot].set((self.id, a, vm)));
-        vm
+        memoized(&SEARCHED, self.id, a, || self.search_vm(a))
     }
 
     /// [`VmMap::is_vm`] by a binary search of the ranges.
@@ -321,20 +335,10 @@ impl VmMap {
     /// The end of the function symbol starting exactly at `start`, if there is one.
     #[inline]
     pub fn function_end(&self, start: u64) -> Option<u64> {
-        let slot = (start.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58) as usize % END_MEMO;
-        let known = ENDS
-            .try_with(|m| {
-                let (map, s, e) = m[slot].get();
-                (map == self.id && s == start).then_some(e)
-            })
-            .ok()
-            .flatten();
-        if let Some(e) = known {
-            return (e != 0).then_some(e);
-        }
-        let end = self.search_end(start);
-        let _ = ENDS.try_with(|m| m[slot].set((self.id, start, end.unwrap_or(0))));
-        end
+        let end = memoized(&ENDS, self.id, start, || {
+            self.search_end(start).unwrap_or(0)
+        });
+        (end != 0).then_some(end)
     }
 
     /// [`VmMap::function_end`] by a binary search of the functions.
