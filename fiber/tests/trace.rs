@@ -55,9 +55,11 @@ fn suspended_fiber_blocked_three_calls_deep_in_a_channel_receive() {
             yield_now();
             assert_eq!(h.fiber().status(), Status::Waiting);
             for u in [Unwinder::Fast, Unwinder::Precise, Unwinder::Auto] {
-                let bt = h.fiber().backtrace(u).unwrap();
                 // A walk not kept in the fiber (a caller keeping its own): the same frames,
                 // before and after the kept one.
+                let unkept = h.fiber().backtrace_unkept(u).unwrap();
+                let bt = h.fiber().backtrace(u).unwrap();
+                assert_eq!(unkept, bt, "{u:?}");
                 assert_eq!(h.fiber().backtrace_unkept(u).unwrap(), bt, "{u:?}");
                 let n = names(bt.frames());
                 // Runtime frames first (the suspend wrapper itself is skipped), then ours.

@@ -6,7 +6,9 @@
 //! a description is seen. A hit costs one hash of a few dozen bytes and one shard read lock;
 //! no `String` is built. In front of the table, each thread keeps a small memo found by the
 //! strings' addresses: a level seen before costs a compare of its bytes with the description
-//! (an address reused by other bytes is a miss, never a wrong id).
+//! (an address reused by other bytes is a miss, never a wrong id). Only descriptions stored
+//! as they came are remembered (valid UTF-8, a source not cut), so a hit is always the id the
+//! table gives for the same bytes.
 //!
 //! Invariants:
 //! * ids are never reused or removed: a [`Frame::Lua`](fibertrace_core::Frame::Lua) kept in a
@@ -126,6 +128,26 @@ impl RawInfo<'_> {
         h.write(self.source);
         h.write(self.short_src);
         h.finish()
+    }
+
+    /// Whether the description is stored exactly as these bytes (valid UTF-8, a source of
+    /// at most [`MAX_SOURCE`] bytes).
+    fn is_stored_as_is(&self) -> bool {
+        self.source.len() <= MAX_SOURCE
+            && std::str::from_utf8(self.source).is_ok()
+            && std::str::from_utf8(self.short_src).is_ok()
+            && self.name.is_none_or(|n| std::str::from_utf8(n).is_ok())
+    }
+
+    /// Whether `info` is this description byte for byte (no decoding, no cut).
+    fn same_bytes(&self, info: &LuaFrameInfo) -> bool {
+        self.kind == info.kind
+            && self.cfunc == info.cfunc
+            && self.current_line == info.current_line
+            && self.line_defined == info.line_defined
+            && self.name == info.name.as_deref().map(str::as_bytes)
+            && self.short_src == info.short_src.as_bytes()
+            && self.source == info.source.as_bytes()
     }
 
     fn matches(&self, info: &LuaFrameInfo) -> bool {
@@ -256,7 +278,7 @@ pub(crate) fn intern(raw: &RawInfo<'_>) -> LuaFrameId {
         .try_with(|m| {
             let m = m.try_borrow().ok()?;
             let e = m.get(slot)?.as_ref()?;
-            (e.key == key && raw.matches(&e.info)).then_some(e.id)
+            (e.key == key && raw.same_bytes(&e.info)).then_some(e.id)
         })
         .ok()
         .flatten();
@@ -264,7 +286,10 @@ pub(crate) fn intern(raw: &RawInfo<'_>) -> LuaFrameId {
         return id;
     }
     let (id, info) = intern_shared(raw);
-    if let Some(info) = info {
+    // Only descriptions stored as they came (valid UTF-8, a source not cut): a hit, equal
+    // byte for byte to the stored one, is then the same raw description, whose id the
+    // table gives.
+    if let Some(info) = info.filter(|_| raw.is_stored_as_is()) {
         remember(slot, MemoEntry { key, id, info });
     }
     id
@@ -315,8 +340,9 @@ thread_local! {
 }
 
 /// Puts `e` in the memo's `slot` (replacing what was there). Allocates the memo once, not
-/// tracked by the heap tracker (whose stack hook interns frames itself: it finds the memo
-/// busy and goes to the table); nothing allocates while the memo is borrowed.
+/// tracked by the heap tracker (whose stack hook interns frames itself). Every access to the
+/// memo tries its borrow: a lookup or store made from inside another (an allocation hook)
+/// finds it busy and goes to the table, never panics.
 fn remember(slot: usize, e: MemoEntry) {
     let fresh = MEMO
         .try_with(|m| m.try_borrow().is_ok_and(|m| m.is_empty()))
@@ -469,6 +495,44 @@ mod tests {
         .join()
         .unwrap();
         assert_eq!(other, (a, c));
+    }
+
+    /// Descriptions stored otherwise than they came (a source cut at [`MAX_SOURCE`], bytes
+    /// that are not UTF-8) get the table's id for their own bytes, never the id of other
+    /// bytes at the same addresses that read the same once stored.
+    #[test]
+    fn the_memo_keeps_only_descriptions_stored_as_they_came() {
+        let mut source = vec![b'x'; MAX_SOURCE + 10];
+        source[0] = b'=';
+        // Leaked: the same addresses for both descriptions (as a Lua string's bytes).
+        let source: &'static mut [u8] = Box::leak(source.into_boxed_slice());
+        let name: &'static mut [u8] = Box::leak(b"g\xff".to_vec().into_boxed_slice());
+        let (sp, np) = (source.as_mut_ptr(), name.as_mut_ptr());
+        let raw = || RawInfo {
+            kind: LuaKind::Lua,
+            // SAFETY: the leaked buffers, alive forever, written only between the uses.
+            name: Some(unsafe { std::slice::from_raw_parts(np, 2) }),
+            // SAFETY: as above.
+            source: unsafe { std::slice::from_raw_parts(sp, MAX_SOURCE + 10) },
+            short_src: b"memo_cut.lua",
+            current_line: 3,
+            line_defined: 1,
+            cfunc: 0,
+        };
+        assert!(!raw().is_stored_as_is());
+        let first = intern(&raw());
+        assert_eq!(intern(&raw()), first);
+        // Other bytes past the cut, another byte that is not UTF-8: stored the same, yet
+        // another raw description.
+        // SAFETY: the leaked buffers, owned by this test alone; no slice of them is live.
+        unsafe {
+            *sp.add(MAX_SOURCE + 5) = b'y';
+            *np.add(1) = 0xfe;
+        }
+        let (table, _) = intern_shared(&raw());
+        assert_ne!(table, first);
+        assert_eq!(intern(&raw()), table);
+        assert_eq!(describe(first).unwrap(), describe(table).unwrap());
     }
 
     #[test]

@@ -705,12 +705,16 @@ unsafe fn built(
 /// Otherwise (ids spread out: old fibers among many that ended) the hash part, sized to the
 /// count. Which part holds a key is invisible to Lua (`pairs`, `next`, `#` aside).
 fn result_shape(max: FiberId, count: usize) -> (c_int, c_int) {
-    let dense = max <= (2 * count as u64).saturating_add(16);
+    let dense = max <= (2 * count as u64).saturating_add(16) && max <= MAX_ARRAY;
     match c_int::try_from(max) {
         Ok(max) if dense => (max, 0),
         _ => (0, c_int::try_from(count).unwrap_or(c_int::MAX)),
     }
 }
+
+/// The largest array part [`result_shape`] asks for (far below what the VMs can make: LuaJIT
+/// refuses more than 2^27 slots).
+const MAX_ARRAY: u64 = 1 << 26;
 
 /// Most bytes of a Lua stack asked for ahead of its walk.
 const PREFETCH_LUA_STACK: u64 = 2048;
@@ -815,11 +819,15 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
                             fibertrace_core::capture::prefetch(*a, 8);
                         }
                     }
-                    if due && lua_stacks.is_some() {
-                        // (In the build's unsafe block: `root` is the Lua thread of a live
-                        // fiber of this thread, which stays alive while the listing runs —
-                        // no fiber ends during it: nothing switches — and is not running;
-                        // the layout matched, per `lua_stacks`.)
+                    // Only for a fiber that has not ended and is not this one: then (in the
+                    // build's unsafe block) `root` is the Lua thread of a live fiber of this
+                    // thread, which stays alive while the listing runs — a live fiber's record
+                    // leaves only when the fiber ends, and nothing switches during it — and
+                    // is not running; the layout matched, per `lua_stacks`. (The record of a
+                    // fiber that ended before it ran stays until it is joined, which a
+                    // finalizer run by this listing may do: its thread may be freed then.)
+                    let live = !next.control_block().is_dead() && next.id() != call.me;
+                    if due && live && lua_stacks.is_some() {
                         prefetch_lua_stack(*root);
                     }
                 }
@@ -967,9 +975,18 @@ mod tests {
         // An id past what `lua_createtable` takes, however many fibers: hash.
         let big = c_int::MAX as u64 + 1;
         assert_eq!(result_shape(big, big as usize), (0, c_int::MAX));
+        // Past the largest array asked for, however dense: hash.
         assert_eq!(
             result_shape(c_int::MAX as u64, c_int::MAX as usize),
-            (c_int::MAX, 0)
+            (0, c_int::MAX)
+        );
+        assert_eq!(
+            result_shape(MAX_ARRAY, MAX_ARRAY as usize),
+            (MAX_ARRAY as c_int, 0)
+        );
+        assert_eq!(
+            result_shape(MAX_ARRAY + 1, MAX_ARRAY as usize + 1),
+            (0, MAX_ARRAY as c_int + 1)
         );
         // Nothing listed.
         assert_eq!(result_shape(0, 0), (0, 0));

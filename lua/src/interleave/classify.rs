@@ -48,8 +48,9 @@ pub struct VmMap {
     pages: Vec<u8>,
     /// Address of the first page of `pages`.
     pages_lo: u64,
-    /// This map's number (unique in the process, 0 before [`VmMap::finish`]): what this
-    /// thread's memo of [`VmMap::function_end`] is keyed by beside the address.
+    /// This map's number (unique in the process, 0 before [`VmMap::finish`]): what each
+    /// thread's memos of [`VmMap::is_vm`] and [`VmMap::function_end`] are keyed by beside
+    /// the address.
     id: u64,
 }
 
