@@ -473,6 +473,12 @@ unsafe fn running_frames(root: *mut ffi::lua_State) -> Rc<[Frame]> {
 /// when the listing gathers the fibers).
 type TraceCache = (u64, Rc<[Frame]>);
 
+/// Whether a kept trace is of the fiber's last suspension (`csw`: its switch count now; a
+/// fiber that never ran has no trace to keep).
+fn is_current(cache: &TraceCache, csw: u64) -> bool {
+    cache.0 == csw && csw > 0
+}
+
 /// A fiber's interleaved trace now: `cache` unless it has run since (a suspended fiber's
 /// native stack and Lua stack change only when it runs).
 ///
@@ -488,10 +494,8 @@ unsafe fn fiber_frames(
         return call.current.clone();
     }
     let csw = f.control_block().csw();
-    if let Some((c, t)) = cache {
-        if c == csw && csw > 0 {
-            return Some(t);
-        }
+    if let Some((_, t)) = cache.as_ref().filter(|c| is_current(c, csw)) {
+        return Some(t.clone());
     }
     // Not kept in the fiber: the interleaved trace is kept here, in the fiber's record.
     let native = f.backtrace_unkept(Unwinder::Fast)?;
@@ -787,9 +791,8 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
         .map(|(_, root, ..)| unsafe { running_frames(*root) });
     // Whether the Lua stacks of the fibers to walk are asked for ahead (the VM's layout,
     // which says where a state keeps its stack, was checked against the running VM).
-    let lua_stacks = (opts.backtrace
-        && crate::frames::publish::checked() == crate::frames::publish::MATCHES)
-        .then_some(());
+    let lua_stacks =
+        opts.backtrace && crate::frames::publish::checked() == crate::frames::publish::MATCHES;
     // SAFETY: `l` is the state of the running call `c` (`f_info`); fresh tables; each
     // fiber's table is set under its id; the build's slots (below the result) are removed at
     // the end; in a protected call.
@@ -808,9 +811,9 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
                 if let Some((next, root, _, cache, rec)) =
                     fibers.get(i + 1).filter(|_| opts.backtrace)
                 {
-                    let due = cache
+                    let due = !cache
                         .as_ref()
-                        .is_none_or(|c| c.0 != next.control_block().csw());
+                        .is_some_and(|c| is_current(c, next.control_block().csw()));
                     if due {
                         next.control_block().prefetch_walk();
                         // Its record, where the new trace is stored (a lookup by id that
@@ -827,18 +830,16 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
                     // fiber that ended before it ran stays until it is joined, which a
                     // finalizer run by this listing may do: its thread may be freed then.)
                     let live = !next.control_block().is_dead() && next.id() != call.me;
-                    if due && live && lua_stacks.is_some() {
+                    if due && live && lua_stacks {
                         prefetch_lua_stack(*root);
                     }
                 }
                 // The Lua state of the one after, whose stack is asked for at the next fiber
                 // (when it is to be walked: its block, asked for earlier, says).
-                if let Some((after, root, _, cache, _)) =
-                    fibers.get(i + 2).filter(|_| lua_stacks.is_some())
-                {
-                    if cache
+                if let Some((after, root, _, cache, _)) = fibers.get(i + 2).filter(|_| lua_stacks) {
+                    if !cache
                         .as_ref()
-                        .is_none_or(|c| c.0 != after.control_block().csw())
+                        .is_some_and(|c| is_current(c, after.control_block().csw()))
                     {
                         fibertrace_core::capture::prefetch(*root as u64, 128);
                     }
