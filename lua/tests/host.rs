@@ -79,6 +79,17 @@ fn result(host: &LuaHost, name: &str) -> Vec<String> {
     project(&t)
 }
 
+/// The sequence in global table `name`.
+fn global_seq<T: mlua::FromLua>(host: &LuaHost, name: &str) -> Vec<T> {
+    host.lua()
+        .globals()
+        .get::<Table>(name)
+        .unwrap()
+        .sequence_values::<T>()
+        .map(Result::unwrap)
+        .collect()
+}
+
 fn v(items: &[&str]) -> Vec<String> {
     items.iter().map(|s| s.to_string()).collect()
 }
@@ -891,4 +902,140 @@ starter()
             "C run_main_fiber",
         ])
     );
+}
+
+/// Fibers parked in the same function, some at one line and some at another, then moved to
+/// the other line: each listing gives each fiber the line it waits at now (fibers parked at
+/// the same place share their trace's merge; one Lua level's line apart, they do not).
+#[test]
+fn fibers_parked_alike_but_a_line_apart_each_get_their_own_line() {
+    let host = run(r#"local fiber = require('fiber')
+local where = {}
+local function sleeper(i)
+  while true do
+    if where[i] == 'a' then
+      fiber.sleep(100)
+    else
+      fiber.sleep(100)
+    end
+  end
+end
+local fs = {}
+for i = 1, 6 do
+  where[i] = (i % 3 == 1) and 'a' or 'b'
+  fs[i] = fiber.create(sleeper, i)
+end
+local function lines()
+  local info, out = fiber.info(), {}
+  for i, f in ipairs(fs) do
+    for _, e in ipairs(info[f:id()].backtrace) do
+      if e.L and e.L:find('t.lua:3>', 1, true) then out[#out + 1] = e.L:match(':(%d+)$') end
+    end
+  end
+  return table.concat(out, ' ')
+end
+R = {lines(), lines()}
+for i = 1, 6 do where[i] = (where[i] == 'a') and 'b' or 'a' end
+for i = 1, 6 do fs[i]:wakeup() end
+fiber.yield()
+R[3] = lines()
+for i = 1, 6 do fs[i]:wakeup() end
+fiber.yield()
+R[4] = lines()
+"#);
+    assert_eq!(
+        global_seq::<String>(&host, "R"),
+        v(&["6 8 8 6 8 8", "6 8 8 6 8 8", "8 6 6 8 6 6", "8 6 6 8 6 6"])
+    );
+}
+
+/// The listing's memo of Lua levels (fibers parked at the same place read once per call)
+/// gives each fiber exactly the trace the debug API gives, for stacks of every kind — Lua
+/// calls, a tail call, a vararg function, `pcall`, a comparator called by `table.sort`, an
+/// `__index` function (a continuation frame), a method, a channel wait, a coroutine inside
+/// the fiber and a stack deeper than the memo covers (both read through the debug API) —
+/// after the JIT compiled their loops (calls stitched to traces: continuation frames);
+/// three fibers per kind. The memo is used where the stack allows (two of three fibers of
+/// each such kind come from it).
+#[test]
+fn the_level_memo_gives_what_the_debug_api_gives() {
+    let host = LuaHost::new().unwrap();
+    let lua = host.lua();
+    lua.globals()
+        .set(
+            "memo",
+            lua.create_function(|_, on: bool| Ok(fibertrace_lua::host::set_lua_level_memo(on)))
+                .unwrap(),
+        )
+        .unwrap();
+    let src = r#"local fiber = require('fiber')
+local unpack = table.unpack or unpack
+local ch = fiber.channel(1)
+local function leaf() while true do fiber.sleep(100) end end
+local function mid() leaf() end
+local obj = {}
+function obj:wait() while true do fiber.sleep(100) end end
+local function deep(n) if n == 0 then leaf() end deep(n - 1) end
+local big = {}
+for i = 1, 400 do big[i] = (i * 7919) % 401 end
+local shapes = {
+  plain = function() mid() end,
+  tail = function() return mid() end,
+  vararg = function(...) local n = select('#', ...) while true do fiber.sleep(100) end end,
+  pcall = function() pcall(function() while true do fiber.sleep(100) end end) end,
+  sort = function()
+    local t = {unpack(big)}
+    table.sort(t, function(a, b) fiber.sleep(100) return a < b end)
+    leaf()
+  end,
+  meta = function() local t = setmetatable({}, {__index = function() leaf() end}) return t.x end,
+  co = function() local co = coroutine.wrap(function() leaf() end) co() end,
+  deep = function() deep(40) end,
+  method = function() obj:wait() end,
+  chan = function() while true do ch:get() end end,
+}
+local names = {}
+for k in pairs(shapes) do names[#names + 1] = k end
+table.sort(names)
+local fs = {}
+for _, name in ipairs(names) do
+  for _ = 1, 3 do fs[#fs + 1] = {name, fiber.create(shapes[name])} end
+end
+for _ = 1, 120 do
+  for _, f in ipairs(fs) do f[2]:wakeup() end
+  fiber.yield()
+end
+local function snap()
+  local info, out = fiber.info(), {}
+  for i, f in ipairs(fs) do
+    local parts = {}
+    for _, e in ipairs(info[f[2]:id()].backtrace) do parts[#parts + 1] = e.C or e.L end
+    out[i] = f[1] .. ': ' .. table.concat(parts, ' | ')
+  end
+  return out
+end
+local h0 = memo(true)
+A = snap()
+local h1 = memo(false)
+B = snap()
+local h2 = memo(true)
+C = snap()
+local h3 = memo(true)
+HITS = {h1 - h0, h2 - h1, h3 - h2}
+"#;
+    if let Err(e) = host.run_main("@t.lua", src.as_bytes(), &[]) {
+        panic!("script failed: {e}");
+    }
+    let list = |name: &str| global_seq::<String>(&host, name);
+    let (a, b, c) = (list("A"), list("B"), list("C"));
+    assert_eq!(a.len(), 30);
+    for ((x, y), z) in a.iter().zip(&b).zip(&c) {
+        assert_eq!(x, y, "with the memo, then without");
+        assert_eq!(x, z, "with the memo again");
+    }
+    let hits = global_seq::<i64>(&host, "HITS");
+    // Eight kinds of ten have a shape (not the coroutine's, not the deep one): the second
+    // and third fibers of each come from the memo; none without it.
+    let expect = if LUAJIT { 16 } else { 0 };
+    assert_eq!(hits, [expect, 0, expect]);
 }

@@ -38,6 +38,7 @@ use smallvec::SmallVec;
 pub mod foreign;
 pub mod intern;
 pub mod publish;
+pub(crate) mod shape;
 
 use intern::{LuaKind, RawInfo};
 
@@ -56,7 +57,7 @@ const MAX_DEPTH: c_int = 1 << 24;
 pub const MAX_THREADS: usize = 16;
 
 /// One captured Lua level.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct LuaLevel {
     /// Its interned description.
     pub id: LuaFrameId,

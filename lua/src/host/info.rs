@@ -36,6 +36,7 @@ use mlua::ffi;
 
 use super::raw::{push_str, LErr};
 use super::{with_host, Slice};
+use crate::frames::shape::Words;
 use crate::render::TarantoolEntry;
 
 /// Options of `fiber.info([opts])`.
@@ -211,6 +212,8 @@ pub(crate) struct InfoBuild {
     name_slot: c_int,
     /// The name pushed last (held: no other name takes its address during the call).
     last_name: Option<std::sync::Arc<str>>,
+    /// The Lua levels read so far, by the shape of their stacks.
+    lua_memo: LuaMemo,
 }
 
 impl InfoBuild {
@@ -250,6 +253,7 @@ impl InfoBuild {
                 rate: fibertrace_fiber::embed::Rate::now(),
                 me: fibertrace_fiber::current_id(),
                 current,
+                lua_memo: LuaMemo::new(),
             }
         }
     }
@@ -434,6 +438,178 @@ fn is_frame_of(f: &Frame, upto: &'static str) -> bool {
     hit
 }
 
+/// Most shapes a call's [`LuaMemo`] keeps (a bound on its memory; the fibers of further
+/// shapes are read through the debug API).
+const LUA_MEMO_MAX: usize = 4096;
+
+/// One fiber's Lua levels, by the shape of the stack they were read from.
+struct LuaMemoEntry {
+    levels: smallvec::SmallVec<[crate::LuaLevel; 8]>,
+    /// The fiber whose stack gave them, and its switch count then: the entry is taken only
+    /// while that fiber has not run since and has not ended, so that its stack still holds
+    /// the functions (and through them the prototypes) whose addresses are in `words`: an
+    /// equal address is then the same object.
+    from: fibertrace_fiber::Fiber,
+    csw: u64,
+}
+
+thread_local! {
+    /// Whether listings use [`LuaMemo`] (tests compare with and without).
+    static LUA_MEMO_ON: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
+    /// How many fibers' levels [`LuaMemo`] gave on this thread.
+    static LUA_MEMO_HITS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Turns the listings' memo of Lua levels on or off on this thread, and forgets the traces
+/// the fibers' records keep (so that the next listing reads every stack again): for tests
+/// that compare what the memo gives with what the debug API gives. Returns how many
+/// fibers' levels the memo gave on this thread so far. Called from a function of the host
+/// running on this thread.
+#[doc(hidden)]
+pub fn set_lua_level_memo(on: bool) -> u64 {
+    LUA_MEMO_ON.with(|c| c.set(on));
+    with_host(|h| {
+        for r in h.recs.values_mut() {
+            r.trace_cache = None;
+        }
+    });
+    LUA_MEMO_HITS.with(|c| c.get())
+}
+
+/// The Lua levels read during one `fiber.info()` call, by the shape of the stack they were
+/// read from ([`crate::frames::shape`]): fibers parked at the same place (their stacks run
+/// the same code — closures of the same functions — called from the same places, at the
+/// same depth) are read through the debug API once per call; the others cost a walk of
+/// their frames' words more. Off when the VM's layout was not checked (Lua 5.4, another
+/// LuaJIT). A fiber whose stack has no shape (see the shape's refusals) is always read.
+/// Kept for one call only: it holds no Lua object, and nothing it answers outlives the
+/// fibers it read.
+struct LuaMemo {
+    on: bool,
+    shapes: HashMap<Box<[u64]>, LuaMemoEntry, BuildHasherDefault<AddrHasher>>,
+}
+
+impl LuaMemo {
+    fn new() -> LuaMemo {
+        LuaMemo {
+            on: LUA_MEMO_ON.with(|c| c.get())
+                && crate::frames::publish::checked() == crate::frames::publish::MATCHES,
+            shapes: HashMap::default(),
+        }
+    }
+
+    /// Fills `out` with the Lua levels of `f`'s state `root`.
+    ///
+    /// # Safety
+    /// `root` is `f`'s Lua thread, `f` is suspended (or never ran) on this thread.
+    unsafe fn levels(
+        &mut self,
+        f: &fibertrace_fiber::Fiber,
+        root: *mut ffi::lua_State,
+        out: &mut crate::LuaStack,
+    ) {
+        let mut words = Words::new();
+        // SAFETY: `root` is a live state of this thread that is not running (the contract),
+        // and `on` says the layout matched.
+        let shaped = self.on && unsafe { crate::frames::shape::stack_shape(root, &mut words) };
+        if let Some(e) = shaped.then(|| self.shapes.get(&words[..])).flatten() {
+            let from = e.from.control_block();
+            if from.csw() == e.csw && !matches!(from.status().0, Status::Dead | Status::Running) {
+                out.clear();
+                out.levels.extend_from_slice(&e.levels);
+                out.threads = 1;
+                LUA_MEMO_HITS.with(|c| c.set(c.get() + 1));
+                return;
+            }
+        }
+        let csw = f.control_block().csw();
+        // SAFETY: forwarded contract: the state is not running; the debug API reads it.
+        unsafe { crate::capture_lua_stack(root, out) };
+        if shaped && out.threads == 1 && !out.truncated && self.shapes.len() < LUA_MEMO_MAX {
+            self.shapes.insert(
+                words[..].into(),
+                LuaMemoEntry {
+                    levels: out.levels.iter().copied().collect(),
+                    from: f.clone(),
+                    csw,
+                },
+            );
+        }
+    }
+}
+
+/// Slots of each thread's [`MERGED`] memo (a power of two).
+const MERGED_SLOTS: usize = 256;
+
+/// The longest native trace whose merge [`MERGED`] keeps (a bound on its memory: 256
+/// slots of at most 4 KiB of native frames).
+const MERGED_MAX_FRAMES: usize = 256;
+
+/// The slot of [`MERGED`] for a merge's inputs.
+fn merged_slot(native: &[Frame], lua: &crate::LuaStack) -> usize {
+    use std::hash::{Hash, Hasher};
+    let mut h = AddrHasher::default();
+    native.hash(&mut h);
+    lua.levels.hash(&mut h);
+    (lua.omitted_at, lua.omitted).hash(&mut h);
+    (h.finish() >> 32) as usize % MERGED_SLOTS
+}
+
+/// One merge remembered: its inputs and the trace they gave.
+struct Merged {
+    native: Box<[Frame]>,
+    lua: Box<[crate::LuaLevel]>,
+    gap: (usize, u64),
+    trace: Rc<[Frame]>,
+}
+
+thread_local! {
+    /// The last merge made in each slot (by a hash of its inputs); empty until the first.
+    static MERGED: RefCell<Vec<Option<Merged>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A suspended fiber's trace from its native frames and Lua stack: the two interleaved, the
+/// runtime's trampoline left out, interned ([`intern`]). That is a function of these inputs
+/// alone (the VM map it consults is made once, at start-up), so each thread remembers the
+/// last merge per slot of a hash of them, taken only when the inputs compare equal: fibers
+/// parked at the same place (a pool of workers waiting on one channel, connections waiting
+/// for input) are merged once, then cost a hash and a comparison of their frames.
+fn merged(native: &[Frame], lua: &crate::LuaStack) -> Rc<[Frame]> {
+    let gap = (lua.omitted_at, lua.omitted);
+    let slot = merged_slot(native, lua);
+    let hit = MERGED
+        .try_with(|m| {
+            let m = m.try_borrow().ok()?;
+            let e = m.get(slot)?.as_ref()?;
+            (e.gap == gap && *e.native == *native && *e.lua == *lua.levels).then(|| e.trace.clone())
+        })
+        .ok()
+        .flatten();
+    if let Some(t) = hit {
+        return t;
+    }
+    let bt = crate::interleave::interleave(native, lua, &Default::default());
+    let trace = intern(Rc::from(fibertrace_fiber::info::user_frames(bt.frames())));
+    let e = Merged {
+        native: native.into(),
+        lua: lua.levels.as_slice().into(),
+        gap,
+        trace: trace.clone(),
+    };
+    if native.len() > MERGED_MAX_FRAMES {
+        return trace;
+    }
+    let _ = MERGED.try_with(|m| {
+        if let Ok(mut m) = m.try_borrow_mut() {
+            if m.is_empty() {
+                m.resize_with(MERGED_SLOTS, || None);
+            }
+            m[slot] = Some(e);
+        }
+    });
+    trace
+}
+
 /// The running fiber's trace, interleaved with the Lua stack of `root`, starting at the
 /// frame of the C function `upto` (the function Lua called).
 ///
@@ -487,7 +663,7 @@ fn is_current(cache: &TraceCache, csw: u64) -> bool {
 unsafe fn fiber_frames(
     f: &fibertrace_fiber::Fiber,
     root: *mut ffi::lua_State,
-    call: &InfoBuild,
+    call: &mut InfoBuild,
     cache: Option<TraceCache>,
 ) -> Option<Rc<[Frame]>> {
     if f.id() == call.me {
@@ -499,10 +675,11 @@ unsafe fn fiber_frames(
     }
     // Not kept in the fiber: the interleaved trace is kept here, in the fiber's record.
     let native = f.backtrace_unkept(Unwinder::Fast)?;
+    let mut lua = crate::LuaStack::new();
     // SAFETY: the fiber is suspended (or never ran) on this OS thread, so its Lua thread is
-    // not running; it is read through the debug API only.
-    let bt = unsafe { crate::capture_interleaved(&native, root) };
-    let t = intern(Rc::from(fibertrace_fiber::info::user_frames(bt.frames())));
+    // not running (the contract; `backtrace_unkept` gives nothing for a fiber that ended).
+    unsafe { call.lua_memo.levels(f, root, &mut lua) };
+    let t = merged(native.frames(), &lua);
     // The count is read again: the capture may not race with a resume on this thread, but
     // the cache must only hold a trace taken while the fiber was suspended.
     if f.control_block().csw() == csw && f.control_block().status().0 != Status::Running {
@@ -963,6 +1140,115 @@ pub(crate) fn snapshot_here(upto: &'static str) -> fibertrace_fiber::Snapshot {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::frames::intern::LuaKind;
+    use crate::{LuaLevel, LuaStack};
+
+    /// What `merged` must give: the merge made afresh.
+    fn fresh(native: &[Frame], lua: &LuaStack) -> Vec<Frame> {
+        let bt = crate::interleave::interleave(native, lua, &Default::default());
+        fibertrace_fiber::info::user_frames(bt.frames()).to_vec()
+    }
+
+    fn level(id: u32, kind: LuaKind, cfunc: usize) -> LuaLevel {
+        LuaLevel {
+            id: fibertrace_core::LuaFrameId(id),
+            kind,
+            cfunc,
+            thread: 0,
+        }
+    }
+
+    fn stack(levels: &[LuaLevel], gap: Option<(usize, u64)>) -> LuaStack {
+        let mut s = LuaStack::new();
+        s.levels.extend_from_slice(levels);
+        s.threads = 1;
+        if let Some((at, n)) = gap {
+            (s.truncated, s.omitted_at, s.omitted) = (true, at, n);
+        }
+        s
+    }
+
+    /// The merge memo gives the trace a fresh merge gives, for inputs that differ in one
+    /// native frame anywhere, in one Lua level's description, kind or C function, in the gap
+    /// left in a deep Lua stack, and for two inputs that fall in the same slot, taken in
+    /// turns (each evicts the other); a repeat is the one interned trace.
+    #[test]
+    fn the_merge_memo_gives_what_a_fresh_merge_gives() {
+        let native: Vec<Frame> = (0..30).map(|i| Frame::Ra(0x5000_0000 + 0x40 * i)).collect();
+        let mut deep = native.clone();
+        deep[29] = Frame::Ra(0x6000_0000);
+        let mut top = native.clone();
+        top[0] = Frame::Pc(0x5000_0000);
+        let a = [level(1, LuaKind::C, 0x1234), level(2, LuaKind::Lua, 0)];
+        let other_line = [level(1, LuaKind::C, 0x1234), level(3, LuaKind::Lua, 0)];
+        let other_kind = [level(1, LuaKind::C, 0x1234), level(2, LuaKind::Main, 0)];
+        let other_c = [level(1, LuaKind::C, 0x1235), level(2, LuaKind::Lua, 0)];
+        let inputs = [
+            (native.clone(), stack(&a, None)),
+            (deep.clone(), stack(&a, None)),
+            (top.clone(), stack(&a, None)),
+            (native.clone(), stack(&other_line, None)),
+            (native.clone(), stack(&other_kind, None)),
+            (native.clone(), stack(&other_c, None)),
+            (native.clone(), stack(&a, Some((1, 7)))),
+            (native.clone(), stack(&a, Some((1, 8)))),
+            (native.clone(), stack(&a, Some((2, 7)))),
+            (native[..3].to_vec(), stack(&[], None)),
+            (Vec::new(), stack(&a, None)),
+        ];
+        for round in 0..3 {
+            for (n, l) in &inputs {
+                assert_eq!(&*merged(n, l), fresh(n, l).as_slice(), "round {round}");
+            }
+        }
+        // The inputs that merge differently (a kind or an unanchored C function changes
+        // nothing in the frames) are told apart: a memo that answered for another fails.
+        let all: std::collections::HashSet<Vec<Frame>> =
+            inputs.iter().map(|(n, l)| merged(n, l).to_vec()).collect();
+        assert_eq!(all.len(), inputs.len() - 2);
+        for (i, j) in [
+            (0, 1),
+            (0, 2),
+            (0, 3),
+            (0, 6),
+            (6, 7),
+            (6, 8),
+            (0, 9),
+            (0, 10),
+        ] {
+            assert_ne!(
+                fresh(&inputs[i].0, &inputs[i].1),
+                fresh(&inputs[j].0, &inputs[j].1)
+            );
+        }
+        // A repeat is the interned trace itself.
+        let (n, l) = &inputs[0];
+        assert!(Rc::ptr_eq(&merged(n, l), &merged(n, l)));
+        // Two inputs in one slot, in turns.
+        let base = stack(&a, None);
+        let slot = merged_slot(&native, &base);
+        let mut twin = native.clone();
+        let mut k = 0u64;
+        loop {
+            twin[15] = Frame::Ra(0x7000_0000 + k);
+            if merged_slot(&twin, &base) == slot {
+                break;
+            }
+            k += 1;
+        }
+        for _ in 0..3 {
+            assert_eq!(&*merged(&native, &base), fresh(&native, &base).as_slice());
+            assert_eq!(&*merged(&twin, &base), fresh(&twin, &base).as_slice());
+        }
+        assert_ne!(fresh(&native, &base), fresh(&twin, &base));
+        // A trace longer than the memo keeps: merged right every time.
+        let long: Vec<Frame> = (0..300)
+            .map(|i| Frame::Ra(0x5100_0000 + 0x40 * i))
+            .collect();
+        for _ in 0..2 {
+            assert_eq!(&*merged(&long, &base), fresh(&long, &base).as_slice());
+        }
+    }
 
     #[test]
     fn dense_ids_go_to_the_array_part_and_spread_ones_to_the_hash_part() {

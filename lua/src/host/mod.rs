@@ -53,6 +53,8 @@ mod finalize;
 mod hog;
 mod holds;
 mod info;
+#[doc(hidden)]
+pub use info::set_lua_level_memo;
 mod install;
 mod objects;
 mod prelude;
