@@ -649,6 +649,23 @@ unsafe fn running_frames(root: *mut ffi::lua_State) -> Rc<[Frame]> {
 /// when the listing gathers the fibers).
 type TraceCache = (u64, Rc<[Frame]>);
 
+/// What a fiber's record keeps for its listing: its last trace (with its switch count then)
+/// and whether it has a creator's trace.
+#[derive(Clone)]
+struct Kept {
+    trace: Option<TraceCache>,
+    parent_bt: bool,
+}
+
+impl Kept {
+    fn of(r: &super::LuaFiber, backtrace: bool) -> Kept {
+        Kept {
+            trace: backtrace.then(|| r.trace_cache.clone()).flatten(),
+            parent_bt: r.parent_bt,
+        }
+    }
+}
+
 /// Whether a kept trace is of the fiber's last suspension (`csw`: its switch count now; a
 /// fiber that never ran has no trace to keep).
 fn is_current(cache: &TraceCache, csw: u64) -> bool {
@@ -764,7 +781,7 @@ unsafe fn push_fiber(
     slice: Slice,
     opts: &Opts,
     call: &mut InfoBuild,
-    cache: Option<TraceCache>,
+    kept: Kept,
 ) {
     let sh = f.control_block();
     let (status, on, secs) = sh.status_with(call.now, call.rate);
@@ -777,10 +794,12 @@ unsafe fn push_fiber(
     let bt = opts
         .backtrace
         // SAFETY: `root` is the fiber's Lua thread, on this thread (the contract).
-        .then(|| unsafe { fiber_frames(f, root, call, cache) })
+        .then(|| unsafe { fiber_frames(f, root, call, kept.trace) })
         .flatten();
     // The nearest ancestors only, and a count of the others: bounded per fiber.
-    let pbt = opts.backtrace.then(|| f.parent_trace()).flatten();
+    let pbt = (opts.backtrace && kept.parent_bt)
+        .then(|| f.parent_trace())
+        .flatten();
     let mask = on.is_some() as ffi::lua_Integer
         | (parent.is_some() as ffi::lua_Integer) << 1
         | (bt.is_some() as ffi::lua_Integer) << 2
@@ -936,7 +955,7 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
         fibertrace_fiber::Fiber,
         *mut ffi::lua_State,
         Slice,
-        Option<TraceCache>,
+        Kept,
         [u64; 2],
     );
     // Whether each fiber ended is read in the listing's loop, where its block is prefetched.
@@ -950,9 +969,14 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
             .map(|(id, r)| {
                 max_id = max_id.max(*id);
                 let slice = r.max_slice.unwrap_or(h.default_slice);
-                let cache = opts.backtrace.then(|| r.trace_cache.clone()).flatten();
                 let rec = [&raw const *id as u64, &raw const r.trace_cache as u64];
-                (r.fiber.clone(), r.thread, slice, cache, rec)
+                (
+                    r.fiber.clone(),
+                    r.thread,
+                    slice,
+                    Kept::of(r, opts.backtrace),
+                    rec,
+                )
             })
             .collect()
     })
@@ -979,16 +1003,17 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
             let (narr, nrec) = result_shape(max_id, fibers.len());
             ffi::lua_createtable(l, narr, nrec);
             let all = ffi::lua_gettop(l);
-            for (i, (f, root, slice, cache, _)) in fibers.iter().enumerate() {
+            for (i, (f, root, slice, kept, _)) in fibers.iter().enumerate() {
                 if let Some((ahead, ..)) = fibers.get(i + PREFETCH_AHEAD) {
                     ahead.control_block().prefetch();
                 }
                 // The next fiber's stacks, when they are to be walked again: the trace kept
                 // here is not of its last suspension (it ran since).
-                if let Some((next, root, _, cache, rec)) =
+                if let Some((next, root, _, kept, rec)) =
                     fibers.get(i + 1).filter(|_| opts.backtrace)
                 {
-                    let due = !cache
+                    let due = !kept
+                        .trace
                         .as_ref()
                         .is_some_and(|c| is_current(c, next.control_block().csw()));
                     if due {
@@ -1013,8 +1038,9 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
                 }
                 // The Lua state of the one after, whose stack is asked for at the next fiber
                 // (when it is to be walked: its block, asked for earlier, says).
-                if let Some((after, root, _, cache, _)) = fibers.get(i + 2).filter(|_| lua_stacks) {
-                    if !cache
+                if let Some((after, root, _, kept, _)) = fibers.get(i + 2).filter(|_| lua_stacks) {
+                    if !kept
+                        .trace
                         .as_ref()
                         .is_some_and(|c| is_current(c, after.control_block().csw()))
                     {
@@ -1024,7 +1050,7 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
                 if f.control_block().is_dead() {
                     continue;
                 }
-                push_fiber(l, f, *root, *slice, opts, &mut call, cache.clone());
+                push_fiber(l, f, *root, *slice, opts, &mut call, kept.clone());
                 super::raw::rawseti(l, all, f.id() as ffi::lua_Integer);
             }
             call.finish(l);
@@ -1037,10 +1063,15 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
 ///
 pub(crate) fn push_one(c: &mut super::call::Call, fid: FiberId, opts: &Opts) -> Result<(), LErr> {
     let l = c.state();
-    let (f, root, slice, cache) = with_host(|h| {
+    let (f, root, slice, kept) = with_host(|h| {
         h.recs.get(&fid).map(|r| {
             let slice = r.max_slice.unwrap_or(h.default_slice);
-            (r.fiber.clone(), r.thread, slice, r.trace_cache.clone())
+            (
+                r.fiber.clone(),
+                r.thread,
+                slice,
+                Kept::of(r, opts.backtrace),
+            )
         })
     })
     .flatten()
@@ -1053,7 +1084,7 @@ pub(crate) fn push_one(c: &mut super::call::Call, fid: FiberId, opts: &Opts) -> 
     unsafe {
         built(l, &mut |l| {
             let mut call = InfoBuild::new(l, current.clone());
-            push_fiber(l, &f, root, slice, opts, &mut call, cache.clone());
+            push_fiber(l, &f, root, slice, opts, &mut call, kept.clone());
             call.finish(l);
         })
     }

@@ -97,6 +97,9 @@ pub(crate) struct LuaFiber {
     /// The fiber's last interleaved trace and its context-switch count then: a fiber that
     /// has not run since has the same trace (see [`info`]).
     pub trace_cache: Option<(u64, std::rc::Rc<[fibertrace_core::Frame]>)>,
+    /// Whether the fiber keeps its creator's trace (it was made with parent backtraces on):
+    /// a listing reads it from the control block only then (a line of its own there).
+    pub parent_bt: bool,
     /// Slot of the fiber's Lua object in the host's object table once made (0 before).
     pub obj_slot: c_int,
     /// Registry reference of its `storage` table (0: none yet); released when its function

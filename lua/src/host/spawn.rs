@@ -310,6 +310,7 @@ fn spawn_lua(c: &mut Call, what: &str, starts_now: bool) -> Result<FiberId, LErr
     };
     // The outcome is the record's `done` (see `lua_fiber_main`): the handle's result slot is
     // not needed, and its fiber moves into the record.
+    let parent_bt = parent.is_some();
     let mut b = Builder::new().shared_name(name).parent_trace(parent);
     if starts_now {
         // Started as soon as its record and object exist: the start dates it.
@@ -345,6 +346,7 @@ fn spawn_lua(c: &mut Call, what: &str, starts_now: bool) -> Result<FiberId, LErr
                 joinable: false,
                 done: None,
                 trace_cache: None,
+                parent_bt,
                 obj_slot: slot,
                 storage_ref: 0,
                 max_slice: None,
@@ -487,6 +489,7 @@ pub(crate) fn run_main_fiber(
     }
     // For the signal that brings a running fiber to a safe point (Lua 5.4: see `hog`).
     me.set_layer_word(t as u64);
+    let parent_bt = me.parent_trace().is_some();
     with_host(|h| {
         h.recs.insert(
             fid,
@@ -497,6 +500,7 @@ pub(crate) fn run_main_fiber(
                 joinable: false,
                 done: None,
                 trace_cache: None,
+                parent_bt,
                 obj_slot: 0,
                 storage_ref: 0,
                 max_slice: None,
