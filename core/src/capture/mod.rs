@@ -26,7 +26,9 @@ use std::cell::{Cell, RefCell};
 use crate::backtrace::{new_ring, Backtrace, CaptureOptions, FrameSink, Unwinder};
 use crate::unwind::{self, DwarfCache, Stacks, Start};
 
-pub use crate::arch::{prefetch, registers_from_ucontext, Registers, SavedContext, StackBounds};
+pub use crate::arch::{
+    prefetch, prefetch_far, registers_from_ucontext, Registers, SavedContext, StackBounds,
+};
 
 /// Most entered coroutine stacks a walk of the current stack follows (the innermost ones).
 const MAX_ENTERED: usize = 8;

@@ -722,7 +722,7 @@ impl ControlBlock {
         fibertrace_core::capture::prefetch(self.ctx.get() as u64, 64);
         let sp = self.last_sp.load(Ordering::Relaxed);
         if self.stack.contains(sp) {
-            fibertrace_core::capture::prefetch(
+            fibertrace_core::capture::prefetch_far(
                 sp,
                 ((self.stack.hi - sp) as usize).min(PREFETCH_STACK),
             );

@@ -938,7 +938,10 @@ unsafe fn prefetch_lua_stack(root: *mut ffi::lua_State) {
         )
     };
     if top > stack {
-        fibertrace_core::capture::prefetch(stack, (top - stack).min(PREFETCH_LUA_STACK) as usize);
+        fibertrace_core::capture::prefetch_far(
+            stack,
+            (top - stack).min(PREFETCH_LUA_STACK) as usize,
+        );
     }
 }
 
