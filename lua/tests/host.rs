@@ -1039,3 +1039,36 @@ HITS = {h1 - h0, h2 - h1, h3 - h2}
     let expect = if LUAJIT { 16 } else { 0 };
     assert_eq!(hits, [expect, 0, expect]);
 }
+
+/// Entries share equal `memory` tables within a result (as they share backtraces): fibers
+/// parked alike (the same stack in use) get one table, fibers whose stacks differ their
+/// own, each holding exactly `used` and `total` as the fiber's own `info()` gives them.
+#[test]
+fn info_entries_share_equal_memory_tables_and_only_those() {
+    let host = run(r#"local fiber = require('fiber')
+local function park() fiber.sleep(100) end
+local a, b = {}, {}
+for i = 1, 3 do a[i] = fiber.create(park) end
+for i = 1, 2 do
+  b[i] = fiber.create(function() table.sort({3, 2, 1}, function(x, y) park() return x < y end) end)
+end
+local info = fiber.info()
+local function mem(f) return info[f:id()].memory end
+local function same(f) local m, own = mem(f), f:info().memory
+  local n = 0
+  for _ in pairs(m) do n = n + 1 end
+  return n == 2 and m.used == own.used and m.total == own.total and m.used > 0
+end
+R = {
+  tostring(rawequal(mem(a[1]), mem(a[2])) and rawequal(mem(a[1]), mem(a[3]))),
+  tostring(rawequal(mem(b[1]), mem(b[2]))),
+  tostring(rawequal(mem(a[1]), mem(b[1]))),
+  tostring(mem(a[1]).used < mem(b[1]).used),
+  tostring(same(a[1]) and same(a[3]) and same(b[2])),
+}
+"#);
+    assert_eq!(
+        global_seq::<String>(&host, "R"),
+        v(&["true", "true", "false", "true", "true"])
+    );
+}

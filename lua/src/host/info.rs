@@ -9,8 +9,9 @@
 //! format (`{C = "#1  0x… in name+off"}`, `{L = "#2  leaf in @script.lua:2"}`), numbered
 //! from 1. Rendered entries are cached by (number, frame); a fiber's trace is cached with its
 //! context-switch count (a fiber that has not run since has the same stacks); fibers with
-//! identical traces share one `backtrace` array within a result, and arrays share equal
-//! entries' tables (treat them as read-only).
+//! identical traces share one `backtrace` array within a result, arrays share equal
+//! entries' tables, and entries share equal `memory` tables (treat them as read-only: a
+//! listing of many fibers allocates a third less, and its collector's work follows).
 //!
 //! `parent_backtrace` lists the creators' traces at their `fiber.create` calls, nearest first,
 //! numbered on from 1, at most `fibertrace_fiber::PARENT_DEPTH_SHOWN` creators; a
@@ -214,6 +215,9 @@ pub(crate) struct InfoBuild {
     last_name: Option<std::sync::Arc<str>>,
     /// The Lua levels read so far, by the shape of their stacks.
     lua_memo: LuaMemo,
+    /// The `memory` tables made so far, by (used, total): entries share them (see
+    /// [`InfoBuild::memory`]).
+    by_memory: HashMap<(u64, u64), ffi::lua_Integer, BuildHasherDefault<AddrHasher>>,
 }
 
 impl InfoBuild {
@@ -225,7 +229,7 @@ impl InfoBuild {
         // SAFETY: `l` is in a protected call (the contract), so the strings and the table
         // (allocations) may raise there; room asked for first; the constructor is read raw.
         unsafe {
-            ffi::lua_checkstack(l, TEXTS.len() as c_int + CTORS as c_int + 16);
+            ffi::lua_checkstack(l, TEXTS.len() as c_int + CTORS as c_int + 17);
             let base = ffi::lua_gettop(l) + 1;
             for t in TEXTS {
                 push_str(l, t);
@@ -236,7 +240,7 @@ impl InfoBuild {
             let r = with_host(|h| h.info_ctor_ref).unwrap_or(ffi::LUA_REFNIL);
             super::raw::rawgeti(l, ffi::LUA_REGISTRYINDEX, r as ffi::lua_Integer);
             let table = ffi::lua_gettop(l);
-            for m in 1..=CTORS as ffi::lua_Integer {
+            for m in 1..=CTORS as ffi::lua_Integer + 1 {
                 super::raw::rawgeti(l, table, m);
             }
             ffi::lua_pushnil(l);
@@ -254,6 +258,7 @@ impl InfoBuild {
                 me: fibertrace_fiber::current_id(),
                 current,
                 lua_memo: LuaMemo::new(),
+                by_memory: HashMap::default(),
             }
         }
     }
@@ -315,6 +320,35 @@ impl InfoBuild {
     unsafe fn text(&self, l: *mut ffi::lua_State, i: c_int) {
         // SAFETY: as `key`.
         unsafe { ffi::lua_pushvalue(l, self.base + i) };
+    }
+
+    /// Pushes a `memory` table `{used = used, total = total}`: the one made before for the
+    /// same values when `share` (entries share equal `memory` tables within a result, as
+    /// they share backtraces: read-only data; fibers parked at the same place use the same
+    /// stack), a fresh one otherwise (a table that gets more keys after).
+    ///
+    /// # Safety
+    /// `l` valid, in a protected call; the scratch table and the constructors still at their
+    /// indexes; room on the stack.
+    unsafe fn memory(&mut self, l: *mut ffi::lua_State, used: u64, total: u64, share: bool) {
+        // SAFETY: per the contract: the constructor is a Lua function of this host that
+        // returns a fresh table; the scratch table holds the shared ones.
+        unsafe {
+            if share {
+                if let Some(&k) = self.by_memory.get(&(used, total)) {
+                    super::raw::rawgeti(l, self.scratch, k);
+                    return;
+                }
+            }
+            ffi::lua_pushvalue(l, self.ctor + CTORS as c_int);
+            ffi::lua_pushinteger(l, used as ffi::lua_Integer);
+            ffi::lua_pushinteger(l, total as ffi::lua_Integer);
+            ffi::lua_call(l, 2, 1);
+            if share && self.by_memory.len() < MEMORY_SHARED_MAX {
+                let k = self.keep(l);
+                self.by_memory.insert((used, total), k);
+            }
+        }
     }
 
     /// Pushes the entries array of `frames`, ended by a `... N more parent fibers` entry when
@@ -733,7 +767,11 @@ fn status_slot(s: Status) -> c_int {
         }
 }
 
-/// How many entry constructors there are (one per mask of [`entry_ctors_source`]).
+/// Most distinct `memory` tables one listing shares (further ones are made per entry).
+const MEMORY_SHARED_MAX: usize = 4096;
+
+/// How many entry constructors there are (one per mask of [`entry_ctors_source`]; the
+/// `memory` table's constructor follows them).
 const CTORS: usize = 16;
 
 /// The Lua functions that make one entry from its values, one per set of optional keys
@@ -747,9 +785,9 @@ pub(crate) fn entry_ctors_source() -> String {
     let mut s = String::from("local c = {}\n");
     for mask in 0..CTORS as u8 {
         s.push_str(&format!(
-            "c[{}] = function(fid, name, csw, time, used, total, status, on, seconds, parent, bt, pbt)\n  \
+            "c[{}] = function(fid, name, csw, time, memory, status, on, seconds, parent, bt, pbt)\n  \
              return {{fid = fid, name = name, csw = csw, time = time, \
-             memory = {{used = used, total = total}}, status = status",
+             memory = memory, status = status",
             mask + 1
         ));
         for (bit, field) in [
@@ -765,6 +803,10 @@ pub(crate) fn entry_ctors_source() -> String {
         }
         s.push_str("}\nend\n");
     }
+    s.push_str(&format!(
+        "c[{}] = function(used, total) return {{used = used, total = total}} end\n",
+        CTORS + 1
+    ));
     s.push_str("return c\n");
     s
 }
@@ -805,7 +847,8 @@ unsafe fn push_fiber(
         | (bt.is_some() as ffi::lua_Integer) << 2
         | (pbt.is_some() as ffi::lua_Integer) << 3;
     // SAFETY: the constructor (a Lua function of this host, on the stack since `new`) gets
-    // up to 12 plain values and returns a fresh table.
+    // up to 11 values (plain ones, the `memory` table and the arrays) and returns a fresh
+    // table.
     unsafe {
         ffi::lua_checkstack(l, 16);
         ffi::lua_pushvalue(l, call.ctor + mask as c_int);
@@ -816,8 +859,9 @@ unsafe fn push_fiber(
         let csw = sh.csw() - (f.id() == call.me && sh.csw() > 0) as u64;
         ffi::lua_pushinteger(l, csw as ffi::lua_Integer);
         ffi::lua_pushnumber(l, sh.cpu_time_with(call.rate).as_secs_f64());
-        ffi::lua_pushinteger(l, sh.stack_used() as ffi::lua_Integer);
-        ffi::lua_pushinteger(l, sh.stack_size() as ffi::lua_Integer);
+        // Shared unless the heap's figure is added to it below.
+        let heap = fibertrace_core::heap::tier() != fibertrace_core::heap::Tier::Off;
+        call.memory(l, sh.stack_used() as u64, sh.stack_size() as u64, !heap);
         call.text(l, status_slot(status));
         match on {
             Some(on @ WaitOn::Join(_)) => push_str(l, &on.to_string()),
@@ -831,15 +875,15 @@ unsafe fn push_fiber(
         }
         // The last arguments only when present (missing ones are nil to the constructor).
         let args = if pbt.is_some() {
-            12
-        } else if bt.is_some() {
             11
-        } else {
+        } else if bt.is_some() {
             10
+        } else {
+            9
         };
         match bt {
             Some(frames) => call.push(l, &frames, 0),
-            None if args > 10 => ffi::lua_pushnil(l),
+            None if args > 9 => ffi::lua_pushnil(l),
             None => {}
         }
         if let Some(pt) = pbt {
@@ -848,7 +892,7 @@ unsafe fn push_fiber(
         // An error (out of memory) ends the protected call this runs in.
         ffi::lua_call(l, args, 1);
         // The heap charged to the fiber, when the process's allocator tracks it.
-        if fibertrace_core::heap::tier() != fibertrace_core::heap::Tier::Off {
+        if heap {
             ffi::lua_getfield(l, -1, c"memory".as_ptr());
             ffi::lua_pushinteger(l, sh.heap_usage().live_bytes as ffi::lua_Integer);
             ffi::lua_setfield(l, -2, c"heap".as_ptr());
