@@ -11,7 +11,7 @@
 //! context-switch count (a fiber that has not run since has the same stacks); fibers with
 //! identical traces share one `backtrace` array within a result, arrays share equal
 //! entries' tables, and entries share equal `memory` tables (treat them as read-only: a
-//! listing of many fibers allocates a third less, and its collector's work follows).
+//! listing of many fibers allocates about a fifth less, and its collector's work follows).
 //!
 //! `parent_backtrace` lists the creators' traces at their `fiber.create` calls, nearest first,
 //! numbered on from 1, at most `fibertrace_fiber::PARENT_DEPTH_SHOWN` creators; a
