@@ -166,9 +166,20 @@ pub fn foreach(frames: &[Frame], mut f: impl FnMut(usize, &Frame, Option<&Resolv
     }
 }
 
-/// Forgets every cached resolution (after libraries were unloaded).
+/// Forgets every cached resolution (after libraries were unloaded); caches of results made
+/// from resolutions see it in [`cache_generation`].
 pub fn clear_cache() {
+    GENERATION.fetch_add(1, std::sync::atomic::Ordering::Release);
     resolver().cache.clear();
+}
+
+static GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many times [`clear_cache`] ran: a cache of results computed from resolutions (a
+/// merged trace, a rendered frame) keeps the generation it was made in and is stale when
+/// this differs.
+pub fn cache_generation() -> u64 {
+    GENERATION.load(std::sync::atomic::Ordering::Acquire)
 }
 
 fn resolve_uncached(r: &Resolver, addr: u64) -> Resolved {

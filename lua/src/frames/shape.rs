@@ -8,8 +8,10 @@
 //! start to its base; each frame's function and link word, walked from the base down (a
 //! Lua frame's link is its caller's PC, whose call instruction gives the caller's frame
 //! size; other frames carry a delta; a continuation frame also keeps the PC it returns to
-//! and its continuation); of a Lua function, only its prototype (source, lines, bytecode,
-//! names: fixed for the prototype's life, and shared by every closure of the same code); of
+//! and its continuation); of a Lua function, only its prototype (source, lines, variable
+//! names and the bytecode — which LuaJIT patches as it compiles loops and specialises
+//! iterators, always keeping the operands a name is read from — shared by every closure of
+//! the same code); of
 //! a C function, the object (its C function and kind); and, in the cases where LuaJIT looks
 //! at the C frames, the C-frame chain. [`stack_shape`] gives the words of the first part (a
 //! Lua function by its bytecode address, a C function by its value), and refuses (`false`)
@@ -23,6 +25,8 @@
 //! * dummy frames;
 //! * a top-level C function holding a thread in its first upvalue or first argument (a
 //!   resume: the capture goes down into the coroutine, whose state is not in the words);
+//! * a top frame with more slots than the debug API's reader may add to (it reads nothing
+//!   there);
 //! * more than [`MAX_FRAMES`] frames, or a frame link that does not go down the stack.
 //!
 //! Two states with the same words whose prototypes and C functions are the same objects
@@ -49,6 +53,9 @@ use super::publish;
 
 /// Most frames a shape covers (a deeper stack is read through the debug API).
 pub const MAX_FRAMES: usize = 32;
+
+/// LuaJIT's `LUAI_MAXCSTACK`: the most slots `lua_checkstack` grants above a state's base.
+const LUAI_MAXCSTACK: u64 = 8000;
 
 /// The words of a shape (two per frame, two more for a continuation frame, and one).
 pub type Words = SmallVec<[u64; 2 * MAX_FRAMES + 1]>;
@@ -81,7 +88,12 @@ pub unsafe fn stack_shape(root: *mut ffi::lua_State, out: &mut Words) -> bool {
             read64(state + lay.state_stack as u64),
         )
     };
-    if base < stack.saturating_add(16) || base & 7 != 0 || stack & 7 != 0 {
+    if base < stack.saturating_add(16) || base & 7 != 0 || stack & 7 != 0 || top < base {
+        return false;
+    }
+    // The debug API's reader first asks for two more slots, which LuaJIT refuses past
+    // `LUAI_MAXCSTACK` slots above the base (then it reads no level): refused here too.
+    if (top - base) / 8 + 2 > LUAI_MAXCSTACK {
         return false;
     }
     out.push(base - stack);

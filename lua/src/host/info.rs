@@ -495,7 +495,8 @@ thread_local! {
 }
 
 /// Turns the listings' memo of Lua levels on or off on this thread, and forgets the traces
-/// the fibers' records keep (so that the next listing reads every stack again): for tests
+/// the fibers' records keep and the merges this thread keeps (so that the next listing
+/// reads and merges every stack again): for tests
 /// that compare what the memo gives with what the debug API gives. Returns how many
 /// fibers' levels the memo gave on this thread so far. Called from a function of the host
 /// running on this thread.
@@ -507,6 +508,7 @@ pub fn set_lua_level_memo(on: bool) -> u64 {
             r.trace_cache = None;
         }
     });
+    let _ = MERGED.try_with(|m| m.borrow_mut().clear());
     LUA_MEMO_HITS.with(|c| c.get())
 }
 
@@ -559,7 +561,11 @@ impl LuaMemo {
         let csw = f.control_block().csw();
         // SAFETY: forwarded contract: the state is not running; the debug API reads it.
         unsafe { crate::capture_lua_stack(root, out) };
-        if shaped && out.threads == 1 && !out.truncated && self.shapes.len() < LUA_MEMO_MAX {
+        // (No levels from a stack with frames: the debug API could not read it, for want of
+        // memory to grow its stack — not something to hand the next fiber.)
+        let read = !out.levels.is_empty() || words.len() == 1;
+        if shaped && read && out.threads == 1 && !out.truncated && self.shapes.len() < LUA_MEMO_MAX
+        {
             self.shapes.insert(
                 words[..].into(),
                 LuaMemoEntry {
@@ -594,6 +600,9 @@ struct Merged {
     native: Box<[Frame]>,
     lua: Box<[crate::LuaLevel]>,
     gap: (usize, u64),
+    /// The symbolizer's generation it was made in (the merge asks it where C functions end
+    /// and whether the last frame is the runtime's trampoline).
+    generation: u64,
     trace: Rc<[Frame]>,
 }
 
@@ -611,11 +620,16 @@ thread_local! {
 fn merged(native: &[Frame], lua: &crate::LuaStack) -> Rc<[Frame]> {
     let gap = (lua.omitted_at, lua.omitted);
     let slot = merged_slot(native, lua);
+    let generation = fibertrace_core::symbolize::cache_generation();
     let hit = MERGED
         .try_with(|m| {
             let m = m.try_borrow().ok()?;
             let e = m.get(slot)?.as_ref()?;
-            (e.gap == gap && *e.native == *native && *e.lua == *lua.levels).then(|| e.trace.clone())
+            (e.gap == gap
+                && e.generation == generation
+                && *e.native == *native
+                && *e.lua == *lua.levels)
+                .then(|| e.trace.clone())
         })
         .ok()
         .flatten();
@@ -628,6 +642,7 @@ fn merged(native: &[Frame], lua: &crate::LuaStack) -> Rc<[Frame]> {
         native: native.into(),
         lua: lua.levels.as_slice().into(),
         gap,
+        generation,
         trace: trace.clone(),
     };
     if native.len() > MERGED_MAX_FRAMES {
