@@ -106,6 +106,8 @@ pub unsafe fn stack_shape(root: *mut ffi::lua_State, out: &mut Words) -> bool {
     };
     let bot = stack + 8;
     let mut frame = base - 8;
+    // (Addresses below a frame are computed wrapping: one below the stack's start fails the
+    // slot check like any other outside it.)
     // The PC the frame above gives the one below: its link when it is a call from Lua, its
     // continuation's PC when it is a continuation (`None`: no PC, or `frame` is on top).
     let mut above: Option<u64> = None;
@@ -118,7 +120,7 @@ pub unsafe fn stack_shape(root: *mut ffi::lua_State, out: &mut Words) -> bool {
         if frames > MAX_FRAMES {
             return false;
         }
-        let (Some(tv), Some(link)) = (slot(frame - 8), slot(frame)) else {
+        let (Some(tv), Some(link)) = (slot(frame.wrapping_sub(8)), slot(frame)) else {
             return false;
         };
         if tag(tv) != T_FUNC {
@@ -129,7 +131,8 @@ pub unsafe fn stack_shape(root: *mut ffi::lua_State, out: &mut Words) -> bool {
         // of the Lua code it returns to two slots below its function (and the continuation
         // below that): the line of the function under it comes from there.
         let cont = if link & 7 == 2 {
-            let (Some(pc), Some(k)) = (slot(frame - 16), slot(frame - 24)) else {
+            let (Some(pc), Some(k)) = (slot(frame.wrapping_sub(16)), slot(frame.wrapping_sub(24)))
+            else {
                 return false;
             };
             Some((pc, k))
@@ -184,7 +187,10 @@ pub unsafe fn stack_shape(root: *mut ffi::lua_State, out: &mut Words) -> bool {
         lower_half = link & 7 == 3;
         let prev = if link & 3 == 0 {
             // A Lua frame: the caller's call instruction (just before the PC) says how far
-            // down the caller's frame starts.
+            // down the caller's frame starts. (A link in the first page is no PC.)
+            if link < 4096 {
+                return false;
+            }
             // SAFETY: `link` is a PC into the bytecode of the live function below (the
             // walk of a consistent stack, as LuaJIT's own); the instruction before it is
             // the call.
