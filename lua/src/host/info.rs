@@ -742,8 +742,9 @@ unsafe fn fiber_frames(
     // Not kept in the fiber: the interleaved trace is kept here, in the fiber's record.
     let native = f.backtrace_unkept(Unwinder::Fast)?;
     let mut lua = crate::LuaStack::new();
-    // SAFETY: the fiber is suspended (or never ran) on this OS thread, so its Lua thread is
-    // not running (the contract; `backtrace_unkept` gives nothing for a fiber that ended).
+    // SAFETY: `root` is `f`'s Lua thread and `f` is suspended (or never ran) on this OS
+    // thread (the contract; `backtrace_unkept` gave nothing for a fiber that ended), as
+    // `LuaMemo::levels` asks.
     unsafe { call.lua_memo.levels(f, root, &mut lua) };
     let t = merged(native.frames(), &lua);
     // The count is read again: the capture may not race with a resume on this thread, but
