@@ -70,7 +70,7 @@ impl Fiber {
 
     /// Its status.
     pub fn status(&self) -> Status {
-        self.shared.status().0
+        self.shared.state()
     }
 
     /// Makes a blocked fiber ready (interrupts a sleep or a wait; the waiter re-checks its
