@@ -12,6 +12,20 @@ use super::{
 };
 use crate::task::{FiberId, Status};
 
+/// Moves a finished coroutine out of its box, and gives the box back for the next fiber's.
+fn unbox(b: Box<Co>) -> (Co, Box<std::mem::MaybeUninit<Co>>) {
+    let p = Box::into_raw(b);
+    // SAFETY: `p` comes from `Box::into_raw` of an initialized `Co`: it is read (moved out)
+    // once, and its allocation is owned again as a `MaybeUninit<Co>` (same layout), whose
+    // drop frees it without dropping the moved value.
+    unsafe {
+        (
+            p.read(),
+            Box::from_raw(p.cast::<std::mem::MaybeUninit<Co>>()),
+        )
+    }
+}
+
 impl Inner {
     /// The loop of `run` and `block_on`. Compiled on its own, whatever its caller holds: the
     /// yield's cost depends on how the loop around the inlined resume is laid out, and inlined
@@ -250,7 +264,7 @@ impl Inner {
     }
 
     /// Takes a ready fiber's coroutine out of its slot to resume it (`None`: running).
-    fn take_co(&self, r: Ready) -> Option<Co> {
+    fn take_co(&self, r: Ready) -> Option<Box<Co>> {
         // `r` is an entry of the ready queue (just taken out of it, or about to be, in
         // `run_nested`). No reference to its slot is live: the map is not borrowed, and the
         // fiber is suspended (its frames use none before it runs again).
@@ -286,7 +300,7 @@ impl Inner {
     /// slot or, when it returned, frees it. Leaves the sampler showing no fiber running and
     /// `CURRENT` as it found it; `self.current` is the caller's to restore.
     #[inline(always)]
-    pub(super) fn run_co(&self, this: Ready, mut co: Co) {
+    pub(super) fn run_co(&self, this: Ready, mut co: Box<Co>) {
         let fid = this.fid;
         let slot_ptr = this.slot.as_ptr();
         // SAFETY: the slot is boxed in the map, where it stays until the fiber finishes
@@ -342,6 +356,7 @@ impl Inner {
                         .fibers
                         .remove(&mut self.reg.borrow_mut(), slot.reg, fid);
                 }
+                let (co, spare) = unbox(co);
                 let stack = co.into_stack().into_inner();
                 self.pool.borrow_mut().give(shared.stack_size, stack);
                 if let Some(mut slot) = slot {
@@ -352,6 +367,7 @@ impl Inner {
                     let mut free = self.free_slots.borrow_mut();
                     if free.len() < SLOT_POOL_MAX {
                         slot.joiners.clear();
+                        slot.spare = Some(spare);
                         free.push(slot);
                     }
                 }

@@ -309,6 +309,7 @@ impl Builder {
                     queued: Cell::new(true),
                 },
                 co: None,
+                spare: None,
                 timer_seq: 0,
                 joiners: Vec::new(),
                 reg: SlabIndex::Overflow,
@@ -321,7 +322,11 @@ impl Builder {
         let body = move |y: &Yielder<(), Yield>, ()| {
             fiber_body(y, f, slot_result.as_ref());
         };
-        slot.co = Some(Co::with_stack(stack, body));
+        let co = Co::with_stack(stack, body);
+        slot.co = Some(match slot.spare.take() {
+            Some(b) => Box::write(b, co),
+            None => Box::new(co),
+        });
         slot.reg = inner
             .shared
             .fibers
