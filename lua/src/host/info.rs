@@ -1105,11 +1105,7 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
     let l = c.state();
     // The id is the record's key. The last: where the fiber's record keeps its key and its
     // trace (addresses only asked for ahead, never read through: a record's trace is stored
-    // by a lookup). (The handles' clones touch each block's count, on the line before the
-    // block, missing on each at 30,000 fibers; yet handles that did not count, made without
-    // touching it, made `fiber.info({backtrace = false})` there ~10% slower, medians of 5
-    // alternating runs: the clones' misses overlap, and bring the blocks' first lines
-    // along for the loop below.)
+    // by a lookup).
     type Entry = (
         fibertrace_fiber::Fiber,
         FiberId,
@@ -1122,11 +1118,26 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
     // The largest id, from the map's keys (a fiber's own id is in its control block, not
     // read before the listing's prefetch reaches it).
     let mut max_id: FiberId = 0;
+    // The entries in their control blocks' memory order (the records are in hash order):
+    // the records' addresses are sorted by their blocks' (16-byte pairs; no block is read),
+    // then the entries made in that order, so that the handles' clones (each touching its
+    // block's count, on the line before the block) and the listing's loop below stream
+    // through the blocks, with the prefetch, instead of missing on each. (Sorting the
+    // entries themselves moved ~90-byte entries; visiting them through a sorted index read
+    // them out of order: a miss per fiber at 10,000 and more.)
     let fibers: Vec<Entry> = with_host(|h| {
-        h.recs
+        let recs: Vec<(&FiberId, &super::LuaFiber)> =
+            h.recs.iter().filter(|(_, r)| r.done.is_none()).collect();
+        let mut order: Vec<(usize, usize)> = recs
             .iter()
-            .filter(|(_, r)| r.done.is_none())
-            .map(|(id, r)| {
+            .enumerate()
+            .map(|(i, (_, r))| (std::sync::Arc::as_ptr(r.fiber.control_block()) as usize, i))
+            .collect();
+        sort_by_key(&mut order);
+        order
+            .iter()
+            .map(|&(_, i)| {
+                let (id, r) = recs[i];
                 max_id = max_id.max(*id);
                 let slice = r.max_slice.unwrap_or(h.default_slice);
                 let rec = [&raw const *id as u64, &raw const r.trace_cache as u64];
@@ -1142,16 +1153,6 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
             .collect()
     })
     .ok_or_else(|| LErr::plain("fibertrace: no Lua host on this thread"))?;
-    // Control blocks in memory order (the records are in hash order): with the prefetch
-    // below, a listing of many fibers streams through them instead of missing on each. The
-    // entries stay where they are: their order is sorted (16-byte pairs, not the entries).
-    let mut order: Vec<(usize, usize)> = fibers
-        .iter()
-        .enumerate()
-        .map(|(i, (f, ..))| (std::sync::Arc::as_ptr(f.control_block()) as usize, i))
-        .collect();
-    sort_by_key(&mut order);
-    let at = |k: usize| order.get(k).map(|&(_, i)| &fibers[i]);
     let me = fibertrace_fiber::current_id();
     let current = fibers
         .iter()
@@ -1171,15 +1172,14 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
             let (narr, nrec) = result_shape(max_id, fibers.len());
             ffi::lua_createtable(l, narr, nrec);
             let all = ffi::lua_gettop(l);
-            for (i, &(_, this)) in order.iter().enumerate() {
-                let (f, fid, root, slice, kept, _) = &fibers[this];
-                if let Some((ahead, ..)) = at(i + PREFETCH_AHEAD) {
+            for (i, (f, fid, root, slice, kept, _)) in fibers.iter().enumerate() {
+                if let Some((ahead, ..)) = fibers.get(i + PREFETCH_AHEAD) {
                     ahead.control_block().prefetch();
                 }
                 // The next fiber's stacks, when they are to be walked again: the trace kept
                 // here is not of its last suspension (it ran since).
                 if let Some((next, next_id, root, _, kept, rec)) =
-                    at(i + 1).filter(|_| opts.backtrace)
+                    fibers.get(i + 1).filter(|_| opts.backtrace)
                 {
                     let due = !kept
                         .trace
@@ -1207,7 +1207,8 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
                 }
                 // The Lua state of the one after, whose stack is asked for at the next fiber
                 // (when it is to be walked: its block, asked for earlier, says).
-                if let Some((after, _, root, _, kept, _)) = at(i + 2).filter(|_| lua_stacks) {
+                if let Some((after, _, root, _, kept, _)) = fibers.get(i + 2).filter(|_| lua_stacks)
+                {
                     if !kept
                         .trace
                         .as_ref()
