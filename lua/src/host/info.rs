@@ -1126,13 +1126,16 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
     // entries themselves moved ~90-byte entries; visiting them through a sorted index read
     // them out of order: a miss per fiber at 10,000 and more.)
     let fibers: Vec<Entry> = with_host(|h| {
-        let recs: Vec<(&FiberId, &super::LuaFiber)> =
-            h.recs.iter().filter(|(_, r)| r.done.is_none()).collect();
-        let mut order: Vec<(usize, usize)> = recs
-            .iter()
-            .enumerate()
-            .map(|(i, (_, r))| (std::sync::Arc::as_ptr(r.fiber.control_block()) as usize, i))
-            .collect();
+        // (One pass over the map: each record's block address and its place in `recs`.)
+        let mut recs: Vec<(&FiberId, &super::LuaFiber)> = Vec::with_capacity(h.recs.len());
+        let mut order: Vec<(usize, usize)> = Vec::with_capacity(h.recs.len());
+        for (id, r) in h.recs.iter().filter(|(_, r)| r.done.is_none()) {
+            order.push((
+                std::sync::Arc::as_ptr(r.fiber.control_block()) as usize,
+                recs.len(),
+            ));
+            recs.push((id, r));
+        }
         sort_by_key(&mut order);
         order
             .iter()
