@@ -757,13 +757,16 @@ type TraceCache = (u64, Rc<[Frame]>);
 struct Kept {
     trace: Option<TraceCache>,
     parent_bt: bool,
+    /// The record's place among the host's (where a new trace is stored: checked then).
+    place: usize,
 }
 
 impl Kept {
-    fn of(r: &super::LuaFiber, backtrace: bool) -> Kept {
+    fn of(r: &super::LuaFiber, place: usize, backtrace: bool) -> Kept {
         Kept {
             trace: backtrace.then(|| r.trace_cache.clone()).flatten(),
             parent_bt: r.parent_bt,
+            place,
         }
     }
 }
@@ -784,6 +787,7 @@ unsafe fn fiber_frames(
     root: *mut ffi::lua_State,
     call: &mut InfoBuild,
     cache: Option<TraceCache>,
+    place: usize,
 ) -> Option<Rc<[Frame]>> {
     if f.id() == call.me {
         return call.current.clone();
@@ -804,7 +808,7 @@ unsafe fn fiber_frames(
     // the cache must only hold a trace taken while the fiber was suspended.
     if f.control_block().csw() == csw && f.control_block().state() != Status::Running {
         with_host(|h| {
-            if let Some(r) = h.recs.get_mut(&f.id()) {
+            if let Some(r) = h.recs.get_at_mut(place, f.id()) {
                 r.trace_cache = Some((csw, t.clone()));
             }
         });
@@ -905,7 +909,7 @@ unsafe fn push_fiber(
     let bt = opts
         .backtrace
         // SAFETY: `root` is the fiber's Lua thread, on this thread (the contract).
-        .then(|| unsafe { fiber_frames(f, root, call, kept.trace) })
+        .then(|| unsafe { fiber_frames(f, root, call, kept.trace, kept.place) })
         .flatten();
     // The nearest ancestors only, and a count of the others: bounded per fiber.
     let pbt = (opts.backtrace && kept.parent_bt)
@@ -1103,22 +1107,22 @@ const PREFETCH_AHEAD: usize = 4;
 /// is `Err(LErr::Raised)` with `not enough memory` on top.
 pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LErr> {
     let l = c.state();
-    // The id is the record's key. The last: where the fiber's record keeps its key and its
-    // trace (addresses only asked for ahead, never read through: a record's trace is stored
-    // by a lookup).
+    // The id is the record's key. The last: the address of the record's trace (only asked
+    // for ahead, never read through: a trace is stored through `Recs::get_at_mut`).
     type Entry = (
         fibertrace_fiber::Fiber,
         FiberId,
         *mut ffi::lua_State,
         Slice,
         Kept,
-        [u64; 2],
+        u64,
     );
     // Whether each fiber ended is read in the listing's loop, where its block is prefetched.
-    // The largest id, from the map's keys (a fiber's own id is in its control block, not
+    // The largest id, from the records' keys (a fiber's own id is in its control block, not
     // read before the listing's prefetch reaches it).
     let mut max_id: FiberId = 0;
-    // The entries in their control blocks' memory order (the records are in hash order):
+    // The entries in their control blocks' memory order (the records are in creation order
+    // with holes filled, see `recs`; blocks are mostly, not always, in the same order):
     // the records' addresses are sorted by their blocks' (16-byte pairs; no block is read),
     // then the entries made in that order, so that the handles' clones (each touching its
     // block's count, on the line before the block) and the listing's loop below stream
@@ -1126,30 +1130,30 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
     // entries themselves moved ~90-byte entries; visiting them through a sorted index read
     // them out of order: a miss per fiber at 10,000 and more.)
     let fibers: Vec<Entry> = with_host(|h| {
-        // (One pass over the map: each record's block address and its place in `recs`.)
-        let mut recs: Vec<(&FiberId, &super::LuaFiber)> = Vec::with_capacity(h.recs.len());
+        // (One pass over the records: each one's block address and its place in `recs`.)
+        let mut recs: Vec<(usize, FiberId, &super::LuaFiber)> = Vec::with_capacity(h.recs.len());
         let mut order: Vec<(usize, usize)> = Vec::with_capacity(h.recs.len());
-        for (id, r) in h.recs.iter().filter(|(_, r)| r.done.is_none()) {
+        for (place, id, r) in h.recs.iter_placed().filter(|(.., r)| r.done.is_none()) {
             order.push((
                 std::sync::Arc::as_ptr(r.fiber.control_block()) as usize,
                 recs.len(),
             ));
-            recs.push((id, r));
+            recs.push((place, id, r));
         }
         sort_by_key(&mut order);
         order
             .iter()
             .map(|&(_, i)| {
-                let (id, r) = recs[i];
-                max_id = max_id.max(*id);
+                let (place, id, r) = recs[i];
+                max_id = max_id.max(id);
                 let slice = r.max_slice.unwrap_or(h.default_slice);
-                let rec = [&raw const *id as u64, &raw const r.trace_cache as u64];
+                let rec = &raw const r.trace_cache as u64;
                 (
                     r.fiber.clone(),
-                    *id,
+                    id,
                     r.thread,
                     slice,
-                    Kept::of(r, opts.backtrace),
+                    Kept::of(r, place, opts.backtrace),
                     rec,
                 )
             })
@@ -1190,11 +1194,9 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
                         .is_some_and(|c| is_current(c, next.control_block().csw()));
                     if due {
                         next.control_block().prefetch_walk();
-                        // Its record, where the new trace is stored (a lookup by id that
-                        // missed the cache on each fiber of a large listing).
-                        for a in rec {
-                            fibertrace_core::capture::prefetch(*a, 8);
-                        }
+                        // Its record, where the new trace is stored (missed the cache on each
+                        // fiber of a large listing).
+                        fibertrace_core::capture::prefetch(*rec, 8);
                     }
                     // Only for a fiber that has not ended and is not this one: then (in the
                     // build's unsafe block) `root` is the Lua thread of a live fiber of this
@@ -1243,7 +1245,8 @@ pub(crate) fn push_one(c: &mut super::call::Call, fid: FiberId, opts: &Opts) -> 
                 r.fiber.clone(),
                 r.thread,
                 slice,
-                Kept::of(r, opts.backtrace),
+                // (No place: the trace is stored by a lookup.)
+                Kept::of(r, usize::MAX, opts.backtrace),
             )
         })
     })

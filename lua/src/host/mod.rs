@@ -34,9 +34,7 @@
 //! * traces are as exact as [`crate::interleave`](mod@crate::interleave) makes them.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::ffi::c_int;
-use std::hash::BuildHasherDefault;
 
 use fibertrace_fiber::{FiberId, Scheduler, SchedulerOptions};
 use mlua::ffi;
@@ -59,6 +57,7 @@ mod install;
 mod objects;
 mod prelude;
 mod raw;
+mod recs;
 mod slice;
 mod spawn;
 
@@ -112,8 +111,7 @@ pub(crate) struct LuaFiber {
 /// The host's per-thread state.
 pub(crate) struct HostState {
     pub main_l: *mut ffi::lua_State,
-    pub recs:
-        HashMap<FiberId, LuaFiber, BuildHasherDefault<fibertrace_core::symbolize::AddrHasher>>,
+    pub recs: recs::Recs,
     pub parent_backtrace: bool,
     /// Finished Lua threads, ready for reuse (only the message handler on the stack), with
     /// their registry refs.

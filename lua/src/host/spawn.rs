@@ -1,7 +1,6 @@
 //! Fiber creation (`fiber.create`, `fiber.new`) and the body every Lua fiber runs: its Lua
 //! thread (pooled), its protected call with the message handler, and its end.
 
-use std::collections::hash_map::Entry;
 use std::ffi::c_int;
 use std::io::Write;
 
@@ -86,20 +85,19 @@ pub(super) fn lua_fiber_main(t: *mut ffi::lua_State, nargs: c_int) {
     let msg = (!ok).then(|| unsafe { raw::error_bytes(t, -1) });
     let report = with_host(|h| {
         // One lookup: a joinable fiber's record stays for its joiner. Its storage goes now.
-        let mut rec = match h.recs.entry(fid) {
-            Entry::Occupied(e) if e.get().joinable => {
-                let r = e.into_mut();
-                r.done = Some(ok);
-                let storage = std::mem::take(&mut r.storage_ref);
-                if storage > 0 {
-                    // SAFETY: the reference was made by `storage` in this host's registry.
-                    unsafe { ffi::luaL_unref(h.main_l, REG, storage) };
-                }
-                return None;
+        let main_l = h.main_l;
+        let mut rec = h.recs.take_if(fid, |r| {
+            if !r.joinable {
+                return true;
             }
-            Entry::Occupied(e) => e.remove(),
-            Entry::Vacant(_) => return None,
-        };
+            r.done = Some(ok);
+            let storage = std::mem::take(&mut r.storage_ref);
+            if storage > 0 {
+                // SAFETY: the reference was made by `storage` in this host's registry.
+                unsafe { ffi::luaL_unref(main_l, REG, storage) };
+            }
+            false
+        })?;
         free_obj_slot(h, &rec);
         release_storage(h, &mut rec);
         release_thread(h, rec.thread, rec.thread_ref);
