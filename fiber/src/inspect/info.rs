@@ -361,8 +361,24 @@ fn backtrace_of(
     sample_running: bool,
     keep: bool,
 ) -> Option<Backtrace> {
+    let mut bt = Backtrace::new();
+    backtrace_into(f, unwinder, sample_running, keep, &mut bt).then_some(bt)
+}
+
+/// [`backtrace_of`] into `out` (a backtrace is a kilobyte: a listing that walks every fiber
+/// copied each one twice on its way out); `false` (and `out` empty) when there is none.
+#[inline(never)]
+fn backtrace_into(
+    f: &Arc<ControlBlock>,
+    unwinder: Unwinder,
+    sample_running: bool,
+    keep: bool,
+    out: &mut Backtrace,
+) -> bool {
+    out.clear();
     if sched::current_id() == f.id {
-        return Some(current_backtrace(f, unwinder));
+        *out = current_backtrace(f, unwinder);
+        return true;
     }
     let opts = CaptureOptions {
         unwinder,
@@ -371,15 +387,25 @@ fn backtrace_of(
     };
     for _ in 0..1000 {
         match f.run.get(Ordering::Acquire) {
-            RunState::New => return Some(Backtrace::from_frames(&[entry_frame(f)])),
-            RunState::Dead => return None,
+            RunState::New => {
+                out.set_frames(&[entry_frame(f)]);
+                return true;
+            }
+            RunState::Dead => return false,
             RunState::Running => {
                 if !sample_running {
-                    return None;
+                    return false;
                 }
-                let s = registry::scheduler(f.sched)?;
-                let smp = super::sample::sample(&s, Duration::from_millis(200))?;
-                return (smp.fiber == f.id).then_some(smp.backtrace);
+                let sampled = registry::scheduler(f.sched)
+                    .and_then(|s| super::sample::sample(&s, Duration::from_millis(200)))
+                    .filter(|smp| smp.fiber == f.id);
+                return match sampled {
+                    Some(smp) => {
+                        *out = smp.backtrace;
+                        true
+                    }
+                    None => false,
+                };
             }
             RunState::Inspecting => {
                 std::thread::yield_now();
@@ -387,15 +413,15 @@ fn backtrace_of(
             }
             RunState::Suspended => {}
         }
-        let mut bt = Backtrace::new();
-        if f.inspect_suspended(&opts, &mut bt, keep) {
-            return Some(bt);
+        if f.inspect_suspended(&opts, out, keep) {
+            return true;
         }
+        out.clear();
         if !f.traced {
-            return None;
+            return false;
         }
     }
-    None
+    false
 }
 
 /// The trace of a fiber only if it is suspended right now (no sampling, no own-stack
@@ -467,6 +493,14 @@ impl crate::Fiber {
         report_entry!();
         backtrace_of(self.control_block(), unwinder, true, false)
     }
+
+    /// [`crate::Fiber::backtrace_unkept`] into `out` (no copy of the backtrace on its way
+    /// out): `false`, and `out` empty, for a dead fiber.
+    #[inline(never)]
+    pub fn backtrace_unkept_into(&self, unwinder: Unwinder, out: &mut Backtrace) -> bool {
+        report_entry!();
+        backtrace_into(self.control_block(), unwinder, true, false, out)
+    }
 }
 
 #[cfg(test)]
@@ -492,8 +526,22 @@ mod tests {
                 assert!(cb.has_kept_walk());
                 assert_eq!(a, b);
                 assert_eq!(f.backtrace_unkept(Unwinder::Fast).unwrap(), b);
+                // Into a buffer that held another trace: the same frames, nothing of the old.
+                let mut into =
+                    fibertrace_core::Backtrace::from_frames(&[fibertrace_core::Frame::Pc(1); 50]);
+                assert!(f.backtrace_unkept_into(Unwinder::Fast, &mut into));
+                assert_eq!(into, b);
                 f.wakeup();
                 h.join().unwrap();
+                // Ended: nothing, and the buffer left empty.
+                assert!(!f.backtrace_unkept_into(Unwinder::Fast, &mut into));
+                assert!(into.is_empty());
+                // Never ran: its entry function, as `backtrace` gives.
+                let n = crate::spawn(|| {});
+                let mut fresh = fibertrace_core::Backtrace::new();
+                assert!(n.fiber().backtrace_unkept_into(Unwinder::Fast, &mut fresh));
+                assert_eq!(Some(fresh), n.fiber().backtrace(Unwinder::Fast));
+                n.join().unwrap();
             })
             .unwrap();
     }

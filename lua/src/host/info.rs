@@ -218,6 +218,9 @@ pub(crate) struct InfoBuild {
     /// The `memory` tables made so far, by (used, total): entries share them (see
     /// [`InfoBuild::memory`]).
     by_memory: HashMap<(u64, u64), ffi::lua_Integer, BuildHasherDefault<AddrHasher>>,
+    /// Where each fiber's native stack is walked (one buffer for the call: a backtrace is a
+    /// kilobyte, copied twice when returned).
+    native: fibertrace_core::Backtrace,
 }
 
 impl InfoBuild {
@@ -259,6 +262,7 @@ impl InfoBuild {
                 current,
                 lua_memo: LuaMemo::new(),
                 by_memory: HashMap::default(),
+                native: fibertrace_core::Backtrace::new(),
             }
         }
     }
@@ -797,13 +801,15 @@ unsafe fn fiber_frames(
         return Some(t.clone());
     }
     // Not kept in the fiber: the interleaved trace is kept here, in the fiber's record.
-    let native = f.backtrace_unkept(Unwinder::Fast)?;
+    if !f.backtrace_unkept_into(Unwinder::Fast, &mut call.native) {
+        return None;
+    }
     let mut lua = crate::LuaStack::new();
     // SAFETY: `root` is `f`'s Lua thread and `f` is suspended (or never ran) on this OS
-    // thread (the contract; `backtrace_unkept` gave nothing for a fiber that ended), as
+    // thread (the contract; the walk gave nothing for a fiber that ended), as
     // `LuaMemo::levels` asks.
     unsafe { call.lua_memo.levels(f, root, &mut lua) };
-    let t = merged(native.frames(), &lua);
+    let t = merged(call.native.frames(), &lua);
     // The count is read again: the capture may not race with a resume on this thread, but
     // the cache must only hold a trace taken while the fiber was suspended.
     if f.control_block().csw() == csw && f.control_block().state() != Status::Running {
