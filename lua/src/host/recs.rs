@@ -14,6 +14,7 @@
 //! type (a place read by index is checked against the id before use by
 //! [`Recs::get_at_mut`]).
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 
@@ -63,10 +64,10 @@ impl<T> Dense<T> {
 
     /// Adds (or replaces) fiber `id`'s record; returns the replaced one.
     pub fn insert(&mut self, id: FiberId, r: T) -> Option<T> {
-        match self.at.get(&id) {
-            Some(&i) => Some(std::mem::replace(&mut self.all[i].1, r)),
-            None => {
-                self.at.insert(id, self.all.len());
+        match self.at.entry(id) {
+            Entry::Occupied(e) => Some(std::mem::replace(&mut self.all[*e.get()].1, r)),
+            Entry::Vacant(e) => {
+                e.insert(self.all.len());
                 self.all.push((id, r));
                 None
             }
@@ -81,11 +82,13 @@ impl<T> Dense<T> {
     /// Fiber `id`'s record, taken out when `take` says so (after it saw and may have changed
     /// it): one lookup.
     pub fn take_if(&mut self, id: FiberId, take: impl FnOnce(&mut T) -> bool) -> Option<T> {
-        let &i = self.at.get(&id)?;
-        if !take(&mut self.all[i].1) {
+        let Entry::Occupied(e) = self.at.entry(id) else {
+            return None;
+        };
+        if !take(&mut self.all[*e.get()].1) {
             return None;
         }
-        self.at.remove(&id);
+        let i = e.remove();
         Some(self.remove_place(i))
     }
 
