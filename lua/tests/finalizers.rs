@@ -314,3 +314,73 @@ fn finalizers_run_when_a_host_closes_cannot_switch_or_hang() {
     );
     let _ = std::fs::remove_file(&path);
 }
+
+/// Finalizers that join ended fibers and make new ones while `fiber.info()` walks fibers
+/// that all moved (the host's records move as records are removed: the last one fills the
+/// hole, and a new one may take the place it left): each fiber's new trace is kept in its
+/// own record, so the next listing, which takes the kept traces, shows every sleeper in its
+/// own function and none in another's (the functions are named by their lines: `function
+/// <path:3>` for the first). End to end only: a trace kept in the wrong record is also
+/// refused there by its switch count, so the check of a remembered place against the id is
+/// tested in `recs.rs`.
+#[test]
+fn records_removed_by_finalizers_during_a_listing_keep_each_fiber_its_own_trace() {
+    let (o, _) = run_script(
+        "moved-records",
+        "local function a_sleep() while true do fiber.sleep(1e6) end end\n\
+         local function b_sleep() while true do fiber.sleep(1e6) end end\n\
+         local function c_sleep() while true do fiber.sleep(1e6) end end\n\
+         local kinds, names = {a_sleep, b_sleep, c_sleep}, {'.lua:3>', '.lua:4>', '.lua:5>'}\n\
+         local kind, sleepers, inside, joined = {}, {}, 0, 0\n\
+         local listing = false\n\
+         collectgarbage('setpause', 50)\n\
+         collectgarbage('setstepmul', 1000)\n\
+         for round = 1, 6 do\n\
+           local ended = {}\n\
+           for i = 1, 200 do\n\
+             local f = fiber.new(function() end)\n\
+             f:set_joinable(true)\n\
+             ended[i] = f\n\
+           end\n\
+           fiber.yield()\n\
+           for i = 1, 100 do\n\
+             local k = (round + i) % 3 + 1\n\
+             local f = fiber.create(kinds[k])\n\
+             kind[f:id()] = k\n\
+             sleepers[#sleepers + 1] = f\n\
+           end\n\
+           for _, f in ipairs(sleepers) do f:wakeup() end\n\
+           fiber.yield()\n\
+           for i = 1, #ended do\n\
+             local f = ended[i]\n\
+             gcobj(function()\n\
+               if pcall(f.join, f) then\n\
+                 joined = joined + 1\n\
+                 if listing then inside = inside + 1 end\n\
+               end\n\
+               fiber.create(function() end)\n\
+             end)\n\
+           end\n\
+           ended = nil\n\
+           listing = true\n\
+           fiber.info()\n\
+           listing = false\n\
+         end\n\
+         collectgarbage('setpause', 200)\n\
+         local info, wrong, right = fiber.info(), 0, 0\n\
+         for _, f in ipairs(sleepers) do\n\
+           local text = {}\n\
+           for _, e in ipairs(info[f:id()].backtrace) do text[#text + 1] = e.L or '' end\n\
+           text = table.concat(text, '\\n')\n\
+           for k = 1, 3 do\n\
+             local has = text:find(names[k], 1, true) ~= nil\n\
+             if has ~= (k == kind[f:id()]) then wrong = wrong + 1 end\n\
+           end\n\
+           if text:find(names[kind[f:id()]], 1, true) then right = right + 1 end\n\
+         end\n\
+         print(inside > 0, joined > 0, right, wrong)\n",
+    );
+    assert_eq!(o.stderr, "");
+    assert_eq!(o.stdout, "true\ttrue\t600\t0\n");
+    assert_eq!(o.code, Some(0));
+}

@@ -367,7 +367,9 @@ fn backtrace_of(
 
 /// [`backtrace_of`] into `out` (a backtrace is a kilobyte: a listing that walks every fiber
 /// copied each one twice on its way out); `false` (and `out` empty) when there is none.
-#[inline(never)]
+/// Inlined into its two callers, so that the current fiber's own trace is taken as many
+/// frames below the public entry as before (`current_backtrace`'s offset).
+#[inline(always)]
 fn backtrace_into(
     f: &Arc<ControlBlock>,
     unwinder: Unwinder,
@@ -495,7 +497,8 @@ impl crate::Fiber {
     }
 
     /// [`crate::Fiber::backtrace_unkept`] into `out` (no copy of the backtrace on its way
-    /// out): `false`, and `out` empty, for a dead fiber.
+    /// out): `false`, and `out` empty, exactly when `backtrace_unkept` gives `None` (the
+    /// fiber ended; or it runs on another thread and no sample of it came).
     #[inline(never)]
     pub fn backtrace_unkept_into(&self, unwinder: Unwinder, out: &mut Backtrace) -> bool {
         report_entry!();
@@ -536,6 +539,13 @@ mod tests {
                 // Ended: nothing, and the buffer left empty.
                 assert!(!f.backtrace_unkept_into(Unwinder::Fast, &mut into));
                 assert!(into.is_empty());
+                // The current fiber: its own stack, as deep as `backtrace_unkept` gives it.
+                let me = crate::current().unwrap();
+                let mut own = fibertrace_core::Backtrace::new();
+                assert!(me.backtrace_unkept_into(Unwinder::Fast, &mut own));
+                let plain = me.backtrace_unkept(Unwinder::Fast).unwrap();
+                assert!(!own.is_empty());
+                assert_eq!(own.frames().len(), plain.frames().len());
                 // Never ran: its entry function, as `backtrace` gives.
                 let n = crate::spawn(|| {});
                 let mut fresh = fibertrace_core::Backtrace::new();

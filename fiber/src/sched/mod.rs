@@ -285,6 +285,12 @@ impl Scheduler {
     pub(crate) fn with_hooks(opts: SchedulerOptions, hooks: &'static Hooks) -> Scheduler {
         panic::install_hook();
         crate::clock::init();
+        // The thread's own stack bounds, found now and cached (a scheduler runs on the thread
+        // that made it), before its fibers' stacks are mapped: on the main thread the C
+        // library finds them by reading /proc/self/maps, a line per mapping and two per
+        // fiber stack (the first trace that needed them, a running fiber's at 30,000 fibers,
+        // spent ~30 ms there).
+        fibertrace_core::capture::thread_stack();
         let shared = registry::register(opts.name.clone());
         crate::publish::add(&shared);
         let sched = Scheduler {
@@ -505,11 +511,6 @@ struct Enter {
 impl Enter {
     fn new(inner: &Rc<Inner>) -> Enter {
         let prev = SCHED.with(|s| s.replace(Rc::as_ptr(inner)));
-        // The thread's own stack bounds, found now and cached, while the process has few
-        // mappings: on the main thread the C library finds them by reading /proc/self/maps,
-        // a line per mapping and two per fiber stack (the first trace of a running fiber
-        // that needed them at 30,000 fibers spent ~30 ms there).
-        fibertrace_core::capture::thread_stack();
         (inner.hooks.enter_thread)(&inner.shared);
         crate::overflow::install();
         crate::running::enter_thread(&inner.shared.on_thread);

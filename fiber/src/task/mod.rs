@@ -707,7 +707,7 @@ impl ControlBlock {
         fibertrace_core::capture::prefetch(Arc::as_ptr(self) as u64, std::mem::size_of::<Self>());
     }
 
-    /// Starts loading the used part of a parked stack (up to 4 KiB from the stack pointer)
+    /// Starts loading the used part of a parked stack (up to 1 KiB from the stack pointer)
     /// when a walk of it is due: its frames are then read from cache, not one memory round
     /// trip per frame. A hint; racy reads of the atomics are fine.
     pub fn prefetch_stack(&self) {

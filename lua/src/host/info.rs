@@ -1070,9 +1070,12 @@ unsafe fn prefetch_lua_stack(root: *mut ffi::lua_State) {
 
 /// Sorts `(key, value)` pairs by key (distinct keys: control block addresses). A large
 /// listing's order is sorted by its digits (LSD radix, 11 bits a pass, over the bits the keys
-/// differ in): a comparison sort of 30,000 addresses in hash order cost ~60 clock ticks an
-/// element, a tenth of `fiber.info({backtrace = false})` over them, mostly mispredicted
-/// branches; three passes cost a fraction of that. Small ones go to `sort_unstable`.
+/// differ in), in the same time whatever the order it is given: the records' order follows
+/// the blocks' while fibers are only made, and drifts from it as fibers end and others take
+/// their places; a comparison sort of 30,000 addresses in an unrelated order cost ~60 clock
+/// ticks an element, a tenth of `fiber.info({backtrace = false})` over them, mostly
+/// mispredicted branches; three passes cost a fraction of that. Small ones go to
+/// `sort_unstable`.
 fn sort_by_key(v: &mut Vec<(usize, usize)>) {
     const BITS: u32 = 11;
     if v.len() < 2048 {
@@ -1113,15 +1116,16 @@ const PREFETCH_AHEAD: usize = 4;
 /// is `Err(LErr::Raised)` with `not enough memory` on top.
 pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LErr> {
     let l = c.state();
-    // The id is the record's key. The last: the address of the record's trace (only asked
-    // for ahead, never read through: a trace is stored through `Recs::get_at_mut`).
+    // The id is the record's key. The last: the addresses of the record's id and trace
+    // (only asked for ahead, never read through: a trace is stored through
+    // `Dense::get_at_mut`, which compares the id first).
     type Entry = (
         fibertrace_fiber::Fiber,
         FiberId,
         *mut ffi::lua_State,
         Slice,
         Kept,
-        u64,
+        [u64; 2],
     );
     // Whether each fiber ended is read in the listing's loop, where its block is prefetched.
     // The largest id, from the records' keys (a fiber's own id is in its control block, not
@@ -1136,8 +1140,9 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
     // entries themselves moved ~90-byte entries; visiting them through a sorted index read
     // them out of order: a miss per fiber at 10,000 and more.)
     let fibers: Vec<Entry> = with_host(|h| {
-        // (One pass over the records: each one's block address and its place in `recs`.)
-        let mut recs: Vec<(usize, FiberId, &super::LuaFiber)> = Vec::with_capacity(h.recs.len());
+        // (One pass over the records: each live one's block address, and where it is in
+        // the `recs` gathered here.)
+        let mut recs: Vec<(usize, &FiberId, &super::LuaFiber)> = Vec::with_capacity(h.recs.len());
         let mut order: Vec<(usize, usize)> = Vec::with_capacity(h.recs.len());
         for (place, id, r) in h.recs.iter_placed().filter(|(.., r)| r.done.is_none()) {
             order.push((
@@ -1151,12 +1156,12 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
             .iter()
             .map(|&(_, i)| {
                 let (place, id, r) = recs[i];
-                max_id = max_id.max(id);
+                max_id = max_id.max(*id);
                 let slice = r.max_slice.unwrap_or(h.default_slice);
-                let rec = &raw const r.trace_cache as u64;
+                let rec = [&raw const *id as u64, &raw const r.trace_cache as u64];
                 (
                     r.fiber.clone(),
-                    id,
+                    *id,
                     r.thread,
                     slice,
                     Kept::of(r, place, opts.backtrace),
@@ -1202,7 +1207,9 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
                         next.control_block().prefetch_walk();
                         // Its record, where the new trace is stored (missed the cache on each
                         // fiber of a large listing).
-                        fibertrace_core::capture::prefetch(*rec, 8);
+                        for a in rec {
+                            fibertrace_core::capture::prefetch(*a, 8);
+                        }
                     }
                     // Only for a fiber that has not ended and is not this one: then (in the
                     // build's unsafe block) `root` is the Lua thread of a live fiber of this

@@ -10,9 +10,10 @@
 //! 16-byte entries and one index.
 //!
 //! Invariant: `at[id] == i` exactly when `all[i].0 == id`; a removal moves the last record
-//! into the freed place and updates its index. How a result can be wrong: never through this
-//! type (a place read by index is checked against the id before use by
-//! [`Recs::get_at_mut`]).
+//! into the freed place and updates its index. A place remembered across removals and
+//! inserts (a listing's, while finalizers end fibers) may hold another record by then: it is
+//! checked against the id before use ([`Dense::get_at_mut`]), so a value never lands in
+//! another fiber's record.
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
@@ -53,7 +54,7 @@ impl<T> Dense<T> {
         self.at.get(id).map(|&i| &mut self.all[i].1)
     }
 
-    /// The record at `place` (from [`Recs::iter_placed`]) if it is still fiber `id`'s (a
+    /// The record at `place` (from [`Dense::iter_placed`]) if it is still fiber `id`'s (a
     /// removal since may have moved another record there), else by a lookup.
     pub fn get_at_mut(&mut self, place: usize, id: FiberId) -> Option<&mut T> {
         match self.all.get(place) {
@@ -96,7 +97,9 @@ impl<T> Dense<T> {
     fn remove_place(&mut self, i: usize) -> T {
         let (_, r) = self.all.swap_remove(i);
         if let Some((moved, _)) = self.all.get(i) {
-            if let Some(p) = self.at.get_mut(moved) {
+            let p = self.at.get_mut(moved);
+            debug_assert!(p.is_some(), "a record without its index");
+            if let Some(p) = p {
                 *p = i;
             }
         }
@@ -108,9 +111,9 @@ impl<T> Dense<T> {
         self.all.iter().map(|(id, r)| (id, r))
     }
 
-    /// As [`Recs::iter`], with each record's place (for [`Recs::get_at_mut`]).
-    pub fn iter_placed(&self) -> impl Iterator<Item = (usize, FiberId, &T)> {
-        self.all.iter().enumerate().map(|(i, (id, r))| (i, *id, r))
+    /// As [`Dense::iter`], with each record's place (for [`Dense::get_at_mut`]).
+    pub fn iter_placed(&self) -> impl Iterator<Item = (usize, &FiberId, &T)> {
+        self.all.iter().enumerate().map(|(i, (id, r))| (i, id, r))
     }
 
     pub fn values(&self) -> impl Iterator<Item = &T> {
@@ -125,6 +128,38 @@ impl<T> Dense<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A place taken before removals and inserts: while it still holds the id it is used;
+    /// once another record sits there (the last one moved into it, or a new one put where
+    /// the moved one was), or it is past the end, or it is no place at all, the record is
+    /// found by its id.
+    #[test]
+    fn a_stale_place_finds_the_record_by_its_id() {
+        let mut d: Dense<&str> = Dense::default();
+        for (id, v) in [(1, "one"), (2, "two"), (3, "three")] {
+            d.insert(id, v);
+        }
+        let places: HashMap<FiberId, usize> = d.iter_placed().map(|(p, id, _)| (*id, p)).collect();
+        assert_eq!(d.get_at_mut(places[&2], 2).map(|v| *v), Some("two"));
+        // 1 goes: 3 (the last) moves into its place; 3's old place is past the end.
+        assert_eq!(d.remove(&1), Some("one"));
+        assert_eq!(d.get_at_mut(places[&3], 3).map(|v| *v), Some("three"));
+        assert_eq!(d.get_at_mut(places[&1], 3).map(|v| *v), Some("three"));
+        // A new record where 3 was: 3's old place holds 4 now.
+        d.insert(4, "four");
+        assert_eq!(
+            d.iter_placed().find(|(_, id, _)| **id == 4).map(|p| p.0),
+            Some(places[&3])
+        );
+        *d.get_at_mut(places[&3], 3).unwrap() = "THREE";
+        assert_eq!(d.get(&3), Some(&"THREE"));
+        assert_eq!(d.get(&4), Some(&"four"));
+        assert_eq!(d.get_at_mut(usize::MAX, 2).map(|v| *v), Some("two"));
+        // Gone: nothing, wherever it is asked for.
+        assert_eq!(d.get_at_mut(places[&1], 1), None);
+        assert_eq!(d.get_at_mut(usize::MAX, 1), None);
+        assert_eq!(d.values().count(), 3);
+    }
 
     /// Against a plain map, through a long run of inserts, replacements, removals and
     /// conditional takes (ids reused), checking every id's value and the index after each.
@@ -154,7 +189,7 @@ mod tests {
                     let nth = d
                         .iter_placed()
                         .nth((x % 7) as usize)
-                        .map(|(p, at, _)| (p, at));
+                        .map(|(p, at, _)| (p, *at));
                     if let Some((place, at)) = nth {
                         *d.get_at_mut(place, at).unwrap() += 1;
                         *m.get_mut(&at).unwrap() += 1;
