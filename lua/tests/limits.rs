@@ -71,7 +71,23 @@ fn fiber_create_past_the_address_space_limit_is_a_lua_error_and_the_program_goes
         print('ran', ran == n, n > 10)
         local again = 0
         for i = 1, n do fiber.create(function() again = again + 1 end) end
-        print('again', again == n)
+        -- the object of each fiber made after the failure is its own (the failed create's
+        -- object, made ahead and never seen, is given to a later fiber with its id)
+        local own, objs = 0, {}
+        for i = 1, n do
+            local f
+            f = fiber.new(function()
+                if rawequal(fiber.self(), f) and f:id() == fiber.id() then own = own + 1 end
+            end)
+            objs[f] = true
+        end
+        local distinct = 0
+        for _ in pairs(objs) do distinct = distinct + 1 end
+        for _ = 1, 1000 do
+            if own == n then break end
+            fiber.sleep(0.001)
+        end
+        print('again', again == n, own == n, distinct == n)
         os.exit(0)
     "#;
     let o = run(
@@ -92,7 +108,7 @@ fn fiber_create_past_the_address_space_limit_is_a_lua_error_and_the_program_goes
     );
     assert_eq!(
         &lines[2..],
-        ["ran\ttrue\ttrue", "again\ttrue"],
+        ["ran\ttrue\ttrue", "again\ttrue\ttrue\ttrue"],
         "{}",
         o.stdout
     );

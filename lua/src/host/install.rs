@@ -164,6 +164,7 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
             weak_objs_ref,
             obj_free: Vec::new(),
             obj_next: 0,
+            obj_ready: Vec::new(),
             fiber_mt_ref,
             channel_mt_ref,
             cond_mt_ref,

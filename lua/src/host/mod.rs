@@ -123,12 +123,17 @@ pub(crate) struct HostState {
     /// Registry ref: `make_error(type, value)`, the constructor of error objects (see
     /// [`prelude`]).
     pub error_ctor_ref: c_int,
-    /// Registry ref: live fibers' objects by slot; free slots; the highest slot used.
+    /// Registry ref: live fibers' objects by slot (and the objects made ahead for the next
+    /// fibers, see `obj_ready`); free slots; the highest slot used.
     pub objs_ref: c_int,
     /// Registry ref: objects of fibers without a record, by id (weak values).
     pub weak_objs_ref: c_int,
     pub obj_free: Vec<c_int>,
     pub obj_next: c_int,
+    /// Slots of the object table that hold an object made ahead for the next fibers made by
+    /// `fiber.create`/`fiber.new` (id 0, never given to Lua: see
+    /// [`objects::take_ready_object`]).
+    pub obj_ready: Vec<c_int>,
     /// Registry refs: metatables.
     pub fiber_mt_ref: c_int,
     pub channel_mt_ref: c_int,

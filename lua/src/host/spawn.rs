@@ -237,7 +237,7 @@ fn spawn_lua(c: &mut Call, what: &str, starts_now: bool) -> Result<FiberId, LErr
     let n = c.top();
     // SAFETY: `l` is the state of the running call `c`, a running thread of this host.
     let (t, tref) = unsafe { take_thread(l) }?;
-    let (parent_bt, creator_root, name, objs, mt, slot) = with_host(|h| {
+    let (parent_bt, creator_root, name, objs, mt) = with_host(|h| {
         let root = if h.parent_backtrace {
             h.recs
                 .get(&fibertrace_fiber::current_id())
@@ -245,26 +245,18 @@ fn spawn_lua(c: &mut Call, what: &str, starts_now: bool) -> Result<FiberId, LErr
         } else {
             None
         };
-        let slot = h.obj_free.pop().unwrap_or_else(|| {
-            h.obj_next += 1;
-            h.obj_next
-        });
         (
             h.parent_backtrace,
             root,
             h.fiber_name.clone(),
             h.objs_ref,
             h.fiber_mt_ref,
-            slot,
         )
     })
     .ok_or_else(no_host)?;
     // Undoes the above when the fiber cannot be made.
     let give_back = |err: LErr| {
-        with_host(|h| {
-            h.obj_free.push(slot);
-            release_thread(h, t, tref);
-        });
+        with_host(|h| release_thread(h, t, tref));
         err
     };
     // The new thread takes the function and its arguments (the message handler is below
@@ -276,28 +268,15 @@ fn spawn_lua(c: &mut Call, what: &str, starts_now: bool) -> Result<FiberId, LErr
             n - 1
         ))));
     }
-    // The fiber's object, made first (the allocations that can fail), in its slot of the
-    // host's object table (which lives as long as the fiber); its id is written once known.
-    let mut ud: *mut FiberUd = std::ptr::null_mut();
-    // SAFETY: a fresh userdata with the fiber metatable goes into its slot of the host's
-    // object table and is left on top of `l`, above the function and its arguments.
-    let made = unsafe {
-        raw::protect(l, &[], &mut |l| {
-            ud = ffi::lua_newuserdata(l, std::mem::size_of::<FiberUd>()).cast::<FiberUd>();
-            ud.write(FiberUd { fid: 0 });
-            super::raw::rawgeti(l, REG, mt as ffi::lua_Integer);
-            ffi::lua_setmetatable(l, -2);
-            super::raw::rawgeti(l, REG, objs as ffi::lua_Integer);
-            ffi::lua_pushvalue(l, -2);
-            super::raw::rawseti(l, -2, slot as ffi::lua_Integer);
-            ffi::lua_settop(l, -2);
-            1
-        })
-    };
-    if let Err(e) = made {
+    // The fiber's object first (its allocations are what can fail): one made ahead, in its
+    // slot of the host's object table (which holds it as long as the fiber lives), left on
+    // top of `l` above the function and its arguments; its id is written once known.
+    // SAFETY: `l` is the running call's state; the references are the host's.
+    let (slot, ud) = match unsafe { take_ready_object(l, objs, mt) } {
+        Ok(made) => made,
         // (The error value stays on top for the wrapper.)
-        return Err(give_back(e));
-    }
+        Err(e) => return Err(give_back(e)),
+    };
     let parent = if parent_bt {
         // SAFETY: the creator's root thread runs on this OS thread (it is calling us).
         let frames = unsafe { super::info::current_frames(creator_root.unwrap_or(l), "f_create") };
@@ -321,13 +300,11 @@ fn spawn_lua(c: &mut Call, what: &str, starts_now: bool) -> Result<FiberId, LErr
     let fiber = match spawned {
         Ok(h) => h.into_fiber(),
         Err(e) => {
-            // SAFETY: the slot was filled above: emptied (a store into a slot that exists).
-            unsafe {
-                super::raw::rawgeti(l, REG, objs as ffi::lua_Integer);
-                ffi::lua_pushnil(l);
-                super::raw::rawseti(l, -2, slot as ffi::lua_Integer);
-                ffi::lua_settop(l, -3);
-            }
+            // The object, still unseen (id 0), is popped and stays ready in its slot for
+            // the next fiber.
+            // SAFETY: the object is on top of `l` (pushed above).
+            unsafe { ffi::lua_settop(l, -2) };
+            with_host(|h| h.obj_ready.push(slot));
             return Err(give_back(LErr::plain(format!("fiber.{what}: {e}"))));
         }
     };
