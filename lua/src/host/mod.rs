@@ -132,7 +132,7 @@ pub(crate) struct HostState {
     pub obj_next: c_int,
     /// Slots of the object table that hold an object made ahead for the next fibers made by
     /// `fiber.create`/`fiber.new` (id 0, never given to Lua: see
-    /// [`objects::take_ready_object`]).
+    /// `spawn::take_ready_object`).
     pub obj_ready: Vec<c_int>,
     /// Registry refs: metatables.
     pub fiber_mt_ref: c_int,

@@ -212,6 +212,102 @@ pub(super) unsafe fn take_thread(
     Ok(made)
 }
 
+/// How many fiber objects one refill of the ready objects makes.
+const READY_BATCH: usize = 32;
+
+/// Pushes onto `l` a fiber object made ahead, and returns its slot in the host's object
+/// table (`objs`, a registry reference), where it stays, and its block (id 0: the caller
+/// writes the fiber's id before Lua can see the object). When none is left, a batch is made
+/// first, in one protected call ([`refill_ready`]): making an object allocates, which can
+/// raise, and a protected call per object was a tenth of a `fiber.create`. A slot given back
+/// unused (the fiber could not be made) goes to `obj_ready` again, its object unchanged.
+///
+/// # Safety
+/// `l` is a running Lua thread of this thread's host; `objs` and `mt` are the host's object
+/// table and fiber metatable references.
+unsafe fn take_ready_object(
+    l: *mut ffi::lua_State,
+    objs: c_int,
+    mt: c_int,
+) -> Result<(c_int, *mut FiberUd), LErr> {
+    // SAFETY: per the contract; lua_checkstack never raises.
+    if unsafe { ffi::lua_checkstack(l, 2) } == 0 {
+        return Err(LErr::plain("stack overflow"));
+    }
+    let slot = match with_host(|h| h.obj_ready.pop()).ok_or_else(no_host)? {
+        Some(slot) => slot,
+        // SAFETY: per the contract.
+        None => unsafe { refill_ready(l, objs, mt) }?,
+    };
+    // SAFETY: room for two values (above); raw reads of the registry and of the object
+    // table, which allocate nothing; the slot holds a fiber object made by `refill_ready`
+    // (slots in `obj_ready` are cleared by nothing else), whose block is a `FiberUd`.
+    unsafe {
+        super::raw::rawgeti(l, REG, objs as ffi::lua_Integer);
+        super::raw::rawgeti(l, -1, slot as ffi::lua_Integer);
+        ffi::lua_remove(l, -2);
+        let ud = ffi::lua_touserdata(l, -1).cast::<FiberUd>();
+        debug_assert!(!ud.is_null() && (*ud).fid == 0);
+        Ok((slot, ud))
+    }
+}
+
+/// Makes up to [`READY_BATCH`] fiber objects (id 0, the fiber metatable) into free slots of
+/// the object table in one protected call, keeps all but one in `obj_ready`, and returns that
+/// one's slot. When an allocation fails part way, the objects made so far are kept (the
+/// error is dropped) and the slots not filled go back to `obj_free`; when none was made, the
+/// error is returned, its value left on top of `l` (as [`super::raw::protect`] leaves it).
+///
+/// # Safety
+/// As [`take_ready_object`].
+unsafe fn refill_ready(l: *mut ffi::lua_State, objs: c_int, mt: c_int) -> Result<c_int, LErr> {
+    let slots: Vec<c_int> = with_host(|h| {
+        (0..READY_BATCH)
+            .map(|_| {
+                h.obj_free.pop().unwrap_or_else(|| {
+                    h.obj_next += 1;
+                    h.obj_next
+                })
+            })
+            .collect()
+    })
+    .ok_or_else(no_host)?;
+    let mut made = 0;
+    // SAFETY: per the contract; each userdata's block is written before its metatable is
+    // set, then it is stored (popped) into its slot of the object table; an error part way
+    // leaves `made` counting the objects stored.
+    let res = unsafe {
+        super::raw::protect(l, &[], &mut |l| {
+            super::raw::rawgeti(l, REG, objs as ffi::lua_Integer);
+            for &slot in &slots {
+                let ud = ffi::lua_newuserdata(l, std::mem::size_of::<FiberUd>()).cast::<FiberUd>();
+                ud.write(FiberUd { fid: 0 });
+                super::raw::rawgeti(l, REG, mt as ffi::lua_Integer);
+                ffi::lua_setmetatable(l, -2);
+                super::raw::rawseti(l, -2, slot as ffi::lua_Integer);
+                made += 1;
+            }
+            ffi::lua_settop(l, -2);
+            0
+        })
+    };
+    if let Err(e) = res {
+        if made == 0 {
+            with_host(|h| h.obj_free.extend_from_slice(&slots));
+            return Err(e);
+        }
+        // SAFETY: the failed call left its error value on top of `l`.
+        unsafe { ffi::lua_settop(l, -2) };
+    }
+    with_host(|h| {
+        h.obj_free.extend_from_slice(&slots[made..]);
+        // Taken from the back: the first slot made goes first.
+        h.obj_ready.extend(slots[1..made].iter().rev());
+    })
+    .ok_or_else(no_host)?;
+    Ok(slots[0])
+}
+
 /// Set while a fiber for the thread in it is being spawned: if the spawn fails, the body
 /// dropped unrun is not a fiber cancelled before it started (the caller takes the thread
 /// back).
