@@ -1124,3 +1124,66 @@ R = {
         v(&["true", "true", "false", "true", "true"])
     );
 }
+
+/// A script that reaches the host's table of fiber objects through the debug library and
+/// puts other values where the objects made ahead for the next fibers are (another
+/// userdata, a table, nil), or replaces the table itself, gets a clear error from
+/// `fiber.create` and `fiber.new` — never an id written into another object's block — and
+/// the objects of live fibers are theirs as before.
+#[test]
+fn fiber_objects_made_ahead_survive_a_script_that_changes_them() {
+    let host = run(r#"local fiber = require('fiber')
+local first = fiber.create(function() fiber.sleep(10) end)
+-- Find the host's object table: the registry table that holds `first`.
+local reg, key, objs = debug.getregistry(), nil, nil
+for k, v in pairs(reg) do
+  if type(v) == 'table' then
+    for _, o in pairs(v) do
+      if rawequal(o, first) then key, objs = k, v end
+    end
+  end
+end
+assert(objs, 'the object table was not found')
+local log = {}
+local function try(what, f)
+  local ok, err = pcall(f, function() end)
+  log[#log + 1] = what .. ' ' .. (ok and 'made' or tostring(err))
+end
+-- Every other fiber object in it (those made ahead) becomes something else, in turns.
+local other = {io.stdout, {}, false}
+local n = 0
+for k, o in pairs(objs) do
+  if not rawequal(o, first) then
+    n = n + 1
+    objs[k] = other[n % 3 + 1] or nil
+  end
+end
+try('create', fiber.create)
+try('new', fiber.new)
+try('create', fiber.create)
+-- The stdout handle still works (no id was written into its block).
+log[#log + 1] = 'stdout ' .. io.type(io.stdout)
+-- The whole table replaced.
+reg[key] = 42
+try('create', fiber.create)
+try('new', fiber.new)
+reg[key] = objs
+log[#log + 1] = 'first ' .. tostring(rawequal(fiber.find(first:id()), first)) .. ' ' .. first:status()
+first:cancel()
+LOG = table.concat(log, '|')
+"#);
+    let e = "fibertrace: the host's table of fiber objects was changed by the script";
+    let log: String = host.lua().globals().get("LOG").unwrap();
+    let lines: Vec<&str> = log.split('|').collect();
+    // Every object made ahead was changed: each create meets one (and gives its slot back).
+    let want: Vec<String> = vec![
+        format!("create {e}"),
+        format!("new {e}"),
+        format!("create {e}"),
+        "stdout file".into(),
+        format!("create {e}"),
+        format!("new {e}"),
+        "first true suspended".into(),
+    ];
+    assert_eq!(lines, want, "{log}");
+}

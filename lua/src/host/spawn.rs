@@ -222,6 +222,11 @@ const READY_BATCH: usize = 32;
 /// raise, and a protected call per object was a tenth of a `fiber.create`. A slot given back
 /// unused (the fiber could not be made) goes to `obj_ready` again, its object unchanged.
 ///
+/// The table and the object are checked before use (a table, and a userdata whose metatable
+/// is the host's fiber metatable): a script can reach the registry through the debug library
+/// and put anything there; then this is [`tampered`]'s error, never a write into another
+/// object's block.
+///
 /// # Safety
 /// `l` is a running Lua thread of this thread's host; `objs` and `mt` are the host's object
 /// table and fiber metatable references.
@@ -230,37 +235,69 @@ unsafe fn take_ready_object(
     objs: c_int,
     mt: c_int,
 ) -> Result<(c_int, *mut FiberUd), LErr> {
-    // SAFETY: per the contract; lua_checkstack never raises.
+    // SAFETY: per the contract; lua_checkstack never raises. (Two at most are pushed at a
+    // time: a C function's stack holds 8,000 values under LuaJIT, which a caller's arguments
+    // may nearly fill.)
     if unsafe { ffi::lua_checkstack(l, 2) } == 0 {
         return Err(LErr::plain("stack overflow"));
     }
-    let slot = match with_host(|h| h.obj_ready.pop()).ok_or_else(no_host)? {
+    let (ready, mt_id) = with_host(|h| (h.obj_ready.pop(), h.mt_tables[0])).ok_or_else(no_host)?;
+    let slot = match ready {
         Some(slot) => slot,
         // SAFETY: per the contract.
-        None => unsafe { refill_ready(l, objs, mt) }?,
+        None => unsafe { refill_ready(l, objs, mt, mt_id) }?,
     };
-    // SAFETY: room for two values (above); raw reads of the registry and of the object
-    // table, which allocate nothing; the slot holds a fiber object made by `refill_ready`
-    // (slots in `obj_ready` are cleared by nothing else), whose block is a `FiberUd`.
+    // SAFETY: room for two values (above: the table and the value, then the value and its
+    // metatable); raw reads of the registry and of a table
+    // checked to be one, and of the value's metatable, which allocate nothing; the block is
+    // used only when the value is a userdata with the fiber metatable, which only blocks
+    // written as a `FiberUd` get.
     unsafe {
         super::raw::rawgeti(l, REG, objs as ffi::lua_Integer);
+        if ffi::lua_type(l, -1) != ffi::LUA_TTABLE {
+            ffi::lua_settop(l, -2);
+            return Err(tampered());
+        }
         super::raw::rawgeti(l, -1, slot as ffi::lua_Integer);
         ffi::lua_remove(l, -2);
         let ud = ffi::lua_touserdata(l, -1).cast::<FiberUd>();
-        debug_assert!(!ud.is_null() && (*ud).fid == 0);
+        let ours = !ud.is_null() && ffi::lua_getmetatable(l, -1) != 0 && {
+            let p = ffi::lua_topointer(l, -1) as usize;
+            ffi::lua_settop(l, -2);
+            p == mt_id
+        };
+        if !ours {
+            ffi::lua_settop(l, -2);
+            // (The next refill stores a new object there.)
+            with_host(|h| h.obj_free.push(slot));
+            return Err(tampered());
+        }
         Ok((slot, ud))
     }
 }
 
-/// Makes up to [`READY_BATCH`] fiber objects (id 0, the fiber metatable) into free slots of
-/// the object table in one protected call, keeps all but one in `obj_ready`, and returns that
-/// one's slot. When an allocation fails part way, the objects made so far are kept (the
-/// error is dropped) and the slots not filled go back to `obj_free`; when none was made, the
-/// error is returned, its value left on top of `l` (as [`super::raw::protect`] leaves it).
+/// The error of a create that finds the host's fiber objects changed by the script (through
+/// `debug.getregistry()`).
+fn tampered() -> LErr {
+    LErr::plain("fibertrace: the host's table of fiber objects was changed by the script")
+}
+
+/// Makes up to [`READY_BATCH`] fiber objects (id 0, the fiber metatable, whose identity is
+/// `mt_id`) into free slots of the object table in one protected call, keeps all but one in
+/// `obj_ready`, and returns that one's slot. When an allocation fails part way, the objects
+/// made so far are kept (the error is dropped) and the slots not filled go back to
+/// `obj_free`; when none was made, the error is returned, its value left on top of `l` (as
+/// [`super::raw::protect`] leaves it). A registry entry that is no longer the host's table or
+/// metatable makes nothing: [`tampered`]'s error.
 ///
 /// # Safety
 /// As [`take_ready_object`].
-unsafe fn refill_ready(l: *mut ffi::lua_State, objs: c_int, mt: c_int) -> Result<c_int, LErr> {
+unsafe fn refill_ready(
+    l: *mut ffi::lua_State,
+    objs: c_int,
+    mt: c_int,
+    mt_id: usize,
+) -> Result<c_int, LErr> {
     let slots: Vec<c_int> = with_host(|h| {
         (0..READY_BATCH)
             .map(|_| {
@@ -273,31 +310,45 @@ unsafe fn refill_ready(l: *mut ffi::lua_State, objs: c_int, mt: c_int) -> Result
     })
     .ok_or_else(no_host)?;
     let mut made = 0;
-    // SAFETY: per the contract; each userdata's block is written before its metatable is
-    // set, then it is stored (popped) into its slot of the object table; an error part way
-    // leaves `made` counting the objects stored.
+    // SAFETY: per the contract; the object table and the metatable are checked first (a
+    // table, and the host's metatable by identity); each userdata's block is written before
+    // its metatable is set, then it is stored (popped) into its slot of the object table; an
+    // error part way leaves `made` counting the objects stored.
     let res = unsafe {
         super::raw::protect(l, &[], &mut |l| {
             super::raw::rawgeti(l, REG, objs as ffi::lua_Integer);
+            super::raw::rawgeti(l, REG, mt as ffi::lua_Integer);
+            if ffi::lua_type(l, -2) != ffi::LUA_TTABLE
+                || ffi::lua_type(l, -1) != ffi::LUA_TTABLE
+                || ffi::lua_topointer(l, -1) as usize != mt_id
+            {
+                ffi::lua_settop(l, -3);
+                return 0;
+            }
             for &slot in &slots {
                 let ud = ffi::lua_newuserdata(l, std::mem::size_of::<FiberUd>()).cast::<FiberUd>();
                 ud.write(FiberUd { fid: 0 });
-                super::raw::rawgeti(l, REG, mt as ffi::lua_Integer);
+                ffi::lua_pushvalue(l, -2);
                 ffi::lua_setmetatable(l, -2);
-                super::raw::rawseti(l, -2, slot as ffi::lua_Integer);
+                super::raw::rawseti(l, -3, slot as ffi::lua_Integer);
                 made += 1;
             }
-            ffi::lua_settop(l, -2);
+            ffi::lua_settop(l, -3);
             0
         })
     };
-    if let Err(e) = res {
-        if made == 0 {
+    match res {
+        Err(e) if made == 0 => {
             with_host(|h| h.obj_free.extend_from_slice(&slots));
             return Err(e);
         }
         // SAFETY: the failed call left its error value on top of `l`.
-        unsafe { ffi::lua_settop(l, -2) };
+        Err(_) => unsafe { ffi::lua_settop(l, -2) },
+        Ok(_) if made == 0 => {
+            with_host(|h| h.obj_free.extend_from_slice(&slots));
+            return Err(tampered());
+        }
+        Ok(_) => {}
     }
     with_host(|h| {
         h.obj_free.extend_from_slice(&slots[made..]);
