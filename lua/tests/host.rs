@@ -1149,8 +1149,11 @@ local function try(what, f)
   local ok, err = pcall(f, function() end)
   log[#log + 1] = what .. ' ' .. (ok and 'made' or tostring(err))
 end
--- Every other fiber object in it (those made ahead) becomes something else, in turns.
-local other = {io.stdout, {}, false}
+-- Every other fiber object in it (those made ahead) becomes something else, in turns: a
+-- userdata too small for a fiber's block that carries the fiber metatable, a table, nil.
+local small = newproxy and newproxy(false) or io.stdout
+if newproxy then debug.setmetatable(small, debug.getmetatable(first)) end
+local other = {small, {}, false}
 local n = 0
 for k, o in pairs(objs) do
   if not rawequal(o, first) then

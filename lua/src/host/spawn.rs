@@ -248,10 +248,10 @@ unsafe fn take_ready_object(
         None => unsafe { refill_ready(l, objs, mt, mt_id) }?,
     };
     // SAFETY: room for two values (above: the table and the value, then the value and its
-    // metatable); raw reads of the registry and of a table
-    // checked to be one, and of the value's metatable, which allocate nothing; the block is
-    // used only when the value is a userdata with the fiber metatable, which only blocks
-    // written as a `FiberUd` get.
+    // metatable); raw reads of the registry, of a table checked to be one, and of the value's
+    // size and metatable, which allocate nothing; the block is written only when the value is
+    // a userdata of at least a `FiberUd`'s size with the fiber metatable (the write stays in
+    // its block whatever the script did; a block made by `refill_ready` is a `FiberUd`).
     unsafe {
         super::raw::rawgeti(l, REG, objs as ffi::lua_Integer);
         if ffi::lua_type(l, -1) != ffi::LUA_TTABLE {
@@ -261,11 +261,16 @@ unsafe fn take_ready_object(
         super::raw::rawgeti(l, -1, slot as ffi::lua_Integer);
         ffi::lua_remove(l, -2);
         let ud = ffi::lua_touserdata(l, -1).cast::<FiberUd>();
-        let ours = !ud.is_null() && ffi::lua_getmetatable(l, -1) != 0 && {
-            let p = ffi::lua_topointer(l, -1) as usize;
-            ffi::lua_settop(l, -2);
-            p == mt_id
-        };
+        // (As `Call::ud`: the metatable by identity, and a block large enough to be one, since
+        // `debug.setmetatable` can put the fiber metatable on another userdata.)
+        let ours = !ud.is_null()
+            && ffi::lua_rawlen(l, -1) >= std::mem::size_of::<FiberUd>()
+            && ffi::lua_getmetatable(l, -1) != 0
+            && {
+                let p = ffi::lua_topointer(l, -1) as usize;
+                ffi::lua_settop(l, -2);
+                p == mt_id
+            };
         if !ours {
             ffi::lua_settop(l, -2);
             // (The next refill stores a new object there.)
