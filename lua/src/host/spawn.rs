@@ -247,11 +247,12 @@ unsafe fn take_ready_object(
         // SAFETY: per the contract.
         None => unsafe { refill_ready(l, objs, mt, mt_id) }?,
     };
-    // SAFETY: room for two values (above: the table and the value, then the value and its
-    // metatable); raw reads of the registry, of a table checked to be one, and of the value's
-    // size and metatable, which allocate nothing; the block is written only when the value is
-    // a userdata of at least a `FiberUd`'s size with the fiber metatable (the write stays in
-    // its block whatever the script did; a block made by `refill_ready` is a `FiberUd`).
+    // Room for two values was asked above (the table and the value, then the value and its
+    // metatable). The block is written (by the caller) only when the value is a userdata of
+    // at least a `FiberUd`'s size with the fiber metatable: the write stays in its block
+    // whatever the script did, and a block made by `refill_ready` is a `FiberUd`.
+    // SAFETY: raw reads of the registry, of a table checked to be one, and of the value's
+    // size and metatable, which allocate nothing, within the room checked above.
     unsafe {
         super::raw::rawgeti(l, REG, objs as ffi::lua_Integer);
         if ffi::lua_type(l, -1) != ffi::LUA_TTABLE {
@@ -315,10 +316,10 @@ unsafe fn refill_ready(
     })
     .ok_or_else(no_host)?;
     let mut made = 0;
-    // SAFETY: per the contract; the object table and the metatable are checked first (a
-    // table, and the host's metatable by identity); each userdata's block is written before
-    // its metatable is set, then it is stored (popped) into its slot of the object table; an
-    // error part way leaves `made` counting the objects stored.
+    // The object table and the metatable are checked first (a table, and the host's
+    // metatable by identity); an error part way leaves `made` counting the objects stored.
+    // SAFETY: per the contract; each userdata's block is written before its metatable is
+    // set, then it is stored (popped) into its slot of the checked object table.
     let res = unsafe {
         super::raw::protect(l, &[], &mut |l| {
             super::raw::rawgeti(l, REG, objs as ffi::lua_Integer);
