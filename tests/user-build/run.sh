@@ -10,7 +10,9 @@
 # pointers, panic = "abort", lto = "fat", opt-level = "s", debug = 0), plus lua-dev and
 # lua-release (tests/user-build-lua: the Lua host embedded in a user's crate, no frame
 # pointers, default debug info). Each cell has its own target directory under
-# target/user-build/ (kept between runs: a second run is quick).
+# target/user-build/ (kept between runs: a second run is quick; FT_USER_BUILD_CLEAN=1 removes
+# each cell's directory once the cell has run, for a machine short of disk: 15 full builds
+# kept side by side take several GB).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
@@ -82,6 +84,7 @@ for cell in "${cells[@]}"; do
   else
     failed+=("$cell")
   fi
+  if [ "${FT_USER_BUILD_CLEAN:-0}" = 1 ]; then rm -rf "${targets:?}/$cell"; fi
 done
 echo "user build cells: ${passed} passed, ${#failed[@]} failed${failed:+ (${failed[*]})}"
 [ "${#failed[@]}" -eq 0 ]
