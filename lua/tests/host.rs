@@ -1190,3 +1190,76 @@ LOG = table.concat(log, '|')
     ];
     assert_eq!(lines, want, "{log}");
 }
+
+/// A script can move any of the host's metatables onto any other userdata
+/// (`debug.setmetatable`): a fiber's onto a channel, a channel's onto a condition or a fiber
+/// object, any of them onto a file or a zero-size userdata. Each method then refuses the value
+/// as not its type (its block carries its type's tag): before, a fiber's id was read as a
+/// channel's pointer (a crash) and a channel's block used as a condition's. Given its own
+/// metatable back, each object works as before (nothing was written into it).
+#[test]
+fn a_host_metatable_moved_onto_another_userdata_is_refused() {
+    let host = run(r#"local fiber = require('fiber')
+local mt = {
+  fiber = debug.getmetatable(fiber.self()),
+  channel = debug.getmetatable(fiber.channel()),
+  cond = debug.getmetatable(fiber.cond()),
+}
+local call = {
+  fiber = function(u) return u:status() end,
+  channel = function(u) return u:put(1, 0) end,
+  cond = function(u) return u:signal() end,
+}
+local make = {
+  fiber = function() return fiber.create(function() end) end,
+  channel = function() return fiber.channel(1) end,
+  cond = function() return fiber.cond() end,
+  file = function() return io.tmpfile() end,
+}
+if newproxy then make.proxy = function() return newproxy(false) end end
+local log = {}
+for _, t in ipairs({'fiber', 'channel', 'cond'}) do
+  for _, v in ipairs({'fiber', 'channel', 'cond', 'file', 'proxy'}) do
+    if v ~= t and make[v] then
+      local u = make[v]()
+      local own = debug.getmetatable(u)
+      debug.setmetatable(u, mt[t])
+      local ok, err = pcall(call[t], u)
+      debug.setmetatable(u, own)
+      local back = call[v] and tostring((call[v](u))) or tostring(io.type(u))
+      log[#log + 1] = t .. ' on ' .. v .. ': ' .. tostring(ok) .. ' ' .. tostring(err) .. ' / ' .. back
+    end
+  end
+end
+LOG = table.concat(log, '|')
+"#);
+    let log: String = host.lua().globals().get("LOG").unwrap();
+    let got: Vec<&str> = log.split('|').collect();
+    let mut want = Vec::new();
+    for (t, what, line, method) in [
+        ("fiber", "fiber", 8, "status"),
+        ("channel", "fiber.channel", 9, "put"),
+        ("cond", "fiber.cond", 10, "signal"),
+    ] {
+        // (Lua 5.4's luaL_argerror names a method's bad self and where it was called.)
+        let err = if cfg!(feature = "lua54") {
+            format!("t.lua:{line}: calling '{method}' on bad self ({what} expected, got userdata)")
+        } else {
+            format!("bad argument #1 to '?' ({what} expected, got userdata)")
+        };
+        for (v, back) in [
+            ("fiber", "dead"),
+            ("channel", "true"),
+            ("cond", "nil"),
+            ("file", "file"),
+            ("proxy", ""),
+        ] {
+            if v == t || (v == "proxy" && cfg!(feature = "lua54")) {
+                continue;
+            }
+            let back = if v == "proxy" { "nil" } else { back };
+            want.push(format!("{t} on {v}: false {err} / {back}"));
+        }
+    }
+    assert_eq!(got, want, "{log}");
+}

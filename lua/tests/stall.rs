@@ -724,6 +724,45 @@ fn a_channel_held_as_a_table_key_is_seen_by_the_wait_for_graph() {
     );
 }
 
+/// The main chunk holds, beside the channel its waiter receives on, a condition and a fiber
+/// object that the script gave the channel metatable (`debug.setmetatable`): the graph's
+/// reader takes neither for a channel (their blocks carry their own type's tag). Before, the
+/// fiber object's id was read as a channel pointer (a crash in the deadlock report).
+const DISGUISED: &str = r#"
+local fiber = require('fiber')
+local ch = fiber.channel()
+local c = fiber.cond()
+local dead = fiber.create(function() end)
+debug.setmetatable(c, debug.getmetatable(ch))
+debug.setmetatable(dead, debug.getmetatable(ch))
+local w = fiber.new(function() ch:get() end)
+w:name('w')
+w:set_joinable(true)
+w:join()
+"#;
+
+#[test]
+fn objects_given_the_channel_metatable_are_not_taken_for_channels_by_the_wait_for_graph() {
+    let (code, _out, err) = run_script(&[], DISGUISED);
+    assert_eq!(code, 1, "{err}");
+    let graph: Vec<&str> = err.split("\n\n").nth(1).unwrap().lines().collect();
+    let ch = graph[2]
+        .split("on channel ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .unwrap_or_else(|| panic!("{err}"));
+    assert_eq!(
+        graph,
+        [
+            "wait-for graph:".to_string(),
+            "  fiber 1 \"main\" joins fiber 3 \"w\"".to_string(),
+            format!("  fiber 3 \"w\" receives on channel {ch}, which fiber 1 \"main\" also holds"),
+            "cycle: fiber 1 \"main\" → fiber 3 \"w\" → fiber 1 \"main\"".to_string(),
+        ],
+        "{err}"
+    );
+}
+
 /// `SIGPROF` from outside (as `kill -PROF` or a profiler's timer sends it) finds the host's
 /// handler: it only stops the running fiber at a safe point with nothing asked, and the
 /// program runs on, its output and its C calls (a child process waited for) unharmed.

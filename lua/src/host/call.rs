@@ -132,14 +132,26 @@ pub(crate) struct Call {
     l: *mut ffi::lua_State,
 }
 
-/// A userdata block type of the host, bound to its metatable.
+/// A userdata block type of the host, bound to its metatable and its tag.
+///
+/// A block is a [`Tagged`]`<Self>`: the type's [`UdBlock::TAG`], then the value. The
+/// metatable alone does not tell a block's type: a script can move any metatable onto any
+/// userdata (`debug.setmetatable`), a channel's onto a condition or a fiber object, and the
+/// methods would then read one block as the other (a fiber's id taken for a channel pointer:
+/// a crash). A block is taken for a `Self` only when its metatable is `Self`'s, it is large
+/// enough, and its first word is `Self`'s tag ([`tagged_body`]).
 ///
 /// # Safety
 /// The table [`UdBlock::metatable`] names (by its registry reference, and by its identity,
 /// `lua_topointer`, which stays the table's while the reference anchors it) is set as the
-/// metatable only of userdata whose block is an initialised `Self` (written before the
-/// metatable is set, by [`Protected::new_ud`] or by code that keeps the same order).
+/// metatable only of userdata whose block is an initialised `Tagged<Self>` (written before
+/// the metatable is set, by [`Protected::new_ud`] or by code that keeps the same order), and no
+/// two block types share a tag.
 pub(crate) unsafe trait UdBlock: Sized {
+    /// The first word of every block of this type. Non-canonical as an address (its top 16
+    /// bits are neither all 0 nor all 1), so no pointer another library's userdata starts
+    /// with is equal to it; distinct for each type.
+    const TAG: u64;
     /// What a body gets from a block: a clone of what it holds.
     type Handle;
     /// The registry reference and the identity of this type's metatable in this thread's
@@ -149,6 +161,49 @@ pub(crate) unsafe trait UdBlock: Sized {
     fn handle(&self) -> Option<Self::Handle>;
     /// Releases what the block holds (its `__gc`; a second call does nothing).
     fn release(&mut self);
+}
+
+/// The block of a host userdata: its type's tag, then the value (see [`UdBlock`]).
+#[repr(C)]
+pub(crate) struct Tagged<T> {
+    tag: u64,
+    body: T,
+}
+
+impl<T: UdBlock> Tagged<T> {
+    /// A block holding `body`, tagged as a `T`.
+    pub(crate) fn new(body: T) -> Self {
+        const {
+            assert!(
+                std::mem::align_of::<T>() <= 8,
+                "a userdata block is 8-aligned"
+            )
+        };
+        Tagged { tag: T::TAG, body }
+    }
+}
+
+/// The `T` in the userdata at stack index `i` of `l` if its block is a [`Tagged`]`<T>`: it is
+/// a full userdata at least that large whose first word is `T`'s tag. Its metatable is the
+/// caller's to check (that `T`'s metatable is set only on initialised blocks is what makes
+/// the tag's word initialised for a block of `T`'s, and any block's first word is readable
+/// once its size is checked).
+///
+/// # Safety
+/// `i` is a valid index of `l`, a state of this thread's host. Allocates nothing, runs no Lua.
+pub(crate) unsafe fn tagged_body<T: UdBlock>(l: *mut ffi::lua_State, i: c_int) -> Option<*mut T> {
+    // SAFETY: per the contract; lua_touserdata of a full userdata is its block, of
+    // `lua_rawlen` bytes and Lua's alignment (8 in LuaJIT and Lua 5.4; `Tagged::new`
+    // asserts `T` needs no more), so its first 8 bytes are in it when the size is checked.
+    unsafe {
+        if ffi::lua_type(l, i) != ffi::LUA_TUSERDATA
+            || ffi::lua_rawlen(l, i) < std::mem::size_of::<Tagged<T>>()
+        {
+            return None;
+        }
+        let p = ffi::lua_touserdata(l, i).cast::<Tagged<T>>();
+        (p.cast::<u64>().read() == T::TAG).then(|| &raw mut (*p).body)
+    }
 }
 
 impl Call {
@@ -315,13 +370,15 @@ impl Call {
         true
     }
 
-    /// The block of the userdata at `idx` if its metatable is `T`'s.
+    /// The `T` in the userdata at `idx` if its metatable is `T`'s and its block a `T`'s.
     fn ud_block<T: UdBlock>(&self, idx: c_int) -> Option<*mut T> {
         let i = self.slot(idx)?;
         let (_, mt) = T::metatable()?;
         self.room(1).ok()?;
         // SAFETY: a slot of the running call's frame, with room for the value's metatable,
-        // pushed and popped; the metatable is compared by identity with T's (a read).
+        // pushed and popped; the metatable is compared by identity with T's (a read). A
+        // script can put T's metatable on another userdata (`debug.setmetatable`):
+        // `tagged_body` takes the block only with T's size and tag.
         unsafe {
             if ffi::lua_type(self.l, i) != ffi::LUA_TUSERDATA
                 || ffi::lua_getmetatable(self.l, i) == 0
@@ -330,11 +387,10 @@ impl Call {
             }
             let same = ffi::lua_topointer(self.l, -1) as usize == mt;
             ffi::lua_settop(self.l, -2);
-            // A script can put T's metatable on another userdata (`debug.setmetatable`):
-            // one too small to be a T is not one. (One as large is still taken for a T: the
-            // blocks carry no type tag yet.)
-            let fits = ffi::lua_rawlen(self.l, i) >= std::mem::size_of::<T>();
-            (same && fits).then(|| ffi::lua_touserdata(self.l, i).cast::<T>())
+            if !same {
+                return None;
+            }
+            tagged_body::<T>(self.l, i)
         }
     }
 
@@ -723,26 +779,21 @@ impl Protected {
             drop(v);
             self.fail(c"fibertrace: no Lua host on this thread")
         };
-        const {
-            assert!(
-                std::mem::align_of::<T>() <= 8,
-                "a userdata block is 8-aligned"
-            )
-        };
+        let block = Tagged::new(v);
         self.room(2);
-        // SAFETY: room checked; a fresh block of `T`'s size and Lua's alignment (8 bytes in
-        // LuaJIT and Lua 5.4; `T`'s is at most that, asserted above at compile time) is
-        // written before its metatable is set;
-        // the metatable reference is `T`'s, checked to be a table.
+        // SAFETY: room checked; a fresh block of `Tagged<T>`'s size and Lua's alignment (8
+        // bytes in LuaJIT and Lua 5.4; `Tagged::new` asserts `T` needs no more) is written
+        // before its metatable is set; the metatable reference is `T`'s, checked to be a table.
         unsafe {
-            let p = ffi::lua_newuserdata(self.l, std::mem::size_of::<T>()).cast::<T>();
+            let p =
+                ffi::lua_newuserdata(self.l, std::mem::size_of::<Tagged<T>>()).cast::<Tagged<T>>();
             debug_assert!(p.is_aligned());
-            p.write(v);
+            p.write(block);
             raw::rawgeti(self.l, REG, mt as ffi::lua_Integer);
             if ffi::lua_type(self.l, -1) != ffi::LUA_TTABLE {
                 // (The block stays without metatable: no `__gc` releases it; it holds
                 // nothing then.)
-                (*p).release();
+                (*p).body.release();
                 self.fail(c"fibertrace: metatable missing");
             }
             ffi::lua_setmetatable(self.l, -2);
@@ -792,6 +843,7 @@ mod tests {
     // SAFETY: no table has the identity 1 (and the reference is none), so no userdata has
     // this metatable.
     unsafe impl UdBlock for Probe {
+        const TAG: u64 = 0xF1BE_0000_0000_00FF;
         type Handle = ();
         fn metatable() -> Option<(c_int, usize)> {
             Some((ffi::LUA_NOREF, 1))

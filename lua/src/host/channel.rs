@@ -29,6 +29,7 @@ pub(crate) struct ChannelUd {
 // SAFETY: the channel metatable is set only by `Protected::new_ud::<ChannelUd>` (in
 // `channel_body`).
 unsafe impl UdBlock for ChannelUd {
+    const TAG: u64 = 0xF1BE_C4A2_0000_0001;
     type Handle = fibertrace_fiber::Channel<Msg>;
     fn metatable() -> Option<(c_int, usize)> {
         metatable(1)

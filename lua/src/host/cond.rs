@@ -20,6 +20,7 @@ pub(crate) struct CondUd {
 // SAFETY: the condition metatable is set only by `Protected::new_ud::<CondUd>` (in
 // `cond_body`).
 unsafe impl UdBlock for CondUd {
+    const TAG: u64 = 0xF1BE_C0D0_0000_0002;
     type Handle = Rc<fibertrace_fiber::Cond>;
     fn metatable() -> Option<(c_int, usize)> {
         metatable(2)

@@ -16,7 +16,7 @@ use std::ffi::c_int;
 
 use mlua::ffi;
 
-use super::call::UdBlock;
+use super::call::{tagged_body, UdBlock};
 use super::channel::ChannelUd;
 use super::cond::CondUd;
 
@@ -107,16 +107,18 @@ impl Seen {
                     }
                     let mt = ffi::lua_topointer(l, -1) as usize;
                     ffi::lua_settop(l, -2);
-                    let p = ffi::lua_touserdata(l, -1);
                     // The block is initialised before its metatable is set (`UdBlock`'s
                     // contract); `handle` makes no Lua call. A script can put the metatable
-                    // on another userdata (`debug.setmetatable`): one too small for the
-                    // block is not read (one as large still is: the blocks have no type tag).
-                    let size = ffi::lua_rawlen(l, -1);
-                    let id = if mt == self.ch_mt && size >= std::mem::size_of::<ChannelUd>() {
-                        (*p.cast::<ChannelUd>()).handle().map(|c| c.id())
-                    } else if mt == self.cond_mt && size >= std::mem::size_of::<CondUd>() {
-                        (*p.cast::<CondUd>()).handle().map(|c| c.id())
+                    // on another userdata (`debug.setmetatable`): `tagged_body` reads a
+                    // block only with the type's size and tag.
+                    let id = if mt == self.ch_mt {
+                        tagged_body::<ChannelUd>(l, -1)
+                            .and_then(|p| (*p).handle())
+                            .map(|c| c.id())
+                    } else if mt == self.cond_mt {
+                        tagged_body::<CondUd>(l, -1)
+                            .and_then(|p| (*p).handle())
+                            .map(|c| c.id())
                     } else {
                         None
                     };

@@ -47,6 +47,7 @@ pub(crate) fn metatable(i: usize) -> Option<(c_int, usize)> {
 // SAFETY: the fiber metatable is set only on blocks written first: by `Protected::new_ud`
 // (`push_fiber_object`) and by `spawn_lua`, which writes the block before setting it.
 unsafe impl UdBlock for FiberUd {
+    const TAG: u64 = 0xF1BE_F1BE_0000_0000;
     type Handle = FiberId;
     fn metatable() -> Option<(c_int, usize)> {
         metatable(0)

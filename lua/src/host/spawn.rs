@@ -8,7 +8,7 @@ use fibertrace_fiber::{Builder, FiberId, ParentTrace};
 use mlua::ffi;
 
 use super::call::lua_fn;
-use super::call::Call;
+use super::call::{Call, Tagged};
 use super::objects::*;
 use super::raw::{self, LErr, LResult};
 use super::{with_host, HostState, LuaFiber, ScriptError};
@@ -261,23 +261,20 @@ unsafe fn take_ready_object(
         }
         super::raw::rawgeti(l, -1, slot as ffi::lua_Integer);
         ffi::lua_remove(l, -2);
-        let ud = ffi::lua_touserdata(l, -1).cast::<FiberUd>();
-        // (As `Call::ud`: the metatable by identity, and a block large enough to be one, since
+        // (As `Call::ud`: the metatable by identity, and a fiber block by size and tag, since
         // `debug.setmetatable` can put the fiber metatable on another userdata.)
-        let ours = !ud.is_null()
-            && ffi::lua_rawlen(l, -1) >= std::mem::size_of::<FiberUd>()
-            && ffi::lua_getmetatable(l, -1) != 0
-            && {
-                let p = ffi::lua_topointer(l, -1) as usize;
-                ffi::lua_settop(l, -2);
-                p == mt_id
-            };
-        if !ours {
+        let ud = super::call::tagged_body::<FiberUd>(l, -1);
+        let ours = ud.is_some() && ffi::lua_getmetatable(l, -1) != 0 && {
+            let p = ffi::lua_topointer(l, -1) as usize;
+            ffi::lua_settop(l, -2);
+            p == mt_id
+        };
+        let (true, Some(ud)) = (ours, ud) else {
             ffi::lua_settop(l, -2);
             // (The next refill stores a new object there.)
             with_host(|h| h.obj_free.push(slot));
             return Err(tampered());
-        }
+        };
         Ok((slot, ud))
     }
 }
@@ -332,8 +329,9 @@ unsafe fn refill_ready(
                 return 0;
             }
             for &slot in &slots {
-                let ud = ffi::lua_newuserdata(l, std::mem::size_of::<FiberUd>()).cast::<FiberUd>();
-                ud.write(FiberUd { fid: 0 });
+                let ud = ffi::lua_newuserdata(l, std::mem::size_of::<Tagged<FiberUd>>());
+                ud.cast::<Tagged<FiberUd>>()
+                    .write(Tagged::new(FiberUd { fid: 0 }));
                 ffi::lua_pushvalue(l, -2);
                 ffi::lua_setmetatable(l, -2);
                 super::raw::rawseti(l, -3, slot as ffi::lua_Integer);
