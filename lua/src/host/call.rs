@@ -134,7 +134,7 @@ pub(crate) struct Call {
 
 /// A userdata block type of the host, bound to its metatable and its tag.
 ///
-/// A block is a [`Tagged`]`<Self>`: the type's [`UdBlock::TAG`], then the value. The
+/// A block's first 8 bytes are a word that tells its type ([`UdBlock::is_tag`]). The
 /// metatable alone does not tell a block's type: a script can move any metatable onto any
 /// userdata (`debug.setmetatable`), a channel's onto a condition or a fiber object, and the
 /// methods would then read one block as the other (a fiber's id taken for a channel pointer:
@@ -142,16 +142,17 @@ pub(crate) struct Call {
 /// enough, and its first word is `Self`'s tag ([`tagged_body`]).
 ///
 /// # Safety
-/// The table [`UdBlock::metatable`] names (by its registry reference, and by its identity,
+/// `Self` is `#[repr(C)]`, at least 8 bytes, 8-aligned at most, and its first 8 bytes are a
+/// `u64` for which `is_tag` holds in every value of `Self`; `is_tag` holds for no first word
+/// of another host block type, nor for any address (its top 16 bits are neither all 0 nor
+/// all 1: another library's userdata that starts with a pointer is no `Self`). The table
+/// [`UdBlock::metatable`] names (by its registry reference, and by its identity,
 /// `lua_topointer`, which stays the table's while the reference anchors it) is set as the
-/// metatable only of userdata whose block is an initialised `Tagged<Self>` (written before
-/// the metatable is set, by [`Protected::new_ud`] or by code that keeps the same order), and no
-/// two block types share a tag.
+/// metatable only of userdata whose block is an initialised `Self` (written before the
+/// metatable is set, by [`Protected::new_ud`] or by code that keeps the same order).
 pub(crate) unsafe trait UdBlock: Sized {
-    /// The first word of every block of this type. Non-canonical as an address (its top 16
-    /// bits are neither all 0 nor all 1), so no pointer another library's userdata starts
-    /// with is equal to it; distinct for each type.
-    const TAG: u64;
+    /// Whether `word`, a block's first 8 bytes, is this type's tag.
+    fn is_tag(word: u64) -> bool;
     /// What a body gets from a block: a clone of what it holds.
     type Handle;
     /// The registry reference and the identity of this type's metatable in this thread's
@@ -163,46 +164,28 @@ pub(crate) unsafe trait UdBlock: Sized {
     fn release(&mut self);
 }
 
-/// The block of a host userdata: its type's tag, then the value (see [`UdBlock`]).
-#[repr(C)]
-pub(crate) struct Tagged<T> {
-    tag: u64,
-    body: T,
-}
-
-impl<T: UdBlock> Tagged<T> {
-    /// A block holding `body`, tagged as a `T`.
-    pub(crate) fn new(body: T) -> Self {
-        const {
-            assert!(
-                std::mem::align_of::<T>() <= 8,
-                "a userdata block is 8-aligned"
-            )
-        };
-        Tagged { tag: T::TAG, body }
-    }
-}
-
-/// The `T` in the userdata at stack index `i` of `l` if its block is a [`Tagged`]`<T>`: it is
-/// a full userdata at least that large whose first word is `T`'s tag. Its metatable is the
+/// The `T` in the userdata at stack index `i` of `l` if its block is a `T`'s: it is a full
+/// userdata at least that large whose first word is `T`'s tag. Its metatable is the
 /// caller's to check (that `T`'s metatable is set only on initialised blocks is what makes
 /// the tag's word initialised for a block of `T`'s, and any block's first word is readable
 /// once its size is checked).
 ///
 /// # Safety
 /// `i` is a valid index of `l`, a state of this thread's host. Allocates nothing, runs no Lua.
+#[inline]
 pub(crate) unsafe fn tagged_body<T: UdBlock>(l: *mut ffi::lua_State, i: c_int) -> Option<*mut T> {
-    // SAFETY: per the contract; lua_touserdata of a full userdata is its block, of
-    // `lua_rawlen` bytes and Lua's alignment (8 in LuaJIT and Lua 5.4; `Tagged::new`
-    // asserts `T` needs no more), so its first 8 bytes are in it when the size is checked.
+    // SAFETY: per the contract; lua_touserdata is null but for a full or light userdata, and
+    // a light one's `lua_rawlen` is 0 (LuaJIT and Lua 5.4 count only strings, tables and
+    // full userdata): so `p` is a full userdata's block, of `lua_rawlen` bytes and Lua's
+    // alignment (8 in LuaJIT and Lua 5.4; `T` needs no more, `UdBlock`'s contract), and its
+    // first 8 bytes (`T` has at least 8) are in it once the size is checked. (No `lua_type` call: a create pays
+    // for each call here.)
     unsafe {
-        if ffi::lua_type(l, i) != ffi::LUA_TUSERDATA
-            || ffi::lua_rawlen(l, i) < std::mem::size_of::<Tagged<T>>()
-        {
+        let p = ffi::lua_touserdata(l, i).cast::<T>();
+        if p.is_null() || ffi::lua_rawlen(l, i) < std::mem::size_of::<T>() {
             return None;
         }
-        let p = ffi::lua_touserdata(l, i).cast::<Tagged<T>>();
-        (p.cast::<u64>().read() == T::TAG).then(|| &raw mut (*p).body)
+        T::is_tag(p.cast::<u64>().read()).then_some(p)
     }
 }
 
@@ -779,21 +762,26 @@ impl Protected {
             drop(v);
             self.fail(c"fibertrace: no Lua host on this thread")
         };
-        let block = Tagged::new(v);
+        const {
+            assert!(
+                std::mem::align_of::<T>() <= 8 && std::mem::size_of::<T>() >= 8,
+                "a userdata block is 8-aligned and starts with its tag word"
+            )
+        };
         self.room(2);
-        // SAFETY: room checked; a fresh block of `Tagged<T>`'s size and Lua's alignment (8
-        // bytes in LuaJIT and Lua 5.4; `Tagged::new` asserts `T` needs no more) is written
-        // before its metatable is set; the metatable reference is `T`'s, checked to be a table.
+        // SAFETY: room checked; a fresh block of `T`'s size and Lua's alignment (8 bytes in
+        // LuaJIT and Lua 5.4; `T`'s is at most that, asserted above at compile time) is
+        // written before its metatable is set; the metatable reference is `T`'s, checked to
+        // be a table.
         unsafe {
-            let p =
-                ffi::lua_newuserdata(self.l, std::mem::size_of::<Tagged<T>>()).cast::<Tagged<T>>();
+            let p = ffi::lua_newuserdata(self.l, std::mem::size_of::<T>()).cast::<T>();
             debug_assert!(p.is_aligned());
-            p.write(block);
+            p.write(v);
             raw::rawgeti(self.l, REG, mt as ffi::lua_Integer);
             if ffi::lua_type(self.l, -1) != ffi::LUA_TTABLE {
                 // (The block stays without metatable: no `__gc` releases it; it holds
                 // nothing then.)
-                (*p).body.release();
+                (*p).release();
                 self.fail(c"fibertrace: metatable missing");
             }
             ffi::lua_setmetatable(self.l, -2);
@@ -843,7 +831,9 @@ mod tests {
     // SAFETY: no table has the identity 1 (and the reference is none), so no userdata has
     // this metatable.
     unsafe impl UdBlock for Probe {
-        const TAG: u64 = 0xF1BE_0000_0000_00FF;
+        fn is_tag(_: u64) -> bool {
+            false
+        }
         type Handle = ();
         fn metatable() -> Option<(c_int, usize)> {
             Some((ffi::LUA_NOREF, 1))

@@ -21,15 +21,26 @@ use super::with_host;
 // blocked operation holds its own handle to the channel or condition (a clone), so it does
 // not depend on the object staying alive or unreleased.
 
-/// A channel's userdata: the runtime's channel of registry references to the values.
+/// A channel's userdata: its tag, then the runtime's channel of registry references to the
+/// values.
+#[repr(C)]
 pub(crate) struct ChannelUd {
+    /// Read as the block's first word only ([`super::call::tagged_body`]).
+    #[allow(dead_code)]
+    tag: u64,
     ch: Option<fibertrace_fiber::Channel<Msg>>,
 }
 
+/// The first word of a channel's block (see [`UdBlock`]: no address has these top bits).
+const CHANNEL_TAG: u64 = 0xF1BE_C4A2_0000_0001;
+
 // SAFETY: the channel metatable is set only by `Protected::new_ud::<ChannelUd>` (in
-// `channel_body`).
+// `channel_body`); the block is `repr(C)`, its first word the tag in every value (made only
+// there); no other block type's tag and no address is `CHANNEL_TAG`.
 unsafe impl UdBlock for ChannelUd {
-    const TAG: u64 = 0xF1BE_C4A2_0000_0001;
+    fn is_tag(word: u64) -> bool {
+        word == CHANNEL_TAG
+    }
     type Handle = fibertrace_fiber::Channel<Msg>;
     fn metatable() -> Option<(c_int, usize)> {
         metatable(1)
@@ -61,6 +72,7 @@ pub(super) fn channel_body(c: &mut Call) -> LResult {
         }
     };
     let mut block = Some(ChannelUd {
+        tag: CHANNEL_TAG,
         ch: Some(fibertrace_fiber::channel(cap)),
     });
     c.protected(&[], |p| {

@@ -13,14 +13,24 @@ use super::raw::{LErr, LResult};
 /// A condition's userdata: the runtime's condition, shared with the fibers waiting on it (a
 /// waiter holds its own handle, so `__gc` — or a script calling `__gc` itself — never pulls
 /// the condition from under one).
+#[repr(C)]
 pub(crate) struct CondUd {
+    /// Read as the block's first word only ([`super::call::tagged_body`]).
+    #[allow(dead_code)]
+    tag: u64,
     cond: Option<Rc<fibertrace_fiber::Cond>>,
 }
 
+/// The first word of a condition's block (see [`UdBlock`]: no address has these top bits).
+const COND_TAG: u64 = 0xF1BE_C0D0_0000_0002;
+
 // SAFETY: the condition metatable is set only by `Protected::new_ud::<CondUd>` (in
-// `cond_body`).
+// `cond_body`); the block is `repr(C)`, its first word the tag in every value (made only
+// there); no other block type's tag and no address is `COND_TAG`.
 unsafe impl UdBlock for CondUd {
-    const TAG: u64 = 0xF1BE_C0D0_0000_0002;
+    fn is_tag(word: u64) -> bool {
+        word == COND_TAG
+    }
     type Handle = Rc<fibertrace_fiber::Cond>;
     fn metatable() -> Option<(c_int, usize)> {
         metatable(2)
@@ -35,6 +45,7 @@ unsafe impl UdBlock for CondUd {
 
 pub(super) fn cond_body(c: &mut Call) -> LResult {
     let mut block = Some(CondUd {
+        tag: COND_TAG,
         cond: Some(Rc::new(fibertrace_fiber::Cond::new())),
     });
     c.protected(&[], |p| {

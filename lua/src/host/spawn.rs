@@ -8,7 +8,7 @@ use fibertrace_fiber::{Builder, FiberId, ParentTrace};
 use mlua::ffi;
 
 use super::call::lua_fn;
-use super::call::{Call, Tagged};
+use super::call::Call;
 use super::objects::*;
 use super::raw::{self, LErr, LResult};
 use super::{with_host, HostState, LuaFiber, ScriptError};
@@ -329,9 +329,8 @@ unsafe fn refill_ready(
                 return 0;
             }
             for &slot in &slots {
-                let ud = ffi::lua_newuserdata(l, std::mem::size_of::<Tagged<FiberUd>>());
-                ud.cast::<Tagged<FiberUd>>()
-                    .write(Tagged::new(FiberUd { fid: 0 }));
+                let ud = ffi::lua_newuserdata(l, std::mem::size_of::<FiberUd>()).cast::<FiberUd>();
+                ud.write(FiberUd::new(0));
                 ffi::lua_pushvalue(l, -2);
                 ffi::lua_setmetatable(l, -2);
                 super::raw::rawseti(l, -3, slot as ffi::lua_Integer);
@@ -483,7 +482,7 @@ fn spawn_lua(c: &mut Call, what: &str, starts_now: bool) -> Result<FiberId, LErr
     // SAFETY: the object is on top, its block ours; the function and its arguments move to
     // `t` (room checked above), leaving the object alone on `l`'s stack.
     unsafe {
-        (*ud).fid = fid;
+        ud.write(FiberUd::new(fid));
         ffi::lua_insert(l, 1);
         ffi::lua_xmove(l, t, n);
     }
