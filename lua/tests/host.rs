@@ -1263,3 +1263,56 @@ LOG = table.concat(log, '|')
     }
     assert_eq!(got, want, "{log}");
 }
+
+/// `fiber.info()` builds its entries with Lua functions the host keeps in the registry; a
+/// script reaches them (`debug.getregistry()`). Replaced — one of them by the script's own
+/// function (which would run in the middle of a listing), by a number, or the whole table by
+/// a thread or nil — `fiber.info()` and `fiber_object:info()` raise a clear error (before: a
+/// thread or nil there was read as a table, a crash), and work again once they are put back.
+#[test]
+fn fiber_info_refuses_constructors_changed_by_the_script() {
+    let host = run(r#"local fiber = require('fiber')
+local reg, key = debug.getregistry(), nil
+for k, v in pairs(reg) do
+  if type(v) == 'table' and type(v[1]) == 'function'
+     and debug.getinfo(v[1], 'S').source == '=fiber.info' then key = k end
+end
+assert(key, 'the constructors were not found')
+local t = reg[key]
+local log = {}
+local function try(what)
+  local ok, err = pcall(fiber.info)
+  local ok2, err2 = pcall(fiber.self().info, fiber.self())
+  log[#log + 1] = what .. ': ' .. (ok and type(err) or err) .. ' / ' .. (ok2 and type(err2) or err2)
+end
+local orig = t[1]
+t[1] = function() error('the script ran') end
+try('own function')
+t[1] = 42
+try('number')
+t[1] = orig
+try('put back')
+reg[key] = coroutine.create(function() end)
+try('thread')
+reg[key] = nil
+try('nil')
+reg[key] = t
+try('table back')
+LOG = table.concat(log, '|')
+"#);
+    let e = "fibertrace: the host's fiber.info constructors were changed by the script";
+    let log: String = host.lua().globals().get("LOG").unwrap();
+    let lines: Vec<&str> = log.split('|').collect();
+    assert_eq!(
+        lines,
+        [
+            format!("own function: {e} / {e}"),
+            format!("number: {e} / {e}"),
+            "put back: table / table".to_string(),
+            format!("thread: {e} / {e}"),
+            format!("nil: {e} / {e}"),
+            "table back: table / table".to_string(),
+        ],
+        "{log}"
+    );
+}

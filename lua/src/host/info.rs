@@ -223,6 +223,29 @@ pub(crate) struct InfoBuild {
     native: fibertrace_core::Backtrace,
 }
 
+/// The identities (`lua_topointer`) of the entry constructors in the table at `table` (0 for
+/// a value that is no function).
+///
+/// # Safety
+/// `l` valid, with a table at `table` and a free stack slot.
+pub(super) unsafe fn ctor_ids(l: *mut ffi::lua_State, table: c_int) -> Vec<usize> {
+    (1..=CTORS as ffi::lua_Integer + 1)
+        .map(|m| {
+            // SAFETY: per the contract: a raw read of the table into the free slot, popped.
+            unsafe {
+                super::raw::rawgeti(l, table, m);
+                let id = if ffi::lua_type(l, -1) == ffi::LUA_TFUNCTION {
+                    ffi::lua_topointer(l, -1) as usize
+                } else {
+                    0
+                };
+                ffi::lua_settop(l, -2);
+                id
+            }
+        })
+        .collect()
+}
+
 impl InfoBuild {
     /// Pushes the strings and a scratch table; [`InfoBuild::finish`] removes them.
     ///
@@ -240,9 +263,23 @@ impl InfoBuild {
             ffi::lua_createtable(l, 8, 0);
             let scratch = ffi::lua_gettop(l);
             // The constructors on the stack (a push of a slot per entry, not a table read).
-            let r = with_host(|h| h.info_ctor_ref).unwrap_or(ffi::LUA_REFNIL);
+            let (r, ids) = with_host(|h| (h.info_ctor_ref, h.info_ctor_ids.clone()))
+                .unwrap_or((ffi::LUA_REFNIL, Vec::new()));
             super::raw::rawgeti(l, ffi::LUA_REGISTRYINDEX, r as ffi::lua_Integer);
             let table = ffi::lua_gettop(l);
+            // A script reaches the table (`debug.getregistry()`): a listing reads it only as
+            // a table, and calls only the functions the host made.
+            let ours = ffi::lua_type(l, table) == ffi::LUA_TTABLE && ctor_ids(l, table) == ids;
+            if !ours {
+                // (Nothing with a destructor is left in this frame when the error unwinds it.)
+                drop((ids, current));
+                ffi::lua_pushstring(
+                    l,
+                    c"fibertrace: the host's fiber.info constructors were changed by the script"
+                        .as_ptr(),
+                );
+                ffi::lua_error(l);
+            }
             for m in 1..=CTORS as ffi::lua_Integer + 1 {
                 super::raw::rawgeti(l, table, m);
             }

@@ -74,6 +74,7 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
             ffi::lua_settop(l, base);
             return Err(format!("fibertrace: cannot set up fiber.info: {e}"));
         }
+        let info_ctor_ids = super::info::ctor_ids(l, ffi::lua_gettop(l));
         let info_ctor_ref = ffi::luaL_ref(l, REG);
 
         // Live fibers' objects, by slot (see `push_object`).
@@ -158,6 +159,7 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
             parent_backtrace: false,
             pool: Vec::new(),
             info_ctor_ref,
+            info_ctor_ids,
             info_mt_ref,
             error_ctor_ref,
             objs_ref,

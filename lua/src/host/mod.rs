@@ -116,8 +116,11 @@ pub(crate) struct HostState {
     /// Finished Lua threads, ready for reuse (only the message handler on the stack), with
     /// their registry refs.
     pub pool: Vec<(*mut ffi::lua_State, c_int)>,
-    /// Registry ref: the Lua function that makes one `fiber.info()` entry.
+    /// Registry ref: the table of Lua functions that make `fiber.info()`'s entries.
     pub info_ctor_ref: c_int,
+    /// Their identities (`lua_topointer`) when the host made them: a listing calls only
+    /// these (a script reaches the table through `debug.getregistry()`).
+    pub info_ctor_ids: Vec<usize>,
     /// Registry ref: the metatable of `fiber.info()`'s result (`{__serialize = 'mapping'}`).
     pub info_mt_ref: c_int,
     /// Registry ref: `make_error(type, value)`, the constructor of error objects (see
