@@ -577,3 +577,21 @@ fn an_endless_script_is_an_error_not_a_read_until_memory_runs_out() {
          fibertrace: <stdin>: script longer than 268435456 bytes\n"
     );
 }
+
+/// The program ends with its main chunk: the fibers ready then run on until none is (each
+/// until it waits or ends), and those still waiting are dropped (Tarantool's event loop would
+/// run on). The README's "The program ends with its main chunk" and `run --help` say so.
+#[test]
+fn after_the_main_chunk_ready_fibers_finish_and_waiting_ones_are_dropped() {
+    let script = br#"local fiber = require('fiber')
+fiber.new(function() for i = 1, 3 do print('y' .. i) fiber.yield() end print('y end') end)
+fiber.new(function() fiber.sleep(0.5) print('slept') end)
+local ch = fiber.channel()
+fiber.new(function() ch:get() print('got') end)
+print('main ends')
+"#;
+    let o = run(&["run", "-"], script);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    assert_eq!(o.stdout, "main ends\ny1\ny2\ny3\ny end\n", "{}", o.stderr);
+    assert_eq!(o.stderr, "");
+}

@@ -108,7 +108,9 @@ fn cli() -> Command {
                 .about(
                     "Run a Lua script as the main fiber, with Tarantool's `fiber` and `clock` \
                      modules (require 'fiber'); `arg` is set as `lua` sets it. Exits when the \
-                     main chunk returns (or on os.exit(n)); on an error prints it with an \
+                     main chunk has returned and no fiber is ready to run (fibers still \
+                     waiting are dropped; one that only yields keeps it running), or on \
+                     os.exit(n); on an error prints it with an \
                      interleaved native + Lua traceback and exits with 1. SIGQUIT prints \
                      every fiber's trace to stderr and the script goes on; SIGINT and \
                      SIGTERM flush what the script printed and exit with 130 and 143. \
