@@ -237,8 +237,13 @@ fn signalled(sig: i32, ignore_first: bool) -> (String, String, Option<i32>, Opti
         ),
     )
     .unwrap();
-    // `trap '' QUIT` makes the program inherit an ignored SIGQUIT.
-    let trap = if ignore_first { "trap '' QUIT; " } else { "" };
+    // `trap '' QUIT` makes the program inherit an ignored SIGQUIT (`HUP`: as `nohup` does).
+    let trap = match (ignore_first, sig) {
+        (false, _) => "",
+        (true, libc::SIGQUIT) => "trap '' QUIT; ",
+        (true, libc::SIGHUP) => "trap '' HUP; ",
+        (true, _) => panic!("no trap for signal {sig}"),
+    };
     let mut c = Command::new("sh")
         .arg("-c")
         .arg(format!(
@@ -297,6 +302,12 @@ fn signalled(sig: i32, ignore_first: bool) -> (String, String, Option<i32>, Opti
         still = c.try_wait().unwrap().map(|s| s.code().unwrap_or(-1));
         // SAFETY: as above.
         unsafe { libc::kill(pid, libc::SIGTERM) };
+    } else if ignore_first {
+        // An ignored signal: the program goes on (given time to end if it were to).
+        std::thread::sleep(Duration::from_millis(300));
+        still = c.try_wait().unwrap().map(|s| s.code().unwrap_or(-1));
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
     }
     let t0 = Instant::now();
     let status = loop {
@@ -327,6 +338,29 @@ fn sigint_and_sigterm_keep_what_was_printed_and_exit_130_and_143() {
         assert_eq!(err, "", "signal {sig}");
         assert_eq!(status, Some(code), "signal {sig}");
     }
+}
+
+/// The other signals whose default ends the process (a closed terminal's SIGHUP among them)
+/// end it the same way: what was printed is kept (it was lost: C stdio's buffer died with
+/// the process), exit 128 + the signal. A SIGHUP inherited ignored (`nohup`) stays ignored.
+#[test]
+fn sighup_sigusr1_sigusr2_and_sigalrm_keep_what_was_printed_unless_hup_is_ignored() {
+    for (sig, code) in [
+        (libc::SIGHUP, 129),
+        (libc::SIGUSR1, 138),
+        (libc::SIGUSR2, 140),
+        (libc::SIGALRM, 142),
+    ] {
+        let (out, err, status, _) = signalled(sig, false);
+        assert_eq!(out, "line one\nline two\n", "signal {sig}");
+        assert_eq!(err, "", "signal {sig}");
+        assert_eq!(status, Some(code), "signal {sig}");
+    }
+    let (out, err, status, still) = signalled(libc::SIGHUP, true);
+    assert_eq!(still, None, "an ignored SIGHUP ended the program: {err}");
+    assert_eq!(out, "line one\nline two\n");
+    assert_eq!(err, "");
+    assert_eq!(status, Some(143));
 }
 
 #[test]

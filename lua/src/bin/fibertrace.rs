@@ -113,7 +113,9 @@ fn cli() -> Command {
                      os.exit(n); on an error prints it with an \
                      interleaved native + Lua traceback and exits with 1. SIGQUIT prints \
                      every fiber's trace to stderr and the script goes on; SIGINT and \
-                     SIGTERM flush what the script printed and exit with 130 and 143. \
+                     SIGTERM flush what the script printed and exit with 130 and 143, \
+                     SIGHUP, SIGUSR1, SIGUSR2 and SIGALRM likewise with 128 + the signal \
+                     (unless inherited ignored, as under nohup). \
                      A fiber running when a dump or report is taken is stopped at its next \
                      Lua line to read its Lua frames (this takes SIGPROF; \
                      FIBERTRACE_LUA_SAFE_POINTS=0 turns it off). \
@@ -161,7 +163,8 @@ fn cli() -> Command {
                         .value_parser(parse_dump_on_exit)
                         .help(
                             "When the program ends (its end, an error, os.exit, a deadlock, \
-                             SIGINT or SIGTERM), write every fiber in FORMAT to FILE: text, \
+                             SIGINT, SIGTERM or another exit signal), write every fiber in \
+                             FORMAT to FILE: text, \
                              grouped, json, pprof (go tool pprof), folded, svg (a flame \
                              graph) or speedscope (repeatable)",
                         ),
@@ -601,7 +604,7 @@ extern "C" fn on_sigpipe(_sig: libc::c_int) {
     }
 }
 
-/// The write end of the pipe the SIGINT/SIGTERM handler writes the signal number to.
+/// The write end of the pipe the exit signals' handler writes the signal number to.
 static EXIT_PIPE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
 
 extern "C" fn on_exit_signal(sig: libc::c_int) {
@@ -620,7 +623,8 @@ extern "C" fn on_exit_signal(sig: libc::c_int) {
 
 /// The signals of `run`, whatever dispositions were inherited: SIGQUIT prints every fiber's
 /// trace and the program goes on; SIGINT and SIGTERM flush what the script printed (C stdio
-/// buffers included: Lua's `print` and `io.write` use them) and exit with 128 + the signal;
+/// buffers included: Lua's `print` and `io.write` use them) and exit with 128 + the signal,
+/// and so do SIGHUP, SIGUSR1, SIGUSR2 and SIGALRM when not inherited ignored;
 /// SIGPIPE ends the program when standard output has no reader any more ([`on_sigpipe`]).
 /// The handlers only write to pipes; threads do the work outside them.
 fn install_signals() -> Result<(), String> {
@@ -672,7 +676,7 @@ fn install_signals() -> Result<(), String> {
             // SAFETY: reads one byte from our own pipe into a local buffer.
             let n = unsafe { libc::read(rd, b.as_mut_ptr().cast(), 1) };
             if n == 1 {
-                // 128 + SIGINT or SIGTERM: fits a byte.
+                // 128 + the signal (at most SIGTERM, 15): fits a byte.
                 let code = 128 + i32::from(b[0]);
                 let c = [code as u8];
                 // SAFETY: writes one byte from a local buffer to our own pipe.
@@ -702,6 +706,29 @@ fn install_signals() -> Result<(), String> {
         unsafe {
             let mut sa: libc::sigaction = std::mem::zeroed();
             sa.sa_sigaction = handler as *const () as usize;
+            sa.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut sa.sa_mask);
+            if libc::sigaction(sig, &sa, std::ptr::null_mut()) != 0 {
+                return Err(format!("sigaction: {}", io::Error::last_os_error()));
+            }
+        }
+    }
+    // The other signals whose default is to end the process (a closed terminal or ssh
+    // session's SIGHUP, SIGUSR1, SIGUSR2, SIGALRM) end it the same way, flushed, with 128 +
+    // the signal — unless inherited ignored (`nohup`), which is kept.
+    for sig in [libc::SIGHUP, libc::SIGUSR1, libc::SIGUSR2, libc::SIGALRM] {
+        // SAFETY: reads the signal's disposition, then installs a handler that only calls
+        // async-signal-safe functions.
+        unsafe {
+            let mut old: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(sig, std::ptr::null(), &mut old) != 0 {
+                return Err(format!("sigaction: {}", io::Error::last_os_error()));
+            }
+            if old.sa_sigaction == libc::SIG_IGN {
+                continue;
+            }
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_exit_signal as extern "C" fn(libc::c_int) as *const () as usize;
             sa.sa_flags = libc::SA_RESTART;
             libc::sigemptyset(&mut sa.sa_mask);
             if libc::sigaction(sig, &sa, std::ptr::null_mut()) != 0 {
