@@ -388,6 +388,81 @@ fn an_export_to_a_file_is_whole_or_leaves_what_was_there() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// What is not a regular file is written into, never replaced by a file (a device, a FIFO,
+/// reached directly or through a link), and a link to a regular file stays a link, its target
+/// written. Before, each was replaced by a regular file (as root, `/dev/full` itself) and a
+/// full device's error was never seen. The devices are reached through links in a temporary
+/// directory: a regression replaces the link, not the machine's device.
+#[test]
+fn an_export_writes_into_devices_fifos_and_links_instead_of_replacing_them() {
+    use std::os::unix::fs::FileTypeExt;
+    let dir = std::env::temp_dir().join(format!("ft-export-special-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let is_link = |p: &std::path::Path| {
+        std::fs::symlink_metadata(p)
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    };
+    // A link to a regular file: the file gets the bytes, the link stays.
+    std::fs::write(dir.join("target.txt"), "before").unwrap();
+    std::os::unix::fs::symlink("target.txt", dir.join("link")).unwrap();
+    export::write_file(&dir.join("link"), b"new").unwrap();
+    assert!(is_link(&dir.join("link")));
+    assert_eq!(std::fs::read(dir.join("target.txt")).unwrap(), b"new");
+    // A full device: its error.
+    std::os::unix::fs::symlink("/dev/full", dir.join("full")).unwrap();
+    let e = export::write_file(&dir.join("full"), b"x").unwrap_err();
+    assert!(e.to_string().contains("No space left on device"), "{e}");
+    assert!(is_link(&dir.join("full")));
+    // A device that takes anything.
+    std::os::unix::fs::symlink("/dev/null", dir.join("null")).unwrap();
+    export::write_file(&dir.join("null"), b"x").unwrap();
+    assert!(is_link(&dir.join("null")));
+    // A link to nothing, a directory.
+    std::os::unix::fs::symlink("nowhere", dir.join("dangling")).unwrap();
+    let e = export::write_file(&dir.join("dangling"), b"x").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{}: cannot write: a symbolic link to nothing",
+            dir.join("dangling").display()
+        )
+    );
+    let e = export::write_file(&dir, b"x").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!("{}: cannot write: is a directory", dir.display())
+    );
+    // A FIFO: without a reader an error at once (not a wait), with one the bytes reach it.
+    let fifo = dir.join("fifo");
+    let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: mkfifo with a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let e = export::write_file(&fifo, b"x").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!("{}: cannot write: a FIFO with no reader", fifo.display())
+    );
+    let reader = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || std::fs::read(fifo).unwrap())
+    };
+    // (The reader opens the FIFO first: until then a write finds none.)
+    let big = vec![b'z'; 1 << 20];
+    let mut tries = 0;
+    while let Err(e) = export::write_file(&fifo, &big) {
+        assert!(e.to_string().ends_with("a FIFO with no reader"), "{e}");
+        tries += 1;
+        assert!(tries < 2000, "the reader never opened the FIFO");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(reader.join().unwrap(), big);
+    assert!(std::fs::metadata(&fifo).unwrap().file_type().is_fifo());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Every key path of a JSON value (`a.b[].c`).
 fn key_paths(v: &serde_json::Value, path: &str, out: &mut std::collections::BTreeSet<String>) {
     match v {

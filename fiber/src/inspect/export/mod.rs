@@ -263,13 +263,85 @@ pub fn export_to_file(fmt: Format, path: &Path) -> Result<usize, ExportError> {
     Ok(bytes.len())
 }
 
-/// Writes `bytes` to `path` through a temporary file in the same directory, renamed over
-/// `path` once written and synced.
+/// Writes `bytes` to `path`. A regular file (or none yet) is written through a temporary
+/// file in the same directory, renamed over it once written and synced: a reader never sees
+/// half a file and a failed write leaves what was there. A symbolic link to a regular file
+/// keeps being a link: its target is written so. What is not a regular file — a terminal, a
+/// FIFO, a device like `/dev/null` or `/dev/full` — and the process's own streams
+/// (`/dev/stdout`, `/dev/stderr`, `/dev/fd/N`, anything under `/proc`), whatever they are, are
+/// written into, appended, as a shell's `>>` would: never replaced by a file. A FIFO without
+/// a reader is an error, not a wait.
 pub fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ExportError> {
     let fail = |what: &str, e: io::Error| ExportError(format!("{}: {what}: {e}", path.display()));
+    if path.file_name().is_none() {
+        return Err(ExportError(format!("{}: not a file name", path.display())));
+    }
+    // The process's own streams, whatever they are (a file `2> err.txt` is appended to, not
+    // replaced).
+    let special = path.starts_with("/proc")
+        || path.starts_with("/dev/fd")
+        || ["/dev/stdout", "/dev/stderr"]
+            .iter()
+            .any(|s| path == Path::new(s));
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() => Err(fail("cannot write", io::Error::other("is a directory"))),
+        Ok(m) if special || !m.is_file() => {
+            write_into(path, bytes, m.file_type()).map_err(|e| fail("cannot write", e))
+        }
+        // A regular file, maybe through links: the file itself is replaced.
+        Ok(_) => {
+            let target = std::fs::canonicalize(path).map_err(|e| fail("cannot write", e))?;
+            replace_file(&target, bytes).map_err(|e| fail("cannot write", e))
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) {
+                return Err(fail(
+                    "cannot write",
+                    io::Error::other("a symbolic link to nothing"),
+                ));
+            }
+            replace_file(path, bytes).map_err(|e| fail("cannot write", e))
+        }
+        Err(e) => Err(fail("cannot write", e)),
+    }
+}
+
+/// Writes `bytes` into what is at `path` (not a regular file, or a process's stream),
+/// appended: opened without creating or truncating it. A FIFO is opened without
+/// waiting for a reader (none: the error `ENXIO`), then written to as any file.
+fn write_into(path: &Path, bytes: &[u8], kind: std::fs::FileType) -> io::Result<()> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let fifo = kind.is_fifo();
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .custom_flags(if fifo { libc::O_NONBLOCK } else { 0 })
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ENXIO) if fifo => io::Error::other("a FIFO with no reader"),
+            _ => e,
+        })?;
+    if fifo {
+        use std::os::fd::AsRawFd;
+        let fd = f.as_raw_fd();
+        // SAFETY: fcntl on the descriptor `f` owns and keeps open for the call: the reader
+        // is there, so the write may wait for it as any pipe's does.
+        unsafe {
+            let fl = libc::fcntl(fd, libc::F_GETFL);
+            if fl < 0 || libc::fcntl(fd, libc::F_SETFL, fl & !libc::O_NONBLOCK) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+    }
+    f.write_all(bytes)?;
+    f.flush()
+}
+
+/// Writes `bytes` to the regular file (or no file) at `path` through a temporary file
+/// beside it, renamed over it once written and synced.
+fn replace_file(path: &Path, bytes: &[u8]) -> io::Result<()> {
     let name = path
         .file_name()
-        .ok_or_else(|| ExportError(format!("{}: not a file name", path.display())))?;
+        .ok_or_else(|| io::Error::other("not a file name"))?;
     let mut tmp_name = std::ffi::OsString::from(".");
     tmp_name.push(name);
     tmp_name.push(format!(".{}.tmp", std::process::id()));
@@ -281,11 +353,10 @@ pub fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ExportError> {
     })();
     if let Err(e) = r {
         let _ = std::fs::remove_file(&tmp);
-        return Err(fail("cannot write", e));
+        return Err(e);
     }
-    std::fs::rename(&tmp, path).map_err(|e| {
+    std::fs::rename(&tmp, path).inspect_err(|_| {
         let _ = std::fs::remove_file(&tmp);
-        fail("cannot write", e)
     })
 }
 
