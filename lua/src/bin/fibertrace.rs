@@ -755,6 +755,24 @@ fn read_script(r: impl io::Read) -> io::Result<Vec<u8>> {
     Ok(b)
 }
 
+/// Whether a script is a precompiled chunk, as the VM's loader would take it: its first byte
+/// (after a first line starting with `#`, which the loader skips) is the bytecode signature's
+/// (ESC, under LuaJIT and Lua 5.4 alike).
+fn is_bytecode(src: &[u8]) -> bool {
+    let body = match src.first() {
+        Some(b'#') => match src.iter().position(|&b| b == b'\n' || b == b'\r') {
+            // (A "\r\n" or "\n\r" pair is one line end.)
+            Some(i) => match src.get(i + 1) {
+                Some(&c) if (c == b'\n' || c == b'\r') && c != src[i] => &src[i + 2..],
+                _ => &src[i + 1..],
+            },
+            None => &[],
+        },
+        _ => src,
+    };
+    body.first() == Some(&0x1b)
+}
+
 /// The stacks `--leaks` lists at exit (0: no report).
 static LEAKS_TOP: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
@@ -906,6 +924,16 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    if is_bytecode(&source) {
+        let mut m = b"fibertrace: ".to_vec();
+        m.extend_from_slice(shown);
+        m.extend_from_slice(
+            b": a precompiled (bytecode) chunk: not run (the VM's bytecode loader trusts its \
+              input: a damaged or crafted file can crash the process); run the script's source\n",
+        );
+        let _ = io::stderr().write_all(&m);
+        return ExitCode::from(1);
+    }
     // With the heap tracked, the Lua state allocates through the process's allocator
     // (mlua's), so Lua's own allocations are counted too.
     let made = if tracked {
