@@ -193,6 +193,8 @@ try({top = 1.5})\n\
 try({top = 'x'})\n\
 try({format = 'table', file = 'x'})\n\
 try({format = 'text', file = ''})\n\
+try({format = 1})\n\
+try({format = 'pprof', file = {}})\n\
 try({}, {})\n";
     std::fs::write(dir.join("e.lua"), script).unwrap();
     let out = run_in(&dir, &["run", "e.lua"]);
@@ -215,6 +217,9 @@ try({}, {})\n";
                 "false\t{usage}: a table is not written to a file (format text, pprof or lws is)\tnil"
             ),
             format!("false\t{usage}: file is empty\tnil"),
+            // (These named `fibertrace.dump` once.)
+            format!("false\t{usage}: format must be a string\tnil"),
+            format!("false\t{usage}: file must be a string\tnil"),
             format!("false\t{usage}: one argument at most\tnil"),
         ]
     );

@@ -27,15 +27,16 @@ use super::raw::{LErr, LResult};
 
 const USAGE: &str = "fibertrace.dump([{format = 'text'|'grouped'|'json'|'pprof'|'folded'|'svg'|'speedscope', file = PATH}])";
 
-/// Reads string field `key` of the options table at 1: `None` when nil.
-fn string_field(c: &mut Call, key: &str) -> Result<Option<Vec<u8>>, LErr> {
+/// Reads string field `key` of the options table at 1: `None` when nil; an error names the
+/// function by its `usage`.
+fn string_field(c: &mut Call, key: &str, usage: &str) -> Result<Option<Vec<u8>>, LErr> {
     c.push_field(1, key)?;
     let v = match c.type_of(-1) {
         ffi::LUA_TNIL => None,
         ffi::LUA_TSTRING => c.string_bytes(-1),
         _ => {
             c.pop(1);
-            return Err(LErr::plain(format!("{USAGE}: {key} must be a string")));
+            return Err(LErr::plain(format!("{usage}: {key} must be a string")));
         }
     };
     c.pop(1);
@@ -49,7 +50,10 @@ pub(super) fn dump_body(c: &mut Call) -> LResult {
     let (format, file) = match c.type_of(1) {
         ffi::LUA_TNONE | ffi::LUA_TNIL => (None, None),
         ffi::LUA_TSTRING => (c.string_bytes(1), None),
-        ffi::LUA_TTABLE => (string_field(c, "format")?, string_field(c, "file")?),
+        ffi::LUA_TTABLE => (
+            string_field(c, "format", USAGE)?,
+            string_field(c, "file", USAGE)?,
+        ),
         _ => return Err(c.type_error(1, "table")),
     };
     let format = match format {
@@ -129,8 +133,8 @@ pub(super) fn heap_body(c: &mut Call) -> LResult {
         ffi::LUA_TNONE | ffi::LUA_TNIL => (None, None, 20),
         ffi::LUA_TSTRING => (c.string_bytes(1), None, 20),
         ffi::LUA_TTABLE => (
-            string_field(c, "format")?,
-            string_field(c, "file")?,
+            string_field(c, "format", HEAP_USAGE)?,
+            string_field(c, "file", HEAP_USAGE)?,
             top_field(c)?,
         ),
         _ => return Err(c.type_error(1, "table")),
