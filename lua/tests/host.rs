@@ -1316,3 +1316,42 @@ LOG = table.concat(log, '|')
         "{log}"
     );
 }
+
+/// A join that waited and finds the fiber's record gone is told why: another join took the
+/// results (Tarantool's text), the fiber was made non-joinable meanwhile (it was released at
+/// its end), or it was the main fiber (whose end is the script's). The second and third were
+/// told "already joined by concurrent fiber:join()".
+#[test]
+fn a_join_that_finds_the_fiber_gone_is_told_why() {
+    let host = run(r#"local fiber = require('fiber')
+LOG = {}
+local function log(s) LOG[#LOG + 1] = s end
+local k = fiber.new(function() fiber.sleep(0.02) return 'k' end)
+k:set_joinable(true)
+for i = 1, 2 do
+  fiber.create(function() local ok, a = pcall(k.join, k) log('two ' .. tostring(ok) .. ' ' .. tostring(a)) end)
+end
+local u = fiber.new(function() fiber.sleep(0.02) return 'u' end)
+u:set_joinable(true)
+fiber.create(function() fiber.sleep(0.001) u:set_joinable(false) end)
+local ok, err = pcall(u.join, u)
+log('unjoinable ' .. tostring(ok) .. ' ' .. tostring(err))
+fiber.sleep(0.03)
+local me = fiber.self()
+me:set_joinable(true)
+fiber.create(function() local ok, a = pcall(fiber.join, me) log('main ' .. tostring(ok) .. ' ' .. tostring(a)) end)
+"#);
+    let mut log: Vec<String> = host.lua().globals().get("LOG").unwrap();
+    // (The fibers wake in an order the timers decide: sorted.)
+    log.sort();
+    assert_eq!(
+        log,
+        [
+            "main false the main fiber ended: its results are the script's, not kept for a join",
+            "two false the fiber is already joined by concurrent fiber:join()",
+            "two true true",
+            "unjoinable false the fiber was made non-joinable while it was being joined",
+        ],
+        "{log:?}"
+    );
+}

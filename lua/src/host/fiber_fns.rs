@@ -336,7 +336,7 @@ pub(super) fn set_joinable_body(c: &mut Call) -> LResult {
             }
         }
         Found::Ended if !on => {
-            if let Some(rec) = remove_rec(h, fid) {
+            if let Some(rec) = remove_rec(h, fid, UNJOINABLE_WAITED) {
                 release_thread(h, rec.thread, rec.thread_ref);
             }
         }
@@ -409,17 +409,40 @@ pub(super) fn join_body(c: &mut Call) -> LResult {
     let waits = !fiber.control_block().is_dead() && timeout != Some(std::time::Duration::ZERO);
     super::finalize::check_wait(c, "fiber:join", waits)?;
     let deadline = timeout.and_then(|d| Instant::now().checked_add(d));
+    // Counted while it waits: whoever removes the record meanwhile leaves word of why.
+    with_host(|h| h.recs.get_mut(&fid).map(|r| r.joiners += 1));
     // A cancellation of this fiber does not end the wait (Tarantool's join).
-    if !fiber.wait_until_ignoring_cancel(deadline) {
+    let ended = fiber.wait_until_ignoring_cancel(deadline);
+    // The record as this join left it, or why it is gone.
+    let lost = with_host(|h| match h.recs.get_mut(&fid) {
+        Some(r) => {
+            r.joiners -= 1;
+            None
+        }
+        None => {
+            let (left, why) = h.lost_joins.get_mut(&fid).map(|e| {
+                e.0 -= 1;
+                (e.0, e.1)
+            })?;
+            if left == 0 {
+                h.lost_joins.remove(&fid);
+            }
+            Some(why)
+        }
+    })
+    .flatten();
+    if !ended {
         c.push_bool(false)?;
         error_object(c, "timed out", "TimedOut")?;
         return Ok(2);
     }
-    let Some(rec) = with_host(|h| remove_rec(h, fid)).flatten() else {
-        return Err(LErr::plain(
-            "the fiber is already joined by concurrent fiber:join()",
-        ));
+    let removed = match lost {
+        Some(why) => Err(why),
+        None => with_host(|h| remove_rec(h, fid, JOINED_BY_ANOTHER))
+            .flatten()
+            .ok_or(JOINED_BY_ANOTHER),
     };
+    let rec = removed.map_err(LErr::plain)?;
     let cancelled = rec.fiber.control_block().is_cancelled();
     let n = match rec.done {
         // Its results (or its error) move to this call; the thread is released after.

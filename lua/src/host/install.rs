@@ -167,6 +167,7 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
             obj_free: Vec::new(),
             obj_next: 0,
             obj_ready: Vec::new(),
+            lost_joins: Default::default(),
             fiber_mt_ref,
             channel_mt_ref,
             cond_mt_ref,

@@ -88,6 +88,8 @@ pub(crate) struct LuaFiber {
     pub thread: *mut ffi::lua_State,
     pub thread_ref: c_int,
     pub joinable: bool,
+    /// Joins waiting for it now.
+    pub joiners: u32,
     /// Set when its function returned: `Some(true)` success, `Some(false)` error; results (or
     /// the error) stay on the thread's stack from index 2 until joined. A joinable fiber with
     /// an outcome is "ended": still found (as Tarantool finds a dead fiber nobody joined yet)
@@ -137,6 +139,9 @@ pub(crate) struct HostState {
     /// `fiber.create`/`fiber.new` (id 0, never given to Lua: see
     /// `spawn::take_ready_object`).
     pub obj_ready: Vec<c_int>,
+    /// Fibers whose record was removed while joins waited for them: how many of those joins
+    /// have yet to wake, and why the record went (what each is told).
+    pub lost_joins: std::collections::HashMap<FiberId, (u32, &'static str)>,
     /// Registry refs: metatables.
     pub fiber_mt_ref: c_int,
     pub channel_mt_ref: c_int,

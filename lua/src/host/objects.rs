@@ -222,12 +222,31 @@ pub(super) fn push_fiber_object(c: &mut Call, fid: FiberId) -> Result<(), LErr> 
 }
 
 /// Removes a fiber's record, freeing its object's slot and storage (the thread is the
-/// caller's).
-pub(super) fn remove_rec(h: &mut HostState, fid: FiberId) -> Option<LuaFiber> {
+/// caller's). Joins still waiting for the fiber are told `why` when they wake.
+pub(super) fn remove_rec(h: &mut HostState, fid: FiberId, why: &'static str) -> Option<LuaFiber> {
     let mut rec = h.recs.remove(&fid)?;
+    note_lost_joins(h, fid, &rec, why);
     free_obj_slot(h, &rec);
     release_storage(h, &mut rec);
     Some(rec)
+}
+
+/// What a join that waited is told when another join took the fiber's results first.
+pub(super) const JOINED_BY_ANOTHER: &str = "the fiber is already joined by concurrent fiber:join()";
+/// ... when the fiber was made non-joinable while it waited (it was released at its end).
+pub(super) const UNJOINABLE_WAITED: &str =
+    "the fiber was made non-joinable while it was being joined";
+/// ... when the fiber was the main one: its end is the script's, its results are not kept.
+pub(super) const MAIN_ENDED: &str =
+    "the main fiber ended: its results are the script's, not kept for a join";
+
+/// Leaves word for the joins still waiting for a fiber whose record was just removed.
+#[inline]
+pub(super) fn note_lost_joins(h: &mut HostState, fid: FiberId, rec: &LuaFiber, why: &'static str) {
+    if rec.joiners > 0 {
+        // (Ids are never reused: the entry is theirs until each has woken.)
+        h.lost_joins.insert(fid, (rec.joiners, why));
+    }
 }
 
 /// Frees the object slot of a record just removed, for the next fiber's object. The slot is

@@ -98,6 +98,8 @@ pub(super) fn lua_fiber_main(t: *mut ffi::lua_State, nargs: c_int) {
             }
             false
         })?;
+        // (Not joinable now: it was made so while a join waited.)
+        note_lost_joins(h, fid, &rec, UNJOINABLE_WAITED);
         free_obj_slot(h, &rec);
         release_storage(h, &mut rec);
         release_thread(h, rec.thread, rec.thread_ref);
@@ -160,7 +162,7 @@ impl Drop for LuaBody {
             if h.recs.get(&fid).is_some_and(|r| r.joinable) {
                 return;
             }
-            if let Some(rec) = remove_rec(h, fid) {
+            if let Some(rec) = remove_rec(h, fid, UNJOINABLE_WAITED) {
                 release_thread(h, rec.thread, rec.thread_ref);
             }
         });
@@ -475,6 +477,7 @@ fn spawn_lua(c: &mut Call, what: &str, starts_now: bool) -> Result<FiberId, LErr
                 obj_slot: slot,
                 storage_ref: 0,
                 max_slice: None,
+                joiners: 0,
             },
         );
     })
@@ -629,6 +632,7 @@ pub(crate) fn run_main_fiber(
                 obj_slot: 0,
                 storage_ref: 0,
                 max_slice: None,
+                joiners: 0,
             },
         )
     });
@@ -646,7 +650,7 @@ pub(crate) fn run_main_fiber(
         })
     };
     with_host(|h| {
-        remove_rec(h, fid);
+        remove_rec(h, fid, MAIN_ENDED);
         release_thread(h, t, tref);
     });
     r
