@@ -194,10 +194,20 @@ pub(crate) unsafe fn protect(
                 }
             })
         });
-        if tr == 0 {
-            ffi::lua_pushcfunction(l, trampoline);
-        } else {
+        if tr != 0 {
             rawgeti(l, ffi::LUA_REGISTRYINDEX, tr as ffi::lua_Integer);
+            // A script reaches the registry (`debug.getregistry()`): what is there is called
+            // only if it is still the trampoline, else a fresh one is (an allocation: such a
+            // script pays for it at each protected call; so would a build whose code units
+            // gave the function two addresses: never a wrong call, only a slower one).
+            let ours = ffi::lua_tocfunction(l, -1)
+                .is_some_and(|f| std::ptr::fn_addr_eq(f, trampoline as ffi::lua_CFunction));
+            if !ours {
+                ffi::lua_settop(l, -2);
+                ffi::lua_pushcfunction(l, trampoline);
+            }
+        } else {
+            ffi::lua_pushcfunction(l, trampoline);
         }
         let mut f: ProtectFn<'_> = f;
         let fp: *mut std::ffi::c_void = (&mut f as *mut ProtectFn<'_>).cast();
