@@ -264,17 +264,48 @@ fn the_ways_a_dump_cannot_be_made_are_clear_errors() {
     ));
     h.join().unwrap();
     // A process that has exited but not been waited for (a zombie): it has no threads left
-    // to read.
+    // to read, and says so (it read "exited during the dump").
     let mut z = Command::new("true").spawn().unwrap();
     let zpid = z.id() as i32;
     std::thread::sleep(Duration::from_millis(200));
     let e = remote::dump(zpid, &DumpOptions::default()).unwrap_err();
-    assert!(matches!(e, DumpError::Exited(p) if p == zpid), "{e:?}: {e}");
+    assert!(matches!(e, DumpError::Zombie(p) if p == zpid), "{e:?}: {e}");
     assert_eq!(
         e.to_string(),
-        format!("process {zpid} exited during the dump")
+        format!(
+            "process {zpid} has exited (a zombie its parent has not waited for): nothing left to \
+             read"
+        )
     );
     z.wait().unwrap();
+    // A kernel thread (kthreadd is process 2 wherever the kernel's threads are visible; in a
+    // PID namespace that hides them, no process here is one).
+    let kthread = (2..200).find(|p| {
+        std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| {
+            let rest = &s[s.rfind(')').unwrap() + 1..];
+            let flags: u64 = rest
+                .split_ascii_whitespace()
+                .nth(6)
+                .unwrap()
+                .parse()
+                .unwrap();
+            flags & 0x0020_0000 != 0
+        })
+    });
+    match kthread {
+        Some(k) => {
+            let e = remote::dump(k, &DumpOptions::default()).unwrap_err();
+            assert!(
+                matches!(e, DumpError::KernelThread(p) if p == k),
+                "{e:?}: {e}"
+            );
+            assert_eq!(
+                e.to_string(),
+                format!("process {k} is a kernel thread: it has no user-space stacks to read")
+            );
+        }
+        None => eprintln!("no kernel thread visible in this PID namespace: not checked"),
+    }
 }
 
 #[test]

@@ -32,6 +32,24 @@ fn proc(pid: i32) -> PathBuf {
 }
 
 /// Whether process `pid` exists (and is not a thread of another process).
+/// What process `pid` is, from `/proc/PID/stat`: its state letter (`Z`: a zombie) and
+/// whether it is a kernel thread (the `PF_KTHREAD` flag). `None` when unreadable.
+pub(super) fn kind(pid: i32) -> Option<(char, bool)> {
+    parse_stat(&std::fs::read_to_string(proc(pid).join("stat")).ok()?)
+}
+
+/// [`kind`] from the text of a `/proc/PID/stat`.
+fn parse_stat(stat: &str) -> Option<(char, bool)> {
+    const PF_KTHREAD: u64 = 0x0020_0000;
+    // The command name is in parentheses and may hold any byte but NUL: the fields are
+    // after the last `)`.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut f = rest.split_ascii_whitespace();
+    let state = f.next()?.chars().next()?;
+    let flags: u64 = f.nth(5)?.parse().ok()?;
+    Some((state, flags & PF_KTHREAD != 0))
+}
+
 pub(super) fn exists(pid: i32) -> bool {
     std::fs::read_to_string(proc(pid).join("status"))
         .ok()
@@ -372,4 +390,23 @@ pub(super) fn registers(tid: i32) -> io::Result<Registers> {
         return Err(io::Error::last_os_error());
     }
     Ok(crate::arch::registers_from_user_regs(&regs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_stat;
+
+    #[test]
+    fn stat_lines_give_the_state_and_the_kernel_thread_flag() {
+        // kthreadd; a zombie whose name holds ") Z 1 (" (a name may hold any byte); a plain
+        // sleeping process; a line cut short.
+        let k = "2 (kthreadd) S 0 0 0 0 -1 2129984 0 0 0 0 0 0 0 0 20 0 1 0 10";
+        assert_eq!(parse_stat(k), Some(('S', true)));
+        let z = "77 (a) Z 1 (b) Z 1 1 1 0 -1 4194316 0 0 0 0";
+        assert_eq!(parse_stat(z), Some(('Z', false)));
+        let s = "100 (sleep) S 99 100 99 34816 100 4194304 95 0 0 0 0";
+        assert_eq!(parse_stat(s), Some(('S', false)));
+        assert_eq!(parse_stat("5 (x) R 1 2"), None);
+        assert_eq!(parse_stat("no parenthesis"), None);
+    }
 }

@@ -140,6 +140,10 @@ pub enum DumpError {
     },
     /// It exited while being read.
     Exited(i32),
+    /// It has exited, and its parent has not waited for it yet (a zombie): no threads left.
+    Zombie(i32),
+    /// A kernel thread: no user-space program to read.
+    KernelThread(i32),
     /// Anything else, said.
     Other(String),
 }
@@ -161,6 +165,15 @@ impl std::fmt::Display for DumpError {
                 crate::arch::ELF_MACHINE.1
             ),
             DumpError::Exited(pid) => write!(f, "process {pid} exited during the dump"),
+            DumpError::Zombie(pid) => write!(
+                f,
+                "process {pid} has exited (a zombie its parent has not waited for): nothing left \
+                 to read"
+            ),
+            DumpError::KernelThread(pid) => write!(
+                f,
+                "process {pid} is a kernel thread: it has no user-space stacks to read"
+            ),
             DumpError::Other(s) => f.write_str(s),
         }
     }
@@ -251,6 +264,11 @@ impl Session {
         }
         if !platform::exists(pid) {
             return Err(DumpError::NoSuchProcess(pid));
+        }
+        match platform::kind(pid) {
+            Some((_, true)) => return Err(DumpError::KernelThread(pid)),
+            Some(('Z', _)) => return Err(DumpError::Zombie(pid)),
+            _ => {}
         }
         let exe = platform::exe(pid).map_err(|e| match e.kind() {
             std::io::ErrorKind::PermissionDenied => permission(pid),
