@@ -196,7 +196,14 @@ impl LineDecoder {
                     continue;
                 }
                 let res = if tok.is_empty() {
-                    Err(Error::Syntax("nothing after the lead-in".into()))
+                    // (A character that cannot start a token is named: "nothing" would be
+                    // wrong when there is something.)
+                    Err(Error::Syntax(match line[end..].chars().next() {
+                        Some(c) if !c.is_whitespace() => format!(
+                            "no token after the lead-in: {c:?} is not a base64 or hex character"
+                        ),
+                        _ => "nothing after the lead-in".into(),
+                    }))
                 } else {
                     match kind {
                         b'm' => lws::LwsTrace::from_m_line(tok).map(Decoded::Lws),
@@ -301,6 +308,19 @@ mod tests {
                 "~m#IF0BmUQugNCkgCnkhdAYpQa6…: length field says 49152 bytes but the data has 20"
                     .to_string()
             )]
+        );
+        // A lead-in followed by a character no token starts with is told so; one followed
+        // by nothing (or a space) has nothing after it.
+        assert_eq!(
+            d.decode_line("~c#@@@@ ~n# ~m#"),
+            vec![
+                Err(
+                    "~c#: no token after the lead-in: '@' is not a base64 or hex character"
+                        .to_string()
+                ),
+                Err("~n#: nothing after the lead-in".to_string()),
+                Err("~m#: nothing after the lead-in".to_string()),
+            ]
         );
     }
 }
