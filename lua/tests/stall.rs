@@ -685,6 +685,29 @@ fn a_blocked_report_behind_a_hog_in_c_code_says_why_its_lua_frames_are_missing()
     );
 }
 
+/// Runs `script`, which deadlocks with fiber 1 "main" joining fiber 3 "w", which receives
+/// on a channel main also holds: the wait-for graph says exactly that, and nothing more.
+fn main_joins_w_who_waits_on_one_channel_main_holds(script: &str) {
+    let (code, _out, err) = run_script(&[], script);
+    assert_eq!(code, 1, "{err}");
+    let graph: Vec<&str> = err.split("\n\n").nth(1).unwrap().lines().collect();
+    let ch = graph[2]
+        .split("on channel ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .unwrap_or_else(|| panic!("{err}"));
+    assert_eq!(
+        graph,
+        [
+            "wait-for graph:".to_string(),
+            "  fiber 1 \"main\" joins fiber 3 \"w\"".to_string(),
+            format!("  fiber 3 \"w\" receives on channel {ch}, which fiber 1 \"main\" also holds"),
+            "cycle: fiber 1 \"main\" → fiber 3 \"w\" → fiber 1 \"main\"".to_string(),
+        ],
+        "{err}"
+    );
+}
+
 /// The channel is held only as a key of the main chunk's table (its maker has ended): the
 /// graph finds it there. A zero-size userdata given the channel metatable by the script
 /// (`debug.setmetatable`, LuaJIT's `newproxy`) is not taken for a channel.
@@ -704,24 +727,7 @@ w:join()
 
 #[test]
 fn a_channel_held_as_a_table_key_is_seen_by_the_wait_for_graph() {
-    let (code, _out, err) = run_script(&[], KEY_HELD);
-    assert_eq!(code, 1, "{err}");
-    let graph: Vec<&str> = err.split("\n\n").nth(1).unwrap().lines().collect();
-    let ch = graph[2]
-        .split("on channel ")
-        .nth(1)
-        .and_then(|r| r.split(',').next())
-        .unwrap_or_else(|| panic!("{err}"));
-    assert_eq!(
-        graph,
-        [
-            "wait-for graph:".to_string(),
-            "  fiber 1 \"main\" joins fiber 3 \"w\"".to_string(),
-            format!("  fiber 3 \"w\" receives on channel {ch}, which fiber 1 \"main\" also holds"),
-            "cycle: fiber 1 \"main\" → fiber 3 \"w\" → fiber 1 \"main\"".to_string(),
-        ],
-        "{err}"
-    );
+    main_joins_w_who_waits_on_one_channel_main_holds(KEY_HELD);
 }
 
 /// The main chunk holds, beside the channel its waiter receives on, a condition and a fiber
@@ -743,24 +749,7 @@ w:join()
 
 #[test]
 fn objects_given_the_channel_metatable_are_not_taken_for_channels_by_the_wait_for_graph() {
-    let (code, _out, err) = run_script(&[], DISGUISED);
-    assert_eq!(code, 1, "{err}");
-    let graph: Vec<&str> = err.split("\n\n").nth(1).unwrap().lines().collect();
-    let ch = graph[2]
-        .split("on channel ")
-        .nth(1)
-        .and_then(|r| r.split(',').next())
-        .unwrap_or_else(|| panic!("{err}"));
-    assert_eq!(
-        graph,
-        [
-            "wait-for graph:".to_string(),
-            "  fiber 1 \"main\" joins fiber 3 \"w\"".to_string(),
-            format!("  fiber 3 \"w\" receives on channel {ch}, which fiber 1 \"main\" also holds"),
-            "cycle: fiber 1 \"main\" → fiber 3 \"w\" → fiber 1 \"main\"".to_string(),
-        ],
-        "{err}"
-    );
+    main_joins_w_who_waits_on_one_channel_main_holds(DISGUISED);
 }
 
 /// `SIGPROF` from outside (as `kill -PROF` or a profiler's timer sends it) finds the host's
