@@ -864,3 +864,25 @@ fn waits_in_destructors_run_by_the_scheduler_drop_end_at_once() {
         ]
     );
 }
+
+/// `end_run_after_turn`: `block_on` returns at the end of the turn, with the main fiber's
+/// result, though another fiber is still ready (it only yields); without it the loop would
+/// run that fiber forever.
+#[test]
+fn end_run_after_turn_ends_block_on_though_a_fiber_is_still_ready() {
+    let sched = fibertrace_fiber::Scheduler::new();
+    let turns = std::rc::Rc::new(std::cell::Cell::new(0u32));
+    let t = turns.clone();
+    let r = sched.block_on(move || {
+        fibertrace_fiber::spawn(move || loop {
+            t.set(t.get() + 1);
+            fibertrace_fiber::yield_now();
+        });
+        fibertrace_fiber::yield_now();
+        fibertrace_fiber::end_run_after_turn();
+        7
+    });
+    assert_eq!(r.unwrap(), 7);
+    // The spinner ran in the turns before the end, and in no more than one after.
+    assert!((1..=3).contains(&turns.get()), "{}", turns.get());
+}

@@ -670,3 +670,21 @@ fn a_precompiled_chunk_is_refused_with_a_clear_error() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A main chunk that fails ends the program at once with its error (as in Tarantool), also
+/// when another fiber only yields: the error waited for the other fibers to be done, so such
+/// a fiber held it back forever (nothing printed, and a SIGTERM lost it too).
+#[test]
+fn a_failing_main_chunk_ends_the_program_even_with_a_fiber_that_only_yields() {
+    let script = br#"local fiber = require('fiber')
+fiber.create(function() while true do fiber.yield() end end)
+fiber.sleep(0.01)
+error('main failed')
+"#;
+    let o = run(&["run", "-"], script);
+    assert_eq!(o.code, Some(1), "{}", o.stderr);
+    assert_eq!(
+        o.stderr,
+        "stdin:4: main failed\nstack traceback:\n#1  error in =[C]:-1\n#2  main chunk in =stdin:4\n\n"
+    );
+}

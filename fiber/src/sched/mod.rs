@@ -223,6 +223,8 @@ pub(crate) struct Inner {
     turn: Cell<u64>,
     /// Fibers of the current turn not run yet.
     turn_left: Cell<usize>,
+    /// Asked to return from the run loop at the end of this turn ([`end_run_after_turn`]).
+    end_after_turn: Cell<bool>,
     /// Set while `run` or `block_on` runs this scheduler (see `Running`).
     running: Cell<bool>,
     /// `fiber.top()`: whether on, the clock ticks when the current turn began, and the
@@ -310,6 +312,7 @@ impl Scheduler {
                 free_slots: RefCell::new(Vec::new()),
                 turn: Cell::new(1),
                 turn_left: Cell::new(0),
+                end_after_turn: Cell::new(false),
                 running: Cell::new(false),
                 top_on: Cell::new(false),
                 turn_start: Cell::new(0),
@@ -609,6 +612,15 @@ pub fn cancellation_caught() {
     if let Some(ctx) = current_ctx() {
         ctx.unwinding.set(false);
     }
+}
+
+/// Asks the running scheduler's loop (`run`, `block_on`) to return at the end of the current
+/// turn, whatever fibers are still ready then (they stay in place, as after a deadlock): for a
+/// program whose main fiber failed and should end now, not after the others are done —
+/// `block_on` ends when the main fiber has ended and no fiber is ready, which a fiber that
+/// only yields never lets happen. Outside a fiber, does nothing.
+pub fn end_run_after_turn() {
+    with_sched(|s| s.end_after_turn.set(true));
 }
 
 /// Raises the cancellation now if this fiber was cancelled (Tarantool's `fiber.testcancel`).

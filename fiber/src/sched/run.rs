@@ -46,6 +46,9 @@ impl Inner {
             let next = {
                 let mut ready = self.ready.borrow_mut();
                 let mut left = self.turn_left.get();
+                if left == 0 && self.end_after_turn.replace(false) {
+                    return Ok(());
+                }
                 if left == 0 {
                     // A new turn, of the fibers ready now.
                     left = ready.len();

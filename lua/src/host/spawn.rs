@@ -641,6 +641,9 @@ pub(crate) fn run_main_fiber(
     let r = if ok {
         Ok(())
     } else {
+        // The script failed: it ends now (as in Tarantool), not once the other fibers are
+        // done — one that only yields would hold its error back forever.
+        fibertrace_fiber::end_run_after_turn();
         // SAFETY: the error is on top of our idle thread.
         let b = unsafe { raw::error_bytes(t, -1) };
         Err(ScriptError {
