@@ -322,3 +322,84 @@ fn a_core_file_has_every_fiber_with_the_same_frames() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `dump_core` of `core`, in a thread: `None` if it has not returned within `secs` (a hang;
+/// the thread is left behind and the test fails). The dump's fiber count, or its error.
+fn dump_core_within(core: &std::path::Path, secs: u64) -> Option<Result<usize, String>> {
+    let core = core.to_path_buf();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r = foreign::dump_core(&core, None, None, &DumpOptions::default());
+        let n = |d: ForeignDump| d.schedulers.iter().map(|s| s.fibers.len()).sum();
+        let _ = tx.send(r.map(n).map_err(|e| e.to_string()));
+    });
+    rx.recv_timeout(Duration::from_secs(secs)).ok()
+}
+
+/// A damaged core file gives a dump or an error, never an abort or a hang: every loadable
+/// segment's size made huge (an allocation of exabytes aborted the process), each loadable
+/// segment in turn moved to another place in the file (one made the registry's length
+/// garbage, and its slots were scanned one by one for ever), and single bytes of the headers
+/// and notes changed (seeded).
+#[test]
+fn a_damaged_core_file_gives_a_dump_or_an_error_never_an_abort_or_a_hang() {
+    let t = Target::start(50);
+    let dir = std::env::temp_dir().join(format!("ft-foreign-badcore-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let core = gcore(t.pid(), &dir);
+    let (code, _) = t.finish();
+    assert_eq!(code, 0);
+    let good = std::fs::read(&core).unwrap();
+    let u64_at = |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+    let phoff = u64_at(&good, 0x20) as usize;
+    let phnum = u16::from_le_bytes([good[0x38], good[0x39]]) as usize;
+    let loads: Vec<usize> = (0..phnum)
+        .map(|i| phoff + i * 56)
+        .filter(|&p| u32::from_le_bytes(good[p..p + 4].try_into().unwrap()) == 1)
+        .collect();
+    assert!(loads.len() > 5, "{} loadable segments", loads.len());
+    // The core is patched in place and put back after each try (it is large: copies of it
+    // were most of the test's time).
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&core)
+        .unwrap();
+    let try_patched = |patches: &[(usize, Vec<u8>)], what: &str| {
+        use std::os::unix::fs::FileExt as _;
+        for (at, bytes) in patches {
+            f.write_all_at(bytes, *at as u64).unwrap();
+        }
+        let answered = dump_core_within(&core, 60).is_some();
+        for (at, bytes) in patches {
+            f.write_all_at(&good[*at..*at + bytes.len()], *at as u64)
+                .unwrap();
+        }
+        assert!(answered, "{what}: no answer in 60 s");
+    };
+    let huge: Vec<(usize, Vec<u8>)> = loads
+        .iter()
+        .map(|&p| (p + 40, 0x5600_0000_0000_0000u64.to_le_bytes().to_vec()))
+        .collect();
+    try_patched(&huge, "every p_memsz huge");
+    for (k, &p) in loads.iter().enumerate() {
+        try_patched(
+            &[(p + 8, 1u64.to_le_bytes().to_vec())],
+            &format!("segment {k} at offset 1"),
+        );
+    }
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for round in 0..16 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let at = (x % 65536) as usize % good.len();
+        try_patched(
+            &[(at, vec![(x >> 32) as u8])],
+            &format!("byte {at} changed (round {round})"),
+        );
+    }
+    // The last dump, of the core as it was, has the target's fibers.
+    assert!(matches!(dump_core_within(&core, 60), Some(Ok(n)) if n >= 50));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -90,7 +90,11 @@ impl Core {
                     let v = ph.p_vaddr(endian);
                     let m = ph.p_memsz(endian);
                     segments.push((v, m, ph.p_offset(endian), ph.p_filesz(endian)));
-                    loads.push((v, v + m, ph.p_flags(endian).contains(object::elf::PF_X)));
+                    loads.push((
+                        v,
+                        v.saturating_add(m),
+                        ph.p_flags(endian).contains(object::elf::PF_X),
+                    ));
                 }
                 object::elf::PT_NOTE => {
                     let Ok(Some(mut notes)) = ph.notes(endian, &*data) else {
@@ -202,12 +206,14 @@ impl Core {
     /// Reads memory of the dumped process: from the core, else from the mapped file.
     pub(super) fn read(&self, addr: u64, buf: &mut [u8]) -> io::Result<usize> {
         for &(v, memsz, off, filesz) in &self.segments {
-            if addr >= v && addr < v + memsz {
+            // (Checked arithmetic: the headers may be garbage.)
+            if addr >= v && addr < v.saturating_add(memsz) {
                 let at = addr - v;
                 if at < filesz {
                     let n = ((filesz - at) as usize).min(buf.len());
-                    let src = (off + at) as usize;
-                    let Some(bytes) = self.data.get(src..src + n) else {
+                    let src = off.checked_add(at).and_then(|x| usize::try_from(x).ok());
+                    let Some(bytes) = src.and_then(|src| self.data.get(src..src.checked_add(n)?))
+                    else {
                         return Err(io::ErrorKind::UnexpectedEof.into());
                     };
                     buf[..n].copy_from_slice(bytes);
@@ -222,7 +228,7 @@ impl Core {
                 use std::os::unix::fs::FileExt as _;
                 let n = ((*e - addr) as usize).min(buf.len());
                 let f = std::fs::File::open(path)?;
-                return f.read_at(&mut buf[..n], ofs + (addr - s));
+                return f.read_at(&mut buf[..n], ofs.saturating_add(addr - s));
             }
         }
         Err(io::ErrorKind::NotFound.into())

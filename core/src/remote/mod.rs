@@ -761,11 +761,22 @@ impl Memory {
     }
 
     /// Reads `len` bytes that need not be cached (a vDSO image): straight from the target.
+    /// `None` past [`MAX_READ_BYTES`] or when the memory cannot be had: a length comes from
+    /// the target's maps or a core's headers, which may be garbage (a damaged core asked for
+    /// exabytes: an abort).
     fn read_bytes(&mut self, addr: u64, len: usize) -> Option<Vec<u8>> {
-        let mut v = vec![0u8; len];
+        if len > MAX_READ_BYTES {
+            return None;
+        }
+        let mut v = Vec::new();
+        v.try_reserve_exact(len).ok()?;
+        v.resize(len, 0u8);
         matches!(self.reader.read(addr, &mut v), Ok(n) if n == len).then_some(v)
     }
 }
+
+/// The most one uncached read takes (a vDSO is a few pages; its notes less).
+const MAX_READ_BYTES: usize = 64 << 20;
 
 /// One image of the target.
 struct Image {

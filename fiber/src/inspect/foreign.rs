@@ -286,6 +286,9 @@ struct RawFiber {
 
 /// Fibers read at most (a registry that claims more is read up to this).
 const MAX_FIBERS: usize = 4 << 20;
+/// Registry slots looked at most (a slot is empty once its fiber ended, so more slots than
+/// fibers; a length past this is garbage or far past what a listing could show).
+const MAX_SLOTS: usize = 4 * MAX_FIBERS;
 /// Bytes of a name read at most.
 const MAX_NAME: usize = 256;
 
@@ -443,7 +446,13 @@ fn read_scheduler(
         unreadable: 0,
         lost_slots: 0,
     };
+    // At most MAX_SLOTS slots are looked at: a registry whose length is garbage (a damaged
+    // core, a corrupted target) is not scanned for ever; the slots past it are counted lost.
     let len_v = len_v.min(count.saturating_mul(l.chunk_slots));
+    if len_v > MAX_SLOTS {
+        sched.lost_slots += len_v - MAX_SLOTS;
+    }
+    let len_v = len_v.min(MAX_SLOTS);
     let mut chunk = vec![0u8; l.chunk_slots * 8];
     let mut chunk_at = usize::MAX;
     let mut group: Vec<u64> = Vec::with_capacity(GROUP);
@@ -456,10 +465,12 @@ fn read_scheduler(
             let c = i / l.chunk_slots;
             if c != chunk_at {
                 chunk_at = c;
-                let cp = s.read_u64(dir + 8 * c as u64).unwrap_or(0);
+                let cp = s.read_u64(dir.wrapping_add(8 * c as u64)).unwrap_or(0);
                 if cp == 0 || !s.read(cp, &mut chunk) {
-                    chunk.fill(0);
+                    // The whole chunk is lost: skipped at once, not slot by slot.
                     sched.lost_slots += l.chunk_slots.min(len_v - i);
+                    i = (c + 1).saturating_mul(l.chunk_slots);
+                    continue;
                 }
             }
             let cb = u64_at(&chunk, (i % l.chunk_slots) * 8).unwrap_or(0);
