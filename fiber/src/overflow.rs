@@ -75,6 +75,10 @@ struct Open {
 /// does, again and again) gets another error each time, before the guard.
 pub const RAISE_AGAIN_BELOW: usize = RESERVE / 4;
 
+/// The deepest part of an open reserve, above the guard, where every safe point raises the
+/// error again ([`poll`]).
+pub const LAST_LINE: usize = RESERVE / 4;
+
 #[allow(clippy::declare_interior_mutable_const)]
 const FREE: Open = Open {
     base: AtomicU64::new(0),
@@ -193,6 +197,13 @@ pub fn poll(sp: usize) -> Overflow {
                 };
             }
             slot.raised.store(true, Ordering::Release);
+            slot.raised_sp.store(sp as u64, Ordering::Relaxed);
+            return Overflow::Raise;
+        }
+        // In the deepest quarter of the reserve, every safe point raises: code that catches
+        // each error and goes deeper anyway (a `pcall` at every level of a recursion through
+        // C) is not let through to the guard; the error climbs until it leaves that quarter.
+        if (sp as u64) < lo.saturating_add(LAST_LINE as u64) {
             slot.raised_sp.store(sp as u64, Ordering::Relaxed);
             return Overflow::Raise;
         }

@@ -158,6 +158,48 @@ fn an_uncaught_overflow_is_the_scripts_error() {
 /// catches the error deep in the stack and recurses again ends in an error, not in the guard.
 /// (An `xpcall` message handler that recurses again still reaches the guard: it runs inside
 /// the hook that raised the error, where LuaJIT calls no hook.)
+/// A recursion through C whose every level catches the error itself and goes deeper
+/// anyway (`pcall` of a shallow C call at each level, through `gsub` and through `sort`, in
+/// the main fiber and in another): in the deepest quarter of the reserve every instruction
+/// raises again, so the error climbs to the outer `pcall` instead of the recursion reaching
+/// the guard (the process stopped with the overflow report, SIGSEGV).
+#[test]
+#[cfg(feature = "luajit")]
+fn a_recursion_that_catches_each_overflow_and_goes_deeper_still_gets_the_error() {
+    let src = r#"
+local fiber = require('fiber')
+local function shallow() return pcall(string.gsub, 'x', 'x', function() return 'y' end) end
+local function via_gsub() shallow() return (('x'):gsub('x', via_gsub)) end
+local function via_sort() table.sort({2, 1}, function(a, b) shallow() via_sort() return a < b end) end
+for _, jit_on in ipairs({false, true}) do
+  if jit_on then jit.on() else jit.off() end
+  for name, f in pairs({gsub = via_gsub, sort = via_sort}) do
+    local ok, e = pcall(f)
+    print(name, jit_on, ok, tostring(e):sub(-16))
+    local fb = fiber.new(function() return pcall(f) end)
+    fb:set_joinable(true)
+    local _, ok2, e2 = fb:join()
+    print(name, jit_on, 'fiber', ok2, tostring(e2):sub(-16))
+  end
+end
+print('end')
+"#;
+    let (out, err, code) = run("catch_each.lua", src, &[]);
+    let mut lines: Vec<&str> = out.lines().collect();
+    lines.sort();
+    let mut want = Vec::new();
+    for name in ["gsub", "sort"] {
+        for jit in ["false", "true"] {
+            want.push(format!("{name}\t{jit}\tfalse\tC stack overflow"));
+            want.push(format!("{name}\t{jit}\tfiber\tfalse\tC stack overflow"));
+        }
+    }
+    want.push("end".to_string());
+    want.sort();
+    assert_eq!(lines, want, "{err}");
+    assert_eq!(code, Some(0), "{err}");
+}
+
 #[test]
 #[cfg(feature = "luajit")]
 fn recursing_again_after_the_error_raises_again_instead_of_reaching_the_guard() {
