@@ -287,3 +287,46 @@ fn fiber_names_are_kept_as_their_bytes() {
     );
     assert_eq!(o.code, Some(0));
 }
+
+/// With the heap tracked (`--heap`, `--heap=every`), Lua allocates through the process's
+/// allocator: one that fails is Lua's `not enough memory`, which `pcall` catches, as without
+/// tracking. mlua's allocator, used before for that, aborted the process (`memory allocation
+/// of N bytes failed`, SIGABRT).
+#[test]
+fn with_the_heap_tracked_a_full_address_space_is_not_enough_memory_not_an_abort() {
+    let dir = std::env::temp_dir().join(format!("fibertrace-limits-heap-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("oom.lua");
+    std::fs::write(
+        &path,
+        "local t = {}\n\
+         local ok, e = pcall(function() for i = 1, 1e6 do t[i] = string.rep('x', 1048576) .. i end end)\n\
+         t = nil collectgarbage() collectgarbage()\n\
+         print('caught', ok, e)\n",
+    )
+    .unwrap();
+    for tier in ["--heap", "--heap=every"] {
+        let o = Command::new("bash")
+            .arg("-c")
+            .arg("ulimit -v 1000000; exec \"$0\" run \"$@\"")
+            .arg(EXE)
+            .arg(tier)
+            .arg(&path)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        let out = String::from_utf8_lossy(&o.stdout);
+        // (With every allocation carrying its stack, the collection after the error can
+        // itself find no memory — LuaJIT allocates while it shrinks its tables — and that
+        // error, outside the pcall, ends the script: a Lua error too, not an abort.)
+        match o.status.code() {
+            Some(0) => assert_eq!(out, "caught\tfalse\tnot enough memory\n", "{tier}: {err}"),
+            Some(1) if tier == "--heap=every" => {
+                assert!(err.starts_with("not enough memory"), "{tier}: {err}");
+                assert_eq!(out, "", "{tier}: {err}");
+            }
+            c => panic!("{tier}: exit {c:?}: {err}"),
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -567,12 +567,16 @@ fn go_tool_pprof_reads_the_heap_profile_with_its_four_sample_types_and_fiber_lab
     assert!(biggest.contains("  fiber_id:  2\n"), "{biggest}");
     let frames: Vec<&str> = biggest
         .lines()
-        .skip_while(|l| !l.contains("mlua::memory::allocator"))
+        .skip_while(|l| !l.contains("fibertrace_lua::host::global_alloc"))
         .map(|l| l.split_whitespace().last().unwrap_or(""))
         .collect();
     assert_eq!(
         frames[..3],
-        ["mlua::memory::allocator", "build", "function@h.lua:4"],
+        [
+            "fibertrace_lua::host::global_alloc",
+            "build",
+            "function@h.lua:4"
+        ],
         "{biggest}"
     );
 }

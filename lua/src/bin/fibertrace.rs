@@ -849,7 +849,6 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
         err!("fibertrace: {e}");
         return ExitCode::from(1);
     }
-    let tracked = fibertrace_core::heap::tier() != fibertrace_core::heap::Tier::Off;
     if m.get_flag("leaks") {
         let top = m.get_one::<u64>("leaks-top").copied().unwrap_or(20) as usize;
         LEAKS_TOP.store(top, std::sync::atomic::Ordering::SeqCst);
@@ -934,15 +933,11 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
         let _ = io::stderr().write_all(&m);
         return ExitCode::from(1);
     }
-    // With the heap tracked, the Lua state allocates through the process's allocator
-    // (mlua's), so Lua's own allocations are counted too.
-    let made = if tracked {
-        LuaHost::new()
-    } else {
-        // SAFETY: nothing in this program clones the host's `mlua::Lua`; it is used only
-        // through the host, which outlives every use.
-        unsafe { LuaHost::new_with_own_allocator() }
-    };
+    // With the heap tracked, the Lua state allocates through the process's allocator, so
+    // Lua's own allocations are counted too (see `new_with_own_allocator`).
+    // SAFETY: nothing in this program clones the host's `mlua::Lua`; it is used only through
+    // the host, which outlives every use.
+    let made = unsafe { LuaHost::new_with_own_allocator() };
     let host = match made {
         Ok(h) => h,
         Err(e) => {

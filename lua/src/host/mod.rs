@@ -271,13 +271,62 @@ pub struct LuaHost {
 /// `fiber.create`), where thousands of small objects are made. The host then closes that
 /// state itself (the second value) — see [`LuaHost::new_with_own_allocator`] for what that
 /// asks of the caller.
+/// A Lua allocator over the process's (global) allocator that, unlike mlua's, answers a
+/// failed allocation with null — Lua's `not enough memory`, which `pcall` catches — instead
+/// of aborting the process.
+///
+/// # Safety
+/// Called by Lua as its allocator: `ptr` is null or a block this function returned, of
+/// `osize` bytes (when not null).
+#[cfg(feature = "luajit")]
+unsafe extern "C" fn global_alloc(
+    _ud: *mut std::ffi::c_void,
+    ptr: *mut std::ffi::c_void,
+    osize: usize,
+    nsize: usize,
+) -> *mut std::ffi::c_void {
+    use std::alloc::Layout;
+    const ALIGN: usize = ffi::SYS_MIN_ALIGN;
+    // SAFETY: per the contract, a non-null `ptr` was allocated here with `osize` bytes and
+    // this alignment (a layout that was valid then); a new layout is checked.
+    unsafe {
+        if nsize == 0 {
+            if !ptr.is_null() {
+                std::alloc::dealloc(ptr.cast(), Layout::from_size_align_unchecked(osize, ALIGN));
+            }
+            return std::ptr::null_mut();
+        }
+        let Ok(new) = Layout::from_size_align(nsize, ALIGN) else {
+            return std::ptr::null_mut();
+        };
+        let p = if ptr.is_null() {
+            std::alloc::alloc(new)
+        } else {
+            // (Null on failure, the old block kept: as Lua expects.)
+            let old = Layout::from_size_align_unchecked(osize, ALIGN);
+            std::alloc::realloc(ptr.cast(), old, nsize)
+        };
+        // (Not a tail call: this frame stays on the stack a heap record captures, the same in
+        // every build — the first frame of every Lua allocation's stack.)
+        std::hint::black_box(p).cast()
+    }
+}
+
 fn new_lua(own_allocator: bool) -> Result<(mlua::Lua, Option<*mut ffi::lua_State>), String> {
     #[cfg(feature = "luajit")]
     if own_allocator {
+        // With the heap tracked, Lua allocates through the process's allocator, so that its
+        // own allocations are counted too ([`global_alloc`]); else LuaJIT's own allocator.
+        let tracked = fibertrace_core::heap::tier() != fibertrace_core::heap::Tier::Off;
         // SAFETY: a fresh state, opened and then owned by this host only; mlua keeps its
-        // data in the state and frees it when the state is closed.
+        // data in the state and frees it when the state is closed. `global_alloc` is a Lua
+        // allocator (see there).
         unsafe {
-            let l = ffi::luaL_newstate();
+            let l = if tracked {
+                ffi::lua_newstate(global_alloc, std::ptr::null_mut())
+            } else {
+                ffi::luaL_newstate()
+            };
             if l.is_null() {
                 return Err("cannot create a Lua state (out of memory)".into());
             }
@@ -302,8 +351,10 @@ impl LuaHost {
     }
 
     /// As [`LuaHost::new`], but on LuaJIT the Lua state uses LuaJIT's own allocator instead
-    /// of mlua's (about a quarter fewer instructions in `fiber.info`); `fibertrace run` uses
-    /// it. On Lua 5.4 this is [`LuaHost::new`].
+    /// of mlua's (about a quarter fewer instructions in `fiber.info`), or, with the heap
+    /// tracked, the process's allocator through a function of ours: either way an allocation
+    /// that fails is Lua's `not enough memory` (mlua's allocator aborts the process then);
+    /// `fibertrace run` uses it. On Lua 5.4 this is [`LuaHost::new`].
     ///
     /// # Safety
     /// The host closes that Lua state when it is dropped, whatever else refers to it: no
