@@ -134,7 +134,7 @@ fn leaks_at_exit_lists_what_is_still_live_with_the_fiber_that_made_it() {
     let first = report.split("\n\n").nth(1).unwrap();
     assert!(first.starts_with("[1] "), "{report}");
     assert!(first.contains("held by exited fiber 2: "), "{report}");
-    // (Frame #0 is the host.s Lua allocator, with `alloc::alloc::alloc` inlined into it in release
+    // (Frame #0 is the host's Lua allocator, with `alloc::alloc::alloc` inlined into it in release
     // builds: an `inlined into` line follows.)
     assert!(
         first.contains("fibertrace_lua::host::global_alloc+0x"),
