@@ -688,3 +688,33 @@ error('main failed')
         "stdin:4: main failed\nstack traceback:\n#1  error in =[C]:-1\n#2  main chunk in =stdin:4\n\n"
     );
 }
+
+/// A `FIBERTRACE_HEAP` value that names no tier is an error, not silently no tracking.
+#[test]
+fn a_heap_tier_variable_that_names_no_tier_is_an_error() {
+    for v in ["junk", "EVERY", " every"] {
+        let o = Command::new(EXE)
+            .args(["run", "-"])
+            .env("FIBERTRACE_HEAP", v)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(1), "{v:?}");
+        assert_eq!(
+            String::from_utf8_lossy(&o.stderr),
+            format!("fibertrace: FIBERTRACE_HEAP={v}: not a heap tier (every, sampled or off)\n")
+        );
+    }
+    let o = Command::new(EXE)
+        .args(["run", "-"])
+        .env("FIBERTRACE_HEAP", "off")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}

@@ -806,6 +806,16 @@ extern "C" fn leaks_at_exit() {
 /// otherwise.
 fn heap_tier(m: &clap::ArgMatches) -> Result<(), String> {
     use fibertrace_core::heap::{self, Tier};
+    // The tracker reads the variable before anything can be said (at the first allocation)
+    // and takes what it does not know for unset: said here instead of silently ignored.
+    if let Some(v) = std::env::var_os("FIBERTRACE_HEAP") {
+        if !["every", "sampled", "off", "", "0"].iter().any(|k| v == *k) {
+            return Err(format!(
+                "FIBERTRACE_HEAP={}: not a heap tier (every, sampled or off)",
+                v.to_string_lossy()
+            ));
+        }
+    }
     let asked = m.get_one::<String>("heap").map(String::as_str);
     let want = match (asked, m.get_flag("leaks")) {
         (Some("every"), _) | (None, true) => Some(("every", Tier::Every)),
