@@ -344,3 +344,35 @@ fn a_core_file_of_the_process_has_the_same_exact_frames() {
     assert_eq!(thread(&d, "remote_target").tid, d.pid);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A process another tracer holds (a debugger, strace) cannot be stopped by a second one:
+/// the error says who traces it, not that permission is missing (the same EPERM).
+#[test]
+fn a_process_already_traced_is_said_to_be() {
+    use std::os::unix::process::CommandExt as _;
+    let mut cmd = Command::new("sleep");
+    cmd.arg("30");
+    // SAFETY: between fork and exec, only ptrace(2), an async-signal-safe system call.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::ptrace(libc::PTRACE_TRACEME, 0, 0, 0);
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().unwrap();
+    let pid = child.id() as i32;
+    // (Traced, it stops at its exec; this process is its tracer.)
+    std::thread::sleep(Duration::from_millis(100));
+    let e = remote::dump(pid, &DumpOptions::default()).unwrap_err();
+    // (The tracer is the thread that spawned it: /proc names it by its thread id.)
+    // SAFETY: gettid has no preconditions.
+    let me = unsafe { libc::gettid() };
+    assert!(
+        e.to_string().starts_with(&format!(
+            "not allowed to read process {pid}: it is already traced by process {me} ("
+        )),
+        "{e}"
+    );
+    child.kill().unwrap();
+    child.wait().unwrap();
+}

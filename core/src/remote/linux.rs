@@ -50,6 +50,19 @@ fn parse_stat(stat: &str) -> Option<(char, bool)> {
     Some((state, flags & PF_KTHREAD != 0))
 }
 
+/// The process tracing process `pid` (`TracerPid` in `/proc/PID/status`), if any: a
+/// second tracer is refused with the same EPERM as a missing permission.
+pub(super) fn tracer(pid: i32) -> Option<i32> {
+    let s = std::fs::read_to_string(proc(pid).join("status")).ok()?;
+    let t: i32 = s
+        .lines()
+        .find_map(|l| l.strip_prefix("TracerPid:"))?
+        .trim()
+        .parse()
+        .ok()?;
+    (t != 0).then_some(t)
+}
+
 pub(super) fn exists(pid: i32) -> bool {
     std::fs::read_to_string(proc(pid).join("status"))
         .ok()

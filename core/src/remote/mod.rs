@@ -182,6 +182,17 @@ impl std::fmt::Display for DumpError {
 impl std::error::Error for DumpError {}
 
 fn permission(pid: i32) -> DumpError {
+    if let Some(t) = platform::tracer(pid) {
+        let name = std::fs::read_to_string(format!("/proc/{t}/comm")).unwrap_or_default();
+        return DumpError::Permission {
+            pid,
+            advice: format!(
+                "it is already traced by process {t} ({}): a process has one tracer at a \
+                 time — detach it (or use --non-blocking, which stops nothing)",
+                name.trim()
+            ),
+        };
+    }
     let scope =
         match platform::ptrace_scope() {
             Some(0) => " (kernel.yama.ptrace_scope is 0: a process of the same user may be read)"
