@@ -401,5 +401,27 @@ fn a_damaged_core_file_gives_a_dump_or_an_error_never_an_abort_or_a_hang() {
     }
     // The last dump, of the core as it was, has the target's fibers.
     assert!(matches!(dump_core_within(&core, 60), Some(Ok(n)) if n >= 50));
+    // Cut short inside its notes (its threads' registers): said to be truncated.
+    let note = (0..phnum)
+        .map(|i| phoff + i * 56)
+        .find(|&p| u32::from_le_bytes(good[p..p + 4].try_into().unwrap()) == 4)
+        .expect("a PT_NOTE segment");
+    f.set_len(u64_at(&good, note + 8) + 16).unwrap();
+    match dump_core_within(&core, 60) {
+        Some(Err(e)) => assert!(
+            e.contains("no NT_PRSTATUS note); the file is truncated: its segments reach byte "),
+            "{e}"
+        ),
+        r => panic!("a truncated core: {r:?}"),
+    }
+    // A directory, a device: said so (mapping them failed with "No such device").
+    let e = foreign::dump_core(&dir, None, None, &DumpOptions::default()).unwrap_err();
+    assert_eq!(e.to_string(), format!("{}: is a directory", dir.display()));
+    let null = std::path::Path::new("/dev/null");
+    let e = foreign::dump_core(null, None, None, &DumpOptions::default()).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "/dev/null: not a regular file (a core file is one)"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -55,6 +55,17 @@ impl Core {
         root: Option<&Path>,
     ) -> Result<Core, String> {
         let f = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        // (Mapping a directory or a device fails with ENODEV: said plainly.)
+        match f.metadata() {
+            Ok(m) if m.is_dir() => return Err(format!("{}: is a directory", path.display())),
+            Ok(m) if !m.is_file() => {
+                return Err(format!(
+                    "{}: not a regular file (a core file is one)",
+                    path.display()
+                ))
+            }
+            _ => {}
+        }
         // SAFETY: a read-only private mapping of a file; if another process truncates it
         // while mapped, reading faults — the hazard every ELF reader that maps files accepts.
         let data =
@@ -139,8 +150,22 @@ impl Core {
             }
         }
         if threads.is_empty() {
+            // A core cut short (its writer stopped, a full disk) loses its notes with it.
+            let claimed = phdrs
+                .iter()
+                .map(|ph| ph.p_offset(endian).saturating_add(ph.p_filesz(endian)))
+                .max()
+                .unwrap_or(0);
+            let cut = if claimed > data.len() as u64 {
+                format!(
+                    "; the file is truncated: its segments reach byte {claimed}, it ends at {}",
+                    data.len()
+                )
+            } else {
+                String::new()
+            };
             return Err(format!(
-                "{}: the core holds no thread (no NT_PRSTATUS note)",
+                "{}: the core holds no thread (no NT_PRSTATUS note){cut}",
                 path.display()
             ));
         }
