@@ -120,6 +120,49 @@ fn a_busy_fiber_is_reported_within_one_and_a_half_thresholds_and_again_at_twice(
     );
 }
 
+/// A spinning fiber is reported once at each doubling of its run's CPU time (10, 20, 40 ...
+/// ms), and by no second series: its wall time, which marks a fiber blocked in the kernel,
+/// reported it again in between (at 210, 420 ms of a 10 ms threshold: "has run 160ms",
+/// "211ms", "321ms").
+#[test]
+fn a_spinning_fiber_is_reported_once_at_each_doubling() {
+    let _t = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let got = collect_reports();
+    let threshold = Duration::from_millis(10);
+    watchdog::start(Config {
+        threshold,
+        max_reports_per_sec: 100,
+        ..Config::default()
+    });
+    std::thread::spawn(move || {
+        Scheduler::new()
+            .block_on(move || {
+                Builder::new()
+                    .name("spinner")
+                    .spawn(move || busy_1(Instant::now() + Duration::from_millis(450)))
+                    .join()
+                    .unwrap()
+            })
+            .unwrap()
+    })
+    .join()
+    .unwrap();
+    watchdog::stop();
+    let times: Vec<Duration> = got
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|(_, r)| match r {
+            Report::Stall(s) if s.name == "spinner" => Some(s.running_for),
+            _ => None,
+        })
+        .collect();
+    assert!(times.len() >= 4, "{times:?}");
+    for w in times.windows(2) {
+        assert!(w[1] >= w[0] * 3 / 2, "not a doubling: {times:?}");
+    }
+}
+
 #[inline(never)]
 fn spin_in_compare(flag: &AtomicBool) {
     while !flag.load(Ordering::Relaxed) {

@@ -478,7 +478,10 @@ fn run() {
             let running_for = if cpu >= w.next_report {
                 w.next_report = w.next_report.saturating_mul(2);
                 cpu
-            } else if wall >= w.next_wall_report {
+            } else if wall >= w.next_wall_report && cpu < wall / 2 {
+                // (Wall time reports a run that waits off the CPU, a fiber blocked in the
+                // kernel: a spinning one's CPU time keeps up with its wall time and has its
+                // own marks — its wall marks made a second, interleaved series of reports.)
                 w.next_wall_report = w.next_wall_report.saturating_mul(2);
                 wall
             } else {
