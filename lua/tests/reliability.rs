@@ -718,3 +718,47 @@ fn a_heap_tier_variable_that_names_no_tier_is_an_error() {
         String::from_utf8_lossy(&o.stderr)
     );
 }
+
+/// A dump taken while the process has no file descriptor free cannot open the binary for
+/// its symbols; once descriptors are free again, the next dump has its names (the failed
+/// lookups were kept, and every later trace of the process stayed `??`).
+#[test]
+fn names_come_back_after_the_process_ran_out_of_file_descriptors() {
+    let dir = std::env::temp_dir().join(format!("ft-rel-emfile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = dir.join("emfile.lua");
+    // (The script prints the first frame line of each dump.)
+    std::fs::write(
+        &script,
+        "local fs = {}\n\
+         while true do local f = io.open('/dev/null') if not f then break end fs[#fs + 1] = f end\n\
+         local a = require('fibertrace').dump()\n\
+         for _, f in ipairs(fs) do f:close() end\n\
+         fs = nil collectgarbage()\n\
+         local b = require('fibertrace').dump()\n\
+         print(#a > 0, a:match('\\n(#0 [^\\n]*)'))\n\
+         print(#b > 0, b:match('\\n(#0 [^\\n]*)'))\n",
+    )
+    .unwrap();
+    let o = Command::new("bash")
+        .arg("-c")
+        .arg("ulimit -n 64; exec \"$0\" run \"$@\"")
+        .arg(EXE)
+        .arg(&script)
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    // Out of descriptors: no names (the binary could not be opened).
+    assert!(lines[0].contains(" in ?? ("), "{out}");
+    // Descriptors free again: named.
+    assert!(lines[1].contains(" in fibertrace_lua::"), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

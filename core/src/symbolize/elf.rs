@@ -47,6 +47,9 @@ pub struct OpenError {
     pub path: String,
     /// What went wrong.
     pub reason: String,
+    /// Whether it may go right later: the process was out of file descriptors or memory
+    /// for the moment (`EMFILE`, `ENFILE`, `ENOMEM`, `EAGAIN`, `EINTR`).
+    pub transient: bool,
 }
 
 impl std::fmt::Display for OpenError {
@@ -94,12 +97,20 @@ impl ElfSymbols {
         let err = |reason: String| OpenError {
             path: path.display().to_string(),
             reason,
+            transient: false,
         };
-        let file = std::fs::File::open(path).map_err(|e| err(e.to_string()))?;
+        let io_err = |e: std::io::Error| OpenError {
+            transient: matches!(
+                e.raw_os_error(),
+                Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EAGAIN | libc::EINTR)
+            ),
+            ..err(e.to_string())
+        };
+        let file = std::fs::File::open(path).map_err(io_err)?;
         // SAFETY: a read-only private mapping of a file; if another process truncates the
         // file while it is mapped, reading it faults — the same hazard every ELF reader
         // that maps files accepts. The mapping is dropped before this function returns.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| err(e.to_string()))?;
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io_err)?;
         let build_id = read_build_id(&map).map_err(err)?;
         let code = code_ranges(&map);
         let stripped = is_stripped(&map);

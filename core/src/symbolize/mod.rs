@@ -149,11 +149,16 @@ pub fn resolve_address(addr: u64) -> Arc<Resolved> {
     // The symbolizer's tables are this library's, not the program's: not tracked by the heap
     // tracker (nor listed in its views).
     let _untracked = crate::untracked::pause();
-    let resolved = Arc::new(resolve_uncached(r, addr));
-    if r.cache.len() >= CACHE_LIMIT {
-        r.cache.clear();
+    let (resolved, lasting) = resolve_uncached(r, addr);
+    let resolved = Arc::new(resolved);
+    // (A resolution cut short by a passing shortage — no file descriptor free — is not kept:
+    // the next lookup tries again.)
+    if lasting {
+        if r.cache.len() >= CACHE_LIMIT {
+            r.cache.clear();
+        }
+        r.cache.insert(addr, Arc::clone(&resolved));
     }
-    r.cache.insert(addr, Arc::clone(&resolved));
     resolved
 }
 
@@ -182,7 +187,9 @@ pub fn cache_generation() -> u64 {
     GENERATION.load(std::sync::atomic::Ordering::Acquire)
 }
 
-fn resolve_uncached(r: &Resolver, addr: u64) -> Resolved {
+/// The resolution of `addr`, and whether it lasts (false: its image's file could not be
+/// opened for the moment, see `open_for`).
+fn resolve_uncached(r: &Resolver, addr: u64) -> (Resolved, bool) {
     let mut table = image::table();
     let mut img = table.image_of(addr).cloned();
     if img.is_none() {
@@ -194,6 +201,7 @@ fn resolve_uncached(r: &Resolver, addr: u64) -> Resolved {
         lookup_address: addr,
         ..Resolved::default()
     };
+    let mut lasting = true;
     if let Some(img) = &img {
         out.image = Some(ImageRef {
             path: img.path.clone(),
@@ -209,6 +217,7 @@ fn resolve_uncached(r: &Resolver, addr: u64) -> Resolved {
         if matches!(*st, FileState::Unopened) {
             *st = open_for(img);
         }
+        lasting = !matches!(*st, FileState::Unopened);
         if let FileState::Open(elf) = &*st {
             let l = elf.lookup(addr.wrapping_sub(img.base));
             out.symbols = l.symbols;
@@ -228,7 +237,7 @@ fn resolve_uncached(r: &Resolver, addr: u64) -> Resolved {
             out.function_start = Some(start);
         }
     }
-    out
+    (out, lasting)
 }
 
 fn open_for(img: &Image) -> FileState {
@@ -244,6 +253,9 @@ fn open_for(img: &Image) -> FileState {
                 FileState::Open(Box::new(elf))
             }
         }
+        // Out of descriptors or memory for now: tried again at the next lookup (kept as
+        // unusable, every later trace of the process lost its names).
+        Err(e) if e.transient => FileState::Unopened,
         Err(_) => FileState::Unusable,
     }
 }
