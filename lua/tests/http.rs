@@ -249,3 +249,45 @@ fn the_heap_profile_is_served_where_go_serves_it_when_the_heap_is_tracked() {
     child.kill().unwrap();
     let _ = child.wait();
 }
+
+const MANY: &str = r#"local fiber = require('fiber')
+local function leaf() fiber.sleep(60) end
+local function mid(n) if n == 0 then leaf() else mid(n - 1) end end
+for i = 1, 4000 do fiber.create(mid, 30) end
+io.stdout:write('ready\n') io.stdout:flush()
+fiber.sleep(60)
+"#;
+
+/// Requests made at once are answered one after the other by the scheduler's thread, each
+/// with its Lua frames: a second one waited while that thread built the first (20,000
+/// fibers), ran out of its wait and said the thread "did not come back to its run loop".
+#[test]
+fn views_asked_at_once_each_have_their_lua_frames() {
+    let path = script("many.lua", MANY);
+    let (mut child, addr, mut out) = start(&path);
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    let answers: Vec<(u16, String)> = (0..3)
+        .map(|_| std::thread::spawn(move || get(addr, "/debug/fibers?format=json")))
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .collect();
+    for (status, body) in &answers {
+        assert_eq!(*status, 200);
+        assert!(
+            !body.contains("not shown"),
+            "{}",
+            &body[..body.len().min(2000)]
+        );
+        // The fibers' Lua frames: their `leaf` level.
+        assert!(
+            body.contains("leaf in @"),
+            "{}",
+            &body[..body.len().min(2000)]
+        );
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+}

@@ -237,6 +237,13 @@ struct Asked {
 /// Parts asked and not yet taken by their schedulers.
 static ASKED: Mutex<Vec<Arc<Asked>>> = Mutex::new(Vec::new());
 
+/// Held by the one thread asking a scheduler's thread for a part (see [`ask`]): asks are made
+/// one at a time. Made at once, a second one waited while the scheduler's thread was building
+/// the first (seconds, for tens of thousands of fibers), ran out of its wait and was told
+/// that thread had not come back to its run loop; and each built its whole snapshot in
+/// memory at the same time.
+static ASKING: Mutex<()> = Mutex::new(());
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -316,6 +323,8 @@ fn ask(s: &SchedShared, opts: &InfoOptions, only: Option<FiberId>, wait: Duratio
     let (true, Some(thread)) = (elsewhere, handle) else {
         return Ask::Here;
     };
+    // (Its wait starts once the asks before it are done.)
+    let _one_at_a_time = lock(&ASKING);
     let asked = Arc::new(Asked {
         sched: s.id,
         only,
