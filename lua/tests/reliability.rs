@@ -683,9 +683,23 @@ error('main failed')
 "#;
     let o = run(&["run", "-"], script);
     assert_eq!(o.code, Some(1), "{}", o.stderr);
+    // (Lua 5.4's traceback also shows the C function that raised, `luaB_error`.)
+    assert!(
+        o.stderr
+            .starts_with("stdin:4: main failed\nstack traceback:\n"),
+        "{}",
+        o.stderr
+    );
+    let frames: Vec<&str> = o.stderr.lines().skip(2).filter(|l| !l.is_empty()).collect();
+    let lua: Vec<&str> = frames
+        .iter()
+        .map(|l| l.split_once("  ").unwrap().1)
+        .collect();
     assert_eq!(
-        o.stderr,
-        "stdin:4: main failed\nstack traceback:\n#1  error in =[C]:-1\n#2  main chunk in =stdin:4\n\n"
+        lua[lua.len() - 2..],
+        ["error in =[C]:-1", "main chunk in =stdin:4"],
+        "{}",
+        o.stderr
     );
 }
 

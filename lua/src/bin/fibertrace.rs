@@ -943,6 +943,17 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
         let _ = io::stderr().write_all(&m);
         return ExitCode::from(1);
     }
+    // A first line starting with `#` (`#!/usr/bin/env fibertrace run`) is skipped, as `lua`
+    // skips it in a file (LuaJIT's loader does so itself, Lua 5.4's only for files): its
+    // line end stays, so line numbers are the file's.
+    let mut source = source;
+    if source.first() == Some(&b'#') {
+        let end = source
+            .iter()
+            .position(|&b| b == b'\n' || b == b'\r')
+            .unwrap_or(source.len());
+        source.drain(..end);
+    }
     // With the heap tracked, the Lua state allocates through the process's allocator, so
     // Lua's own allocations are counted too (see `new_with_own_allocator`).
     // SAFETY: nothing in this program clones the host's `mlua::Lua`; it is used only through

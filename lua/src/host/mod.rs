@@ -278,7 +278,6 @@ pub struct LuaHost {
 /// # Safety
 /// Called by Lua as its allocator: `ptr` is null or a block this function returned, of
 /// `osize` bytes (when not null).
-#[cfg(feature = "luajit")]
 unsafe extern "C" fn global_alloc(
     _ud: *mut std::ffi::c_void,
     ptr: *mut std::ffi::c_void,
@@ -313,11 +312,11 @@ unsafe extern "C" fn global_alloc(
 }
 
 fn new_lua(own_allocator: bool) -> Result<(mlua::Lua, Option<*mut ffi::lua_State>), String> {
-    #[cfg(feature = "luajit")]
-    if own_allocator {
-        // With the heap tracked, Lua allocates through the process's allocator, so that its
-        // own allocations are counted too ([`global_alloc`]); else LuaJIT's own allocator.
-        let tracked = fibertrace_core::heap::tier() != fibertrace_core::heap::Tier::Off;
+    // With the heap tracked, Lua allocates through the process's allocator, so that its own
+    // allocations are counted too ([`global_alloc`]); else, on LuaJIT, LuaJIT's own
+    // allocator (on Lua 5.4, mlua's, below).
+    let tracked = fibertrace_core::heap::tier() != fibertrace_core::heap::Tier::Off;
+    if own_allocator && (cfg!(feature = "luajit") || tracked) {
         // SAFETY: a fresh state, opened and then owned by this host only; mlua keeps its
         // data in the state and frees it when the state is closed. `global_alloc` is a Lua
         // allocator (see there).
@@ -354,7 +353,8 @@ impl LuaHost {
     /// of mlua's (about a quarter fewer instructions in `fiber.info`), or, with the heap
     /// tracked, the process's allocator through a function of ours: either way an allocation
     /// that fails is Lua's `not enough memory` (mlua's allocator aborts the process then);
-    /// `fibertrace run` uses it. On Lua 5.4 this is [`LuaHost::new`].
+    /// `fibertrace run` uses it. On Lua 5.4 without the heap tracked this is
+    /// [`LuaHost::new`].
     ///
     /// # Safety
     /// The host closes that Lua state when it is dropped, whatever else refers to it: no
