@@ -107,9 +107,9 @@ impl ElfSymbols {
             ..err(e.to_string())
         };
         let file = std::fs::File::open(path).map_err(io_err)?;
-        // SAFETY: a read-only private mapping of a file; if another process truncates the
-        // file while it is mapped, reading it faults — the same hazard every ELF reader
-        // that maps files accepts. The mapping is dropped before this function returns.
+        // If another process truncates the file while it is mapped, reading it faults — the
+        // same hazard every ELF reader that maps files accepts.
+        // SAFETY: a read-only private mapping of a file, dropped before this function returns.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io_err)?;
         let build_id = read_build_id(&map).map_err(err)?;
         let code = code_ranges(&map);

@@ -174,12 +174,12 @@ pub(crate) unsafe trait UdBlock: Sized {
 /// `i` is a valid index of `l`, a state of this thread's host. Allocates nothing, runs no Lua.
 #[inline]
 pub(crate) unsafe fn tagged_body<T: UdBlock>(l: *mut ffi::lua_State, i: c_int) -> Option<*mut T> {
-    // SAFETY: per the contract; lua_touserdata is null but for a full or light userdata, and
-    // a light one's `lua_rawlen` is 0 (LuaJIT and Lua 5.4 count only strings, tables and
-    // full userdata): so `p` is a full userdata's block, of `lua_rawlen` bytes and Lua's
-    // alignment (8 in LuaJIT and Lua 5.4; `T` needs no more, `UdBlock`'s contract), and its
-    // first 8 bytes (`T` has at least 8) are in it once the size is checked. (No `lua_type` call: a create pays
-    // for each call here.)
+    // (No `lua_type` call: a create pays for each call here.) lua_touserdata is null but for
+    // a full or light userdata, and a light one's `lua_rawlen` is 0 (LuaJIT and Lua 5.4 count
+    // only strings, tables and full userdata).
+    // SAFETY: per the contract; so `p` is a full userdata's block, of `lua_rawlen` bytes and
+    // Lua's alignment (8; `T` needs no more, `UdBlock`'s contract), and its first 8 bytes
+    // (`T` has at least 8) are in it once the size is checked.
     unsafe {
         let p = ffi::lua_touserdata(l, i).cast::<T>();
         if p.is_null() || ffi::lua_rawlen(l, i) < std::mem::size_of::<T>() {
