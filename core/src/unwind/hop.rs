@@ -112,6 +112,14 @@ impl Hops {
         h
     }
 
+    /// A span `[lo, hi)` that holds no hop (walks judge return addresses in it as they do
+    /// near real hops, and step over them as ordinary frames): for tests of code that must
+    /// agree with the general walk around hops, without registering one process-wide.
+    #[cfg(test)]
+    pub(crate) fn empty_span(lo: u64, hi: u64) -> Hops {
+        Hops { n: 0, lo, hi }
+    }
+
     /// The span of every hop's range, `[lo, hi)`: empty (`lo == hi`) when none is registered.
     #[inline]
     pub(crate) fn span(&self) -> (u64, u64) {

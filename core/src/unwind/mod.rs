@@ -37,7 +37,10 @@
 //! in one go (`fp_walk_into`, into the backtrace's storage without the general walk's sink
 //! and DWARF state); where it cannot finish alone (code without frame pointers on the way,
 //! more frames than fit) it gives up and the general walk starts over, so its result is
-//! always the general walk's (a test compares the two). An `Auto` walk takes the same path
+//! always the general walk's (a test compares the two). Its usual case — one code range
+//! from the first frame to the stop frame — runs without even the frame-pointer walk's state
+//! (`lean_run`), which hands over to it where that case ends (a test compares the results
+//! on random stacks). An `Auto` walk takes the same path
 //! when `fp_walk_is_auto` finds every step one `Auto` takes the same way (else, again, the
 //! general walk).
 //!
@@ -231,23 +234,180 @@ pub(crate) fn fp_walk_into(
     ranges: &mut RangeCache,
     dst: &mut [std::mem::MaybeUninit<Frame>],
 ) -> Option<usize> {
+    let hops = hop::Hops::snapshot();
+    fp_walk_into_with(regs, hi, stop_sp, table, ranges, dst, (true, hops))
+}
+
+/// [`fp_walk_into`] under the hops `hops`, with its lean start (`lean_run`) or without it
+/// (the general walk alone: what tests compare it with).
+#[inline(always)]
+fn fp_walk_into_with(
+    regs: Registers,
+    hi: u64,
+    stop_sp: u64,
+    table: &ImageTable,
+    ranges: &mut RangeCache,
+    dst: &mut [std::mem::MaybeUninit<Frame>],
+    (lean, hops): (bool, hop::Hops),
+) -> Option<usize> {
     let Registers { ip, sp, fp } = regs;
-    let (ip_ok, seed) = fp_at_ip(ranges.range(table, ip), ip);
+    let range = ranges.range(table, ip);
+    let ip_ok = range.is_none_or(|r| r.2) || !hops.misses(ip);
+    let seed = range.filter(|r| r.2).map(|(s, e, _)| (s, e));
     if !ip_ok || dst.len() < 2 {
         return None;
     }
     dst[0] = std::mem::MaybeUninit::new(Frame::Pc(ip));
+    // The common walk first, on its own (`lean_run`); the general one from where it stopped.
+    let (from, n) = match seed {
+        Some(code) if lean => match lean_run(fp, sp, hi, stop_sp, code, &hops, &mut dst[1..]) {
+            Lean::Ended(n) => return Some(1 + n),
+            Lean::Full => return None,
+            Lean::From(at, n) => (at, n),
+        },
+        _ => (fp, 0),
+    };
+    fp_walk_on(
+        (sp, hi, stop_sp),
+        table,
+        ranges,
+        &mut dst[1 + n..],
+        (from, seed, hops),
+    )
+    .map(|m| 1 + n + m)
+}
+
+/// The general frame-pointer walk of `[sp, hi)` from the record at `from`, with `seed` the
+/// code range known to keep frame pointers, into `dst`: how many frames, `None` when it did
+/// not end there.
+#[inline(never)]
+fn fp_walk_on(
+    (sp, hi, stop_sp): (u64, u64, u64),
+    table: &ImageTable,
+    ranges: &mut RangeCache,
+    dst: &mut [std::mem::MaybeUninit<Frame>],
+    (from, seed, hops): (u64, Option<(u64, u64)>, hop::Hops),
+) -> Option<usize> {
     let bounds = [StackBounds::new(sp, hi)];
     let stacks = Stacks::new(&bounds);
-    let Some(seg) = fp_start(&stacks, fp, sp) else {
-        return Some(1);
+    let Some(seg) = fp_start(&stacks, from, sp) else {
+        return Some(0);
     };
-    let (mut w, mut fp) = FpWalk::new(&stacks, fp, stop_sp, seg, Some(table), ranges);
+    let (mut w, mut fp) = FpWalk::new_with(&stacks, from, stop_sp, seg, Some(table), ranges, hops);
     if let Some((s, e)) = seed {
         w.set_ok(s, e - s);
     }
-    let (n, ended) = w.fill(&mut fp, &mut dst[1..]);
-    (ended && w.not_fp.is_none()).then_some(1 + n)
+    let (m, ended) = w.fill(&mut fp, dst);
+    (ended && w.not_fp.is_none()).then_some(m)
+}
+
+/// How [`lean_run`] ended.
+enum Lean {
+    /// The walk is over: this many frames were written, as the general walk writes them.
+    Ended(usize),
+    /// The slots ran out (the general walk gives up then too).
+    Full,
+    /// The general walk goes on from the frame record at the first value, the second value's
+    /// frames written: exactly its state had it walked them itself.
+    From(u64, usize),
+}
+
+/// A suspended context's frame-pointer walk as most of them go: the stop frame in this stack
+/// `[sp, hi)`, every return address in the code range `code` known to keep frame pointers
+/// (outside the hops), the chain ending at the stop frame's record. Those frames are what
+/// `FpWalk::new`, `set_ok(code)` and `fill` give — the same loop (`FpWalk::run`) and the same
+/// end (`FpWalk::step`'s two fast cases) — without building the general walk's state: a
+/// 30-frame walk's fixed part was ~200 instructions of it. Anything else leaves the rest to
+/// the general walk: `From` the record it stopped at (the general walk's state there is
+/// what a fresh one started at that record has: the same segment, bounds and code range).
+///
+/// Out of line, so that the loop has the registers to itself: inlined beside the general
+/// walk's state, its frame pointer went through memory at every step (a store and a reload
+/// on the chain of dependent loads).
+#[inline(never)]
+fn lean_run(
+    fp: u64,
+    sp: u64,
+    hi: u64,
+    stop_sp: u64,
+    (s, e): (u64, u64),
+    hops: &hop::Hops,
+    dst: &mut [std::mem::MaybeUninit<Frame>],
+) -> Lean {
+    // The start as `fp_start` and `FpWalk::new` take it: `fp` a readable record of this
+    // stack, not the stop frame's, the stop in this stack (else the general walk decides).
+    let readable =
+        |a: u64| a.is_multiple_of(8) && a >= sp && a.checked_add(16).is_some_and(|e| e <= hi);
+    if stop_sp < sp || stop_sp > hi || !readable(fp) || fp + 16 >= stop_sp {
+        return Lean::From(fp, 0);
+    }
+    // `FpWalk::enter`'s bounds for this segment, and `set_ok`'s return addresses.
+    let top = hi.saturating_sub(16).min(stop_sp.saturating_sub(24));
+    let stop_at = stop_sp.saturating_sub(16);
+    let (rlo, rhi) = run_ras(s, e - s, hops.span());
+    let top8 = top >> 3;
+    let mut at = fp;
+    if at.wrapping_sub(1) >= top {
+        return Lean::From(fp, 0);
+    }
+    if rlo > rhi {
+        return Lean::From(fp, 0);
+    }
+    let rlen = rhi - rlo;
+    // About fourteen operations a frame (the walk is bound by their number, not by its
+    // chain of loads): each test one compare, no value kept from the loop's tests for
+    // after it (that cost two more instructions a frame).
+    let slots = dst.as_mut_ptr();
+    let room = dst.len();
+    let mut n = 0;
+    let stopped = loop {
+        if n == room {
+            break None;
+        }
+        // SAFETY: `at` is a record `[at, at + 16)` inside `[sp, hi)` (`readable` for the
+        // first one; each next one is aligned, above the last and at most `top <= hi - 16`),
+        // a stack the caller vouched is mapped and readable. Volatile: another thread may
+        // own the stack.
+        let (next, ra) = unsafe {
+            (
+                std::ptr::read_volatile(at as *const u64),
+                std::ptr::read_volatile((at + 8) as *const u64),
+            )
+        };
+        // `FpWalk::run`'s test.
+        if next <= at || next.rotate_right(3) > top8 || ra.wrapping_sub(rlo) > rlen {
+            break Some((next, ra));
+        }
+        // SAFETY: `n < room`, the length of `dst` (checked above): one of its slots, which
+        // `dst` borrows exclusively.
+        unsafe {
+            slots
+                .add(n)
+                .write(std::mem::MaybeUninit::new(Frame::Ra(ra)))
+        };
+        n += 1;
+        at = next;
+    };
+    let Some((next, ra)) = stopped else {
+        return Lean::Full;
+    };
+    // `FpWalk::step` at that record. Its fast path cannot go on where the loop stopped: a
+    // caller's record up to `top` with a return address in `run_ras` is the loop's own
+    // step, and one outside it fails this end's test too, which leaves it to the general
+    // walk. Its second case is the usual end, the caller's record the stop frame's.
+    // (`at + 8 <= next`: `next > at` for an aligned `next`, written so that the loop keeps
+    // no result of its own compare for it.)
+    if ra.wrapping_sub(rlo) <= rlen && at + 8 <= next && next >= stop_at && readable(next) {
+        dst[n] = std::mem::MaybeUninit::new(Frame::Ra(ra));
+        n += 1;
+        // (A walk that filled its slots with its last frame is not known to have ended.)
+        return if n == dst.len() {
+            Lean::Full
+        } else {
+            Lean::Ended(n)
+        };
+    }
+    Lean::From(at, n)
 }
 
 /// Whether `frames`, a suspended context's `Fast` walk done in one go ([`fp_walk_into`]), are
@@ -868,6 +1028,7 @@ fn apply(rule: rules::Rule, stacks: &Stacks<'_>, regs: &mut UnwindRegs) -> Optio
 /// frame pointers at `[lo, lo + len)` and hops spanning `[hl, hh)`: `[lo + 1, lo + len]` (a
 /// return address follows its call; never 0) without the hops' span. When the span lies
 /// inside, the larger side is kept. Empty as `(1, 0)`.
+#[inline]
 fn run_ras(lo: u64, len: u64, (hl, hh): (u64, u64)) -> (u64, u64) {
     const EMPTY: (u64, u64) = (1, 0);
     // (Saturating: a range reaching past the address space's end is cut at it.)
@@ -939,6 +1100,28 @@ impl<'s, 'a> FpWalk<'s, 'a> {
         table: Option<&'s ImageTable>,
         ranges: &'s mut RangeCache,
     ) -> (Self, u64) {
+        Self::new_with(
+            stacks,
+            fp,
+            stop_sp,
+            seg,
+            table,
+            ranges,
+            hop::Hops::snapshot(),
+        )
+    }
+
+    /// [`FpWalk::new`] with the hops known to the caller (a snapshot it took).
+    #[inline(always)]
+    fn new_with(
+        stacks: &'s Stacks<'a>,
+        fp: u64,
+        stop_sp: u64,
+        seg: usize,
+        table: Option<&'s ImageTable>,
+        ranges: &'s mut RangeCache,
+        hops: hop::Hops,
+    ) -> (Self, u64) {
         let mut w = FpWalk {
             stacks,
             stop_sp,
@@ -954,7 +1137,7 @@ impl<'s, 'a> FpWalk<'s, 'a> {
             stop_at: u64::MAX,
             seg,
             visited: 1 << (seg % 64),
-            hops: hop::Hops::snapshot(),
+            hops,
         };
         if table.is_none() {
             w.set_ok(0, u64::MAX);
@@ -1510,6 +1693,125 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A suspended context's one-go walk gives the same frames with its lean start as the
+    /// general walk alone, on random stacks: chains that go up, break, loop, leave the stack,
+    /// reach or pass the stop frame; return addresses into code that keeps frame pointers,
+    /// the C library, no image, a hop, null; slots that run out; stops in and outside the
+    /// stack, misaligned.
+    #[test]
+    fn the_lean_suspended_walk_gives_the_general_walks_frames_on_random_stacks() {
+        let table = crate::image::table();
+        let fns = [
+            fp_walk_is_auto as *const () as usize,
+            fp_walk_into as *const () as usize,
+            run_ras as *const () as usize,
+            fp_start as *const () as usize,
+            lean_run as *const () as usize,
+        ];
+        let code: Vec<u64> = fns
+            .iter()
+            .map(|&f| f as u64 + 8)
+            .filter(|a| table.code_range(a - 1).is_some_and(|r| r.2))
+            .collect();
+        assert!(
+            code.len() >= 3,
+            "functions keeping frame pointers among {fns:x?}"
+        );
+        let others = [0, 0x10, 0x5000 + 24, table.libc_span.0 + 16];
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut rnd = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        const WORDS: usize = 64;
+        let mut mem = vec![0u64; WORDS];
+        let (mut ended_long, mut disagreements) = (0, Vec::new());
+        for round in 0..20_000 {
+            let base = mem.as_ptr() as u64;
+            let sp = base + 8 * rnd(4);
+            let hi = base + 8 * WORDS as u64 - [0, 0, 3, 8][rnd(4) as usize];
+            let stop_sp = match rnd(6) {
+                0 => 0,
+                1 => hi + 64,
+                _ => {
+                    base + 8 * (WORDS as u64 / 2 + rnd(WORDS as u64 / 2))
+                        + [0, 0, 0, 3][rnd(4) as usize]
+                }
+            };
+            for i in (0..WORDS).step_by(2) {
+                let here = base + 8 * i as u64;
+                let up = 16 * (1 + rnd(3));
+                mem[i] = match rnd(60) {
+                    0 => 0,
+                    1 => here + up + 3,
+                    2 => here.wrapping_sub(up),
+                    3 => stop_sp.saturating_sub(16),
+                    4 => here,
+                    5 => hi,
+                    _ => here + up,
+                };
+                mem[i + 1] = match rnd(40) {
+                    0..=3 => others[rnd(4) as usize],
+                    _ => code[rnd(code.len() as u64) as usize],
+                };
+            }
+            let regs = Registers {
+                ip: if rnd(10) == 0 {
+                    0x10
+                } else {
+                    code[rnd(code.len() as u64) as usize]
+                },
+                sp,
+                fp: sp + 8 * rnd(8) + [0, 0, 0, 4][rnd(4) as usize],
+            };
+            let slots = [2, 3, 5, 8, 64, 64, 64, 64][rnd(8) as usize];
+            // The hops registered now, or a span of none around some of the code's return
+            // addresses (the lean walk then leaves those frames to the general one).
+            let hops = match rnd(4) {
+                0 => {
+                    let (a, b) = (
+                        code[rnd(code.len() as u64) as usize],
+                        code[rnd(code.len() as u64) as usize],
+                    );
+                    hop::Hops::empty_span(a.min(b), a.max(b) + rnd(2))
+                }
+                _ => hop::Hops::snapshot(),
+            };
+            let walk = |lean: bool| {
+                let mut dst = vec![std::mem::MaybeUninit::<Frame>::uninit(); slots];
+                let mut ranges = RangeCache::new();
+                let n = fp_walk_into_with(
+                    regs,
+                    hi,
+                    stop_sp,
+                    table,
+                    &mut ranges,
+                    &mut dst,
+                    (lean, hops),
+                )?;
+                // SAFETY: the walk wrote the first `n` slots.
+                Some(
+                    dst[..n]
+                        .iter()
+                        .map(|f| unsafe { f.assume_init() })
+                        .collect::<Vec<_>>(),
+                )
+            };
+            let (got, want) = (walk(true), walk(false));
+            ended_long += usize::from(want.as_ref().is_some_and(|f| f.len() >= 6));
+            if got != want {
+                disagreements.push((round, got, want));
+            }
+        }
+        assert!(disagreements.is_empty(), "{:x?}", &disagreements[..1]);
+        assert!(
+            ended_long > 500,
+            "only {ended_long} walks of 6 frames or more ended"
+        );
     }
 
     /// Random stacks full of plausible and implausible frame records — links up, down, to
