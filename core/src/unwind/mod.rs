@@ -312,6 +312,15 @@ enum Lean {
     From(u64, usize),
 }
 
+impl Lean {
+    /// `Full`, out of line: made in the loop's exit, the value was set at every turn.
+    #[cold]
+    #[inline(never)]
+    fn full() -> Lean {
+        Lean::Full
+    }
+}
+
 /// A suspended context's frame-pointer walk as most of them go: the stop frame in this stack
 /// `[sp, hi)`, every return address in the code range `code` known to keep frame pointers
 /// (outside the hops), the chain ending at the stop frame's record. Those frames are what
@@ -359,27 +368,30 @@ fn lean_run(
     // after it (that cost two more instructions a frame).
     let slots = dst.as_mut_ptr();
     let room = dst.len();
-    let mut n = 0;
-    let stopped = loop {
-        if n == room {
-            break None;
-        }
+    // The record at `at`: the caller's record and the return address.
+    let record = |at: u64| {
         // SAFETY: `at` is a record `[at, at + 16)` inside `[sp, hi)` (`readable` for the
         // first one; each next one is aligned, above the last and at most `top <= hi - 16`),
         // a stack the caller vouched is mapped and readable. Volatile: another thread may
         // own the stack.
-        let (next, ra) = unsafe {
+        unsafe {
             (
                 std::ptr::read_volatile(at as *const u64),
                 std::ptr::read_volatile((at + 8) as *const u64),
             )
-        };
+        }
+    };
+    let mut n = 0;
+    // Nothing but `at` and `n` leaves the loop (the record where it stopped is read again
+    // after it): values carried out of it cost instructions in every turn.
+    while n < room {
+        let (next, ra) = record(at);
         // `FpWalk::run`'s test.
         if next <= at || next.rotate_right(3) > top8 || ra.wrapping_sub(rlo) > rlen {
-            break Some((next, ra));
+            break;
         }
-        // SAFETY: `n < room`, the length of `dst` (checked above): one of its slots, which
-        // `dst` borrows exclusively.
+        // SAFETY: `n < room`, the length of `dst`: one of its slots, which `dst` borrows
+        // exclusively.
         unsafe {
             slots
                 .add(n)
@@ -387,10 +399,11 @@ fn lean_run(
         };
         n += 1;
         at = next;
-    };
-    let Some((next, ra)) = stopped else {
-        return Lean::Full;
-    };
+    }
+    if n == room {
+        return Lean::full();
+    }
+    let (next, ra) = record(at);
     // `FpWalk::step` at that record. Its fast path cannot go on where the loop stopped: a
     // caller's record up to `top` with a return address in `run_ras` is the loop's own
     // step, and one outside it fails this end's test too, which leaves it to the general
