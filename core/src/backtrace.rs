@@ -229,6 +229,11 @@ impl Backtrace {
         self.frames.clear();
     }
 
+    /// Removes the first `k` frames (all of them when there are fewer).
+    pub(crate) fn drop_front(&mut self, k: usize) {
+        self.frames.drain(..k.min(self.frames.len()));
+    }
+
     /// Appends `other` — the trace of the fiber `parent` that created the owner of this one —
     /// after a [`Frame::Parent`] boundary marker.
     ///

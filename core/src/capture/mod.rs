@@ -435,7 +435,10 @@ pub fn collect_from_into(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Ba
         out.clear();
         return;
     }
-    if opts.unwinder != Unwinder::Precise && opts.offset == 0 && fp_walk_whole(ctx, opts, out) {
+    if opts.unwinder != Unwinder::Precise
+        && opts.offset <= MAX_ONE_GO_OFFSET
+        && fp_walk_whole(ctx, opts, out)
+    {
         return;
     }
     collect_from_general(ctx, opts, out);
@@ -453,27 +456,41 @@ fn collect_from_general(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Bac
     walk_with_refresh(start, &Stacks::new(&bounds), opts, out);
 }
 
+/// The largest `offset` a suspended walk in one go takes (the runtimes skip one frame, their
+/// suspend wrapper).
+const MAX_ONE_GO_OFFSET: usize = 4;
+
 /// A suspended context's `Fast` walk in one go, when it needs none of the general walk's
 /// machinery (see `unwind::fp_walk_into`), and its `Auto` walk the same way when the frames
 /// are provably `Auto`'s (`unwind::fp_walk_is_auto`): `false` when the general walk must do
 /// it (and `out` is then empty).
+///
+/// An `offset` of `k` frames: the walk is given `limit + k` slots (at most the backtrace's
+/// capacity) and its first `k` frames are dropped. It succeeds only when the whole walk fits
+/// with a slot to spare, so what is left is under the limit and nothing was cut: exactly
+/// the general walk's frames, which skip the same `k` (none when the walk is shorter).
 #[inline]
 fn fp_walk_whole(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Backtrace) -> bool {
     // (The first walk builds the table, through the general walk.)
     let Some(table) = crate::image::published() else {
         return false;
     };
+    let skip = opts.offset;
+    let room = (opts.effective_limit() + skip).min(crate::backtrace::CAPACITY);
     let whole = with_ranges(|ranges| {
         // SAFETY: `fp_walk_into` returns `Some(n)` only having written `dst[..n]` (its `Pc`,
         // then the frames its walk's `fill` wrote after it).
         unsafe {
-            out.fill_with(opts.effective_limit(), |dst| {
+            out.fill_with(room, |dst| {
                 unwind::fp_walk_into(ctx.regs, ctx.stack.hi, ctx.stop_sp, table, ranges, dst)
             })
         }
     });
     // (Apart, so that a `Fast` walk pays one compare for it.)
     let whole = whole && (opts.unwinder != Unwinder::Auto || fp_walk_is_auto(ctx, table, out));
+    if whole && skip > 0 {
+        out.drop_front(skip);
+    }
     #[cfg(test)]
     tests::ONE_GO.with(|n| n.set(n.get() + usize::from(whole)));
     whole
@@ -663,11 +680,25 @@ mod tests {
                     if !stop {
                         c.stop_sp = 0;
                     }
-                    for (limit, top) in [(64, 16), (64, 0), (10, 3), (2, 0), (1, 0), (0, 0)] {
+                    for (limit, top, offset) in [
+                        (64, 16, 0),
+                        (64, 0, 0),
+                        (10, 3, 0),
+                        (2, 0, 0),
+                        (1, 0, 0),
+                        (0, 0, 0),
+                        (64, 16, 1),
+                        (63, 16, 1),
+                        (10, 3, 1),
+                        (1, 0, 1),
+                        (64, 0, 4),
+                        (5, 0, 4),
+                        (2, 0, 3),
+                    ] {
                         let opts = CaptureOptions {
                             unwinder,
                             limit,
-                            offset: 0,
+                            offset,
                             top,
                         };
                         let mut general = Backtrace::new();
@@ -699,7 +730,12 @@ mod tests {
                         // stack that fills the limit exactly goes to the general walk, which
                         // alone knows what is cut; without the stop the chain runs on into the
                         // coroutine library's entry code, which keeps no frame pointers: DWARF).
-                        if stop && fits && general.len() < opts.effective_limit() {
+                        // (With an offset, the walk's frames before it take slots too.)
+                        if stop
+                            && fits
+                            && general.len() < opts.effective_limit()
+                            && general.len() + offset < crate::backtrace::CAPACITY
+                        {
                             assert!(whole, "depth {depth}, stop {stop}, {opts:?}: {general:?}");
                         }
                     }

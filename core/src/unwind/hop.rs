@@ -120,6 +120,12 @@ impl Hops {
         Hops { n: 0, lo, hi }
     }
 
+    /// Whether no hop is registered.
+    #[inline]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+
     /// The span of every hop's range, `[lo, hi)`: empty (`lo == hi`) when none is registered.
     #[inline]
     pub(crate) fn span(&self) -> (u64, u64) {

@@ -235,7 +235,11 @@ pub(crate) fn fp_walk_into(
     dst: &mut [std::mem::MaybeUninit<Frame>],
 ) -> Option<usize> {
     let hops = hop::Hops::snapshot();
-    fp_walk_into_with(regs, hi, stop_sp, table, ranges, dst, (true, hops))
+    // With hops registered (an interpreter such as LuaJIT's in the process), stacks go
+    // between code ranges within a few frames, where the lean start would hand over at once:
+    // a parked Lua fiber's walk cost ~110 instructions more with it.
+    let lean = hops.is_empty();
+    fp_walk_into_with(regs, hi, stop_sp, table, ranges, dst, (lean, hops))
 }
 
 /// [`fp_walk_into`] under the hops `hops`, with its lean start (`lean_run`) or without it
