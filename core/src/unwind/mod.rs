@@ -1810,13 +1810,11 @@ mod tests {
                     &mut dst,
                     (lean, hops),
                 )?;
-                // SAFETY: the walk wrote the first `n` slots.
-                Some(
-                    dst[..n]
-                        .iter()
-                        .map(|f| unsafe { f.assume_init() })
-                        .collect::<Vec<_>>(),
-                )
+                let frames = dst[..n].iter().map(|f| {
+                    // SAFETY: the walk wrote the first `n` slots.
+                    unsafe { f.assume_init() }
+                });
+                Some(frames.collect::<Vec<_>>())
             };
             let (got, want) = (walk(true), walk(false));
             ended_long += usize::from(want.as_ref().is_some_and(|f| f.len() >= 6));
