@@ -374,10 +374,9 @@ fn lean_run(
     let room = dst.len();
     // The record at `at`: the caller's record and the return address.
     let record = |at: u64| {
-        // SAFETY: `at` is a record `[at, at + 16)` inside `[sp, hi)` (`readable` for the
-        // first one; each next one is aligned, above the last and at most `top <= hi - 16`),
-        // a stack the caller vouched is mapped and readable. Volatile: another thread may
-        // own the stack.
+        // `at` is a record `[at, at + 16)` inside `[sp, hi)`: `readable` for the first one;
+        // each next one is aligned, above the last and at most `top <= hi - 16`.
+        // SAFETY: inside a stack the caller vouched is mapped and readable (see above).
         unsafe {
             (
                 std::ptr::read_volatile(at as *const u64),
@@ -394,8 +393,7 @@ fn lean_run(
         if next <= at || next.rotate_right(3) > top8 || ra.wrapping_sub(rlo) > rlen {
             break;
         }
-        // SAFETY: `n < room`, the length of `dst`: one of its slots, which `dst` borrows
-        // exclusively.
+        // SAFETY: `n < room` (`dst.len()`): one of the slots `dst` borrows exclusively.
         unsafe {
             slots
                 .add(n)
@@ -953,9 +951,9 @@ fn compact_run(
             if bp == 0 || !bp.is_multiple_of(8) || bp < lo || cfa <= sp || cfa >= hi {
                 break;
             }
-            // SAFETY: `[bp, bp + 16)` lies inside the current stack segment (`bp >= lo`,
-            // `bp + 16 < hi`), aligned, which the walk's caller vouched is mapped and
-            // readable (as `read`); volatile: another thread may own the stack.
+            // `[bp, bp + 16)` lies inside the current stack segment (`bp >= lo`, `bp + 16 <
+            // hi`), aligned; volatile reads: another thread may own the stack.
+            // SAFETY: a segment the walk's caller vouched is mapped and readable (as `read`).
             let (v, ra) = unsafe {
                 (
                     std::ptr::read_volatile(bp as *const u64),
@@ -1511,6 +1509,25 @@ mod tests {
         out
     }
 
+    /// Return addresses into those of `fns` (functions of this module) that keep frame pointers,
+    /// as the image table judges them (one word past each function's start).
+    fn fp_code_returns(table: &ImageTable, fns: &[usize]) -> Vec<u64> {
+        fns.iter()
+            .map(|&f| f as u64 + 8)
+            .filter(|a| table.code_range(a - 1).is_some_and(|r| r.2))
+            .collect()
+    }
+
+    /// A xorshift generator from `seed`: each call, a number below `n`.
+    fn xorshift(mut seed: u64) -> impl FnMut(u64) -> u64 {
+        move |n| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        }
+    }
+
     /// `fp_walk_is_auto` accepts a one-go walk only when every step is one `Auto` takes the
     /// same way: on a stack built by hand (return addresses into this program's own code,
     /// which keeps frame pointers), the walk's frames pass, and each broken condition fails.
@@ -1525,13 +1542,8 @@ mod tests {
             run_ras as *const () as usize,
             fp_start as *const () as usize,
         ];
-        let fp_code = |a: &u64| table.code_range(a - 1).is_some_and(|r| r.2);
-        let code: Vec<u64> = fns
-            .iter()
-            .map(|&f| f as u64 + 8)
-            .filter(fp_code)
-            .take(3)
-            .collect();
+        let mut code = fp_code_returns(table, &fns);
+        code.truncate(3);
         assert_eq!(
             code.len(),
             3,
@@ -1727,23 +1739,13 @@ mod tests {
             fp_start as *const () as usize,
             lean_run as *const () as usize,
         ];
-        let code: Vec<u64> = fns
-            .iter()
-            .map(|&f| f as u64 + 8)
-            .filter(|a| table.code_range(a - 1).is_some_and(|r| r.2))
-            .collect();
+        let code = fp_code_returns(table, &fns);
         assert!(
             code.len() >= 3,
             "functions keeping frame pointers among {fns:x?}"
         );
         let others = [0, 0x10, 0x5000 + 24, table.libc_span.0 + 16];
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut rnd = move |n: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        };
+        let mut rnd = xorshift(0x2545_f491_4f6c_dd1d);
         const WORDS: usize = 64;
         let mut mem = vec![0u64; WORDS];
         let (mut ended_long, mut disagreements) = (0, Vec::new());
@@ -1837,13 +1839,7 @@ mod tests {
     fn fast_path_walk_agrees_with_the_plain_walk_on_random_stacks() {
         // The hop table is process-wide: a range of its own (hop.rs's test registers another).
         assert!(hop::register_fp_hop(0x5000, 0x6000, 64));
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let mut rnd = move |n: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        };
+        let mut rnd = xorshift(0x9e37_79b9_7f4a_7c15);
         const WORDS: usize = 96;
         let mut mem = vec![[0u64; WORDS]; 2];
         let mut disagreements = Vec::new();
