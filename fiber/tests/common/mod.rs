@@ -24,6 +24,22 @@ pub fn names(frames: &[Frame]) -> Vec<String> {
         .collect()
 }
 
+/// The functions the frames are in: for each frame the outermost function at its address
+/// (the one whose frame it is), where [`names`] gives the innermost inlined one. A sample
+/// of a running fiber can land in code inlined into its innermost function (a comparison
+/// in `busy_3`, named `partial_cmp` by [`names`]).
+pub fn owners(frames: &[Frame]) -> Vec<String> {
+    frames
+        .iter()
+        .map(|f| {
+            let n = symbolize::resolve(f)
+                .and_then(|r| r.symbols.last().and_then(|s| s.name.clone()))
+                .unwrap_or_else(|| "??".into());
+            short(&n)
+        })
+        .collect()
+}
+
 /// The last `::` segment of a name, generic arguments ignored.
 pub fn short(n: &str) -> String {
     let mut depth = 0i32;
