@@ -40,7 +40,8 @@ pub(crate) struct OnThread {
     pub hi: AtomicU64,
     /// The running fiber's control block (valid while it runs: its slot holds an Arc).
     pub fiber: AtomicPtr<ControlBlock>,
-    /// Clock ticks when the running fiber was resumed.
+    /// Clock ticks when the running fiber was resumed (0: not known, the scheduler's runs
+    /// are not timed; or they were not when it was resumed).
     pub run_since: AtomicU64,
     /// Resumes so far (changes whenever the running fiber changes).
     pub resumes: AtomicU64,
@@ -216,6 +217,12 @@ pub(crate) fn set_running(on: &OnThread, f: &ControlBlock, now_ticks: u64) {
     on.run_since.store(now_ticks, Ordering::Relaxed);
     single_writer_add(&on.resumes, 1);
     on.running.store(f.id, Ordering::Release);
+}
+
+/// The run under way counts from `now_ticks` (scheduler thread, when it starts timing runs
+/// in the middle of one).
+pub(crate) fn restamp_run(on: &OnThread, now_ticks: u64) {
+    on.run_since.store(now_ticks, Ordering::Relaxed);
 }
 
 /// Publishes that no fiber runs (scheduler thread, after the switch back).

@@ -56,12 +56,24 @@ fn loop_turns_group_the_fibers_ready_together() {
     assert_eq!(turn("b again"), turn("a") + 1);
 }
 
-/// The current fiber's run time grows while it runs and starts again after a switch.
+/// The current fiber's run time grows while it runs and starts again after a switch. It is
+/// known once the scheduler times runs (`time_runs`, as the Lua host's slices ask), and
+/// counts the run under way from that call.
 #[test]
 fn run_time_counts_from_the_last_switch() {
     assert_eq!(current_run_time(), None);
+    assert!(
+        !fibertrace_fiber::embed::time_runs(),
+        "no scheduler runs here"
+    );
     let (before, after) = Scheduler::new()
         .block_on(|| {
+            // Untimed (the default): no run time to give.
+            spin(Duration::from_millis(5));
+            assert_eq!(current_run_time(), None);
+            assert!(fibertrace_fiber::embed::time_runs());
+            let first = current_run_time().unwrap();
+            assert!(first < Duration::from_millis(1), "{first:?}");
             spin(Duration::from_millis(5));
             let before = current_run_time().unwrap();
             yield_now();

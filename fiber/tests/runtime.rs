@@ -535,40 +535,78 @@ fn spin_for(d: Duration) {
 
 #[test]
 fn a_fiber_started_at_once_is_charged_its_own_cpu_time_not_its_creators() {
+    Scheduler::with_options(fibertrace_fiber::SchedulerOptions {
+        cpu_time: true,
+        ..Default::default()
+    })
+    .block_on(|| {
+        let me = fibertrace_fiber::current().unwrap();
+        // A switch settles the time this fiber ran so far (its CPU time is charged at
+        // each accounting point).
+        yield_now();
+        let before = me.control_block().cpu_time();
+        let h = spawn(|| spin_for(Duration::from_millis(30)));
+        let child = h.fiber().clone();
+        fibertrace_fiber::yield_to(h.fiber());
+        assert!(h.is_finished());
+        let mine = me.control_block().cpu_time() - before;
+        // Compared with each other, not with wall time: the tick rate is calibrated
+        // while the process is young, and may be off by a few percent.
+        let theirs = child.control_block().cpu_time();
+        assert!(
+            theirs >= Duration::from_millis(15),
+            "child charged {theirs:?}"
+        );
+        assert!(theirs > mine * 10, "child {theirs:?}, creator {mine:?}");
+        // The creator's own work before the start is its own.
+        yield_now();
+        let before = me.control_block().cpu_time();
+        spin_for(Duration::from_millis(20));
+        let h = spawn(|| ());
+        let child = h.fiber().clone();
+        fibertrace_fiber::yield_to(h.fiber());
+        let mine = me.control_block().cpu_time() - before;
+        let theirs = child.control_block().cpu_time();
+        assert!(
+            mine >= Duration::from_millis(10),
+            "creator charged {mine:?}"
+        );
+        assert!(mine > theirs * 10, "creator {mine:?}, child {theirs:?}");
+    })
+    .unwrap();
+}
+
+/// CPU time is counted while the scheduler times runs: not by default (a switch reads no
+/// clock); from `top_enable` on, the run under way counted from that call (not from its
+/// start); no more after `top_disable`.
+#[test]
+fn cpu_time_is_counted_only_while_runs_are_timed() {
+    use fibertrace_fiber::embed::{top_disable, top_enable};
     Scheduler::new()
         .block_on(|| {
             let me = fibertrace_fiber::current().unwrap();
-            // A switch settles the time this fiber ran so far (its CPU time is charged at
-            // each accounting point).
-            yield_now();
-            let before = me.control_block().cpu_time();
-            let h = spawn(|| spin_for(Duration::from_millis(30)));
-            let child = h.fiber().clone();
-            fibertrace_fiber::yield_to(h.fiber());
-            assert!(h.is_finished());
-            let mine = me.control_block().cpu_time() - before;
-            // Compared with each other, not with wall time: the tick rate is calibrated
-            // while the process is young, and may be off by a few percent.
-            let theirs = child.control_block().cpu_time();
-            assert!(
-                theirs >= Duration::from_millis(15),
-                "child charged {theirs:?}"
-            );
-            assert!(theirs > mine * 10, "child {theirs:?}, creator {mine:?}");
-            // The creator's own work before the start is its own.
-            yield_now();
-            let before = me.control_block().cpu_time();
+            let cpu = || me.control_block().cpu_time();
             spin_for(Duration::from_millis(20));
-            let h = spawn(|| ());
-            let child = h.fiber().clone();
-            fibertrace_fiber::yield_to(h.fiber());
-            let mine = me.control_block().cpu_time() - before;
-            let theirs = child.control_block().cpu_time();
+            yield_now();
+            assert_eq!(cpu(), Duration::ZERO);
+            let info = fibertrace_fiber::info::fiber_info(me.id(), &Default::default()).unwrap();
+            assert_eq!(info.cpu_time, 0.0);
+            // Not counted: the run was not timed until now.
+            spin_for(Duration::from_millis(20));
+            assert!(top_enable());
+            spin_for(Duration::from_millis(10));
+            yield_now();
+            let counted = cpu();
+            // (Wall time on the CPU, in ticks at a rate calibrated within a few percent;
+            // the 20 ms before the enable would make it 30.)
             assert!(
-                mine >= Duration::from_millis(10),
-                "creator charged {mine:?}"
+                counted >= Duration::from_millis(8) && counted < Duration::from_millis(25),
+                "{counted:?}"
             );
-            assert!(mine > theirs * 10, "creator {mine:?}, child {theirs:?}");
+            top_disable();
+            spin_for(Duration::from_millis(10));
+            yield_now();
+            assert_eq!(cpu(), counted);
         })
         .unwrap();
 }

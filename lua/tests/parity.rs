@@ -825,6 +825,27 @@ out(pcall(fiber.top))
     check(&got, &want);
 }
 
+/// `fiber.info()`'s `time` counts CPU time only while `fiber.top` is on, as Tarantool's: a
+/// busy fiber's is 0 before, grows while on (from the enable, not from the fiber's start),
+/// and stays as it was after the disable.
+#[test]
+fn info_time_counts_while_top_is_on() {
+    let (got, _) = run(r#"
+local function time() return fiber.info()[fiber.id()].time end
+spin(0.02) fiber.yield()
+out(time() == 0)
+spin(0.02)
+fiber.top_enable()
+spin(0.01) fiber.yield()
+local on = time()
+out(on > 0.008, on < 0.025)
+fiber.top_disable()
+spin(0.01) fiber.yield()
+out(time() == on)
+"#);
+    check(&got, &s(&["true", "true true", "true"]));
+}
+
 /// `fiber._internal.schedule_task`: tasks run later, in order, in a worker fiber; scheduling
 /// does not yield; a task that raises or cancels the worker does not stop the next ones.
 #[test]

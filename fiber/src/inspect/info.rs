@@ -81,7 +81,8 @@ pub struct FiberInfo {
     pub waiting: Option<Waiting>,
     /// Context switches (resumes) so far.
     pub csw: u64,
-    /// CPU time it ran, in seconds.
+    /// CPU time it ran, in seconds, counted while its scheduler timed runs (see
+    /// [`crate::ControlBlock::cpu_time`]; 0 when it never did).
     pub cpu_time: f64,
     /// Stack size in bytes.
     pub stack_size: usize,

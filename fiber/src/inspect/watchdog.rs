@@ -322,7 +322,7 @@ struct Watch {
     resumes: u64,
     /// When the watchdog first saw the current run.
     seen_at: Instant,
-    /// Ticks at the run's start as the scheduler published it.
+    /// Ticks at the run's start as the scheduler published it (0: not known).
     run_since: u64,
     /// The thread's CPU time when the watchdog first saw the run, and the part of the run
     /// before that (at most a tick, taken as CPU).
@@ -455,14 +455,23 @@ fn run() {
                 w.seen_at = Instant::now();
                 w.run_since = run_since;
                 w.cpu_seen = sm.thread_cpu_time();
-                w.cpu_credit = crate::clock::since(run_since).min(tick);
+                // (The part of the run before we saw it, when the scheduler times runs.)
+                w.cpu_credit = if run_since == 0 {
+                    Duration::ZERO
+                } else {
+                    crate::clock::since(run_since).min(tick)
+                };
                 w.next_report = cfg.threshold;
                 w.next_wall_report = wall_limit(cfg.threshold);
                 continue;
             }
             // The same run goes on. How long it has used the CPU (and how long in wall time,
             // for a fiber blocked in the kernel).
-            let wall = crate::clock::since(w.run_since).max(w.seen_at.elapsed());
+            let wall = if w.run_since == 0 {
+                w.seen_at.elapsed()
+            } else {
+                crate::clock::since(w.run_since).max(w.seen_at.elapsed())
+            };
             let cpu_now = sm.thread_cpu_time();
             if sm.resumes.load(Ordering::Relaxed) != resumes {
                 // It switched between our two reads (this thread may have been descheduled

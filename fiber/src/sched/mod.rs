@@ -44,7 +44,8 @@ mod spawn;
 pub use handle::{CancelQuiet, Fiber, JoinError, JoinHandle};
 pub use names::{name_from_bytes, name_to_bytes, quoted_name, QuotedName};
 pub use run::{
-    current_run_time, loop_turn, top_disable, top_enable, top_enabled, top_fiber_row, top_sched_row,
+    current_run_time, loop_turn, time_runs, top_disable, top_enable, top_enabled, top_fiber_row,
+    top_sched_row,
 };
 pub(crate) use run::{wake, wake_live};
 use spawn::{no_tail_call, spawn_failed, HeldStack};
@@ -177,6 +178,13 @@ pub struct SchedulerOptions {
     pub report_panics: bool,
     /// Scheduler name shown in dumps.
     pub name: String,
+    /// Count each fiber's CPU time at every switch ([`ControlBlock::cpu_time`]): one read of
+    /// the CPU's time-stamp counter per switch (~10 ns on some machines, a fifth of a yield).
+    /// Off by default: CPU time is then counted only while `fiber.top` accounting is on
+    /// ([`crate::embed::top_enable`]), as Tarantool counts a fiber's `time`.
+    ///
+    /// [`ControlBlock::cpu_time`]: crate::ControlBlock::cpu_time
+    pub cpu_time: bool,
 }
 
 impl Default for SchedulerOptions {
@@ -187,6 +195,7 @@ impl Default for SchedulerOptions {
             stack_size: 256 * 1024,
             report_panics: true,
             name: std::thread::current().name().unwrap_or("cord").to_string(),
+            cpu_time: false,
         }
     }
 }
@@ -198,10 +207,15 @@ pub(crate) struct Inner {
     slots: RefCell<HashMap<FiberId, Box<Slot>, IdHash>>,
     /// The writing side of this scheduler's registry slab (`shared.fibers`).
     reg: RefCell<SlabOwner>,
-    /// Clock ticks at the last accounting point: the end of a fiber's run (or of an idle
-    /// wait) or the start of a nested one. One counter read per switch serves both the
-    /// finished share's CPU time and the next run's start time.
+    /// Clock ticks at the last accounting point. While runs are timed (`clocked`): the end of
+    /// a fiber's run (or of an idle wait) or the start of a nested one — one counter read
+    /// per switch serves both the finished share's CPU time and the next run's start time.
+    /// Otherwise: the start of the loop turn (read only while a timer waits), or of the
+    /// last idle wait's end.
     last_tick: Cell<u64>,
+    /// Whether runs are timed (the counter read at every switch; see `last_tick`): while
+    /// someone needs it, as the bits of [`Clocked`] say.
+    clocked: Cell<u8>,
     /// Fibers ready to run, in order, each with its slot (see [`Ready`]).
     ready: RefCell<VecDeque<Ready>>,
     timers: RefCell<BinaryHeap<std::cmp::Reverse<(Instant, u64, FiberId)>>>,
@@ -234,6 +248,39 @@ pub(crate) struct Inner {
     turn_start: Cell<u64>,
     top_sched: Cell<TopStat>,
     top_total: Cell<TopStat>,
+}
+
+/// Who needs runs timed (bits of `Inner::clocked`).
+pub(crate) struct Clocked;
+
+impl Clocked {
+    /// `SchedulerOptions::cpu_time`.
+    pub(crate) const CPU: u8 = 1;
+    /// `fiber.top` accounting is on.
+    pub(crate) const TOP: u8 = 2;
+    /// A layer above asked for the run time of the running fiber ([`time_runs`]).
+    pub(crate) const RUNS: u8 = 4;
+}
+
+impl Inner {
+    /// Whether runs are timed now.
+    #[inline(always)]
+    pub(crate) fn is_clocked(&self) -> bool {
+        self.clocked.get() != 0
+    }
+
+    /// Sets or clears one need of timed runs. When runs start being timed, the running
+    /// fiber's run (or the scheduler's time) counts from now: the last accounting point may
+    /// be long ago, and its CPU time is no fiber's.
+    pub(crate) fn set_clocked(&self, bit: u8, on: bool) {
+        let was = self.clocked.get();
+        let now = if on { was | bit } else { was & !bit };
+        if was == 0 && now != 0 {
+            self.last_tick.set(crate::clock::ticks());
+            crate::running::restamp_run(&self.shared.on_thread, self.last_tick.get());
+        }
+        self.clocked.set(now);
+    }
 }
 
 /// Most slot boxes kept for reuse.
@@ -295,6 +342,7 @@ impl Scheduler {
         fibertrace_core::capture::thread_stack();
         let shared = registry::register(opts.name.clone());
         crate::publish::add(&shared);
+        let cpu_time = opts.cpu_time;
         let sched = Scheduler {
             inner: Rc::new(Inner {
                 shared,
@@ -303,6 +351,7 @@ impl Scheduler {
                 slots: RefCell::new(HashMap::default()),
                 reg: RefCell::new(SlabOwner::default()),
                 last_tick: Cell::new(crate::clock::ticks()),
+                clocked: Cell::new(if cpu_time { Clocked::CPU } else { 0 }),
                 ready: RefCell::new(VecDeque::new()),
                 timers: RefCell::new(BinaryHeap::new()),
                 timer_gate: Cell::new(u64::MAX),

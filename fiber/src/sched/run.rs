@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use corosensei::CoroutineResult;
 
 use super::{
-    current_ctx, with_sched, Co, FiberCore, Inner, Ready, RunError, TopRow, TopStat, Yield,
-    CURRENT, ON_THREAD, SLOT_POOL_MAX,
+    current_ctx, with_sched, Clocked, Co, FiberCore, Inner, Ready, RunError, TopRow, TopStat,
+    Yield, CURRENT, ON_THREAD, SLOT_POOL_MAX,
 };
 use crate::task::{FiberId, Status};
 
@@ -39,6 +39,12 @@ impl Inner {
                 // Between turns (nothing borrowed): what another thread asked of this one's
                 // (a request made while it idled woke it up, and it comes here first).
                 self.serve_asked();
+                // Untimed runs leave the counter as it was: while a timer waits, it is read
+                // once a turn (timers are looked at between turns, as Tarantool's event
+                // loop does at each iteration).
+                if !self.is_clocked() && self.timer_gate.get() != u64::MAX {
+                    self.last_tick.set(crate::clock::ticks());
+                }
             }
             if self.last_tick.get() >= self.timer_gate.get() {
                 self.fire_timers();
@@ -94,6 +100,17 @@ impl Inner {
                     return Err(RunError::Deadlock { fibers });
                 }
             }
+        }
+    }
+
+    /// The start of the run about to begin, as published for the stall watchdog: the last
+    /// accounting point while runs are timed, 0 (not known) otherwise.
+    #[inline(always)]
+    fn run_start(&self) -> u64 {
+        if self.is_clocked() {
+            self.last_tick.get()
+        } else {
+            0
         }
     }
 
@@ -315,9 +332,14 @@ impl Inner {
         shared.run.begin_resume();
         shared.set_status(Status::Running);
         if shared.created_at_start && shared.csw.load(Ordering::Relaxed) == 0 {
-            // Its first run starts at the last accounting point (a nested start reads the
-            // clock just before): that is its creation time.
-            let t = self.last_tick.get();
+            // Its first run starts now: that is its creation time. (While runs are timed,
+            // at the last accounting point, read just before: by a nested start, or at the
+            // end of the last run.)
+            let t = if self.is_clocked() {
+                self.last_tick.get()
+            } else {
+                crate::clock::ticks()
+            };
             shared.created.store(t, Ordering::Relaxed);
             shared.since.store(t, Ordering::Relaxed);
         }
@@ -328,15 +350,17 @@ impl Inner {
         let prev = CURRENT.with(|c| c.replace(ctx_ptr));
         let _stack = fibertrace_core::enter_stack(shared.stack);
         let prev_owner = fibertrace_core::heap::switch_to(Some(&shared.heap));
-        crate::running::set_running(&self.shared.on_thread, shared, self.last_tick.get());
+        crate::running::set_running(&self.shared.on_thread, shared, self.run_start());
         let r = co.resume(());
         crate::running::set_idle(&self.shared.on_thread);
         fibertrace_core::heap::restore(prev_owner);
-        // Fibers this one started at once ran inside the resume and moved `last_tick`: the
-        // time since is this fiber's.
-        let t1 = crate::clock::ticks();
-        shared.add_ticks(t1.wrapping_sub(self.last_tick.get()));
-        self.last_tick.set(t1);
+        if self.is_clocked() {
+            // Fibers this one started at once ran inside the resume and moved `last_tick`:
+            // the time since is this fiber's.
+            let t1 = crate::clock::ticks();
+            shared.add_ticks(t1.wrapping_sub(self.last_tick.get()));
+            self.last_tick.set(t1);
+        }
         CURRENT.with(|c| c.set(prev));
         match r {
             CoroutineResult::Yield(y) => {
@@ -404,10 +428,12 @@ impl Inner {
         let shared = &me.shared;
         shared.record_suspension();
         shared.run.publish_suspended();
-        // `me`'s share of the CPU ends here.
-        let t = crate::clock::ticks();
-        shared.add_ticks(t.wrapping_sub(self.last_tick.get()));
-        self.last_tick.set(t);
+        if self.is_clocked() {
+            // `me`'s share of the CPU ends here.
+            let t = crate::clock::ticks();
+            shared.add_ticks(t.wrapping_sub(self.last_tick.get()));
+            self.last_tick.set(t);
+        }
         crate::running::set_idle(&self.shared.on_thread);
         self.run_co(r, co);
         // Back in `me`: its run goes on.
@@ -417,7 +443,7 @@ impl Inner {
         shared.set_status(Status::Running);
         shared.add_switch();
         // A new run for the sampler and the stall watchdog, from the end of the nested one.
-        crate::running::set_running(&self.shared.on_thread, shared, self.last_tick.get());
+        crate::running::set_running(&self.shared.on_thread, shared, self.run_start());
         true
     }
 }
@@ -473,23 +499,38 @@ pub fn loop_turn() -> (u64, u64) {
     with_sched(|s| (s.shared.id, s.turn.get())).unwrap_or((0, 0))
 }
 
-/// How long the current fiber has run since it was last switched to (`None` outside a
-/// fiber): what Tarantool's fiber slices measure.
+/// How long the current fiber has run since it was last switched to: what Tarantool's fiber
+/// slices measure. `None` outside a fiber, and while the scheduler's runs are not timed
+/// ([`time_runs`] makes them so; a run under way then counts from that call).
 pub fn current_run_time() -> Option<Duration> {
     current_ctx()?;
-    with_sched(|s| crate::clock::since(s.last_tick.get()))
+    with_sched(|s| {
+        s.is_clocked()
+            .then(|| crate::clock::since(s.last_tick.get()))
+    })
+    .flatten()
+}
+
+/// Times the runs of the scheduler running on this thread from now on (one counter read per
+/// switch; its fibers' CPU time is counted, and [`current_run_time`] answers): for a layer
+/// that keeps fiber slices. The run under way counts from now. Returns false outside a
+/// running scheduler.
+pub fn time_runs() -> bool {
+    with_sched(|s| s.set_clocked(Clocked::RUNS, true)).is_some()
 }
 
 /// Turns `fiber.top()`-style accounting on for the scheduler running on this thread: from
-/// now on, at the end of every loop turn, each fiber's share of the turn and a moving average
-/// of it are updated (a pass over the fibers per turn; nothing per switch: CPU time is
-/// counted at every switch anyway). Turning it on resets every figure. Returns false outside
-/// a running scheduler.
+/// now on each fiber's CPU time is counted at every switch (unless the scheduler counts it
+/// anyway: `SchedulerOptions::cpu_time`), and at the end of every loop turn each fiber's
+/// share of the turn and a moving average of it are updated (a pass over the fibers per
+/// turn). The run under way counts from now. Turning it on resets every figure. Returns
+/// false outside a running scheduler.
 pub fn top_enable() -> bool {
     with_sched(|s| {
         if s.top_on.get() {
             return;
         }
+        s.set_clocked(Clocked::TOP, true);
         s.top_on.set(true);
         s.turn_start.set(crate::clock::ticks());
         s.top_sched.set(TopStat::default());
@@ -506,9 +547,13 @@ pub fn top_enable() -> bool {
     .is_some()
 }
 
-/// Turns `fiber.top()` accounting off (the figures stay as they were).
+/// Turns `fiber.top()` accounting off (the figures stay as they were; CPU time is no longer
+/// counted unless the scheduler counts it anyway, or its runs are timed for slices).
 pub fn top_disable() {
-    with_sched(|s| s.top_on.set(false));
+    with_sched(|s| {
+        s.top_on.set(false);
+        s.set_clocked(Clocked::TOP, false);
+    });
 }
 
 /// Whether `fiber.top()` accounting is on for the scheduler running on this thread.

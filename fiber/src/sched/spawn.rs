@@ -163,8 +163,10 @@ impl Builder {
     /// `fiber.create` does), where the clock reading that starts it also dates it — one
     /// reading of the clock less per fiber (a `rdtsc` costs about 10 ns here, as much as a
     /// tenth of a whole create and run). Until it runs, its creation time shows as the
-    /// scheduler's last accounting point (when the current run began, or the last one
-    /// ended), a moment before the spawn. Use it only for a fiber that is started right away:
+    /// scheduler's last accounting point, some moment before the spawn: when the current
+    /// run began, or the last one ended, while the scheduler times runs; otherwise the
+    /// last idle wait's end or loop turn it read the clock at (possibly long before). Use it
+    /// only for a fiber that is started right away:
     /// otherwise its creation time is when it first ran. Outside a running fiber of the
     /// scheduler it is spawned on, it has no effect.
     #[inline]
@@ -263,8 +265,8 @@ impl Builder {
         };
         let id = next_fiber_id();
         let name = self.name.unwrap_or_else(|| Arc::from(format!("fiber{id}")));
-        // Deferred only when spawned by a running fiber of this scheduler, whose run began
-        // at the last accounting point.
+        // Deferred only when spawned by a running fiber of this scheduler; until the first
+        // run, the date shown is the last accounting point (before the spawn).
         let deferred = self.created_at_start
             && creator.is_some()
             && std::ptr::eq(SCHED.with(|s| s.get()), inner);

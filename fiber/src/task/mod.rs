@@ -841,7 +841,9 @@ impl ControlBlock {
         self.csw.load(Ordering::Relaxed)
     }
 
-    /// CPU time it ran so far.
+    /// CPU time it ran so far, counted while its scheduler times runs: always with
+    /// `SchedulerOptions::cpu_time`, otherwise while `fiber.top` accounting is on (or slices
+    /// are in use); zero for a fiber that never ran then.
     pub fn cpu_time(&self) -> std::time::Duration {
         self.cpu_time_with(crate::clock::Rate::now())
     }
