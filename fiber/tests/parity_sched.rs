@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use fibertrace_fiber::embed::{
     current_run_time, loop_turn, top_disable, top_enable, top_enabled, top_fiber_row, top_sched_row,
 };
-use fibertrace_fiber::{channel, is_cancelled, spawn, yield_now, Builder, Cond, Scheduler};
+use fibertrace_fiber::{
+    channel, is_cancelled, spawn, yield_now, Builder, Cond, Scheduler, SchedulerOptions,
+};
 
 fn spin(d: Duration) {
     let stop = Instant::now() + d;
@@ -56,24 +58,19 @@ fn loop_turns_group_the_fibers_ready_together() {
     assert_eq!(turn("b again"), turn("a") + 1);
 }
 
-/// The current fiber's run time grows while it runs and starts again after a switch. It is
-/// known once the scheduler times runs (`time_runs`, as the Lua host's slices ask), and
-/// counts the run under way from that call.
+/// The current fiber's run time grows while it runs and starts again after a switch, on a
+/// scheduler that times runs (`SchedulerOptions::cpu_time`, as the Lua host's). On one that
+/// does not (the default) it is not known, until `fiber.top` accounting times runs: the run
+/// under way then counts from the enable.
 #[test]
 fn run_time_counts_from_the_last_switch() {
     assert_eq!(current_run_time(), None);
-    assert!(
-        !fibertrace_fiber::embed::time_runs(),
-        "no scheduler runs here"
-    );
-    let (before, after) = Scheduler::new()
+    let timed = Scheduler::with_options(SchedulerOptions {
+        cpu_time: true,
+        ..Default::default()
+    });
+    let (before, after) = timed
         .block_on(|| {
-            // Untimed (the default): no run time to give.
-            spin(Duration::from_millis(5));
-            assert_eq!(current_run_time(), None);
-            assert!(fibertrace_fiber::embed::time_runs());
-            let first = current_run_time().unwrap();
-            assert!(first < Duration::from_millis(1), "{first:?}");
             spin(Duration::from_millis(5));
             let before = current_run_time().unwrap();
             yield_now();
@@ -83,6 +80,18 @@ fn run_time_counts_from_the_last_switch() {
     // (the run time comes from the tick counter, whose rate is measured: within 10%)
     assert!(before >= Duration::from_micros(4500), "{before:?}");
     assert!(after < Duration::from_millis(1), "{after:?}");
+    let (first, later) = Scheduler::new()
+        .block_on(|| {
+            spin(Duration::from_millis(5));
+            assert_eq!(current_run_time(), None);
+            assert!(top_enable());
+            let first = current_run_time().unwrap();
+            spin(Duration::from_millis(5));
+            (first, current_run_time().unwrap())
+        })
+        .unwrap();
+    assert!(first < Duration::from_millis(1), "{first:?}");
+    assert!(later >= Duration::from_micros(4500), "{later:?}");
 }
 
 /// `fiber.top()` accounting: off until enabled; a busy fiber's share and time; every row's

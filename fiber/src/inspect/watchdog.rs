@@ -17,6 +17,10 @@
 //! preempted under load is not taken for a hogging fiber. A fiber blocked in the kernel (a
 //! blocking system call inside a fiber also stalls its scheduler, but uses no CPU) is
 //! reported when its run's wall time passes four thresholds (at least threshold + 200 ms).
+//! A run is timed from its start when its scheduler times runs (`SchedulerOptions::cpu_time`,
+//! or `fiber.top` on: the start is published), otherwise from when the watchdog first saw it:
+//! then it is reported up to a tick (a quarter of the threshold) later, its time that much
+//! short.
 //!
 //! It never fires for a fiber that yields (each resume starts a new run) nor while the
 //! scheduler is idle waiting for a timer (no fiber runs then).
@@ -325,7 +329,9 @@ struct Watch {
     /// Ticks at the run's start as the scheduler published it (0: not known).
     run_since: u64,
     /// The thread's CPU time when the watchdog first saw the run, and the part of the run
-    /// before that (at most a tick, taken as CPU).
+    /// before that (at most a tick, taken as CPU; none when the run's start is not known —
+    /// its scheduler does not time runs — so such a run is reported up to a tick later, its
+    /// time up to a tick short).
     cpu_seen: Option<Duration>,
     cpu_credit: Duration,
     next_report: Duration,

@@ -44,8 +44,7 @@ mod spawn;
 pub use handle::{CancelQuiet, Fiber, JoinError, JoinHandle};
 pub use names::{name_from_bytes, name_to_bytes, quoted_name, QuotedName};
 pub use run::{
-    current_run_time, loop_turn, time_runs, top_disable, top_enable, top_enabled, top_fiber_row,
-    top_sched_row,
+    current_run_time, loop_turn, top_disable, top_enable, top_enabled, top_fiber_row, top_sched_row,
 };
 pub(crate) use run::{wake, wake_live};
 use spawn::{no_tail_call, spawn_failed, HeldStack};
@@ -178,10 +177,12 @@ pub struct SchedulerOptions {
     pub report_panics: bool,
     /// Scheduler name shown in dumps.
     pub name: String,
-    /// Count each fiber's CPU time at every switch ([`ControlBlock::cpu_time`]): one read of
-    /// the CPU's time-stamp counter per switch (~10 ns on some machines, a fifth of a yield).
-    /// Off by default: CPU time is then counted only while `fiber.top` accounting is on
-    /// ([`crate::embed::top_enable`]), as Tarantool counts a fiber's `time`.
+    /// Time every run: count each fiber's CPU time at every switch
+    /// ([`ControlBlock::cpu_time`]), and know how long the running fiber has run
+    /// ([`crate::embed::current_run_time`], for slices). One read of the CPU's time-stamp
+    /// counter per switch (~10 ns on some machines, a fifth of a yield). Off by default: runs
+    /// are then timed only while `fiber.top` accounting is on ([`crate::embed::top_enable`]),
+    /// as Tarantool counts a fiber's `time`.
     ///
     /// [`ControlBlock::cpu_time`]: crate::ControlBlock::cpu_time
     pub cpu_time: bool,
@@ -221,8 +222,9 @@ pub(crate) struct Inner {
     timers: RefCell<BinaryHeap<std::cmp::Reverse<(Instant, u64, FiberId)>>>,
     /// The clock ticks (`last_tick`) from which the timers must be looked at: a little before
     /// the first one is due (`u64::MAX`: no timer; 0: at the next loop iteration). The loop
-    /// compares the counter it read at the last switch with it instead of reading the
-    /// monotonic clock at every switch while some fiber sleeps.
+    /// compares the counter it read last (at the last switch while runs are timed, else at
+    /// the turn's start) with it instead of reading the monotonic clock at every switch
+    /// while some fiber sleeps.
     timer_gate: Cell<u64>,
     next_seq: Cell<u64>,
     current: Cell<FiberId>,
@@ -258,8 +260,6 @@ impl Clocked {
     pub(crate) const CPU: u8 = 1;
     /// `fiber.top` accounting is on.
     pub(crate) const TOP: u8 = 2;
-    /// A layer above asked for the run time of the running fiber ([`time_runs`]).
-    pub(crate) const RUNS: u8 = 4;
 }
 
 impl Inner {

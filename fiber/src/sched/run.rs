@@ -72,8 +72,9 @@ impl Inner {
                 self.resume(r);
                 continue;
             }
-            // Nothing ready: the timers due now, whatever the gate says (it is read from the
-            // counter at the last switch, which may be a while ago).
+            // Nothing ready: the timers due now, whatever the gate says (it is compared with
+            // the counter read last — at the last switch, or the turn's start — which may be
+            // a while ago).
             if self.fire_timers() {
                 continue;
             }
@@ -500,8 +501,9 @@ pub fn loop_turn() -> (u64, u64) {
 }
 
 /// How long the current fiber has run since it was last switched to: what Tarantool's fiber
-/// slices measure. `None` outside a fiber, and while the scheduler's runs are not timed
-/// ([`time_runs`] makes them so; a run under way then counts from that call).
+/// slices measure. `None` outside a fiber, and while the scheduler's runs are not timed (see
+/// `SchedulerOptions::cpu_time`; a run under way when `fiber.top` accounting was turned on
+/// counts from then).
 pub fn current_run_time() -> Option<Duration> {
     current_ctx()?;
     with_sched(|s| {
@@ -511,20 +513,12 @@ pub fn current_run_time() -> Option<Duration> {
     .flatten()
 }
 
-/// Times the runs of the scheduler running on this thread from now on (one counter read per
-/// switch; its fibers' CPU time is counted, and [`current_run_time`] answers): for a layer
-/// that keeps fiber slices. The run under way counts from now. Returns false outside a
-/// running scheduler.
-pub fn time_runs() -> bool {
-    with_sched(|s| s.set_clocked(Clocked::RUNS, true)).is_some()
-}
-
 /// Turns `fiber.top()`-style accounting on for the scheduler running on this thread: from
-/// now on each fiber's CPU time is counted at every switch (unless the scheduler counts it
-/// anyway: `SchedulerOptions::cpu_time`), and at the end of every loop turn each fiber's
-/// share of the turn and a moving average of it are updated (a pass over the fibers per
-/// turn). The run under way counts from now. Turning it on resets every figure. Returns
-/// false outside a running scheduler.
+/// now on each fiber's CPU time is counted at every switch (the scheduler counts it anyway
+/// with `SchedulerOptions::cpu_time`), and at the end of every loop turn each fiber's share
+/// of the turn and a moving average of it are updated (a pass over the fibers per turn).
+/// When runs were not timed before, the run under way counts from now. Turning it on resets
+/// every figure. Returns false outside a running scheduler.
 pub fn top_enable() -> bool {
     with_sched(|s| {
         if s.top_on.get() {
@@ -547,8 +541,9 @@ pub fn top_enable() -> bool {
     .is_some()
 }
 
-/// Turns `fiber.top()` accounting off (the figures stay as they were; CPU time is no longer
-/// counted unless the scheduler counts it anyway, or its runs are timed for slices).
+/// Turns `fiber.top()` accounting off (the figures stay as they were). Unless the scheduler
+/// counts CPU time anyway (`SchedulerOptions::cpu_time`), counting stops here: the run under
+/// way is not charged for its time since the last switch.
 pub fn top_disable() {
     with_sched(|s| {
         s.top_on.set(false);

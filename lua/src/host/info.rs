@@ -22,8 +22,7 @@
 //! How results can be wrong: as [`crate::interleave`]; a creator's frames past 16 are cut in
 //! the middle (`... N frames omitted`); `memory.used` is the fiber's stack in
 //! use at its last suspension (there is no per-fiber heap region as in Tarantool), `total` its
-//! stack size; `time` is the CPU time it ran while `fiber.top` accounting was on (or slices
-//! were in use), as Tarantool counts it.
+//! stack size; `time` is the CPU time it ran.
 
 use std::cell::RefCell;
 use std::collections::HashMap;

@@ -54,13 +54,6 @@ pub(super) fn slice_arg(c: &mut Call, idx: c_int) -> Result<Slice, LErr> {
     Ok(slice)
 }
 
-/// Has the scheduler time its runs from now on (one counter read per switch), as slices need:
-/// called where a slice is set, so that a fiber's run is timed from its start by the time it
-/// checks its slice. (Outside a running scheduler it does nothing.)
-fn time_runs() {
-    fibertrace_fiber::embed::time_runs();
-}
-
 /// The current run of the current fiber: its id and the switch count the run began with.
 pub(super) fn current_run() -> (FiberId, u64) {
     match fibertrace_fiber::current() {
@@ -88,7 +81,6 @@ pub(super) fn set_slice_body(c: &mut Call) -> LResult {
     let s = slice_arg(c, 1)?;
     let run = current_run();
     with_host(|h| h.run_slice = Some((run, s)));
-    time_runs();
     Ok(0)
 }
 lua_fn!(f_set_slice, set_slice_body);
@@ -107,7 +99,6 @@ pub(super) fn extend_slice_body(c: &mut Call) -> LResult {
         };
         h.run_slice = Some((run, ext));
     });
-    time_runs();
     Ok(0)
 }
 lua_fn!(f_extend_slice, extend_slice_body);
@@ -118,18 +109,11 @@ pub(super) fn check_slice_body(c: &mut Call) -> LResult {
     if c.top() != 0 {
         return Err(LErr::plain("fiber.check_slice(): bad arguments"));
     }
-    let run = current_run();
-    let slice = with_host(|h| run_slice(h, run)).ok_or_else(no_host)?;
-    if slice.warn >= Slice::INFINITE && slice.err >= Slice::INFINITE {
-        // No limit (the default): nothing to measure, and runs stay untimed.
-        return Ok(0);
-    }
-    // (Timed already when the slice was set in a fiber; if not, this run counts from now.)
-    time_runs();
     let Some(ran) = fibertrace_fiber::embed::current_run_time() else {
         return Ok(0);
     };
     let ran = ran.as_secs_f64();
+    let run = current_run();
     let warn = with_host(|h| {
         let mut s = run_slice(h, run);
         let warn = (s.warn < ran).then_some(s.warn);
@@ -178,7 +162,6 @@ pub(super) fn set_max_slice_body(c: &mut Call) -> LResult {
     }
     let s = slice_arg(c, top)?;
     let run = current_run();
-    time_runs();
     if top == 2 {
         let (fid, _) = check_fiber(c, 1, false)?;
         with_host(|h| {
