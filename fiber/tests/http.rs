@@ -306,6 +306,23 @@ fn bad_requests_get_clear_answers_and_the_server_goes_on() {
     }
     assert_eq!(exchange(addr, b"GET / HTTP/1.0\n\n").0, 200);
     assert_eq!(exchange(addr, b"GET / HTTP/1.0\r\n\r\n").0, 200);
+    // Two Host headers (a loopback name first, another after it, or the same twice): 400,
+    // whichever one a proxy in front would have read.
+    for hosts in [
+        "Host: localhost\r\nHost: evil.example",
+        "host: 127.0.0.1\r\nX-Other: 1\r\nHOST: localhost",
+        "Host: localhost\r\nHost: localhost",
+    ] {
+        let req = format!("GET / HTTP/1.1\r\n{hosts}\r\n\r\n");
+        assert_eq!(
+            body(exchange(addr, req.as_bytes())),
+            (400, "more than one Host header\n".into()),
+            "{hosts}"
+        );
+    }
+    // A header whose name only ends in "host" is not one.
+    let req = b"GET / HTTP/1.1\r\nHost: localhost\r\nX-Forwarded-Host: evil.example\r\n\r\n";
+    assert_eq!(exchange(addr, req).0, 200);
     // A client that trickles its head a byte every 100 ms (each gap well inside the read
     // timeout) still gets 408 when the timeout has passed since the connection: the answer
     // and the close come about 0.5 s + the 0.5 s drain after it connected, where a timeout

@@ -23,7 +23,8 @@
 //! method but `GET`/`HEAD` gets 405; a bad query value 400, saying what is accepted. A server
 //! on the loopback address answers only requests whose `Host` is `localhost`, `127.0.0.1` or
 //! `[::1]` (403 otherwise): a web page in the user's browser cannot read the stacks through a
-//! name that resolves to 127.0.0.1 (DNS rebinding). A request never stops the process or a fiber:
+//! name that resolves to 127.0.0.1 (DNS rebinding). A request with more than one `Host` gets
+//! 400, on any address (a proxy in front may read another one than the check did). A request never stops the process or a fiber:
 //! the views are the same snapshots as every dump (see [`super`] for how one can be wrong:
 //! not atomic across fibers; a spinning Lua fiber's frames native only, with a note).
 //!
@@ -351,6 +352,11 @@ fn read_request(
     if !version.starts_with("HTTP/1.") {
         return Err((400, format!("unsupported protocol {version:?}")));
     }
+    // (RFC 9112: a request with more than one is answered 400. Which one a proxy in front
+    // reads is not known: the loopback check below must not pass one name and serve another.)
+    if host_headers(head).nth(1).is_some() {
+        return Err((400, "more than one Host header".into()));
+    }
     if loopback && !host_is_loopback(head) {
         return Err((
             403,
@@ -391,16 +397,21 @@ fn head_end(head: &[u8], from: usize) -> Option<usize> {
     }
 }
 
-/// Whether the `Host` header, if any, names the loopback address (see [`serve`]: a web page
-/// must not reach a loopback server through a name that resolves to it, DNS rebinding).
-fn host_is_loopback(head: &[u8]) -> bool {
-    let text = String::from_utf8_lossy(head);
-    let Some(host) = text.lines().skip(1).find_map(|l| {
+/// The values of the head's `Host` header lines (trimmed, lowercase).
+fn host_headers(head: &[u8]) -> impl Iterator<Item = String> + '_ {
+    head.split(|&b| b == b'\n').skip(1).filter_map(|l| {
+        let l = String::from_utf8_lossy(l);
         let (k, v) = l.split_once(':')?;
         k.trim()
             .eq_ignore_ascii_case("host")
             .then(|| v.trim().to_ascii_lowercase())
-    }) else {
+    })
+}
+
+/// Whether the `Host` header, if any, names the loopback address (see [`serve`]: a web page
+/// must not reach a loopback server through a name that resolves to it, DNS rebinding).
+fn host_is_loopback(head: &[u8]) -> bool {
+    let Some(host) = host_headers(head).next() else {
         return true;
     };
     let name = match host.strip_prefix('[') {
