@@ -776,3 +776,55 @@ fn names_come_back_after_the_process_ran_out_of_file_descriptors() {
     assert!(lines[1].contains(" in fibertrace_lua::"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Started under a limit on open files too low for it, `run` says so (the limit and what it
+/// needs), whichever descriptor it could not get, and exits 1; at what it needs, it runs.
+#[test]
+fn too_few_file_descriptors_to_start_is_a_clear_error() {
+    let dir = std::env::temp_dir().join(format!("fibertrace-fds-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = dir.join("hi.lua");
+    std::fs::write(&script, "print('hi')\n").unwrap();
+    let run_with = |n: u32| {
+        // (Only the standard streams are open when the limit is set: whatever else the
+        // test's environment passed down is closed first.)
+        Command::new("bash")
+            .arg("-c")
+            .arg(format!(
+                "for fd in /proc/$$/fd/*; do n=${{fd##*/}}; \
+                 case $n in 0|1|2) ;; *) eval \"exec $n>&-\" ;; esac; done; \
+                 ulimit -n {n}; exec \"$0\" run \"$@\""
+            ))
+            .arg(EXE)
+            .arg(&script)
+            .output()
+            .unwrap()
+    };
+    for (n, failed) in [(5, "pipe"), (8, "pipe"), (9, "hi.lua")] {
+        let o = run_with(n);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{n}: {err}");
+        assert!(o.stdout.is_empty(), "{n}");
+        assert!(
+            err.starts_with("fibertrace: ")
+                && err.contains(&format!("{failed}: Too many open files")),
+            "{n}: {err}"
+        );
+        assert!(
+            err.ends_with(&format!(
+                ": `fibertrace run` needs 10 file descriptors to start, and the limit on open \
+                 files is {n} (ulimit -n)\n"
+            )),
+            "{n}: {err}"
+        );
+    }
+    let o = run_with(10);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "hi\n");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -627,12 +627,43 @@ extern "C" fn on_exit_signal(sig: libc::c_int) {
 /// and so do SIGHUP, SIGUSR1, SIGUSR2 and SIGALRM when not inherited ignored;
 /// SIGPIPE ends the program when standard output has no reader any more ([`on_sigpipe`]).
 /// The handlers only write to pipes; threads do the work outside them.
+/// What a start that ran out of file descriptors says after the error: the limit, and what
+/// `run` needs (its own pipes and the script, beside the standard streams); nothing for
+/// other errors.
+fn fd_hint(e: &io::Error) -> String {
+    match e.raw_os_error() {
+        Some(libc::EMFILE) => {
+            let mut rl = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: a plain query into a local.
+            let limit = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) } == 0 {
+                format!("{}", rl.rlim_cur)
+            } else {
+                "unknown".into()
+            };
+            format!(
+                ": `fibertrace run` needs {RUN_FDS} file descriptors to start, and the limit \
+                 on open files is {limit} (ulimit -n)"
+            )
+        }
+        Some(libc::ENFILE) => ": the system's table of open files is full".into(),
+        _ => String::new(),
+    }
+}
+
+/// File descriptors `run` needs to start with no option: the three standard streams, three
+/// pipes (the dump signal's and the exit signals' two) and the script while it is read.
+const RUN_FDS: u32 = 10;
+
 fn install_signals() -> Result<(), String> {
     fibertrace_fiber::dump::install_signal(libc::SIGQUIT).map_err(|e| e.to_string())?;
     let mut fds = [0i32; 2];
     // SAFETY: pipe2 fills two fds.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(format!("pipe: {}", io::Error::last_os_error()));
+        let e = io::Error::last_os_error();
+        return Err(format!("pipe: {e}{}", fd_hint(&e)));
     }
     let (rd, wr) = (fds[0], fds[1]);
     // The handler must never block on a full pipe (a burst of signals).
@@ -649,7 +680,8 @@ fn install_signals() -> Result<(), String> {
     let mut tfds = [0i32; 2];
     // SAFETY: pipe2 fills two fds.
     if unsafe { libc::pipe2(tfds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(format!("pipe: {}", io::Error::last_os_error()));
+        let e = io::Error::last_os_error();
+        return Err(format!("pipe: {e}{}", fd_hint(&e)));
     }
     let (timer_rd, timer_wr) = (tfds[0], tfds[1]);
     std::thread::Builder::new()
@@ -928,7 +960,7 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
             // The name as its bytes, as the shell passed it.
             let mut m = b"fibertrace: ".to_vec();
             m.extend_from_slice(shown);
-            m.extend_from_slice(format!(": {e}\n").as_bytes());
+            m.extend_from_slice(format!(": {e}{}\n", fd_hint(&e)).as_bytes());
             let _ = io::stderr().write_all(&m);
             return ExitCode::from(1);
         }
