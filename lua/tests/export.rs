@@ -174,6 +174,57 @@ fn a_bad_dump_on_exit_is_refused_before_the_script_runs() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// A dump that cannot be written at exit (`/dev/full`: no space) is an error on stderr, and
+/// a program that would have exited with 0 exits with 1 — at its end and through
+/// `os.exit()`, `os.exit(0)` or `os.exit(true)` — while a failing one keeps its code; the
+/// other dumps are still written.
+#[test]
+fn a_dump_on_exit_that_cannot_be_written_is_a_failure() {
+    let d = dir("full");
+    for (end, code) in [
+        ("", 0),
+        ("os.exit()", 1),
+        ("os.exit(0)", 1),
+        ("os.exit(true)", 1),
+        ("os.exit(3)", 3),
+        ("os.exit(false)", 1),
+        ("error('boom')", 1),
+    ] {
+        let _ = std::fs::remove_file(d.join("ok.folded"));
+        std::fs::write(d.join("s.lua"), format!("print('ran')\n{end}\n")).unwrap();
+        let out = run(
+            &d,
+            &[
+                "--dump-on-exit",
+                "text:/dev/full",
+                "--dump-on-exit",
+                "folded:ok.folded",
+                "s.lua",
+            ],
+        );
+        let err = text(&out.stderr);
+        // The script's own success, not the dump's failure, would have been 0.
+        let want = if code == 0 { 1 } else { code };
+        assert_eq!(out.status.code(), Some(want), "{end:?}: {err}");
+        assert_eq!(text(&out.stdout), "ran\n", "{end:?}");
+        assert!(
+            err.contains("fibertrace: --dump-on-exit text: /dev/full: cannot write: No space left on device (os error 28)\n"),
+            "{end:?}: {err}"
+        );
+        // Written (at the script's end no fiber is left: empty; `os.exit` writes it on the
+        // main fiber, which is in it).
+        let folded = std::fs::read_to_string(d.join("ok.folded")).unwrap();
+        if end.starts_with("os.exit") {
+            assert!(folded.contains("lua;fiber:main;"), "{end:?}: {folded}");
+        }
+    }
+    // Every dump written: the script's code, 0 included.
+    std::fs::write(d.join("s.lua"), "print('ran')\n").unwrap();
+    let out = run(&d, &["--dump-on-exit", "folded:ok.folded", "s.lua"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// `fibertrace.dump` from Lua: the text of every fiber, the caller's own Lua frames too.
 const FROM_LUA: &str = r#"local fiber = require('fiber')
 local ft = require('fibertrace')

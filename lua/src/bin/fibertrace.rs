@@ -166,7 +166,9 @@ fn cli() -> Command {
                              SIGINT, SIGTERM or another exit signal), write every fiber in \
                              FORMAT to FILE: text, \
                              grouped, json, pprof (go tool pprof), folded, svg (a flame \
-                             graph) or speedscope (repeatable)",
+                             graph) or speedscope (repeatable). A dump that cannot be written \
+                             is an error on stderr, and a program that would have exited \
+                             with 0 exits with 1",
                         ),
                 )
                 .arg(
@@ -410,31 +412,54 @@ static DUMPS_ON_EXIT: std::sync::OnceLock<Vec<(Format, PathBuf)>> = std::sync::O
 static DUMPED_ON_EXIT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Writes the `--dump-on-exit` dumps, once (the first of the exit paths to get here); a
-/// dump that cannot be written is said on stderr, and the others are still written.
-fn dump_on_exit() {
+/// dump that cannot be written is said on stderr, and the others are still written. Returns
+/// false when one could not be (the program then does not end with 0: see [`exit_code`]).
+fn dump_on_exit() -> bool {
     let Some(list) = DUMPS_ON_EXIT.get() else {
-        return;
+        return true;
     };
     if DUMPED_ON_EXIT.swap(true, std::sync::atomic::Ordering::SeqCst) {
-        return;
+        return true;
     }
+    let mut all = true;
     for (format, file) in list {
         if let Err(e) = fibertrace_fiber::export::export_to_file(*format, file) {
             err!("fibertrace: --dump-on-exit {format}: {e}");
+            all = false;
         }
+    }
+    all
+}
+
+/// The program's exit code: the script's, except that a success whose `--dump-on-exit` dumps
+/// could not all be written is a failure (1): what watches the exit code learns the dump it
+/// relies on is missing. A failing script keeps its own code.
+fn exit_code(script: i32, dumped: bool) -> i32 {
+    if script == 0 && !dumped {
+        1
+    } else {
+        script
     }
 }
 
 /// `os.exit` with the `--dump-on-exit` dumps written first, through `fibertrace.dump`, on
-/// the fiber that exits (its own trace then has its Lua frames).
+/// the fiber that exits (its own trace then has its Lua frames). A success (`os.exit()`,
+/// `os.exit(true)`, `os.exit(0)`) whose dumps could not all be written exits with 1, as
+/// [`exit_code`] says.
 const EXIT_WRAPPER: &str = r#"
 local dump, exit, list = ...
 return function(...)
+    local failed = false
     for _, d in ipairs(list) do
         local ok, err = dump({format = d[1], file = d[2]})
         if not ok then
             io.stderr:write('fibertrace: --dump-on-exit ', d[1], ': ', tostring(err), '\n')
+            failed = true
         end
+    end
+    local code = ...
+    if failed and (code == nil or code == true or code == 0) then
+        return exit(1, select(2, ...))
     end
     return exit(...)
 end
@@ -714,6 +739,7 @@ fn install_signals() -> Result<(), String> {
                 // SAFETY: writes one byte from a local buffer to our own pipe.
                 unsafe { libc::write(timer_wr, c.as_ptr().cast(), 1) };
                 say_suppressed();
+                // (The signal's code is not 0: it stays, whether the dumps were written.)
                 dump_on_exit();
                 let _ = io::stdout().flush();
                 // SAFETY: fflush(NULL) flushes every C output stream; the thread holds no
@@ -1024,7 +1050,7 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
             1
         }
     };
-    dump_on_exit();
+    let code = exit_code(code, dump_on_exit());
     let _ = io::stdout().flush();
     // `exit` flushes C stdio (Lua's print and io.write); the host is not dropped: fibers
     // still suspended keep their Lua frames and are never unwound.
