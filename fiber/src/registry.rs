@@ -237,6 +237,9 @@ pub struct SchedShared {
     pub(crate) on_thread: OnThread,
     /// Whether it is idle, waiting for a timer (a stall detector must not fire then).
     pub(crate) idle: AtomicBool,
+    /// Whether it has ever timed its runs (counted its fibers' CPU time): from its start with
+    /// `SchedulerOptions::cpu_time`, or since `fiber.top` accounting was first turned on.
+    pub(crate) cpu_counted: AtomicBool,
     /// What a reader in another process needs of the fields above (see `crate::publish`).
     pub(crate) published: SchedPublished,
 }
@@ -302,6 +305,7 @@ pub(crate) fn register(name: String) -> Arc<SchedShared> {
         fibers,
         on_thread: OnThread::new(),
         idle: AtomicBool::new(false),
+        cpu_counted: AtomicBool::new(false),
         published,
     });
     let mut all = SCHEDULERS.lock().unwrap_or_else(|e| e.into_inner());

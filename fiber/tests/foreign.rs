@@ -208,6 +208,11 @@ fn a_thousand_fibers_of_a_stopped_process_are_read_with_their_frames_and_it_runs
     assert_eq!(snap.schedulers[0].name, "threads");
     assert_eq!(snap.schedulers[0].fibers.len(), d.process.threads.len());
     assert_eq!(snap.schedulers[1].fibers.len(), n + 1);
+    // Another process's CPU times are not read: said so, not shown as 0 seconds measured.
+    assert!(snap.schedulers[1]
+        .fibers
+        .iter()
+        .all(|f| !f.cpu_time_counted && f.cpu_time == 0.0));
     let folded = fibertrace_fiber::inspect::export::folded(&snap);
     assert!(
         folded

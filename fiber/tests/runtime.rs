@@ -541,6 +541,8 @@ fn a_fiber_started_at_once_is_charged_its_own_cpu_time_not_its_creators() {
     })
     .block_on(|| {
         let me = fibertrace_fiber::current().unwrap();
+        let info = fibertrace_fiber::info::fiber_info(me.id(), &Default::default()).unwrap();
+        assert!(info.cpu_time_counted);
         // A switch settles the time this fiber ran so far (its CPU time is charged at
         // each accounting point).
         yield_now();
@@ -589,8 +591,9 @@ fn cpu_time_is_counted_only_while_runs_are_timed() {
             spin_for(Duration::from_millis(20));
             yield_now();
             assert_eq!(cpu(), Duration::ZERO);
-            let info = fibertrace_fiber::info::fiber_info(me.id(), &Default::default()).unwrap();
-            assert_eq!(info.cpu_time, 0.0);
+            let info = || fibertrace_fiber::info::fiber_info(me.id(), &Default::default()).unwrap();
+            // (Not a measurement, and the info says so.)
+            assert_eq!((info().cpu_time, info().cpu_time_counted), (0.0, false));
             // Not counted: the run was not timed until now.
             spin_for(Duration::from_millis(20));
             assert!(top_enable());
@@ -603,10 +606,14 @@ fn cpu_time_is_counted_only_while_runs_are_timed() {
                 counted >= Duration::from_millis(8) && counted < Duration::from_millis(25),
                 "{counted:?}"
             );
+            assert!(info().cpu_time_counted);
+            assert!((info().cpu_time - counted.as_secs_f64()).abs() < 0.001);
             top_disable();
             spin_for(Duration::from_millis(10));
             yield_now();
             assert_eq!(cpu(), counted);
+            // Counted once: a lower bound from then on, still said to be counted.
+            assert!(info().cpu_time_counted);
         })
         .unwrap();
 }

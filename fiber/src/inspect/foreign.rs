@@ -699,6 +699,7 @@ impl ForeignDump {
                 }),
                 csw: f.map_or(0, |f| f.csw),
                 cpu_time: 0.0,
+                cpu_time_counted: false,
                 stack_size: 0,
                 stack_used: 0,
                 stack_used_max: 0,

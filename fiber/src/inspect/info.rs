@@ -84,6 +84,11 @@ pub struct FiberInfo {
     /// CPU time it ran, in seconds, counted while its scheduler timed runs (see
     /// [`crate::ControlBlock::cpu_time`]; 0 when it never did).
     pub cpu_time: f64,
+    /// Whether `cpu_time` was counted at all: false when its scheduler never timed its runs
+    /// (no `SchedulerOptions::cpu_time`, `fiber.top` never on) — its 0 is then not a
+    /// measurement — and in a dump of another process.
+    #[serde(default)]
+    pub cpu_time_counted: bool,
     /// Stack size in bytes.
     pub stack_size: usize,
     /// Stack in use at the last suspension, in bytes.
@@ -169,18 +174,20 @@ pub fn info(opts: &InfoOptions) -> Vec<FiberInfo> {
 #[inline(never)]
 pub fn fiber_info(id: FiberId, opts: &InfoOptions) -> Option<FiberInfo> {
     report_entry!();
-    let (_, f) = registry::find(id)?;
-    Some(one(&f, opts, None, &Now::new()))
+    let (s, f) = registry::find(id)?;
+    Some(one(&f, opts, None, &Now::new(), cpu_counted(&s)))
 }
 
-/// Info about the fiber whose control block is `f` (no registry lookup); `here`, when it is
-/// of this fiber, gives its frames (the running fiber's, taken at a safe point).
+/// Info about the fiber whose control block is `f`, of scheduler `s` (no registry lookup);
+/// `here`, when it is of this fiber, gives its frames (the running fiber's, taken at a safe
+/// point).
 pub(crate) fn info_of(
+    s: &SchedShared,
     f: &Arc<ControlBlock>,
     opts: &InfoOptions,
     here: Option<&super::sample::Sample>,
 ) -> Option<FiberInfo> {
-    Some(one(f, opts, here, &Now::new()))
+    Some(one(f, opts, here, &Now::new(), cpu_counted(s)))
 }
 
 /// The clocks (and the tick rate) read once per call, not once per fiber.
@@ -241,6 +248,7 @@ pub(crate) fn scheduler_info_with(
         None
     };
     let now = Now::new();
+    let counted = cpu_counted(s);
     let mut out = Vec::with_capacity(fibers.len());
     for (i, f) in fibers.iter().enumerate() {
         // Memory, not work, bounds a pass over thousands of cold control blocks and stacks:
@@ -253,9 +261,14 @@ pub(crate) fn scheduler_info_with(
                 n.prefetch_stack();
             }
         }
-        out.push(one(f, opts, sampled.as_ref(), &now));
+        out.push(one(f, opts, sampled.as_ref(), &now, counted));
     }
     out
+}
+
+/// Whether scheduler `s` ever counted its fibers' CPU time (read once per listing).
+fn cpu_counted(s: &SchedShared) -> bool {
+    s.cpu_counted.load(Ordering::Relaxed)
 }
 
 fn one(
@@ -263,6 +276,7 @@ fn one(
     opts: &InfoOptions,
     sample: Option<&super::sample::Sample>,
     now: &Now,
+    cpu_time_counted: bool,
 ) -> FiberInfo {
     let (status, on, since) = f.status_raw();
     let in_status = now.since(since);
@@ -310,6 +324,7 @@ fn one(
             .rate
             .duration(f.cpu_ticks.load(Ordering::Relaxed))
             .as_secs_f64(),
+        cpu_time_counted,
         stack_size: f.stack_size,
         stack_used: hi.saturating_sub(f.last_sp.load(Ordering::Relaxed)) as usize,
         stack_used_max: hi.saturating_sub(f.min_sp.load(Ordering::Relaxed)) as usize,

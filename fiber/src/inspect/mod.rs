@@ -188,7 +188,7 @@ fn build_part_with(
         None => info::scheduler_info_with(s, opts, here),
         Some(id) => s
             .fiber(id)
-            .and_then(|f| info::info_of(&f, opts, here.as_ref()))
+            .and_then(|f| info::info_of(s, &f, opts, here.as_ref()))
             .into_iter()
             .collect(),
     };

@@ -278,6 +278,9 @@ impl Inner {
         if was == 0 && now != 0 {
             self.last_tick.set(crate::clock::ticks());
             crate::running::restamp_run(&self.shared.on_thread, self.last_tick.get());
+            self.shared
+                .cpu_counted
+                .store(true, std::sync::atomic::Ordering::Relaxed);
         }
         self.clocked.set(now);
     }
@@ -343,6 +346,11 @@ impl Scheduler {
         let shared = registry::register(opts.name.clone());
         crate::publish::add(&shared);
         let cpu_time = opts.cpu_time;
+        if cpu_time {
+            shared
+                .cpu_counted
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         let sched = Scheduler {
             inner: Rc::new(Inner {
                 shared,
