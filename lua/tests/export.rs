@@ -186,6 +186,7 @@ fn a_dump_on_exit_that_cannot_be_written_is_a_failure() {
         ("os.exit()", 1),
         ("os.exit(0)", 1),
         ("os.exit(true)", 1),
+        ("os.exit('0')", 1),
         ("os.exit(3)", 3),
         ("os.exit(false)", 1),
         ("error('boom')", 1),

@@ -444,7 +444,7 @@ fn exit_code(script: i32, dumped: bool) -> i32 {
 
 /// `os.exit` with the `--dump-on-exit` dumps written first, through `fibertrace.dump`, on
 /// the fiber that exits (its own trace then has its Lua frames). A success (`os.exit()`,
-/// `os.exit(true)`, `os.exit(0)`) whose dumps could not all be written exits with 1, as
+/// `os.exit(true)`, `os.exit(0)`, `os.exit('0')`, which `os.exit` reads as 0) whose dumps could not all be written exits with 1, as
 /// [`exit_code`] says.
 const EXIT_WRAPPER: &str = r#"
 local dump, exit, list = ...
@@ -458,7 +458,7 @@ return function(...)
         end
     end
     local code = ...
-    if failed and (code == nil or code == true or code == 0) then
+    if failed and (code == nil or code == true or tonumber(code) == 0) then
         return exit(1, select(2, ...))
     end
     return exit(...)
