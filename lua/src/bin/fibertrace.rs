@@ -444,8 +444,8 @@ fn exit_code(script: i32, dumped: bool) -> i32 {
 
 /// `os.exit` with the `--dump-on-exit` dumps written first, through `fibertrace.dump`, on
 /// the fiber that exits (its own trace then has its Lua frames). A success (`os.exit()`,
-/// `os.exit(true)`, `os.exit(0)`, `os.exit('0')`, which `os.exit` reads as 0) whose dumps could not all be written exits with 1, as
-/// [`exit_code`] says.
+/// `os.exit(true)`, `os.exit(0)`, `os.exit('0')`, which `os.exit` reads as 0) whose dumps
+/// could not all be written exits with 1, as [`exit_code`] says.
 const EXIT_WRAPPER: &str = r#"
 local dump, exit, list = ...
 return function(...)
@@ -646,12 +646,6 @@ extern "C" fn on_exit_signal(sig: libc::c_int) {
     }
 }
 
-/// The signals of `run`, whatever dispositions were inherited: SIGQUIT prints every fiber's
-/// trace and the program goes on; SIGINT and SIGTERM flush what the script printed (C stdio
-/// buffers included: Lua's `print` and `io.write` use them) and exit with 128 + the signal,
-/// and so do SIGHUP, SIGUSR1, SIGUSR2 and SIGALRM when not inherited ignored;
-/// SIGPIPE ends the program when standard output has no reader any more ([`on_sigpipe`]).
-/// The handlers only write to pipes; threads do the work outside them.
 /// What a start that ran out of file descriptors says after the error: the limit, and what
 /// `run` needs (its own pipes and the script, beside the standard streams); nothing for
 /// other errors.
@@ -682,6 +676,12 @@ fn fd_hint(e: &io::Error) -> String {
 /// pipes (the dump signal's and the exit signals' two) and the script while it is read.
 const RUN_FDS: u32 = 10;
 
+/// The signals of `run`, whatever dispositions were inherited: SIGQUIT prints every fiber's
+/// trace and the program goes on; SIGINT and SIGTERM flush what the script printed (C stdio
+/// buffers included: Lua's `print` and `io.write` use them) and exit with 128 + the signal,
+/// and so do SIGHUP, SIGUSR1, SIGUSR2 and SIGALRM when not inherited ignored;
+/// SIGPIPE ends the program when standard output has no reader any more ([`on_sigpipe`]).
+/// The handlers only write to pipes; threads do the work outside them.
 fn install_signals() -> Result<(), String> {
     fibertrace_fiber::dump::install_signal(libc::SIGQUIT).map_err(|e| e.to_string())?;
     let mut fds = [0i32; 2];
