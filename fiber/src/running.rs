@@ -144,6 +144,48 @@ impl OnThread {
         }
         Some(Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32))
     }
+
+    /// How long the scheduler's thread has waited on a run queue so far: runnable, not
+    /// running (the OS ran other threads, or its cgroup's CPU quota was spent). Read from the
+    /// kernel's scheduler statistics (`/proc/self/task/TID/schedstat`, second field);
+    /// `None` before the scheduler first ran, or where they cannot be read (no procfs, a
+    /// kernel built without them).
+    pub(crate) fn run_queue_wait(&self) -> Option<Duration> {
+        use std::io::Read;
+        let tid = self.tid.load(Ordering::Relaxed);
+        if tid <= 0 {
+            return None;
+        }
+        let mut f = std::fs::File::open(format!("/proc/self/task/{tid}/schedstat")).ok()?;
+        // Three decimal numbers: well under 64 bytes.
+        let mut buf = [0u8; 96];
+        let n = f.read(&mut buf).ok()?;
+        let text = std::str::from_utf8(&buf[..n]).ok()?;
+        let ns: u64 = text.split_ascii_whitespace().nth(1)?.parse().ok()?;
+        Some(Duration::from_nanos(ns))
+    }
+
+    /// Whether the scheduler's thread is runnable now (running, or waiting for a CPU: state
+    /// `R` in `/proc/self/task/TID/stat`) rather than asleep or blocked in the kernel. (A
+    /// wait on a run queue under way is not in [`OnThread::run_queue_wait`] yet: the kernel
+    /// adds it when the thread gets a CPU.) `None` where it cannot be read.
+    pub(crate) fn is_runnable(&self) -> Option<bool> {
+        use std::io::Read;
+        let tid = self.tid.load(Ordering::Relaxed);
+        if tid <= 0 {
+            return None;
+        }
+        let mut f = std::fs::File::open(format!("/proc/self/task/{tid}/stat")).ok()?;
+        // "TID (name) S ...": the state follows the name's last ')' (a name may hold one),
+        // within the first 64 bytes (a thread's name is at most 15).
+        let mut buf = [0u8; 64];
+        let n = f.read(&mut buf).ok()?;
+        let close = buf[..n].iter().rposition(|&b| b == b')')?;
+        let state = *buf[close + 1..n]
+            .iter()
+            .find(|b| !b.is_ascii_whitespace())?;
+        Some(state == b'R')
+    }
 }
 
 thread_local! {

@@ -1,5 +1,11 @@
-//! A fiber that yields every millisecond is never reported under a 10 ms threshold, over ten
+//! A fiber that yields every millisecond is never reported under a 50 ms threshold, over ten
 //! seconds. Its own test binary: nothing else runs in the process meanwhile.
+//!
+//! (Not 10 ms: on a virtual machine, time the hypervisor takes the CPU away from the thread
+//! counts as the thread's CPU time, and pauses of ~10 ms made a 1 ms run look like a 10 ms
+//! one about once in a few dozen runs; see the watchdog's module doc. Fifty times the run
+//! is a margin such pauses do not reach, and the test still fails if each yield did not
+//! start a new run.)
 
 use std::hint::black_box;
 use std::sync::{Arc, Mutex};
@@ -24,7 +30,7 @@ fn a_fiber_yielding_every_millisecond_is_never_reported() {
     let g2 = got.clone();
     watchdog::set_handler(move |r| g2.lock().unwrap().push(format!("{r:?}")));
     watchdog::start(Config {
-        threshold: Duration::from_millis(10),
+        threshold: Duration::from_millis(50),
         ..Config::default()
     });
     let runs = Scheduler::new()
@@ -46,7 +52,8 @@ fn a_fiber_yielding_every_millisecond_is_never_reported() {
         })
         .unwrap();
     watchdog::stop();
-    assert!(runs > 5_000, "{runs}");
+    // (About 10,000 on an idle machine; fewer when other processes take the CPU.)
+    assert!(runs > 1_000, "{runs}");
     let got = got.lock().unwrap();
     assert!(got.is_empty(), "{} reports, first: {}", got.len(), got[0]);
     // The watchdog was really watching: a run past the threshold is reported.
@@ -54,12 +61,12 @@ fn a_fiber_yielding_every_millisecond_is_never_reported() {
     let g3 = got2.clone();
     watchdog::set_handler(move |_| *g3.lock().unwrap() += 1);
     watchdog::start(Config {
-        threshold: Duration::from_millis(10),
+        threshold: Duration::from_millis(50),
         ..Config::default()
     });
     Scheduler::new()
         .block_on(|| {
-            let until = Instant::now() + Duration::from_millis(60);
+            let until = Instant::now() + Duration::from_millis(300);
             while Instant::now() < until {
                 black_box(());
             }

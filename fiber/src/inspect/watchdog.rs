@@ -16,7 +16,12 @@
 //! A run is measured in the CPU time of the scheduler's thread, so a thread the OS
 //! preempted under load is not taken for a hogging fiber. A fiber blocked in the kernel (a
 //! blocking system call inside a fiber also stalls its scheduler, but uses no CPU) is
-//! reported when its run's wall time passes four thresholds (at least threshold + 200 ms).
+//! reported when its run's wall time passes four thresholds (at least threshold + 200 ms),
+//! less the time its thread waited on a run queue meanwhile (runnable but given no CPU: an
+//! overloaded machine, a cgroup's spent CPU quota), as the kernel's scheduler statistics
+//! count it, and only while the thread is not runnable (blocked or asleep in the kernel, not
+//! waiting for a CPU): a preempted run is not a blocked one. Where those cannot be read (no
+//! procfs) a run preempted that long is reported as blocked.
 //! A run is timed from its start when its scheduler times runs (`SchedulerOptions::cpu_time`,
 //! or `fiber.top` on: the start is published), otherwise from when the watchdog first saw it:
 //! then it is reported up to a tick (a quarter of the threshold) later, its time that much
@@ -334,6 +339,12 @@ struct Watch {
     /// time up to a tick short).
     cpu_seen: Option<Duration>,
     cpu_credit: Duration,
+    /// The thread's wait on a run queue so far when the run was first seen again a tick
+    /// later (read only for runs that last: see [`OnThread::run_queue_wait`]); `None` until
+    /// then, or where it cannot be read.
+    ///
+    /// [`OnThread::run_queue_wait`]: crate::running::OnThread::run_queue_wait
+    queue_seen: Option<Duration>,
     next_report: Duration,
     next_wall_report: Duration,
 }
@@ -449,6 +460,7 @@ fn run() {
                         run_since,
                         cpu_seen: sm.thread_cpu_time(),
                         cpu_credit: Duration::ZERO,
+                        queue_seen: None,
                         next_report: cfg.threshold,
                         next_wall_report: wall_limit(cfg.threshold),
                     });
@@ -467,9 +479,15 @@ fn run() {
                 } else {
                     crate::clock::since(run_since).min(tick)
                 };
+                w.queue_seen = None;
                 w.next_report = cfg.threshold;
                 w.next_wall_report = wall_limit(cfg.threshold);
                 continue;
+            }
+            if w.queue_seen.is_none() {
+                // A run that lasts: from here, time its thread waited on a run queue is
+                // told apart from time it was blocked (only such runs pay the read).
+                w.queue_seen = sm.run_queue_wait();
             }
             // The same run goes on. How long it has used the CPU (and how long in wall time,
             // for a fiber blocked in the kernel).
@@ -489,14 +507,32 @@ fn run() {
                 (Some(a), Some(b)) => b.saturating_sub(a) + w.cpu_credit,
                 _ => wall,
             };
+            // Off the CPU is not blocked when the thread was runnable and waited for a CPU
+            // (an overloaded machine, a cgroup's spent quota): that part of the wall time is
+            // not the fiber's doing, and would have a preempted run reported as blocked.
+            // (Read only past the first wall mark; the wait before `queue_seen`, at most a
+            // tick, still counts as blocked.)
+            let wall = if wall >= wall_limit(cfg.threshold) {
+                let waited = match (w.queue_seen, sm.run_queue_wait()) {
+                    (Some(a), Some(b)) => b.saturating_sub(a),
+                    _ => Duration::ZERO,
+                };
+                wall.saturating_sub(waited).max(cpu)
+            } else {
+                wall
+            };
             ongoing |= cpu >= cfg.threshold || wall >= wall_limit(cfg.threshold);
             let running_for = if cpu >= w.next_report {
                 w.next_report = w.next_report.saturating_mul(2);
                 cpu
-            } else if wall >= w.next_wall_report && cpu < wall / 2 {
+            } else if wall >= w.next_wall_report && cpu < wall / 2 && sm.is_runnable() != Some(true)
+            {
                 // (Wall time reports a run that waits off the CPU, a fiber blocked in the
                 // kernel: a spinning one's CPU time keeps up with its wall time and has its
-                // own marks — its wall marks made a second, interleaved series of reports.)
+                // own marks — its wall marks made a second, interleaved series of reports.
+                // A thread runnable now is not blocked: it runs, or waits for a CPU, a wait
+                // the run queue's count above does not have yet; the mark waits for a tick
+                // where it is blocked.)
                 w.next_wall_report = w.next_wall_report.saturating_mul(2);
                 wall
             } else {
