@@ -1,11 +1,8 @@
-//! A fiber that yields every millisecond is never reported under a 50 ms threshold, over ten
-//! seconds. Its own test binary: nothing else runs in the process meanwhile.
-//!
-//! (Not 10 ms: on a virtual machine, time the hypervisor takes the CPU away from the thread
-//! counts as the thread's CPU time, and pauses of ~10 ms made a 1 ms run look like a 10 ms
-//! one about once in a few dozen runs; see the watchdog's module doc. Fifty times the run
-//! is a margin such pauses do not reach, and the test still fails if each yield did not
-//! start a new run.)
+//! A fiber that yields every millisecond is never reported under a 10 ms threshold, over ten
+//! seconds. Its own test binary: nothing else runs in the process meanwhile. (It failed
+//! twice in many full test runs, the report not kept. One way to a false report, a run
+//! preempted past the watchdog's wall mark on a loaded machine and taken for a blocked one,
+//! is excluded since: `stall_preempted.rs`.)
 
 use std::hint::black_box;
 use std::sync::{Arc, Mutex};
@@ -30,7 +27,7 @@ fn a_fiber_yielding_every_millisecond_is_never_reported() {
     let g2 = got.clone();
     watchdog::set_handler(move |r| g2.lock().unwrap().push(format!("{r:?}")));
     watchdog::start(Config {
-        threshold: Duration::from_millis(50),
+        threshold: Duration::from_millis(10),
         ..Config::default()
     });
     let runs = Scheduler::new()
@@ -61,12 +58,12 @@ fn a_fiber_yielding_every_millisecond_is_never_reported() {
     let g3 = got2.clone();
     watchdog::set_handler(move |_| *g3.lock().unwrap() += 1);
     watchdog::start(Config {
-        threshold: Duration::from_millis(50),
+        threshold: Duration::from_millis(10),
         ..Config::default()
     });
     Scheduler::new()
         .block_on(|| {
-            let until = Instant::now() + Duration::from_millis(300);
+            let until = Instant::now() + Duration::from_millis(60);
             while Instant::now() < until {
                 black_box(());
             }
