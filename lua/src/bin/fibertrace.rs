@@ -172,6 +172,20 @@ fn cli() -> Command {
                         ),
                 )
                 .arg(
+                    Arg::new("dump-on-exit-wait")
+                        .long("dump-on-exit-wait")
+                        .value_name("SECONDS")
+                        .value_parser(clap::value_parser!(u64).range(1..=3600))
+                        .default_value("10")
+                        .help(
+                            "After SIGINT, SIGTERM or another exit signal, how long the \
+                             --dump-on-exit dumps may take (a dump of 30,000 fibers takes a \
+                             few seconds); past it the program ends without the rest, says \
+                             so and leaves no partial file. Without dumps, or once they are \
+                             written, it ends within a second",
+                        ),
+                )
+                .arg(
                     Arg::new("http")
                         .long("http")
                         .value_name("ADDR")
@@ -646,6 +660,105 @@ extern "C" fn on_exit_signal(sig: libc::c_int) {
     }
 }
 
+/// How long the `--dump-on-exit` dumps may take after an exit signal, in seconds
+/// (`--dump-on-exit-wait`; see [`install_signals`]).
+static EXIT_DUMP_WAIT_S: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(10);
+
+/// `--dump-on-exit-wait`.
+fn exit_dump_wait() -> Duration {
+    Duration::from_secs(EXIT_DUMP_WAIT_S.load(std::sync::atomic::Ordering::Relaxed))
+}
+
+/// Two `--dump-on-exit` targets that are one file (`a` and `./a`, or two links to it), if
+/// any: the second dump would silently replace the first. Files are compared by their
+/// directory (resolved) and name, or, when both exist, as the same inode.
+fn same_file_twice(list: &[(Format, PathBuf)]) -> Option<(&PathBuf, &PathBuf)> {
+    use std::os::unix::fs::MetadataExt as _;
+    let key = |p: &PathBuf| {
+        let id = std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+        let dir = match p.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let named = std::fs::canonicalize(dir)
+            .ok()
+            .zip(p.file_name())
+            .map(|(d, n)| d.join(n));
+        (id, named)
+    };
+    let keys: Vec<_> = list.iter().map(|(_, p)| key(p)).collect();
+    for (i, a) in keys.iter().enumerate() {
+        for (j, b) in keys.iter().enumerate().skip(i + 1) {
+            let same_inode = a.0.is_some() && a.0 == b.0;
+            let same_name = a.1.is_some() && a.1 == b.1;
+            if same_inode || same_name {
+                return Some((&list[i].1, &list[j].1));
+            }
+        }
+    }
+    None
+}
+
+/// One byte read from `fd`, waiting at most `wait` (forever: `None`); `None` when none came
+/// in time or the pipe was closed.
+fn read_byte(fd: libc::c_int, wait: Option<Duration>) -> Option<u8> {
+    let deadline = wait.map(|w| std::time::Instant::now() + w);
+    loop {
+        if let Some(d) = deadline {
+            let left = d.saturating_duration_since(std::time::Instant::now());
+            let mut p = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            let ms = left.as_millis().min(i32::MAX as u128) as libc::c_int;
+            // SAFETY: poll(2) on one pollfd of ours.
+            let n = unsafe { libc::poll(&mut p, 1, ms) };
+            if n == 0 {
+                return None;
+            }
+            if n < 0 {
+                if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return None;
+            }
+        }
+        let mut b = [0u8; 1];
+        // SAFETY: reads one byte from our own pipe into a local buffer.
+        let n = unsafe { libc::read(fd, b.as_mut_ptr().cast(), 1) };
+        if n == 1 {
+            return Some(b[0]);
+        }
+        if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+            continue;
+        }
+        return None;
+    }
+}
+
+/// The exit signal's dumps took longer than `--dump-on-exit-wait`: says so (straight to the
+/// standard error's descriptor: the thread writing a dump may hold the stream's lock) and
+/// removes the temporary files a dump being written leaves
+/// (`fibertrace_fiber::export::temporary_file`); the process ends next.
+fn dumps_given_up() {
+    let msg = format!(
+        "fibertrace: --dump-on-exit: the dumps were not all written within {} s of the \
+         signal (--dump-on-exit-wait); the program ends without the rest\n",
+        exit_dump_wait().as_secs()
+    );
+    // SAFETY: write(2) of a local buffer to the standard error's descriptor.
+    unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
+    for (_, path) in DUMPS_ON_EXIT.get().into_iter().flatten() {
+        let real = std::fs::canonicalize(path).ok();
+        for p in [Some(path.clone()), real].into_iter().flatten() {
+            if let Some(tmp) = fibertrace_fiber::export::temporary_file(&p) {
+                let _ = std::fs::remove_file(tmp);
+            }
+        }
+    }
+}
+
 /// What a start that ran out of file descriptors says after the error: the limit, and what
 /// `run` needs (its own pipes and the script, beside the standard streams); nothing for
 /// other errors.
@@ -700,8 +813,12 @@ fn install_signals() -> Result<(), String> {
     EXIT_PIPE.store(wr, std::sync::atomic::Ordering::Relaxed);
     // Flushing waits for the streams' locks: a thread blocked holding one (a script in
     // io.read(), a write to a full pipe) would hold the exit forever. So the process ends
-    // within a second of the signal whatever happens: a thread made now (not at the signal,
-    // when making one can fail — out of memory) waits for the exit code, then a second.
+    // within a second of the signal whatever happens, or, with `--dump-on-exit`, within a
+    // second of the dumps being written, which get at most `--dump-on-exit-wait` (a dump of
+    // tens of thousands of fibers takes seconds; one can hang, on a network file system):
+    // past it the process ends without them, says so, and removes their half-written
+    // temporary files. A thread made now (not at the signal, when making one can fail —
+    // out of memory) waits for the exit code, then for the dumps, then a second.
     let mut tfds = [0i32; 2];
     // SAFETY: pipe2 fills two fds.
     if unsafe { libc::pipe2(tfds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
@@ -711,19 +828,19 @@ fn install_signals() -> Result<(), String> {
     let (timer_rd, timer_wr) = (tfds[0], tfds[1]);
     std::thread::Builder::new()
         .name("fibertrace-exit-timer".into())
-        .spawn(move || loop {
-            let mut b = [0u8; 1];
-            // SAFETY: reads one byte from our own pipe into a local buffer.
-            let n = unsafe { libc::read(timer_rd, b.as_mut_ptr().cast(), 1) };
-            if n == 1 {
+        .spawn(move || {
+            let Some(code) = read_byte(timer_rd, None) else {
+                return;
+            };
+            if DUMPS_ON_EXIT.get().is_some_and(|l| !l.is_empty())
+                && read_byte(timer_rd, Some(exit_dump_wait())).is_none()
+            {
+                dumps_given_up();
+            } else {
                 std::thread::sleep(std::time::Duration::from_secs(1));
-                // SAFETY: ends the process at once.
-                unsafe { libc::_exit(i32::from(b[0])) };
             }
-            if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return;
+            // SAFETY: ends the process at once.
+            unsafe { libc::_exit(i32::from(code)) };
         })
         .map_err(|e| format!("exit thread: {e}"))?;
     std::thread::Builder::new()
@@ -741,6 +858,9 @@ fn install_signals() -> Result<(), String> {
                 say_suppressed();
                 // (The signal's code is not 0: it stays, whether the dumps were written.)
                 dump_on_exit();
+                // The dumps are done: the timer gives the flush its second.
+                // SAFETY: as above.
+                unsafe { libc::write(timer_wr, c.as_ptr().cast(), 1) };
                 let _ = io::stdout().flush();
                 // SAFETY: fflush(NULL) flushes every C output stream; the thread holds no
                 // stream lock itself.
@@ -953,7 +1073,20 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
     // SAFETY: registers a function that only takes a count and writes it with write(2).
     unsafe { libc::atexit(say_suppressed_at_exit) };
     if let Some(v) = m.get_many::<(Format, PathBuf)>("dump-on-exit") {
-        let _ = DUMPS_ON_EXIT.set(v.cloned().collect());
+        let list: Vec<(Format, PathBuf)> = v.cloned().collect();
+        if let Some((a, b)) = same_file_twice(&list) {
+            err!(
+                "error: --dump-on-exit: {} and {} are the same file (the second dump would \
+                 replace the first)\n\nFor more information, try '--help'.",
+                a.display(),
+                b.display()
+            );
+            return ExitCode::from(2);
+        }
+        let _ = DUMPS_ON_EXIT.set(list);
+    }
+    if let Some(&w) = m.get_one::<u64>("dump-on-exit-wait") {
+        EXIT_DUMP_WAIT_S.store(w, std::sync::atomic::Ordering::Relaxed);
     }
     // The server lives as long as the process (never dropped: `exit` ends its thread).
     if let Some(addr) = m.get_one::<String>("http") {

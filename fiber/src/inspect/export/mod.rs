@@ -339,13 +339,7 @@ fn write_into(path: &Path, bytes: &[u8], kind: std::fs::FileType) -> io::Result<
 /// Writes `bytes` to the regular file (or no file) at `path` through a temporary file
 /// beside it, renamed over it once written and synced.
 fn replace_file(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    let name = path
-        .file_name()
-        .ok_or_else(|| io::Error::other("not a file name"))?;
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(name);
-    tmp_name.push(format!(".{}.tmp", std::process::id()));
-    let tmp = path.with_file_name(tmp_name);
+    let tmp = temporary_file(path).ok_or_else(|| io::Error::other("not a file name"))?;
     let r = (|| {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(bytes)?;
@@ -358,6 +352,16 @@ fn replace_file(path: &Path, bytes: &[u8]) -> io::Result<()> {
     std::fs::rename(&tmp, path).inspect_err(|_| {
         let _ = std::fs::remove_file(&tmp);
     })
+}
+
+/// The temporary file [`write_file`] writes a regular file `path` through, beside it:
+/// `.NAME.PID.tmp` (for a program that ends while one is written, to remove it). `None` when
+/// `path` has no file name.
+pub fn temporary_file(path: &Path) -> Option<std::path::PathBuf> {
+    let mut name = std::ffi::OsString::from(".");
+    name.push(path.file_name()?);
+    name.push(format!(".{}.tmp", std::process::id()));
+    Some(path.with_file_name(name))
 }
 
 /// One function level of an exported frame.
