@@ -200,3 +200,101 @@ fn script_names_and_arguments_that_are_not_utf8_reach_the_script_as_their_bytes(
     );
     assert_eq!(o.status.code(), Some(1));
 }
+
+/// Errors raised by the VM itself (arithmetic, a call or an index of nil, a comparison, a
+/// concatenation, a `for` limit, an erroring `__index`), in the main chunk and in a fiber:
+/// the traceback is the Lua levels in their order and nothing after them, and with
+/// `--native-detail` the host's frames follow, starting at `call_in_thread`. LuaJIT's
+/// interpreter was taken to reach over the C code linked between its pieces (`lj_meta_arith`
+/// among it): the walk skipped that frame's record and showed a bogus `0x7f… in ??+0`
+/// below the main chunk, losing every native frame after it.
+#[test]
+fn errors_raised_by_the_vm_itself_end_at_the_outermost_lua_level() {
+    let cases: [(&str, &str, &[&str]); 8] = [
+        (
+            "local a = nil + 1",
+            "attempt to perform arithmetic on a nil value",
+            &[],
+        ),
+        (
+            "local a = nil; a()",
+            "attempt to call local 'a' (a nil value)",
+            &[],
+        ),
+        (
+            "local a = #nil",
+            "attempt to get length of a nil value",
+            &[],
+        ),
+        (
+            "local a = nil; return a.x",
+            "attempt to index local 'a' (a nil value)",
+            &[],
+        ),
+        (
+            "local t = setmetatable({}, {__index = function() error('idx') end}); return t.x",
+            "idx",
+            &["error in =[C]:-1", "__index in @e.lua:1"],
+        ),
+        ("return {} < {}", "attempt to compare two table values", &[]),
+        (
+            "return 'a' .. {}",
+            "attempt to concatenate a table value",
+            &[],
+        ),
+        ("for i = 1, 'x' do end", "'for' limit must be a number", &[]),
+    ];
+    let dir = std::env::temp_dir().join(format!("ft-errors-vm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (body, msg, inner) in cases {
+        for in_fiber in [false, true] {
+            let src = if in_fiber {
+                format!(
+                    "local function f() {body} end\nrequire('fiber').create(function() f() end)\n"
+                )
+            } else {
+                format!("local function f() {body} end\nf()\n")
+            };
+            std::fs::write(dir.join("e.lua"), &src).unwrap();
+            let mut levels: Vec<String> = inner.iter().map(|s| s.to_string()).collect();
+            levels.push("f in @e.lua:1".into());
+            levels.push(if in_fiber {
+                "function <e.lua:2> in @e.lua:2".into()
+            } else {
+                "main chunk in @e.lua:2".into()
+            });
+            let head = if in_fiber {
+                format!("fibertrace: fiber 2 \"lua\" failed: e.lua:1: {msg}")
+            } else {
+                format!("e.lua:1: {msg}")
+            };
+            let mut want = format!("{head}\nstack traceback:\n");
+            for (i, l) in levels.iter().enumerate() {
+                want.push_str(&format!("#{}  {l}\n", i + 1));
+            }
+            for detail in [false, true] {
+                let mut cmd = Command::new(EXE);
+                cmd.arg("run");
+                if detail {
+                    cmd.arg("--native-detail");
+                }
+                let o = cmd.arg("e.lua").current_dir(&dir).output().unwrap();
+                let err = String::from_utf8_lossy(&o.stderr).into_owned();
+                assert_eq!(o.status.code(), Some(if in_fiber { 0 } else { 1 }), "{src}");
+                assert!(err.starts_with(&want), "{src} (detail {detail}):\n{err}");
+                let rest = &err[want.len()..];
+                assert!(!err.contains("??"), "{src} (detail {detail}):\n{err}");
+                if detail {
+                    let next = rest.lines().next().unwrap_or_default();
+                    assert!(
+                        next.contains(" in fibertrace_lua::host::spawn::call_in_thread+"),
+                        "{src}:\n{err}"
+                    );
+                } else {
+                    assert!(rest.trim().is_empty(), "{src}:\n{err}");
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

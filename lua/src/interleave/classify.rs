@@ -4,7 +4,8 @@
 //! release build). A local symbol belongs to the C file the preceding `STT_FILE` entry names;
 //! global symbols (which the linker lists after all locals) are judged by name. *VM core* is:
 //! * LuaJIT: functions of `lj_*.c`, the assembler interpreter (`buildvm_*.dasc`, taken as one
-//!   range from its lowest to its highest symbol so that unnamed labels are covered), and
+//!   range from its lowest to its highest symbol so that unnamed labels are covered; a C
+//!   file's functions never count, whatever their names: `lj_vmmath.c` defines `lj_vm_*`), and
 //!   global `lj_*` / `lua_*` / `luaJIT_*` functions — but not the library functions
 //!   `lj_cf_*` / `lj_ffh_*` (from `lib_*.c`);
 //! * Lua 5.4: functions of its core files (`lapi.c ldo.c lvm.c …`) and global `lua_*` and
@@ -213,18 +214,23 @@ impl VmMap {
         };
         let mut file_vm = false;
         let mut in_interp = false;
+        // In a C file: its functions are never the interpreter, whatever their names
+        // (`lj_vmmath.c` defines `lj_vm_foldarith`, `lj_vm_modi`...).
+        let mut in_c_file = false;
         let mut interp: Option<(u64, u64)> = None;
         for sym in obj.symbols() {
             if sym.kind() == SymbolKind::File {
                 let name = sym.name().unwrap_or("");
                 file_vm = file_is_vm(name);
                 in_interp = is_interpreter_file(base_name(name));
+                in_c_file = base_name(name).ends_with(".c");
                 continue;
             }
             if sym.is_global() {
                 // Globals follow every local: they belong to no STT_FILE.
                 file_vm = false;
                 in_interp = false;
+                in_c_file = false;
             }
             if sym.kind() != SymbolKind::Text || sym.is_undefined() {
                 continue;
@@ -232,11 +238,16 @@ impl VmMap {
             let name = sym.name().unwrap_or("");
             let start = sym.address().wrapping_add(bias);
             let end = start.wrapping_add(sym.size().max(1));
+            // (By name only where the file is not known to be C: the interpreter's range is
+            // the envelope of these symbols, and one C function among them made it cover the
+            // C code linked in between — `lj_meta_arith`, taken for the interpreter, had its
+            // frame record skipped and a bogus frame read in its place.)
             let is_interp_sym = in_interp
-                || name.starts_with("lj_BC_")
-                || name.starts_with("lj_vm_")
-                || name.starts_with("lj_ff_")
-                || name.starts_with("lj_cont_");
+                || (!in_c_file
+                    && (name.starts_with("lj_BC_")
+                        || name.starts_with("lj_vm_")
+                        || name.starts_with("lj_ff_")
+                        || name.starts_with("lj_cont_")));
             if is_interp_sym {
                 interp = Some(match interp {
                     Some((s, e)) => (s.min(start), e.max(end)),
