@@ -494,3 +494,66 @@ fn a_dump_from_lua_shows_every_fiber_with_its_lua_frames_and_refuses_bad_argumen
     assert_eq!(rest.lines().collect::<Vec<_>>(), expected, "{rest}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A fiber parked inside a debug hook (its hook waits on a channel) ends at its entry
+/// function: the hook's level, the hooked function's, and nothing after them. The hook's C
+/// path (`lj_dispatch_ins`) was taken for the interpreter (see the VM map's C-file rule), and
+/// the walk showed the hook's count as a frame (`0x309 in ??` for a count of 777) in place of
+/// the host's frames.
+#[test]
+fn a_fiber_parked_inside_a_debug_hook_ends_at_its_entry_function() {
+    let d = dir("hook");
+    std::fs::write(
+        d.join("s.lua"),
+        "jit.off()\n\
+         local fiber = require('fiber')\n\
+         local ch = fiber.channel()\n\
+         local f = fiber.create(function()\n\
+         debug.sethook(function() ch:get() end, '', 777)\n\
+         local s = 0\n\
+         for k = 1, 1e5 do s = s + (k % 7) end\n\
+         end)\n\
+         f:name('hooked')\n\
+         fiber.sleep(0.01)\n\
+         print(require('fibertrace').dump())\n",
+    )
+    .unwrap();
+    for detail in [false, true] {
+        let args: &[&str] = if detail {
+            &["--native-detail", "s.lua"]
+        } else {
+            &["s.lua"]
+        };
+        let out = run(&d, args);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        let all = text(&out.stdout);
+        let block = all
+            .split("\n\n")
+            .find(|b| b.starts_with("fiber 2 \"hooked\" [channel receive, "))
+            .unwrap_or_else(|| panic!("{all}"));
+        let frames: Vec<&str> = block
+            .lines()
+            .filter(|l| l.starts_with('#'))
+            .map(|l| l.split_once(' ').map_or(l, |x| x.1.trim_start()))
+            .collect();
+        let at = frames
+            .iter()
+            .position(|f| *f == "get in =[C]:-1")
+            .expect(block);
+        assert_eq!(
+            frames[at + 1..at + 3],
+            ["__mod in @s.lua:5", "function <s.lua:4> in @s.lua:7"],
+            "{block}"
+        );
+        assert!(!block.contains("??"), "{block}");
+        if detail {
+            assert!(
+                frames[at + 3].contains(" in fibertrace_lua::host::spawn::call_in_thread+"),
+                "{block}"
+            );
+        } else {
+            assert_eq!(frames.len(), at + 3, "{block}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
