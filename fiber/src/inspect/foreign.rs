@@ -128,13 +128,14 @@ pub fn dump_with(
     // This process's counter rate (the machine's), measured before the target is stopped
     // (the first measurement waits 2 ms).
     let own_ps = own_rate();
-    from_session(Session::open(pid, opts)?, own_ps, layer)
+    from_session(Session::open(pid, opts)?, own_ps, true, layer)
 }
 
 /// Reads every thread and fiber of the process a core file holds (see
 /// [`Session::open_core`]: `exe` stands for the executable it names, `root` is prefixed to
-/// the other files' paths). The status times are as of the core's writing only if it was
-/// written on this machine since its last boot (the counter is the machine's).
+/// the other files' paths). Fibers have no status time (`status_seconds` is `None`): a core
+/// file records no clock, so how long a fiber had been waiting when it was written is not
+/// known (measured against the reader's clock, the time grew with every reading).
 pub fn dump_core(
     core: &std::path::Path,
     exe: Option<&std::path::Path>,
@@ -153,7 +154,12 @@ pub fn dump_core_with(
     layer: Option<&mut dyn ForeignLayer>,
 ) -> Result<ForeignDump, DumpError> {
     let own_ps = own_rate();
-    from_session(Session::open_core(core, exe, root, opts)?, own_ps, layer)
+    from_session(
+        Session::open_core(core, exe, root, opts)?,
+        own_ps,
+        false,
+        layer,
+    )
 }
 
 /// Picoseconds per counter tick, measured in this process.
@@ -161,9 +167,12 @@ fn own_rate() -> u64 {
     crate::clock::Rate::now().duration(1_000_000).as_nanos() as u64 / 1000
 }
 
+/// A dump from session `s`; `live`: the target runs now (its status times are measured
+/// against this machine's counter now), else a core file (no status times).
 fn from_session(
     mut s: Session,
     own_ps: u64,
+    live: bool,
     mut layer: Option<&mut dyn ForeignLayer>,
 ) -> Result<ForeignDump, DumpError> {
     let threads = s.threads();
@@ -174,7 +183,7 @@ fn from_session(
         },
         None => LayerState::Absent,
     };
-    let registry = read_registry(&mut s, own_ps, &mut reader);
+    let registry = read_registry(&mut s, own_ps, live, &mut reader);
     s.resume();
     let process = s.finish(threads);
     let (schedulers, note) = match registry {
@@ -317,6 +326,7 @@ struct Layout {
 fn read_registry(
     s: &mut Session,
     own_ps: u64,
+    live: bool,
     layer: &mut LayerState<'_>,
 ) -> Result<(Vec<RawScheduler>, Option<String>), String> {
     let Some((addr, size)) = s.section(".fibertrace.registry") else {
@@ -342,7 +352,12 @@ fn read_registry(
     if !s.read(l.schedulers, &mut table) {
         return Err("the fiber registry's scheduler table could not be read".into());
     }
-    let now = fibertrace_core::arch::timestamp_counter();
+    // (0: no clock to measure status times against, see `read_fiber`.)
+    let now = if live {
+        fibertrace_core::arch::timestamp_counter()
+    } else {
+        0
+    };
     let mut out = Vec::new();
     let mut total = 0usize;
     for i in 0..l.sched_slots {
@@ -558,7 +573,7 @@ fn read_fiber(
     let st = Status::from_u8(byte(status));
     let wait_on_v = WaitOn::unpack(w(wait_on));
     let waiting = wait_on_v.as_ref().map(|on| on.words().into_owned());
-    let status_seconds = (ps > 0).then(|| {
+    let status_seconds = (ps > 0 && now != 0).then(|| {
         let ticks = now.saturating_sub(w(since));
         Duration::from_nanos((ticks as u128 * ps as u128 / 1000) as u64).as_secs_f64()
     });
