@@ -298,3 +298,78 @@ fn errors_raised_by_the_vm_itself_end_at_the_outermost_lua_level() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A LuaJIT fast function that raises an argument error does so in its C fallback
+/// (`lj_ffh_*`): that native frame comes first, right above the fast function's level, as a
+/// C function's own frame does (`select(0)`: `lj_cf_select`, then `select`). It used to land
+/// below the main chunk, the fast function having no C function to anchor it.
+#[test]
+fn a_fast_functions_error_shows_its_c_fallback_innermost() {
+    let cases = [
+        (
+            "math.floor('a')",
+            "floor",
+            "bad argument #1 to 'floor' (number expected, got string)",
+            "lj_ffh_math_",
+        ),
+        (
+            "setmetatable(1, {})",
+            "setmetatable",
+            "bad argument #1 to 'setmetatable' (table expected, got number)",
+            "lj_ffh_setmetatable+",
+        ),
+        (
+            "pcall()",
+            "pcall",
+            "bad argument #1 to 'pcall' (value expected)",
+            "lj_ffh_pcall+",
+        ),
+        (
+            "coroutine.resume(1)",
+            "resume",
+            "bad argument #1 to 'resume' (coroutine expected)",
+            "lj_ffh_coroutine_resume+",
+        ),
+        (
+            "tostring()",
+            "tostring",
+            "bad argument #1 to 'tostring' (value expected)",
+            "lj_ffh_tostring+",
+        ),
+    ];
+    let dir = std::env::temp_dir().join(format!("ft-errors-ff-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (call, name, msg, native) in cases {
+        let src = format!("local function f() local x = {call} return x end\nf()\n");
+        std::fs::write(dir.join("e.lua"), &src).unwrap();
+        let o = Command::new(EXE)
+            .args(["run", "e.lua"])
+            .current_dir(&dir)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(1), "{src}");
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        let lines: Vec<&str> = err.lines().collect();
+        assert_eq!(
+            lines[..2],
+            [format!("e.lua:1: {msg}").as_str(), "stack traceback:"],
+            "{err}"
+        );
+        let frame = lines[2].split_once(" in ").map(|x| x.1).unwrap_or_default();
+        assert!(
+            lines[2].starts_with("#1  0x") && frame.starts_with(native),
+            "{src}:\n{err}"
+        );
+        assert_eq!(
+            lines[3..],
+            [
+                format!("#2  {name} in =[C]:-1").as_str(),
+                "#3  f in @e.lua:1",
+                "#4  main chunk in @e.lua:2",
+                ""
+            ],
+            "{src}:\n{err}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -578,16 +578,10 @@ impl Reader {
             });
             (kind, 0, id)
         } else {
-            // As `lua_tocfunction`: the C function of any function whose pseudo-instruction
-            // is FUNCC or FUNCCW (a C function, or a library function written in C such as
-            // `print` or `table.sort`); 0 for the fast functions written in assembler.
-            let pc = Self::u64(mem, func.wrapping_add(l.func_pc as u64))?;
-            let op = (Self::u32(mem, pc).unwrap_or(0) & 0xff) as u8;
-            let cfunc = if op == l.op_funcc || op == l.op_funcc.wrapping_add(1) {
-                Self::u64(mem, func.wrapping_add(l.func_cfunc as u64))? as usize
-            } else {
-                0
-            };
+            // As the live capture: the C function (a C function, or a library function
+            // written in C such as `print` or `table.sort`), or for a fast function written
+            // in assembler its C fallback (`lj_ffh_*`): the function object's C field.
+            let cfunc = Self::u64(mem, func.wrapping_add(l.func_cfunc as u64))? as usize;
             let id = intern::intern(&RawInfo {
                 kind: LuaKind::C,
                 name: name.as_deref(),

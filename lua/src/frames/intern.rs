@@ -79,7 +79,8 @@ pub struct LuaFrameInfo {
     pub current_line: i32,
     /// The line where the function is defined, `-1` for C functions.
     pub line_defined: i32,
-    /// The `lua_CFunction` of a C level (0 for Lua functions and LuaJIT fast functions).
+    /// The `lua_CFunction` of a C level, or a LuaJIT fast function's C fallback (0 for Lua
+    /// functions, and where not known).
     pub cfunc: usize,
 }
 

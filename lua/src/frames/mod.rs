@@ -8,7 +8,10 @@
 //! if it is a live, non-suspended thread with frames that is not already in the chain. Then it
 //! reads every level of every thread, innermost thread first, with
 //! `lua_getstack`/`lua_getinfo("Slnf")`, and for C levels the `lua_CFunction` with
-//! `lua_tocfunction`.
+//! `lua_tocfunction` — for a LuaJIT fast function (which has none), the C fallback its
+//! assembler calls when it cannot finish alone (`lj_ffh_*`, which raises its argument
+//! errors), read from its function object where the VM's layout was checked
+//! ([`publish::check`]).
 //!
 //! Invariants: at most [`MAX_LEVELS`] levels and [`MAX_THREADS`] threads are read: the
 //! innermost [`HEAD_LEVELS`] and the outermost [`MAX_LEVELS`]` - HEAD_LEVELS` (so a deep
@@ -38,6 +41,29 @@ use smallvec::SmallVec;
 pub mod foreign;
 pub mod intern;
 pub mod publish;
+
+/// The C fallback of the LuaJIT fast function at index -1 of `l` (its function object's C
+/// function: `lj_ffh_*`, what its assembler calls when it cannot finish alone), where the
+/// VM's layout was checked to match ([`publish::check`]); 0 otherwise, and on Lua 5.4 (no
+/// fast functions).
+///
+/// # Safety
+/// Index -1 of `l` is a C function (a level's function pushed by `lua_getinfo`'s "f").
+unsafe fn fast_function_fallback(l: *mut ffi::lua_State) -> usize {
+    if !cfg!(feature = "luajit") || publish::checked() != publish::MATCHES {
+        return 0;
+    }
+    // SAFETY: per the contract, a function value: its object's address.
+    let p = unsafe { ffi::lua_topointer(l, -1) } as usize;
+    if p == 0 {
+        return 0;
+    }
+    // SAFETY: a C function object (`GCfuncC`) of the linked LuaJIT, whose C-function field is
+    // at `func_cfunc`, as the check verified on a C function of this VM.
+    unsafe {
+        std::ptr::read((p + publish::Layout::LUAJIT_GC64.func_cfunc as usize) as *const usize)
+    }
+}
 pub(crate) mod shape;
 
 use intern::{LuaKind, RawInfo};
@@ -63,7 +89,8 @@ pub struct LuaLevel {
     pub id: LuaFrameId,
     /// The kind of function.
     pub kind: LuaKind,
-    /// For a C level, its `lua_CFunction` (0 for LuaJIT fast functions and Lua levels).
+    /// For a C level, its `lua_CFunction`, or a LuaJIT fast function's C fallback (see the
+    /// module doc; 0 where not known); 0 for Lua levels.
     pub cfunc: usize,
     /// Which thread of the chain it belongs to (0 = the innermost coroutine).
     pub thread: u8,
@@ -253,7 +280,11 @@ unsafe fn read_level(
     let kind = LuaKind::from_what(what);
     let cfunc = if kind == LuaKind::C {
         // SAFETY: index -1 is the function pushed by lua_getinfo's "f".
-        unsafe { ffi::lua_tocfunction(l, -1) }.map_or(0, |f| f as usize)
+        match unsafe { ffi::lua_tocfunction(l, -1) } {
+            Some(f) => f as usize,
+            // SAFETY: as above.
+            None => unsafe { fast_function_fallback(l) },
+        }
     } else {
         0
     };

@@ -4,8 +4,10 @@
 //! `N0 V1 N1 V2 N2 …`, where each `V` is a run of VM-core frames ([`classify`]). The Lua
 //! levels split into `c0 R1 c1 R2 …`, where each `c` is a C level with a `lua_CFunction` whose
 //! native frame can be found (its *anchor*: the native frame inside the function that starts
-//! at that pointer) and each `R` is a run of Lua levels (plus C levels with no native frame of
-//! their own: LuaJIT's fast functions such as `pcall` or `coroutine.resume`). The merge:
+//! at that pointer; a LuaJIT fast function's is its C fallback, `lj_ffh_*`, on the stack when
+//! the fast function raised an error or fell back to C) and each `R` is a run of Lua levels
+//! (plus C levels with no native frame of their own: fast functions such as `pcall` or
+//! `coroutine.resume` running their assembler). The merge:
 //! 1. if the innermost level is anchored in `N0`, emit `N0` up to its anchor;
 //! 2. emit the rest of the non-VM segment; at a `V`, emit Lua levels until one is anchored in
 //!    the non-VM segment after that `V` (the *nearest* match: all mlua callbacks share one
