@@ -208,6 +208,8 @@ fn script_names_and_arguments_that_are_not_utf8_reach_the_script_as_their_bytes(
 /// interpreter was taken to reach over the C code linked between its pieces (`lj_meta_arith`
 /// among it): the walk skipped that frame's record and showed a bogus `0x7f… in ??+0`
 /// below the main chunk, losing every native frame after it.
+// (LuaJIT: its interpreter, fast functions and `jit.off`.)
+#[cfg(feature = "luajit")]
 #[test]
 fn errors_raised_by_the_vm_itself_end_at_the_outermost_lua_level() {
     let cases: [(&str, &str, &[&str]); 8] = [
@@ -303,6 +305,8 @@ fn errors_raised_by_the_vm_itself_end_at_the_outermost_lua_level() {
 /// (`lj_ffh_*`): that native frame comes first, right above the fast function's level, as a
 /// C function's own frame does (`select(0)`: `lj_cf_select`, then `select`). It used to land
 /// below the main chunk, the fast function having no C function to anchor it.
+// (LuaJIT: its interpreter, fast functions and `jit.off`.)
+#[cfg(feature = "luajit")]
 #[test]
 fn a_fast_functions_error_shows_its_c_fallback_innermost() {
     let cases = [

@@ -500,6 +500,8 @@ fn a_dump_from_lua_shows_every_fiber_with_its_lua_frames_and_refuses_bad_argumen
 /// path (`lj_dispatch_ins`) was taken for the interpreter (see the VM map's C-file rule), and
 /// the walk showed the hook's count as a frame (`0x309 in ??` for a count of 777) in place of
 /// the host's frames.
+// (LuaJIT: its interpreter, fast functions and `jit.off`.)
+#[cfg(feature = "luajit")]
 #[test]
 fn a_fiber_parked_inside_a_debug_hook_ends_at_its_entry_function() {
     let d = dir("hook");
