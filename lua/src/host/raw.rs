@@ -141,7 +141,12 @@ unsafe extern "C-unwind" fn trampoline(l: *mut ffi::lua_State) -> c_int {
         f.cast::<ProtectFn<'_>>()
     };
     // SAFETY: `protect` passed a pointer to its live `ProtectFn` (checked above).
-    unsafe { (*f)(l) }
+    let n = unsafe { (*f)(l) };
+    // Not a tail call: the trampoline keeps a frame of its own while the closure runs, the
+    // native frame its Lua level (`? in =[C]`) is anchored at. Without it, a trace taken
+    // inside (a running fiber in `fiber.info()`, at a safe point) had no anchor for that level
+    // and put every Lua level above the host's frames.
+    std::hint::black_box(n)
 }
 
 /// Makes [`protect`] work on the main state `l` of this thread's host (one reference in its
