@@ -2,8 +2,10 @@
 //! too: the frames a release build inlines or tail-calls are where order went wrong): a fiber
 //! parked inside a debug hook, and a fiber caught inside `fiber.info()`.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::PathBuf;
+use std::process::Command;
+#[cfg(feature = "luajit")]
+use std::{path::Path, process::Output};
 
 fn dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("fibertrace-order-{name}-{}", std::process::id()));
@@ -12,6 +14,8 @@ fn dir(name: &str) -> PathBuf {
     d
 }
 
+// (Used by the LuaJIT-only test.)
+#[cfg(feature = "luajit")]
 fn run(cwd: &Path, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_fibertrace"))
         .arg("run")
@@ -21,6 +25,7 @@ fn run(cwd: &Path, args: &[&str]) -> Output {
         .unwrap()
 }
 
+#[cfg(feature = "luajit")]
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
