@@ -151,18 +151,25 @@ impl OnThread {
     /// `None` before the scheduler first ran, or where they cannot be read (no procfs, a
     /// kernel built without them).
     pub(crate) fn run_queue_wait(&self) -> Option<Duration> {
+        // Three decimal numbers: well under 64 bytes.
+        let mut buf = [0u8; 96];
+        let text = std::str::from_utf8(self.task_file("schedstat", &mut buf)?).ok()?;
+        let ns: u64 = text.split_ascii_whitespace().nth(1)?.parse().ok()?;
+        Some(Duration::from_nanos(ns))
+    }
+
+    /// The start of the scheduler thread's `/proc/self/task/TID/NAME`, read into `buf` (one
+    /// read: these files are made whole at open); `None` before the scheduler first ran, or
+    /// where it cannot be read.
+    fn task_file<'b>(&self, name: &str, buf: &'b mut [u8]) -> Option<&'b [u8]> {
         use std::io::Read;
         let tid = self.tid.load(Ordering::Relaxed);
         if tid <= 0 {
             return None;
         }
-        let mut f = std::fs::File::open(format!("/proc/self/task/{tid}/schedstat")).ok()?;
-        // Three decimal numbers: well under 64 bytes.
-        let mut buf = [0u8; 96];
-        let n = f.read(&mut buf).ok()?;
-        let text = std::str::from_utf8(&buf[..n]).ok()?;
-        let ns: u64 = text.split_ascii_whitespace().nth(1)?.parse().ok()?;
-        Some(Duration::from_nanos(ns))
+        let mut f = std::fs::File::open(format!("/proc/self/task/{tid}/{name}")).ok()?;
+        let n = f.read(buf).ok()?;
+        Some(&buf[..n])
     }
 
     /// Whether the scheduler's thread is runnable now (running, or waiting for a CPU: state
@@ -170,18 +177,12 @@ impl OnThread {
     /// wait on a run queue under way is not in [`OnThread::run_queue_wait`] yet: the kernel
     /// adds it when the thread gets a CPU.) `None` where it cannot be read.
     pub(crate) fn is_runnable(&self) -> Option<bool> {
-        use std::io::Read;
-        let tid = self.tid.load(Ordering::Relaxed);
-        if tid <= 0 {
-            return None;
-        }
-        let mut f = std::fs::File::open(format!("/proc/self/task/{tid}/stat")).ok()?;
         // "TID (name) S ...": the state follows the name's last ')' (a name may hold one),
         // within the first 64 bytes (a thread's name is at most 15).
         let mut buf = [0u8; 64];
-        let n = f.read(&mut buf).ok()?;
-        let close = buf[..n].iter().rposition(|&b| b == b')')?;
-        let state = *buf[close + 1..n]
+        let head = self.task_file("stat", &mut buf)?;
+        let close = head.iter().rposition(|&b| b == b')')?;
+        let state = *head[close + 1..]
             .iter()
             .find(|b| !b.is_ascii_whitespace())?;
         Some(state == b'R')

@@ -113,28 +113,11 @@ fn every_way_a_program_ends_writes_its_dump_on_exit() {
         }
     }
     // SIGTERM: the dump is written before the exit with 143.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_fibertrace"))
-        .args([
-            "run",
-            "--dump-on-exit",
-            "folded:term.folded",
-            "s.lua",
-            "sleep",
-        ])
-        .current_dir(&d)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.as_mut().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    assert_eq!(line, "sleeping\n");
-    // The line is written just before the main fiber goes to sleep: give it the time to
-    // (a loaded machine may not have run it further yet).
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    let mut child = start_and_wait(
+        &d,
+        &["--dump-on-exit", "folded:term.folded", "s.lua", "sleep"],
+        "sleeping\n",
+    );
     // SAFETY: signals our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let st = child.wait().unwrap();
@@ -176,8 +159,8 @@ fn a_bad_dump_on_exit_is_refused_before_the_script_runs() {
 }
 
 /// Starts `fibertrace run ARGS` in `cwd` and waits for the script's first line on its
-/// standard output (it prints one when set up).
-fn start_and_wait(cwd: &Path, args: &[&str]) -> std::process::Child {
+/// standard output, `first` (it prints it when set up, just before its main fiber sleeps).
+fn start_and_wait(cwd: &Path, args: &[&str], first: &str) -> std::process::Child {
     let mut child = Command::new(env!("CARGO_BIN_EXE_fibertrace"))
         .arg("run")
         .args(args)
@@ -192,9 +175,10 @@ fn start_and_wait(cwd: &Path, args: &[&str]) -> std::process::Child {
         &mut line,
     )
     .unwrap();
-    assert_eq!(line, "ready\n");
-    // (Printed just before the main fiber goes to sleep.)
-    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_eq!(line, first);
+    // Give the main fiber the time to go to sleep (a loaded machine may not have run it
+    // further yet).
+    std::thread::sleep(std::time::Duration::from_millis(300));
     child
 }
 
@@ -224,6 +208,7 @@ fn dumps_on_exit_after_sigterm_are_written_or_said_to_be_given_up() {
             "text:all.txt",
             "many.lua",
         ],
+        "ready\n",
     );
     // SAFETY: signals our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
@@ -274,6 +259,7 @@ fn dumps_on_exit_after_sigterm_are_written_or_said_to_be_given_up() {
             "json:later.json",
             "many.lua",
         ],
+        "ready\n",
     );
     let tmp = d.join(format!(".later.json.{}.tmp", child.id()));
     std::fs::write(&tmp, "half a dump").unwrap();
