@@ -283,6 +283,96 @@ fn dumps_on_exit_after_sigterm_are_written_or_said_to_be_given_up() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// An exit signal that comes while another exit path writes the `--dump-on-exit` dumps —
+/// the script's end, or `os.exit` on a fiber — waits for them, and the program then ends
+/// with 128 + the signal. Before, the signal's thread found the dumps taken and ended the
+/// process a second later, in the middle of them (the script's end: no file at all), or
+/// wrote them a second time beside `os.exit`'s, into the same temporary files. Here the
+/// first dump goes to a FIFO that the test drains only after the signal and 1.5 s.
+#[test]
+fn an_exit_signal_waits_for_the_dumps_another_exit_path_writes() {
+    use std::io::Read as _;
+    use std::os::fd::AsRawFd as _;
+    let d = dir("signal-meets-exit");
+    for (how, fibers) in [("end", 3000), ("exit", 3001)] {
+        let script = format!(
+            "local fiber = require('fiber')\n\
+             for i = 1, 3000 do fiber.create(function() fiber.sleep(60) end) end\n\
+             io.stdout:write('ready\\n') io.stdout:flush()\n{}",
+            if how == "exit" { "os.exit(0)\n" } else { "" }
+        );
+        std::fs::write(d.join("s.lua"), script).unwrap();
+        let fifo = d.join("fifo");
+        let _ = std::fs::remove_file(&fifo);
+        let _ = std::fs::remove_file(d.join("after.json"));
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo with a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let mut reader = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&fifo)
+            .unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_fibertrace"))
+            .args(["run", "--dump-on-exit", "text:fifo"])
+            .args(["--dump-on-exit", "json:after.json", "s.lua"])
+            .current_dir(&d)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.as_mut().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        assert_eq!(line, "ready\n");
+        // The dumps have begun once the FIFO has something to read.
+        let mut p = libc::pollfd {
+            fd: reader.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll(2) on one pollfd of ours.
+        assert_eq!(
+            unsafe { libc::poll(&mut p, 1, 60_000) },
+            1,
+            "{how}: no dump began"
+        );
+        // SAFETY: signals our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "{how}: the process ended in the middle of its dumps"
+        );
+        // Drained to its end (blocking reads: the end is when the dump closes the FIFO).
+        // SAFETY: fcntl on our own descriptor.
+        unsafe { libc::fcntl(reader.as_raw_fd(), libc::F_SETFL, 0) };
+        let mut dumped = String::new();
+        reader.read_to_string(&mut dumped).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(143), "{how}: {}", text(&out.stderr));
+        assert_eq!(text(&out.stderr), "", "{how}");
+        assert_eq!(
+            dumped.matches("\nfiber ").count() + usize::from(dumped.starts_with("fiber ")),
+            fibers,
+            "{how}: the FIFO's dump, written once"
+        );
+        let json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(d.join("after.json")).unwrap()).unwrap();
+        let n: usize = json["schedulers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["fibers"].as_array().unwrap().len())
+            .sum();
+        assert_eq!(n, fibers, "{how}: the second dump");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// Two `--dump-on-exit` options naming one file (the second dump would replace the first
 /// without a word) are refused before the script runs; different files in one directory
 /// are not.

@@ -423,17 +423,74 @@ fn parse_http(v: &str) -> Result<String, String> {
 
 /// The dumps `--dump-on-exit` asked for.
 static DUMPS_ON_EXIT: std::sync::OnceLock<Vec<(Format, PathBuf)>> = std::sync::OnceLock::new();
-static DUMPED_ON_EXIT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Writes the `--dump-on-exit` dumps, once (the first of the exit paths to get here); a
-/// dump that cannot be written is said on stderr, and the others are still written. Returns
-/// false when one could not be (the program then does not end with 0: see [`exit_code`]).
+/// Where the `--dump-on-exit` dumps stand. Three exit paths may reach them at once — the
+/// script's end (or error, or deadlock), `os.exit` on a fiber, and an exit signal's thread —
+/// and exactly one writes them: the others wait for it (an exit path that went on would end
+/// the process in the middle of the writing, and two writers would share the temporary
+/// files), then take its outcome. The exit signal's wait is bounded by
+/// `--dump-on-exit-wait`, as its own writing is (see [`install_signals`]).
+#[derive(Clone, Copy, PartialEq)]
+enum ExitDumps {
+    NotBegun,
+    Writing,
+    /// Written, all of them (true) or not.
+    Written(bool),
+}
+
+static EXIT_DUMPS: std::sync::Mutex<ExitDumps> = std::sync::Mutex::new(ExitDumps::NotBegun);
+static EXIT_DUMPS_DONE: std::sync::Condvar = std::sync::Condvar::new();
+
+/// Claims the writing of the `--dump-on-exit` dumps: `None` when the caller is to write them
+/// now (and then calls [`finish_exit_dumps`]); otherwise, once another exit path has written
+/// them (waiting for it), whether all were written.
+fn claim_exit_dumps() -> Option<bool> {
+    // (A panic while the lock was held cannot leave the state half-changed: it is one value.)
+    let mut st = EXIT_DUMPS.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        match *st {
+            ExitDumps::NotBegun => {
+                *st = ExitDumps::Writing;
+                return None;
+            }
+            ExitDumps::Writing => {
+                st = EXIT_DUMPS_DONE.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
+            ExitDumps::Written(all) => return Some(all),
+        }
+    }
+}
+
+/// The claimed dumps are written (`all`: every one of them); the exit paths waiting go on.
+fn finish_exit_dumps(all: bool) {
+    *EXIT_DUMPS.lock().unwrap_or_else(|e| e.into_inner()) = ExitDumps::Written(all);
+    EXIT_DUMPS_DONE.notify_all();
+}
+
+/// The exit code of an exit signal being handled (128 + the signal), 0 while none is.
+static EXIT_SIGNALLED: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// Called by an exit path other than the exit signal's once the dumps are written: when an
+/// exit signal came meanwhile, its thread ends the process (with 128 + the signal, flushed,
+/// within a second), so this one waits for that instead of racing it with its own code.
+fn defer_to_exit_signal() {
+    if EXIT_SIGNALLED.load(std::sync::atomic::Ordering::SeqCst) != 0 {
+        loop {
+            std::thread::park();
+        }
+    }
+}
+
+/// Writes the `--dump-on-exit` dumps, once (the first of the exit paths to get here; the
+/// others wait for it: see [`ExitDumps`]); a dump that cannot be written is said on stderr,
+/// and the others are still written. Returns false when one could not be (the program then
+/// does not end with 0: see [`exit_code`]).
 fn dump_on_exit() -> bool {
     let Some(list) = DUMPS_ON_EXIT.get() else {
         return true;
     };
-    if DUMPED_ON_EXIT.swap(true, std::sync::atomic::Ordering::SeqCst) {
-        return true;
+    if let Some(all) = claim_exit_dumps() {
+        return all;
     }
     let mut all = true;
     for (format, file) in list {
@@ -442,6 +499,7 @@ fn dump_on_exit() -> bool {
             all = false;
         }
     }
+    finish_exit_dumps(all);
     all
 }
 
@@ -461,18 +519,23 @@ fn exit_code(script: i32, dumped: bool) -> i32 {
 /// `os.exit(true)`, `os.exit(0)`, `os.exit('0')`, which `os.exit` reads as 0) whose dumps
 /// could not all be written exits with 1, as [`exit_code`] says.
 const EXIT_WRAPPER: &str = r#"
-local dump, exit, list = ...
+local dump, exit, list, claim, finish = ...
 return function(...)
-    local failed = false
-    for _, d in ipairs(list) do
-        local ok, err = dump({format = d[1], file = d[2]})
-        if not ok then
-            io.stderr:write('fibertrace: --dump-on-exit ', d[1], ': ', tostring(err), '\n')
-            failed = true
+    local mine, all = claim()
+    if mine then
+        all = true
+        for _, d in ipairs(list) do
+            local called, ok, err = pcall(dump, {format = d[1], file = d[2]})
+            if not (called and ok) then
+                if called then ok = err end
+                io.stderr:write('fibertrace: --dump-on-exit ', d[1], ': ', tostring(ok), '\n')
+                all = false
+            end
         end
+        finish(all)
     end
     local code = ...
-    if failed and (code == nil or code == true or tonumber(code) == 0) then
+    if not all and (code == nil or code == true or tonumber(code) == 0) then
         return exit(1, select(2, ...))
     end
     return exit(...)
@@ -493,10 +556,26 @@ fn wrap_os_exit(lua: &mlua::Lua, list: &[(Format, PathBuf)]) -> mlua::Result<()>
         pair.raw_set(2, lua.create_string(file.as_os_str().as_bytes())?)?;
         t.raw_set(i + 1, pair)?;
     }
+    // `claim()`: true when this exit writes the dumps; else false and whether all were
+    // written (by the exit path that did, waited for).
+    let claim = lua.create_function(|_, ()| {
+        Ok(match claim_exit_dumps() {
+            None => (true, None),
+            Some(all) => {
+                defer_to_exit_signal();
+                (false, Some(all))
+            }
+        })
+    })?;
+    let finish = lua.create_function(|_, all: bool| {
+        finish_exit_dumps(all);
+        defer_to_exit_signal();
+        Ok(())
+    })?;
     let wrapped: mlua::Function = lua
         .load(EXIT_WRAPPER)
         .set_name("=fibertrace")
-        .call((dump, exit, t))?;
+        .call((dump, exit, t, claim, finish))?;
     os.set("exit", wrapped)
 }
 
@@ -853,6 +932,7 @@ fn install_signals() -> Result<(), String> {
                 // 128 + the signal (at most SIGTERM, 15): fits a byte.
                 let code = 128 + i32::from(b[0]);
                 let c = [code as u8];
+                EXIT_SIGNALLED.store(code, std::sync::atomic::Ordering::SeqCst);
                 // SAFETY: writes one byte from a local buffer to our own pipe.
                 unsafe { libc::write(timer_wr, c.as_ptr().cast(), 1) };
                 say_suppressed();
@@ -1184,6 +1264,9 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
         }
     };
     let code = exit_code(code, dump_on_exit());
+    if DUMPS_ON_EXIT.get().is_some() {
+        defer_to_exit_signal();
+    }
     let _ = io::stdout().flush();
     // `exit` flushes C stdio (Lua's print and io.write); the host is not dropped: fibers
     // still suspended keep their Lua frames and are never unwound.
