@@ -2,6 +2,10 @@
 //! of a target whose threads wait in known functions, in both modes; the target runs on and
 //! finishes its work after being read; every way a dump cannot be made is a clear error.
 
+#[path = "../../tests/scratch.rs"]
+mod scratch;
+use scratch::Scratch;
+
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -311,8 +315,7 @@ fn the_ways_a_dump_cannot_be_made_are_clear_errors() {
 #[test]
 fn a_core_file_of_the_process_has_the_same_exact_frames() {
     let t = Target::start();
-    let dir = std::env::temp_dir().join(format!("ft-remote-core-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("remote-core");
     let out = Command::new("gcore")
         .arg("-o")
         .arg(dir.join("core"))

@@ -2,6 +2,10 @@
 //! checked against the text dump of the same snapshot, frame by frame. (The real tools read
 //! them in `tests/acceptance/peers.rs`.)
 
+#[path = "../../tests/scratch.rs"]
+mod scratch;
+use scratch::Scratch;
+
 use std::io::Read as _;
 use std::time::Duration;
 
@@ -354,8 +358,7 @@ fn every_export_holds_each_fibers_frames_as_the_text_dump_shows_them() {
 
 #[test]
 fn an_export_to_a_file_is_whole_or_leaves_what_was_there() {
-    let dir = std::env::temp_dir().join(format!("fibertrace-export-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("export");
     let path = dir.join("fibers.txt");
     std::fs::write(&path, "before").unwrap();
     // A directory where the file should be: the rename fails, the old content stays, and no
@@ -396,9 +399,7 @@ fn an_export_to_a_file_is_whole_or_leaves_what_was_there() {
 #[test]
 fn an_export_writes_into_devices_fifos_and_links_instead_of_replacing_them() {
     use std::os::unix::fs::FileTypeExt;
-    let dir = std::env::temp_dir().join(format!("ft-export-special-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("export-special");
     let is_link = |p: &std::path::Path| {
         std::fs::symlink_metadata(p)
             .unwrap()

@@ -3,6 +3,10 @@
 //! name, status and wait, and a fiber's frames are exactly the ones the target's own dump
 //! gives; the target runs on and its fibers finish their work after being read.
 
+#[path = "../../tests/scratch.rs"]
+mod scratch;
+use scratch::Scratch;
+
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -296,8 +300,7 @@ fn gcore(pid: i32, dir: &std::path::Path) -> std::path::PathBuf {
 fn a_core_file_has_every_fiber_with_the_same_frames() {
     let n = 400;
     let mut t = Target::start(n);
-    let dir = std::env::temp_dir().join(format!("ft-foreign-core-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("foreign-core");
     let core = gcore(t.pid(), &dir);
     // The process ran on meanwhile.
     let a = t.count();
@@ -359,8 +362,7 @@ fn dump_core_within(core: &std::path::Path, secs: u64) -> Option<Result<usize, S
 #[test]
 fn a_damaged_core_file_gives_a_dump_or_an_error_never_an_abort_or_a_hang() {
     let t = Target::start(50);
-    let dir = std::env::temp_dir().join(format!("ft-foreign-badcore-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("foreign-badcore");
     let core = gcore(t.pid(), &dir);
     let (code, _) = t.finish();
     assert_eq!(code, 0);

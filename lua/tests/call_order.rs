@@ -2,16 +2,17 @@
 //! too: the frames a release build inlines or tail-calls are where order went wrong): a fiber
 //! parked inside a debug hook, and a fiber caught inside `fiber.info()`.
 
-use std::path::PathBuf;
+#[path = "../../tests/scratch.rs"]
+mod scratch;
+use scratch::Scratch;
+
 use std::process::Command;
 #[cfg(feature = "luajit")]
 use std::{path::Path, process::Output};
 
-fn dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fibertrace-order-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A scratch directory for one test, removed when it passes (see `tests/scratch.rs`).
+fn dir(name: &str) -> Scratch {
+    Scratch::new(&format!("order-{name}"))
 }
 
 // (Used by the LuaJIT-only test.)

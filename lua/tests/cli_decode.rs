@@ -2,6 +2,10 @@
 //! exactly what lws's tool prints; bad lines are reported with their numbers and do not stop
 //! the rest.
 
+#[path = "../../tests/scratch.rs"]
+mod scratch;
+use scratch::Scratch;
+
 use std::io::Write;
 use std::process::{Command, Stdio};
 
@@ -72,8 +76,7 @@ fn bad_lines_are_reported_and_skipped() {
 
 #[test]
 fn missing_file_is_an_error_but_others_go_on() {
-    let dir = std::env::temp_dir().join(format!("fibertrace-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("cli");
     let f = dir.join("log.txt");
     std::fs::write(&f, "~m#IF0BmUQugNCkgCnkhdAYpQa6wAAV\n").unwrap();
     let (out, err, code) = run(&["decode", "/nonexistent/x.log", f.to_str().unwrap()], "");
@@ -287,8 +290,7 @@ fn each_line_is_written_out_before_waiting_for_more_input() {
 #[test]
 fn file_names_that_are_not_utf8_are_opened() {
     use std::os::unix::ffi::OsStrExt;
-    let dir = std::env::temp_dir().join(format!("ft-decode-names-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("decode-names");
     let name = std::ffi::OsStr::from_bytes(b"log\xfe.txt");
     std::fs::write(dir.join(name), "alloc ~m#IF0BmUQugNCkgCnkhdAYpQa6wAAV\n").unwrap();
     let o = Command::new(env!("CARGO_BIN_EXE_fibertrace"))

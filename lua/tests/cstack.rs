@@ -9,14 +9,17 @@
 //! must hold those 200 levels on every path, also when Lua's C code is built without
 //! optimization (the last test).
 
+#[path = "../../tests/scratch.rs"]
+mod scratch;
+use scratch::Scratch;
+
 use std::process::Command;
 
 const EXE: &str = env!("CARGO_BIN_EXE_fibertrace");
 
 /// Writes `src` to a temporary script and runs it with `args`: (stdout, stderr, exit code).
 fn run(name: &str, src: &str, args: &[&str]) -> (String, String, Option<i32>) {
-    let dir = std::env::temp_dir().join(format!("ft-cstack-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("cstack");
     let path = dir.join(name);
     std::fs::write(&path, src).unwrap();
     let o = Command::new(EXE)

@@ -3,14 +3,17 @@
 //! message, or a fiber name, that is not UTF-8 is written as its bytes). Fiber names in the
 //! runtime's own text reports are quoted with escapes, so their bytes can be read back.
 
+#[path = "../../tests/scratch.rs"]
+mod scratch;
+use scratch::Scratch;
+
 use std::process::{Command, Stdio};
 
 const EXE: &str = env!("CARGO_BIN_EXE_fibertrace");
 
 /// Runs `src` as a script file; (stdout, stderr, exit code), as bytes.
 fn run(name: &str, src: &[u8]) -> (Vec<u8>, Vec<u8>, Option<i32>) {
-    let dir = std::env::temp_dir().join(format!("ft-errors-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("errors");
     let path = dir.join(name);
     std::fs::write(&path, src).unwrap();
     let o = Command::new(EXE)
@@ -166,8 +169,7 @@ fn the_signal_dump_quotes_names_so_their_bytes_read_back() {
 #[test]
 fn script_names_and_arguments_that_are_not_utf8_reach_the_script_as_their_bytes() {
     use std::os::unix::ffi::OsStrExt;
-    let dir = std::env::temp_dir().join(format!("ft-errors-args-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("errors-args");
     let name = std::ffi::OsStr::from_bytes(b"n\xfe.lua");
     std::fs::write(
         dir.join(name),
@@ -246,8 +248,7 @@ fn errors_raised_by_the_vm_itself_end_at_the_outermost_lua_level() {
         ),
         ("for i = 1, 'x' do end", "'for' limit must be a number", &[]),
     ];
-    let dir = std::env::temp_dir().join(format!("ft-errors-vm-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("errors-vm");
     for (body, msg, inner) in cases {
         for in_fiber in [false, true] {
             let src = if in_fiber {
@@ -341,8 +342,7 @@ fn a_fast_functions_error_shows_its_c_fallback_innermost() {
             "lj_ffh_tostring+",
         ),
     ];
-    let dir = std::env::temp_dir().join(format!("ft-errors-ff-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("errors-ff");
     for (call, name, msg, native) in cases {
         let src = format!("local function f() local x = {call} return x end\nf()\n");
         std::fs::write(dir.join("e.lua"), &src).unwrap();

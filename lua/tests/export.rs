@@ -2,15 +2,17 @@
 //! --dump-on-exit FORMAT:FILE`: every exit path writes the dump, Lua frames in place, and
 //! every bad argument is a clear error.
 
+#[path = "../../tests/scratch.rs"]
+mod scratch;
+use scratch::Scratch;
+
 use std::os::unix::fs::OpenOptionsExt as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
-fn dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fibertrace-lexp-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A scratch directory for one test, removed when it passes (see `tests/scratch.rs`).
+fn dir(name: &str) -> Scratch {
+    Scratch::new(&format!("lexp-{name}"))
 }
 
 fn run(cwd: &Path, args: &[&str]) -> Output {
@@ -335,11 +337,8 @@ fn an_exit_signal_waits_for_the_dumps_another_exit_path_writes() {
             revents: 0,
         };
         // SAFETY: poll(2) on one pollfd of ours.
-        assert_eq!(
-            unsafe { libc::poll(&mut p, 1, 60_000) },
-            1,
-            "{how}: no dump began"
-        );
+        let ready = unsafe { libc::poll(&mut p, 1, 60_000) };
+        assert_eq!(ready, 1, "{how}: no dump began");
         // SAFETY: signals our own child.
         unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
         std::thread::sleep(std::time::Duration::from_millis(1500));
@@ -371,6 +370,60 @@ fn an_exit_signal_waits_for_the_dumps_another_exit_path_writes() {
         assert_eq!(n, fibers, "{how}: the second dump");
     }
     let _ = std::fs::remove_dir_all(&d);
+}
+
+/// `os.exit` writes the `--dump-on-exit` dumps whatever the script did to the globals its
+/// wrapper uses (it used to look them up at the exit: `ipairs = nil` made `os.exit` raise
+/// instead of exiting), and a dump that raises in it (out of memory; here its upvalue is
+/// replaced) does not leave the dumps claimed forever: the script's end, on the same
+/// thread, takes them over (it used to wait for them without end).
+#[test]
+fn os_exit_dumps_survive_changed_globals_and_a_dump_that_raises() {
+    let d = dir("exit-wrapper");
+    let cases = [
+        (
+            "globals",
+            "ipairs, pcall, select, tonumber, tostring = nil, nil, nil, nil, nil\nos.exit(5)\n",
+            5,
+            "",
+        ),
+        (
+            "raises",
+            "for i = 1, 10 do\n\
+             \x20 local name = debug.getupvalue(os.exit, i)\n\
+             \x20 if name == 'dump' then debug.setupvalue(os.exit, i, function() error('no dump') end) end\n\
+             end\n\
+             os.exit(0)\n",
+            1,
+            "s.lua:12: no dump\n",
+        ),
+    ];
+    for (case, tail, code, err_head) in cases {
+        std::fs::write(d.join("s.lua"), format!("{WORKERS}{tail}")).unwrap();
+        let _ = std::fs::remove_file(d.join("d.folded"));
+        let mut child = Command::new(env!("CARGO_BIN_EXE_fibertrace"))
+            .args(["run", "--dump-on-exit", "folded:d.folded", "s.lua"])
+            .current_dir(&d)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let t0 = std::time::Instant::now();
+        while child.try_wait().unwrap().is_none() {
+            if t0.elapsed() > std::time::Duration::from_secs(30) {
+                let _ = child.kill();
+                panic!("{case}: the program did not end");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let out = child.wait_with_output().unwrap();
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{case}: {err}");
+        assert!(err.starts_with(err_head), "{case}: {err}");
+        let folded = std::fs::read_to_string(d.join("d.folded"))
+            .unwrap_or_else(|e| panic!("{case}: {e}: {err}"));
+        check_workers_line(&folded);
+    }
 }
 
 /// Two `--dump-on-exit` options naming one file (the second dump would replace the first

@@ -5,6 +5,10 @@
 //! native entries only for the functions that matter (the host's C functions, the runtime's
 //! switch points, the test's own Rust callbacks `tcb_*`), by the last segment of their name.
 
+#[path = "../../tests/scratch.rs"]
+mod scratch;
+use scratch::Scratch;
+
 use fibertrace_lua::LuaHost;
 use mlua::{Function, Table, Value};
 
@@ -501,8 +505,7 @@ R2 = tostring(ok2) .. ' ' .. sum .. ' ' .. z .. ' ' .. g:status()
 
 #[test]
 fn lua_error_in_a_fiber_prints_an_interleaved_traceback() {
-    let dir = std::env::temp_dir().join(format!("ft-host-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("host");
     let script = dir.join("err.lua");
     std::fs::write(
         &script,

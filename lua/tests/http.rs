@@ -2,18 +2,22 @@
 //! Lua frames of its fibers while it waits, and an answer (native frames, a note) while a
 //! fiber spins; bad addresses refused before the script runs.
 
+#[path = "../../tests/scratch.rs"]
+mod scratch;
+use scratch::Scratch;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn script(name: &str, body: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fibertrace-lhttp-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
+/// The script `body` as file `name` in a scratch directory of its own (kept with it).
+fn script(name: &str, body: &str) -> (Scratch, PathBuf) {
+    let d = Scratch::new("lhttp");
     let p = d.join(name);
     std::fs::write(&p, body).unwrap();
-    p
+    (d, p)
 }
 
 /// Starts `fibertrace run --http 127.0.0.1:0 SCRIPT`; the child, the address it serves on,
@@ -71,7 +75,7 @@ fiber.sleep(60)
 /// its part at its next turn).
 #[test]
 fn the_views_of_a_waiting_program_have_its_lua_frames() {
-    let path = script("waiting.lua", WAITING);
+    let (_dir, path) = script("waiting.lua", WAITING);
     let (mut child, addr, mut out) = start(&path);
     let mut line = String::new();
     out.read_line(&mut line).unwrap();
@@ -149,7 +153,7 @@ fn lua_frames_of(text: &str, heading: &str) -> Vec<String> {
 /// which reaches its compiled loop), the others' read there too.
 #[test]
 fn the_views_answer_while_a_lua_fiber_spins() {
-    let path = script("spinning.lua", SPINNING);
+    let (_dir, path) = script("spinning.lua", SPINNING);
     let (mut child, addr, mut out) = start(&path);
     let p = path.display();
     let mut line = String::new();
@@ -190,7 +194,7 @@ fn the_views_answer_while_a_lua_fiber_spins() {
 
 #[test]
 fn a_bad_or_taken_address_is_refused_before_the_script_runs() {
-    let path = script("never.lua", "print('ran')\n");
+    let (_dir, path) = script("never.lua", "print('ran')\n");
     let run = |addr: &str| {
         Command::new(env!("CARGO_BIN_EXE_fibertrace"))
             .args(["run", "--http", addr])
@@ -228,7 +232,7 @@ fn a_bad_or_taken_address_is_refused_before_the_script_runs() {
 /// a 404 that says how to turn it on (checked in the fiber crate's tests).
 #[test]
 fn the_heap_profile_is_served_where_go_serves_it_when_the_heap_is_tracked() {
-    let path = script("heap.lua", WAITING);
+    let (_dir, path) = script("heap.lua", WAITING);
     let (mut child, addr, mut out) = start_with(&path, &["--heap=every"]);
     let mut line = String::new();
     out.read_line(&mut line).unwrap();
@@ -263,7 +267,7 @@ fiber.sleep(60)
 /// fibers), ran out of its wait and said the thread "did not come back to its run loop".
 #[test]
 fn views_asked_at_once_each_have_their_lua_frames() {
-    let path = script("many.lua", MANY);
+    let (_dir, path) = script("many.lua", MANY);
     let (mut child, addr, mut out) = start(&path);
     let mut line = String::new();
     out.read_line(&mut line).unwrap();

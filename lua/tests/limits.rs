@@ -2,6 +2,10 @@
 //! goes on: fiber stacks past the address-space limit or `vm.max_map_count`, a full Lua heap,
 //! more values than a Lua stack takes; and fiber names are kept as the bytes they were given.
 
+#[path = "../../tests/scratch.rs"]
+mod scratch;
+use scratch::Scratch;
+
 use std::process::Command;
 
 const EXE: &str = env!("CARGO_BIN_EXE_fibertrace");
@@ -15,8 +19,7 @@ struct Out {
 /// Runs `fibertrace run` on the script `src` (written to a file) with `args`, under
 /// `ulimit -v KB` when given.
 fn run(name: &str, src: &str, args: &[String], ulimit_kb: Option<u64>) -> Out {
-    let dir = std::env::temp_dir().join(format!("fibertrace-limits-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("limits");
     let path = dir.join(name);
     std::fs::write(&path, src).unwrap();
     let mut c = Command::new("bash");
@@ -294,8 +297,7 @@ fn fiber_names_are_kept_as_their_bytes() {
 /// of N bytes failed`, SIGABRT).
 #[test]
 fn with_the_heap_tracked_a_full_address_space_is_not_enough_memory_not_an_abort() {
-    let dir = std::env::temp_dir().join(format!("fibertrace-limits-heap-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("limits-heap");
     let path = dir.join("oom.lua");
     std::fs::write(
         &path,

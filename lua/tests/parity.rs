@@ -7,6 +7,10 @@
 //! Each script appends lines to `OUT` (`out(...)` joins its values' `tostring`s with a
 //! space); a line's position in an error text is found by a `--[[name]]` marker on it.
 
+#[path = "../../tests/scratch.rs"]
+mod scratch;
+use scratch::Scratch;
+
 use fibertrace_lua::LuaHost;
 
 const LUAJIT: bool = cfg!(feature = "luajit");
@@ -922,8 +926,7 @@ out(calls > 1000, raised > 100, fiber.self():status())
 }
 
 fn run_binary(script: &str) -> (i32, String, String) {
-    let dir = std::env::temp_dir().join(format!("fibertrace-parity-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("parity");
     let path = dir.join(format!("p{}.lua", script.len()));
     std::fs::write(&path, script).unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_fibertrace"))

@@ -2,6 +2,10 @@
 //! grows without bound, each bad input gets a clear error that names it, and nothing
 //! printed before is lost. (The channel and cancellation classes are in `channel.rs`.)
 
+#[path = "../../tests/scratch.rs"]
+mod scratch;
+use scratch::Scratch;
+
 use std::io::{Read, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -636,8 +640,7 @@ print('main ends')
 /// A script with a `#!` line still runs.
 #[test]
 fn a_precompiled_chunk_is_refused_with_a_clear_error() {
-    let dir = std::env::temp_dir().join(format!("ft-rel-bc-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("rel-bc");
     let why = ": a precompiled (bytecode) chunk: not run (the VM's bytecode loader trusts its \
                input: a damaged or crafted file can crash the process); run the script's source\n";
     for (name, bytes) in [
@@ -738,8 +741,7 @@ fn a_heap_tier_variable_that_names_no_tier_is_an_error() {
 /// lookups were kept, and every later trace of the process stayed `??`).
 #[test]
 fn names_come_back_after_the_process_ran_out_of_file_descriptors() {
-    let dir = std::env::temp_dir().join(format!("ft-rel-emfile-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("rel-emfile");
     let script = dir.join("emfile.lua");
     // (The script prints the first frame line of each dump.)
     std::fs::write(
@@ -781,8 +783,7 @@ fn names_come_back_after_the_process_ran_out_of_file_descriptors() {
 /// needs), whichever descriptor it could not get, and exits 1; at what it needs, it runs.
 #[test]
 fn too_few_file_descriptors_to_start_is_a_clear_error() {
-    let dir = std::env::temp_dir().join(format!("fibertrace-fds-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("fds");
     let script = dir.join("hi.lua");
     std::fs::write(&script, "print('hi')\n").unwrap();
     let run_with = |n: u32| {

@@ -17,6 +17,7 @@ fn run_script(args: &[&str], script: &str) -> (i32, String, String) {
     let mut c = Command::new(env!("CARGO_BIN_EXE_fibertrace"));
     c.arg("run").args(args).arg(&path);
     let out = c.output().unwrap();
+    let _ = std::fs::remove_file(&path);
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),

@@ -34,12 +34,13 @@ pub fn binary() -> PathBuf {
     p
 }
 
-/// A new empty directory for one test (removed first if a previous run left it).
-pub fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fibertrace-acc-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("a scratch directory");
-    d
+#[path = "../scratch.rs"]
+mod scratch_dir;
+pub use scratch_dir::Scratch;
+
+/// A new empty directory for one test, removed when the test passes (see [`Scratch`]).
+pub fn scratch(name: &str) -> Scratch {
+    Scratch::new(&format!("acc-{name}"))
 }
 
 /// Runs the binary with `args` in directory `cwd`.

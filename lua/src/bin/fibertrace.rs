@@ -430,10 +430,16 @@ static DUMPS_ON_EXIT: std::sync::OnceLock<Vec<(Format, PathBuf)>> = std::sync::O
 /// the process in the middle of the writing, and two writers would share the temporary
 /// files), then take its outcome. The exit signal's wait is bounded by
 /// `--dump-on-exit-wait`, as its own writing is (see [`install_signals`]).
+///
+/// A claim whose writer raised a Lua error before it finished (`os.exit`'s dump, out of
+/// memory: it is called without a protected call, which would show in its trace) is taken
+/// over by the next claim made on the same thread: a thread that claims again is not
+/// writing any more.
 #[derive(Clone, Copy, PartialEq)]
 enum ExitDumps {
     NotBegun,
-    Writing,
+    /// By this thread.
+    Writing(std::thread::ThreadId),
     /// Written, all of them (true) or not.
     Written(bool),
 }
@@ -449,14 +455,14 @@ fn claim_exit_dumps() -> Option<bool> {
     let mut st = EXIT_DUMPS.lock().unwrap_or_else(|e| e.into_inner());
     loop {
         match *st {
-            ExitDumps::NotBegun => {
-                *st = ExitDumps::Writing;
-                return None;
-            }
-            ExitDumps::Writing => {
+            ExitDumps::Writing(by) if by != std::thread::current().id() => {
                 st = EXIT_DUMPS_DONE.wait(st).unwrap_or_else(|e| e.into_inner());
             }
             ExitDumps::Written(all) => return Some(all),
+            ExitDumps::NotBegun | ExitDumps::Writing(_) => {
+                *st = ExitDumps::Writing(std::thread::current().id());
+                return None;
+            }
         }
     }
 }
@@ -520,15 +526,17 @@ fn exit_code(script: i32, dumped: bool) -> i32 {
 /// could not all be written exits with 1, as [`exit_code`] says.
 const EXIT_WRAPPER: &str = r#"
 local dump, exit, list, claim, finish = ...
+-- (The script may change the globals: the wrapper keeps its own.)
+local ipairs, pcall, select, tonumber, tostring = ipairs, pcall, select, tonumber, tostring
+local stderr = io.stderr
 return function(...)
     local mine, all = claim()
     if mine then
         all = true
         for _, d in ipairs(list) do
-            local called, ok, err = pcall(dump, {format = d[1], file = d[2]})
-            if not (called and ok) then
-                if called then ok = err end
-                io.stderr:write('fibertrace: --dump-on-exit ', d[1], ': ', tostring(ok), '\n')
+            local ok, err = dump({format = d[1], file = d[2]})
+            if not ok then
+                pcall(stderr.write, stderr, 'fibertrace: --dump-on-exit ', d[1], ': ', tostring(err), '\n')
                 all = false
             end
         end
