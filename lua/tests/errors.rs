@@ -341,6 +341,26 @@ fn a_fast_functions_error_shows_its_c_fallback_innermost() {
             "bad argument #1 to 'tostring' (value expected)",
             "lj_ffh_tostring+",
         ),
+        // Fallbacks that tail-jump to a shared helper (`lj_ffh_pairs`: `jmp ffh_pairs`;
+        // `getmetatable` recycles `ipairs`'s): the helper's frame stands for them.
+        (
+            "pairs()",
+            "pairs",
+            "bad argument #1 to 'pairs' (value expected)",
+            "ffh_pairs+",
+        ),
+        (
+            "ipairs()",
+            "ipairs",
+            "bad argument #1 to 'ipairs' (value expected)",
+            "ffh_pairs+",
+        ),
+        (
+            "getmetatable()",
+            "getmetatable",
+            "bad argument #1 to 'getmetatable' (value expected)",
+            "ffh_pairs+",
+        ),
     ];
     let dir = Scratch::new("errors-ff");
     for (call, name, msg, native) in cases {

@@ -24,7 +24,7 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
-use object::{Object, ObjectSymbol, SymbolKind};
+use object::{Object, ObjectSection, ObjectSymbol, SymbolKind};
 
 /// The VM map: sorted, merged VM ranges, function extents, and the asm interpreter's range.
 #[derive(Debug, Default)]
@@ -33,6 +33,9 @@ pub struct VmMap {
     vm: Vec<(u64, u64)>,
     /// Function symbols `(start, end)` sorted by start (process addresses).
     funcs: Vec<(u64, u64)>,
+    /// Tail-jump thunks `(start, target)` sorted by start (process addresses): functions
+    /// that jump to another one without a frame of their own ([`super::thunk`]).
+    thunks: Vec<(u64, u64)>,
     /// LuaJIT's assembler interpreter, `[start, end)`, if found.
     pub interpreter: Option<(u64, u64)>,
     /// LuaJIT's `lj_vm_ffi_call` (inside the interpreter but with a frame record of its own).
@@ -57,6 +60,10 @@ pub struct VmMap {
 
 /// Numbers of the maps finished so far.
 static MAPS: AtomicU64 = AtomicU64::new(1);
+
+/// The largest function that can be a tail-jump thunk, in bytes (three moves and a jump,
+/// with room for padding in the symbol's size).
+const MAX_THUNK: u64 = 32;
 
 /// Slots of each thread's memo of [`VmMap::function_end`] (a power of two).
 const END_MEMO: usize = 64;
@@ -261,6 +268,16 @@ impl VmMap {
                 continue;
             }
             self.funcs.push((start, end));
+            if sym.size() <= MAX_THUNK {
+                let code = sym
+                    .section_index()
+                    .and_then(|i| obj.section_by_index(i).ok())
+                    .and_then(|sec| sec.data_range(sym.address(), sym.size()).ok().flatten());
+                if let Some(to) = code.and_then(|c| super::thunk::tail_jump(obj.architecture(), c))
+                {
+                    self.thunks.push((start, start.wrapping_add_signed(to)));
+                }
+            }
             let vm = if sym.is_global() {
                 name_is_vm(name)
             } else {
@@ -279,6 +296,8 @@ impl VmMap {
     fn finish(&mut self) {
         self.funcs.sort_unstable();
         self.funcs.dedup();
+        self.thunks.sort_unstable();
+        self.thunks.dedup();
         self.vm.sort_unstable();
         let mut merged: Vec<(u64, u64)> = Vec::with_capacity(self.vm.len());
         for &(s, e) in &self.vm {
@@ -351,6 +370,20 @@ impl VmMap {
             self.search_end(start).unwrap_or(0)
         });
         (end != 0).then_some(end)
+    }
+
+    /// The extent `[start, end)` of the function that the function at `start` tail-jumps
+    /// to, when it is a thunk ([`super::thunk`]) whose target a symbol table gives.
+    pub fn tail_target(&self, start: u64) -> Option<(u64, u64)> {
+        if self.thunks.is_empty() {
+            return None;
+        }
+        let i = self.thunks.partition_point(|&(s, _)| s < start);
+        let &(s, to) = self.thunks.get(i)?;
+        if s != start {
+            return None;
+        }
+        self.function_end(to).map(|e| (to, e))
     }
 
     /// [`VmMap::function_end`] by a binary search of the functions.

@@ -5,7 +5,9 @@
 //! levels split into `c0 R1 c1 R2 …`, where each `c` is a C level with a `lua_CFunction` whose
 //! native frame can be found (its *anchor*: the native frame inside the function that starts
 //! at that pointer; a LuaJIT fast function's is its C fallback, `lj_ffh_*`, on the stack when
-//! the fast function raised an error or fell back to C) and each `R` is a run of Lua levels
+//! the fast function raised an error or fell back to C; and where the function is a thunk that
+//! tail-jumps to another, as `lj_ffh_pairs` does to `ffh_pairs`, a frame in that other
+//! function anchors it too: see [`thunk`]) and each `R` is a run of Lua levels
 //! (plus C levels with no native frame of their own: fast functions such as `pcall` or
 //! `coroutine.resume` running their assembler). The merge:
 //! 1. if the innermost level is anchored in `N0`, emit `N0` up to its anchor;
@@ -40,6 +42,7 @@ use crate::frames::{capture_lua_stack, LuaLevel, LuaStack};
 
 pub mod classify;
 pub mod foreign;
+pub mod thunk;
 
 pub use classify::{vm_map, VmMap};
 
@@ -145,12 +148,22 @@ pub unsafe fn capture_current_raw(
     bt
 }
 
-/// Whether native frame `f` lies inside the `lua_CFunction` starting at `cfunc`.
+/// Whether native frame `f` lies inside the `lua_CFunction` starting at `cfunc`, or inside
+/// the function `tail` that it tail-jumps to (see [`thunk`]).
 #[inline]
-fn anchored(f: &Frame, cfunc: usize, end: Option<u64>, foreign: bool) -> bool {
+fn anchored(
+    f: &Frame,
+    cfunc: usize,
+    end: Option<u64>,
+    tail: Option<(u64, u64)>,
+    foreign: bool,
+) -> bool {
     let Some(a) = f.lookup_address() else {
         return false;
     };
+    if tail.is_some_and(|(s, e)| a >= s && a < e) {
+        return true;
+    }
     let c = cfunc as u64;
     match end {
         Some(e) => a >= c && a < e,
@@ -212,7 +225,8 @@ pub fn merge_with_gap<const N: usize>(
         if !l.is_anchor() {
             return None;
         }
-        (from..to).find(|&k| anchored(&native[k], l.cfunc, ends[j], map.foreign))
+        let tail = map.tail_target(l.cfunc as u64);
+        (from..to).find(|&k| anchored(&native[k], l.cfunc, ends[j], tail, map.foreign))
     };
     let next = |from: usize, want_vm: bool| (from..n).find(|&k| vm[k] == want_vm).unwrap_or(n);
 
