@@ -1367,7 +1367,16 @@ pub(crate) fn snapshot_here(upto: &'static str) -> fibertrace_fiber::Snapshot {
     let me = fibertrace_fiber::current_id();
     let root = with_host(|h| h.recs.get(&me).map(|r| r.thread)).flatten();
     // SAFETY: `root` is the running fiber's own Lua thread (its record's), on this thread.
-    let mine = root.map(|root| unsafe { current_frames(root, upto) });
+    let mut mine = root.map(|root| unsafe { current_frames(root, upto) });
+    // The frame of `upto` itself (kept by `current_frames` as the anchor of its Lua level) is
+    // the dump, not the caller's stack: a debug build hides it as glue, but in a release
+    // build the body inlined into it (`dump_body`) made it show as the fiber's innermost
+    // frame.
+    if let Some(v) = mine.as_mut() {
+        if v.first().is_some_and(|f| is_frame_of(f, upto)) {
+            v.remove(0);
+        }
+    }
     let mut snap = fibertrace_fiber::inspect::snapshot(&fibertrace_fiber::InfoOptions::default());
     let Some(frames) = mine else {
         return snap;
