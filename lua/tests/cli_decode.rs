@@ -128,6 +128,33 @@ fn symbolizes_with_e() {
         err.starts_with("fibertrace: cannot read symbols of /nonexistent/elf"),
         "{err}"
     );
+    // What is not an ELF file says what it is (a device said `No such device`; a FIFO was
+    // opened, which waits for a writer: the decode hung).
+    let dir = Scratch::new("decode-exe");
+    let fifo = dir.join("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo with a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    std::fs::write(dir.join("empty"), "").unwrap();
+    std::fs::write(dir.join("text"), "hello\n").unwrap();
+    let not_regular = "not a regular file (an ELF executable, library or debug file is needed)";
+    for (file, why) in [
+        ("/dev/null".to_string(), not_regular),
+        (fifo.to_str().unwrap().to_string(), not_regular),
+        (
+            dir.join("empty").to_str().unwrap().to_string(),
+            "an empty file, not an ELF file",
+        ),
+        (
+            dir.join("text").to_str().unwrap().to_string(),
+            "not an object file: ",
+        ),
+    ] {
+        let (out, err, code) = run(&["decode", "-e", &file], "");
+        assert_eq!((out.as_str(), code), ("", 2), "{file}: {err}");
+        let want = format!("fibertrace: cannot read symbols of {file}: {why}");
+        assert!(err.starts_with(&want), "{file}: {err}");
+    }
 }
 
 const GOOD: &str = "~m#IF0BmUQugNCkgCnkhdAYpQa6wAAV";

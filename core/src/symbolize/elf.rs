@@ -106,6 +106,16 @@ impl ElfSymbols {
             ),
             ..err(e.to_string())
         };
+        // (Before opening it: opening a FIFO waits for a writer.)
+        let meta = std::fs::metadata(path).map_err(io_err)?;
+        if !meta.is_file() {
+            return Err(err(
+                "not a regular file (an ELF executable, library or debug file is needed)".into(),
+            ));
+        }
+        if meta.len() == 0 {
+            return Err(err("an empty file, not an ELF file".into()));
+        }
         let file = std::fs::File::open(path).map_err(io_err)?;
         // If another process truncates the file while it is mapped, reading it faults — the
         // same hazard every ELF reader that maps files accepts.
