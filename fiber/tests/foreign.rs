@@ -440,5 +440,27 @@ fn a_damaged_core_file_gives_a_dump_or_an_error_never_an_abort_or_a_hang() {
         e.to_string(),
         "/dev/null: not a regular file (a core file is one)"
     );
+    // A FIFO too (it was opened, which waits for a writer: the dump hung), and an empty file.
+    let fifo = dir.join("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo with a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    match dump_core_within(&fifo, 60) {
+        Some(Err(e)) => assert_eq!(
+            e,
+            format!(
+                "{}: not a regular file (a core file is one)",
+                fifo.display()
+            )
+        ),
+        r => panic!("a FIFO: {r:?}"),
+    }
+    let empty = dir.join("empty");
+    std::fs::write(&empty, "").unwrap();
+    let e = foreign::dump_core(&empty, None, None, &DumpOptions::default()).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!("{}: an empty file, not a core file", empty.display())
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -54,18 +54,25 @@ impl Core {
         exe: Option<&Path>,
         root: Option<&Path>,
     ) -> Result<Core, String> {
-        let f = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        // (Mapping a directory or a device fails with ENODEV: said plainly.)
-        match f.metadata() {
-            Ok(m) if m.is_dir() => return Err(format!("{}: is a directory", path.display())),
-            Ok(m) if !m.is_file() => {
-                return Err(format!(
-                    "{}: not a regular file (a core file is one)",
-                    path.display()
-                ))
-            }
-            _ => {}
+        // (Mapping a directory or a device fails with ENODEV: said plainly. Looked at before
+        // opening: opening a FIFO waits for a writer.)
+        let m = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        if m.is_dir() {
+            return Err(format!("{}: is a directory", path.display()));
         }
+        if !m.is_file() {
+            return Err(format!(
+                "{}: not a regular file (a core file is one)",
+                path.display()
+            ));
+        }
+        if m.len() == 0 {
+            return Err(format!(
+                "{}: an empty file, not a core file",
+                path.display()
+            ));
+        }
+        let f = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
         // SAFETY: a read-only private mapping of a file; if another process truncates it
         // while mapped, reading faults — the hazard every ELF reader that maps files accepts.
         let data =
