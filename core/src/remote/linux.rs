@@ -6,11 +6,16 @@
 //! dropped (on success, on error, on a panic), giving back any signal that arrived while the
 //! thread was held; if this process dies meanwhile (SIGINT, a crash), the kernel detaches its
 //! tracees itself, and a seized thread is then resumed (the interrupt stop is not a group
-//! stop) — the target is never left stopped.
+//! stop) — the target is never left stopped. A held thread that dies meanwhile (the process
+//! killed, or an exec killing its other threads) is reaped rather than detached: an exec
+//! waits for that, holding a lock the next seize waits for, and both processes hung there
+//! (see [`Stopped::all`]). A thread that exits refuses a seize with EPERM as a missing
+//! permission does: the two are told apart by the thread's state.
 
 use std::io::{self, Read as _};
 use std::os::unix::fs::FileExt as _;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::arch::Registers;
@@ -36,6 +41,16 @@ fn proc(pid: i32) -> PathBuf {
 /// whether it is a kernel thread (the `PF_KTHREAD` flag). `None` when unreadable.
 pub(super) fn kind(pid: i32) -> Option<(char, bool)> {
     parse_stat(&std::fs::read_to_string(proc(pid).join("stat")).ok()?)
+}
+
+/// The parent of process `pid` (`None` for a thread other than a main one, or unreadable).
+fn parent(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(proc(pid).join("stat")).ok()?;
+    stat[stat.rfind(')')? + 1..]
+        .split_ascii_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
 }
 
 /// [`kind`] from the text of a `/proc/PID/stat`.
@@ -141,6 +156,16 @@ pub(super) fn ptrace_scope() -> Option<u8> {
         .trim()
         .parse()
         .ok()
+}
+
+/// A capability set of process `pid` (`CapEff`, `CapPrm`... of `/proc/PID/status`), if
+/// readable.
+pub(super) fn capabilities(pid: i32, which: &str) -> Option<u64> {
+    let s = std::fs::read_to_string(proc(pid).join("status")).ok()?;
+    let v = s
+        .lines()
+        .find_map(|l| l.strip_prefix(which)?.strip_prefix(':'))?;
+    u64::from_str_radix(v.trim(), 16).ok()
 }
 
 /// Reads the process's memory: `process_vm_readv`, or `/proc/PID/mem` where that is refused
@@ -283,48 +308,39 @@ const STOP_WAIT: Duration = Duration::from_secs(2);
 
 impl Stopped {
     /// Stops every thread of `pid`.
+    ///
+    /// An exec in the process meanwhile kills its other threads and waits until each is
+    /// reaped, holding a lock that `PTRACE_SEIZE` of any of its threads waits for: the
+    /// threads already held die, and only their tracer (this process) reaps them. So while
+    /// a seize waits, a second thread reaps the held threads that died (see [`Seizing`]):
+    /// the exec goes on, and the seize ends (on the new program's thread, or `ESRCH`).
+    /// Before, both processes hung, the target in state D. The main thread is seized first
+    /// (after a thread-id wrap it sorts after others): a program that execs from it cannot
+    /// start an exec once it is held.
     pub(super) fn all(pid: i32) -> Result<Stopped, StopError> {
-        let mut st = Stopped { held: Vec::new() };
-        loop {
-            let tids = match threads(pid) {
-                Ok(t) => t,
-                Err(_) if st.held.is_empty() => return Err(StopError::Gone),
-                Err(_) => break,
-            };
-            let new: Vec<i32> = tids
-                .into_iter()
-                .filter(|t| !st.held.iter().any(|(h, _)| h == t))
-                .collect();
-            if new.is_empty() {
-                break;
+        let s = Seizing {
+            held: std::sync::Mutex::new(Vec::new()),
+            since: AtomicU64::new(0),
+            done: AtomicBool::new(false),
+            t0: Instant::now(),
+            pid,
+            own_child: parent(pid) == Some(std::process::id() as i32),
+        };
+        let r = std::thread::scope(|scope| {
+            // (Without the reaper, as before, if no thread can be made now.)
+            let reaper = std::thread::Builder::new()
+                .name("fibertrace-reap".into())
+                .spawn_scoped(scope, || s.reap());
+            let r = seize_all(pid, &s);
+            s.done.store(true, Ordering::Release);
+            if let Ok(h) = reaper {
+                h.thread().unpark();
             }
-            for tid in new {
-                // SAFETY: PTRACE_SEIZE with no options on a thread id; the kernel checks it.
-                let rc = unsafe { libc::ptrace(libc::PTRACE_SEIZE, tid, 0, 0) };
-                if rc != 0 {
-                    let e = io::Error::last_os_error();
-                    match e.raw_os_error() {
-                        // It ended meanwhile.
-                        Some(libc::ESRCH) => continue,
-                        Some(libc::EPERM) if st.held.is_empty() => {
-                            return Err(StopError::Permission)
-                        }
-                        _ if st.held.is_empty() => return Err(StopError::Other(e)),
-                        _ => continue,
-                    }
-                }
-                // SAFETY: the thread is seized by us: PTRACE_INTERRUPT makes it stop.
-                unsafe { libc::ptrace(libc::PTRACE_INTERRUPT, tid, 0, 0) };
-                match wait_stop(tid) {
-                    Some(sig) => st.held.push((tid, sig)),
-                    None => {
-                        // It exited (or did not stop in time): let it go.
-                        // SAFETY: detaching a thread we seized.
-                        unsafe { libc::ptrace(libc::PTRACE_DETACH, tid, 0, 0) };
-                    }
-                }
-            }
-        }
+            r
+        });
+        let held = std::mem::take(&mut *s.held.lock().unwrap_or_else(|e| e.into_inner()));
+        let st = Stopped { held };
+        r?;
         if st.held.is_empty() {
             return Err(StopError::Gone);
         }
@@ -342,39 +358,205 @@ impl Stopped {
 impl Drop for Stopped {
     fn drop(&mut self) {
         for &(tid, sig) in &self.held {
-            // SAFETY: detaching a thread we hold stopped; `sig` is a signal that arrived while
-            // it was held (0: none), given back to it.
-            unsafe { libc::ptrace(libc::PTRACE_DETACH, tid, 0, sig as libc::c_long) };
+            release(tid, sig);
         }
+    }
+}
+
+/// Lets go of thread `tid`, which this process traces, giving it back signal `sig` (0:
+/// none). A thread that died meanwhile (the process was killed, or an exec killed it) cannot
+/// be detached: it is reaped instead, or it would stay a zombie for as long as the thread
+/// that seized it lives, and its process could not be waited for.
+///
+/// Except a process's main thread when this process is its parent (a test, a supervisor):
+/// reaping it would take its exit status from this process's own `wait`, which reaps it.
+fn release(tid: i32, sig: i32) {
+    // SAFETY: detaching a thread we seized; `sig` is a signal that arrived while it was held.
+    if unsafe { libc::ptrace(libc::PTRACE_DETACH, tid, 0, sig as libc::c_long) } == 0 {
+        return;
+    }
+    if parent(tid) == Some(std::process::id() as i32) {
+        return;
+    }
+    let t0 = Instant::now();
+    loop {
+        let mut status = 0;
+        // SAFETY: waiting, without blocking, on a thread this process traces.
+        let r = unsafe { libc::waitpid(tid, &mut status, libc::__WALL | libc::WNOHANG) };
+        if r == tid && (libc::WIFEXITED(status) || libc::WIFSIGNALED(status)) {
+            return;
+        }
+        // Not ours any more, or not dying after all (still stopped: it is detached then).
+        if r < 0 || t0.elapsed() > Duration::from_millis(100) {
+            // SAFETY: as above.
+            unsafe { libc::ptrace(libc::PTRACE_DETACH, tid, 0, sig as libc::c_long) };
+            return;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// The stopping of a process under way (see [`Stopped::all`]).
+struct Seizing {
+    /// Each held thread, with the signal to give back at detach.
+    held: std::sync::Mutex<Vec<(i32, i32)>>,
+    /// When the seize under way began (ns since `t0`, at least 1), 0 while none is.
+    since: AtomicU64,
+    /// The stopping is over: the reaper ends.
+    done: AtomicBool,
+    t0: Instant,
+    /// The process being stopped, and whether it is this process's child: its main thread's
+    /// exit status is then this process's own `wait`'s to take (see [`release`]).
+    pid: i32,
+    own_child: bool,
+}
+
+/// How long a seize may wait before the held threads that died are reaped.
+const SEIZE_PATIENCE: Duration = Duration::from_millis(20);
+
+impl Seizing {
+    fn now(&self) -> u64 {
+        (self.t0.elapsed().as_nanos() as u64).max(1)
+    }
+
+    /// The reaper: while a seize has waited [`SEIZE_PATIENCE`], reaps the held threads that
+    /// died (an exec killed them) and forgets them.
+    fn reap(&self) {
+        while !self.done.load(Ordering::Acquire) {
+            std::thread::park_timeout(Duration::from_millis(5));
+            let since = self.since.load(Ordering::Acquire);
+            if since == 0 || self.now() - since < SEIZE_PATIENCE.as_nanos() as u64 {
+                continue;
+            }
+            let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+            held.retain(|&(tid, _)| {
+                if self.own_child && tid == self.pid {
+                    return true;
+                }
+                let mut status = 0;
+                // SAFETY: waiting, without blocking, on a thread this process traces (a
+                // stopped tracee reports nothing new but its death; `__WALL`: a thread).
+                let r = unsafe { libc::waitpid(tid, &mut status, libc::__WALL | libc::WNOHANG) };
+                !(r == tid && (libc::WIFEXITED(status) || libc::WIFSIGNALED(status)))
+            });
+        }
+    }
+}
+
+/// Seizes and stops every thread of `pid` into `s.held` (see [`Stopped::all`]).
+fn seize_all(pid: i32, s: &Seizing) -> Result<(), StopError> {
+    let held_any = || !s.held.lock().unwrap_or_else(|e| e.into_inner()).is_empty();
+    // Threads that could not be held (they ended, or were exiting): not tried again — an
+    // exiting process's main thread stays listed until its parent waits for it.
+    let mut passed: Vec<i32> = Vec::new();
+    loop {
+        let mut tids = match threads(pid) {
+            Ok(t) => t,
+            Err(_) if !held_any() => return Err(StopError::Gone),
+            Err(_) => break,
+        };
+        // The main thread first.
+        if let Some(i) = tids.iter().position(|&t| t == pid) {
+            tids[..=i].rotate_right(1);
+        }
+        let new: Vec<i32> = {
+            let held = s.held.lock().unwrap_or_else(|e| e.into_inner());
+            tids.into_iter()
+                .filter(|t| !held.iter().any(|(h, _)| h == t) && !passed.contains(t))
+                .collect()
+        };
+        if new.is_empty() {
+            break;
+        }
+        for tid in new {
+            s.since.store(s.now(), Ordering::Release);
+            // SAFETY: PTRACE_SEIZE with no options on a thread id; the kernel checks it.
+            let rc = unsafe { libc::ptrace(libc::PTRACE_SEIZE, tid, 0, 0) };
+            s.since.store(0, Ordering::Release);
+            if rc != 0 {
+                let e = io::Error::last_os_error();
+                passed.push(tid);
+                match e.raw_os_error() {
+                    // It ended meanwhile.
+                    Some(libc::ESRCH) => continue,
+                    // An exiting thread refuses with EPERM too (the whole process exiting,
+                    // or its threads killed by an exec): not a matter of permission.
+                    Some(libc::EPERM) if exiting(pid, tid) => continue,
+                    Some(libc::EPERM) if !held_any() => return Err(StopError::Permission),
+                    _ if !held_any() => return Err(StopError::Other(e)),
+                    _ => continue,
+                }
+            }
+            // SAFETY: the thread is seized by us: PTRACE_INTERRUPT makes it stop.
+            unsafe { libc::ptrace(libc::PTRACE_INTERRUPT, tid, 0, 0) };
+            match wait_stop(pid, tid, s.own_child && tid == pid) {
+                Some(sig) => s
+                    .held
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push((tid, sig)),
+                None => {
+                    // It exited (or did not stop in time): let it go.
+                    passed.push(tid);
+                    release(tid, 0);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether thread `tid` of `pid` is exiting or gone (a zombie, dead, or no longer listed):
+/// what `PTRACE_SEIZE`'s EPERM means then.
+fn exiting(pid: i32, tid: i32) -> bool {
+    match std::fs::read_to_string(proc(pid).join(format!("task/{tid}/stat"))) {
+        Ok(stat) => matches!(parse_stat(&stat), Some(('Z' | 'X' | 'x', _))),
+        Err(_) => true,
     }
 }
 
 /// Waits for a seized thread's stop. `Some(signal)`: stopped, with the signal that stopped it
 /// to give back at detach (0 for our interrupt); `None`: it exited or did not stop in time.
-fn wait_stop(tid: i32) -> Option<i32> {
+/// `keep_exit`: the thread is the main one of this process's own child, whose exit status is
+/// this process's own `wait`'s to take: only stops are waited for then (`waitid` without
+/// `WEXITED`), and an exit is seen in `/proc`.
+fn wait_stop(pid: i32, tid: i32, keep_exit: bool) -> Option<i32> {
     let t0 = Instant::now();
+    let exits = if keep_exit { 0 } else { libc::WEXITED };
     loop {
-        let mut status = 0;
-        // SAFETY: waiting on a thread we trace, without blocking.
-        let r = unsafe { libc::waitpid(tid, &mut status, libc::__WALL | libc::WNOHANG) };
-        if r == tid {
-            if libc::WIFEXITED(status) || libc::WIFSIGNALED(status) {
-                return None;
-            }
-            if libc::WIFSTOPPED(status) {
-                let sig = libc::WSTOPSIG(status);
-                // Our interrupt (an event stop), or a group stop: nothing to give back.
-                let event = (status >> 16) & 0xff;
-                if event == libc::PTRACE_EVENT_STOP {
-                    return Some(0);
-                }
-                // A signal on its way to the thread: it is stopped for it; give it back.
-                return Some(sig);
-            }
-        } else if r < 0 {
+        // SAFETY: siginfo_t is plain data; zeroes are a valid value.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waiting, without blocking, on a thread we trace, into a local siginfo.
+        let r = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                tid as libc::id_t,
+                &mut info,
+                libc::WSTOPPED | libc::WNOHANG | libc::__WALL | exits,
+            )
+        };
+        if r < 0 {
             return None;
         }
-        if t0.elapsed() > STOP_WAIT {
+        // SAFETY: filled by waitid (zero when nothing was waited for).
+        let (who, status) = unsafe { (info.si_pid(), info.si_status()) };
+        if who == tid {
+            match info.si_code {
+                libc::CLD_TRAPPED | libc::CLD_STOPPED => {
+                    // Our interrupt (an event stop), or a group stop: nothing to give back;
+                    // a signal on its way to the thread (it is stopped for it): given back.
+                    let (sig, event) = (status & 0xff, (status >> 8) & 0xff);
+                    return Some(if event == libc::PTRACE_EVENT_STOP {
+                        0
+                    } else {
+                        sig
+                    });
+                }
+                libc::CLD_EXITED | libc::CLD_KILLED | libc::CLD_DUMPED => return None,
+                _ => {}
+            }
+        }
+        if (keep_exit && exiting(pid, tid)) || t0.elapsed() > STOP_WAIT {
             return None;
         }
         std::thread::sleep(Duration::from_micros(100));

@@ -181,6 +181,51 @@ impl std::fmt::Display for DumpError {
 
 impl std::error::Error for DumpError {}
 
+/// Linux's capabilities by number (`capability.h`).
+const CAP_NAMES: [&str; 41] = [
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "DAC_READ_SEARCH",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "SETGID",
+    "SETUID",
+    "SETPCAP",
+    "LINUX_IMMUTABLE",
+    "NET_BIND_SERVICE",
+    "NET_BROADCAST",
+    "NET_ADMIN",
+    "NET_RAW",
+    "IPC_LOCK",
+    "IPC_OWNER",
+    "SYS_MODULE",
+    "SYS_RAWIO",
+    "SYS_CHROOT",
+    "SYS_PTRACE",
+    "SYS_PACCT",
+    "SYS_ADMIN",
+    "SYS_BOOT",
+    "SYS_NICE",
+    "SYS_RESOURCE",
+    "SYS_TIME",
+    "SYS_TTY_CONFIG",
+    "MKNOD",
+    "LEASE",
+    "AUDIT_WRITE",
+    "AUDIT_CONTROL",
+    "SETFCAP",
+    "MAC_OVERRIDE",
+    "MAC_ADMIN",
+    "SYSLOG",
+    "WAKE_ALARM",
+    "BLOCK_SUSPEND",
+    "AUDIT_READ",
+    "PERFMON",
+    "BPF",
+    "CHECKPOINT_RESTORE",
+];
+
 fn permission(pid: i32) -> DumpError {
     if let Some(t) = platform::tracer(pid) {
         let name = std::fs::read_to_string(format!("/proc/{t}/comm")).unwrap_or_default();
@@ -192,6 +237,34 @@ fn permission(pid: i32) -> DumpError {
                 name.trim()
             ),
         };
+    }
+    // Refused though this process may trace any other: the reason is the target's.
+    const CAP_SYS_PTRACE: u64 = 1 << 19;
+    let me = std::process::id() as i32;
+    let mine = platform::capabilities(me, "CapEff").unwrap_or(0);
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 && mine & CAP_SYS_PTRACE != 0 {
+        let extra = platform::capabilities(pid, "CapPrm").map_or(0, |c| c & !mine);
+        let advice = if extra != 0 {
+            let names: Vec<String> = (0..64)
+                .filter(|b| extra & (1u64 << b) != 0)
+                .map(|b| match CAP_NAMES.get(b) {
+                    Some(n) => format!("CAP_{n}"),
+                    None => format!("capability {b}"),
+                })
+                .collect();
+            format!(
+                "it holds capabilities that fibertrace lacks ({}: CapPrm in /proc/{pid}/status, \
+                 CapEff in fibertrace's): run fibertrace with them too",
+                names.join(", ")
+            )
+        } else {
+            "fibertrace runs as root with CAP_SYS_PTRACE and was still refused: the process \
+             is not dumpable (prctl PR_SET_DUMPABLE, a setuid program), or a security module \
+             (AppArmor, SELinux, a seccomp filter) forbids tracing it"
+                .to_string()
+        };
+        return DumpError::Permission { pid, advice };
     }
     let scope =
         match platform::ptrace_scope() {
@@ -267,6 +340,26 @@ impl Session {
     /// Opens process `pid`: checks it can be read, reads its images, and (consistent mode)
     /// stops every thread.
     pub fn open(pid: i32, opts: &DumpOptions) -> Result<Session, DumpError> {
+        // A process in the middle of an exec refuses for a moment what it allows before and
+        // after (its files under /proc, a seize of the thread that execs), and its main
+        // thread is a zombie while another thread takes its place: a refusal, or an exit,
+        // of a process still there (and not a zombie alone) is tried again a few times,
+        // 10 ms apart, before it is said to be one.
+        let mut tries = 0;
+        loop {
+            match Self::open_once(pid, opts) {
+                Err(DumpError::Permission { .. } | DumpError::Zombie(_) | DumpError::Exited(_))
+                    if tries < 5 && platform::exists(pid) && !lone_zombie(pid) =>
+                {
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                r => return r,
+            }
+        }
+    }
+
+    fn open_once(pid: i32, opts: &DumpOptions) -> Result<Session, DumpError> {
         if pid <= 0 {
             return Err(DumpError::NoSuchProcess(pid));
         }
@@ -278,7 +371,9 @@ impl Session {
         }
         match platform::kind(pid) {
             Some((_, true)) => return Err(DumpError::KernelThread(pid)),
-            Some(('Z', _)) => return Err(DumpError::Zombie(pid)),
+            // (A main thread that ended while others run is a zombie too: their process is
+            // read.)
+            Some(('Z', _)) if lone_zombie(pid) => return Err(DumpError::Zombie(pid)),
             _ => {}
         }
         let exe = platform::exe(pid).map_err(|e| match e.kind() {
@@ -568,6 +663,12 @@ fn live_files(pid: i32) -> impl Fn(&platform::Mapping) -> Option<std::path::Path
             platform::in_root(pid, &m.path)
         })
     }
+}
+
+/// Whether process `pid` is a zombie with no thread left running.
+fn lone_zombie(pid: i32) -> bool {
+    matches!(platform::kind(pid), Some(('Z', _)))
+        && platform::threads(pid).map_or(true, |t| t.len() <= 1)
 }
 
 fn read_maps(pid: i32) -> Result<Vec<platform::Mapping>, DumpError> {
