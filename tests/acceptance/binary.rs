@@ -836,3 +836,76 @@ fn the_speed_command_reads_every_lua_figure_and_says_when_tarantool_is_missing()
     );
     assert!(figures.iter().all(|x| x.is_finite() && *x > 0.0), "{text}");
 }
+
+/// `dump PID` gives a waiting time only to the fibers that wait, as the process's own dump
+/// does: it showed `[ready, 3.0s]` for fibers that only yield (the time since they last
+/// blocked, after millions of switches), and a fiber caught between the two stores of a
+/// resume as `ready` with the note that it runs.
+#[test]
+fn dump_pid_gives_a_time_only_to_the_fibers_that_wait() {
+    use std::io::BufRead;
+    let dir = scratch("dump-times");
+    std::fs::write(
+        dir.join("y.lua"),
+        "local fiber = require('fiber')\n\
+         for i = 1, 2 do fiber.create(function() while true do fiber.yield() end end):name('yielder' .. i) end\n\
+         fiber.create(function() fiber.sleep(100) end):name('sleeper')\n\
+         io.stdout:write('ready\\n') io.stdout:flush()\n\
+         while true do fiber.yield() end\n",
+    )
+    .unwrap();
+    let mut child = std::process::Command::new(fibertrace_acceptance::binary())
+        .args(["run", "y.lua"])
+        .current_dir(&dir)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line, "ready\n");
+    std::thread::sleep(std::time::Duration::from_millis(1200));
+    let pid = child.id().to_string();
+    let j = run_in(&std::env::temp_dir(), &["dump", &pid, "--format", "json"]);
+    let t = run_in(&std::env::temp_dir(), &["dump", &pid]);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(
+        j.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&j.stderr)
+    );
+    let j: serde_json::Value = serde_json::from_slice(&j.stdout).unwrap();
+    let fibers = j["schedulers"][0]["fibers"].as_array().unwrap();
+    assert_eq!(fibers.len(), 4, "{j}");
+    for f in fibers {
+        let status = f["status"].as_str().unwrap();
+        if f["name"] == "sleeper" {
+            assert_eq!(status, "sleeping", "{f}");
+            let s = f["status_seconds"].as_f64().unwrap();
+            assert!((1.0..60.0).contains(&s), "{f}");
+        } else {
+            assert!(status == "ready" || status == "running", "{f}");
+            assert!(f["status_seconds"].is_null(), "{f}");
+            // The note that it runs goes only with the status that says so.
+            assert_eq!(
+                f["note"].as_str().is_some_and(|n| n.starts_with("running")),
+                status == "running",
+                "{f}"
+            );
+        }
+    }
+    let t = String::from_utf8_lossy(&t.stdout).into_owned();
+    for name in ["yielder1", "yielder2", "main"] {
+        let head = t
+            .lines()
+            .find(|l| l.starts_with("fiber ") && l.contains(&format!("\"{name}\"")))
+            .unwrap_or_else(|| panic!("{name}: {t}"));
+        assert!(
+            head.ends_with(" [ready]:") || head.ends_with(" [running]:"),
+            "{head}"
+        );
+    }
+}

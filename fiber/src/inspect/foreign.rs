@@ -570,10 +570,18 @@ fn read_fiber(
     if state == RunState::Dead {
         return Ok(None);
     }
-    let st = Status::from_u8(byte(status));
+    // (A fiber caught between the two stores of a resume has its run state set, not yet its
+    // status: the run state says it runs.)
+    let st = match state {
+        RunState::Running => Status::Running,
+        _ => Status::from_u8(byte(status)),
+    };
     let wait_on_v = WaitOn::unpack(w(wait_on));
     let waiting = wait_on_v.as_ref().map(|on| on.words().into_owned());
-    let status_seconds = (ps > 0 && now != 0).then(|| {
+    // How long it has waited, for a fiber that waits (as in-process): the time since a ready
+    // or running fiber last blocked says nothing of what it does now (one that only yields
+    // was shown "ready, 3.0s" after millions of switches).
+    let status_seconds = (ps > 0 && now != 0 && waiting.is_some()).then(|| {
         let ticks = now.saturating_sub(w(since));
         Duration::from_nanos((ticks as u128 * ps as u128 / 1000) as u64).as_secs_f64()
     });
