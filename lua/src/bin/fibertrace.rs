@@ -129,7 +129,9 @@ fn cli() -> Command {
                         .help(
                             "Report a fiber that runs more than N ms without yielding \
                              (its Lua frames, read at its next Lua line; again at 2N, 4N, \
-                             ...)",
+                             ...). Runs are measured in CPU time; a fiber blocked in the \
+                             kernel (a blocking read, os.execute) is reported once blocked \
+                             4N ms (at least N + 200)",
                         ),
                 )
                 .arg(
