@@ -51,6 +51,35 @@ fn a_main_script_error_object_is_shown_through_its_tostring() {
     assert_eq!(code, Some(1));
 }
 
+/// A `__tostring` that switches fibers (a sleep) still gives the message: the run's end,
+/// set before the message was made, turned the sleep into the main fiber's cancellation,
+/// and only `fibertrace: fiber was cancelled` was said, without a traceback.
+#[test]
+fn a_main_script_error_whose_tostring_sleeps_is_shown_through_it() {
+    let (out, err, code) = run(
+        "tostring_sleeps.lua",
+        b"local fiber = require('fiber')\n\
+          fiber.create(function() fiber.sleep(0) print('other ran') end)\n\
+          error(setmetatable({}, {__tostring = function() fiber.sleep(0.01) return 'slept' end}))\n",
+    );
+    let err = String::from_utf8_lossy(&err);
+    // (The traceback ends with an empty line, as every one does.)
+    assert!(err.ends_with(":3\n\n"), "{err}");
+    let lines: Vec<&str> = err.trim_end().lines().collect();
+    assert_eq!(lines.len(), 4, "{err}");
+    assert_eq!(
+        lines[..3],
+        ["slept", "stack traceback:", "#1  error in =[C]:-1"],
+        "{err}"
+    );
+    assert!(
+        lines[3].starts_with("#2  main chunk in @") && lines[3].ends_with("/tostring_sleeps.lua:3"),
+        "{err}"
+    );
+    assert_eq!(out, b"other ran\n");
+    assert_eq!(code, Some(1));
+}
+
 #[test]
 fn an_error_object_without_a_usable_tostring_is_named_by_its_type() {
     for (what, src, shown) in [

@@ -641,11 +641,14 @@ pub(crate) fn run_main_fiber(
     let r = if ok {
         Ok(())
     } else {
+        // The message first: an error object's `__tostring` may switch fibers (a sleep),
+        // which the end of the run would turn into this fiber's cancellation (the error
+        // was lost: only "fiber was cancelled" was said).
+        // SAFETY: the error is on top of our idle thread.
+        let b = unsafe { raw::error_bytes(t, -1) };
         // The script failed: it ends now (as in Tarantool), not once the other fibers are
         // done — one that only yields would hold its error back forever.
         fibertrace_fiber::end_run_after_turn();
-        // SAFETY: the error is on top of our idle thread.
-        let b = unsafe { raw::error_bytes(t, -1) };
         Err(ScriptError {
             message: String::from_utf8_lossy(&b).into_owned(),
             message_bytes: b,
