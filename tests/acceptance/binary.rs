@@ -909,3 +909,85 @@ fn dump_pid_gives_a_time_only_to_the_fibers_that_wait() {
         );
     }
 }
+
+/// `dump PID` shows the running fiber's own stack: its thread's frames down to its entry,
+/// with its Lua frames when it runs C code that Lua called (here `os.execute`, blocked in
+/// `wait4`: the stuck fiber a user looks for), and says why there are none while LuaJIT's
+/// interpreter runs. Before, the running fiber had no frames at all, only a note pointing at
+/// its thread's stack, which had no Lua frames.
+#[test]
+fn dump_pid_shows_the_running_fibers_stack_with_its_lua_frames() {
+    use std::io::BufRead;
+    let dir = scratch("dump-running");
+    std::fs::write(
+        dir.join("blocked.lua"),
+        "local fiber = require('fiber')\n\
+         local function blocker() io.stdout:write('ready\\n') io.stdout:flush() os.execute('sleep 30') end\n\
+         local function outer() blocker() end\n\
+         fiber.create(function() fiber.sleep(100) end)\n\
+         outer()\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("spins.lua"),
+        "jit.off()\n\
+         local function spin() io.stdout:write('ready\\n') io.stdout:flush() local x = 0 while true do x = x + 1 end end\n\
+         spin()\n",
+    )
+    .unwrap();
+    for script in ["blocked.lua", "spins.lua"] {
+        let mut child = std::process::Command::new(fibertrace_acceptance::binary())
+            .args(["run", script])
+            .current_dir(&dir)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line, "ready\n");
+        // Into the system call, or the loop.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let pid = child.id().to_string();
+        let out = run_in(&std::env::temp_dir(), &["dump", &pid]);
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let main = &fiber_blocks(&text)["main"];
+        assert!(main.starts_with("#0  0x"), "{main}");
+        if script == "blocked.lua" {
+            assert_eq!(
+                lua_frames(main),
+                [
+                    "execute in =[C]:-1",
+                    "blocker in @blocked.lua:2",
+                    "outer in @blocked.lua:3",
+                    "main chunk in @blocked.lua:5",
+                ],
+                "{main}"
+            );
+            // The C function Lua called, right above its level.
+            let native: Vec<&str> = main.lines().filter(|l| l.contains(" in lj_cf_")).collect();
+            assert_eq!(native.len(), 1, "{main}");
+            assert!(native[0].contains(" in lj_cf_os_execute+"), "{main}");
+            assert!(!text.contains("(it runs Lua code"), "{text}");
+        } else {
+            assert!(lua_frames(main).is_empty(), "{main}");
+            assert!(main.contains(" in lj_BC_"), "{main}");
+            assert!(
+                text.contains(
+                    "\n    (it runs Lua code (LuaJIT's interpreter or a compiled trace), whose \
+                     frames are read inside the process only (SIGQUIT, --stall-ms))\n"
+                ),
+                "{text}"
+            );
+        }
+    }
+}

@@ -608,6 +608,26 @@ impl Session {
         )
     }
 
+    /// The registers of thread `tid`: from the core file, or of a thread held stopped;
+    /// `None` in the non-blocking mode (a running thread's change as they are read), after
+    /// [`Session::resume`], or for a thread not known.
+    pub fn thread_registers(&self, tid: i32) -> Option<Registers> {
+        if let Some((_, c)) = &self.core {
+            return c.threads.iter().find(|t| t.tid == tid).map(|t| t.regs);
+        }
+        let st = self.stopped.as_ref()?;
+        if !st.threads().contains(&tid) {
+            return None;
+        }
+        platform::registers(tid).ok()
+    }
+
+    /// Whether `addr` is in the code of one of the target's images (not JIT code, not a bad
+    /// address).
+    pub fn knows_code(&self, addr: u64) -> bool {
+        self.images.unwinder_knows(addr)
+    }
+
     /// Lets the stopped threads go (if they were); the time they were held.
     pub fn resume(&mut self) -> Option<Duration> {
         if self.stopped.take().is_some() {

@@ -7,8 +7,15 @@
 //! The registry's meanings are version 1's (see `crate::publish`); a process with another
 //! version is read for its threads only, and the dump says why its fibers are not there.
 //!
+//! A running fiber's stack is its thread's: walked from the thread's registers (a held
+//! thread's, or a core file's) down to the fiber's entry, its layer's frames merged in where
+//! the layer can read them while its code runs ([`ForeignLayer::running_frames`]: the Lua
+//! host's, when the fiber runs C code that Lua called — a blocking system call, a C
+//! library — not while LuaJIT's interpreter or a trace runs).
+//!
 //! How a result can be wrong: in the consistent mode (every thread stopped) a fiber caught
-//! in the middle of a switch reads as running (its thread's stack shows it). Without
+//! in the middle of a switch reads as running (its thread's stack shows it, as its
+//! thread's stack pointer is not in the fiber's stack). Without
 //! stopping (`Mode::NonBlocking`) a fiber that switches while it is read is dropped from the
 //! walk (its switch count or state moved: the dump says so), and the others may be of
 //! slightly different moments. A fiber that a layer above the runtime runs (the Lua host:
@@ -107,6 +114,22 @@ pub trait ForeignLayer {
         word: u64,
         native: Vec<Frame>,
     ) -> (Vec<Frame>, Option<String>);
+    /// The running fiber's frames with the layer's merged in, from its native frames (its
+    /// thread's, innermost first, down to its entry), when they can be read from outside:
+    /// the layer says when its state is not current while its code runs (a Lua
+    /// interpreter's). By default, its native frames with a note that the layer's are not
+    /// read.
+    fn running_frames(
+        &mut self,
+        _s: &mut Session,
+        _word: u64,
+        native: Vec<Frame>,
+    ) -> (Vec<Frame>, Option<String>) {
+        (
+            native,
+            Some("it runs: its layer's frames (Lua) are not read from outside".into()),
+        )
+    }
     /// What one of the layer's own frames (a [`Frame::Lua`]) stands for, for the views.
     fn resolve(&self, f: &Frame) -> Option<Resolved>;
     /// Reads ahead ([`Session::prefetch`]) what [`Self::frames`] will read for the fibers
@@ -499,7 +522,7 @@ fn read_scheduler(
             if *total >= MAX_FIBERS {
                 break;
             }
-            match read_fiber(s, l, cb, ps, now, layer) {
+            match read_fiber(s, l, (cb, sched.thread), ps, now, layer) {
                 Ok(Some(f)) => {
                     *total += 1;
                     sched.fibers.push(f);
@@ -511,6 +534,44 @@ fn read_scheduler(
     }
     sched.fibers.sort_by_key(|f| f.id);
     Some(sched)
+}
+
+/// Merges the frames of the layer above the runtime (a Lua host) into fiber `f`'s native
+/// frames, when its layer word says one runs it (0: none), and adds to its note what could
+/// not be read. `running`: the fiber runs (its thread's frames; see
+/// [`ForeignLayer::running_frames`]).
+fn merge_layer(
+    s: &mut Session,
+    layer: &mut LayerState<'_>,
+    word: u64,
+    f: &mut RawFiber,
+    running: bool,
+) {
+    if word == 0 {
+        return;
+    }
+    let why = match layer {
+        LayerState::Open(lr) => {
+            let native = std::mem::take(&mut f.frames);
+            let (merged, why) = if running {
+                lr.running_frames(s, word, native)
+            } else {
+                lr.frames(s, word, native)
+            };
+            f.frames = merged;
+            why
+        }
+        LayerState::Failed(why) => Some(format!("its Lua frames are not shown: {why}")),
+        LayerState::Absent => Some(
+            "a layer above the runtime (a Lua host) runs it: its frames are not read here, \
+             native frames only"
+                .into(),
+        ),
+    };
+    f.note = match (f.note.take(), why) {
+        (Some(a), Some(b)) => Some(format!("{a}; {b}")),
+        (a, b) => a.or(b),
+    };
 }
 
 /// Control blocks read ahead at once.
@@ -553,12 +614,12 @@ fn prefetch_group(s: &mut Session, l: &Layout, group: &[u64], layer: &mut LayerS
 fn read_fiber(
     s: &mut Session,
     l: &Layout,
-    p: u64,
+    (p, thread): (u64, Option<i32>),
     ps: u64,
     now: u64,
     layer: &mut LayerState<'_>,
 ) -> Result<Option<RawFiber>, ()> {
-    let [size, id, name_ptr, name_len, parent, run, status, wait_on, since, csw, ip, sp, fp, _lo, _hi, entry_sp, layer_word, _created] =
+    let [size, id, name_ptr, name_len, parent, run, status, wait_on, since, csw, ip, sp, fp, stack_lo, stack_hi, entry_sp, layer_word, _created] =
         l.f;
     let mut b = vec![0u8; (size as usize).min(1 << 16)];
     if !s.read(p, &mut b) {
@@ -601,7 +662,26 @@ fn read_fiber(
     match state {
         RunState::New => f.note = Some("not started yet".into()),
         RunState::Running => {
-            f.note = Some("running: its thread's stack above shows where".into());
+            // Its thread's stack is its own now: walked from the thread's registers down to
+            // its entry (where they can be read: a held thread, or a core file's), when the
+            // thread's stack pointer is in the fiber's stack (not so in the middle of a
+            // switch, on the scheduler's stack).
+            let (lo, hi) = (w(stack_lo), w(stack_hi));
+            let regs = thread
+                .and_then(|t| s.thread_registers(t))
+                .filter(|r| r.sp >= lo && r.sp < hi);
+            match regs {
+                Some(regs) => {
+                    let stop = w(entry_sp);
+                    let (frames, note) = s.walk(regs, (stop != 0).then_some(stop));
+                    f.frames = frames;
+                    f.note = note;
+                    merge_layer(s, layer, w(layer_word), &mut f, true);
+                }
+                None => {
+                    f.note = Some("running: its thread's stack above shows where".into());
+                }
+            }
         }
         RunState::Suspended | RunState::Inspecting => {
             let regs = Registers {
@@ -617,27 +697,7 @@ fn read_fiber(
             }
             f.frames = frames;
             f.note = note;
-            let word = w(layer_word);
-            if word != 0 {
-                // A layer above the runtime (a Lua host) runs this fiber.
-                let why = match layer {
-                    LayerState::Open(lr) => {
-                        let (merged, why) = lr.frames(s, word, std::mem::take(&mut f.frames));
-                        f.frames = merged;
-                        why
-                    }
-                    LayerState::Failed(why) => Some(format!("its Lua frames are not shown: {why}")),
-                    LayerState::Absent => Some(
-                        "a layer above the runtime (a Lua host) runs it: its frames are not \
-                         read here, native frames only"
-                            .into(),
-                    ),
-                };
-                f.note = match (f.note.take(), why) {
-                    (Some(a), Some(b)) => Some(format!("{a}; {b}")),
-                    (a, b) => a.or(b),
-                };
-            }
+            merge_layer(s, layer, w(layer_word), &mut f, false);
             if s.mode() == Mode::NonBlocking {
                 // Torn? Its switch count or state moved while it was read.
                 let mut again = vec![0u8; b.len()];

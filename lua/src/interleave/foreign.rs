@@ -17,6 +17,10 @@ use smallvec::SmallVec;
 use super::classify::VmMap;
 use crate::frames::foreign::Reader;
 
+/// Why a running fiber has no Lua frames from outside.
+const RUNS_LUA: &str = "it runs Lua code (LuaJIT's interpreter or a compiled trace), whose \
+                        frames are read inside the process only (SIGQUIT, --stall-ms)";
+
 /// The Lua host's [`ForeignLayer`] (see the module doc).
 #[derive(Default)]
 pub struct LuaLayer {
@@ -68,6 +72,42 @@ impl ForeignLayer for LuaLayer {
                 Some(format!("its Lua frames could not be read: {why}")),
             ),
         }
+    }
+
+    /// A running fiber's Lua stack is current when its thread runs C code that Lua called
+    /// (LuaJIT stores the state's frame base at every call out of Lua): then its levels are
+    /// read and merged as a suspended fiber's. Inside LuaJIT's interpreter, or in code outside
+    /// every image (compiled traces, and an FFI call made from one), the base is in a
+    /// register, not in the state: no Lua frames then, and the note says why (the process's
+    /// own dump, SIGQUIT, reads them at a safe point).
+    fn running_frames(
+        &mut self,
+        s: &mut Session,
+        word: u64,
+        native: Vec<Frame>,
+    ) -> (Vec<Frame>, Option<String>) {
+        let Some(vm) = self.vm.as_ref() else {
+            return (native, Some("its Lua frames are not read".into()));
+        };
+        let interp = vm.interpreter;
+        let in_interp = |a: u64| interp.is_some_and(|(s, e)| a >= s && a < e);
+        for f in &native {
+            let Some(a) = f.lookup_address() else {
+                continue;
+            };
+            if in_interp(a) {
+                // The interpreter's own frame: was it running Lua code (innermost), or did
+                // it call the C code above (the state is current then)?
+                if std::ptr::eq(f, &native[0]) {
+                    return (native, Some(RUNS_LUA.into()));
+                }
+                break;
+            }
+            if !s.knows_code(a) {
+                return (native, Some(RUNS_LUA.into()));
+            }
+        }
+        self.frames(s, word, native)
     }
 
     fn prefetch(&mut self, s: &mut Session, words: &[u64]) {
