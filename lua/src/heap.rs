@@ -58,8 +58,49 @@ fn as_frames(g: &Group) -> Vec<fibertrace_core::Frame> {
 /// The live heap as a report: totals, then the `top` stacks with most bytes, each with the
 /// fibers holding its bytes and its frames.
 pub fn heap_text(top: usize) -> String {
+    heap_text_since(top, None)
+}
+
+/// What [`heap_text_since`] leaves out: the live allocations of a moment, by pointer, size
+/// and innermost return address (an address freed and handed out again is another
+/// allocation).
+pub type HeapBaseline = std::collections::HashSet<(usize, usize, u64)>;
+
+/// The live allocations now, as a [`HeapBaseline`] (empty when the heap is not tracked).
+pub fn heap_baseline() -> HeapBaseline {
+    if heap::tier() == heap::Tier::Off {
+        return HeapBaseline::new();
+    }
+    heap::live()
+        .iter()
+        .map(|a| (a.ptr, a.size, a.addrs.first().copied().unwrap_or(0)))
+        .collect()
+}
+
+/// [`heap_text`] of the allocations not in `base` (all of them without one), with a line
+/// saying how many were left out.
+pub fn heap_text_since(top: usize, base: Option<&HeapBaseline>) -> String {
     if heap::tier() == heap::Tier::Off {
         return format!("{}\n", fibertrace_fiber::export::NOT_TRACKED);
+    }
+    let mut live = heap::live();
+    let mut out = String::new();
+    if let Some(base) = base {
+        let before = live.len();
+        let mut bytes = 0i64;
+        live.retain(|a| {
+            let old = base.contains(&(a.ptr, a.size, a.addrs.first().copied().unwrap_or(0)));
+            if old {
+                bytes += a.bytes;
+            }
+            !old
+        });
+        out.push_str(&format!(
+            "(left out: {} allocations, {} bytes, live since before the script started — \
+             the runtime's and the Lua state's own)\n",
+            before - live.len(),
+            bytes
+        ));
     }
     let namer = |id| crate::render::lua_line(id);
     let opts = TextOptions {
@@ -67,14 +108,14 @@ pub fn heap_text(top: usize) -> String {
         hide: fibertrace_fiber::glue::filter(),
         ..TextOptions::default()
     };
-    let groups: Vec<Group> = heap::group(&heap::live())
+    let groups: Vec<Group> = heap::group(&live)
         .into_iter()
         .map(|mut g| {
             g.frames = as_frames(&g);
             g
         })
         .collect();
-    let mut out = heap::render_groups(&groups, top, &fiber_name, &opts);
+    out.push_str(&heap::render_groups(&groups, top, &fiber_name, &opts));
     if let Some(s) = fibertrace_fiber::inspect::HeapSummary::now() {
         out.push('\n');
         fibertrace_fiber::dump::render_heap_summary(&s, &mut out);

@@ -1044,6 +1044,10 @@ fn is_bytecode(src: &[u8]) -> bool {
 /// The stacks `--leaks` lists at exit (0: no report).
 static LEAKS_TOP: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
+/// What was live when the script started (the runtime's set-up, the Lua state's own): not
+/// the script's leaks, left out of the `--leaks` report.
+static LEAKS_BASE: std::sync::OnceLock<fibertrace_lua::HeapBaseline> = std::sync::OnceLock::new();
+
 /// `--leaks`: the live heap at exit, on stderr (an `atexit` handler: every way out passes
 /// there). Off a fiber's stack (the symbolizer wants more than a fiber has).
 extern "C" fn leaks_at_exit() {
@@ -1052,7 +1056,9 @@ extern "C" fn leaks_at_exit() {
         return;
     }
     let _ = io::stdout().flush();
-    let report = || fibertrace_core::heap::untracked(|| fibertrace_lua::heap_text(top));
+    let report = || {
+        fibertrace_core::heap::untracked(|| fibertrace_lua::heap_text_since(top, LEAKS_BASE.get()))
+    };
     let text = if fibertrace_fiber::current().is_some() {
         std::thread::scope(|s| {
             std::thread::Builder::new()
@@ -1252,6 +1258,10 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
         .next()
         .unwrap_or_else(|| "fibertrace".into());
     host.set_arg(interpreter.as_encoded_bytes(), script_bytes, &args);
+    if LEAKS_TOP.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+        let base = fibertrace_core::heap::untracked(fibertrace_lua::heap_baseline);
+        let _ = LEAKS_BASE.set(base);
+    }
     if let Some(list) = DUMPS_ON_EXIT.get() {
         if let Err(e) = wrap_os_exit(host.lua(), list) {
             err!("fibertrace: --dump-on-exit: {e}");
