@@ -978,6 +978,25 @@ fn dump_pid_shows_the_running_fibers_stack_with_its_lua_frames() {
             assert_eq!(native.len(), 1, "{main}");
             assert!(native[0].contains(" in lj_cf_os_execute+"), "{main}");
             assert!(!text.contains("(it runs Lua code"), "{text}");
+            // The thread's own stack crosses from the fiber's stack to the scheduler's at
+            // corosensei's trampoline, straight into `switch_and_link`: its CFA (an expression
+            // framehop does not evaluate) is stepped by the walk; the frame-pointer fallback
+            // read the entry function's address as a frame, `?? (fibertrace+0x…)`.
+            let thread = text
+                .split("\n\n")
+                .find(|b| b.starts_with("thread ") && b.contains("stack_init_trampoline"))
+                .unwrap_or_else(|| panic!("{text}"));
+            let lines: Vec<&str> = thread.lines().filter(|l| l.starts_with('#')).collect();
+            let at = lines
+                .iter()
+                .position(|l| l.contains(" in stack_init_trampoline+"))
+                .unwrap_or_else(|| panic!("{thread}"));
+            assert!(
+                lines[at + 1].contains(" in corosensei::arch::x86_64::switch_and_link")
+                    || lines[at + 1].contains(" in corosensei::arch::aarch64::switch_and_link"),
+                "{thread}"
+            );
+            assert!(!thread.contains("??"), "{thread}");
         } else {
             assert!(lua_frames(main).is_empty(), "{main}");
             assert!(main.contains(" in lj_BC_"), "{main}");

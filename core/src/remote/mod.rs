@@ -36,6 +36,7 @@ use crate::format::ResolvedFrame;
 use crate::frame::Frame;
 use crate::symbolize::{ElfSymbols, ImageRef, Resolved, Symbol};
 
+mod cfa;
 #[cfg(target_os = "linux")]
 mod corefile;
 #[cfg(target_os = "linux")]
@@ -942,6 +943,8 @@ enum ImageSymbols {
 struct Images {
     images: Vec<Image>,
     unwinder: DwarfUnwinder<Arc<[u8]>, MayAllocateDuringUnwind>,
+    /// Rows the unwinder cannot step, stepped by the walk (see [`cfa`]), sorted.
+    deref: Vec<cfa::DerefRow>,
 }
 
 impl Images {
@@ -964,6 +967,7 @@ impl Images {
         }
         let mut images = Vec::new();
         let mut unwinder = DwarfUnwinder::new();
+        let mut deref = Vec::new();
         for path in order {
             let maps = &by_path[&path];
             let Some(exec) = maps.iter().find(|m| m.exec) else {
@@ -1047,6 +1051,7 @@ impl Images {
             }
             if let Some(m) = module(&path, &obj, start..end, bias) {
                 unwinder.add_module(m);
+                deref.extend(cfa::deref_rows(&obj, bias));
             }
             images.push(Image {
                 path,
@@ -1066,7 +1071,18 @@ impl Images {
                 symbols,
             });
         }
-        Ok(Images { images, unwinder })
+        deref.sort_unstable_by_key(|r| r.start);
+        Ok(Images {
+            images,
+            unwinder,
+            deref,
+        })
+    }
+
+    /// The row of [`Images::deref`] holding `pc`.
+    fn deref_row(&self, pc: u64) -> Option<&cfa::DerefRow> {
+        let i = self.deref.partition_point(|r| r.start <= pc);
+        self.deref[..i].last().filter(|r| pc < r.end)
     }
 
     /// The images some thread's frames fall in whose symbols could not be used, with why.
@@ -1284,7 +1300,18 @@ fn walk(
         if t0.elapsed() > Duration::from_secs(2) {
             break Some("walk cut after 2 s".to_string());
         }
-        match images.unwinder.unwind_frame(addr, &mut r, cache, &mut read) {
+        // A row framehop cannot step (corosensei's trampoline): stepped here.
+        let step = match images.deref_row(addr.address_for_lookup()) {
+            Some(row) => match row.step(crate::arch::regs_fp(&r), &mut |a| read(a).ok()) {
+                Some((ra, sp, fp)) => {
+                    r = unwind_regs(ra, sp, fp);
+                    Ok(Some(ra))
+                }
+                None => Ok(None),
+            },
+            None => images.unwinder.unwind_frame(addr, &mut r, cache, &mut read),
+        };
+        match step {
             Ok(Some(ra)) if ra != 0 => {
                 if stop_sp.is_some_and(|stop| crate::arch::regs_sp(&r) >= stop) {
                     // Past the coroutine's entry: the rest is the runtime's.
