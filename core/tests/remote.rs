@@ -380,8 +380,8 @@ fn a_process_already_traced_is_said_to_be() {
     child.wait().unwrap();
 }
 
-/// A process that execs while it is being stopped is read (before or after its exec) or
-/// said to be gone, and is never left hung: an exec waits for the threads it kills to be
+/// A process that execs while it is being stopped is read (before or after its exec), or
+/// said to be changing (never said to have exited, nor refused), and is never left hung: an exec waits for the threads it kills to be
 /// reaped by their tracer, holding the lock that the next `PTRACE_SEIZE` waits for; both
 /// processes used to hang there (the target in state D) until the reader was killed. Here
 /// a process execs itself every ~25 ms with 200 threads, and is stopped 200 times (without
@@ -416,6 +416,8 @@ fn a_process_that_execs_while_it_is_stopped_is_never_left_hung() {
         });
         match rx.recv_timeout(Duration::from_secs(20)) {
             Ok(Ok(n)) => assert!(n >= 1, "round {round}"),
+            // (A process that keeps exec'ing may be caught changing at every try: said so.)
+            Ok(Err(e)) if e.ends_with("while it was read: try again") => {}
             Ok(Err(e)) => panic!("round {round}: {e}"),
             Err(_) => {
                 let state =
