@@ -384,3 +384,58 @@ fn records_removed_by_finalizers_during_a_listing_keep_each_fiber_its_own_trace(
     assert_eq!(o.stdout, "true\ttrue\t600\t0\n");
     assert_eq!(o.code, Some(0));
 }
+
+/// A trace taken inside a finalizer (`fiber.info()`, `fibertrace.dump()`) has the
+/// finalizer's Lua frames, in call order, above the frames of the code that set off the
+/// collection: LuaJIT runs finalizers on a thread of its own, which the fiber's Lua thread
+/// does not resume, and its levels were missing (`info`, the functions it called, the
+/// finalizer itself).
+#[test]
+fn a_trace_inside_a_finalizer_has_the_finalizers_frames_in_call_order() {
+    let (o, _) = run_script(
+        "trace",
+        "local function in_finalizer()\n\
+           for _, fr in ipairs(fiber.info()[fiber.id()].backtrace) do print(fr.L or fr.C) end\n\
+           print(require('fibertrace').dump())\n\
+         end\n\
+         local e = gcobj(function() in_finalizer() end)\n\
+         local function trigger() e = nil collectgarbage() end\n\
+         trigger()\n",
+    );
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    let lua: Vec<&str> = o
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with('#') && !l.contains(" 0x"))
+        .map(|l| l.split_once(' ').map_or(l, |x| x.1.trim_start()))
+        .collect();
+    // (Script lines are the file's: two of prelude first.)
+    let levels = |head: &str| {
+        vec![
+            head.to_string(),
+            "in_finalizer in @".to_string(),
+            "function <".to_string(),
+            "collectgarbage in =[C]:-1".to_string(),
+            "trigger in @".to_string(),
+            "main chunk in @".to_string(),
+        ]
+    };
+    let want: Vec<String> = [levels("info in =[C]:-1"), levels("dump in =[C]:-1")].concat();
+    assert_eq!(lua.len(), want.len(), "{}", o.stdout);
+    for (got, want) in lua.iter().zip(&want) {
+        assert!(
+            got.starts_with(want.as_str()),
+            "{got} / {want}:\n{}",
+            o.stdout
+        );
+    }
+    for (got, line) in lua.iter().zip([0, 4, 7, 0, 8, 9, 0, 5, 7, 0, 8, 9]) {
+        if line > 0 {
+            assert!(
+                got.ends_with(&format!(".lua:{line}")),
+                "{got}:\n{}",
+                o.stdout
+            );
+        }
+    }
+}

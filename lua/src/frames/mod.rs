@@ -152,6 +152,24 @@ fn zeroed_debug() -> ffi::lua_Debug {
 /// suspended fiber that cannot be resumed meanwhile). The states are used only through the
 /// debug API; their stacks are restored before returning.
 pub unsafe fn capture_lua_stack(root: *mut ffi::lua_State, out: &mut LuaStack) {
+    // SAFETY: forwarded contract.
+    unsafe { capture_lua_stack_within(root, std::ptr::null_mut(), out) }
+}
+
+/// [`capture_lua_stack`] of `root` with `inner`, the state running now, as the innermost
+/// thread when the chain of `root` does not reach it: a `__gc` finalizer runs on the VM's
+/// main state, inside the C function that set off the collection (`collectgarbage`, an
+/// allocation), not in a coroutine `root` resumed — its levels (the finalizer's, and the
+/// functions it called) come first, then `root`'s. Null: none.
+///
+/// # Safety
+/// As [`capture_lua_stack`]; `inner` is null or a state of the same universe running on
+/// this OS thread.
+pub unsafe fn capture_lua_stack_within(
+    root: *mut ffi::lua_State,
+    inner: *mut ffi::lua_State,
+    out: &mut LuaStack,
+) {
     out.clear();
     if root.is_null() {
         return;
@@ -166,6 +184,9 @@ pub unsafe fn capture_lua_stack(root: *mut ffi::lua_State, out: &mut LuaStack) {
             Some(next) => chain.push(next),
             None => break,
         }
+    }
+    if !inner.is_null() && !chain.contains(&inner) && chain.len() < MAX_THREADS {
+        chain.push(inner);
     }
     out.threads = chain.len();
     let mut ar = zeroed_debug();

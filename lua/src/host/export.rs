@@ -66,7 +66,7 @@ pub(super) fn dump_body(c: &mut Call) -> LResult {
     if file.as_deref().is_some_and(<[u8]>::is_empty) {
         return Err(LErr::plain(format!("{USAGE}: file is empty")));
     }
-    let snap = super::info::snapshot_here("f_dump");
+    let snap = super::info::snapshot_here(c.state(), "f_dump");
     let bytes = export::to_bytes(&snap, format);
     give(c, &bytes, file)
 }

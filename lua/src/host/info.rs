@@ -754,12 +754,19 @@ fn merged(native: &[Frame], lua: &crate::LuaStack) -> Rc<[Frame]> {
 }
 
 /// The running fiber's trace, interleaved with the Lua stack of `root`, starting at the
-/// frame of the C function `upto` (the function Lua called).
+/// frame of the C function `upto` (the function Lua called) on state `cur` (the state of that
+/// call: when `root` does not run it, as in a `__gc` finalizer, which runs on the VM's main
+/// state, its levels come first).
 ///
 /// # Safety
-/// `root` is the current fiber's Lua thread (or a state running on this OS thread).
+/// `root` is the current fiber's Lua thread (or a state running on this OS thread); `cur` is
+/// the state of the running call (or null).
 #[inline(never)]
-pub(crate) unsafe fn current_frames(root: *mut ffi::lua_State, upto: &'static str) -> Vec<Frame> {
+pub(crate) unsafe fn current_frames(
+    root: *mut ffi::lua_State,
+    cur: *mut ffi::lua_State,
+    upto: &'static str,
+) -> Vec<Frame> {
     let native = match fibertrace_fiber::current() {
         Some(f) => f.backtrace(Unwinder::Fast).unwrap_or_default(),
         None => fibertrace_core::collect(&fibertrace_core::CaptureOptions::with_unwinder(
@@ -770,7 +777,7 @@ pub(crate) unsafe fn current_frames(root: *mut ffi::lua_State, upto: &'static st
     let native = fibertrace_core::Backtrace::from_frames(&native.frames()[skip..]);
     // SAFETY: `root` is the running fiber's Lua thread on this OS thread (the contract), so
     // its stack is read through the debug API while nothing else runs it.
-    let bt = unsafe { crate::capture_interleaved(&native, root) };
+    let bt = unsafe { crate::interleave::capture_interleaved_within(&native, root, cur) };
     fibertrace_fiber::info::user_frames(bt.frames()).to_vec()
 }
 
@@ -781,9 +788,10 @@ pub(crate) unsafe fn current_frames(root: *mut ffi::lua_State, upto: &'static st
 /// # Safety
 /// As [`current_frames`].
 #[inline(never)]
-unsafe fn running_frames(root: *mut ffi::lua_State) -> Rc<[Frame]> {
-    // SAFETY: `root` is the running fiber's Lua thread (the contract of `current_frames`).
-    let v = unsafe { current_frames(root, "f_info") };
+unsafe fn running_frames(root: *mut ffi::lua_State, cur: *mut ffi::lua_State) -> Rc<[Frame]> {
+    // SAFETY: `root` is the running fiber's Lua thread, `cur` the call's state (the contract
+    // of `current_frames`).
+    let v = unsafe { current_frames(root, cur, "f_info") };
     let k = cut_to(&v, "m_info");
     Rc::from(&v[k..])
 }
@@ -1213,7 +1221,7 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
         .iter()
         .find(|(_, id, ..)| opts.backtrace && *id == me)
         // SAFETY: the running fiber's own Lua thread.
-        .map(|(_, _, root, ..)| unsafe { running_frames(*root) });
+        .map(|(_, _, root, ..)| unsafe { running_frames(*root, l) });
     // Whether the Lua stacks of the fibers to walk are asked for ahead (the VM's layout,
     // which says where a state keeps its stack, was checked against the running VM).
     let lua_stacks =
@@ -1304,7 +1312,7 @@ pub(crate) fn push_one(c: &mut super::call::Call, fid: FiberId, opts: &Opts) -> 
     .ok_or("the fiber is dead")?;
     let current = (opts.backtrace && fid == fibertrace_fiber::current_id())
         // SAFETY: the running fiber's own Lua thread.
-        .then(|| unsafe { running_frames(root) });
+        .then(|| unsafe { running_frames(root, l) });
     // SAFETY: `l` is the state of the running call `c` (`m_info`); the build's slots are
     // removed after; in a protected call.
     unsafe {
@@ -1363,11 +1371,15 @@ impl fibertrace_fiber::inspect::FrameSource for LuaFrames {
 /// their Lua frames interleaved: [`LuaFrames`]), with the calling fiber's own trace read here,
 /// from the Lua call of the C function `upto` on, interleaved with its Lua stack — the one
 /// trace the runtime cannot give (it does not read a running fiber's Lua stack).
-pub(crate) fn snapshot_here(upto: &'static str) -> fibertrace_fiber::Snapshot {
+pub(crate) fn snapshot_here(
+    cur: *mut ffi::lua_State,
+    upto: &'static str,
+) -> fibertrace_fiber::Snapshot {
     let me = fibertrace_fiber::current_id();
     let root = with_host(|h| h.recs.get(&me).map(|r| r.thread)).flatten();
-    // SAFETY: `root` is the running fiber's own Lua thread (its record's), on this thread.
-    let mut mine = root.map(|root| unsafe { current_frames(root, upto) });
+    // SAFETY: `root` is the running fiber's own Lua thread (its record's), on this thread;
+    // `cur` the state of the running call.
+    let mut mine = root.map(|root| unsafe { current_frames(root, cur, upto) });
     // The frame of `upto` itself (kept by `current_frames` as the anchor of its Lua level) is
     // the dump, not the caller's stack: a debug build hides it as glue, but in a release
     // build the body inlined into it (`dump_body`) made it show as the fiber's innermost

@@ -27,7 +27,7 @@ pub(super) fn msgh_body(c: &mut Call) -> LResult {
     .flatten()
     .unwrap_or(l);
     // SAFETY: `root` is the running fiber's own thread (or `l`), on this thread.
-    let frames = unsafe { super::info::current_frames(root, "f_msgh") };
+    let frames = unsafe { super::info::current_frames(root, l, "f_msgh") };
     // The handler itself (its native frame and its Lua level) is not part of the error.
     let from = frames
         .iter()
@@ -431,7 +431,8 @@ fn spawn_lua(c: &mut Call, what: &str, starts_now: bool) -> Result<FiberId, LErr
     };
     let parent = if parent_bt {
         // SAFETY: the creator's root thread runs on this OS thread (it is calling us).
-        let frames = unsafe { super::info::current_frames(creator_root.unwrap_or(l), "f_create") };
+        let frames =
+            unsafe { super::info::current_frames(creator_root.unwrap_or(l), l, "f_create") };
         let me = fibertrace_fiber::current();
         Some(ParentTrace::new(me.as_ref(), &frames))
     } else {

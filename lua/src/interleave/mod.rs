@@ -101,6 +101,23 @@ pub unsafe fn capture_interleaved_with(
     interleave(native.frames(), &lua, opts)
 }
 
+/// [`capture_interleaved`] with `inner`, the state running now, read as the innermost thread
+/// when `root`'s chain does not reach it (see [`crate::frames::capture_lua_stack_within`]).
+///
+/// # Safety
+/// As [`capture_interleaved`]; `inner` is null or a state of the same universe running on
+/// this OS thread.
+pub unsafe fn capture_interleaved_within(
+    native: &Backtrace,
+    root: *mut ffi::lua_State,
+    inner: *mut ffi::lua_State,
+) -> Backtrace {
+    let mut lua = LuaStack::new();
+    // SAFETY: forwarded contract.
+    unsafe { crate::frames::capture_lua_stack_within(root, inner, &mut lua) };
+    interleave(native.frames(), &lua, &InterleaveOptions::default())
+}
+
 /// Builds what interleaving needs ahead of time: the VM map, and (LuaJIT) the frame-record
 /// hop that lets core's frame-pointer walk cross the interpreter. A native trace captured
 /// with the frame-pointer walk *before* this ran stops at the first interpreter frame, so a
