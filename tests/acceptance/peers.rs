@@ -37,7 +37,7 @@ fn tool(cmd: &mut Command, what: &str, install: &str) -> String {
 
 /// Runs the script with every export asked for on exit, in a directory of its own (`name`);
 /// returns the directory.
-fn exports(name: &str) -> std::path::PathBuf {
+fn exports(name: &str) -> fibertrace_acceptance::Scratch {
     let d = scratch(name);
     std::fs::write(d.join("s.lua"), WORKERS).unwrap();
     let out = run_in(
