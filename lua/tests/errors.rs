@@ -66,14 +66,17 @@ fn a_main_script_error_whose_tostring_sleeps_is_shown_through_it() {
     // (The traceback ends with an empty line, as every one does.)
     assert!(err.ends_with(":3\n\n"), "{err}");
     let lines: Vec<&str> = err.trim_end().lines().collect();
-    assert_eq!(lines.len(), 4, "{err}");
-    assert_eq!(
-        lines[..3],
-        ["slept", "stack traceback:", "#1  error in =[C]:-1"],
-        "{err}"
-    );
+    assert_eq!(lines[..2], ["slept", "stack traceback:"], "{err}");
+    // (Lua 5.4's `error` is a C function: its native frame comes first, `luaB_error`.)
+    let levels: Vec<&str> = lines[2..]
+        .iter()
+        .map(|l| l.split_once("  ").map_or(*l, |x| x.1))
+        .filter(|l| !l.starts_with("0x"))
+        .collect();
+    assert_eq!(levels.len(), 2, "{err}");
+    assert_eq!(levels[0], "error in =[C]:-1", "{err}");
     assert!(
-        lines[3].starts_with("#2  main chunk in @") && lines[3].ends_with("/tostring_sleeps.lua:3"),
+        levels[1].starts_with("main chunk in @") && levels[1].ends_with("/tostring_sleeps.lua:3"),
         "{err}"
     );
     assert_eq!(out, b"other ran\n");
