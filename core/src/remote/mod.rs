@@ -342,21 +342,38 @@ impl Session {
     /// stops every thread.
     pub fn open(pid: i32, opts: &DumpOptions) -> Result<Session, DumpError> {
         // A process in the middle of an exec refuses for a moment what it allows before and
-        // after (its files under /proc, a seize of the thread that execs), and its main
-        // thread is a zombie while another thread takes its place: a refusal, or an exit,
-        // of a process still there (and not a zombie alone) is tried again a few times,
-        // 10 ms apart, before it is said to be one.
+        // after (its files under /proc, a seize of the thread that execs), its main thread
+        // is a zombie while another thread takes its place, and it may be missing from
+        // /proc while the exec moves the program to the main thread's id: a refusal, or an
+        // exit, of a process still there 10 ms later (and not a zombie alone) is tried again,
+        // up to 10 times; a process changing all along is said to be.
         let mut tries = 0;
         loop {
-            match Self::open_once(pid, opts) {
+            let r = Self::open_once(pid, opts);
+            let changing = matches!(
+                r,
                 Err(DumpError::Permission { .. } | DumpError::Zombie(_) | DumpError::Exited(_))
-                    if tries < 5 && platform::exists(pid) && !lone_zombie(pid) =>
-                {
-                    tries += 1;
-                    std::thread::sleep(std::time::Duration::from_millis(10));
-                }
-                r => return r,
+            );
+            if !changing {
+                return r;
             }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            if !platform::exists(pid) || lone_zombie(pid) {
+                return r;
+            }
+            if tries == 10 {
+                // Still there: not gone, but changing under the reading all along.
+                return match r {
+                    Err(DumpError::Zombie(_) | DumpError::Exited(_)) => {
+                        Err(DumpError::Other(format!(
+                            "process {pid} kept replacing its program (exec) or losing threads \
+                             while it was read: try again"
+                        )))
+                    }
+                    r => r,
+                };
+            }
+            tries += 1;
         }
     }
 
