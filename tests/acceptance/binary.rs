@@ -100,21 +100,11 @@ f:join()\n";
 /// SIGQUIT once it is ready, and returns what it wrote on stderr by the time the dump of
 /// every fiber is complete (or 20 s passed); the program is killed after.
 fn sigquit_dump(dir: &std::path::Path, env: &[(&str, &str)]) -> String {
-    use std::io::{BufRead, Read};
-    use std::process::{Command, Stdio};
-    let mut child = Command::new(fibertrace_acceptance::binary())
-        .args(["run", "app/s.lua"])
-        .current_dir(dir)
-        .envs(env.iter().copied())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert_eq!(line, "spinning\n");
+    use std::io::Read;
+    use std::process::Stdio;
+    let mut cmd = fibertrace_acceptance::command_in(dir, &["run", "app/s.lua"]);
+    cmd.envs(env.iter().copied()).stderr(Stdio::piped());
+    let mut child = fibertrace_acceptance::spawn_until(cmd, "spinning\n");
     // SAFETY: signals the child this test started.
     unsafe { libc::kill(child.id() as i32, libc::SIGQUIT) };
     let mut stderr = child.stderr.take().unwrap();
@@ -198,26 +188,51 @@ fn sigquit_while_a_fiber_spins_in_compiled_code_shows_its_lua_frames() {
     );
 }
 
+/// Writes process `pid`'s core file into `dir` with gdb's `gcore` (the process runs on), and
+/// returns its path.
+fn gcore(dir: &std::path::Path, pid: &str) -> std::path::PathBuf {
+    let out = std::process::Command::new("gcore")
+        .arg("-o")
+        .arg(dir.join("core"))
+        .arg(pid)
+        .output()
+        .unwrap_or_else(|e| panic!("gcore cannot run ({e}): apt-get install gdb"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    dir.join(format!("core.{pid}"))
+}
+
+/// The standard output of a command that must have succeeded (its errors in the message
+/// if it did not).
+fn stdout_of(out: &std::process::Output) -> String {
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `fibertrace dump --core CORE`'s text, run from another directory.
+fn dump_core(core: &std::path::Path) -> String {
+    stdout_of(&run_in(
+        &std::env::temp_dir(),
+        &["dump", "--core", core.to_str().unwrap()],
+    ))
+}
+
 /// A `fibertrace run` process that sleeps until killed, as a target for `fibertrace dump`.
 fn sleeping_lua_process(dir: &std::path::Path) -> std::process::Child {
-    use std::io::BufRead;
     std::fs::write(
         dir.join("sleep.lua"),
         "io.stdout:write('ready\\n') io.stdout:flush()\nrequire('fiber').sleep(60)\n",
     )
     .unwrap();
-    let mut child = std::process::Command::new(fibertrace_acceptance::binary())
-        .args(["run", "sleep.lua"])
-        .current_dir(dir)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert_eq!(line, "ready\n");
-    child
+    fibertrace_acceptance::start_until(dir, &["run", "sleep.lua"], "ready\n")
 }
 
 #[test]
@@ -299,29 +314,8 @@ fn dump_pid_reads_another_process_from_anywhere_and_says_why_when_it_cannot() {
         );
     }
     // Its core file (gdb's gcore writes it; the process runs on), read the same way.
-    let gcore = std::process::Command::new("gcore")
-        .arg("-o")
-        .arg(dir.join("core"))
-        .arg(&pid)
-        .output()
-        .unwrap_or_else(|e| panic!("gcore cannot run ({e}): apt-get install gdb"));
-    assert!(
-        gcore.status.success(),
-        "{}",
-        String::from_utf8_lossy(&gcore.stderr)
-    );
-    let core = dir.join(format!("core.{pid}"));
-    let out = run_in(
-        &std::env::temp_dir(),
-        &["dump", "--core", core.to_str().unwrap()],
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let core = gcore(&dir, &pid);
+    let text = dump_core(&core);
     assert!(
         text.lines()
             .next()
@@ -573,26 +567,10 @@ fn dump_pid_of_a_lua_process_shows_each_fibers_lua_frames_as_its_own_dump_does()
     let nb_blocks = fiber_blocks(&String::from_utf8_lossy(&nb.stdout));
     assert_eq!(lua_frames(&nb_blocks["worker2"]), worker);
     // Its core file: the same Lua frames.
-    let gcore = std::process::Command::new("gcore")
-        .arg("-o")
-        .arg(dir.join("core"))
-        .arg(&pid)
-        .output()
-        .unwrap_or_else(|e| panic!("gcore cannot run ({e}): apt-get install gdb"));
-    assert!(gcore.status.success());
-    let core = dir.join(format!("core.{pid}"));
-    let c = run_in(
-        &std::env::temp_dir(),
-        &["dump", "--core", core.to_str().unwrap()],
-    );
+    let core = gcore(&dir, &pid);
+    let c_text = dump_core(&core);
     let _ = std::fs::remove_file(&core);
-    assert_eq!(
-        c.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&c.stderr)
-    );
-    let c_blocks = fiber_blocks(&String::from_utf8_lossy(&c.stdout));
+    let c_blocks = fiber_blocks(&c_text);
     assert_eq!(lua_frames(&c_blocks["worker3"]), worker);
     assert_eq!(lua_frames(&c_blocks["co"]), lua_frames(&blocks["co"]));
     // The process runs on unharmed: let the fibers go; each finishes its work.
@@ -843,7 +821,6 @@ fn the_speed_command_reads_every_lua_figure_and_says_when_tarantool_is_missing()
 /// resume as `ready` with the note that it runs.
 #[test]
 fn dump_pid_gives_a_time_only_to_the_fibers_that_wait() {
-    use std::io::BufRead;
     let dir = scratch("dump-times");
     std::fs::write(
         dir.join("y.lua"),
@@ -854,17 +831,7 @@ fn dump_pid_gives_a_time_only_to_the_fibers_that_wait() {
          while true do fiber.yield() end\n",
     )
     .unwrap();
-    let mut child = std::process::Command::new(fibertrace_acceptance::binary())
-        .args(["run", "y.lua"])
-        .current_dir(&dir)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert_eq!(line, "ready\n");
+    let mut child = fibertrace_acceptance::start_until(&dir, &["run", "y.lua"], "ready\n");
     std::thread::sleep(std::time::Duration::from_millis(1200));
     let pid = child.id().to_string();
     let j = run_in(&std::env::temp_dir(), &["dump", &pid, "--format", "json"]);
@@ -936,7 +903,6 @@ fn dump_pid_gives_a_time_only_to_the_fibers_that_wait() {
 /// its thread's stack, which had no Lua frames.
 #[test]
 fn dump_pid_shows_the_running_fibers_stack_with_its_lua_frames() {
-    use std::io::BufRead;
     let dir = scratch("dump-running");
     std::fs::write(
         dir.join("blocked.lua"),
@@ -954,18 +920,19 @@ fn dump_pid_shows_the_running_fibers_stack_with_its_lua_frames() {
          spin()\n",
     )
     .unwrap();
-    for script in ["blocked.lua", "spins.lua"] {
-        let mut child = std::process::Command::new(fibertrace_acceptance::binary())
-            .args(["run", script])
-            .current_dir(&dir)
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        std::io::BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        assert_eq!(line, "ready\n");
+    // A coroutine that spins inside the fiber, started by a function that called nothing
+    // since: the coroutine's recorded base is the one it started with.
+    std::fs::write(
+        dir.join("in_co.lua"),
+        "jit.off()\n\
+         local function inner() local x = 0 while true do x = x + 1 end end\n\
+         local co = coroutine.wrap(function() inner() end)\n\
+         local function outer() io.stdout:write('ready\\n') io.stdout:flush() co() end\n\
+         outer()\n",
+    )
+    .unwrap();
+    for script in ["blocked.lua", "spins.lua", "in_co.lua"] {
+        let mut child = fibertrace_acceptance::start_until(&dir, &["run", script], "ready\n");
         // Into the system call, or the loop.
         std::thread::sleep(std::time::Duration::from_millis(300));
         let pid = child.id().to_string();
@@ -980,8 +947,8 @@ fn dump_pid_shows_the_running_fibers_stack_with_its_lua_frames() {
         );
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         let main = &fiber_blocks(&text)["main"];
-        assert!(main.starts_with("#0  0x"), "{main}");
         if script == "blocked.lua" {
+            assert!(main.starts_with("#0  0x"), "{main}");
             assert_eq!(
                 lua_frames(main),
                 [
@@ -1016,16 +983,77 @@ fn dump_pid_shows_the_running_fibers_stack_with_its_lua_frames() {
                 "{thread}"
             );
             assert!(!thread.contains("??"), "{thread}");
-        } else {
-            assert!(lua_frames(main).is_empty(), "{main}");
-            assert!(main.contains(" in lj_BC_"), "{main}");
-            assert!(
-                text.contains(
-                    "\n    (it runs Lua code (LuaJIT's interpreter or a compiled trace), whose \
-                     frames are read inside the process only (SIGQUIT, --stall-ms))\n"
-                ),
-                "{text}"
+        } else if script == "spins.lua" {
+            // In the interpreter: its levels from the interpreter's frame base and PC
+            // registers (the loop is on line 2), nothing but Lua frames (no VM, no glue:
+            // as the process's own dump).
+            assert_eq!(
+                lua_frames(main),
+                ["spin in @spins.lua:2", "main chunk in @spins.lua:3"],
+                "{main}"
             );
+            assert!(!text.contains("(it runs Lua code"), "{text}");
+        } else {
+            assert_eq!(
+                lua_frames(main),
+                [
+                    "inner in @in_co.lua:2",
+                    "function <in_co.lua:3> in @in_co.lua:3",
+                    "co in =[C]:-1",
+                    "outer in @in_co.lua:4",
+                    "main chunk in @in_co.lua:5",
+                ],
+                "{main}"
+            );
+            assert!(!text.contains("(it runs Lua code"), "{text}");
         }
+    }
+}
+
+/// `dump PID` of a fiber that spins in compiled Lua code (a trace): its Lua levels are read
+/// from the frame base the trace was entered with, the innermost at the trace's start (the
+/// loop's line), as the process's own SIGQUIT dump finds them at its next safe point.
+#[test]
+fn dump_pid_of_a_fiber_in_compiled_lua_code_shows_the_function_the_trace_runs_in() {
+    let dir = scratch("dump-trace");
+    std::fs::create_dir_all(dir.join("app")).unwrap();
+    std::fs::write(dir.join("app/s.lua"), SPIN).unwrap();
+    let mut child = fibertrace_acceptance::start_until(&dir, &["run", "app/s.lua"], "spinning\n");
+    // Compiled by now (a loop is compiled after 56 rounds).
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let pid = child.id().to_string();
+    let mut outs: Vec<String> = (0..3)
+        .map(|_| stdout_of(&run_in(&std::env::temp_dir(), &["dump", &pid])))
+        .collect();
+    // Its core file too: the thread's registers are the core's.
+    let core = gcore(&dir, &pid);
+    let _ = child.kill();
+    let _ = child.wait();
+    outs.push(dump_core(&core));
+    for text in outs {
+        let blocks = fiber_blocks(&text);
+        let hog = &blocks["hog"];
+        let frames = lua_frames(hog);
+        let in_work = [4, 5, 6, 7].map(|l| {
+            vec![
+                format!("work in @app/s.lua:{l}"),
+                "function <app/s.lua:9> in @app/s.lua:12".to_string(),
+            ]
+        });
+        let in_hog =
+            [11, 12, 13].map(|l| vec![format!("function <app/s.lua:9> in @app/s.lua:{l}")]);
+        assert!(
+            in_work.contains(&frames) || in_hog.contains(&frames),
+            "{hog}"
+        );
+        assert!(
+            text.contains("it runs compiled Lua code (a trace): its innermost Lua level is"),
+            "{text}"
+        );
+        assert_eq!(
+            lua_frames(&blocks["main"]),
+            ["join in =[C]:-1", "main chunk in @app/s.lua:18"],
+            "{text}"
+        );
     }
 }

@@ -426,7 +426,6 @@ fn thread_addresses(text: &str, eu: bool) -> Vec<(i32, Vec<u64>)> {
 /// same way, address for address.
 #[test]
 fn dump_pid_agrees_with_eu_stack_on_every_thread() {
-    use std::io::BufRead;
     let d = scratch("eu-stack");
     std::fs::write(
         d.join("s.lua"),
@@ -436,17 +435,7 @@ fn dump_pid_agrees_with_eu_stack_on_every_thread() {
          fiber.sleep(60)\n",
     )
     .unwrap();
-    let mut child = Command::new(binary())
-        .args(["run", "s.lua"])
-        .current_dir(&d)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert_eq!(line, "ready\n");
+    let mut child = fibertrace_acceptance::start_until(&d, &["run", "s.lua"], "ready\n");
     let pid = child.id().to_string();
     // Every thread waits in the kernel: both readers see the same stacks.
     let eu = tool(

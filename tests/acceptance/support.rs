@@ -51,3 +51,36 @@ pub fn run_in(cwd: &Path, args: &[&str]) -> Output {
         .output()
         .expect("the binary runs")
 }
+
+/// The binary with `args`, to run in `cwd` with its standard output piped (see
+/// [`spawn_until`]).
+pub fn command_in(cwd: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(binary());
+    c.args(args)
+        .current_dir(cwd)
+        .stdout(std::process::Stdio::piped());
+    c
+}
+
+/// Spawns `cmd` (its standard output piped) and returns once its first line is `first` (a
+/// script saying it is ready); the child runs on, its output no longer read.
+pub fn spawn_until(mut cmd: Command, first: &str) -> std::process::Child {
+    use std::io::BufRead;
+    let mut child = cmd.spawn().expect("the binary runs");
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().expect("its output piped"))
+        .read_line(&mut line)
+        .expect("its first line");
+    if line != first {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("its first line is {line:?}, not {first:?}");
+    }
+    child
+}
+
+/// Runs the binary with `args` in `cwd` until its first line is `first` (see
+/// [`spawn_until`]).
+pub fn start_until(cwd: &Path, args: &[&str], first: &str) -> std::process::Child {
+    spawn_until(command_in(cwd, args), first)
+}

@@ -20,6 +20,10 @@ pub(crate) use x86_64::{
     dwarf, regs_fp, regs_sp, set_regs_fp, unwind_regs, DwarfUnwinder, UnwindCache, UnwindRegs,
 };
 #[cfg(target_arch = "x86_64")]
+pub(crate) use x86_64::{
+    general_from_prstatus, general_from_user_regs, general_register, GeneralRegs,
+};
+#[cfg(target_arch = "x86_64")]
 pub(crate) use x86_64::{is_sigreturn, UCONTEXT_REGS};
 #[cfg(target_arch = "x86_64")]
 pub use x86_64::{prefetch, prefetch_far, registers_from_ucontext, timestamp_counter};

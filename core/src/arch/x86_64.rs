@@ -112,6 +112,37 @@ pub(crate) fn registers_from_user_regs(r: &libc::user_regs_struct) -> super::Reg
     }
 }
 
+/// A thread's general registers as the words of its `user_regs_struct` (`ptrace`'s register
+/// set, and a core file's `pr_reg`), read by DWARF number with [`general_register`].
+pub(crate) type GeneralRegs = [u64; 27];
+
+/// The words of a thread's `ptrace` register set.
+pub(crate) fn general_from_user_regs(r: &libc::user_regs_struct) -> GeneralRegs {
+    [
+        r.r15, r.r14, r.r13, r.r12, r.rbp, r.rbx, r.r11, r.r10, r.r9, r.r8, r.rax, r.rcx, r.rdx,
+        r.rsi, r.rdi, r.orig_rax, r.rip, r.cs, r.eflags, r.rsp, r.ss, r.fs_base, r.gs_base, r.ds,
+        r.es, r.fs, r.gs,
+    ]
+}
+
+/// The words of a core file's `NT_PRSTATUS` register set (`pr_reg` at 112).
+pub(crate) fn general_from_prstatus(desc: &[u8]) -> Option<GeneralRegs> {
+    let mut out = [0u64; 27];
+    for (i, w) in out.iter_mut().enumerate() {
+        let at = 112 + 8 * i;
+        *w = u64::from_le_bytes(desc.get(at..at + 8)?.try_into().ok()?);
+    }
+    Some(out)
+}
+
+/// DWARF register `n` (x86-64's numbering: 0 `rax`, 1 `rdx`, 2 `rcx`, 3 `rbx`, 4 `rsi`, 5
+/// `rdi`, 6 `rbp`, 7 `rsp`, 8–15 `r8`–`r15`, 16 the return address, `rip`) of `g`.
+pub(crate) fn general_register(g: &GeneralRegs, n: u16) -> Option<u64> {
+    // The word of `user_regs_struct` each DWARF number names.
+    const AT: [usize; 17] = [10, 12, 11, 5, 13, 14, 4, 19, 9, 8, 7, 6, 3, 2, 1, 0, 16];
+    AT.get(n as usize).map(|&i| g[i])
+}
+
 /// A thread's id and registers from a core file's `NT_PRSTATUS` note (x86_64's
 /// `elf_prstatus`: `pr_pid` at 32, `pr_reg` — a `user_regs_struct` — at 112).
 pub(crate) fn registers_from_prstatus(desc: &[u8]) -> Option<(i32, super::Registers)> {

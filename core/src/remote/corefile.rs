@@ -22,6 +22,8 @@ use crate::arch::Registers;
 pub(super) struct CoreThread {
     pub tid: i32,
     pub regs: Registers,
+    /// Its general registers (see [`crate::arch::general_register`]).
+    pub general: crate::arch::GeneralRegs,
 }
 
 /// A core file, read.
@@ -122,10 +124,11 @@ impl Core {
                         let desc = n.desc();
                         match n.n_type(endian).0 {
                             NT_PRSTATUS => {
-                                if let Some((tid, regs)) =
-                                    crate::arch::registers_from_prstatus(desc)
-                                {
-                                    threads.push(CoreThread { tid, regs });
+                                if let (Some((tid, regs)), Some(general)) = (
+                                    crate::arch::registers_from_prstatus(desc),
+                                    crate::arch::general_from_prstatus(desc),
+                                ) {
+                                    threads.push(CoreThread { tid, regs, general });
                                 }
                             }
                             NT_PRPSINFO => {

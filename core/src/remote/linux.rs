@@ -565,6 +565,15 @@ fn wait_stop(pid: i32, tid: i32, keep_exit: bool) -> Option<i32> {
 
 /// The registers of a thread we hold stopped.
 pub(super) fn registers(tid: i32) -> io::Result<Registers> {
+    user_regs(tid).map(|r| crate::arch::registers_from_user_regs(&r))
+}
+
+/// The general registers of thread `tid`, held stopped (see [`crate::arch::general_register`]).
+pub(super) fn general_registers(tid: i32) -> io::Result<crate::arch::GeneralRegs> {
+    user_regs(tid).map(|r| crate::arch::general_from_user_regs(&r))
+}
+
+fn user_regs(tid: i32) -> io::Result<libc::user_regs_struct> {
     // SAFETY: user_regs_struct is plain integers; zeroes are a valid value.
     let mut regs: libc::user_regs_struct = unsafe { std::mem::zeroed() };
     let mut iov = libc::iovec {
@@ -584,7 +593,7 @@ pub(super) fn registers(tid: i32) -> io::Result<Registers> {
     if rc != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(crate::arch::registers_from_user_regs(&regs))
+    Ok(regs)
 }
 
 #[cfg(test)]

@@ -640,6 +640,21 @@ impl Session {
         platform::registers(tid).ok()
     }
 
+    /// DWARF register `n` of thread `tid` (x86-64: 0 `rax`, 1 `rdx`, 3 `rbx`, …; see
+    /// [`Session::thread_registers`] for when a thread's registers can be read).
+    pub fn thread_register(&self, tid: i32, n: u16) -> Option<u64> {
+        if let Some((_, c)) = &self.core {
+            let t = c.threads.iter().find(|t| t.tid == tid)?;
+            return crate::arch::general_register(&t.general, n);
+        }
+        let st = self.stopped.as_ref()?;
+        if !st.threads().contains(&tid) {
+            return None;
+        }
+        let g = platform::general_registers(tid).ok()?;
+        crate::arch::general_register(&g, n)
+    }
+
     /// Whether `addr` is in the code of one of the target's images (not JIT code, not a bad
     /// address).
     pub fn knows_code(&self, addr: u64) -> bool {

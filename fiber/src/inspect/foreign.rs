@@ -117,13 +117,14 @@ pub trait ForeignLayer {
     /// The running fiber's frames with the layer's merged in, from its native frames (its
     /// thread's, innermost first, down to its entry), when they can be read from outside:
     /// the layer says when its state is not current while its code runs (a Lua
-    /// interpreter's). By default, its native frames with a note that the layer's are not
-    /// read.
+    /// interpreter's, whose registers it may read from `thread`). By default, its native
+    /// frames with a note that the layer's are not read.
     fn running_frames(
         &mut self,
         _s: &mut Session,
         _word: u64,
         native: Vec<Frame>,
+        _thread: i32,
     ) -> (Vec<Frame>, Option<String>) {
         (
             native,
@@ -545,7 +546,7 @@ fn merge_layer(
     layer: &mut LayerState<'_>,
     word: u64,
     f: &mut RawFiber,
-    running: bool,
+    running: Option<i32>,
 ) {
     if word == 0 {
         return;
@@ -553,10 +554,9 @@ fn merge_layer(
     let why = match layer {
         LayerState::Open(lr) => {
             let native = std::mem::take(&mut f.frames);
-            let (merged, why) = if running {
-                lr.running_frames(s, word, native)
-            } else {
-                lr.frames(s, word, native)
+            let (merged, why) = match running {
+                Some(thread) => lr.running_frames(s, word, native, thread),
+                None => lr.frames(s, word, native),
             };
             f.frames = merged;
             why
@@ -668,15 +668,15 @@ fn read_fiber(
             // switch, on the scheduler's stack).
             let (lo, hi) = (w(stack_lo), w(stack_hi));
             let regs = thread
-                .and_then(|t| s.thread_registers(t))
-                .filter(|r| r.sp >= lo && r.sp < hi);
+                .and_then(|t| Some((t, s.thread_registers(t)?)))
+                .filter(|(_, r)| r.sp >= lo && r.sp < hi);
             match regs {
-                Some(regs) => {
+                Some((t, regs)) => {
                     let stop = w(entry_sp);
                     let (frames, note) = s.walk(regs, (stop != 0).then_some(stop));
                     f.frames = frames;
                     f.note = note;
-                    merge_layer(s, layer, w(layer_word), &mut f, true);
+                    merge_layer(s, layer, w(layer_word), &mut f, Some(t));
                 }
                 None => {
                     f.note = Some("running: its thread's stack above shows where".into());
@@ -697,7 +697,7 @@ fn read_fiber(
             }
             f.frames = frames;
             f.note = note;
-            merge_layer(s, layer, w(layer_word), &mut f, false);
+            merge_layer(s, layer, w(layer_word), &mut f, None);
             if s.mode() == Mode::NonBlocking {
                 // Torn? Its switch count or state moved while it was read.
                 let mut again = vec![0u8; b.len()];

@@ -24,13 +24,20 @@
 //! inside a trace's exit stub (after `lj_trace_exit` patched it) gives `-1` too. A state
 //! that runs while it is read (a non-blocking dump) may give a torn walk: the caller checks
 //! the fiber did not switch meanwhile.
+//!
+//! A state caught running Lua code ([`Reader::running_top`]) has no current base of its own:
+//! in the interpreter it is the thread's register, in compiled code the base the trace was
+//! entered with. Each is used only after it checks out (inside the running state's stack,
+//! below a Lua function, the interpreter's PC inside that function's code); in a trace, a
+//! function the trace inlined has no level, and the innermost level's line is the trace's
+//! start (the loop's head), `-1` when the trace starts in another function.
 
 use std::collections::HashMap;
 
 use smallvec::SmallVec;
 
 use super::intern::{self, LuaKind, RawInfo};
-use super::publish::{self, Header, Layout};
+use super::publish::{self, Header, JitLayout, Layout, GCV_MASK};
 use super::{LuaLevel, LuaStack, HEAD_LEVELS, MAX_LEVELS, MAX_THREADS};
 
 /// Another process's memory.
@@ -83,8 +90,6 @@ const NAME_BUDGET: usize = 64 << 10;
 const MAX_TOTAL_TIME: std::time::Duration = std::time::Duration::from_secs(10);
 /// LuaJIT's `LUA_IDSIZE` (the printable source's room, with its NUL).
 const IDSIZE: usize = 60;
-/// The payload of a 64-bit reference (`LJ_GCVMASK`).
-const GCV_MASK: u64 = (1 << 47) - 1;
 /// The type tags of a thread and a function in a 64-bit `TValue` (`~6`, `~8`).
 const T_THREAD: u32 = !6;
 const T_FUNC: u32 = !8;
@@ -127,6 +132,8 @@ const MM_NAMES: [&str; 22] = [
 /// (strings, prototypes).
 pub struct Reader {
     l: Layout,
+    /// Where the running code's state is, if the process published it and found it right.
+    jit: Option<JitLayout>,
     bc_mode: Vec<u16>,
     strings: HashMap<u64, Option<Box<[u8]>>>,
     /// What each prototype read gives a level: first line, line count, source, printable
@@ -160,6 +167,22 @@ struct Slot {
     frame: u64,
     next: Option<u64>,
     thread: u8,
+    /// The top level's PC when it is known otherwise than from a frame above it (the
+    /// interpreter's register, a trace's start): as a frame link holds it, the instruction
+    /// after the current one.
+    pc: Option<u64>,
+}
+
+/// Where the Lua code running now is, read from the VM and the thread's registers (see
+/// [`Reader::running_top`]): the state that runs it, its frame base, and the PC of the
+/// function at that base (the instruction after the current one; `None`: not known).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RunningTop {
+    pub th: u64,
+    pub base: u64,
+    pub pc: Option<u64>,
+    /// In compiled code (a trace) rather than the interpreter.
+    pub compiled: bool,
 }
 
 fn itype(tv: u64) -> u32 {
@@ -190,9 +213,9 @@ impl Reader {
             ));
         }
         let size = u32_at(offset_of!(Header, header_size)).unwrap_or(0) as usize;
-        if size < std::mem::size_of::<Header>()
-            || head.len() < std::mem::size_of::<Header>()
-            || u32_at(offset_of!(Header, pointer_size)) != Some(8)
+        // (Headers before the running code's layout end where it begins.)
+        let least = offset_of!(Header, jit_checked);
+        if size < least || head.len() < least || u32_at(offset_of!(Header, pointer_size)) != Some(8)
         {
             return Err(format!("its Lua layout header is malformed (size {size})"));
         }
@@ -273,8 +296,41 @@ impl Reader {
             .chunks_exact(2)
             .map(|c| u16::from_le_bytes([c[0], c[1]]))
             .collect();
+        // The running code's layout: in headers that carry it, checked by the process.
+        let jit_at = offset_of!(Header, jit);
+        let jit = (size >= jit_at + std::mem::size_of::<JitLayout>()
+            && word(offset_of!(Header, jit_checked), mem).map(|w| w as u32)
+                == Some(publish::MATCHES))
+        .then(|| head.get(jit_at..jit_at + std::mem::size_of::<JitLayout>()))
+        .flatten()
+        .map(|b| {
+            // SAFETY: `b` holds `size_of::<JitLayout>()` bytes; `JitLayout` is `repr(C)` of
+            // `u32`s only, so any bytes are a value of it; the read is unaligned-safe.
+            unsafe { std::ptr::read_unaligned(b.as_ptr().cast::<JitLayout>()) }
+        })
+        .filter(|j| {
+            [
+                j.state_glref,
+                j.state_maxstack,
+                j.trace_startpt,
+                j.trace_startpc,
+            ]
+            .iter()
+            .all(|&o| o <= 4096)
+                && [
+                    j.g_vmstate,
+                    j.g_cur_l,
+                    j.g_jit_base,
+                    j.g_traces,
+                    j.g_sizetrace,
+                ]
+                .iter()
+                .all(|&o| o <= 1 << 16)
+                && j.trace_traceno <= 4096
+        });
         Ok(Reader {
             l,
+            jit,
             bc_mode,
             strings: HashMap::new(),
             protos: HashMap::new(),
@@ -301,8 +357,14 @@ impl Reader {
             // read-only section.
             .map(|i| unsafe { std::ptr::read_unaligned((table + 2 * i) as *const u16) })
             .collect();
+        let jit = (publish::HEADER
+            .jit_checked
+            .load(std::sync::atomic::Ordering::Acquire)
+            == publish::MATCHES)
+            .then_some(publish::HEADER.jit);
         Ok(Reader {
             l: publish::HEADER.layout,
+            jit,
             bc_mode,
             strings: HashMap::new(),
             protos: HashMap::new(),
@@ -385,31 +447,52 @@ impl Reader {
     /// The Lua stack of state `root` and of the coroutines running inside it, innermost
     /// first (see the module doc).
     pub fn stack(&mut self, mem: &mut dyn Memory, root: u64) -> Result<LuaStack, String> {
+        self.stack_running(mem, root, None)
+    }
+
+    /// As [`Reader::stack`], with the frames of state `top.th` read from `top`'s base (the
+    /// Lua code running now, see [`Reader::running_top`]) rather than from the base the state
+    /// recorded at its last call out of Lua.
+    pub fn stack_running(
+        &mut self,
+        mem: &mut dyn Memory,
+        root: u64,
+        top: Option<RunningTop>,
+    ) -> Result<LuaStack, String> {
         if self.spent > MAX_TOTAL_TIME {
             return Err(format!(
                 "not read: reading Lua stacks took {MAX_TOTAL_TIME:?} already"
             ));
         }
         let t0 = std::time::Instant::now();
-        let r = self.stack_inner(mem, root);
+        let r = self.stack_inner(mem, root, top);
         self.spent += t0.elapsed();
         r
     }
 
-    fn stack_inner(&mut self, mem: &mut dyn Memory, root: u64) -> Result<LuaStack, String> {
+    fn stack_inner(
+        &mut self,
+        mem: &mut dyn Memory,
+        root: u64,
+        top: Option<RunningTop>,
+    ) -> Result<LuaStack, String> {
         let mut chain: SmallVec<[u64; 4]> = SmallVec::new();
         chain.push(root);
         let deadline = std::time::Instant::now() + MAX_TIME;
         let mut left = MAX_FRAMES;
         let mut per_thread: SmallVec<[Vec<Slot>; 4]> = SmallVec::new();
-        per_thread.push(self.slots(mem, root, &mut left, deadline)?);
+        per_thread.push(self.slots(mem, root, top, &mut left, deadline)?);
         while chain.len() < MAX_THREADS {
-            let top = per_thread[per_thread.len() - 1].first().copied();
-            let Some(next) = top.and_then(|s| self.resumed_by(mem, s, &chain)) else {
+            // The thread running now is the innermost: nothing above its top runs.
+            if top.is_some_and(|t| t.th == chain[chain.len() - 1]) {
+                break;
+            }
+            let head = per_thread[per_thread.len() - 1].first().copied();
+            let Some(next) = head.and_then(|s| self.resumed_by(mem, s, &chain, top)) else {
                 break;
             };
             chain.push(next);
-            per_thread.push(self.slots(mem, next, &mut left, deadline)?);
+            per_thread.push(self.slots(mem, next, top, &mut left, deadline)?);
         }
         // Innermost thread first.
         let mut all: Vec<Slot> = Vec::new();
@@ -450,11 +533,16 @@ impl Reader {
         &mut self,
         mem: &mut dyn Memory,
         th: u64,
+        top: Option<RunningTop>,
         left: &mut usize,
         deadline: std::time::Instant,
     ) -> Result<Vec<Slot>, String> {
         let l = &self.l;
-        let base = Self::u64(mem, th.wrapping_add(l.state_base as u64))?;
+        let running = top.filter(|t| t.th == th);
+        let base = match running {
+            Some(t) => t.base,
+            None => Self::u64(mem, th.wrapping_add(l.state_base as u64))?,
+        };
         let stack = Self::u64(mem, th.wrapping_add(l.state_stack as u64))?;
         let bot = stack.wrapping_add(8);
         let mut frame = base.wrapping_sub(8);
@@ -489,6 +577,7 @@ impl Reader {
                     frame,
                     next: (next != frame).then_some(next),
                     thread: 0,
+                    pc: running.filter(|_| next == frame).and_then(|t| t.pc),
                 });
             }
             next = frame;
@@ -511,8 +600,117 @@ impl Reader {
         Ok(out)
     }
 
+    /// Where the Lua code runs now in the VM of state `root` (whose fiber runs), when its
+    /// thread is in LuaJIT's interpreter (`interp`: the thread's frame base and PC registers,
+    /// given when its PC is in the interpreter's code) or in compiled code (the VM state is a
+    /// trace's number): the state running (the VM's current one), and its frame base — the
+    /// interpreter's register, or the base the trace was entered with — with the PC of the
+    /// function there (the interpreter's; a trace's start when the trace starts in that
+    /// function, else not known). `Ok(None)`: neither (the state's recorded base is current,
+    /// it called out of Lua). `Err`: the VM says Lua code runs but what it holds does not
+    /// check out (a base outside the state's stack or below no Lua function, a PC outside
+    /// that function's code): never a guess.
+    pub fn running_top(
+        &mut self,
+        mem: &mut dyn Memory,
+        root: u64,
+        interp: Option<(u64, u64)>,
+    ) -> Result<Option<RunningTop>, String> {
+        let Some(j) = self.jit else {
+            return Err(
+                "the process does not publish where its running code's state is \
+                        (an older fibertrace)"
+                    .into(),
+            );
+        };
+        let g = Self::u64(mem, root.wrapping_add(j.state_glref as u64))?;
+        let vmstate = Self::u32(mem, g.wrapping_add(j.g_vmstate as u64))? as i32;
+        let cur = Self::u64(mem, g.wrapping_add(j.g_cur_l as u64))? & GCV_MASK;
+        if vmstate > 0 {
+            let base = Self::u64(mem, g.wrapping_add(j.g_jit_base as u64))?;
+            let func = self.lua_function_at(mem, cur, base)?;
+            // The trace's start, when the trace is the one the VM state names and it starts
+            // in the function at the base it was entered with.
+            let pc = (|| -> Option<u64> {
+                let traces = Self::u64(mem, g.wrapping_add(j.g_traces as u64)).ok()?;
+                let size = Self::u32(mem, g.wrapping_add(j.g_sizetrace as u64)).ok()?;
+                if vmstate as u32 >= size {
+                    return None;
+                }
+                let t = Self::u64(mem, traces.wrapping_add(8 * vmstate as u64)).ok()? & GCV_MASK;
+                let mut no = [0u8; 2];
+                if !mem.read(t.wrapping_add(j.trace_traceno as u64), &mut no)
+                    || u16::from_le_bytes(no) as i32 != vmstate
+                {
+                    return None;
+                }
+                let pt = Self::u64(mem, t.wrapping_add(j.trace_startpt as u64)).ok()? & GCV_MASK;
+                if self.proto(mem, func).ok()? != pt {
+                    return None;
+                }
+                let start = Self::u64(mem, t.wrapping_add(j.trace_startpc as u64)).ok()?;
+                // As a frame link holds it: the instruction after.
+                let pc = start.wrapping_add(4);
+                self.pc_position(mem, func, pc).map(|_| pc)
+            })();
+            return Ok(Some(RunningTop {
+                th: cur,
+                base,
+                pc,
+                compiled: true,
+            }));
+        }
+        // LJ_VMST_INTERP (~0).
+        if vmstate == -1 {
+            let Some((base, pc)) = interp else {
+                return Ok(None);
+            };
+            let func = self.lua_function_at(mem, cur, base)?;
+            if self.pc_position(mem, func, pc).is_none() {
+                return Err(format!(
+                    "the interpreter's PC {pc:#x} is not in the function at its base"
+                ));
+            }
+            return Ok(Some(RunningTop {
+                th: cur,
+                base,
+                pc: Some(pc),
+                compiled: false,
+            }));
+        }
+        Ok(None)
+    }
+
+    /// The Lua function whose frame starts at `base` of state `th`, if `base` is inside its
+    /// stack and a Lua function is there.
+    fn lua_function_at(&self, mem: &mut dyn Memory, th: u64, base: u64) -> Result<u64, String> {
+        let l = self.l;
+        let j = self.jit.unwrap_or_default();
+        let stack = Self::u64(mem, th.wrapping_add(l.state_stack as u64))?;
+        let max = Self::u64(mem, th.wrapping_add(j.state_maxstack as u64))?;
+        if !base.is_multiple_of(8) || base <= stack.wrapping_add(16) || base > max {
+            return Err(format!(
+                "the running frame's base {base:#x} is outside its state's stack"
+            ));
+        }
+        let tv = Self::u64(mem, base.wrapping_sub(16))?;
+        let func = tv & GCV_MASK;
+        if itype(tv) != T_FUNC || Self::u8(mem, func.wrapping_add(l.func_ffid as u64))? != 0 {
+            return Err(format!(
+                "no Lua function below the running frame's base {base:#x}"
+            ));
+        }
+        Ok(func)
+    }
+
     /// The thread a top level resumes (see the module doc), if usable.
-    fn resumed_by(&mut self, mem: &mut dyn Memory, top: Slot, chain: &[u64]) -> Option<u64> {
+    fn resumed_by(
+        &mut self,
+        mem: &mut dyn Memory,
+        top: Slot,
+        chain: &[u64],
+        running: Option<RunningTop>,
+    ) -> Option<u64> {
         let l = self.l;
         let func = Self::u64(mem, top.frame.wrapping_sub(8)).ok()? & GCV_MASK;
         if Self::u8(mem, func.wrapping_add(l.func_ffid as u64)).ok()? == 0 {
@@ -524,7 +722,12 @@ impl Reader {
             }
             let ok = (|| {
                 let status = Self::u8(mem, co.wrapping_add(l.state_status as u64)).ok()?;
-                let base = Self::u64(mem, co.wrapping_add(l.state_base as u64)).ok()?;
+                // The state running Lua code now: its recorded base may be the one it
+                // started with (it called nothing yet); its frames start at the running one.
+                let base = match running.filter(|t| t.th == co) {
+                    Some(t) => t.base,
+                    None => Self::u64(mem, co.wrapping_add(l.state_base as u64)).ok()?,
+                };
                 let stack = Self::u64(mem, co.wrapping_add(l.state_stack as u64)).ok()?;
                 Some(status == 0 && base.wrapping_sub(8) > stack.wrapping_add(8))
             })();
@@ -563,7 +766,7 @@ impl Reader {
             } else {
                 LuaKind::Main
             };
-            let line = match self.framepc(mem, func, s.next) {
+            let line = match self.framepc(mem, func, s.next, s.pc) {
                 Some(pos) => self.line(mem, pt, pos) as i32,
                 None => -1,
             };
@@ -651,12 +854,20 @@ impl Reader {
 
     /// The bytecode position a Lua function `func` is at, from the frame above it (LuaJIT's
     /// `debug_framepc`, without the C-frame cases: see the module doc).
-    fn framepc(&self, mem: &mut dyn Memory, func: u64, next: Option<u64>) -> Option<u32> {
+    fn framepc(
+        &self,
+        mem: &mut dyn Memory,
+        func: u64,
+        next: Option<u64>,
+        pc: Option<u64>,
+    ) -> Option<u32> {
         let l = self.l;
         if Self::u8(mem, func.wrapping_add(l.func_ffid as u64)).ok()? != 0 {
             return None;
         }
-        let next = next?;
+        let Some(next) = next else {
+            return pc.and_then(|ins| self.pc_position(mem, func, ins));
+        };
         let ftsz = Self::u64(mem, next).ok()?;
         let ins = if ftsz & 3 == 0 {
             ftsz
@@ -666,6 +877,12 @@ impl Reader {
         } else {
             return None;
         };
+        self.pc_position(mem, func, ins)
+    }
+
+    /// The bytecode position of Lua function `func` whose next instruction is at `ins`.
+    fn pc_position(&self, mem: &mut dyn Memory, func: u64, ins: u64) -> Option<u32> {
+        let l = self.l;
         let pt = self.proto(mem, func).ok()?;
         let bc = pt.wrapping_add(l.proto_size as u64);
         let sizebc = Self::u32(mem, pt.wrapping_add(l.proto_sizebc as u64)).ok()?;
@@ -744,7 +961,7 @@ impl Reader {
             return None;
         }
         let pfunc = Self::u64(mem, pframe.wrapping_sub(8)).ok()? & GCV_MASK;
-        let pos = self.framepc(mem, pfunc, Some(frame))?;
+        let pos = self.framepc(mem, pfunc, Some(frame), None)?;
         let pt = self.proto(mem, pfunc).ok()?;
         if let Some(n) = self.names.get(&(pt, pos)) {
             return n.clone();
@@ -1075,6 +1292,15 @@ mod tests {
             std::slice::from_raw_parts((l as *const Layout).cast::<u8>(), size_of::<Layout>())
         };
         v[at..at + bytes.len()].copy_from_slice(bytes);
+        // The running code's layout, whose check word is the same one.
+        v[offset_of!(Header, jit_checked)..][..8].copy_from_slice(&0x1000u64.to_le_bytes());
+        let at = offset_of!(Header, jit);
+        let j = &h.jit;
+        // SAFETY: as above (`u32`s only).
+        let bytes = unsafe {
+            std::slice::from_raw_parts((j as *const JitLayout).cast::<u8>(), size_of::<JitLayout>())
+        };
+        v[at..at + bytes.len()].copy_from_slice(bytes);
         v
     }
 
@@ -1136,7 +1362,23 @@ mod tests {
         assert!(e.starts_with("its LuaJIT's layout is not the one"), "{e}");
         let r = Reader::open(&mut Words(publish::MATCHES), &h).unwrap();
         assert_eq!(r.l, publish::Layout::LUAJIT_GC64);
+        assert_eq!(r.jit, Some(JitLayout::LUAJIT_GC64));
         assert_eq!(r.mode(18), 0x0707);
+        // A header of an older fibertrace ends where the running code's layout begins: its
+        // stacks are read, a running fiber's Lua code is said not to be.
+        let least = std::mem::offset_of!(Header, jit_checked);
+        let mut old = h[..least].to_vec();
+        let size = std::mem::offset_of!(Header, header_size);
+        old[size..size + 4].copy_from_slice(&(least as u32).to_le_bytes());
+        let mut r = Reader::open(&mut Words(publish::MATCHES), &old).unwrap();
+        assert_eq!(r.jit, None);
+        let e = r.running_top(&mut Same(0), 0x1000, None).unwrap_err();
+        assert!(e.contains("an older fibertrace"), "{e}");
+        // Cut shorter still, it is malformed.
+        let e = Reader::open(&mut Words(publish::MATCHES), &old[..least - 8])
+            .err()
+            .unwrap();
+        assert!(e.contains("malformed"), "{e}");
         let mut wild = h;
         let at = std::mem::offset_of!(Header, layout);
         wild[at..at + 4].copy_from_slice(&100_000u32.to_le_bytes());
@@ -1178,6 +1420,7 @@ mod tests {
     fn garbage_memory_gives_an_error_or_levels_never_a_panic_or_a_hang() {
         let reader = || Reader {
             l: publish::Layout::LUAJIT_GC64,
+            jit: Some(JitLayout::LUAJIT_GC64),
             bc_mode: (0..104u32)
                 .map(|i| (i.wrapping_mul(2_654_435_761) >> 7) as u16)
                 .collect(),
@@ -1198,6 +1441,13 @@ mod tests {
                 seed.wrapping_mul(0x9E37_79B9_7F4A_7C15),
             ] {
                 let _ = r.stack(&mut Garbage(seed), root);
+                // What runs now, read from garbage and garbage registers.
+                let regs = Some((seed.wrapping_mul(0x51_7CC1), root ^ seed));
+                for interp in [None, regs] {
+                    if let Ok(Some(top)) = r.running_top(&mut Garbage(seed), root, interp) {
+                        let _ = r.stack_running(&mut Garbage(seed), root, Some(top));
+                    }
+                }
             }
         }
         for w in [
@@ -1213,6 +1463,9 @@ mod tests {
             let mut r = reader();
             for root in [0, 0x1000, u64::MAX] {
                 let _ = r.stack(&mut Same(w), root);
+                if let Ok(Some(top)) = r.running_top(&mut Same(w), root, Some((w, w))) {
+                    let _ = r.stack_running(&mut Same(w), root, Some(top));
+                }
             }
         }
         // Bounded: the readers above did not run away (each stack is cut at 2^17 frames or

@@ -21,6 +21,12 @@
 //! (it says why) — a LuaJIT of another layout gives no Lua frames, never wrong ones.
 //! A Lua 5.4 build publishes the header with its VM kind and no layout: its frames are not
 //! read from outside (the reader says so).
+//!
+//! After the layout, where LuaJIT keeps the state of the code running now ([`JitLayout`]:
+//! the VM state, the running state, a trace's entry base, the trace array), with a check word
+//! of its own: checked from a C function Lua calls (VM state "C", the running state the one
+//! called on, no trace) and against the registry's address. A header from before it ends
+//! where it begins; a reader then reads suspended stacks only.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -124,6 +130,51 @@ impl Layout {
     };
 }
 
+/// Where a reader finds what LuaJIT keeps of the code running now (byte offsets): the state's
+/// global state and stack end, the global state's VM state (a trace's number while compiled
+/// code runs), the state running now, the frame base a trace was entered with, the trace
+/// array (from the global state: LuaJIT's `jit_State` follows it) and its size, and a
+/// trace's start prototype, start instruction and number. With them a reader finds the Lua
+/// frames of a fiber caught running Lua code (see [`super::foreign`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct JitLayout {
+    pub state_glref: u32,
+    pub state_maxstack: u32,
+    pub g_vmstate: u32,
+    pub g_registrytv: u32,
+    pub g_cur_l: u32,
+    pub g_jit_base: u32,
+    pub g_traces: u32,
+    pub g_sizetrace: u32,
+    pub trace_startpt: u32,
+    pub trace_startpc: u32,
+    pub trace_traceno: u32,
+}
+
+impl JitLayout {
+    /// LuaJIT 2.1's (GC64, x86-64): `global_State` fields, and `jit_State`'s `trace` and
+    /// `sizetrace` from the global state (`GG_State`: the global state at 96, the JIT state at
+    /// 840). The check verifies all but the trace's, which a reader checks against the VM state
+    /// (the trace's number) and the frame it was entered with.
+    pub const LUAJIT_GC64: JitLayout = JitLayout {
+        state_glref: 16,
+        state_maxstack: 48,
+        g_vmstate: 184,
+        g_registrytv: 272,
+        g_cur_l: 376,
+        g_jit_base: 384,
+        g_traces: 840 - 96 + 384,
+        g_sizetrace: 840 - 96 + 396,
+        trace_startpt: 64,
+        trace_startpc: 72,
+        trace_traceno: 104,
+    };
+}
+
+/// The payload of a 64-bit reference (`LJ_GCVMASK`).
+pub(crate) const GCV_MASK: u64 = (1 << 47) - 1;
+
 /// The header a reader finds in `.fibertrace.lua`.
 #[repr(C)]
 #[derive(Debug)]
@@ -144,10 +195,16 @@ pub struct Header {
     pub bc_mode: &'static AtomicU64,
     /// The layout (meaningful for [`VM_LUAJIT_GC64`]).
     pub layout: Layout,
+    /// The outcome of the check of [`Header::jit`] (as `checked`; added after version 1's
+    /// first form: a reader finds it only in a header whose size covers it).
+    pub jit_checked: &'static AtomicU32,
+    /// Where the running code's state is ([`JitLayout`]).
+    pub jit: JitLayout,
 }
 
 static CHECKED: AtomicU32 = AtomicU32::new(UNCHECKED);
 static BC_MODE: AtomicU64 = AtomicU64::new(0);
+static JIT_CHECKED: AtomicU32 = AtomicU32::new(UNCHECKED);
 
 /// The header, in a section of its own (see the module doc).
 #[used]
@@ -165,6 +222,8 @@ pub static HEADER: Header = Header {
     checked: &CHECKED,
     bc_mode: &BC_MODE,
     layout: Layout::LUAJIT_GC64,
+    jit_checked: &JIT_CHECKED,
+    jit: JitLayout::LUAJIT_GC64,
 };
 
 /// The outcome of the check so far ([`UNCHECKED`], [`MATCHES`], [`MISMATCH`]).
@@ -191,6 +250,12 @@ pub unsafe fn check(l: *mut ffi::lua_State) -> Result<(), String> {
     match &r {
         Ok(bc) => {
             BC_MODE.store(*bc, Ordering::Relaxed);
+            // SAFETY: forwarded contract; the main layout matched (the state's own fields).
+            let jit = unsafe { imp::check_jit(l, &HEADER.jit) };
+            JIT_CHECKED.store(
+                if jit.is_ok() { MATCHES } else { MISMATCH },
+                Ordering::Release,
+            );
             CHECKED.store(MATCHES, Ordering::Release);
         }
         Err(_) => CHECKED.store(MISMATCH, Ordering::Release),
@@ -202,7 +267,7 @@ pub unsafe fn check(l: *mut ffi::lua_State) -> Result<(), String> {
 
 #[cfg(feature = "luajit")]
 mod imp {
-    use super::{ffi, Layout};
+    use super::{ffi, JitLayout, Layout};
 
     /// Entries of LuaJIT's mode table this code reads: up to `FUNCCW` (the last
     /// instruction; `Layout::op_funcc + 1`).
@@ -367,6 +432,90 @@ mod imp {
             done(Ok(bc as u64))
         }
     }
+
+    /// What the probe C function read of the global state: VM state, running state, trace
+    /// base, and the state it was called on.
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    struct Seen {
+        vmstate: i32,
+        cur_l: usize,
+        jit_base: usize,
+        called_on: usize,
+    }
+
+    thread_local! {
+        static SEEN: std::cell::Cell<Option<(JitLayout, Seen)>> =
+            const { std::cell::Cell::new(None) };
+    }
+
+    unsafe extern "C-unwind" fn probe_vm(l: *mut ffi::lua_State) -> std::ffi::c_int {
+        SEEN.with(|s| {
+            if let Some((lay, _)) = s.get() {
+                let o = |v: u32| v as usize;
+                // SAFETY: `l` is the running state; its global state's address was checked
+                // by `check_jit` before it called this (two states agree on it, and the
+                // registry is where the layout says), and the offsets read are inside it.
+                let seen = unsafe {
+                    let g: usize = rd(l as usize + o(lay.state_glref));
+                    Seen {
+                        vmstate: rd(g + o(lay.g_vmstate)),
+                        cur_l: rd(g + o(lay.g_cur_l)),
+                        jit_base: rd(g + o(lay.g_jit_base)),
+                        called_on: l as usize,
+                    }
+                };
+                s.set(Some((lay, seen)));
+            }
+        });
+        0
+    }
+
+    /// Checks `lay` against the VM `l` runs (whose main layout matched): the global state of
+    /// two states, its registry, and — from a C function that Lua calls — the VM state (C),
+    /// the running state (the one called on) and the trace base (none).
+    ///
+    /// # Safety
+    /// `l` is a valid state used only by this thread during the call.
+    pub(super) unsafe fn check_jit(l: *mut ffi::lua_State, lay: &JitLayout) -> Result<(), String> {
+        let o = |v: u32| v as usize;
+        // SAFETY: reads of the states the API handed out at the offset checked first (two
+        // states of one VM agree on their global state, a heap object of ~6 KiB that every
+        // offset read is inside of); the stack is restored before returning.
+        unsafe {
+            ffi::lua_checkstack(l, 4);
+            let top0 = ffi::lua_gettop(l);
+            let done = |r: Result<(), String>| {
+                ffi::lua_settop(l, top0);
+                r
+            };
+            let th = ffi::lua_newthread(l);
+            let g: usize = rd(l as usize + o(lay.state_glref));
+            let g2: usize = rd(th as usize + o(lay.state_glref));
+            if g == 0 || g != g2 || !g.is_multiple_of(8) {
+                return done(Err(format!("global state: {g:#x} and {g2:#x}")));
+            }
+            ffi::lua_pushvalue(l, ffi::LUA_REGISTRYINDEX);
+            let reg = ffi::lua_topointer(l, -1) as u64;
+            let tv: u64 = rd(g + o(lay.g_registrytv));
+            if tv & super::GCV_MASK != reg {
+                return done(Err(format!("registry: {tv:#x}, not {reg:#x}")));
+            }
+            SEEN.with(|s| s.set(Some((*lay, Seen::default()))));
+            ffi::lua_pushcfunction(th, probe_vm);
+            let rc = ffi::lua_pcall(th, 0, 0, 0);
+            let seen = SEEN.with(|s| s.take()).map(|(_, s)| s).unwrap_or_default();
+            let want = Seen {
+                vmstate: -2,
+                cur_l: th as usize,
+                jit_base: 0,
+                called_on: th as usize,
+            };
+            if rc != 0 || seen != want {
+                return done(Err(format!("running state: {seen:?}, not {want:?}")));
+            }
+            done(Ok(()))
+        }
+    }
 }
 
 #[cfg(not(feature = "luajit"))]
@@ -376,6 +525,15 @@ mod imp {
     /// # Safety
     /// Nothing is read.
     pub(super) unsafe fn check(_: *mut ffi::lua_State, _: &Layout) -> Result<u64, String> {
+        Err("Lua 5.4's frames are not published for other processes".into())
+    }
+
+    /// # Safety
+    /// Nothing is read.
+    pub(super) unsafe fn check_jit(
+        _: *mut ffi::lua_State,
+        _: &super::JitLayout,
+    ) -> Result<(), String> {
         Err("Lua 5.4's frames are not published for other processes".into())
     }
 }
@@ -433,9 +591,41 @@ mod tests {
             let e = unsafe { imp::check(l.state(), &lay) }.unwrap_err();
             assert!(e.starts_with(what), "{what}: {e}");
         }
+        // SAFETY: as above.
+        let jit = unsafe { imp::check_jit(l.state(), &JitLayout::LUAJIT_GC64) };
+        assert_eq!(jit, Ok(()));
+        let wrong = [
+            (
+                JitLayout {
+                    g_registrytv: 264,
+                    ..JitLayout::LUAJIT_GC64
+                },
+                "registry",
+            ),
+            (
+                JitLayout {
+                    g_cur_l: 368,
+                    ..JitLayout::LUAJIT_GC64
+                },
+                "running state",
+            ),
+            (
+                JitLayout {
+                    g_vmstate: 188,
+                    ..JitLayout::LUAJIT_GC64
+                },
+                "running state",
+            ),
+        ];
+        for (lay, what) in wrong {
+            // SAFETY: as above; the offsets stay inside the global state.
+            let e = unsafe { imp::check_jit(l.state(), &lay) }.unwrap_err();
+            assert!(e.starts_with(what), "{what}: {e}");
+        }
         // The published one, through the once-only entry.
         // SAFETY: as above.
         assert_eq!(unsafe { check(l.state()) }, Ok(()));
         assert_eq!(checked(), MATCHES);
+        assert_eq!(JIT_CHECKED.load(Ordering::Relaxed), MATCHES);
     }
 }

@@ -20,6 +20,16 @@ use crate::frames::foreign::Reader;
 /// Why a running fiber has no Lua frames from outside.
 const RUNS_LUA: &str = "it runs Lua code (LuaJIT's interpreter or a compiled trace), whose \
                         frames are read inside the process only (SIGQUIT, --stall-ms)";
+/// What a fiber caught in compiled Lua code is shown without.
+const COMPILED: &str = "it runs compiled Lua code (a trace): its innermost Lua level is the \
+                        function the trace runs in, and the native frames below the trace are \
+                        not walked (SIGQUIT or --stall-ms read them inside the process)";
+/// The DWARF numbers of the registers that hold LuaJIT's interpreter's frame base and PC
+/// (`vm_x64.dasc`: `BASE` is `rdx`, `PC` is `rbx`).
+#[cfg(target_arch = "x86_64")]
+const INTERP_BASE: u16 = 1;
+#[cfg(target_arch = "x86_64")]
+const INTERP_PC: u16 = 3;
 
 /// The Lua host's [`ForeignLayer`] (see the module doc).
 #[derive(Default)]
@@ -76,38 +86,95 @@ impl ForeignLayer for LuaLayer {
 
     /// A running fiber's Lua stack is current when its thread runs C code that Lua called
     /// (LuaJIT stores the state's frame base at every call out of Lua): then its levels are
-    /// read and merged as a suspended fiber's. Inside LuaJIT's interpreter, or in code outside
-    /// every image (compiled traces, and an FFI call made from one), the base is in a
-    /// register, not in the state: no Lua frames then, and the note says why (the process's
-    /// own dump, SIGQUIT, reads them at a safe point).
+    /// read and merged as a suspended fiber's. Inside LuaJIT's interpreter the base and PC
+    /// are the thread's registers (`rdx`, `rbx` on x86-64): the levels are read from them,
+    /// checked against the state's stack and the function's code first. In compiled code
+    /// (the VM state holds a trace's number) they are read from the base the trace was entered
+    /// with: the innermost level is the function the trace runs in (its line, the trace's
+    /// start; a function the trace inlined has no level), and the native frames below the
+    /// trace's code, which has no unwind record, are not walked (the note says so). When
+    /// neither can be read (a process that does not publish where its running code's state
+    /// is, or values that do not check out): no Lua frames, and the note says why (the
+    /// process's own dump, SIGQUIT, reads them at a safe point).
     fn running_frames(
         &mut self,
         s: &mut Session,
         word: u64,
         native: Vec<Frame>,
+        thread: i32,
     ) -> (Vec<Frame>, Option<String>) {
-        let Some(vm) = self.vm.as_ref() else {
+        let (Some(reader), Some(vm)) = (self.reader.as_mut(), self.vm.as_ref()) else {
             return (native, Some("its Lua frames are not read".into()));
         };
         let interp = vm.interpreter;
         let in_interp = |a: u64| interp.is_some_and(|(s, e)| a >= s && a < e);
-        for f in &native {
-            let Some(a) = f.lookup_address() else {
-                continue;
-            };
-            if in_interp(a) {
-                // The interpreter's own frame: was it running Lua code (innermost), or did
-                // it call the C code above (the state is current then)?
-                if std::ptr::eq(f, &native[0]) {
-                    return (native, Some(RUNS_LUA.into()));
+        let top_in_interp = native
+            .first()
+            .and_then(|f| f.lookup_address())
+            .is_some_and(in_interp);
+        let regs = top_in_interp
+            .then(|| {
+                Some((
+                    s.thread_register(thread, INTERP_BASE)?,
+                    s.thread_register(thread, INTERP_PC)?,
+                ))
+            })
+            .flatten();
+        match reader.running_top(s, word, regs) {
+            Ok(Some(top)) => {
+                let lua = match reader.stack_running(s, word, Some(top)) {
+                    Ok(lua) => lua,
+                    Err(why) => {
+                        return (
+                            native,
+                            Some(format!("its Lua frames could not be read: {why}")),
+                        )
+                    }
+                };
+                let gap = (lua.omitted > 0).then_some((lua.omitted_at, lua.omitted));
+                if !top.compiled {
+                    let mut out: SmallVec<[Frame; 192]> = SmallVec::new();
+                    super::merge_with_gap(&native, &lua.levels, gap, vm, false, &mut out);
+                    return (out.into_vec(), None);
                 }
-                break;
+                // Compiled code: the native frames down to the trace's (the first outside
+                // every image), then the Lua levels.
+                let cut = native
+                    .iter()
+                    .position(|f| f.lookup_address().is_some_and(|a| !s.knows_code(a)))
+                    .map_or(native.len(), |i| i + 1);
+                let mut out: Vec<Frame> = native[..cut].to_vec();
+                for (j, l) in lua.levels.iter().enumerate() {
+                    if let Some((at, n)) = gap {
+                        if at == j {
+                            out.push(Frame::Omitted(n));
+                        }
+                    }
+                    out.push(Frame::Lua(l.id));
+                }
+                (out, Some(COMPILED.into()))
             }
-            if !s.knows_code(a) {
-                return (native, Some(RUNS_LUA.into()));
+            Ok(None) => {
+                for f in &native {
+                    let Some(a) = f.lookup_address() else {
+                        continue;
+                    };
+                    if in_interp(a) {
+                        // The interpreter's own frame: was it running Lua code (innermost),
+                        // or did it call the C code above (the state is current then)?
+                        if std::ptr::eq(f, &native[0]) {
+                            return (native, Some(RUNS_LUA.into()));
+                        }
+                        break;
+                    }
+                    if !s.knows_code(a) {
+                        return (native, Some(RUNS_LUA.into()));
+                    }
+                }
+                self.frames(s, word, native)
             }
+            Err(why) => (native, Some(format!("{RUNS_LUA}: {why}"))),
         }
-        self.frames(s, word, native)
     }
 
     fn prefetch(&mut self, s: &mut Session, words: &[u64]) {
