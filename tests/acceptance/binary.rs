@@ -1012,7 +1012,8 @@ fn dump_pid_shows_the_running_fibers_stack_with_its_lua_frames() {
 
 /// `dump PID` of a fiber that spins in compiled Lua code (a trace): its Lua levels are read
 /// from the frame base the trace was entered with, the innermost at the trace's start (the
-/// loop's line), as the process's own SIGQUIT dump finds them at its next safe point.
+/// loop's line), as the process's own SIGQUIT dump finds them at its next safe point — from
+/// the held process, without stopping it (`--non-blocking`), and from its core file.
 #[test]
 fn dump_pid_of_a_fiber_in_compiled_lua_code_shows_the_function_the_trace_runs_in() {
     let dir = scratch("dump-trace");
@@ -1022,15 +1023,28 @@ fn dump_pid_of_a_fiber_in_compiled_lua_code_shows_the_function_the_trace_runs_in
     // Compiled by now (a loop is compiled after 56 rounds).
     std::thread::sleep(std::time::Duration::from_millis(300));
     let pid = child.id().to_string();
-    let mut outs: Vec<String> = (0..3)
-        .map(|_| stdout_of(&run_in(&std::env::temp_dir(), &["dump", &pid])))
+    let held = "it runs compiled Lua code (a trace): its innermost Lua level is";
+    let mut outs: Vec<(String, &str)> = (0..3)
+        .map(|_| {
+            let out = run_in(&std::env::temp_dir(), &["dump", &pid]);
+            (stdout_of(&out), held)
+        })
         .collect();
+    // Not stopped (--non-blocking): read from memory alone, the trace's base and the frames
+    // below it held still while they were read.
+    for _ in 0..2 {
+        let out = run_in(&std::env::temp_dir(), &["dump", &pid, "--non-blocking"]);
+        outs.push((
+            stdout_of(&out),
+            "it runs compiled Lua code (a trace), read while it runs: its innermost Lua level",
+        ));
+    }
     // Its core file too: the thread's registers are the core's.
     let core = gcore(&dir, &pid);
     let _ = child.kill();
     let _ = child.wait();
-    outs.push(dump_core(&core));
-    for text in outs {
+    outs.push((dump_core(&core), held));
+    for (text, note) in outs {
         let blocks = fiber_blocks(&text);
         let hog = &blocks["hog"];
         let frames = lua_frames(hog);
@@ -1046,10 +1060,7 @@ fn dump_pid_of_a_fiber_in_compiled_lua_code_shows_the_function_the_trace_runs_in
             in_work.contains(&frames) || in_hog.contains(&frames),
             "{hog}"
         );
-        assert!(
-            text.contains("it runs compiled Lua code (a trace): its innermost Lua level is"),
-            "{text}"
-        );
+        assert!(text.contains(note), "{text}");
         assert_eq!(
             lua_frames(&blocks["main"]),
             ["join in =[C]:-1", "main chunk in @app/s.lua:18"],

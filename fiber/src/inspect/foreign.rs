@@ -131,6 +131,16 @@ pub trait ForeignLayer {
             Some("it runs: its layer's frames (Lua) are not read from outside".into()),
         )
     }
+    /// The frames of a running fiber whose thread is not held (a non-blocking dump), when
+    /// the layer can read them from memory alone while its code runs and can tell they held
+    /// still meanwhile; `None` (the default): it cannot.
+    fn running_unheld(
+        &mut self,
+        _s: &mut Session,
+        _word: u64,
+    ) -> Option<(Vec<Frame>, Option<String>)> {
+        None
+    }
     /// What one of the layer's own frames (a [`Frame::Lua`]) stands for, for the views.
     fn resolve(&self, f: &Frame) -> Option<Resolved>;
     /// Reads ahead ([`Session::prefetch`]) what [`Self::frames`] will read for the fibers
@@ -679,7 +689,24 @@ fn read_fiber(
                     merge_layer(s, layer, w(layer_word), &mut f, Some(t));
                 }
                 None => {
-                    f.note = Some("running: its thread's stack above shows where".into());
+                    // Not held (a non-blocking dump): what the layer reads from memory alone.
+                    let unheld = match layer {
+                        LayerState::Open(lr)
+                            if s.mode() == Mode::NonBlocking && w(layer_word) != 0 =>
+                        {
+                            lr.running_unheld(s, w(layer_word))
+                        }
+                        _ => None,
+                    };
+                    match unheld {
+                        Some((frames, note)) => {
+                            f.frames = frames;
+                            f.note = note;
+                        }
+                        None => {
+                            f.note = Some("running: its thread's stack above shows where".into());
+                        }
+                    }
                 }
             }
         }

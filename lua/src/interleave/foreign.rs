@@ -24,6 +24,22 @@ const RUNS_LUA: &str = "it runs Lua code (LuaJIT's interpreter or a compiled tra
 const COMPILED: &str = "it runs compiled Lua code (a trace): its innermost Lua level is the \
                         function the trace runs in, and the native frames below the trace are \
                         not walked (SIGQUIT or --stall-ms read them inside the process)";
+/// What a fiber caught in compiled Lua code by a non-blocking dump is shown without.
+const COMPILED_UNHELD: &str = "it runs compiled Lua code (a trace), read while it runs: its \
+                               innermost Lua level is the function the trace runs in; its \
+                               native frames are not read";
+
+/// Appends `lua`'s levels to `out` as frames, with its gap where levels were left out.
+fn push_levels(lua: &crate::frames::LuaStack, out: &mut Vec<Frame>) {
+    let gap = (lua.omitted > 0).then_some((lua.omitted_at, lua.omitted));
+    for (j, l) in lua.levels.iter().enumerate() {
+        if gap.is_some_and(|(at, _)| at == j) {
+            out.push(Frame::Omitted(lua.omitted));
+        }
+        out.push(Frame::Lua(l.id));
+    }
+}
+
 /// The DWARF numbers of the registers that hold LuaJIT's interpreter's frame base and PC
 /// (`vm_x64.dasc`: `BASE` is `rdx`, `PC` is `rbx`).
 #[cfg(target_arch = "x86_64")]
@@ -144,14 +160,7 @@ impl ForeignLayer for LuaLayer {
                     .position(|f| f.lookup_address().is_some_and(|a| !s.knows_code(a)))
                     .map_or(native.len(), |i| i + 1);
                 let mut out: Vec<Frame> = native[..cut].to_vec();
-                for (j, l) in lua.levels.iter().enumerate() {
-                    if let Some((at, n)) = gap {
-                        if at == j {
-                            out.push(Frame::Omitted(n));
-                        }
-                    }
-                    out.push(Frame::Lua(l.id));
-                }
+                push_levels(&lua, &mut out);
                 (out, Some(COMPILED.into()))
             }
             Ok(None) => {
@@ -175,6 +184,35 @@ impl ForeignLayer for LuaLayer {
             }
             Err(why) => (native, Some(format!("{RUNS_LUA}: {why}"))),
         }
+    }
+
+    /// A fiber whose thread is not held (a non-blocking dump) is read only while it runs a
+    /// compiled trace: the trace's entry base and the frames below it stay put while the
+    /// trace runs, and they are read again after its levels to check it is still the same
+    /// trace at the same base (three tries). In the interpreter, or in C code, its base and
+    /// frames change as it runs: not read.
+    fn running_unheld(
+        &mut self,
+        s: &mut Session,
+        word: u64,
+    ) -> Option<(Vec<Frame>, Option<String>)> {
+        let reader = self.reader.as_mut()?;
+        for _ in 0..3 {
+            let top = reader.running_top(s, word, None).ok()??;
+            if !top.compiled {
+                return None;
+            }
+            let Ok(lua) = reader.stack_running(s, word, Some(top)) else {
+                continue;
+            };
+            if reader.running_top(s, word, None).ok()? != Some(top) {
+                continue;
+            }
+            let mut out = Vec::new();
+            push_levels(&lua, &mut out);
+            return Some((out, Some(COMPILED_UNHELD.into())));
+        }
+        None
     }
 
     fn prefetch(&mut self, s: &mut Session, words: &[u64]) {
