@@ -90,6 +90,8 @@ const NAME_BUDGET: usize = 64 << 10;
 const MAX_TOTAL_TIME: std::time::Duration = std::time::Duration::from_secs(10);
 /// LuaJIT's `LUA_IDSIZE` (the printable source's room, with its NUL).
 const IDSIZE: usize = 60;
+/// LuaJIT's VM state while its collector runs (`~LJ_VMST_GC`).
+const VMST_GC: i32 = !2;
 /// The type tags of a thread and a function in a 64-bit `TValue` (`~6`, `~8`).
 const T_THREAD: u32 = !6;
 const T_FUNC: u32 = !8;
@@ -606,7 +608,7 @@ impl Reader {
     /// trace's number): the state running (the VM's current one), and its frame base — the
     /// interpreter's register, or the base the trace was entered with — with the PC of the
     /// function there (the interpreter's; a trace's start when the trace starts in that
-    /// function, else not known). `Ok(None)`: neither (the state's recorded base is current,
+    /// function, else not known — as while the collector runs a step the trace called). `Ok(None)`: neither (the state's recorded base is current,
     /// it called out of Lua). `Err`: the VM says Lua code runs but what it holds does not
     /// check out (a base outside the state's stack or below no Lua function, a PC outside
     /// that function's code): never a guess.
@@ -626,15 +628,18 @@ impl Reader {
         let g = Self::u64(mem, root.wrapping_add(j.state_glref as u64))?;
         let vmstate = Self::u32(mem, g.wrapping_add(j.g_vmstate as u64))? as i32;
         let cur = Self::u64(mem, g.wrapping_add(j.g_cur_l as u64))? & GCV_MASK;
-        if vmstate > 0 {
-            let base = Self::u64(mem, g.wrapping_add(j.g_jit_base as u64))?;
+        // A trace runs (the VM state is its number), or the collector runs a step a trace
+        // called (`lj_gc_step_jit`: the VM state is "GC", the trace's base still recorded).
+        let jit_base = Self::u64(mem, g.wrapping_add(j.g_jit_base as u64))?;
+        if vmstate > 0 || (vmstate == VMST_GC && jit_base != 0) {
+            let base = jit_base;
             let func = self.lua_function_at(mem, cur, base)?;
             // The trace's start, when the trace is the one the VM state names and it starts
             // in the function at the base it was entered with.
             let pc = (|| -> Option<u64> {
                 let traces = Self::u64(mem, g.wrapping_add(j.g_traces as u64)).ok()?;
                 let size = Self::u32(mem, g.wrapping_add(j.g_sizetrace as u64)).ok()?;
-                if vmstate as u32 >= size {
+                if vmstate <= 0 || vmstate as u32 >= size {
                     return None;
                 }
                 let t = Self::u64(mem, traces.wrapping_add(8 * vmstate as u64)).ok()? & GCV_MASK;
