@@ -33,21 +33,55 @@ fn on_own_thread<T: Send + 'static>(
     })
 }
 
+/// When a busy loop ends: at a wall-clock instant, or once its thread has used so much CPU
+/// time (a loaded machine gives a thread less CPU than wall time).
+#[derive(Clone, Copy)]
+enum Until {
+    Wall(Instant),
+    Cpu(Duration),
+}
+
+impl From<Instant> for Until {
+    fn from(i: Instant) -> Until {
+        Until::Wall(i)
+    }
+}
+
+/// This thread's CPU time.
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
 #[inline(never)]
-fn busy_3(until: Instant) -> u64 {
+fn busy_3(until: Until) -> u64 {
     let mut n = 0u64;
-    while Instant::now() < until {
+    let cpu0 = thread_cpu();
+    // (A bound on the wall time whatever the CPU: a thread that gets none still ends.)
+    let cap = Instant::now() + Duration::from_secs(30);
+    loop {
+        let done = match until {
+            Until::Wall(t) => Instant::now() >= t,
+            Until::Cpu(d) => thread_cpu() - cpu0 >= d || Instant::now() >= cap,
+        };
+        if done {
+            return n;
+        }
         n = black_box(n.wrapping_add(1));
     }
-    n
 }
 #[inline(never)]
-fn busy_2(until: Instant) -> u64 {
+fn busy_2(until: Until) -> u64 {
     black_box(busy_3(until))
 }
 #[inline(never)]
-fn busy_1(until: Instant) -> u64 {
-    black_box(busy_2(until))
+fn busy_1(until: impl Into<Until>) -> u64 {
+    black_box(busy_2(until.into()))
 }
 
 #[test]
@@ -69,7 +103,9 @@ fn a_busy_fiber_is_reported_within_one_and_a_half_thresholds_and_again_at_twice(
                     .spawn(move || {
                         let now = Instant::now();
                         *s2.lock().unwrap() = Some(now);
-                        busy_1(now + Duration::from_millis(450))
+                        // 450 ms of its CPU (reports come at 100 and 200 ms of it): under
+                        // load, 450 ms of wall time gave it less than 200 ms once in CI.
+                        busy_1(Until::Cpu(Duration::from_millis(450)))
                     })
                     .join()
                     .unwrap()

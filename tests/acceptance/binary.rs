@@ -959,10 +959,17 @@ fn dump_pid_shows_the_running_fibers_stack_with_its_lua_frames() {
                 ],
                 "{main}"
             );
-            // The C function Lua called, right above its level.
-            let native: Vec<&str> = main.lines().filter(|l| l.contains(" in lj_cf_")).collect();
-            assert_eq!(native.len(), 1, "{main}");
-            assert!(native[0].contains(" in lj_cf_os_execute+"), "{main}");
+            // The C function Lua called (the host's `os.execute`, which lets a SIGQUIT dump
+            // through), right above its level.
+            let lines: Vec<&str> = main.lines().collect();
+            let at = lines
+                .iter()
+                .position(|l| l.ends_with(" execute in =[C]:-1"))
+                .unwrap_or_else(|| panic!("{main}"));
+            assert!(
+                lines[at - 1].contains(" fibertrace_lua::host::execute::"),
+                "{main}"
+            );
             assert!(!text.contains("(it runs Lua code"), "{text}");
             // The thread's own stack crosses from the fiber's stack to the scheduler's at
             // corosensei's trampoline, straight into `switch_and_link`: its CFA (an expression
@@ -1067,4 +1074,60 @@ fn dump_pid_of_a_fiber_in_compiled_lua_code_shows_the_function_the_trace_runs_in
             "{text}"
         );
     }
+}
+
+/// SIGQUIT while a fiber waits in `os.execute` dumps the fibers, the waiting one with its
+/// thread's frames, and the command and the script go on: the C library's `system()`
+/// ignores SIGQUIT in the caller until the command ends, and the dump was lost.
+#[test]
+fn sigquit_while_a_fiber_waits_in_os_execute_dumps_it_and_the_command_goes_on() {
+    let dir = scratch("execute-quit");
+    std::fs::write(
+        dir.join("x.lua"),
+        "local function wait()\n\
+         io.stdout:write('ready\\n') io.stdout:flush()\n\
+         return os.execute('sleep 2')\n\
+         end\n\
+         local r = wait()\n\
+         io.stderr:write('returned ', tostring(r), '\\n')\n",
+    )
+    .unwrap();
+    let mut cmd = fibertrace_acceptance::command_in(&dir, &["run", "x.lua"]);
+    cmd.stderr(std::process::Stdio::piped());
+    let child = fibertrace_acceptance::spawn_until(cmd, "ready\n");
+    // Into the command.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    // SAFETY: signals the child this test started.
+    unsafe { libc::kill(child.id() as i32, libc::SIGQUIT) };
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let main = err
+        .split("\n\n")
+        .find(|b| b.contains("fiber 1 \"main\" [running]:"))
+        .unwrap_or_else(|| panic!("no dump: {err}"));
+    // Its thread's frames, down from the wait for the command, through the host's
+    // `os.execute`, into the interpreter that called it. (Its Lua frames are read by the
+    // scheduler's thread, which is in the command: the dump says they are not shown.)
+    let names: Vec<&str> = main
+        .lines()
+        .filter_map(|l| l.strip_prefix('#'))
+        .filter_map(|l| l.split(" in ").nth(1))
+        .filter_map(|l| l.split('+').next())
+        .collect();
+    let body = names
+        .iter()
+        .position(|n| *n == "fibertrace_lua::host::execute::execute_body")
+        .unwrap_or_else(|| panic!("{main}"));
+    assert!(
+        names[..body].contains(&"fibertrace_lua::host::execute::spawn_and_wait"),
+        "{main}"
+    );
+    assert_eq!(names.get(body + 1).copied(), Some("lj_BC_FUNCC"), "{main}");
+    assert!(
+        err.contains("(frames of the layer above the runtime (Lua) not shown: the scheduler's thread did not come back to its run loop within 200 ms"),
+        "{err}"
+    );
+    // The command ran to its end: the script had its status.
+    assert!(err.ends_with("returned 0\n"), "{err}");
 }

@@ -124,6 +124,14 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
             ],
         );
         set_field(l, loaded, c"fibertrace");
+        // `os.execute` that lets a SIGQUIT dump through (see `execute`), where `os` is.
+        ffi::lua_getfield(l, loaded, c"os".as_ptr());
+        if ffi::lua_type(l, -1) == ffi::LUA_TTABLE {
+            let os = ffi::lua_gettop(l);
+            ffi::lua_pushcfunction(l, super::execute::f_execute);
+            set_field(l, os, c"execute");
+        }
+        ffi::lua_pop(l, 1);
 
         // The Lua part (see `prelude`): (fiber, clock, hidden) -> make_error, info metatable.
         ffi::lua_pushvalue(l, fiber_t);

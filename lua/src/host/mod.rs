@@ -45,6 +45,7 @@ mod clock;
 mod cond;
 #[cfg(feature = "luajit")]
 mod cstack;
+mod execute;
 mod export;
 mod fiber_fns;
 mod finalize;
