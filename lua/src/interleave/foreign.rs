@@ -163,7 +163,14 @@ impl ForeignLayer for LuaLayer {
                 push_levels(&lua, &mut out);
                 (out, Some(COMPILED.into()))
             }
-            Ok(None) => {
+            // Not in Lua code as the VM tells (or it cannot tell: an older process, values
+            // that do not check out): C code that Lua called has its state current.
+            top => {
+                let why = top.err();
+                let runs_lua = || match &why {
+                    Some(why) => format!("{RUNS_LUA}: {why}"),
+                    None => RUNS_LUA.to_string(),
+                };
                 for f in &native {
                     let Some(a) = f.lookup_address() else {
                         continue;
@@ -172,17 +179,16 @@ impl ForeignLayer for LuaLayer {
                         // The interpreter's own frame: was it running Lua code (innermost),
                         // or did it call the C code above (the state is current then)?
                         if std::ptr::eq(f, &native[0]) {
-                            return (native, Some(RUNS_LUA.into()));
+                            return (native, Some(runs_lua()));
                         }
                         break;
                     }
                     if !s.knows_code(a) {
-                        return (native, Some(RUNS_LUA.into()));
+                        return (native, Some(runs_lua()));
                     }
                 }
                 self.frames(s, word, native)
             }
-            Err(why) => (native, Some(format!("{RUNS_LUA}: {why}"))),
         }
     }
 
