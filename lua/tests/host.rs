@@ -1423,6 +1423,7 @@ extern "C" fn quiet(_: libc::c_int) {}
 /// the process's handler while the command runs) when it does: the same results both ways.
 #[test]
 fn os_execute_gives_each_flavours_results_whether_or_not_sigquit_is_handled() {
+    let _one = SIGNALS.lock().unwrap_or_else(|p| p.into_inner());
     let src = r#"
         results = {}
         local function add(...)
@@ -1481,4 +1482,107 @@ fn os_execute_gives_each_flavours_results_whether_or_not_sigquit_is_handled() {
     assert_eq!(global_seq::<String>(&host, "results"), want);
     // SAFETY: the default action back.
     unsafe { libc::signal(libc::SIGQUIT, libc::SIG_DFL) };
+}
+
+/// The tests that change this process's signal dispositions, one at a time.
+static SIGNALS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The SIGINT disposition now (its handler's address, or `SIG_IGN`/`SIG_DFL`).
+fn sigint_action() -> libc::sighandler_t {
+    // SAFETY: reads the disposition into a zeroed structure (a null new action changes nothing).
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        assert_eq!(libc::sigaction(libc::SIGINT, std::ptr::null(), &mut old), 0);
+        old.sa_sigaction
+    }
+}
+
+/// Two hosts on two threads run a command each at the same moment (each command waits for the
+/// other's mark, so neither ends unless both run at once), with SIGQUIT handled (the host's
+/// own spawn): each gets its own command's status, SIGINT is ignored while either runs, and
+/// the disposition the first one found is back once both have ended, whichever ends first.
+#[test]
+fn two_hosts_running_os_execute_at_once_each_get_their_status_and_sigint_comes_back() {
+    let _one = SIGNALS.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = Scratch::new("execute-two");
+    // SAFETY: installs handlers that do nothing for SIGQUIT and SIGINT in this test process
+    // (no test sends them); the structures are plain data, initialized before the calls.
+    unsafe {
+        let mut act: libc::sigaction = std::mem::zeroed();
+        act.sa_sigaction = quiet as extern "C" fn(libc::c_int) as usize;
+        libc::sigemptyset(&mut act.sa_mask);
+        assert_eq!(
+            libc::sigaction(libc::SIGQUIT, &act, std::ptr::null_mut()),
+            0
+        );
+        assert_eq!(libc::sigaction(libc::SIGINT, &act, std::ptr::null_mut()), 0);
+    }
+    let handler = quiet as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    assert_eq!(sigint_action(), handler);
+    // Each command marks its start, waits (5 s at most) for the other's mark, then for a
+    // last mark this test makes once it has seen SIGINT ignored, and exits with its code.
+    let d = dir.path().display().to_string();
+    let cmd = |me: &str, other: &str, code: u8, hold: &str| {
+        format!(
+            "touch {d}/{me}; i=0; while [ ! -e {d}/{other} ] || [ ! -e {d}/{hold} ]; do \
+             i=$((i+1)); [ $i -gt 500 ] && exit 99; sleep 0.01; done; exit {code}"
+        )
+    };
+    let threads: Vec<_> = [("a", "b", 3u8, "go_a"), ("b", "a", 4, "go_b")]
+        .into_iter()
+        .map(|(me, other, code, hold)| {
+            let src = format!(
+                "local a, b, c = os.execute({:?})\n\
+                 status = table.concat({{tostring(a), tostring(b), tostring(c)}}, ',')",
+                cmd(me, other, code, hold)
+            );
+            std::thread::spawn(move || {
+                let host = run(&src);
+                host.lua().globals().get::<String>("status").unwrap()
+            })
+        })
+        .collect();
+    // Both commands run: SIGINT is ignored in this process now.
+    let t0 = std::time::Instant::now();
+    while !(dir.path().join("a").exists() && dir.path().join("b").exists()) {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(5),
+            "both commands started"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(
+        sigint_action(),
+        libc::SIG_IGN,
+        "SIGINT ignored while commands run"
+    );
+    // The first ends; the other still runs, and SIGINT stays ignored.
+    std::fs::write(dir.path().join("go_a"), "").unwrap();
+    let mut it = threads.into_iter();
+    let a = it.next().unwrap().join().unwrap();
+    assert_eq!(
+        sigint_action(),
+        libc::SIG_IGN,
+        "still ignored while one runs"
+    );
+    std::fs::write(dir.path().join("go_b"), "").unwrap();
+    let b = it.next().unwrap().join().unwrap();
+    let want = |code: i32| {
+        if LUAJIT {
+            format!("{},nil,nil", code << 8)
+        } else {
+            format!("nil,exit,{code}")
+        }
+    };
+    assert_eq!((a, b), (want(3), want(4)));
+    assert_eq!(
+        sigint_action(),
+        handler,
+        "the disposition found first is back"
+    );
+    // SAFETY: the default actions back.
+    unsafe {
+        libc::signal(libc::SIGQUIT, libc::SIG_DFL);
+        libc::signal(libc::SIGINT, libc::SIG_DFL);
+    }
 }

@@ -1068,6 +1068,9 @@ fn dump_pid_of_a_fiber_in_compiled_lua_code_shows_the_function_the_trace_runs_in
             "{hog}"
         );
         assert!(text.contains(note), "{text}");
+        // The walk of its thread stops in the trace's code, which the trace's note says:
+        // not said twice (the walk's own "walk stopped: ..." before it).
+        assert!(!hog.contains("walk stopped"), "{hog}");
         assert_eq!(
             lua_frames(&blocks["main"]),
             ["join in =[C]:-1", "main chunk in @app/s.lua:18"],

@@ -117,18 +117,26 @@ pub trait ForeignLayer {
     /// The running fiber's frames with the layer's merged in, from its native frames (its
     /// thread's, innermost first, down to its entry), when they can be read from outside:
     /// the layer says when its state is not current while its code runs (a Lua
-    /// interpreter's, whose registers it may read from `thread`). By default, its native
-    /// frames with a note that the layer's are not read.
+    /// interpreter's, whose registers it may read from `thread`). `walk_note` is what the
+    /// walk of the thread's frames said (why it stopped where it did): the note returned
+    /// replaces it, so the layer keeps it, joins its own to it ([`join_notes`]), or leaves it
+    /// out where its own says the same (the frames its code has no unwind record for). By
+    /// default, its native frames with the walk's note and a note that the layer's frames
+    /// are not read.
     fn running_frames(
         &mut self,
         _s: &mut Session,
         _word: u64,
         native: Vec<Frame>,
         _thread: i32,
+        walk_note: Option<String>,
     ) -> (Vec<Frame>, Option<String>) {
         (
             native,
-            Some("it runs: its layer's frames (Lua) are not read from outside".into()),
+            join_notes(
+                walk_note,
+                Some("it runs: its layer's frames (Lua) are not read from outside".into()),
+            ),
         )
     }
     /// The frames of a running fiber whose thread is not held (a non-blocking dump), when
@@ -565,7 +573,11 @@ fn merge_layer(
         LayerState::Open(lr) => {
             let native = std::mem::take(&mut f.frames);
             let (merged, why) = match running {
-                Some(thread) => lr.running_frames(s, word, native, thread),
+                Some(thread) => {
+                    // The layer's note replaces the walk's (see `running_frames`).
+                    let walk_note = f.note.take();
+                    lr.running_frames(s, word, native, thread, walk_note)
+                }
                 None => lr.frames(s, word, native),
             };
             f.frames = merged;
@@ -578,10 +590,15 @@ fn merge_layer(
                 .into(),
         ),
     };
-    f.note = match (f.note.take(), why) {
+    f.note = join_notes(f.note.take(), why);
+}
+
+/// Two notes about one fiber as one (`a; b`), or the one there is.
+pub fn join_notes(a: Option<String>, b: Option<String>) -> Option<String> {
+    match (a, b) {
         (Some(a), Some(b)) => Some(format!("{a}; {b}")),
         (a, b) => a.or(b),
-    };
+    }
 }
 
 /// Control blocks read ahead at once.

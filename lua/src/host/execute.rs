@@ -105,6 +105,10 @@ fn system(cmd: Option<&CStr>) -> c_int {
 static RUNNING: std::sync::Mutex<(usize, Option<libc::sigaction>)> =
     std::sync::Mutex::new((0, None));
 
+// The C library's environment of this process (POSIX `environ`): the spawned shell gets it,
+// as `system()`'s does. Read only as the spawn's argument, never through Rust's `std::env`
+// (whose writers take a lock the C library does not know of: a `set_var` on another thread
+// during a spawn is the same race `system()` has).
 unsafe extern "C" {
     static environ: *const *mut c_char;
 }

@@ -11,7 +11,7 @@
 use fibertrace_core::remote::Session;
 use fibertrace_core::symbolize::{Resolved, Symbol};
 use fibertrace_core::Frame;
-use fibertrace_fiber::inspect::foreign::ForeignLayer;
+use fibertrace_fiber::inspect::foreign::{join_notes, ForeignLayer};
 use smallvec::SmallVec;
 
 use super::classify::VmMap;
@@ -58,6 +58,90 @@ impl LuaLayer {
     /// A layer that has not looked at any process yet.
     pub fn new() -> LuaLayer {
         LuaLayer::default()
+    }
+
+    /// [`ForeignLayer::running_frames`]'s frames and note, and whether the note says why
+    /// the walk of the thread's frames stopped (it stopped in a trace's code).
+    fn running_frames_of(
+        &mut self,
+        s: &mut Session,
+        word: u64,
+        native: Vec<Frame>,
+        thread: i32,
+    ) -> (Vec<Frame>, Option<String>, bool) {
+        let (Some(reader), Some(vm)) = (self.reader.as_mut(), self.vm.as_ref()) else {
+            return (native, Some("its Lua frames are not read".into()), false);
+        };
+        let interp = vm.interpreter;
+        let in_interp = |a: u64| interp.is_some_and(|(s, e)| a >= s && a < e);
+        let top_in_interp = native
+            .first()
+            .and_then(|f| f.lookup_address())
+            .is_some_and(in_interp);
+        let regs = top_in_interp
+            .then(|| {
+                Some((
+                    s.thread_register(thread, INTERP_BASE)?,
+                    s.thread_register(thread, INTERP_PC)?,
+                ))
+            })
+            .flatten();
+        match reader.running_top(s, word, regs) {
+            Ok(Some(top)) => {
+                let lua = match reader.stack_running(s, word, Some(top)) {
+                    Ok(lua) => lua,
+                    Err(why) => {
+                        return (
+                            native,
+                            Some(format!("its Lua frames could not be read: {why}")),
+                            false,
+                        )
+                    }
+                };
+                let gap = (lua.omitted > 0).then_some((lua.omitted_at, lua.omitted));
+                if !top.compiled {
+                    let mut out: SmallVec<[Frame; 192]> = SmallVec::new();
+                    super::merge_with_gap(&native, &lua.levels, gap, vm, false, &mut out);
+                    return (out.into_vec(), None, false);
+                }
+                // Compiled code: the native frames down to the trace's (the first outside
+                // every image), then the Lua levels.
+                let cut = native
+                    .iter()
+                    .position(|f| f.lookup_address().is_some_and(|a| !s.knows_code(a)))
+                    .map_or(native.len(), |i| i + 1);
+                let mut out: Vec<Frame> = native[..cut].to_vec();
+                push_levels(&lua, &mut out);
+                (out, Some(COMPILED.into()), true)
+            }
+            // Not in Lua code as the VM tells (or it cannot tell: an older process, values
+            // that do not check out): C code that Lua called has its state current.
+            top => {
+                let why = top.err();
+                let runs_lua = || match &why {
+                    Some(why) => format!("{RUNS_LUA}: {why}"),
+                    None => RUNS_LUA.to_string(),
+                };
+                for f in &native {
+                    let Some(a) = f.lookup_address() else {
+                        continue;
+                    };
+                    if in_interp(a) {
+                        // The interpreter's own frame: was it running Lua code (innermost),
+                        // or did it call the C code above (the state is current then)?
+                        if std::ptr::eq(f, &native[0]) {
+                            return (native, Some(runs_lua()), false);
+                        }
+                        break;
+                    }
+                    if !s.knows_code(a) {
+                        return (native, Some(runs_lua()), false);
+                    }
+                }
+                let (frames, note) = self.frames(s, word, native);
+                (frames, note, false)
+            }
+        }
     }
 }
 
@@ -111,85 +195,20 @@ impl ForeignLayer for LuaLayer {
     /// trace's code, which has no unwind record, are not walked (the note says so). When
     /// neither can be read (a process that does not publish where its running code's state
     /// is, or values that do not check out): no Lua frames, and the note says why (the
-    /// process's own dump, SIGQUIT, reads them at a safe point).
+    /// process's own dump, SIGQUIT, reads them at a safe point). The walk's note stays,
+    /// except in compiled code: the walk stops in the trace's code (it has no unwind record),
+    /// which the trace's note says.
     fn running_frames(
         &mut self,
         s: &mut Session,
         word: u64,
         native: Vec<Frame>,
         thread: i32,
+        walk_note: Option<String>,
     ) -> (Vec<Frame>, Option<String>) {
-        let (Some(reader), Some(vm)) = (self.reader.as_mut(), self.vm.as_ref()) else {
-            return (native, Some("its Lua frames are not read".into()));
-        };
-        let interp = vm.interpreter;
-        let in_interp = |a: u64| interp.is_some_and(|(s, e)| a >= s && a < e);
-        let top_in_interp = native
-            .first()
-            .and_then(|f| f.lookup_address())
-            .is_some_and(in_interp);
-        let regs = top_in_interp
-            .then(|| {
-                Some((
-                    s.thread_register(thread, INTERP_BASE)?,
-                    s.thread_register(thread, INTERP_PC)?,
-                ))
-            })
-            .flatten();
-        match reader.running_top(s, word, regs) {
-            Ok(Some(top)) => {
-                let lua = match reader.stack_running(s, word, Some(top)) {
-                    Ok(lua) => lua,
-                    Err(why) => {
-                        return (
-                            native,
-                            Some(format!("its Lua frames could not be read: {why}")),
-                        )
-                    }
-                };
-                let gap = (lua.omitted > 0).then_some((lua.omitted_at, lua.omitted));
-                if !top.compiled {
-                    let mut out: SmallVec<[Frame; 192]> = SmallVec::new();
-                    super::merge_with_gap(&native, &lua.levels, gap, vm, false, &mut out);
-                    return (out.into_vec(), None);
-                }
-                // Compiled code: the native frames down to the trace's (the first outside
-                // every image), then the Lua levels.
-                let cut = native
-                    .iter()
-                    .position(|f| f.lookup_address().is_some_and(|a| !s.knows_code(a)))
-                    .map_or(native.len(), |i| i + 1);
-                let mut out: Vec<Frame> = native[..cut].to_vec();
-                push_levels(&lua, &mut out);
-                (out, Some(COMPILED.into()))
-            }
-            // Not in Lua code as the VM tells (or it cannot tell: an older process, values
-            // that do not check out): C code that Lua called has its state current.
-            top => {
-                let why = top.err();
-                let runs_lua = || match &why {
-                    Some(why) => format!("{RUNS_LUA}: {why}"),
-                    None => RUNS_LUA.to_string(),
-                };
-                for f in &native {
-                    let Some(a) = f.lookup_address() else {
-                        continue;
-                    };
-                    if in_interp(a) {
-                        // The interpreter's own frame: was it running Lua code (innermost),
-                        // or did it call the C code above (the state is current then)?
-                        if std::ptr::eq(f, &native[0]) {
-                            return (native, Some(runs_lua()));
-                        }
-                        break;
-                    }
-                    if !s.knows_code(a) {
-                        return (native, Some(runs_lua()));
-                    }
-                }
-                self.frames(s, word, native)
-            }
-        }
+        let (frames, note, walk_explained) = self.running_frames_of(s, word, native, thread);
+        let walk_note = if walk_explained { None } else { walk_note };
+        (frames, join_notes(walk_note, note))
     }
 
     /// A fiber whose thread is not held (a non-blocking dump) is read only while it runs a
