@@ -52,7 +52,7 @@ pub mod embed;
 
 pub use frames::TRAMPOLINE;
 pub use inspect::{dump, export, glue, http, info, sample, watchdog};
-pub use inspect::{FiberInfo, FrameInfo, FrameSource, InfoOptions, Snapshot};
+pub use inspect::{FiberInfo, FrameInfo, FrameSource, HeldSource, InfoOptions, Snapshot};
 pub use sched::{
     cancellation_caught, current, current_id, end_run_after_turn, is_cancelled, sleep, spawn,
     suspend, testcancel, try_spawn, yield_now, yield_to, yield_to_id, BlockOnError, Builder, Fiber,

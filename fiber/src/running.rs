@@ -72,6 +72,13 @@ pub(crate) struct SampleSlot {
     pub out: UnsafeCell<Backtrace>,
     pub cache: UnsafeCell<Option<Box<DwarfCache>>>,
     pub lock: Mutex<()>,
+    /// The next sample holds the thread in the handler afterwards (see `sample::hold`).
+    pub hold_wanted: AtomicBool,
+    /// The handler holds the thread now (set before the sample is published, cleared when
+    /// it lets the thread go: released, or its time was up).
+    pub holding: AtomicBool,
+    /// Set by the holder to let the thread go.
+    pub release: AtomicBool,
 }
 
 // SAFETY: `sample.out` is written only by the handler while `sample.requested` is set, and
@@ -105,6 +112,9 @@ impl OnThread {
                 out: UnsafeCell::new(Backtrace::new()),
                 cache: UnsafeCell::new(None),
                 lock: Mutex::new(()),
+                hold_wanted: AtomicBool::new(false),
+                holding: AtomicBool::new(false),
+                release: AtomicBool::new(false),
             },
         }
     }

@@ -368,6 +368,184 @@ fn a_dump_from_another_thread_says_when_a_spinning_scheduler_cannot_build_its_pa
     assert!(took < Duration::from_secs(3), "the dump took {took:?}");
 }
 
+/// Rounds of the spinning fiber of [`held_scheduler`]: still while its thread is held.
+static SPINS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A layer that reads its frames with the scheduler's thread held: each fiber gets a marker
+/// frame named after its layer word on top of its native ones, and every call checks the
+/// spinning fiber did not move since the read began (its thread is held).
+#[derive(Default)]
+struct HeldMarker {
+    /// The spin count when the read began.
+    at: std::sync::atomic::AtomicU64,
+    /// Calls that found the spinning fiber moved, and calls in all.
+    moved: std::sync::atomic::AtomicU64,
+    calls: std::sync::atomic::AtomicU64,
+    /// The running fiber's calls.
+    running: std::sync::atomic::AtomicU64,
+}
+
+impl HeldMarker {
+    fn check(&self) {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.calls.fetch_add(1, SeqCst);
+        if SPINS.load(SeqCst) != self.at.load(SeqCst) {
+            self.moved.fetch_add(1, SeqCst);
+        }
+    }
+}
+
+impl fibertrace_fiber::HeldSource for HeldMarker {
+    fn frames(
+        &self,
+        word: u64,
+        native: &[fibertrace_core::Frame],
+    ) -> (Option<Vec<fibertrace_core::Frame>>, Option<String>) {
+        self.check();
+        let mut v = vec![fibertrace_core::Frame::Lua(fibertrace_core::LuaFrameId(
+            word as u32,
+        ))];
+        v.extend_from_slice(native);
+        (Some(v), None)
+    }
+
+    fn running_frames(
+        &self,
+        word: u64,
+        native: &[fibertrace_core::Frame],
+    ) -> (Option<Vec<fibertrace_core::Frame>>, Option<String>) {
+        self.running
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let (frames, _) = self.frames(word, native);
+        (frames, Some("read while it spun".into()))
+    }
+
+    fn name(&self, id: fibertrace_core::LuaFrameId) -> Option<String> {
+        Some(format!("held marker {} in @held.lua:1", id.0))
+    }
+
+    fn begin(&self) {
+        self.at.store(
+            SPINS.load(std::sync::atomic::Ordering::SeqCst),
+            std::sync::atomic::Ordering::SeqCst,
+        );
+    }
+
+    fn end(&self) {
+        self.check();
+    }
+}
+
+/// A scheduler with the marker source (read on its own thread only) and `held` (read from
+/// another, its thread held) on its own thread: a fiber named `parked` waits on a channel
+/// (layer word 7), and the main fiber (layer word 5) spins, counting in [`SPINS`], until
+/// `stop` is set. Returns the thread and the parked fiber's id once both are in place.
+fn held_scheduler(
+    held: std::sync::Arc<HeldMarker>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> (std::thread::JoinHandle<()>, u64) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t = std::thread::spawn(move || {
+        let s = Scheduler::new();
+        s.set_frame_source(Some(std::rc::Rc::new(Marker)));
+        s.set_held_source(Some(held));
+        s.block_on(move || {
+            let ch = channel::<u8>(1);
+            let rx = ch.clone();
+            let parked = Builder::new().name("parked").spawn(move || wait_three(&rx));
+            parked.fiber().set_layer_word(7);
+            fibertrace_fiber::current().unwrap().set_layer_word(5);
+            yield_now();
+            tx.send(parked.id()).unwrap();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                SPINS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                std::hint::spin_loop();
+            }
+            ch.send(1).unwrap();
+            parked.join().unwrap();
+        })
+        .unwrap();
+    });
+    (t, rx.recv().unwrap())
+}
+
+/// A dump from another thread while the scheduler's thread spins in native code (no safe
+/// point): the thread is held still while the layer's held source reads every fiber (the
+/// spinning one did not move during any call), then let go (it spins on); the parked fiber
+/// and the running one have the source's frames over their native ones, and the part's
+/// note says how they were read, with the source's note for the running fiber.
+#[test]
+fn a_dump_from_another_thread_holds_a_spinning_scheduler_still_for_its_held_source() {
+    let _turn = MARKED.lock().unwrap_or_else(|e| e.into_inner());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let held = std::sync::Arc::new(HeldMarker::default());
+    let (t, parked) = held_scheduler(held.clone(), stop.clone());
+    let text = dump::dump_text();
+    // Let go: it spins on.
+    let after = SPINS.load(std::sync::atomic::Ordering::SeqCst);
+    let t0 = Instant::now();
+    while SPINS.load(std::sync::atomic::Ordering::SeqCst) == after {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the thread was not let go"
+        );
+        std::thread::yield_now();
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    t.join().unwrap();
+    use std::sync::atomic::Ordering::SeqCst;
+    assert_eq!(
+        held.moved.load(SeqCst),
+        0,
+        "the thread moved during the read"
+    );
+    // The parked fiber, the running one, and the end's check.
+    assert_eq!(held.calls.load(SeqCst), 3, "{text}");
+    assert_eq!(held.running.load(SeqCst), 1, "{text}");
+    let block = |head: &str| {
+        text.split("\n\n")
+            .find(|b| b.contains(head))
+            .unwrap_or_else(|| panic!("no {head}: {text}"))
+            .to_string()
+    };
+    let parked_block = block(&format!("fiber {parked} \"parked\""));
+    let frames: Vec<&str> = parked_block
+        .lines()
+        .filter(|l| l.starts_with('#'))
+        .collect();
+    assert_eq!(
+        frames[0], "#0  held marker 7 in @held.lua:1",
+        "{parked_block}"
+    );
+    assert!(
+        frames[1].contains("fibertrace_fiber::sched::block"),
+        "{parked_block}"
+    );
+    let main = block("\"main\" [running]");
+    assert!(
+        main.contains("\n#0  held marker 5 in @held.lua:1"),
+        "{main}"
+    );
+    assert!(
+        main.contains("held_scheduler"),
+        "its native frames below: {main}"
+    );
+    let main_id = main
+        .lines()
+        .find_map(|l| l.strip_prefix("fiber ")?.split_once(" \"main\" [running]"))
+        .map(|(id, _)| id.to_string())
+        .unwrap_or_else(|| panic!("{main}"));
+    assert!(
+        text.contains(&format!(
+            "(the scheduler's thread did not come back to its run loop within 200 ms, nor its \
+             running fiber to a safe point: the layer's (Lua) frames were read from memory, the \
+             thread held still; fiber {main_id}: read while it spun)"
+        )),
+        "{text}"
+    );
+    assert!(!text.contains("not shown"), "{text}");
+}
+
 /// Set by [`arm_flag`], polled by the spinning fiber of [`spin_to_safe_points`].
 static ARMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 

@@ -176,14 +176,28 @@ fn sigquit_while_a_fiber_spins_in_compiled_code_shows_its_lua_frames() {
     );
     assert!(!err.contains("not shown"), "{err}");
 
-    // Turned off: native frames and a note that says so.
+    // Turned off: the thread is held still instead, and the Lua frames are read from
+    // memory — the spinning fiber's from the base its trace was entered with (or none, in
+    // the interpreter, whose base is in a register), with a note that says so.
     let err = sigquit_dump(&dir, &[("FIBERTRACE_LUA_SAFE_POINTS", "0")]);
     assert!(
         err.contains(
-            "(frames of the layer above the runtime (Lua) not shown: the scheduler's thread \
-             did not come back to its run loop within 200 ms, and its running fiber cannot be \
-             stopped at a safe point: turned off (FIBERTRACE_LUA_SAFE_POINTS=0))"
+            "(the scheduler's thread did not come back to its run loop within 200 ms, and its \
+             running fiber cannot be stopped at a safe point: turned off \
+             (FIBERTRACE_LUA_SAFE_POINTS=0): the layer's (Lua) frames were read from memory, \
+             the thread held still; fiber 2: it runs "
         ),
+        "{err}"
+    );
+    let blocks = fiber_blocks(&err);
+    let frames = lua_frames(&blocks["hog"]);
+    let in_trace = in_work.contains(&frames) || in_hog.contains(&frames);
+    let in_interp = frames.is_empty()
+        && err.contains("fiber 2: it runs Lua code in LuaJIT's interpreter, whose frame base is");
+    assert!(in_trace || in_interp, "{err}");
+    assert_eq!(
+        lua_frames(&blocks["main"]),
+        ["join in =[C]:-1", "main chunk in @app/s.lua:18"],
         "{err}"
     );
 }
@@ -1081,17 +1095,25 @@ fn dump_pid_of_a_fiber_in_compiled_lua_code_shows_the_function_the_trace_runs_in
 
 /// SIGQUIT while a fiber waits in `os.execute` dumps the fibers, the waiting one with its
 /// thread's frames, and the command and the script go on: the C library's `system()`
-/// ignores SIGQUIT in the caller until the command ends, and the dump was lost.
+/// ignores SIGQUIT in the caller until the command ends, and the dump was lost. The
+/// scheduler's thread is in the command: the Lua frames of every fiber (the waiting one's
+/// and a sleeping one's) are read from memory, that thread held still.
 #[test]
 fn sigquit_while_a_fiber_waits_in_os_execute_dumps_it_and_the_command_goes_on() {
     let dir = scratch("execute-quit");
     std::fs::write(
         dir.join("x.lua"),
-        "local function wait()\n\
+        "local fiber = require('fiber')\n\
+         local function park() fiber.sleep(100) end\n\
+         local w = fiber.create(function() park() end)\n\
+         w:name('worker')\n\
+         local function wait()\n\
          io.stdout:write('ready\\n') io.stdout:flush()\n\
-         return os.execute('sleep 2')\n\
+         local r = os.execute('sleep 2')\n\
+         return r\n\
          end\n\
          local r = wait()\n\
+         w:cancel()\n\
          io.stderr:write('returned ', tostring(r), '\\n')\n",
     )
     .unwrap();
@@ -1105,16 +1127,18 @@ fn sigquit_while_a_fiber_waits_in_os_execute_dumps_it_and_the_command_goes_on() 
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert_eq!(out.status.code(), Some(0), "{err}");
-    let main = err
-        .split("\n\n")
-        .find(|b| b.contains("fiber 1 \"main\" [running]:"))
-        .unwrap_or_else(|| panic!("no dump: {err}"));
+    let block = |head: &str| {
+        err.split("\n\n")
+            .find(|b| b.contains(head))
+            .unwrap_or_else(|| panic!("no {head}: {err}"))
+            .to_string()
+    };
+    let main = block("fiber 1 \"main\" [running]:");
     // Its thread's frames, down from the wait for the command, through the host's
-    // `os.execute`, into the interpreter that called it. (Its Lua frames are read by the
-    // scheduler's thread, which is in the command: the dump says they are not shown.)
+    // `os.execute`, then the Lua levels that called it (where the interpreter's frame was).
     let names: Vec<&str> = main
         .lines()
-        .filter_map(|l| l.strip_prefix('#'))
+        .filter(|l| l.contains(" 0x"))
         .filter_map(|l| l.split(" in ").nth(1))
         .filter_map(|l| l.split('+').next())
         .collect();
@@ -1126,9 +1150,31 @@ fn sigquit_while_a_fiber_waits_in_os_execute_dumps_it_and_the_command_goes_on() 
         names[..body].contains(&"fibertrace_lua::host::execute::spawn_and_wait"),
         "{main}"
     );
-    assert_eq!(names.get(body + 1).copied(), Some("lj_BC_FUNCC"), "{main}");
+    assert_eq!(body + 1, names.len(), "no native frame below: {main}");
+    assert_eq!(
+        lua_frames(&main),
+        [
+            "execute in =[C]:-1",
+            "wait in @x.lua:7",
+            "main chunk in @x.lua:10"
+        ],
+        "{main}"
+    );
+    assert_eq!(
+        lua_frames(&block("fiber 2 \"worker\" [sleep")),
+        [
+            "sleep in =[C]:-1",
+            "park in @x.lua:2",
+            "function <x.lua:3> in @x.lua:3"
+        ],
+        "{err}"
+    );
     assert!(
-        err.contains("(frames of the layer above the runtime (Lua) not shown: the scheduler's thread did not come back to its run loop within 200 ms"),
+        err.contains(
+            "(the scheduler's thread did not come back to its run loop within 200 ms, nor its \
+             running fiber to a safe point: the layer's (Lua) frames were read from memory, the \
+             thread held still)"
+        ),
         "{err}"
     );
     // The command ran to its end: the script had its status.

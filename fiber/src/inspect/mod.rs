@@ -37,7 +37,11 @@
 //! the layer builds the part inside it, the running fiber's own frames included
 //! ([`serve_at_safe_point`]). A scheduler that does neither by then (a fiber in native code
 //! that does not return to the layer, or the thread waiting outside the runtime) gets its
-//! part built from the asking thread, with native frames only, and a note that says so
+//! part built from the asking thread: when the layer registered a [`HeldSource`], with the
+//! scheduler's thread held still meanwhile (the sampling signal's handler waits until the
+//! part is built, at most a few seconds: [`sample`]) and the layer's frames read from memory
+//! by that source; otherwise (or when the thread cannot be held, or the hold ran out before
+//! the read ended) with native frames only. Either way a note says so
 //! ([`SchedulerSnapshot::note`]).
 //!
 //! How a snapshot can be wrong: it is not atomic across fibers — each fiber is read at its
@@ -68,7 +72,7 @@ pub use crate::frames::FrameInfo;
 use crate::registry::{self, SchedShared};
 use crate::task::{FiberId, Status};
 pub use info::{FiberInfo, InfoOptions, ParentInfo, Waiting};
-pub use source::FrameSource;
+pub use source::{FrameSource, HeldSource};
 
 /// The version of the snapshot's serialized form ([`Snapshot::version`]): raised when a field
 /// changes meaning or goes away (new fields may appear without a raise).
@@ -280,9 +284,79 @@ fn part_of(
         Ask::Built(p) => return p,
         Ask::Late(refused) => refused,
     };
+    if let Some(p) = held_part(s, opts, only, wait, refused) {
+        return p;
+    }
     let mut p = build_part(s, opts, only);
     p.note = Some(late_note(wait, refused));
     p
+}
+
+/// Scheduler `s`'s part built here with its layer's frames read from memory while its
+/// thread is held still (see [`HeldSource`]), when the layer has a held source and the
+/// thread can be held: the thread did not come back to its run loop within `wait`, nor its
+/// fiber to a safe point (a blocking call in native code; `refused`: the layer's reason why
+/// the fiber cannot be brought to one). `None`: not so, or the hold ran out before the read
+/// ended (the read is void then).
+fn held_part(
+    s: &SchedShared,
+    opts: &InfoOptions,
+    only: Option<FiberId>,
+    wait: Duration,
+    refused: Option<&str>,
+) -> Option<SchedulerSnapshot> {
+    let src = source::held(s.id)?;
+    let hold = sample::hold(s, SOURCE_WAIT)?;
+    let here = hold.sample.fiber;
+    let mut p = build_part_with(s, opts, only, Some(hold.sample.clone()));
+    let mut unread: Vec<String> = Vec::new();
+    // The layer words, in one scan of the registry (a lookup per fiber is a scan each).
+    let mut words = std::collections::HashMap::with_capacity(p.fibers.len());
+    for cb in s.fibers() {
+        words.insert(cb.id, cb.layer_word.load(Ordering::Acquire));
+    }
+    src.begin();
+    for fi in &mut p.fibers {
+        let word = words.get(&fi.id).copied().unwrap_or(0);
+        let Some(native) = fi.backtrace.as_ref().filter(|_| word != 0) else {
+            continue;
+        };
+        let raw: Vec<Frame> = native.iter().map(|f| f.frame).collect();
+        let (frames, why) = if fi.status == Status::Running {
+            if fi.id != here {
+                continue;
+            }
+            src.running_frames(word, &raw)
+        } else {
+            src.frames(word, &raw)
+        };
+        if let Some(why) = why {
+            unread.push(format!("fiber {}: {why}", fi.id));
+        }
+        if let Some(frames) = frames {
+            fi.backtrace = Some(labelled(&frames, |id| src.name(id), opts.resolve));
+        }
+    }
+    src.end();
+    if !hold.still_held() {
+        return None;
+    }
+    drop(hold);
+    let why = match refused {
+        Some(why) => format!(", and its running fiber cannot be stopped at a safe point: {why}"),
+        None => ", nor its running fiber to a safe point".to_string(),
+    };
+    let mut note = format!(
+        "the scheduler's thread did not come back to its run loop within {} ms{why}: the \
+         layer's (Lua) frames were read from memory, the thread held still",
+        wait.as_millis()
+    );
+    for why in unread {
+        note.push_str("; ");
+        note.push_str(&why);
+    }
+    p.note = Some(note);
+    Some(p)
 }
 
 /// What the report says of a part its scheduler did not build in time.
@@ -556,13 +630,23 @@ fn add_source_frames(src: &dyn FrameSource, fi: &mut FiberInfo, resolve: bool) {
     let Some(frames) = src.frames(fi.id, &raw) else {
         return;
     };
-    let list: Arc<[FrameInfo]> = frames
+    fi.backtrace = Some(labelled(&frames, |id| src.name(id), resolve));
+}
+
+/// A layer's frames for a report: its own labelled by `name`, the native ones resolved
+/// (when `resolve`).
+fn labelled(
+    frames: &[Frame],
+    name: impl Fn(fibertrace_core::LuaFrameId) -> Option<String>,
+    resolve: bool,
+) -> Arc<[FrameInfo]> {
+    frames
         .iter()
         .map(|f| match f {
             Frame::Lua(id) => FrameInfo {
                 frame: *f,
                 resolved: None,
-                label: src.name(*id).map(Arc::from),
+                label: name(*id).map(Arc::from),
             },
             _ => FrameInfo {
                 frame: *f,
@@ -570,8 +654,7 @@ fn add_source_frames(src: &dyn FrameSource, fi: &mut FiberInfo, resolve: bool) {
                 label: None,
             },
         })
-        .collect();
-    fi.backtrace = Some(list);
+        .collect()
 }
 
 /// The hooks the scheduler calls (see [`crate::sched`]), filled with this layer's functions.
@@ -604,6 +687,13 @@ impl crate::Scheduler {
     /// [`FrameSource`].
     pub fn set_frame_source(&self, source: Option<std::rc::Rc<dyn FrameSource>>) {
         source::set(self.id(), source);
+    }
+
+    /// Registers (or with `None` removes) the [`HeldSource`] of this scheduler's layer: a
+    /// report taken on another thread while this scheduler's thread is away in native code
+    /// (past [`SOURCE_WAIT`]) holds that thread still and reads the layer's frames with it.
+    pub fn set_held_source(&self, source: Option<Arc<dyn HeldSource>>) {
+        source::set_held(self.id(), source);
     }
 
     /// The report for a deadlock returned by [`crate::Scheduler::run`]: `all fibers are

@@ -8,6 +8,10 @@
 //! with a small stack cannot overflow it. It writes only when a sample was requested, so a
 //! stray signal cannot tear a sample being read.
 //!
+//! The same signal can hold the thread still afterwards (`hold`): the handler then waits,
+//! napping, until the holder lets it go or a few seconds passed, while another thread reads
+//! what the held thread would change (a report's late path, see [`super::HeldSource`]).
+//!
 //! The signal is SIGURG by default (ignored by default if our handler were ever missing,
 //! and not SIGPROF, which profilers use); [`set_signal`] changes it before first use.
 //!
@@ -212,7 +216,49 @@ extern "C" fn on_signal(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut
         .store(sm.resumes.load(Ordering::Relaxed), Ordering::Relaxed);
     slot.handler_ns
         .store(crate::clock::ticks().wrapping_sub(t0), Ordering::Relaxed);
+    // (Asked only with this request: the requester clears it when it withdraws one.)
+    let hold = slot.hold_wanted.swap(false, Ordering::AcqRel);
+    if hold {
+        slot.release.store(false, Ordering::Relaxed);
+        slot.holding.store(true, Ordering::Relaxed);
+    }
     slot.seq.fetch_add(1, Ordering::Release);
+    if hold {
+        hold_here(slot);
+    }
+}
+
+/// Longest a handler holds its thread ([`hold`]): past it the thread goes on, whatever the
+/// holder does (a holder that never lets go cannot stop the thread for good).
+const HOLD_MAX: Duration = Duration::from_secs(5);
+
+/// In the handler: waits until the holder lets the thread go, or [`HOLD_MAX`] passed.
+/// Async-signal-safe (atomics, `clock_gettime`, `nanosleep`); the interrupted code's `errno`
+/// is kept.
+fn hold_here(slot: &crate::running::SampleSlot) {
+    // SAFETY: this thread's errno location, read and written back by this thread only.
+    let errno = unsafe { *libc::__errno_location() };
+    let now = || {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: writes the monotonic time into `ts` (async-signal-safe).
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+        Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    };
+    let t0 = now();
+    while !slot.release.load(Ordering::Acquire) && now().saturating_sub(t0) < HOLD_MAX {
+        let nap = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 50_000,
+        };
+        // SAFETY: sleeps 50 us (async-signal-safe); an interruption just ends the nap.
+        unsafe { libc::nanosleep(&nap, std::ptr::null_mut()) };
+    }
+    slot.holding.store(false, Ordering::Release);
+    // SAFETY: as above.
+    unsafe { *libc::__errno_location() = errno };
 }
 
 /// In a signal handler on a scheduler's thread: the word the layer above attached to the
@@ -264,14 +310,75 @@ pub struct Sample {
 /// Samples what `s` runs now. `None` if the scheduler has no thread, or the signal was not
 /// handled within `timeout` (the thread may be blocked with the signal masked).
 pub fn sample(s: &SchedShared, timeout: Duration) -> Option<Sample> {
+    sample_with(s, timeout, false).map(|(sample, _)| sample)
+}
+
+/// Scheduler `s`'s thread held still inside the sampling handler, from another thread, with
+/// the sample taken there: while the `Hold` lives (at most [`HOLD_MAX`]) that thread runs
+/// nothing, so what it would change (a Lua state, the suspended fibers' stacks) can be read
+/// from here. Dropped, it lets the thread go. `None` as for [`sample`]. What is read under
+/// a hold counts only if [`Hold::still_held`] says so after the read.
+///
+/// The held thread may hold a lock (the allocator's, another library's): whatever the
+/// holder does under the hold must not wait for one the held thread could hold, past the
+/// hold's own bound.
+pub(crate) fn hold(s: &SchedShared, timeout: Duration) -> Option<Hold<'_>> {
+    let (sample, guard) = sample_with(s, timeout, true)?;
+    let slot = &s.on_thread.sample;
+    if !slot.holding.load(Ordering::Acquire) {
+        return None;
+    }
+    Some(Hold {
+        slot,
+        _one: guard,
+        sample,
+    })
+}
+
+/// A scheduler's thread held by [`hold`].
+pub(crate) struct Hold<'a> {
+    slot: &'a crate::running::SampleSlot,
+    /// No other sample is asked of the thread meanwhile.
+    _one: std::sync::MutexGuard<'a, ()>,
+    /// Its sample, taken as it was stopped.
+    pub sample: Sample,
+}
+
+impl Hold<'_> {
+    /// Whether the thread is still held (its handler's time was not up).
+    pub fn still_held(&self) -> bool {
+        self.slot.holding.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for Hold<'_> {
+    fn drop(&mut self) {
+        self.slot.release.store(true, Ordering::Release);
+        // The handler sees it within its nap (50 us): the next sample asked of the thread
+        // finds it out of the handler.
+        let t0 = Instant::now();
+        while self.slot.holding.load(Ordering::Acquire) && t0.elapsed() < Duration::from_secs(1) {
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// [`sample`], holding the thread in the handler afterwards when `hold` (then the lock on
+/// the thread's samples is given back with the sample, to keep while it is held).
+fn sample_with(
+    s: &SchedShared,
+    timeout: Duration,
+    hold: bool,
+) -> Option<(Sample, std::sync::MutexGuard<'_, ()>)> {
     let sm = &s.on_thread;
     let slot = &sm.sample;
     let thread = sm.thread.load(Ordering::Relaxed);
     if thread == 0 {
         return None;
     }
-    let _g = slot.lock.lock().unwrap_or_else(|e| e.into_inner());
+    let guard = slot.lock.lock().unwrap_or_else(|e| e.into_inner());
     let before = slot.seq.load(Ordering::Acquire);
+    slot.hold_wanted.store(hold, Ordering::Relaxed);
     slot.requested.store(true, Ordering::Release);
     let t0 = Instant::now();
     // SAFETY: the thread id was published by the scheduler's own thread; a scheduler's
@@ -280,6 +387,7 @@ pub fn sample(s: &SchedShared, timeout: Duration) -> Option<Sample> {
         unsafe { libc::pthread_kill(thread as libc::pthread_t, SIGNAL.load(Ordering::Relaxed)) };
     if rc != 0 {
         slot.requested.store(false, Ordering::Relaxed);
+        slot.hold_wanted.store(false, Ordering::Relaxed);
         return None;
     }
     let mut spins = 0u32;
@@ -287,6 +395,7 @@ pub fn sample(s: &SchedShared, timeout: Duration) -> Option<Sample> {
         if t0.elapsed() > timeout {
             // Withdraw the request; if the handler took it meanwhile, wait for it to finish.
             if slot.requested.swap(false, Ordering::AcqRel) {
+                slot.hold_wanted.store(false, Ordering::Relaxed);
                 return None;
             }
             while slot.seq.load(Ordering::Acquire) == before {
@@ -305,11 +414,12 @@ pub fn sample(s: &SchedShared, timeout: Duration) -> Option<Sample> {
     // SAFETY: the handler published the sample (acquire above) and will not write again
     // until another request, which needs the lock we hold.
     let backtrace = unsafe { (*slot.out.get()).clone() };
-    Some(Sample {
+    let sample = Sample {
         fiber: slot.fid.load(Ordering::Relaxed),
         resumes: slot.resumes.load(Ordering::Relaxed),
         backtrace,
         latency,
         handler_time: crate::clock::to_duration(slot.handler_ns.load(Ordering::Relaxed)),
-    })
+    };
+    Some((sample, guard))
 }

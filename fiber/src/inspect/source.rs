@@ -20,7 +20,7 @@
 
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use fibertrace_core::{Frame, LuaFrameId};
 
@@ -45,6 +45,59 @@ pub trait FrameSource {
         let _ = fiber;
         Vec::new()
     }
+}
+
+/// A layer's frames read from another thread while the scheduler's thread is held still (see
+/// [`super::snapshot`]'s late path): for a report asked while that thread is away in native
+/// code for good (a blocking call), where the [`FrameSource`] cannot be asked. It reads the
+/// layer's state from memory (the Lua host: its Lua threads, as `fibertrace dump PID` reads
+/// another process's), never through the layer's own API.
+///
+/// How a result can be wrong: the thread is held wherever the signal found it, in code that
+/// may be changing the layer's state (a collector step moving a stack): the reader must
+/// check what it reads and say when it does not check out, never guess or fault; and a hold
+/// that ran out before the read ended makes the whole read void (the caller drops it).
+pub trait HeldSource: Send + Sync {
+    /// A suspended (or never started) fiber's frames, with the layer's merged into its
+    /// native ones `native` (innermost first), from its layer word `word`; `None` keeps the
+    /// native frames, with the note of why (or none).
+    fn frames(&self, word: u64, native: &[Frame]) -> (Option<Vec<Frame>>, Option<String>);
+
+    /// The same for the fiber that ran when its thread was stopped, from that thread's
+    /// frames `native` (walked from where the signal found it, innermost first).
+    fn running_frames(&self, word: u64, native: &[Frame]) -> (Option<Vec<Frame>>, Option<String>);
+
+    /// As [`FrameSource::name`]; called from any thread.
+    fn name(&self, id: LuaFrameId) -> Option<String>;
+
+    /// A read of the fibers under one hold begins: what the source keeps of memory (a cache
+    /// of the pages it read) holds from here until [`HeldSource::end`], while nothing it
+    /// reads can change. By default, nothing.
+    fn begin(&self) {}
+
+    /// The read under the hold ended: nothing read before may be kept.
+    fn end(&self) {}
+}
+
+/// The held sources, by scheduler id.
+static HELD: Mutex<Vec<(u64, Arc<dyn HeldSource>)>> = Mutex::new(Vec::new());
+
+/// Sets (or with `None` removes) the held source of scheduler `sched`.
+pub(crate) fn set_held(sched: u64, source: Option<Arc<dyn HeldSource>>) {
+    let mut h = HELD.lock().unwrap_or_else(|e| e.into_inner());
+    h.retain(|(id, _)| *id != sched);
+    if let Some(src) = source {
+        h.push((sched, src));
+    }
+}
+
+/// The held source of scheduler `sched`, if it has one.
+pub(crate) fn held(sched: u64) -> Option<Arc<dyn HeldSource>> {
+    HELD.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .find(|(id, _)| *id == sched)
+        .map(|(_, s)| s.clone())
 }
 
 std::thread_local! {
@@ -82,9 +135,10 @@ pub(crate) fn set(sched: u64, source: Option<Rc<dyn FrameSource>>) {
     });
 }
 
-/// Forgets the source of scheduler `sched` (it is being dropped, on its thread).
+/// Forgets the sources of scheduler `sched` (it is being dropped, on its thread).
 pub(crate) fn forget(sched: u64) {
     set(sched, None);
+    set_held(sched, None);
 }
 
 /// The source of scheduler `sched`, when it runs on this thread and has one.

@@ -140,7 +140,7 @@ pub struct Reader {
     strings: HashMap<u64, Option<Box<[u8]>>>,
     /// What each prototype read gives a level: first line, line count, source, printable
     /// source.
-    protos: HashMap<u64, std::rc::Rc<ProtoInfo>>,
+    protos: HashMap<u64, std::sync::Arc<ProtoInfo>>,
     /// The name a caller gives the function it calls at a position of its code:
     /// `(prototype, position)`.
     names: HashMap<(u64, u32), Option<Vec<u8>>>,
@@ -814,7 +814,7 @@ impl Reader {
         &mut self,
         mem: &mut dyn Memory,
         pt: u64,
-    ) -> Result<std::rc::Rc<ProtoInfo>, String> {
+    ) -> Result<std::sync::Arc<ProtoInfo>, String> {
         if let Some(i) = self.protos.get(&pt) {
             return Ok(i.clone());
         }
@@ -837,7 +837,7 @@ impl Reader {
                 short = format!("...{}", String::from_utf8_lossy(&tail));
             }
         }
-        let info = std::rc::Rc::new(ProtoInfo {
+        let info = std::sync::Arc::new(ProtoInfo {
             firstline,
             numline,
             source,

@@ -437,6 +437,12 @@ impl LuaHost {
         // The runtime's own reports built on this thread (the deadlock report) show the Lua
         // frames of Lua fibers.
         sched.set_frame_source(Some(std::rc::Rc::new(info::LuaFrames)));
+        // And a dump asked from another thread while this one is away in native code (a
+        // blocking call) reads them from memory, this thread held still (LuaJIT: its layout
+        // was checked when the state was made; none otherwise).
+        if let Ok(held) = crate::interleave::held::HeldLua::new() {
+            sched.set_held_source(Some(std::sync::Arc::new(held)));
+        }
         Ok(LuaHost {
             lua: Some(lua),
             sched: Some(sched),

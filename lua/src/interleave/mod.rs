@@ -42,6 +42,7 @@ use crate::frames::{capture_lua_stack, LuaLevel, LuaStack};
 
 pub mod classify;
 pub mod foreign;
+pub mod held;
 pub mod thunk;
 
 pub use classify::{vm_map, VmMap};

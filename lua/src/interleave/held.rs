@@ -1,0 +1,239 @@
+//! The Lua host's frames read from another thread while its scheduler's thread is held still
+//! ([`HeldLua`], the runtime's [`HeldSource`]): what a dump asked from another thread (the
+//! SIGQUIT dump's, the HTTP endpoint's) shows when that thread is away in native code for
+//! good — `os.execute`, a blocking read, a C library call through the FFI — and can be asked
+//! neither between fibers nor at a safe point. Each Lua fiber's stack is read from this
+//! process's memory as `fibertrace dump PID` reads another's ([`crate::frames::foreign`]
+//! over [`SelfMem`]: a read of an unmapped address fails, it never faults), and merged with
+//! its native frames as in-process ([`super::merge_with_gap`], over this process's VM map).
+//!
+//! The fiber whose thread was stopped: its Lua state is current when the thread is in C
+//! code that Lua called (LuaJIT records the frame base at every call out of Lua), which its
+//! frames show (the interpreter's own frame below the C code, no code outside every image
+//! above it) and the VM state confirms (not running Lua code). In compiled code its levels
+//! come from the base the trace was entered with, as `dump PID` reads them. In the
+//! interpreter itself (its base and PC in registers this reader does not get) it has no Lua
+//! frames, and its note says why.
+//!
+//! How a result can be wrong: as the foreign reader's (a thread held inside a collector step
+//! that moves a stack reads a torn stack; the reader checks every link and says where it
+//! fails). LuaJIT only: the layout is published and checked for it.
+
+use std::sync::Mutex;
+
+use fibertrace_core::Frame;
+use fibertrace_fiber::inspect::HeldSource;
+use smallvec::SmallVec;
+
+use super::classify::VmMap;
+use crate::frames::foreign::{Memory, Reader, SelfMem};
+
+/// The Lua host's [`HeldSource`] (see the module doc).
+pub struct HeldLua {
+    state: Mutex<State>,
+    vm: &'static VmMap,
+}
+
+/// The reader and the memory it reads, used together under the lock.
+struct State {
+    reader: Reader,
+    mem: PageMem,
+}
+
+/// Bytes of a page of [`PageMem`]'s cache.
+const PAGE: u64 = 4096;
+/// Pages [`PageMem`] keeps at most (16 MiB): past it, it starts over.
+const MAX_PAGES: usize = 4096;
+
+/// This process's memory read as another's ([`SelfMem`]: a read of an unmapped address
+/// fails), a page at a time while a read under one hold goes on (`on`): each Lua stack is
+/// read in small pieces (a frame link, a slot, a prototype's field), a system call each;
+/// kept pages make them one call per page. Outside a hold nothing is kept (memory changes).
+struct PageMem {
+    on: bool,
+    pages: std::collections::HashMap<u64, Option<Box<[u8]>>>,
+}
+
+impl Memory for PageMem {
+    fn read(&mut self, addr: u64, out: &mut [u8]) -> bool {
+        if !self.on {
+            return SelfMem.read(addr, out);
+        }
+        let Some(end) = addr.checked_add(out.len() as u64) else {
+            return false;
+        };
+        let mut at = addr;
+        while at < end {
+            let page = at & !(PAGE - 1);
+            if self.pages.len() >= MAX_PAGES && !self.pages.contains_key(&page) {
+                self.pages.clear();
+            }
+            let bytes = self.pages.entry(page).or_insert_with(|| {
+                let mut b = vec![0u8; PAGE as usize].into_boxed_slice();
+                SelfMem.read(page, &mut b).then_some(b)
+            });
+            let Some(bytes) = bytes else {
+                return false;
+            };
+            let from = (at - page) as usize;
+            let n = ((PAGE - (at - page)) as usize).min((end - at) as usize);
+            let o = (at - addr) as usize;
+            out[o..o + n].copy_from_slice(&bytes[from..from + n]);
+            at += n as u64;
+        }
+        true
+    }
+}
+
+impl HeldLua {
+    /// The source for this process's Lua host, when its layout was checked at start-up
+    /// (`Err`: why not).
+    pub fn new() -> Result<HeldLua, String> {
+        Ok(HeldLua {
+            state: Mutex::new(State {
+                reader: Reader::own()?,
+                mem: PageMem {
+                    on: false,
+                    pages: std::collections::HashMap::new(),
+                },
+            }),
+            vm: super::classify::vm_map(),
+        })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `native` with the Lua stack of state `word` merged in (its recorded base, or `top`).
+    fn merged(
+        &self,
+        st: &mut State,
+        word: u64,
+        native: &[Frame],
+        top: Option<crate::frames::foreign::RunningTop>,
+    ) -> (Option<Vec<Frame>>, Option<String>) {
+        match st.reader.stack_running(&mut st.mem, word, top) {
+            Ok(lua) => {
+                let mut out: SmallVec<[Frame; 192]> = SmallVec::new();
+                let gap = (lua.omitted > 0).then_some((lua.omitted_at, lua.omitted));
+                super::merge_with_gap(native, &lua.levels, gap, self.vm, false, &mut out);
+                (Some(out.into_vec()), None)
+            }
+            Err(why) => (
+                None,
+                Some(format!("its Lua frames could not be read: {why}")),
+            ),
+        }
+    }
+}
+
+impl HeldSource for HeldLua {
+    fn frames(&self, word: u64, native: &[Frame]) -> (Option<Vec<Frame>>, Option<String>) {
+        self.merged(&mut self.state(), word, native, None)
+    }
+
+    fn running_frames(&self, word: u64, native: &[Frame]) -> (Option<Vec<Frame>>, Option<String>) {
+        let mut guard = self.state();
+        let st = &mut *guard;
+        let top = match st.reader.running_top(&mut st.mem, word, None) {
+            Ok(top) => top,
+            Err(why) => {
+                return (
+                    None,
+                    Some(format!("its Lua frames could not be read: {why}")),
+                )
+            }
+        };
+        let known =
+            |a: u64| fibertrace_core::image::published().is_some_and(|t| t.image_of(a).is_some());
+        if let Some(top) = top.filter(|t| t.compiled) {
+            // A trace: the native frames down to its code (the first outside every image),
+            // then the Lua levels from the base it was entered with.
+            let lua = match st.reader.stack_running(&mut st.mem, word, Some(top)) {
+                Ok(lua) => lua,
+                Err(why) => {
+                    return (
+                        None,
+                        Some(format!("its Lua frames could not be read: {why}")),
+                    )
+                }
+            };
+            let cut = native
+                .iter()
+                .position(|f| f.lookup_address().is_some_and(|a| !known(a)))
+                .map_or(native.len(), |i| i + 1);
+            let mut out = native[..cut].to_vec();
+            let gap = (lua.omitted > 0).then_some((lua.omitted_at, lua.omitted));
+            for (j, l) in lua.levels.iter().enumerate() {
+                if gap.is_some_and(|(at, _)| at == j) {
+                    out.push(Frame::Omitted(lua.omitted));
+                }
+                out.push(Frame::Lua(l.id));
+            }
+            return (
+                Some(out),
+                Some(
+                    "it runs compiled Lua code (a trace): its innermost Lua level is the \
+                     function the trace runs in, and the native frames below the trace are \
+                     not walked"
+                        .into(),
+                ),
+            );
+        }
+        // C code that Lua called: the interpreter's frame is below it, and no code outside
+        // every image is above it.
+        let interp = self.vm.interpreter;
+        let in_interp = |a: u64| interp.is_some_and(|(s, e)| a >= s && a < e);
+        for (i, f) in native.iter().enumerate() {
+            let Some(a) = f.lookup_address() else {
+                continue;
+            };
+            if in_interp(a) {
+                if i == 0 {
+                    return (
+                        None,
+                        Some(
+                            "it runs Lua code in LuaJIT's interpreter, whose frame base is in \
+                             a register: its Lua frames are not read"
+                                .into(),
+                        ),
+                    );
+                }
+                return self.merged(st, word, native, None);
+            }
+            if !known(a) {
+                return (
+                    None,
+                    Some(format!(
+                        "its thread runs code outside every loaded image ({a:#x}): its Lua \
+                         frames are not read"
+                    )),
+                );
+            }
+        }
+        // No interpreter frame: not called from Lua code (the fiber's body in native code).
+        self.merged(st, word, native, None)
+    }
+
+    fn name(&self, id: fibertrace_core::LuaFrameId) -> Option<String> {
+        crate::render::lua_line(id)
+    }
+
+    fn begin(&self) {
+        let mut st = self.state();
+        // A fresh reader: its caches (strings, prototypes, names by address) are of the
+        // last hold's memory, where another object may live now.
+        if let Ok(r) = Reader::own() {
+            st.reader = r;
+        }
+        st.mem.pages.clear();
+        st.mem.on = true;
+    }
+
+    fn end(&self) {
+        let mut st = self.state();
+        st.mem.on = false;
+        st.mem.pages = std::collections::HashMap::new();
+    }
+}
