@@ -383,6 +383,8 @@ struct HeldMarker {
     calls: std::sync::atomic::AtomicU64,
     /// The running fiber's calls.
     running: std::sync::atomic::AtomicU64,
+    /// How long the read takes before its first fiber (a source slower than a hold lasts).
+    slow: Duration,
 }
 
 impl HeldMarker {
@@ -429,6 +431,7 @@ impl fibertrace_fiber::HeldSource for HeldMarker {
             SPINS.load(std::sync::atomic::Ordering::SeqCst),
             std::sync::atomic::Ordering::SeqCst,
         );
+        std::thread::sleep(self.slow);
     }
 
     fn end(&self) {
@@ -544,6 +547,43 @@ fn a_dump_from_another_thread_holds_a_spinning_scheduler_still_for_its_held_sour
         "{text}"
     );
     assert!(!text.contains("not shown"), "{text}");
+}
+
+/// A held source slower than a hold lasts (5 s): the thread goes on when the hold runs out
+/// (whatever the reader does), the read is dropped, and the part has native frames only,
+/// with the note that says the layer's frames are not shown.
+#[test]
+fn a_held_read_that_outlives_the_hold_is_dropped_and_the_thread_goes_on() {
+    let _turn = MARKED.lock().unwrap_or_else(|e| e.into_inner());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let held = std::sync::Arc::new(HeldMarker {
+        slow: Duration::from_millis(5500),
+        ..HeldMarker::default()
+    });
+    let (t, parked) = held_scheduler(held.clone(), stop.clone());
+    let text = dump::dump_text();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    t.join().unwrap();
+    use std::sync::atomic::Ordering::SeqCst;
+    // It was read (every call found the thread moved on: the hold had run out).
+    assert_eq!(held.calls.load(SeqCst), 3, "{text}");
+    assert_eq!(held.moved.load(SeqCst), 3, "{text}");
+    assert!(!text.contains("held marker"), "{text}");
+    assert!(
+        text.contains(
+            "(frames of the layer above the runtime (Lua) not shown: the scheduler's thread did \
+             not come back to its run loop within 200 ms"
+        ),
+        "{text}"
+    );
+    let block = text
+        .split("\n\n")
+        .find(|b| b.contains(&format!("fiber {parked} \"parked\"")))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        block.lines().nth(1).is_some_and(|l| l.contains("fibertrace_fiber::sched::block")),
+        "{block}"
+    );
 }
 
 /// Set by [`arm_flag`], polled by the spinning fiber of [`spin_to_safe_points`].
