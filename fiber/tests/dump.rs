@@ -581,7 +581,10 @@ fn a_held_read_that_outlives_the_hold_is_dropped_and_the_thread_goes_on() {
         .find(|b| b.contains(&format!("fiber {parked} \"parked\"")))
         .unwrap_or_else(|| panic!("{text}"));
     assert!(
-        block.lines().nth(1).is_some_and(|l| l.contains("fibertrace_fiber::sched::block")),
+        block
+            .lines()
+            .nth(1)
+            .is_some_and(|l| l.contains("fibertrace_fiber::sched::block")),
         "{block}"
     );
 }

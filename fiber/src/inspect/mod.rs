@@ -284,7 +284,8 @@ fn part_of(
         Ask::Built(p) => return p,
         Ask::Late(refused) => refused,
     };
-    if let Some(p) = held_part(s, opts, only, wait, refused) {
+    if let Some((mut p, notes)) = held_part(s, opts, only) {
+        p.note = Some(held_note(wait, refused, &notes));
         return p;
     }
     let mut p = build_part(s, opts, only);
@@ -294,22 +295,21 @@ fn part_of(
 
 /// Scheduler `s`'s part built here with its layer's frames read from memory while its
 /// thread is held still (see [`HeldSource`]), when the layer has a held source and the
-/// thread can be held: the thread did not come back to its run loop within `wait`, nor its
-/// fiber to a safe point (a blocking call in native code; `refused`: the layer's reason why
-/// the fiber cannot be brought to one). `None`: not so, or the hold ran out before the read
-/// ended (the read is void then).
+/// thread can be held (asked when the thread did not come back to its run loop, nor its
+/// fiber to a safe point: a blocking call in native code), with the layer's notes on the
+/// fibers (why their frames could not be read, or what they are read without: `true` when
+/// they were read). `None`: not so, or the hold ran out before the read ended (the read is
+/// void then).
 fn held_part(
     s: &SchedShared,
     opts: &InfoOptions,
     only: Option<FiberId>,
-    wait: Duration,
-    refused: Option<&str>,
-) -> Option<SchedulerSnapshot> {
+) -> Option<(SchedulerSnapshot, Vec<LayerNote>)> {
     let src = source::held(s.id)?;
     let hold = sample::hold(s, SOURCE_WAIT)?;
     let here = hold.sample.fiber;
     let mut p = build_part_with(s, opts, only, Some(hold.sample.clone()));
-    let mut unread: Vec<String> = Vec::new();
+    let mut notes: Vec<LayerNote> = Vec::new();
     // The layer words, in one scan of the registry (a lookup per fiber is a scan each).
     let mut words = std::collections::HashMap::with_capacity(p.fibers.len());
     for cb in s.fibers() {
@@ -331,7 +331,11 @@ fn held_part(
             src.frames(word, &raw)
         };
         if let Some(why) = why {
-            unread.push(format!("fiber {}: {why}", fi.id));
+            notes.push(LayerNote {
+                fiber: fi.id,
+                why,
+                read: frames.is_some(),
+            });
         }
         if let Some(frames) = frames {
             fi.backtrace = Some(labelled(&frames, |id| src.name(id), opts.resolve));
@@ -342,6 +346,26 @@ fn held_part(
         return None;
     }
     drop(hold);
+    Some((p, notes))
+}
+
+/// A layer's note on one fiber of a held read ([`held_part`]).
+struct LayerNote {
+    fiber: FiberId,
+    /// Why its frames could not be read, or what they were read without.
+    why: String,
+    /// Whether its frames were read.
+    read: bool,
+}
+
+/// What [`running_part`] gives: the fiber with a note, or why not and whether the layer said
+/// so.
+pub(crate) type RunningPart = Result<Option<(FiberInfo, Option<String>)>, (String, bool)>;
+
+/// What a part built by [`held_part`] says of how it was read: the thread did not come back
+/// within `wait` (and `refused`: why its fiber cannot be brought to a safe point), and the
+/// layer's notes on its fibers.
+fn held_note(wait: Duration, refused: Option<&str>, notes: &[LayerNote]) -> String {
     let why = match refused {
         Some(why) => format!(", and its running fiber cannot be stopped at a safe point: {why}"),
         None => ", nor its running fiber to a safe point".to_string(),
@@ -351,12 +375,10 @@ fn held_part(
          layer's (Lua) frames were read from memory, the thread held still",
         wait.as_millis()
     );
-    for why in unread {
-        note.push_str("; ");
-        note.push_str(&why);
+    for n in notes {
+        note.push_str(&format!("; fiber {}: {}", n.fiber, n.why));
     }
-    p.note = Some(note);
-    Some(p)
+    note
 }
 
 /// What the report says of a part its scheduler did not build in time.
@@ -451,20 +473,47 @@ fn ask(s: &SchedShared, opts: &InfoOptions, only: Option<FiberId>, wait: Duratio
 }
 
 /// The running fiber `id` of scheduler `s` as read at a safe point inside it (with the
-/// layer's frames), asked from another thread (the watchdog's); `Err` when it could not be
-/// read within `wait`: the note that says why, and whether the layer refused to bring the
-/// fiber to a safe point (rather than the fiber not reaching one). `Ok(None)`: the scheduler
-/// has no layer to ask, or the fiber is gone.
+/// layer's frames), asked from another thread (the watchdog's), or, when it does not reach
+/// one within `wait`, with its thread held still (a layer with a [`HeldSource`]: a fiber in
+/// C code that Lua called); `Err` when neither could read it: the note that says why, and
+/// whether it is the layer's own reason (its refusal to bring the fiber to a safe point, or
+/// why the held read found no frames of its) rather than the fiber not reaching one.
+/// `Ok(None)`: the scheduler has no layer to ask, or the fiber is gone. With the fiber, what
+/// its frames were read without, or how (a held read when the layer refused a safe point).
 pub(crate) fn running_part(
     s: &SchedShared,
     id: FiberId,
     opts: &InfoOptions,
     wait: Duration,
-) -> Result<Option<FiberInfo>, (String, bool)> {
+) -> RunningPart {
     match ask(s, opts, Some(id), wait) {
         Ask::Here => Ok(None),
-        Ask::Built(mut p) => Ok(p.fibers.pop()),
-        Ask::Late(refused) => Err((late_note(wait, refused), refused.is_some())),
+        Ask::Built(mut p) => Ok(p.fibers.pop().map(|f| (f, None))),
+        Ask::Late(refused) => match held_part(s, opts, Some(id)) {
+            Some((mut p, notes)) => {
+                let mine = notes.into_iter().find(|n| n.fiber == id);
+                if let Some(n) = mine.as_ref().filter(|n| !n.read) {
+                    return Err((
+                        format!(
+                            "frames of the layer above the runtime (Lua) not shown: {}",
+                            n.why
+                        ),
+                        true,
+                    ));
+                }
+                let why = mine.map(|n| n.why);
+                let note = match (refused, why) {
+                    (Some(r), why) => Some(format!(
+                        "its running fiber cannot be stopped at a safe point: {r}: its Lua \
+                         frames were read from memory, its thread held still{}",
+                        why.map(|w| format!("; {w}")).unwrap_or_default()
+                    )),
+                    (None, why) => why,
+                };
+                Ok(p.fibers.pop().map(|f| (f, note)))
+            }
+            None => Err((late_note(wait, refused), refused.is_some())),
+        },
     }
 }
 

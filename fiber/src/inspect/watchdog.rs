@@ -379,8 +379,10 @@ fn deliver(r: &Report) {
 }
 
 /// The stalled fiber's frames with its layer's (Lua) interleaved, read at a safe point inside
-/// it, when its scheduler has such a layer; otherwise the note that says why not (the
-/// host's annotation, see [`set_annotator`], or the runtime's).
+/// it, or with its thread held still when it reaches none (see [`super::HeldSource`]), when
+/// its scheduler has such a layer, with a note of what they were read without; otherwise
+/// the note that says why not (the host's annotation, see [`set_annotator`], or the
+/// runtime's).
 fn layer_frames(
     s: &SchedShared,
     sample: &super::sample::Sample,
@@ -396,11 +398,11 @@ fn layer_frames(
     match super::running_part(s, sample.fiber, &opts, super::SOURCE_WAIT) {
         // No layer above the runtime: its frames are all there is.
         Ok(None) => (None, None),
-        Ok(Some(fi)) => {
+        Ok(Some((fi, note))) => {
             let same_run = fi.status == Status::Running
                 && s.on_thread.resumes.load(Ordering::Acquire) == sample.resumes;
             match fi.backtrace {
-                Some(frames) if same_run => (Some(frames), None),
+                Some(frames) if same_run => (Some(frames), note),
                 _ => (
                     None,
                     Some(
