@@ -308,7 +308,13 @@ fn held_part(
     let src = source::held(s.id)?;
     let hold = sample::hold(s, SOURCE_WAIT)?;
     let here = hold.sample.fiber;
-    let mut p = build_part_with(s, opts, only, Some(hold.sample.clone()));
+    // Names and lines after the hold: a symbolizer's first use reads debug info for
+    // seconds, and the thread would be held meanwhile (or the hold run out).
+    let held_opts = InfoOptions {
+        resolve: false,
+        ..*opts
+    };
+    let mut p = build_part_with(s, &held_opts, only, Some(hold.sample.clone()));
     let mut notes: Vec<LayerNote> = Vec::new();
     // The layer words, in one scan of the registry (a lookup per fiber is a scan each).
     let mut words = std::collections::HashMap::with_capacity(p.fibers.len());
@@ -338,7 +344,7 @@ fn held_part(
             });
         }
         if let Some(frames) = frames {
-            fi.backtrace = Some(labelled(&frames, |id| src.name(id), opts.resolve));
+            fi.backtrace = Some(labelled(&frames, |id| src.name(id), false));
         }
     }
     src.end();
@@ -346,7 +352,31 @@ fn held_part(
         return None;
     }
     drop(hold);
+    if opts.resolve {
+        for fi in &mut p.fibers {
+            if let Some(b) = &fi.backtrace {
+                fi.backtrace = Some(resolved(b));
+            }
+            for pi in &mut fi.parent_backtrace {
+                pi.frames = resolved(&pi.frames);
+            }
+        }
+    }
     Some((p, notes))
+}
+
+/// `frames` with their native frames resolved (names, lines), the layer's as they are.
+fn resolved(frames: &[FrameInfo]) -> Arc<[FrameInfo]> {
+    frames
+        .iter()
+        .map(|f| match f.frame {
+            Frame::Lua(_) => f.clone(),
+            _ => FrameInfo {
+                resolved: f.resolved.clone().or_else(|| symbolize::resolve(&f.frame)),
+                ..f.clone()
+            },
+        })
+        .collect()
 }
 
 /// A layer's note on one fiber of a held read ([`held_part`]).
