@@ -79,6 +79,9 @@ pub(crate) struct SampleSlot {
     pub holding: AtomicBool,
     /// Set by the holder to let the thread go.
     pub release: AtomicBool,
+    /// The general registers (DWARF numbers 0 to 16) where the held thread was stopped,
+    /// written before `holding` is published.
+    pub regs: [AtomicU64; 17],
 }
 
 // SAFETY: `sample.out` is written only by the handler while `sample.requested` is set, and
@@ -115,6 +118,7 @@ impl OnThread {
                 hold_wanted: AtomicBool::new(false),
                 holding: AtomicBool::new(false),
                 release: AtomicBool::new(false),
+                regs: [const { AtomicU64::new(0) }; 17],
             },
         }
     }

@@ -415,7 +415,12 @@ impl fibertrace_fiber::HeldSource for HeldMarker {
         &self,
         word: u64,
         native: &[fibertrace_core::Frame],
+        register: &dyn Fn(u16) -> Option<u64>,
     ) -> (Option<Vec<fibertrace_core::Frame>>, Option<String>) {
+        // Its stack pointer where it was stopped (DWARF 7): inside this thread's spin, a
+        // word-aligned address.
+        assert!(register(7).is_some_and(|sp| sp != 0 && sp % 8 == 0));
+        assert_eq!(register(17), None);
         self.running
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let (frames, _) = self.frames(word, native);
@@ -547,6 +552,43 @@ fn a_dump_from_another_thread_holds_a_spinning_scheduler_still_for_its_held_sour
         "{text}"
     );
     assert!(!text.contains("not shown"), "{text}");
+}
+
+/// Two dumps asked at once from two threads while the scheduler's thread spins: each holds
+/// the thread in turn (the second waits for the first's hold to end, then holds it again),
+/// and each has the held source's frames, the thread still during every call.
+#[test]
+fn two_dumps_at_once_hold_the_spinning_scheduler_in_turn() {
+    let _turn = MARKED.lock().unwrap_or_else(|e| e.into_inner());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let held = std::sync::Arc::new(HeldMarker::default());
+    let (t, parked) = held_scheduler(held.clone(), stop.clone());
+    let dumps: Vec<_> = (0..2)
+        .map(|_| std::thread::spawn(dump::dump_text))
+        .collect();
+    let texts: Vec<String> = dumps.into_iter().map(|d| d.join().unwrap()).collect();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    t.join().unwrap();
+    use std::sync::atomic::Ordering::SeqCst;
+    assert_eq!(held.moved.load(SeqCst), 0, "the thread moved during a read");
+    assert_eq!(held.calls.load(SeqCst), 6, "{texts:?}");
+    assert_eq!(held.running.load(SeqCst), 2, "{texts:?}");
+    for text in &texts {
+        let block = text
+            .split("\n\n")
+            .find(|b| b.contains(&format!("fiber {parked} \"parked\"")))
+            .unwrap_or_else(|| panic!("{text}"));
+        assert!(
+            block.contains("\n#0  held marker 7 in @held.lua:1\n"),
+            "{block}"
+        );
+        assert!(
+            text.contains(
+                ": the layer's (Lua) frames were read from memory, the thread held still"
+            ),
+            "{text}"
+        );
+    }
 }
 
 /// A held source slower than a hold lasts (5 s): the thread goes on when the hold runs out

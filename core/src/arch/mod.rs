@@ -26,7 +26,9 @@ pub(crate) use x86_64::{
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86_64::{is_sigreturn, UCONTEXT_REGS};
 #[cfg(target_arch = "x86_64")]
-pub use x86_64::{prefetch, prefetch_far, registers_from_ucontext, timestamp_counter};
+pub use x86_64::{
+    prefetch, prefetch_far, register_from_ucontext, registers_from_ucontext, timestamp_counter,
+};
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86_64::{registers_from_prstatus, registers_from_user_regs, ELF_MACHINE};
 

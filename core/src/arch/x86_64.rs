@@ -44,6 +44,38 @@ pub unsafe fn registers_from_ucontext(uc: *const libc::c_void) -> Registers {
     }
 }
 
+/// DWARF register `n` (x86-64's numbering, as `general_register`: 0 `rax` … 16 `rip`) of
+/// the interrupted context `uc`; `None` for another number. Async-signal-safe.
+///
+/// # Safety
+/// `uc` is a valid `ucontext_t` (a signal handler's third argument).
+pub unsafe fn register_from_ucontext(uc: *const libc::c_void, n: u16) -> Option<u64> {
+    // The `gregs` index each DWARF number names.
+    const AT: [libc::c_int; 17] = [
+        libc::REG_RAX,
+        libc::REG_RDX,
+        libc::REG_RCX,
+        libc::REG_RBX,
+        libc::REG_RSI,
+        libc::REG_RDI,
+        libc::REG_RBP,
+        libc::REG_RSP,
+        libc::REG_R8,
+        libc::REG_R9,
+        libc::REG_R10,
+        libc::REG_R11,
+        libc::REG_R12,
+        libc::REG_R13,
+        libc::REG_R14,
+        libc::REG_R15,
+        libc::REG_RIP,
+    ];
+    let i = *AT.get(n as usize)? as usize;
+    // SAFETY: the caller guarantees `uc` is a valid ucontext_t.
+    let uc = unsafe { &*(uc as *const libc::ucontext_t) };
+    Some(uc.uc_mcontext.gregs[i] as u64)
+}
+
 /// Asks the CPU to start loading the cache lines of `[addr, addr + len)` (at most 4 KiB),
 /// so that a walk of a cold stack that follows finds them in cache instead of taking one
 /// memory round trip per frame. A hint only: it reads nothing, never faults (any address,

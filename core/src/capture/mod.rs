@@ -27,7 +27,8 @@ use crate::backtrace::{new_ring, Backtrace, CaptureOptions, FrameSink, Unwinder}
 use crate::unwind::{self, DwarfCache, RangeCache, Stacks, Start};
 
 pub use crate::arch::{
-    prefetch, prefetch_far, registers_from_ucontext, Registers, SavedContext, StackBounds,
+    prefetch, prefetch_far, register_from_ucontext, registers_from_ucontext, Registers,
+    SavedContext, StackBounds,
 };
 
 /// Most entered coroutine stacks a walk of the current stack follows (the innermost ones).

@@ -332,7 +332,7 @@ fn held_part(
             if fi.id != here {
                 continue;
             }
-            src.running_frames(word, &raw)
+            src.running_frames(word, &raw, &|n| hold.register(n))
         } else {
             src.frames(word, &raw)
         };

@@ -219,6 +219,11 @@ extern "C" fn on_signal(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut
     // (Asked only with this request: the requester clears it when it withdraws one.)
     let hold = slot.hold_wanted.swap(false, Ordering::AcqRel);
     if hold {
+        for (n, r) in slot.regs.iter().enumerate() {
+            // SAFETY: `uc` is the kernel's ucontext for this handler.
+            let v = unsafe { fibertrace_core::capture::register_from_ucontext(uc, n as u16) };
+            r.store(v.unwrap_or(0), Ordering::Relaxed);
+        }
         slot.release.store(false, Ordering::Relaxed);
         slot.holding.store(true, Ordering::Relaxed);
     }
@@ -348,6 +353,12 @@ impl Hold<'_> {
     /// Whether the thread is still held (its handler's time was not up).
     pub fn still_held(&self) -> bool {
         self.slot.holding.load(Ordering::Acquire)
+    }
+
+    /// DWARF register `n` (0 to 16) where the held thread was stopped.
+    pub fn register(&self, n: u16) -> Option<u64> {
+        let r = self.slot.regs.get(n as usize)?;
+        Some(r.load(Ordering::Relaxed))
     }
 }
 

@@ -64,8 +64,14 @@ pub trait HeldSource: Send + Sync {
     fn frames(&self, word: u64, native: &[Frame]) -> (Option<Vec<Frame>>, Option<String>);
 
     /// The same for the fiber that ran when its thread was stopped, from that thread's
-    /// frames `native` (walked from where the signal found it, innermost first).
-    fn running_frames(&self, word: u64, native: &[Frame]) -> (Option<Vec<Frame>>, Option<String>);
+    /// frames `native` (walked from where the signal found it, innermost first) and its
+    /// registers there (`register(n)`: DWARF number `n`, as the unwinder numbers them).
+    fn running_frames(
+        &self,
+        word: u64,
+        native: &[Frame],
+        register: &dyn Fn(u16) -> Option<u64>,
+    ) -> (Option<Vec<Frame>>, Option<String>);
 
     /// As [`FrameSource::name`]; called from any thread.
     fn name(&self, id: LuaFrameId) -> Option<String>;

@@ -43,9 +43,9 @@ fn push_levels(lua: &crate::frames::LuaStack, out: &mut Vec<Frame>) {
 /// The DWARF numbers of the registers that hold LuaJIT's interpreter's frame base and PC
 /// (`vm_x64.dasc`: `BASE` is `rdx`, `PC` is `rbx`).
 #[cfg(target_arch = "x86_64")]
-const INTERP_BASE: u16 = 1;
+pub(super) const INTERP_BASE: u16 = 1;
 #[cfg(target_arch = "x86_64")]
-const INTERP_PC: u16 = 3;
+pub(super) const INTERP_PC: u16 = 3;
 
 /// The Lua host's [`ForeignLayer`] (see the module doc).
 #[derive(Default)]

@@ -11,9 +11,9 @@
 //! code that Lua called (LuaJIT records the frame base at every call out of Lua), which its
 //! frames show (the interpreter's own frame below the C code, no code outside every image
 //! above it) and the VM state confirms (not running Lua code). In compiled code its levels
-//! come from the base the trace was entered with, as `dump PID` reads them. In the
-//! interpreter itself (its base and PC in registers this reader does not get) it has no Lua
-//! frames, and its note says why.
+//! come from the base the trace was entered with, in the interpreter from its base and PC
+//! registers where the thread was stopped, as `dump PID` reads them (each checked against
+//! the state's stack and the function's code first).
 //!
 //! How a result can be wrong: as the foreign reader's (a thread held inside a collector step
 //! that moves a stack reads a torn stack; the reader checks every link and says where it
@@ -26,6 +26,7 @@ use fibertrace_fiber::inspect::HeldSource;
 use smallvec::SmallVec;
 
 use super::classify::VmMap;
+use super::foreign::{INTERP_BASE, INTERP_PC};
 use crate::frames::foreign::{Memory, Reader, SelfMem};
 
 /// The Lua host's [`HeldSource`] (see the module doc).
@@ -133,10 +134,25 @@ impl HeldSource for HeldLua {
         self.merged(&mut self.state(), word, native, None)
     }
 
-    fn running_frames(&self, word: u64, native: &[Frame]) -> (Option<Vec<Frame>>, Option<String>) {
+    fn running_frames(
+        &self,
+        word: u64,
+        native: &[Frame],
+        register: &dyn Fn(u16) -> Option<u64>,
+    ) -> (Option<Vec<Frame>>, Option<String>) {
         let mut guard = self.state();
         let st = &mut *guard;
-        let top = match st.reader.running_top(&mut st.mem, word, None) {
+        let interp = self.vm.interpreter;
+        let in_interp = |a: u64| interp.is_some_and(|(s, e)| a >= s && a < e);
+        // Stopped in the interpreter: its frame base and PC are its registers.
+        let regs = native
+            .first()
+            .and_then(|f| f.lookup_address())
+            .is_some_and(in_interp)
+            .then(|| Some((register(INTERP_BASE)?, register(INTERP_PC)?)))
+            .flatten();
+        let top = match st.reader.running_top(&mut st.mem, word, regs) {
+            Ok(Some(top)) if !top.compiled => return self.merged(st, word, native, Some(top)),
             Ok(top) => top,
             Err(why) => {
                 return (
@@ -183,8 +199,6 @@ impl HeldSource for HeldLua {
         }
         // C code that Lua called: the interpreter's frame is below it, and no code outside
         // every image is above it.
-        let interp = self.vm.interpreter;
-        let in_interp = |a: u64| interp.is_some_and(|(s, e)| a >= s && a < e);
         for (i, f) in native.iter().enumerate() {
             let Some(a) = f.lookup_address() else {
                 continue;
@@ -194,8 +208,8 @@ impl HeldSource for HeldLua {
                     return (
                         None,
                         Some(
-                            "it runs Lua code in LuaJIT's interpreter, whose frame base is in \
-                             a register: its Lua frames are not read"
+                            "its thread was stopped in LuaJIT's interpreter, whose state does \
+                             not say which Lua code runs there: its Lua frames are not read"
                                 .into(),
                         ),
                     );
