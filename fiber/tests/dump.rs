@@ -256,15 +256,34 @@ fn marked_scheduler_with_arm(
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     arm: Option<fibertrace_fiber::inspect::SafePointArm>,
 ) -> (std::thread::JoinHandle<()>, u64) {
+    layered_scheduler(main, stop, arm, None)
+}
+
+/// [`marked_scheduler_with_arm`], with `held` as the layer's held source when given (then the
+/// parked fiber's layer word is 7, the main fiber's 5).
+fn layered_scheduler(
+    main: fn(&std::sync::atomic::AtomicBool),
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    arm: Option<fibertrace_fiber::inspect::SafePointArm>,
+    held: Option<std::sync::Arc<HeldMarker>>,
+) -> (std::thread::JoinHandle<()>, u64) {
     let (tx, rx) = std::sync::mpsc::channel();
     let t = std::thread::spawn(move || {
         let s = Scheduler::new();
         s.set_frame_source(Some(std::rc::Rc::new(Marker)));
         s.set_safe_point_arm(arm);
+        let words = held.is_some();
+        if let Some(held) = held {
+            s.set_held_source(Some(held));
+        }
         s.block_on(move || {
             let ch = channel::<u8>(1);
             let rx = ch.clone();
             let parked = Builder::new().name("parked").spawn(move || wait_three(&rx));
+            if words {
+                parked.fiber().set_layer_word(7);
+                fibertrace_fiber::current().unwrap().set_layer_word(5);
+            }
             yield_now();
             tx.send(parked.id()).unwrap();
             main(&stop);
@@ -452,29 +471,17 @@ fn held_scheduler(
     held: std::sync::Arc<HeldMarker>,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
 ) -> (std::thread::JoinHandle<()>, u64) {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let t = std::thread::spawn(move || {
-        let s = Scheduler::new();
-        s.set_frame_source(Some(std::rc::Rc::new(Marker)));
-        s.set_held_source(Some(held));
-        s.block_on(move || {
-            let ch = channel::<u8>(1);
-            let rx = ch.clone();
-            let parked = Builder::new().name("parked").spawn(move || wait_three(&rx));
-            parked.fiber().set_layer_word(7);
-            fibertrace_fiber::current().unwrap().set_layer_word(5);
-            yield_now();
-            tx.send(parked.id()).unwrap();
+    layered_scheduler(
+        |stop| {
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 SPINS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 std::hint::spin_loop();
             }
-            ch.send(1).unwrap();
-            parked.join().unwrap();
-        })
-        .unwrap();
-    });
-    (t, rx.recv().unwrap())
+        },
+        stop,
+        None,
+        Some(held),
+    )
 }
 
 /// A dump from another thread while the scheduler's thread spins in native code (no safe

@@ -1418,6 +1418,18 @@ NKEYS = #keys
 /// A SIGQUIT handler that does nothing (the process then *handles* SIGQUIT).
 extern "C" fn quiet(_: libc::c_int) {}
 
+/// Installs [`quiet`] for signal `sig` in this test process (no test here sends it).
+fn handle_quietly(sig: libc::c_int) {
+    // SAFETY: a handler that does nothing; the structure is plain data, initialized before
+    // the call.
+    unsafe {
+        let mut act: libc::sigaction = std::mem::zeroed();
+        act.sa_sigaction = quiet as extern "C" fn(libc::c_int) as usize;
+        libc::sigemptyset(&mut act.sa_mask);
+        assert_eq!(libc::sigaction(sig, &act, std::ptr::null_mut()), 0);
+    }
+}
+
 /// `os.execute` gives each flavour's own results — with the C library's `system()` when the
 /// process does not handle SIGQUIT, and with the host's own spawn (which leaves SIGQUIT to
 /// the process's handler while the command runs) when it does: the same results both ways.
@@ -1467,17 +1479,7 @@ fn os_execute_gives_each_flavours_results_whether_or_not_sigquit_is_handled() {
     let host = run(src);
     assert_eq!(global_seq::<String>(&host, "results"), want);
     drop(host);
-    // SAFETY: installs a handler that does nothing for SIGQUIT in this test process (no
-    // test here sends it); the structure is plain data, initialized before the call.
-    unsafe {
-        let mut act: libc::sigaction = std::mem::zeroed();
-        act.sa_sigaction = quiet as extern "C" fn(libc::c_int) as usize;
-        libc::sigemptyset(&mut act.sa_mask);
-        assert_eq!(
-            libc::sigaction(libc::SIGQUIT, &act, std::ptr::null_mut()),
-            0
-        );
-    }
+    handle_quietly(libc::SIGQUIT);
     let host = run(src);
     assert_eq!(global_seq::<String>(&host, "results"), want);
     // SAFETY: the default action back.
@@ -1505,18 +1507,8 @@ fn sigint_action() -> libc::sighandler_t {
 fn two_hosts_running_os_execute_at_once_each_get_their_status_and_sigint_comes_back() {
     let _one = SIGNALS.lock().unwrap_or_else(|p| p.into_inner());
     let dir = Scratch::new("execute-two");
-    // SAFETY: installs handlers that do nothing for SIGQUIT and SIGINT in this test process
-    // (no test sends them); the structures are plain data, initialized before the calls.
-    unsafe {
-        let mut act: libc::sigaction = std::mem::zeroed();
-        act.sa_sigaction = quiet as extern "C" fn(libc::c_int) as usize;
-        libc::sigemptyset(&mut act.sa_mask);
-        assert_eq!(
-            libc::sigaction(libc::SIGQUIT, &act, std::ptr::null_mut()),
-            0
-        );
-        assert_eq!(libc::sigaction(libc::SIGINT, &act, std::ptr::null_mut()), 0);
-    }
+    handle_quietly(libc::SIGQUIT);
+    handle_quietly(libc::SIGINT);
     let handler = quiet as extern "C" fn(libc::c_int) as libc::sighandler_t;
     assert_eq!(sigint_action(), handler);
     // Each command marks its start, waits (5 s at most) for the other's mark, then for a
