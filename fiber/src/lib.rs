@@ -54,10 +54,10 @@ pub use frames::TRAMPOLINE;
 pub use inspect::{dump, export, glue, http, info, sample, watchdog};
 pub use inspect::{FiberInfo, FrameInfo, FrameSource, HeldSource, InfoOptions, Snapshot};
 pub use sched::{
-    cancellation_caught, current, current_id, end_run_after_turn, is_cancelled, sleep, spawn,
-    suspend, testcancel, try_spawn, yield_now, yield_to, yield_to_id, BlockOnError, Builder, Fiber,
-    JoinError, JoinHandle, RunError, SchedBuilder, Scheduler, SchedulerOptions, SpawnError,
-    SpawnErrorKind,
+    cancellation_caught, current, current_id, end_run_after_turn, is_cancelled, release_caches,
+    sleep, spawn, suspend, testcancel, try_spawn, yield_now, yield_to, yield_to_id, BlockOnError,
+    Builder, Fiber, JoinError, JoinHandle, RunError, SchedBuilder, Scheduler, SchedulerOptions,
+    SpawnError, SpawnErrorKind,
 };
 pub use sync::{channel, Channel, ChannelError, Cond};
 pub use task::{

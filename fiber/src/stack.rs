@@ -135,6 +135,11 @@ impl Pool {
         FiberStack::new(size)
     }
 
+    /// Unmaps the stacks kept.
+    pub fn clear(&mut self) {
+        self.free = Vec::new();
+    }
+
     pub fn give(&mut self, size: usize, stack: FiberStack) {
         // The next fiber gets the reserve closed, whatever this one did.
         crate::overflow::forget_reserve(stack.reserve(), true);

@@ -77,8 +77,24 @@ pub fn heap_baseline() -> HeapBaseline {
         .collect()
 }
 
+/// The blocks the Lua VM keeps for itself (its string table, its temporary buffer, its
+/// compiled traces) as `(address, size)` (size 0: any), read when the host let go of what it keeps at exit
+/// (`LuaHost::release_kept`): a report of what the script made leaves them out. The VM
+/// resizes them as the program goes (a string table grown by the script's strings stays
+/// at that size while enough strings live).
+static VM_OWN: std::sync::Mutex<Vec<(usize, usize)>> = std::sync::Mutex::new(Vec::new());
+
+/// Sets [`VM_OWN`].
+pub(crate) fn set_vm_own(v: Vec<(usize, usize)>) {
+    *VM_OWN.lock().unwrap_or_else(|e| e.into_inner()) = v;
+}
+
 /// [`heap_text`] of the allocations not in `base` (all of them without one), with a line
-/// saying how many were left out.
+/// saying how many were left out. With a baseline (a script's leaks: what it made since)
+/// what is charged to code outside fibers is left out too: the runtime's and the host's
+/// own (the scheduler between fibers, the objects the host makes ahead for the next
+/// fibers), not the script's, whose code runs in fibers; and so are the Lua VM's own
+/// tables ([`VM_OWN`]).
 pub fn heap_text_since(top: usize, base: Option<&HeapBaseline>) -> String {
     if heap::tier() == heap::Tier::Off {
         return format!("{}\n", fibertrace_fiber::export::NOT_TRACKED);
@@ -88,16 +104,21 @@ pub fn heap_text_since(top: usize, base: Option<&HeapBaseline>) -> String {
     if let Some(base) = base {
         let before = live.len();
         let mut bytes = 0i64;
+        let vm_own = VM_OWN.lock().unwrap_or_else(|e| e.into_inner()).clone();
         live.retain(|a| {
-            let old = base.contains(&(a.ptr, a.size, a.addrs.first().copied().unwrap_or(0)));
+            let old = a.fiber.is_none()
+                || vm_own
+                    .iter()
+                    .any(|&(p, n)| p == a.ptr && (n == a.size || n == 0))
+                || base.contains(&(a.ptr, a.size, a.addrs.first().copied().unwrap_or(0)));
             if old {
                 bytes += a.bytes;
             }
             !old
         });
         out.push_str(&format!(
-            "(left out: {} allocations, {} bytes, live since before the script started — \
-             the runtime's and the Lua state's own)\n",
+            "(left out: {} allocations, {} bytes, live since before the script started or \
+             made outside its fibers — the runtime's and the Lua state's own)\n",
             before - live.len(),
             bytes
         ));
@@ -108,6 +129,9 @@ pub fn heap_text_since(top: usize, base: Option<&HeapBaseline>) -> String {
         hide: fibertrace_fiber::glue::filter(),
         ..TextOptions::default()
     };
+    if base.is_some() && live.is_empty() {
+        out.push_str("heap: nothing the script made is still live\n");
+    }
     let groups: Vec<Group> = heap::group(&live)
         .into_iter()
         .map(|mut g| {
@@ -115,7 +139,9 @@ pub fn heap_text_since(top: usize, base: Option<&HeapBaseline>) -> String {
             g
         })
         .collect();
-    out.push_str(&heap::render_groups(&groups, top, &fiber_name, &opts));
+    if base.is_none() || !live.is_empty() {
+        out.push_str(&heap::render_groups(&groups, top, &fiber_name, &opts));
+    }
     if let Some(s) = fibertrace_fiber::inspect::HeapSummary::now() {
         out.push('\n');
         fibertrace_fiber::dump::render_heap_summary(&s, &mut out);

@@ -45,7 +45,9 @@ mod totals;
 mod view;
 
 pub use crate::untracked::{pause, Busy};
-pub use owner::{owners, restore, switch_to, Owner, OwnerRow, Usage, MAX_OWNERS};
+pub use owner::{
+    outside_fibers, owners, restore, switch_to, OutsideFibers, Owner, OwnerRow, Usage, MAX_OWNERS,
+};
 pub use totals::{totals, Total, MAX_ENTRIES};
 pub use view::{
     group, human_bytes, live, machinery_frames, render_groups, share_name, write_m_lines, Group,

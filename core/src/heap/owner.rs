@@ -336,6 +336,36 @@ pub fn restore(prev: *const Owner) {
     let _ = CURRENT.try_with(|c| c.set(prev));
 }
 
+/// Runs `f` with this thread's allocations charged to code outside fibers (slot 0), then
+/// puts back the owner that was current, also when `f` unwinds: for a runtime's own work
+/// done while a fiber runs (its tables' growth, objects it makes ahead for whichever fibers
+/// come next), which is not that fiber's heap.
+pub fn outside_fibers<R>(f: impl FnOnce() -> R) -> R {
+    let _outside = OutsideFibers::enter();
+    f()
+}
+
+/// [`outside_fibers`] as a guard: this thread's allocations are charged to code outside
+/// fibers until it is dropped, which puts back the owner that was current.
+pub struct OutsideFibers {
+    prev: *const Owner,
+}
+
+impl OutsideFibers {
+    /// Starts charging this thread's allocations to code outside fibers.
+    pub fn enter() -> OutsideFibers {
+        OutsideFibers {
+            prev: switch_to(None),
+        }
+    }
+}
+
+impl Drop for OutsideFibers {
+    fn drop(&mut self) {
+        restore(self.prev);
+    }
+}
+
 /// The slot the current thread's allocation is charged to.
 #[inline]
 pub(crate) fn current_slot() -> u32 {

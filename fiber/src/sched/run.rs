@@ -269,7 +269,8 @@ impl Inner {
             s.timer_seq = seq;
         }
         let mut timers = self.timers.borrow_mut();
-        timers.push(std::cmp::Reverse((when, seq, fid)));
+        // (The heap's growth is the scheduler's own, not the sleeping fiber's.)
+        fibertrace_core::heap::outside_fibers(|| timers.push(std::cmp::Reverse((when, seq, fid))));
         // Looked at on the next loop iteration, which sets the gate from the first timer.
         self.timer_gate.set(0);
         // A fiber woken early (or cancelled, or gone) leaves its timer in the heap until the

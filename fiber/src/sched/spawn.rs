@@ -242,6 +242,10 @@ impl Builder {
         };
         let size = self.stack_size.unwrap_or(default_size);
         let stack = take_stack(inner, size)?;
+        // What the runtime makes for the fiber (its control block, slot, coroutine, its
+        // creator's trace) and the growth of the scheduler's registry, map and queue are the
+        // runtime's heap, not the spawning fiber's (whose own data the fiber's code holds).
+        let _owner = fibertrace_core::heap::OutsideFibers::enter();
         let bounds = stack::bounds(&stack);
         let stack = HeldStack::new(stack);
         // Borrowed: the creator's control block is cloned only into a parent trace (each

@@ -241,9 +241,15 @@ fn cli() -> Command {
                         .long("leaks")
                         .action(ArgAction::SetTrue)
                         .help(
-                            "At exit, print on stderr the allocations still live, grouped by \
-                             stack, biggest first, with the fiber that made each (tracks \
-                             every allocation unless --heap=sampled is given)",
+                            "At exit, print on stderr what the script made and still holds: \
+                             the allocations still live, grouped by stack, biggest first, with \
+                             the fiber that made each (tracks every allocation unless \
+                             --heap=sampled is given). At the script's end and in os.exit the \
+                             Lua heap is collected first (the finalizers of what is \
+                             unreachable run, as in any collection) and the runtime's spare \
+                             objects let go; what was live before the script started, and \
+                             what the runtime made outside the script's fibers, is left out \
+                             and counted",
                         ),
                 )
                 .arg(
@@ -551,6 +557,20 @@ return function(...)
     return exit(...)
 end
 "#;
+
+/// `--leaks`: `os.exit` lets go of what the host keeps for its next fibers and collects the
+/// Lua heap first ([`fibertrace_lua::LuaHost::release_kept`]), as the end of the main chunk
+/// does: the report lists what the script still holds.
+fn release_before_exit(host: &fibertrace_lua::LuaHost) -> mlua::Result<()> {
+    let lua = host.lua();
+    let os: mlua::Table = lua.globals().get("os")?;
+    let exit: mlua::Function = os.get("exit")?;
+    let wrapped: mlua::Function = lua
+        .load("local release, exit = ...\nreturn function(...) release() return exit(...) end")
+        .set_name("=fibertrace")
+        .call((host.release_kept_fn()?, exit))?;
+    os.set("exit", wrapped)
+}
 
 /// Replaces `os.exit` with [`EXIT_WRAPPER`].
 fn wrap_os_exit(lua: &mlua::Lua, list: &[(Format, PathBuf)]) -> mlua::Result<()> {
@@ -921,10 +941,15 @@ fn install_signals() -> Result<(), String> {
             let Some(code) = read_byte(timer_rd, None) else {
                 return;
             };
-            if DUMPS_ON_EXIT.get().is_some_and(|l| !l.is_empty())
-                && read_byte(timer_rd, Some(exit_dump_wait())).is_none()
-            {
-                dumps_given_up();
+            let dumps = DUMPS_ON_EXIT.get().is_some_and(|l| !l.is_empty());
+            let leaks = LEAKS_TOP.load(std::sync::atomic::Ordering::SeqCst) > 0;
+            if (dumps || leaks) && read_byte(timer_rd, Some(exit_dump_wait())).is_none() {
+                if dumps {
+                    dumps_given_up();
+                }
+                if leaks {
+                    leaks_given_up();
+                }
             } else {
                 std::thread::sleep(std::time::Duration::from_secs(1));
             }
@@ -948,7 +973,10 @@ fn install_signals() -> Result<(), String> {
                 say_suppressed();
                 // (The signal's code is not 0: it stays, whether the dumps were written.)
                 dump_on_exit();
-                // The dumps are done: the timer gives the flush its second.
+                // `--leaks`: its report, as at any exit (`_exit` below runs no `atexit`
+                // handler), taken from this thread while the script's goes on.
+                leaks_at_exit();
+                // The dumps and the report are done: the timer gives the flush its second.
                 // SAFETY: as above.
                 unsafe { libc::write(timer_wr, c.as_ptr().cast(), 1) };
                 let _ = io::stdout().flush();
@@ -1055,7 +1083,30 @@ extern "C" fn leaks_at_exit() {
     if top == 0 {
         return;
     }
+    // (The report's own allocations, the thread it may run on included, are not tracked:
+    // made by a fiber that called `os.exit`, they were listed as that fiber's.)
+    fibertrace_core::heap::untracked(|| report_leaks(top));
+}
+
+/// The `--leaks` report was not written within `--dump-on-exit-wait` of an exit signal:
+/// said on stderr (the program ends without it).
+fn leaks_given_up() {
+    let msg = format!(
+        "\nfibertrace: --leaks: the report was not written within {} s of the signal \
+         (--dump-on-exit-wait); the program ends without the rest\n",
+        exit_dump_wait().as_secs()
+    );
+    // SAFETY: write(2) of a local buffer to the standard error's descriptor.
+    unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
+}
+
+/// The body of [`leaks_at_exit`].
+fn report_leaks(top: usize) {
     let _ = io::stdout().flush();
+    // What the script wrote through C's streams (`print`, `io.write`) first, as it came
+    // before (`exit` flushes them only after this handler).
+    // SAFETY: `fflush(NULL)` flushes every open output stream; no stream is closed here.
+    unsafe { libc::fflush(std::ptr::null_mut()) };
     let report = || {
         fibertrace_core::heap::untracked(|| fibertrace_lua::heap_text_since(top, LEAKS_BASE.get()))
     };
@@ -1071,7 +1122,17 @@ extern "C" fn leaks_at_exit() {
     } else {
         report()
     };
-    let _ = write!(io::stderr(), "fibertrace: --leaks: live at exit:\n{text}");
+    let collected = if fibertrace_lua::LuaHost::kept_released() {
+        ""
+    } else {
+        "(the Lua heap was not collected first: the run ended neither at the script's end \
+         nor through os.exit (a signal, or an exit from native code), so garbage not yet \
+         collected is listed too)\n"
+    };
+    let _ = write!(
+        io::stderr(),
+        "fibertrace: --leaks: live at exit:\n{collected}{text}"
+    );
 }
 
 /// The heap tier `--heap`/`--leaks` ask for, and, when the process does not run it yet, the
@@ -1259,6 +1320,10 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
         .unwrap_or_else(|| "fibertrace".into());
     host.set_arg(interpreter.as_encoded_bytes(), script_bytes, &args);
     if LEAKS_TOP.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+        if let Err(e) = release_before_exit(&host) {
+            err!("fibertrace: --leaks: {e}");
+            return ExitCode::from(1);
+        }
         let base = fibertrace_core::heap::untracked(fibertrace_lua::heap_baseline);
         let _ = LEAKS_BASE.set(base);
     }
@@ -1283,6 +1348,9 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
             1
         }
     };
+    if LEAKS_TOP.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+        host.release_kept();
+    }
     let code = exit_code(code, dump_on_exit());
     if DUMPS_ON_EXIT.get().is_some() {
         defer_to_exit_signal();

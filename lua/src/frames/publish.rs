@@ -226,6 +226,105 @@ pub static HEADER: Header = Header {
     jit: JitLayout::LUAJIT_GC64,
 };
 
+/// Where the VM state of `l`'s global state is (an `i32`: `~LJ_VMST_GC` while the collector
+/// runs, the JIT compiler's states while it records and assembles a trace), when the
+/// layout of the running code's state was checked and matched; `None` otherwise (Lua 5.4,
+/// another LuaJIT).
+///
+/// # Safety
+/// `l` is a valid state of the linked Lua.
+pub unsafe fn vmstate_of(l: *mut ffi::lua_State) -> Option<*const i32> {
+    if !cfg!(feature = "luajit") || JIT_CHECKED.load(Ordering::Acquire) != MATCHES {
+        return None;
+    }
+    let lay = &HEADER.jit;
+    // SAFETY: per the contract, `l` is a live state; the checked layout says its global
+    // state's address is at this offset (a plain pointer under GC64).
+    let g = unsafe {
+        std::ptr::read_unaligned((l as usize + lay.state_glref as usize) as *const usize)
+    };
+    (g != 0).then(|| (g + lay.g_vmstate as usize) as *const i32)
+}
+
+/// The blocks LuaJIT keeps for the whole state and resizes as the program goes — its string
+/// table, its temporary string buffer, its JIT compiler's traces and their array — as
+/// `(address, size)` (size 0: a trace, whose size is not kept), read from `l`'s global
+/// state (LuaJIT 2.1, GC64: the string interning state just before the VM state, the
+/// buffer two words after it), when the layout of the running code's state matched; empty
+/// otherwise. Each is checked first: the table's size is a power of two (at least LuaJIT's
+/// least, 256 entries) and interning a new string (the collector stopped meanwhile) counts
+/// one more string in it; the buffer's pointers are in order.
+///
+/// # Safety
+/// `l` is a state of this thread's host at a call boundary, with room for one value; the
+/// collector is restarted after (for a caller at exit, which collected just before).
+pub unsafe fn vm_tables_of(l: *mut ffi::lua_State) -> Vec<(usize, usize)> {
+    // SAFETY: per the contract, `l` is a live state.
+    let Some(st) = (unsafe { vmstate_of(l) }) else {
+        return Vec::new();
+    };
+    let st = st as usize;
+    // Reads of the live global state whose VM state is at `st` (the checked layout puts the
+    // string interning state's 32 bytes before it, the buffer after it, and the JIT state's
+    // array of traces and its size at its offsets), and of that array's `size` entries.
+    // SAFETY: every address read is one of those (see the uses below).
+    let rd = |a: usize| unsafe { std::ptr::read_volatile(a as *const u64) };
+    // SAFETY: as above.
+    let rd32 = |a: usize| unsafe { std::ptr::read_volatile(a as *const u32) };
+    let (tab, mask, num) = (rd(st - 32) as usize, rd32(st - 24) as usize, rd32(st - 20));
+    if tab == 0 || !(mask + 1).is_power_of_two() || mask + 1 < 256 {
+        return Vec::new();
+    }
+    static PROBES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let probe = format!(
+        "fibertrace: probe of the string table {:x} {}",
+        l as usize,
+        PROBES.fetch_add(1, Ordering::Relaxed)
+    );
+    // SAFETY: per the contract: a string pushed and popped, the collector stopped around it
+    // (so that no string is freed meanwhile).
+    let counted = unsafe {
+        ffi::lua_gc(l, ffi::LUA_GCSTOP, 0);
+        ffi::lua_pushlstring(l, probe.as_ptr().cast(), probe.len());
+        let after = rd32(st - 20);
+        ffi::lua_settop(l, -2);
+        ffi::lua_gc(l, ffi::LUA_GCRESTART, 0);
+        after
+    };
+    if counted != num.wrapping_add(1) {
+        return Vec::new();
+    }
+    // The table may have grown with the probe: read again.
+    let (tab, mask) = (rd(st - 32) as usize, rd32(st - 24) as usize);
+    let mut out = vec![(tab, (mask + 1) * 8)];
+    let (w, e, b) = (
+        rd(st + 16) as usize,
+        rd(st + 24) as usize,
+        rd(st + 32) as usize,
+    );
+    if b != 0 && b <= w && w <= e {
+        out.push((b, e - b));
+    }
+    // The JIT compiler's array of traces and the traces in it (each one block, its size not
+    // kept: 0 stands for any), from the checked layout's offsets of the array and its size.
+    let lay = &HEADER.jit;
+    let g = st - lay.g_vmstate as usize;
+    let (traces, size) = (
+        rd(g + lay.g_traces as usize) as usize,
+        rd32(g + lay.g_sizetrace as usize) as usize,
+    );
+    if traces != 0 && traces.is_multiple_of(8) && size <= 1 << 16 {
+        out.push((traces, size * 8));
+        for i in 1..size {
+            let t = rd(traces + 8 * i) as usize & GCV_MASK as usize;
+            if t != 0 && t.is_multiple_of(8) {
+                out.push((t, 0));
+            }
+        }
+    }
+    out
+}
+
 /// The outcome of the check so far ([`UNCHECKED`], [`MATCHES`], [`MISMATCH`]).
 pub fn checked() -> u32 {
     CHECKED.load(Ordering::Acquire)

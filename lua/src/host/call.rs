@@ -793,8 +793,9 @@ impl Protected {
         if self.top() < 1 {
             self.fail(c"fibertrace: no value to anchor");
         }
-        // SAFETY: a value on top (checked); luaL_ref pops it and may allocate (raise).
-        unsafe { ffi::luaL_ref(self.l, REG) }
+        // SAFETY: a value on top (checked); luaL_ref pops it and may allocate (raise). (The
+        // registry's growth is the host's, not the calling fiber's heap.)
+        fibertrace_core::heap::outside_fibers(|| unsafe { ffi::luaL_ref(self.l, REG) })
     }
 
     /// Calls the value below the `nargs` values on top in a protected call of its own

@@ -67,6 +67,7 @@ pub(crate) unsafe fn install(l: *mut ffi::lua_State) -> Result<HostState, String
         // The layout another process reads this process's Lua stacks with, checked against
         // this VM once (a mismatch only means no Lua frames in `fibertrace dump PID`).
         let _ = crate::frames::publish::check(l);
+        super::vm_allocations_outside(l);
         raw::install_protect(l);
         clear_pending();
         // The constructor of `fiber.info()` entries (see `info::push_fiber`).

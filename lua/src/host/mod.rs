@@ -279,12 +279,28 @@ pub struct LuaHost {
 /// # Safety
 /// Called by Lua as its allocator: `ptr` is null or a block this function returned, of
 /// `osize` bytes (when not null).
+///
+/// `ud`, when not null, is where the state's VM state is ([`vm_allocations_outside`]): what
+/// LuaJIT allocates for itself — in its collector (its string table's resizes, shrunk
+/// stacks), in its JIT compiler (traces, their buffers) — is charged to code outside
+/// fibers, not to the fiber whose allocation or loop set it off.
 unsafe extern "C" fn global_alloc(
-    _ud: *mut std::ffi::c_void,
+    ud: *mut std::ffi::c_void,
     ptr: *mut std::ffi::c_void,
     osize: usize,
     nsize: usize,
 ) -> *mut std::ffi::c_void {
+    // LuaJIT's VM states, stored as `~state`: the collector (2), the JIT compiler recording,
+    // optimising and assembling a trace (4, 5, 6).
+    const VM_OWN: [i32; 4] = [!2, !4, !5, !6];
+    // SAFETY: a non-null `ud` points at the VM state of the live global state whose
+    // allocator this is (set with it, see `vm_allocations_outside`).
+    if !ud.is_null() && VM_OWN.contains(&unsafe { std::ptr::read_volatile(ud as *const i32) }) {
+        // SAFETY: per the contract, forwarded (`ud` null: no second check).
+        return fibertrace_core::heap::outside_fibers(|| unsafe {
+            global_alloc(std::ptr::null_mut(), ptr, osize, nsize)
+        });
+    }
     use std::alloc::Layout;
     const ALIGN: usize = ffi::SYS_MIN_ALIGN;
     // SAFETY: per the contract, a non-null `ptr` was allocated here with `osize` bytes and
@@ -309,6 +325,26 @@ unsafe extern "C" fn global_alloc(
         // (Not a tail call: this frame stays on the stack a heap record captures, the same in
         // every build — the first frame of every Lua allocation's stack.)
         std::hint::black_box(p).cast()
+    }
+}
+
+/// With the heap tracked and LuaJIT's layout checked: `l`'s allocator ([`global_alloc`])
+/// gets where the VM state is, and charges what LuaJIT allocates for itself to code outside
+/// fibers. Otherwise nothing.
+///
+/// # Safety
+/// `l` is the main state of a fresh Lua made with [`global_alloc`] or another allocator.
+pub(crate) unsafe fn vm_allocations_outside(l: *mut ffi::lua_State) {
+    // SAFETY: per the contract.
+    unsafe {
+        let mut ud = std::ptr::null_mut();
+        let f = ffi::lua_getallocf(l, &mut ud);
+        if f as usize != global_alloc as *const () as usize {
+            return;
+        }
+        if let Some(st) = crate::frames::publish::vmstate_of(l) {
+            ffi::lua_setallocf(l, global_alloc, st as *mut std::ffi::c_void);
+        }
     }
 }
 
@@ -459,6 +495,35 @@ impl LuaHost {
     /// The scheduler.
     pub fn scheduler(&self) -> &Scheduler {
         self.sched.as_ref().expect("host alive")
+    }
+
+    /// Lets go of what the host and its scheduler keep made ahead for the next fibers, and
+    /// collects the Lua heap in full: what is live after is what the script still holds
+    /// (`fibertrace run --leaks` does this before its report at exit). Finalizers of what is
+    /// freed run, as in any collection. Call it between runs (not from a fiber: Lua code
+    /// there has [`LuaHost::release_kept_fn`]).
+    pub fn release_kept(&self) {
+        let Some(l) = with_host(|h| h.main_l) else {
+            return;
+        };
+        // SAFETY: the idle main state of this thread's host (no fiber runs: the caller is
+        // between runs).
+        unsafe { spawn::release_kept(l) };
+        self.scheduler().release_caches();
+    }
+
+    /// Whether [`LuaHost::release_kept`] (or its Lua function) ran in this process: a
+    /// report taken at exit without it (the run ended by a signal) lists the Lua heap's
+    /// garbage too.
+    pub fn kept_released() -> bool {
+        spawn::RELEASED.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// [`LuaHost::release_kept`] as a Lua function (no arguments, no results) that Lua code
+    /// may call from any fiber (a wrapper of `os.exit` does).
+    pub fn release_kept_fn(&self) -> mlua::Result<mlua::Function> {
+        // SAFETY: a C function of this host's, called by Lua on this host's states.
+        unsafe { self.lua().create_c_function(spawn::f_release_kept) }
     }
 
     /// Runs Lua source as the main fiber (named `main`) until its chunk returns: `name` is

@@ -65,14 +65,16 @@ impl<T> Dense<T> {
 
     /// Adds (or replaces) fiber `id`'s record; returns the replaced one.
     pub fn insert(&mut self, id: FiberId, r: T) -> Option<T> {
-        match self.at.entry(id) {
+        // (The table's growth is the host's own, not the heap of the fiber that made the
+        // record's fiber.)
+        fibertrace_core::heap::outside_fibers(|| match self.at.entry(id) {
             Entry::Occupied(e) => Some(std::mem::replace(&mut self.all[*e.get()].1, r)),
             Entry::Vacant(e) => {
                 e.insert(self.all.len());
                 self.all.push((id, r));
                 None
             }
-        }
+        })
     }
 
     pub fn remove(&mut self, id: &FiberId) -> Option<T> {

@@ -200,9 +200,12 @@ pub(super) unsafe fn take_thread(
         return Ok(p);
     }
     let mut made = (std::ptr::null_mut(), 0);
+    // (Charged to code outside fibers, as the rest of the host's own: a thread is made for
+    // the host's pool, to serve one fiber after another, and the registry grows with the
+    // references.)
     // SAFETY: per the contract; the thread is made on `l` and anchored in the registry, and
     // its handler is made on `l` and moved to it (a fresh thread has room for it).
-    unsafe {
+    fibertrace_core::heap::outside_fibers(|| unsafe {
         raw::protect(l, &[], &mut |l| {
             let t = ffi::lua_newthread(l);
             ffi::lua_pushcfunction(l, f_msgh);
@@ -210,8 +213,93 @@ pub(super) unsafe fn take_thread(
             made = (t, ffi::luaL_ref(l, REG));
             0
         })
-    }?;
+    })?;
     Ok(made)
+}
+
+/// Lets go of what the host and the running scheduler keep made ahead for the next fibers
+/// (finished fibers' Lua threads, fiber objects made ahead, slot boxes and stacks), then
+/// collects the Lua heap in full, twice (what a finalizer kept alive the first time goes in
+/// the second): what is live after is what the script still holds. For the heap report at
+/// exit (`fibertrace run --leaks`); the next fibers, if any, are made anew. A collection
+/// runs the `__gc` finalizers of what it frees, as any collection does; inside a finalizer
+/// (where a collection is not begun again) the host's pools are let go and nothing is
+/// collected.
+///
+/// # Safety
+/// `l` is a Lua thread of this thread's host at a call boundary: the state of a running C
+/// function, or the idle main state.
+pub(crate) unsafe fn release_kept(l: *mut ffi::lua_State) {
+    RELEASED.store(true, std::sync::atomic::Ordering::Relaxed);
+    // (What this does is the runtime's work, not the calling fiber's heap; the finalizers
+    // the collection runs are charged as usual.)
+    let outside = fibertrace_core::heap::OutsideFibers::enter();
+    let Some((pool, ready, objs)) = with_host(|h| {
+        (
+            std::mem::take(&mut h.pool),
+            std::mem::take(&mut h.obj_ready),
+            h.objs_ref,
+        )
+    }) else {
+        return;
+    };
+    // SAFETY: per the contract; room for the two values pushed at a time is asked first.
+    // Unreferencing a registry entry and storing nil at an existing key of the object table
+    // allocate nothing and raise nothing. Objects made ahead were never given to Lua; their
+    // slots are free again.
+    unsafe {
+        if ffi::lua_checkstack(l, 3) == 0 {
+            with_host(|h| {
+                h.pool = pool;
+                h.obj_ready = ready;
+            });
+            return;
+        }
+        for &(_, r) in &pool {
+            ffi::luaL_unref(l, REG, r);
+        }
+        raw::rawgeti(l, REG, objs as ffi::lua_Integer);
+        if ffi::lua_type(l, -1) == ffi::LUA_TTABLE {
+            for &slot in &ready {
+                ffi::lua_pushnil(l);
+                raw::rawseti(l, -2, slot as ffi::lua_Integer);
+            }
+            with_host(|h| h.obj_free.extend_from_slice(&ready));
+        } else {
+            // (A script changed the registry: the next create says so.)
+            with_host(|h| h.obj_ready = ready);
+        }
+        ffi::lua_settop(l, -2);
+    }
+    fibertrace_fiber::release_caches();
+    drop(outside);
+    // SAFETY: per the contract (a state of this host, at a call boundary).
+    if unsafe { super::finalize::in_finalizer(l) } {
+        return;
+    }
+    // SAFETY: as above: a full collection from a call boundary, as `collectgarbage()`; then
+    // the VM's own tables read (room for the probe's one value was checked above).
+    unsafe {
+        ffi::lua_gc(l, ffi::LUA_GCCOLLECT, 0);
+        ffi::lua_gc(l, ffi::LUA_GCCOLLECT, 0);
+        let _outside = fibertrace_core::heap::OutsideFibers::enter();
+        crate::heap::set_vm_own(crate::frames::publish::vm_tables_of(l));
+    }
+}
+
+/// Whether [`release_kept`] ran in this process.
+pub(crate) static RELEASED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// [`release_kept`] as a Lua function of no arguments and no results (for a wrapper of
+/// `os.exit`: `fibertrace run --leaks`).
+///
+/// # Safety
+/// Called by Lua, on a state of this thread's host.
+pub(crate) unsafe extern "C-unwind" fn f_release_kept(l: *mut ffi::lua_State) -> c_int {
+    // SAFETY: the state of this running C function.
+    unsafe { release_kept(l) };
+    0
 }
 
 /// How many fiber objects one refill of the ready objects makes.
@@ -246,8 +334,13 @@ unsafe fn take_ready_object(
     let (ready, mt_id) = with_host(|h| (h.obj_ready.pop(), h.mt_tables[0])).ok_or_else(no_host)?;
     let slot = match ready {
         Some(slot) => slot,
-        // SAFETY: per the contract.
-        None => unsafe { refill_ready(l, objs, mt, mt_id) }?,
+        // (Charged to code outside fibers, as the rest of the host's own: objects made for
+        // whichever fibers come next, and the object table's growth, are not the calling
+        // fiber's heap.)
+        None => fibertrace_core::heap::outside_fibers(|| {
+            // SAFETY: per the contract.
+            unsafe { refill_ready(l, objs, mt, mt_id) }
+        })?,
     };
     // Room for two values was asked above (the table and the value, then the value and its
     // metatable). The block is written (by the caller) only when the value is a userdata of
@@ -575,6 +668,10 @@ pub(crate) fn run_main_fiber(
         return Err(err("fibertrace: not in a fiber".into()));
     };
     let fid = me.id();
+    // The script's code and arguments are loaded by the runtime, not made by the script:
+    // charged to code outside fibers (a heap report of what the script made since it
+    // started leaves them out).
+    let prev = fibertrace_core::heap::switch_to(None);
     let chunkname = std::ffi::CString::new(
         name.iter()
             .map(|&b| if b == 0 { b'?' } else { b })
@@ -612,6 +709,7 @@ pub(crate) fn run_main_fiber(
             }
         }
     };
+    fibertrace_core::heap::restore(prev);
     if let Err(m) = loaded {
         with_host(|h| release_thread(h, t, tref));
         return Err(err(m));
