@@ -6,7 +6,9 @@
 //! fiber's cancellation unwinding out of its wait):
 //! * a value is delivered at most once, and a send reports success exactly when its value
 //!   was queued (buffered channel), or taken by a receiver or handed to one that was waiting
-//!   for it (rendezvous, capacity 0; a discarding close keeps what was handed over); a
+//!   for it (a discarding close keeps what was handed over); a value handed to a waiting
+//!   receiver is that receiver's — a receive that comes later, before it runs, does not take
+//!   it — and takes no room in the channel (as Tarantool hands it over directly); a
 //!   rendezvous send that fails takes its value back out of the channel
 //!   ([`Channel::send_back`] hands it to the caller; otherwise it is dropped), so a value
 //!   never stays queued for a sender that was told it was not sent;
@@ -192,21 +194,20 @@ fn enter(q: &RefCell<WaitQueue>) -> Leave<'_> {
     Leave { q, ticket }
 }
 
-/// Wakes the first waiter still waiting; whether there was one.
 /// Wakes the first waiter still waiting that was not cancelled (a cancelled one was woken
 /// by its cancellation and leaves by unwinding: as in Tarantool, where waking a fiber takes
-/// it off the list it waited on, a value or a signal goes to the next waiter). Returns
-/// whether it woke one.
-fn wake_one(q: &RefCell<WaitQueue>) -> bool {
+/// it off the list it waited on, a value or a signal goes to the next waiter). Returns the
+/// one it woke.
+fn wake_one(q: &RefCell<WaitQueue>) -> Option<Waiter> {
     loop {
         let w = q.borrow_mut().pop();
         match w {
             Some((s, id)) => {
                 if sched::wake_live(s, id) {
-                    return true;
+                    return Some((s, id));
                 }
             }
-            None => return false,
+            None => return None,
         }
     }
 }
@@ -257,16 +258,24 @@ pub struct SendError<T> {
     pub value: Option<T>,
 }
 
-/// The bit of a queued value's ticket that says it was handed to a waiting receiver.
-const HANDED: u64 = 1 << 63;
+/// A value in a channel.
+struct Queued<T> {
+    /// Its ticket (increasing along the queue).
+    ticket: u64,
+    /// The receiver it was handed to (it was waiting for it), which alone takes it; 0: not
+    /// handed, the next receive takes it. A discarding close keeps a handed value.
+    to: FiberId,
+    value: T,
+}
 
 struct ChanInner<T> {
     id: u64,
     cap: usize,
-    /// Queued values with their tickets (increasing). A ticket with [`HANDED`] set is a
-    /// value handed to a receiver that was waiting for it: a discarding close keeps it for
-    /// that receiver.
-    buf: RefCell<VecDeque<(u64, T)>>,
+    /// Queued values, in the order they came.
+    buf: RefCell<VecDeque<Queued<T>>>,
+    /// How many of them were handed to a receiver (they take no room: the rest count
+    /// against the capacity).
+    handed: Cell<usize>,
     closed: Cell<bool>,
     /// Ticket of the last value a receiver took (values leave in order: every ticket up to
     /// it was taken, taken back by its sender, or discarded).
@@ -275,6 +284,20 @@ struct ChanInner<T> {
     receivers: RefCell<WaitQueue>,
     senders: RefCell<WaitQueue>,
     users: Rc<Users>,
+}
+
+impl<T> ChanInner<T> {
+    /// Values queued and not handed to a receiver (they count against the capacity).
+    fn queued(&self) -> usize {
+        self.buf.borrow().len() - self.handed.get()
+    }
+
+    /// Counts `q` out of the handed values if it was one (it left the queue).
+    fn unhand(&self, q: &Queued<T>) {
+        if q.to != 0 {
+            self.handed.set(self.handed.get() - 1);
+        }
+    }
 }
 
 /// A channel between fibers of one scheduler, with a capacity (0: a rendezvous — a send
@@ -299,6 +322,7 @@ pub fn channel<T>(capacity: usize) -> Channel<T> {
             id,
             cap: capacity,
             buf: RefCell::new(VecDeque::new()),
+            handed: Cell::new(0),
             closed: Cell::new(false),
             taken: Cell::new(0),
             pushed: Cell::new(0),
@@ -315,9 +339,9 @@ impl<T> Channel<T> {
         self.inner.id
     }
 
-    /// Values buffered.
+    /// Values buffered (not those handed to a waiting receiver, which are its already).
     pub fn len(&self) -> usize {
-        self.inner.buf.borrow().len()
+        self.inner.queued()
     }
 
     /// Whether no value is buffered.
@@ -356,8 +380,7 @@ impl<T> Channel<T> {
         let all = std::mem::take(&mut *self.inner.buf.borrow_mut());
         // Values already handed to a receiver stay for it (Tarantool hands them over
         // directly: the close does not take them back).
-        let (kept, dropped): (VecDeque<_>, VecDeque<_>) =
-            all.into_iter().partition(|(t, _)| t & HANDED != 0);
+        let (kept, dropped): (VecDeque<_>, VecDeque<_>) = all.into_iter().partition(|q| q.to != 0);
         *self.inner.buf.borrow_mut() = kept;
         // Dropped outside the borrow: a value's destructor may use the channel.
         drop(dropped);
@@ -401,39 +424,44 @@ impl<T> Channel<T> {
         if c.closed.get() {
             return Err(ChannelError::Closed);
         }
-        if c.buf.borrow().len() >= c.cap.max(1) || (c.cap == 0 && !self.has_readers()) {
+        if c.queued() >= c.cap.max(1) || (c.cap == 0 && !self.has_readers()) {
             return Err(ChannelError::WouldBlock);
         }
         let _ = self.push(v);
         Ok(())
     }
 
-    /// Queues `v`; its ticket, and whether a waiting receiver was woken for it.
+    /// Queues `v`, handed to the first receiver waiting, if any (woken for it); its ticket,
+    /// and whether it was handed.
     fn push(&self, v: T) -> (u64, bool) {
         let c = &self.inner;
         let ticket = c.pushed.get() + 1;
         c.pushed.set(ticket);
-        c.buf.borrow_mut().push_back((ticket, v));
+        c.buf.borrow_mut().push_back(Queued {
+            ticket,
+            to: 0,
+            value: v,
+        });
         let woke = wake_one(&c.receivers);
-        if woke {
+        if let Some((_, to)) = woke {
             if let Some(last) = c.buf.borrow_mut().back_mut() {
-                last.0 |= HANDED;
+                last.to = to;
+                c.handed.set(c.handed.get() + 1);
             }
         }
-        (ticket, woke)
+        (ticket, woke.is_some())
     }
 
     /// Takes the value with `ticket` back out of the queue, if it is still there (the room
     /// it leaves goes to the next waiting sender).
     fn withdraw(&self, ticket: u64) -> Option<T> {
         let mut buf = self.inner.buf.borrow_mut();
-        let i = buf
-            .binary_search_by_key(&ticket, |(t, _)| t & !HANDED)
-            .ok()?;
-        let v = buf.remove(i).map(|(_, v)| v);
+        let i = buf.binary_search_by_key(&ticket, |q| q.ticket).ok()?;
+        let q = buf.remove(i)?;
         drop(buf);
+        self.inner.unhand(&q);
         wake_one(&self.inner.senders);
-        v
+        Some(q.value)
     }
 
     #[inline(never)]
@@ -446,7 +474,7 @@ impl<T> Channel<T> {
             if c.closed.get() {
                 return fail(ChannelError::Closed, Some(v));
             }
-            if c.buf.borrow().len() < c.cap.max(1) {
+            if c.queued() < c.cap.max(1) {
                 break;
             }
             // (Unwinding out of this wait drops `v`: it was never queued.)
@@ -511,7 +539,7 @@ impl<T> Channel<T> {
         }
         if deadline.is_some_and(|d| Instant::now() >= d) && !c.closed.get() {
             // A wake-up for room may have come with the timeout: pass it on.
-            if c.buf.borrow().len() < c.cap.max(1) {
+            if c.queued() < c.cap.max(1) {
                 wake_one(&c.senders);
             }
             return Err(ChannelError::Timeout);
@@ -540,16 +568,24 @@ impl<T> Channel<T> {
         }
     }
 
+    /// Takes the first value the calling fiber may take: one handed to it, or one handed
+    /// to nobody.
     fn take(&self) -> Option<T> {
         let c = &self.inner;
-        let (ticket, v) = c.buf.borrow_mut().pop_front()?;
-        c.taken.set(ticket & !HANDED);
+        let me = current_id();
+        let q = {
+            let mut buf = c.buf.borrow_mut();
+            let i = buf.iter().position(|q| q.to == 0 || q.to == me)?;
+            buf.remove(i)?
+        };
+        c.unhand(&q);
+        c.taken.set(c.taken.get().max(q.ticket));
         if c.cap == 0 {
             wake_all(&c.senders);
         } else {
             wake_one(&c.senders);
         }
-        Some(v)
+        Some(q.value)
     }
 
     #[inline(never)]
@@ -601,11 +637,14 @@ struct Unqueue<'a, T> {
 impl<T> Drop for Unqueue<'_, T> {
     fn drop(&mut self) {
         if let Ok(mut buf) = self.ch.inner.buf.try_borrow_mut() {
-            if let Ok(i) = buf.binary_search_by_key(&self.ticket, |(t, _)| t & !HANDED) {
-                let v = buf.remove(i);
+            if let Ok(i) = buf.binary_search_by_key(&self.ticket, |q| q.ticket) {
+                let q = buf.remove(i);
                 drop(buf);
+                if let Some(q) = &q {
+                    self.ch.inner.unhand(q);
+                }
                 wake_one(&self.ch.inner.senders);
-                drop(v);
+                drop(q);
             }
         }
     }
@@ -622,11 +661,37 @@ struct PassOn<'a, T> {
 impl<T> Drop for PassOn<'_, T> {
     fn drop(&mut self) {
         let c = &self.ch.inner;
+        if !self.senders {
+            // Values handed to this receiver go to the next one waiting, or to whoever
+            // receives next.
+            let me = current_id();
+            let mine: Vec<u64> = match c.buf.try_borrow() {
+                Ok(buf) => buf
+                    .iter()
+                    .filter(|q| me != 0 && q.to == me)
+                    .map(|q| q.ticket)
+                    .collect(),
+                Err(_) => return,
+            };
+            for ticket in mine {
+                let to = wake_one(&c.receivers).map_or(0, |(_, id)| id);
+                let Ok(mut buf) = c.buf.try_borrow_mut() else {
+                    return;
+                };
+                if let Some(q) = buf.iter_mut().find(|q| q.ticket == ticket) {
+                    q.to = to;
+                    if to == 0 {
+                        c.handed.set(c.handed.get() - 1);
+                    }
+                }
+            }
+        }
         let Ok(buf) = c.buf.try_borrow() else {
             return;
         };
-        let (has_value, has_room) = (!buf.is_empty(), buf.len() < c.cap.max(1));
+        let has_value = buf.iter().any(|q| q.to == 0);
         drop(buf);
+        let has_room = c.queued() < c.cap.max(1);
         if self.senders && has_room {
             wake_one(&c.senders);
         } else if !self.senders && has_value {

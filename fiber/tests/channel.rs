@@ -266,3 +266,62 @@ fn a_zero_timeout_send_to_a_waiting_receiver_hands_the_value_over() {
         })
         .unwrap();
 }
+
+/// A value handed to a receiver that was waiting is that receiver's: a receive that comes
+/// later, before the waiting one runs (another fiber's, or the sender's own), gets nothing,
+/// and the handed value takes no room (Tarantool hands it over directly). Before, the later
+/// receive took it, and the waiting receiver timed out with nothing, or waited forever.
+#[test]
+fn a_value_handed_to_a_waiting_receiver_is_not_taken_by_a_later_receive() {
+    Scheduler::new()
+        .block_on(|| {
+            for cap in [0, 1] {
+                let ch = channel::<&str>(cap);
+                let rx = ch.clone();
+                let first = spawn(move || rx.recv_timeout(Duration::from_millis(200)));
+                yield_now(); // it waits
+                ch.send("msg").unwrap();
+                assert_eq!(ch.len(), 0, "capacity {cap}: handed, not buffered");
+                // The sender's own receive, and another fiber's that runs first.
+                assert_eq!(
+                    ch.try_recv(),
+                    Err(ChannelError::WouldBlock),
+                    "capacity {cap}"
+                );
+                let rx = ch.clone();
+                let later = spawn(move || rx.try_recv());
+                assert_eq!(later.join().unwrap(), Err(ChannelError::WouldBlock));
+                assert_eq!(first.join().unwrap(), Ok("msg"), "capacity {cap}");
+            }
+            // Capacity 1 with a receiver waiting: the first value is handed, the second
+            // fits in the buffer at once.
+            let ch = channel::<u32>(1);
+            let rx = ch.clone();
+            let r = spawn(move || rx.recv());
+            yield_now();
+            ch.send_back(1, Some(Duration::ZERO)).unwrap();
+            assert!(!ch.is_full());
+            ch.send_back(2, Some(Duration::ZERO)).unwrap();
+            assert_eq!((ch.len(), ch.is_full()), (1, true));
+            assert_eq!(r.join().unwrap(), Some(1));
+            assert_eq!(ch.try_recv(), Ok(2));
+            // Handed to two waiting receivers in turn: each gets its own, in order.
+            let ch = channel::<u32>(0);
+            let (a, b) = (ch.clone(), ch.clone());
+            let ra = spawn(move || a.recv());
+            let rb = spawn(move || b.recv());
+            yield_now();
+            ch.send(1).unwrap();
+            ch.send(2).unwrap();
+            assert_eq!((ra.join().unwrap(), rb.join().unwrap()), (Some(1), Some(2)));
+            // A discarding close keeps a handed value for its receiver.
+            let ch = channel::<u32>(0);
+            let rx = ch.clone();
+            let r = spawn(move || rx.recv());
+            yield_now();
+            ch.send(5).unwrap();
+            ch.close_discarding();
+            assert_eq!(r.join().unwrap(), Some(5));
+        })
+        .unwrap();
+}

@@ -215,3 +215,38 @@ J1, J2 = f1:join(), f2:join()
     assert_eq!(global::<Option<i64>>(&host, "GOT"), None);
     assert!(!global::<bool>(&host, "WOKE"));
 }
+
+/// A put while a reader waits hands the message to that reader, as in Tarantool: a `get`
+/// that comes later, before the reader runs (another fiber's, or the writer's own), finds
+/// nothing, and the handed message takes no room (`count()` 0, a second put fits a
+/// one-message channel). Before, the later `get` took it and the waiting reader got `nil`
+/// when its timeout came (or waited forever, a false deadlock).
+#[test]
+fn a_put_to_a_waiting_reader_is_that_readers_and_takes_no_room() {
+    let host = run(r#"
+local fiber = require('fiber')
+out = {}
+local function say(...) out[#out + 1] = table.concat({...}, ' ') end
+for _, cap in ipairs{0, 1} do
+  local c = fiber.channel(cap)
+  fiber.create(function() say(cap, 'A', tostring(c:get(0.2))) end)
+  say(cap, 'put', tostring(c:put('msg')), tostring(c:count()))
+  say(cap, 'own', tostring(c:get(0)))
+  fiber.create(function() say(cap, 'B', tostring(c:get(0))) end)
+  fiber.sleep(0.3)
+end
+local d = fiber.channel(1)
+fiber.create(function() say('R', tostring(d:get(0.2))) end)
+say('put1', tostring(d:put(1, 0)), tostring(d:is_full()))
+say('put2', tostring(d:put(2, 0)), tostring(d:count()))
+fiber.sleep(0.3)
+say('left', tostring(d:get(0)))
+out = table.concat(out, '\n')
+"#);
+    assert_eq!(
+        global::<String>(&host, "out"),
+        "0 put true 0\n0 own nil\n0 B nil\n0 A msg\n\
+         1 put true 0\n1 own nil\n1 B nil\n1 A msg\n\
+         put1 true false\nput2 true 1\nR 1\nleft 2"
+    );
+}
