@@ -1192,3 +1192,57 @@ fn sigquit_while_a_fiber_waits_in_os_execute_dumps_it_and_the_command_goes_on() 
     // The command ran to its end: the script had its status.
     assert!(err.ends_with("returned 0\n"), "{err}");
 }
+
+/// SIGQUIT, then SIGTERM right after (a common way to stop a process once its stacks are
+/// captured): the dump asked first is written whole before the program ends with 143.
+/// Before, the exit signal ended the program at once and the dump was lost, without a word
+/// (within ~50 ms of the SIGQUIT with two fibers, ~1 s with 30,000).
+#[test]
+fn sigquit_then_sigterm_at_once_writes_the_dump_before_the_exit() {
+    use std::process::Stdio;
+    let dir = scratch("quit-term");
+    std::fs::write(
+        dir.join("s.lua"),
+        "local fiber = require('fiber')\n\
+         local function park() fiber.sleep(100) end\n\
+         for i = 1, 2000 do fiber.create(park) end\n\
+         io.stdout:write('spinning\\n') io.stdout:flush()\n\
+         fiber.sleep(100)\n",
+    )
+    .unwrap();
+    let mut cmd = fibertrace_acceptance::command_in(&dir, &["run", "s.lua"]);
+    cmd.stderr(Stdio::piped());
+    let child = fibertrace_acceptance::spawn_until(cmd, "spinning\n");
+    // SAFETY: signals the child this test started.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGQUIT);
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(143), "{err}");
+    // Every fiber, each with its Lua frames: main and the 2,000 parked ones.
+    let blocks: Vec<&str> = err
+        .split("\n\n")
+        .filter(|b| b.trim_start_matches('\n').starts_with("fiber "))
+        .collect();
+    assert_eq!(
+        blocks.len(),
+        2001,
+        "{}",
+        &err[err.len().saturating_sub(2000)..]
+    );
+    for b in &blocks[1..] {
+        assert_eq!(
+            lua_frames(b),
+            ["sleep in =[C]:-1", "function <s.lua:2> in @s.lua:2"],
+            "{b}"
+        );
+    }
+    assert_eq!(
+        lua_frames(blocks[0]),
+        ["sleep in =[C]:-1", "main chunk in @s.lua:5"],
+        "{}",
+        blocks[0]
+    );
+}

@@ -19,7 +19,7 @@
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicI32, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -481,18 +481,45 @@ static INSTALLED: OnceLock<i32> = OnceLock::new();
 /// handler's frames instead of the fiber's. The dumper waits for this to drop to zero.
 static IN_HANDLER: AtomicUsize = AtomicUsize::new(0);
 
+/// Dump signals whose request reached the dump thread's pipe, and those it has answered
+/// (each dump answers every request read before it): [`wait_for_signal_dumps`].
+static REQUESTED: AtomicU64 = AtomicU64::new(0);
+static ANSWERED: AtomicU64 = AtomicU64::new(0);
+
 extern "C" fn on_dump_signal(_sig: libc::c_int) {
     IN_HANDLER.fetch_add(1, Ordering::SeqCst);
     let fd = PIPE_WRITE.load(Ordering::Relaxed);
     if fd >= 0 {
         let b = [1u8];
+        // (Counted before the write: the dump thread may answer it at once.)
+        REQUESTED.fetch_add(1, Ordering::SeqCst);
         // SAFETY: write(2) is async-signal-safe; the fd is a pipe we own; errors (a full pipe
-        // when dumps are already pending) are ignored on purpose.
-        unsafe {
-            libc::write(fd, b.as_ptr() as *const libc::c_void, 1);
+        // when dumps are already pending) are ignored on purpose: a pending dump answers it.
+        if unsafe { libc::write(fd, b.as_ptr() as *const libc::c_void, 1) } != 1 {
+            REQUESTED.fetch_sub(1, Ordering::SeqCst);
         }
     }
     IN_HANDLER.fetch_sub(1, Ordering::SeqCst);
+}
+
+/// Whether a dump asked by the dump signal is still being taken or written.
+pub fn signal_dumps_pending() -> bool {
+    ANSWERED.load(Ordering::SeqCst) < REQUESTED.load(Ordering::SeqCst)
+}
+
+/// Waits until every dump the dump signal asked for so far is written (at most `timeout`,
+/// none: as long as it takes); whether they are. For a program about to end (an exit
+/// signal right after the dump signal): the dump asked first is not lost.
+pub fn wait_for_signal_dumps(timeout: Option<Duration>) -> bool {
+    let asked = REQUESTED.load(Ordering::SeqCst);
+    let t0 = std::time::Instant::now();
+    while ANSWERED.load(Ordering::SeqCst) < asked {
+        if timeout.is_some_and(|t| t0.elapsed() >= t) {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    true
 }
 
 /// Waits (at most 100 ms) until no dump-signal handler runs, and a little more for the
@@ -565,6 +592,7 @@ pub fn install_signal(sig: i32) -> Result<(), InstallError> {
                     View::Grouped => dump_grouped(),
                 };
                 write_stderr(&text);
+                ANSWERED.fetch_add(n as u64, Ordering::SeqCst);
             }
         })
         .map_err(|e| InstallError(format!("dump thread: {e}")))?;

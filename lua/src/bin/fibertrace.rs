@@ -943,7 +943,11 @@ fn install_signals() -> Result<(), String> {
             };
             let dumps = DUMPS_ON_EXIT.get().is_some_and(|l| !l.is_empty());
             let leaks = LEAKS_TOP.load(std::sync::atomic::Ordering::SeqCst) > 0;
-            if (dumps || leaks) && read_byte(timer_rd, Some(exit_dump_wait())).is_none() {
+            let quit = fibertrace_fiber::dump::signal_dumps_pending();
+            if (dumps || leaks || quit) && read_byte(timer_rd, Some(exit_dump_wait())).is_none() {
+                if quit && fibertrace_fiber::dump::signal_dumps_pending() {
+                    said_given_up("the SIGQUIT dump was not written");
+                }
                 if dumps {
                     dumps_given_up();
                 }
@@ -971,6 +975,9 @@ fn install_signals() -> Result<(), String> {
                 // SAFETY: writes one byte from a local buffer to our own pipe.
                 unsafe { libc::write(timer_wr, c.as_ptr().cast(), 1) };
                 say_suppressed();
+                // A SIGQUIT dump asked just before is written first (the timer bounds the
+                // wait, as the dumps').
+                fibertrace_fiber::dump::wait_for_signal_dumps(None);
                 // (The signal's code is not 0: it stays, whether the dumps were written.)
                 dump_on_exit();
                 // `--leaks`: its report, as at any exit (`_exit` below runs no `atexit`
@@ -1091,9 +1098,15 @@ extern "C" fn leaks_at_exit() {
 /// The `--leaks` report was not written within `--dump-on-exit-wait` of an exit signal:
 /// said on stderr (the program ends without it).
 fn leaks_given_up() {
+    said_given_up("--leaks: the report was not written");
+}
+
+/// Says on stderr that `what` (was not written) within `--dump-on-exit-wait` of an exit
+/// signal, and that the program ends without the rest.
+fn said_given_up(what: &str) {
     let msg = format!(
-        "\nfibertrace: --leaks: the report was not written within {} s of the signal \
-         (--dump-on-exit-wait); the program ends without the rest\n",
+        "\nfibertrace: {what} within {} s of the signal (--dump-on-exit-wait); the program \
+         ends without the rest\n",
         exit_dump_wait().as_secs()
     );
     // SAFETY: write(2) of a local buffer to the standard error's descriptor.
