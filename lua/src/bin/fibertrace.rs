@@ -115,7 +115,9 @@ fn cli() -> Command {
                      every fiber's trace to stderr and the script goes on; SIGINT and \
                      SIGTERM flush what the script printed and exit with 130 and 143, \
                      SIGHUP, SIGUSR1, SIGUSR2 and SIGALRM likewise with 128 + the signal \
-                     (unless inherited ignored, as under nohup). \
+                     (unless inherited ignored, as under nohup); while os.execute runs a \
+                     command, SIGINT goes to the command alone, as C's system() has it (the \
+                     script gets how the command ended and goes on). \
                      A fiber running when a dump or report is taken is stopped at its next \
                      Lua line to read its Lua frames (this takes SIGPROF; \
                      FIBERTRACE_LUA_SAFE_POINTS=0 turns it off). \
