@@ -1246,3 +1246,41 @@ fn sigquit_then_sigterm_at_once_writes_the_dump_before_the_exit() {
         blocks[0]
     );
 }
+
+/// A script whose output cannot be written (standard output on a full disk: `/dev/full`)
+/// ends with 1 and says so on stderr, whether it ends at its end, through `os.exit(0)`, or
+/// printed more than a buffer; Lua's `print` drops write errors, and the program used to end
+/// with 0, its output lost without a word. A closed pipe still ends it quietly (SIGPIPE).
+#[test]
+fn output_that_cannot_be_written_is_said_and_the_exit_status_is_1() {
+    let dir = scratch("dev-full");
+    for (name, script) in [
+        ("a.lua", "print(1)\n"),
+        ("b.lua", "print(1) os.exit(0)\n"),
+        ("c.lua", "for i = 1, 100000 do print(i) end\n"),
+    ] {
+        std::fs::write(dir.join(name), script).unwrap();
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap();
+        let out = fibertrace_acceptance::command_in(&dir, &["run", name])
+            .stdout(full)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{name}: {err}");
+        assert_eq!(
+            err,
+            "fibertrace: standard output: No space left on device (os error 28): what the \
+             script printed is lost\n",
+            "{name}"
+        );
+        // The same script, its output read: all of it, and 0.
+        let out = fibertrace_acceptance::command_in(&dir, &["run", name])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{name}");
+        assert!(out.stderr.is_empty(), "{name}");
+    }
+}

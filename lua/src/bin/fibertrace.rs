@@ -754,6 +754,44 @@ extern "C" fn on_sigpipe(_sig: libc::c_int) {
     }
 }
 
+unsafe extern "C" {
+    /// The C library's standard output stream (Lua's `print` and `io.write` write to it).
+    #[link_name = "stdout"]
+    static C_STDOUT: *mut libc::FILE;
+}
+
+/// At exit (after the other exit handlers, the `--leaks` report's included): what the
+/// script printed is flushed here, and a failed write of it — now, or earlier (Lua's `print`
+/// drops write errors: a full disk) — is said on stderr, and the program ends with 1. The
+/// program used to end silently with the script's status, its output lost. (A reader gone
+/// ends the program by SIGPIPE first, quietly: `on_sigpipe`.)
+extern "C" fn stdout_at_exit() {
+    let rust = io::stdout().flush().err();
+    // SAFETY: `stdout` is the C library's standard output stream, open for the life of the
+    // process (nothing here closes it); fflush and ferror on it are plain calls.
+    let (flushed, failed) = unsafe {
+        let f = libc::fflush(C_STDOUT);
+        let e = io::Error::last_os_error();
+        (
+            if f != 0 { Some(e) } else { None },
+            libc::ferror(C_STDOUT) != 0,
+        )
+    };
+    let Some(why) = flushed
+        .or(rust)
+        .or_else(|| failed.then(|| io::Error::other("a write failed")))
+    else {
+        return;
+    };
+    let msg = format!("fibertrace: standard output: {why}: what the script printed is lost\n");
+    // SAFETY: write(2) of a local buffer to stderr, then the end of the process (every other
+    // exit handler ran, and stdout's buffer was flushed or failed).
+    unsafe {
+        libc::write(2, msg.as_ptr().cast(), msg.len());
+        libc::_exit(1);
+    }
+}
+
 /// The write end of the pipe the exit signals' handler writes the signal number to.
 static EXIT_PIPE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
 
@@ -1209,6 +1247,9 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
         err!("fibertrace: {e}");
         return ExitCode::from(1);
     }
+    // (Registered first: it runs after every other exit handler.)
+    // SAFETY: registers a function that runs at exit, once.
+    unsafe { libc::atexit(stdout_at_exit) };
     if m.get_flag("leaks") {
         let top = m.get_one::<u64>("leaks-top").copied().unwrap_or(20) as usize;
         LEAKS_TOP.store(top, std::sync::atomic::Ordering::SeqCst);
