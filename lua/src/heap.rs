@@ -168,7 +168,11 @@ pub fn lua_stack_hook(
     let Ok(mut reader) = crate::frames::foreign::Reader::own() else {
         return n;
     };
-    let Ok(lua) = reader.stack(&mut crate::frames::foreign::SelfMem, root) else {
+    // The innermost Lua level's line, when the interpreter allocates from inside one of its
+    // instructions (the PC it saved for the call: checked against the function's code).
+    let mem = &mut crate::frames::foreign::SelfMem;
+    let top = reader.interpreter_top(mem, root).ok().flatten();
+    let Ok(lua) = reader.stack_running(mem, root, top) else {
         return n;
     };
     if lua.levels.is_empty() {

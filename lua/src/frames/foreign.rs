@@ -686,6 +686,46 @@ impl Reader {
         Ok(None)
     }
 
+    /// The Lua code running now in this process, where the interpreter left it to call out
+    /// from inside an instruction (an allocation: a table made, a string joined, a table
+    /// grown): the running state's base, and the PC the interpreter saved in its C frame
+    /// for that call (LuaJIT's `L->cframe`, LuaJIT 2.1 GC64 x86-64: the PC 24 bytes into it,
+    /// the state 16 bytes into it, where a frame with no PC holds the state instead; the C
+    /// frame 80 bytes into the state), each checked as [`Reader::running_top`] checks the
+    /// interpreter's own registers. `None` when the interpreter does not run Lua code now (C
+    /// code Lua called, a trace, the collector), or the saved PC does not check out.
+    pub fn interpreter_top(
+        &mut self,
+        mem: &mut dyn Memory,
+        root: u64,
+    ) -> Result<Option<RunningTop>, String> {
+        const STATE_CFRAME: u64 = 80;
+        const CFRAME_PC: u64 = 24;
+        const CFRAME_L: u64 = 16;
+        let Some(j) = self.jit else {
+            return Ok(None);
+        };
+        let g = Self::u64(mem, root.wrapping_add(j.state_glref as u64))?;
+        if Self::u32(mem, g.wrapping_add(j.g_vmstate as u64))? as i32 != -1 {
+            return Ok(None);
+        }
+        let cur = Self::u64(mem, g.wrapping_add(j.g_cur_l as u64))? & GCV_MASK;
+        let base = Self::u64(mem, cur.wrapping_add(self.l.state_base as u64))?;
+        let cf = Self::u64(mem, cur.wrapping_add(STATE_CFRAME))? & !3;
+        if cf == 0 {
+            return Ok(None);
+        }
+        let pc = Self::u64(mem, cf.wrapping_add(CFRAME_PC))?;
+        if pc == 0 || pc == Self::u64(mem, cf.wrapping_add(CFRAME_L))? {
+            return Ok(None);
+        }
+        match self.running_top(mem, root, Some((base, pc))) {
+            Ok(Some(top)) if !top.compiled && top.th == cur => Ok(Some(top)),
+            Ok(_) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// The Lua function whose frame starts at `base` of state `th`, if `base` is inside its
     /// stack and a Lua function is there.
     fn lua_function_at(&self, mem: &mut dyn Memory, th: u64, base: u64) -> Result<u64, String> {
