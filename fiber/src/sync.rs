@@ -277,8 +277,10 @@ struct ChanInner<T> {
     /// against the capacity).
     handed: Cell<usize>,
     closed: Cell<bool>,
-    /// Ticket of the last value a receiver took (values leave in order: every ticket up to
-    /// it was taken, taken back by its sender, or discarded).
+    /// The highest ticket a receiver took. Read for a rendezvous channel only, whose queue
+    /// holds one value at a time: every ticket up to it was taken, taken back by its sender,
+    /// or discarded (a value handed to a receiver may leave after a later one on a buffered
+    /// channel).
     taken: Cell<u64>,
     pushed: Cell<u64>,
     receivers: RefCell<WaitQueue>,

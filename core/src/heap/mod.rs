@@ -87,6 +87,12 @@ pub fn tier() -> Tier {
     }
 }
 
+/// Whether the tracker runs a tier (a load, for paths that switch owners only for it).
+#[inline]
+pub(crate) fn tracking() -> bool {
+    matches!(MODE.load(Ordering::Relaxed), EVERY | SAMPLED)
+}
+
 /// Settings of the tracker (change them at any time with [`configure`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Config {

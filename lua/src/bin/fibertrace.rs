@@ -784,10 +784,12 @@ extern "C" fn stdout_at_exit() {
         return;
     };
     let msg = format!("fibertrace: standard output: {why}: what the script printed is lost\n");
-    // SAFETY: write(2) of a local buffer to stderr, then the end of the process (every other
-    // exit handler ran, and stdout's buffer was flushed or failed).
+    // SAFETY: write(2) of a local buffer to stderr; the other streams flushed (files the
+    // script still had open: `_exit` skips the C library's own flush); then the end of the
+    // process (every other exit handler ran).
     unsafe {
         libc::write(2, msg.as_ptr().cast(), msg.len());
+        libc::fflush(std::ptr::null_mut());
         libc::_exit(1);
     }
 }
@@ -1128,6 +1130,9 @@ static LEAKS_BASE: std::sync::OnceLock<fibertrace_lua::HeapBaseline> = std::sync
 extern "C" fn leaks_at_exit() {
     let top = LEAKS_TOP.swap(0, std::sync::atomic::Ordering::SeqCst);
     if top == 0 {
+        // Taken by the exit signal's thread, which writes it and ends the process: this
+        // exit (the script's end, `os.exit`) waits for that instead of ending it first.
+        defer_to_exit_signal();
         return;
     }
     // (The report's own allocations, the thread it may run on included, are not tracked:
@@ -1155,11 +1160,15 @@ fn said_given_up(what: &str) {
 
 /// The body of [`leaks_at_exit`].
 fn report_leaks(top: usize) {
-    let _ = io::stdout().flush();
     // What the script wrote through C's streams (`print`, `io.write`) first, as it came
-    // before (`exit` flushes them only after this handler).
-    // SAFETY: `fflush(NULL)` flushes every open output stream; no stream is closed here.
-    unsafe { libc::fflush(std::ptr::null_mut()) };
+    // before (`exit` flushes them only after this handler). Not after an exit signal: a
+    // flush waits for the streams' locks, which a script blocked in `io.read()` holds (the
+    // signal's thread flushes later, under its timer).
+    if EXIT_SIGNALLED.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        let _ = io::stdout().flush();
+        // SAFETY: `fflush(NULL)` flushes every open output stream; no stream is closed here.
+        unsafe { libc::fflush(std::ptr::null_mut()) };
+    }
     let report = || {
         fibertrace_core::heap::untracked(|| fibertrace_lua::heap_text_since(top, LEAKS_BASE.get()))
     };
@@ -1408,9 +1417,8 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
         host.release_kept();
     }
     let code = exit_code(code, dump_on_exit());
-    if DUMPS_ON_EXIT.get().is_some() {
-        defer_to_exit_signal();
-    }
+    // An exit signal's thread ends the process (its dumps, its report): not raced.
+    defer_to_exit_signal();
     let _ = io::stdout().flush();
     // `exit` flushes C stdio (Lua's print and io.write); the host is not dropped: fibers
     // still suspended keep their Lua frames and are never unwound.

@@ -253,25 +253,39 @@ pub unsafe fn vmstate_of(l: *mut ffi::lua_State) -> Option<*const i32> {
 /// buffer two words after it), when the layout of the running code's state matched; empty
 /// otherwise. Each is checked first: the table's size is a power of two (at least LuaJIT's
 /// least, 256 entries) and interning a new string (the collector stopped meanwhile) counts
-/// one more string in it; the buffer's pointers are in order.
+/// one more string in it; the buffer's pointers are in order. Everything is read as another
+/// process's memory is ([`super::foreign::SelfMem`]): a wrong offset is a failed read, never
+/// a fault.
 ///
 /// # Safety
 /// `l` is a state of this thread's host at a call boundary, with room for one value; the
 /// collector is restarted after (for a caller at exit, which collected just before).
 pub unsafe fn vm_tables_of(l: *mut ffi::lua_State) -> Vec<(usize, usize)> {
+    use super::foreign::{Memory, SelfMem};
     // SAFETY: per the contract, `l` is a live state.
     let Some(st) = (unsafe { vmstate_of(l) }) else {
         return Vec::new();
     };
     let st = st as usize;
-    // Reads of the live global state whose VM state is at `st` (the checked layout puts the
-    // string interning state's 32 bytes before it, the buffer after it, and the JIT state's
-    // array of traces and its size at its offsets), and of that array's `size` entries.
-    // SAFETY: every address read is one of those (see the uses below).
-    let rd = |a: usize| unsafe { std::ptr::read_volatile(a as *const u64) };
-    // SAFETY: as above.
-    let rd32 = |a: usize| unsafe { std::ptr::read_volatile(a as *const u32) };
-    let (tab, mask, num) = (rd(st - 32) as usize, rd32(st - 24) as usize, rd32(st - 20));
+    // Read as another process's memory is (a failed read, never a fault): the string
+    // interning state's 32 bytes before the VM state and the buffer after it are where the
+    // checked layout says; the JIT state's array of traces is found through offsets the
+    // check does not cover.
+    let rd = |a: usize| {
+        let mut b = [0u8; 8];
+        SelfMem
+            .read(a as u64, &mut b)
+            .then(|| u64::from_le_bytes(b) as usize)
+    };
+    let rd32 = |a: usize| {
+        let mut b = [0u8; 4];
+        SelfMem
+            .read(a as u64, &mut b)
+            .then(|| u32::from_le_bytes(b) as usize)
+    };
+    let (Some(tab), Some(mask), Some(num)) = (rd(st - 32), rd32(st - 24), rd32(st - 20)) else {
+        return Vec::new();
+    };
     if tab == 0 || !(mask + 1).is_power_of_two() || mask + 1 < 256 {
         return Vec::new();
     }
@@ -291,34 +305,40 @@ pub unsafe fn vm_tables_of(l: *mut ffi::lua_State) -> Vec<(usize, usize)> {
         ffi::lua_gc(l, ffi::LUA_GCRESTART, 0);
         after
     };
-    if counted != num.wrapping_add(1) {
+    if counted != Some(num + 1) {
         return Vec::new();
     }
     // The table may have grown with the probe: read again.
-    let (tab, mask) = (rd(st - 32) as usize, rd32(st - 24) as usize);
+    let (Some(tab), Some(mask)) = (rd(st - 32), rd32(st - 24)) else {
+        return Vec::new();
+    };
     let mut out = vec![(tab, (mask + 1) * 8)];
-    let (w, e, b) = (
-        rd(st + 16) as usize,
-        rd(st + 24) as usize,
-        rd(st + 32) as usize,
-    );
-    if b != 0 && b <= w && w <= e {
-        out.push((b, e - b));
+    if let (Some(w), Some(e), Some(b)) = (rd(st + 16), rd(st + 24), rd(st + 32)) {
+        if b != 0 && b <= w && w <= e {
+            out.push((b, e - b));
+        }
     }
     // The JIT compiler's array of traces and the traces in it (each one block, its size not
-    // kept: 0 stands for any), from the checked layout's offsets of the array and its size.
+    // kept: 0 stands for any). A report leaves out only a live allocation at exactly one of
+    // these addresses.
     let lay = &HEADER.jit;
     let g = st - lay.g_vmstate as usize;
-    let (traces, size) = (
-        rd(g + lay.g_traces as usize) as usize,
-        rd32(g + lay.g_sizetrace as usize) as usize,
-    );
-    if traces != 0 && traces.is_multiple_of(8) && size <= 1 << 16 {
-        out.push((traces, size * 8));
-        for i in 1..size {
-            let t = rd(traces + 8 * i) as usize & GCV_MASK as usize;
-            if t != 0 && t.is_multiple_of(8) {
-                out.push((t, 0));
+    if let (Some(traces), Some(size)) = (
+        rd(g + lay.g_traces as usize),
+        rd32(g + lay.g_sizetrace as usize),
+    ) {
+        if traces != 0 && traces.is_multiple_of(8) && size <= 1 << 16 {
+            out.push((traces, size * 8));
+            for i in 1..size {
+                match rd(traces + 8 * i) {
+                    Some(t) => {
+                        let t = t & GCV_MASK as usize;
+                        if t != 0 && t.is_multiple_of(8) {
+                            out.push((t, 0));
+                        }
+                    }
+                    None => break,
+                }
             }
         }
     }

@@ -282,17 +282,19 @@ pub struct LuaHost {
 ///
 /// `ud`, when not null, is where the state's VM state is ([`vm_allocations_outside`]): what
 /// LuaJIT allocates for itself — in its collector (its string table's resizes, shrunk
-/// stacks), in its JIT compiler (traces, their buffers) — is charged to code outside
-/// fibers, not to the fiber whose allocation or loop set it off.
+/// stacks), in its JIT compiler's optimiser and assembler (traces) — is charged to code
+/// outside fibers, not to the fiber whose allocation or loop set it off.
 unsafe extern "C" fn global_alloc(
     ud: *mut std::ffi::c_void,
     ptr: *mut std::ffi::c_void,
     osize: usize,
     nsize: usize,
 ) -> *mut std::ffi::c_void {
-    // LuaJIT's VM states, stored as `~state`: the collector (2), the JIT compiler recording,
-    // optimising and assembling a trace (4, 5, 6).
-    const VM_OWN: [i32; 4] = [!2, !4, !5, !6];
+    // LuaJIT's VM states, stored as `~state`: the collector (2), the JIT compiler optimising
+    // and assembling a trace (5, 6). Not recording (4): LuaJIT leaves that state set while
+    // the interpreter runs the instruction just recorded, whose allocations are the
+    // script's.
+    const VM_OWN: [i32; 3] = [!2, !5, !6];
     // SAFETY: a non-null `ud` points at the VM state of the live global state whose
     // allocator this is (set with it, see `vm_allocations_outside`).
     if !ud.is_null() && VM_OWN.contains(&unsafe { std::ptr::read_volatile(ud as *const i32) }) {

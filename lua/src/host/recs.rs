@@ -67,14 +67,16 @@ impl<T> Dense<T> {
     pub fn insert(&mut self, id: FiberId, r: T) -> Option<T> {
         // (The table's growth is the host's own, not the heap of the fiber that made the
         // record's fiber.)
-        fibertrace_core::heap::outside_fibers(|| match self.at.entry(id) {
+        // (A guard, not a closure: the record moved into one was copied once more.)
+        let _outside = fibertrace_core::heap::OutsideFibers::enter();
+        match self.at.entry(id) {
             Entry::Occupied(e) => Some(std::mem::replace(&mut self.all[*e.get()].1, r)),
             Entry::Vacant(e) => {
                 e.insert(self.all.len());
                 self.all.push((id, r));
                 None
             }
-        })
+        }
     }
 
     pub fn remove(&mut self, id: &FiberId) -> Option<T> {

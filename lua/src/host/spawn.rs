@@ -230,7 +230,6 @@ pub(super) unsafe fn take_thread(
 /// `l` is a Lua thread of this thread's host at a call boundary: the state of a running C
 /// function, or the idle main state.
 pub(crate) unsafe fn release_kept(l: *mut ffi::lua_State) {
-    RELEASED.store(true, std::sync::atomic::Ordering::Relaxed);
     // (What this does is the runtime's work, not the calling fiber's heap; the finalizers
     // the collection runs are charged as usual.)
     let outside = fibertrace_core::heap::OutsideFibers::enter();
@@ -282,12 +281,13 @@ pub(crate) unsafe fn release_kept(l: *mut ffi::lua_State) {
     unsafe {
         ffi::lua_gc(l, ffi::LUA_GCCOLLECT, 0);
         ffi::lua_gc(l, ffi::LUA_GCCOLLECT, 0);
+        RELEASED.store(true, std::sync::atomic::Ordering::Relaxed);
         let _outside = fibertrace_core::heap::OutsideFibers::enter();
         crate::heap::set_vm_own(crate::frames::publish::vm_tables_of(l));
     }
 }
 
-/// Whether [`release_kept`] ran in this process.
+/// Whether [`release_kept`] collected the Lua heap in this process.
 pub(crate) static RELEASED: std::sync::atomic::AtomicBool =
     std::sync::atomic::AtomicBool::new(false);
 
