@@ -94,7 +94,8 @@ pub(crate) fn set_vm_own(v: Vec<(usize, usize)>) {
 /// what is charged to code outside fibers is left out too: the runtime's and the host's
 /// own (the scheduler between fibers, the objects the host makes ahead for the next
 /// fibers), not the script's, whose code runs in fibers; and so are the Lua VM's own
-/// tables ([`VM_OWN`]).
+/// tables (its string table, its buffer, its compiled traces: read when the host let go
+/// of what it keeps, `LuaHost::release_kept`).
 pub fn heap_text_since(top: usize, base: Option<&HeapBaseline>) -> String {
     if heap::tier() == heap::Tier::Off {
         return format!("{}\n", fibertrace_fiber::export::NOT_TRACKED);
