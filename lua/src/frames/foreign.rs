@@ -1271,6 +1271,104 @@ pub fn short_src(src: &[u8], firstline: u32) -> String {
     }
 }
 
+/// The blocks LuaJIT keeps for the whole state and resizes as the program goes — its string
+/// table, its temporary string buffer, its JIT compiler's traces and their array — as
+/// `(address, size)` (size 0: a trace, whose size is not kept), read from `l`'s global
+/// state (LuaJIT 2.1, GC64: the string interning state just before the VM state, the
+/// buffer two words after it), when the layout of the running code's state matched; empty
+/// otherwise. Each is checked first: the table's size is a power of two (at least LuaJIT's
+/// least, 256 entries) and interning a new string (the collector stopped meanwhile) counts
+/// one more string in it; the buffer's pointers are in order. Everything is read as another
+/// process's memory is ([`SelfMem`]): a wrong offset is a failed read, never
+/// a fault.
+///
+/// # Safety
+/// `l` is a state of this thread's host at a call boundary, with room for one value; the
+/// collector is restarted after (for a caller at exit, which collected just before).
+pub unsafe fn vm_tables_of(l: *mut mlua::ffi::lua_State) -> Vec<(usize, usize)> {
+    // SAFETY: per the contract, `l` is a live state.
+    let Some(st) = (unsafe { publish::vmstate_of(l) }) else {
+        return Vec::new();
+    };
+    let st = st as usize;
+    // Read as another process's memory is (a failed read, never a fault): the string
+    // interning state's 32 bytes before the VM state and the buffer after it are where the
+    // checked layout says; the JIT state's array of traces is found through offsets the
+    // check does not cover.
+    let rd = |a: usize| {
+        let mut b = [0u8; 8];
+        SelfMem
+            .read(a as u64, &mut b)
+            .then(|| u64::from_le_bytes(b) as usize)
+    };
+    let rd32 = |a: usize| {
+        let mut b = [0u8; 4];
+        SelfMem
+            .read(a as u64, &mut b)
+            .then(|| u32::from_le_bytes(b) as usize)
+    };
+    let (Some(tab), Some(mask), Some(num)) = (rd(st - 32), rd32(st - 24), rd32(st - 20)) else {
+        return Vec::new();
+    };
+    if tab == 0 || !(mask + 1).is_power_of_two() || mask + 1 < 256 {
+        return Vec::new();
+    }
+    static PROBES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let probe = format!(
+        "fibertrace: probe of the string table {:x} {}",
+        l as usize,
+        PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    );
+    // SAFETY: per the contract: a string pushed and popped, the collector stopped around it
+    // (so that no string is freed meanwhile).
+    let counted = unsafe {
+        mlua::ffi::lua_gc(l, mlua::ffi::LUA_GCSTOP, 0);
+        mlua::ffi::lua_pushlstring(l, probe.as_ptr().cast(), probe.len());
+        let after = rd32(st - 20);
+        mlua::ffi::lua_settop(l, -2);
+        mlua::ffi::lua_gc(l, mlua::ffi::LUA_GCRESTART, 0);
+        after
+    };
+    if counted != Some(num + 1) {
+        return Vec::new();
+    }
+    // The table may have grown with the probe: read again.
+    let (Some(tab), Some(mask)) = (rd(st - 32), rd32(st - 24)) else {
+        return Vec::new();
+    };
+    let mut out = vec![(tab, (mask + 1) * 8)];
+    if let (Some(w), Some(e), Some(b)) = (rd(st + 16), rd(st + 24), rd(st + 32)) {
+        if b != 0 && b <= w && w <= e {
+            out.push((b, e - b));
+        }
+    }
+    // The JIT compiler's array of traces and the traces in it (each one block, its size not
+    // kept: 0 stands for any). A report leaves out only a live allocation at exactly one of
+    // these addresses.
+    let lay = &publish::HEADER.jit;
+    let g = st - lay.g_vmstate as usize;
+    if let (Some(traces), Some(size)) = (
+        rd(g + lay.g_traces as usize),
+        rd32(g + lay.g_sizetrace as usize),
+    ) {
+        if traces != 0 && traces.is_multiple_of(8) && size <= 1 << 16 {
+            out.push((traces, size * 8));
+            for i in 1..size {
+                match rd(traces + 8 * i) {
+                    Some(t) => {
+                        let t = t & GCV_MASK as usize;
+                        if t != 0 && t.is_multiple_of(8) {
+                            out.push((t, 0));
+                        }
+                    }
+                    None => break,
+                }
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -283,7 +283,7 @@ pub(crate) unsafe fn release_kept(l: *mut ffi::lua_State) {
         ffi::lua_gc(l, ffi::LUA_GCCOLLECT, 0);
         RELEASED.store(true, std::sync::atomic::Ordering::Relaxed);
         let _outside = fibertrace_core::heap::OutsideFibers::enter();
-        crate::heap::set_vm_own(crate::frames::publish::vm_tables_of(l));
+        crate::heap::set_vm_own(crate::frames::foreign::vm_tables_of(l));
     }
 }
 
