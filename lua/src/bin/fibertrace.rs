@@ -1024,7 +1024,7 @@ fn install_signals() -> Result<(), String> {
                 dump_on_exit();
                 // `--leaks`: its report, as at any exit (`_exit` below runs no `atexit`
                 // handler), taken from this thread while the script's goes on.
-                leaks_at_exit();
+                leaks_at_signal();
                 // The dumps and the report are done: the timer gives the flush its second.
                 // SAFETY: as above.
                 unsafe { libc::write(timer_wr, c.as_ptr().cast(), 1) };
@@ -1132,7 +1132,9 @@ extern "C" fn leaks_at_exit() {
     if top == 0 {
         // Taken by the exit signal's thread, which writes it and ends the process: this
         // exit (the script's end, `os.exit`) waits for that instead of ending it first.
-        defer_to_exit_signal();
+        if LEAKS_ON_SIGNAL.load(std::sync::atomic::Ordering::SeqCst) {
+            defer_to_exit_signal();
+        }
         return;
     }
     // (The report's own allocations, the thread it may run on included, are not tracked:
@@ -1156,6 +1158,21 @@ fn said_given_up(what: &str) {
     );
     // SAFETY: write(2) of a local buffer to the standard error's descriptor.
     unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
+}
+
+/// Whether the exit signal's thread took the `--leaks` report (see [`leaks_at_signal`]).
+static LEAKS_ON_SIGNAL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The `--leaks` report from the exit signal's thread (`_exit` after it runs no `atexit`
+/// handler), if no other exit path took it first.
+fn leaks_at_signal() {
+    // (Said before the report is taken: an exit path that finds it taken then waits.)
+    LEAKS_ON_SIGNAL.store(true, std::sync::atomic::Ordering::SeqCst);
+    let top = LEAKS_TOP.swap(0, std::sync::atomic::Ordering::SeqCst);
+    if top == 0 {
+        return;
+    }
+    fibertrace_core::heap::untracked(|| report_leaks(top));
 }
 
 /// The body of [`leaks_at_exit`].
