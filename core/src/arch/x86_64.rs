@@ -210,13 +210,57 @@ pub(crate) type UnwindRegs = framehop::x86_64::UnwindRegsX86_64;
 /// Copied from a template made once by `new`, then set: `new` is not inlined across crates
 /// (no LTO), and the call that fills a 136-byte temporary, then the `memcpy` of it into
 /// place, were ~6% of a 42-frame precise capture (`perf`, the speed bench).
+///
+/// Signal handlers walk stacks through this, so it never waits: a `OnceLock` made a handler
+/// that interrupted its own thread in the middle of the template's first making wait for
+/// that thread forever (the sampler's thread then waited for the handler: a test hung).
+/// Until the template is published, each call makes its own.
 #[inline(always)]
 pub(crate) fn unwind_regs(ip: u64, sp: u64, fp: u64) -> UnwindRegs {
-    static ZEROED: std::sync::OnceLock<UnwindRegs> = std::sync::OnceLock::new();
-    let mut r = *ZEROED.get_or_init(|| UnwindRegs::new(0, 0, 0));
+    let mut r = zeroed_regs();
     r.set_ip(ip);
     r.set_sp(sp);
     r.set_bp(fp);
+    r
+}
+
+/// The template of [`unwind_regs`]: published once (state 2) by whichever call first claims
+/// it (state 1); a call that finds it unpublished makes one itself.
+#[inline(always)]
+fn zeroed_regs() -> UnwindRegs {
+    use std::sync::atomic::{AtomicU8, Ordering};
+    struct Template(std::cell::UnsafeCell<std::mem::MaybeUninit<UnwindRegs>>);
+    // SAFETY: written once, by the call that moved the state from 0 to 1, before it publishes
+    // state 2 (release); read only after state 2 was seen (acquire).
+    unsafe impl Sync for Template {}
+    static STATE: AtomicU8 = AtomicU8::new(0);
+    static TEMPLATE: Template =
+        Template(std::cell::UnsafeCell::new(std::mem::MaybeUninit::uninit()));
+    if STATE.load(Ordering::Acquire) == 2 {
+        // SAFETY: state 2: written and published (see `Template`).
+        return unsafe { (*TEMPLATE.0.get()).assume_init() };
+    }
+    make_zeroed_regs(&STATE, &TEMPLATE.0)
+}
+
+/// [`zeroed_regs`]'s slow path, out of line.
+#[cold]
+#[inline(never)]
+fn make_zeroed_regs(
+    state: &std::sync::atomic::AtomicU8,
+    slot: &std::cell::UnsafeCell<std::mem::MaybeUninit<UnwindRegs>>,
+) -> UnwindRegs {
+    use std::sync::atomic::Ordering;
+    let r = UnwindRegs::new(0, 0, 0);
+    if state
+        .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
+        .is_ok()
+    {
+        // SAFETY: this call alone moved the state from 0 to 1: nothing else writes the slot,
+        // and nothing reads it before state 2.
+        unsafe { (*slot.get()).write(r) };
+        state.store(2, Ordering::Release);
+    }
     r
 }
 
