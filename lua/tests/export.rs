@@ -277,8 +277,8 @@ fn dumps_on_exit_after_sigterm_are_written_or_said_to_be_given_up() {
     );
     assert_eq!(
         text(&out.stderr),
-        "fibertrace: --dump-on-exit: the dumps were not all written within 2 s of the signal \
-         (--dump-on-exit-wait); the program ends without the rest\n"
+        "fibertrace: --dump-on-exit: not written within 2 s of the signal \
+         (--dump-on-exit-wait): text:stuck, json:later.json; the program ends without them\n"
     );
     assert!(!tmp.exists(), "the temporary file is removed");
     assert!(!d.join("later.json").exists());

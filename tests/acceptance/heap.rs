@@ -422,6 +422,53 @@ try({}, {})\n";
         assert_eq!(out.status.code(), Some(2), "{args:?}");
         assert!(!out.stderr.is_empty());
     }
+    // An interval where nothing is sampled is refused before the script runs (it was taken
+    // and unused, without a word).
+    let none = "the heap is not tracked: add --heap (sampled)";
+    let every = "--heap=every (and --leaks without --heap=sampled) records every allocation: \
+                 there is no interval to set";
+    for (args, why) in [
+        (&["run", "--heap-interval", "4096", "w.lua"][..], none),
+        (
+            &["run", "--heap=every", "--heap-interval", "4096", "w.lua"][..],
+            every,
+        ),
+        (
+            &["run", "--leaks", "--heap-interval", "4096", "w.lua"][..],
+            every,
+        ),
+    ] {
+        let out = run_in(&dir, args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(out.stdout.is_empty(), "{args:?}: the script did not run");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stderr),
+            format!(
+                "error: --heap-interval sets the sampling of --heap=sampled, and {why}\n\n\
+                 For more information, try '--help'.\n"
+            ),
+            "{args:?}"
+        );
+    }
+    // Given with sampling, through the flag or the environment, it is taken (the interval's
+    // effect: `heap_sampled_estimates_and_the_env_variable_does_the_same`).
+    let out = run_in(
+        &dir,
+        &[
+            "run",
+            "--leaks",
+            "--heap=sampled",
+            "--heap-interval",
+            "4096",
+            "w.lua",
+        ],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// The line of an allocation made by the interpreter from inside an instruction (a table

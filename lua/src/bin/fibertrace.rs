@@ -184,8 +184,8 @@ fn cli() -> Command {
                         .help(
                             "After SIGINT, SIGTERM or another exit signal, how long the \
                              --dump-on-exit dumps may take (a dump of 30,000 fibers takes a \
-                             few seconds); past it the program ends without the rest, says \
-                             so and leaves no partial file. Without dumps, or once they are \
+                             few seconds); past it the program ends without the rest, names \
+                             the dumps it gave up and leaves no partial file. Without dumps, or once they are \
                              written, it ends within a second",
                         ),
                 )
@@ -455,6 +455,11 @@ enum ExitDumps {
 }
 
 static EXIT_DUMPS: std::sync::Mutex<ExitDumps> = std::sync::Mutex::new(ExitDumps::NotBegun);
+
+/// How many of the `--dump-on-exit` dumps, in their order, the exit path writing them is
+/// done with (written or failed): the ones after are those an exit signal's wait gives up
+/// ([`dumps_given_up`] names them).
+static EXIT_DUMPS_ENDED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 static EXIT_DUMPS_DONE: std::sync::Condvar = std::sync::Condvar::new();
 
 /// Claims the writing of the `--dump-on-exit` dumps: `None` when the caller is to write them
@@ -514,6 +519,7 @@ fn dump_on_exit() -> bool {
             err!("fibertrace: --dump-on-exit {format}: {e}");
             all = false;
         }
+        EXIT_DUMPS_ENDED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     }
     finish_exit_dumps(all);
     all
@@ -535,7 +541,7 @@ fn exit_code(script: i32, dumped: bool) -> i32 {
 /// `os.exit(true)`, `os.exit(0)`, `os.exit('0')`, which `os.exit` reads as 0) whose dumps
 /// could not all be written exits with 1, as [`exit_code`] says.
 const EXIT_WRAPPER: &str = r#"
-local dump, exit, list, claim, finish = ...
+local dump, exit, list, claim, finish, ended = ...
 -- (The script may change the globals: the wrapper keeps its own.)
 local ipairs, pcall, select, tonumber, tostring = ipairs, pcall, select, tonumber, tostring
 local stderr = io.stderr
@@ -549,6 +555,7 @@ return function(...)
                 pcall(stderr.write, stderr, 'fibertrace: --dump-on-exit ', d[1], ': ', tostring(err), '\n')
                 all = false
             end
+            ended()
         end
         finish(all)
     end
@@ -604,10 +611,14 @@ fn wrap_os_exit(lua: &mlua::Lua, list: &[(Format, PathBuf)]) -> mlua::Result<()>
         defer_to_exit_signal();
         Ok(())
     })?;
+    let ended = lua.create_function(|_, ()| {
+        EXIT_DUMPS_ENDED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    })?;
     let wrapped: mlua::Function = lua
         .load(EXIT_WRAPPER)
         .set_name("=fibertrace")
-        .call((dump, exit, t, claim, finish))?;
+        .call((dump, exit, t, claim, finish, ended))?;
     os.set("exit", wrapped)
 }
 
@@ -888,18 +899,31 @@ fn read_byte(fd: libc::c_int, wait: Option<Duration>) -> Option<u8> {
     }
 }
 
-/// The exit signal's dumps took longer than `--dump-on-exit-wait`: says so (straight to the
-/// standard error's descriptor: the thread writing a dump may hold the stream's lock) and
-/// removes the temporary files a dump being written leaves
+/// The exit signal's dumps took longer than `--dump-on-exit-wait`: says so, naming the
+/// dumps not written (the one being written and those after it), straight to the standard
+/// error's descriptor (the thread writing a dump may hold the stream's lock), and removes
+/// the temporary files a dump being written leaves
 /// (`fibertrace_fiber::export::temporary_file`); the process ends next.
 fn dumps_given_up() {
+    let list = DUMPS_ON_EXIT.get().map_or(&[][..], |l| &l[..]);
+    let ended = EXIT_DUMPS_ENDED.load(std::sync::atomic::Ordering::SeqCst);
+    let left: Vec<String> = list
+        .iter()
+        .skip(ended)
+        .map(|(f, p)| format!("{}:{}", f.name(), p.display()))
+        .collect();
     let msg = format!(
-        "fibertrace: --dump-on-exit: the dumps were not all written within {} s of the \
-         signal (--dump-on-exit-wait); the program ends without the rest\n",
-        exit_dump_wait().as_secs()
+        "fibertrace: --dump-on-exit: not written within {} s of the signal \
+         (--dump-on-exit-wait): {}; the program ends without {}\n",
+        exit_dump_wait().as_secs(),
+        left.join(", "),
+        if left.len() == 1 { "it" } else { "them" },
     );
-    // SAFETY: write(2) of a local buffer to the standard error's descriptor.
-    unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
+    // (All of them written: the wait ran out on something else, said on its own.)
+    if !left.is_empty() {
+        // SAFETY: write(2) of a local buffer to the standard error's descriptor.
+        unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
+    }
     for (_, path) in DUMPS_ON_EXIT.get().into_iter().flatten() {
         let real = std::fs::canonicalize(path).ok();
         for p in [Some(path.clone()), real].into_iter().flatten() {
@@ -1268,7 +1292,34 @@ fn heap_tier(m: &clap::ArgMatches) -> Result<(), String> {
     Err(format!("--heap: cannot run this program again: {e}"))
 }
 
+/// `--heap-interval` where nothing is sampled: a usage error (the interval would be
+/// silently unused), or `None`.
+fn interval_unused(m: &clap::ArgMatches) -> Option<&'static str> {
+    m.get_one::<u64>("heap-interval")?;
+    match (
+        m.get_one::<String>("heap").map(String::as_str),
+        m.get_flag("leaks"),
+    ) {
+        (Some("every"), _) | (None, true) => Some(
+            "--heap=every (and --leaks without --heap=sampled) records every allocation: \
+             there is no interval to set",
+        ),
+        (Some(_), _) => None,
+        (None, false) if std::env::var_os("FIBERTRACE_HEAP").is_some_and(|v| v == "sampled") => {
+            None
+        }
+        (None, false) => Some("the heap is not tracked: add --heap (sampled)"),
+    }
+}
+
 fn run(m: &clap::ArgMatches) -> ExitCode {
+    if let Some(why) = interval_unused(m) {
+        err!(
+            "error: --heap-interval sets the sampling of --heap=sampled, and {why}\n\n\
+             For more information, try '--help'."
+        );
+        return ExitCode::from(2);
+    }
     if let Err(e) = heap_tier(m) {
         err!("fibertrace: {e}");
         return ExitCode::from(1);
