@@ -230,8 +230,8 @@ fn caller_controlled_numbers_of_values_fit_the_lua_stack_or_fail_clearly() {
         assert_eq!(
             String::from_utf8_lossy(&o.stderr).lines().next(),
             Some(
-                "fibertrace: cannot pass 70000 arguments to the script: stack overflow (they \
-                 are all in the global table arg)"
+                "fibertrace: cannot pass 70000 arguments to the script as its `...` (more \
+                 than a Lua stack holds): stack overflow; the script was not run"
             )
         );
         assert_eq!(o.code, Some(1));

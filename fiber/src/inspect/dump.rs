@@ -30,7 +30,9 @@ use super::info::{self, FiberInfo, InfoOptions};
 use super::{FrameInfo, SchedulerSnapshot, Snapshot};
 use crate::task::{ControlBlock, FiberId, PanicReport, Status, WaitOn};
 
-/// A duration as Go prints wait times: `250ms`, `4.2s`, `3m12s`, `2h5m`.
+/// A duration as Go prints wait times: `250ms`, `4.2s`, `3m12s`, `2h5m`; under a
+/// millisecond in microseconds, `640us` (a stall threshold below a millisecond,
+/// `fiber.set_max_slice(1e-4)`, had its reports say `has run 0ms`).
 pub fn human(d: Duration) -> String {
     let s = d.as_secs();
     if s >= 3600 {
@@ -39,8 +41,34 @@ pub fn human(d: Duration) -> String {
         format!("{}m{}s", s / 60, s % 60)
     } else if d >= Duration::from_secs(1) {
         format!("{:.1}s", d.as_secs_f64())
-    } else {
+    } else if d >= Duration::from_millis(1) {
         format!("{}ms", d.as_millis())
+    } else {
+        format!("{}us", d.as_micros())
+    }
+}
+
+#[cfg(test)]
+mod human_tests {
+    use super::human;
+    use std::time::Duration;
+
+    #[test]
+    fn durations_read_as_go_prints_them_and_below_a_millisecond_in_microseconds() {
+        let cases = [
+            (Duration::ZERO, "0us"),
+            (Duration::from_nanos(999), "0us"),
+            (Duration::from_micros(640), "640us"),
+            (Duration::from_micros(999), "999us"),
+            (Duration::from_millis(1), "1ms"),
+            (Duration::from_micros(250_400), "250ms"),
+            (Duration::from_millis(4200), "4.2s"),
+            (Duration::from_secs(192), "3m12s"),
+            (Duration::from_secs(7500), "2h5m"),
+        ];
+        for (d, want) in cases {
+            assert_eq!(human(d), want, "{d:?}");
+        }
     }
 }
 

@@ -701,8 +701,8 @@ pub(crate) fn run_main_fiber(
             match pushed {
                 Ok(_) => Ok(()),
                 Err(_) => Err(format!(
-                    "fibertrace: cannot pass {} arguments to the script: {} (they are all in \
-                     the global table arg)",
+                    "fibertrace: cannot pass {} arguments to the script as its `...` (more \
+                     than a Lua stack holds): {}; the script was not run",
                     args.len(),
                     raw::error_text(t, -1)
                 )),
