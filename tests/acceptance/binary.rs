@@ -195,6 +195,15 @@ fn sigquit_while_a_fiber_spins_in_compiled_code_shows_its_lua_frames() {
         in_work.contains(&frames) || in_hog.contains(&frames),
         "{err}"
     );
+    // Nothing but Lua frames, as at a safe point: in compiled code the native frames below
+    // the trace are walked from where the VM was entered, and the trace's own frame is its
+    // innermost level's (a `??` frame of the trace's code came first, and nothing below).
+    assert_eq!(
+        blocks["hog"].lines().filter(|l| l.starts_with('#')).count(),
+        frames.len(),
+        "{err}"
+    );
+    assert!(!err.contains("not walked"), "{err}");
     // In the interpreter (compilation off): from its base and PC registers, every time.
     let dir = scratch("spin-interp");
     std::fs::create_dir_all(dir.join("app")).unwrap();
@@ -1097,6 +1106,44 @@ fn dump_pid_of_a_fiber_in_compiled_lua_code_shows_the_function_the_trace_runs_in
         // The walk of its thread stops in the trace's code, which the trace's note says:
         // not said twice (the walk's own "walk stopped: ..." before it).
         assert!(!hog.contains("walk stopped"), "{hog}");
+        // Nothing but its Lua levels: the trace's own frame is its innermost level's (a
+        // `?? ` frame of the trace's code came first).
+        assert_eq!(
+            hog.lines().filter(|l| l.starts_with('#')).count(),
+            frames.len(),
+            "{hog}"
+        );
+        if note == held {
+            // Its thread's walk goes on below the trace, from where LuaJIT's VM was entered,
+            // down to the program's start: it stopped in the trace's code ("moved
+            // backwards"), or went on from the frame pointer the trace used for something
+            // else, into a made-up caller.
+            let thread = text
+                .split("\n\n")
+                .find(|b| b.starts_with("thread ") && b.contains(" in ??"))
+                .unwrap_or_else(|| panic!("{text}"));
+            let lines: Vec<&str> = thread.lines().filter(|l| l.starts_with('#')).collect();
+            let trace = lines
+                .iter()
+                .position(|l| l.ends_with(" in ??"))
+                .unwrap_or_else(|| panic!("{thread}"));
+            assert!(lines[trace + 1].contains(" in lua_pcall+"), "{thread}");
+            assert_eq!(
+                lines.iter().filter(|l| l.ends_with(" in ??")).count(),
+                1,
+                "{thread}"
+            );
+            assert!(lines.iter().any(|l| l.contains(" in main+")), "{thread}");
+            assert!(lines[lines.len() - 1].contains(" in _start+"), "{thread}");
+            assert!(
+                thread.contains(
+                    "compiled Lua code (a trace) has no unwind record: the frames below it \
+                     are walked from where LuaJIT's VM was entered"
+                ),
+                "{thread}"
+            );
+            assert!(!thread.contains("walk stopped"), "{thread}");
+        }
         assert_eq!(
             lua_frames(&blocks["main"]),
             ["join in =[C]:-1", "main chunk in @app/s.lua:18"],

@@ -11,7 +11,10 @@
 //! thread's, or a core file's) down to the fiber's entry, its layer's frames merged in where
 //! the layer can read them while its code runs ([`ForeignLayer::running_frames`]: the Lua
 //! host's, when the fiber runs C code that Lua called — a blocking system call, a C
-//! library — not while LuaJIT's interpreter or a trace runs).
+//! library — not while LuaJIT's interpreter or a trace runs). A walk that reaches the
+//! layer's code that has no unwind record (a Lua host's compiled traces) goes on below it
+//! from where the layer's runtime entered that code ([`ForeignLayer::below_unwound`]), for
+//! the fiber and for its thread's section alike.
 //!
 //! How a result can be wrong: in the consistent mode (every thread stopped) a fiber caught
 //! in the middle of a switch reads as running (its thread's stack shows it, as its
@@ -139,6 +142,17 @@ pub trait ForeignLayer {
             ),
         )
     }
+    /// Where the walk of a running fiber's thread goes on below the layer's own code that has
+    /// no unwind record (a Lua host's compiled traces, which the walk cannot step out of: it
+    /// stopped there, or went on from a frame pointer the code used for something else):
+    /// the registers of the frame that entered that code (its return address as the
+    /// instruction pointer, the stack pointer after the return, the frame pointer it saved),
+    /// read from what the layer's runtime keeps of the code running now, and a note for the
+    /// thread's frames saying so. `None` (the default): that code does not run there, or the
+    /// entry cannot be read; the walk ends where it stopped.
+    fn below_unwound(&mut self, _s: &mut Session, _word: u64) -> Option<(Registers, String)> {
+        None
+    }
     /// The frames of a running fiber whose thread is not held (a non-blocking dump), when
     /// the layer can read them from memory alone while its code runs and can tell they held
     /// still meanwhile; `None` (the default): it cannot.
@@ -226,6 +240,22 @@ fn from_session(
         None => LayerState::Absent,
     };
     let registry = read_registry(&mut s, own_ps, live, &mut reader);
+    // A thread whose running fiber's walk went on below the layer's code (see
+    // `continue_below`) gets the same frames, walked to its own end (the threads are still
+    // held).
+    let mut threads = threads;
+    if let Ok((raw, _)) = &registry {
+        for (tid, below, why) in raw.iter().filter_map(|r| r.thread_below.clone()) {
+            if let Some(t) = threads.iter_mut().find(|t| t.tid == tid) {
+                let mut note = t.note.take();
+                t.note = if continue_below(&mut s, &mut t.frames, &mut note, below, None) {
+                    join_notes(Some(why), note)
+                } else {
+                    note
+                };
+            }
+        }
+    }
     s.resume();
     let process = s.finish(threads);
     let (schedulers, note) = match registry {
@@ -320,6 +350,39 @@ struct RawScheduler {
     unreadable: usize,
     /// Slab chunks that could not be read (slots of fibers that may be missing).
     lost_slots: usize,
+    /// Its thread, the registers its walk goes on from below the layer's code that has no
+    /// unwind record, and the note saying so (its running fiber's: see `continue_below`).
+    thread_below: Option<(i32, Registers, String)>,
+}
+
+/// Cuts `frames` after the first frame in code no image of the target has (code made at run
+/// time: a Lua trace) and goes on from `below`, the registers of the frame that entered that
+/// code ([`ForeignLayer::below_unwound`]), down to `stop` as the first walk; that walk's
+/// note replaces `note`. Whatever the first walk found past that frame (if it went on at all,
+/// it followed a frame pointer the code used for something else: a made-up caller) is
+/// dropped. False, with nothing changed, when no frame is in such code.
+fn continue_below(
+    s: &mut Session,
+    frames: &mut Vec<Frame>,
+    note: &mut Option<String>,
+    below: Registers,
+    stop: Option<u64>,
+) -> bool {
+    let Some(k) = frames
+        .iter()
+        .position(|f| f.lookup_address().is_some_and(|a| !s.knows_code(a)))
+    else {
+        return false;
+    };
+    let (mut more, more_note) = s.walk(below, stop);
+    // (Its first frame is a return address: named by the call before it.)
+    if let Some(Frame::Pc(a)) = more.first().copied() {
+        more[0] = Frame::Ra(a);
+    }
+    frames.truncate(k + 1);
+    frames.extend(more);
+    *note = more_note;
+    true
 }
 
 struct RawFiber {
@@ -333,6 +396,9 @@ struct RawFiber {
     csw: u64,
     frames: Vec<Frame>,
     note: Option<String>,
+    /// A running fiber whose walk went on below its layer's code: its thread's continuation
+    /// (see `RawScheduler::thread_below`).
+    below: Option<(i32, Registers, String)>,
 }
 
 /// Fibers read at most (a registry that claims more is read up to this).
@@ -502,6 +568,7 @@ fn read_scheduler(
         fibers: Vec::new(),
         unreadable: 0,
         lost_slots: 0,
+        thread_below: None,
     };
     // At most MAX_SLOTS slots are looked at: a registry whose length is garbage (a damaged
     // core, a corrupted target) is not scanned for ever; the slots past it are counted lost.
@@ -542,7 +609,10 @@ fn read_scheduler(
                 break;
             }
             match read_fiber(s, l, (cb, sched.thread), ps, now, layer) {
-                Ok(Some(f)) => {
+                Ok(Some(mut f)) => {
+                    if let Some(b) = f.below.take() {
+                        sched.thread_below = Some(b);
+                    }
                     *total += 1;
                     sched.fibers.push(f);
                 }
@@ -685,6 +755,7 @@ fn read_fiber(
         csw: w(csw),
         frames: Vec::new(),
         note: None,
+        below: None,
     };
     match state {
         RunState::New => f.note = Some("not started yet".into()),
@@ -699,8 +770,19 @@ fn read_fiber(
                 .filter(|(_, r)| r.sp >= lo && r.sp < hi);
             match regs {
                 Some((t, regs)) => {
-                    let stop = w(entry_sp);
-                    let (frames, note) = s.walk(regs, (stop != 0).then_some(stop));
+                    let stop = Some(w(entry_sp)).filter(|&a| a != 0);
+                    let (mut frames, mut note) = s.walk(regs, stop);
+                    // Code of the layer's without unwind records (a trace): the walk goes on
+                    // from where the layer's runtime entered it.
+                    if let (LayerState::Open(lr), word) = (&mut *layer, w(layer_word)) {
+                        if word != 0 {
+                            if let Some((below, why)) = lr.below_unwound(s, word) {
+                                if continue_below(s, &mut frames, &mut note, below, stop) {
+                                    f.below = Some((t, below, why));
+                                }
+                            }
+                        }
+                    }
                     f.frames = frames;
                     f.note = note;
                     merge_layer(s, layer, w(layer_word), &mut f, Some(t));

@@ -293,6 +293,47 @@ fn part_of(
     p
 }
 
+/// Cuts the held thread's frames `raw` after the first one in code outside every loaded
+/// image (code made at run time: a Lua trace) and goes on from `below`, the registers of the
+/// frame that entered that code ([`HeldSource::below_unwound`]), walked precisely (DWARF:
+/// the thread is held, and a frame-pointer walk would miss a caller that keeps none) within
+/// the fiber's `stack`, down to its entry `stop` as the fiber's own walks. Whatever the first
+/// walk found past that frame (it followed a frame pointer the code used for something else)
+/// is dropped. Nothing changes when no frame is in such code or `below` is not in the stack.
+fn continue_held(
+    raw: &mut Vec<Frame>,
+    below: fibertrace_core::arch::Registers,
+    stack: fibertrace_core::arch::StackBounds,
+    stop: u64,
+) {
+    let table = fibertrace_core::image::published();
+    let known = |a: u64| table.is_some_and(|t| t.image_of(a).is_some());
+    let Some(k) = raw
+        .iter()
+        .position(|f| f.lookup_address().is_some_and(|a| !known(a)))
+    else {
+        return;
+    };
+    if !stack.contains(below.sp) {
+        return;
+    }
+    let ctx = fibertrace_core::arch::SavedContext {
+        regs: below,
+        stack,
+        stop_sp: stop,
+    };
+    let mut bt = fibertrace_core::Backtrace::new();
+    let opts = fibertrace_core::CaptureOptions::with_unwinder(fibertrace_core::Unwinder::Precise);
+    fibertrace_core::collect_from_into(&ctx, &opts, &mut bt);
+    let mut more = bt.frames().to_vec();
+    // (Its first frame is a return address: named by the call before it.)
+    if let Some(Frame::Pc(a)) = more.first().copied() {
+        more[0] = Frame::Ra(a);
+    }
+    raw.truncate(k + 1);
+    raw.extend(more);
+}
+
 /// Scheduler `s`'s part built here with its layer's frames read from memory while its
 /// thread is held still (see [`HeldSource`]), when the layer has a held source and the
 /// thread can be held (asked when the thread did not come back to its run loop, nor its
@@ -318,8 +359,13 @@ fn held_part(
     let mut notes: Vec<LayerNote> = Vec::new();
     // The layer words, in one scan of the registry (a lookup per fiber is a scan each).
     let mut words = std::collections::HashMap::with_capacity(p.fibers.len());
+    // The running fiber's stack and entry, where its walk may go on (see `continue_held`).
+    let mut here_stack = None;
     for cb in s.fibers() {
         words.insert(cb.id, cb.layer_word.load(Ordering::Acquire));
+        if cb.id == here {
+            here_stack = Some((cb.stack, cb.entry_sp.load(Ordering::Relaxed)));
+        }
     }
     src.begin();
     for fi in &mut p.fibers {
@@ -327,10 +373,13 @@ fn held_part(
         let Some(native) = fi.backtrace.as_ref().filter(|_| word != 0) else {
             continue;
         };
-        let raw: Vec<Frame> = native.iter().map(|f| f.frame).collect();
+        let mut raw: Vec<Frame> = native.iter().map(|f| f.frame).collect();
         let (frames, why) = if fi.status == Status::Running {
             if fi.id != here {
                 continue;
+            }
+            if let (Some(below), Some((stack, stop))) = (src.below_unwound(word), here_stack) {
+                continue_held(&mut raw, below, stack, stop);
             }
             src.running_frames(word, &raw, &|n| hold.register(n))
         } else {

@@ -73,6 +73,15 @@ pub trait HeldSource: Send + Sync {
         register: &dyn Fn(u16) -> Option<u64>,
     ) -> (Option<Vec<Frame>>, Option<String>);
 
+    /// Where the walk of the running fiber's thread goes on below the layer's own code that
+    /// has no unwind record (a Lua host's compiled traces), as
+    /// [`super::foreign::ForeignLayer::below_unwound`] says for another process, read here
+    /// while the thread is held; the runtime walks on from there before it calls
+    /// [`HeldSource::running_frames`]. `None` (the default): the walk ends where it stopped.
+    fn below_unwound(&self, _word: u64) -> Option<fibertrace_core::arch::Registers> {
+        None
+    }
+
     /// As [`FrameSource::name`]; called from any thread.
     fn name(&self, id: LuaFrameId) -> Option<String>;
 

@@ -30,7 +30,12 @@
 //! entered with. Each is used only after it checks out (inside the running state's stack,
 //! below a Lua function, the interpreter's PC inside that function's code); in a trace, a
 //! function the trace inlined has no level, and the innermost level's line is the trace's
-//! start (the loop's head), `-1` when the trace starts in another function.
+//! start (the loop's head), `-1` when the trace starts in another function. The native frames
+//! below a trace are walked from the record of the call that entered the VM
+//! ([`Reader::vm_entry_record`]): a fixed offset into LuaJIT's C frame (`L->cframe`) of
+//! LuaJIT 2.1's x86-64 GC64 build, the one the published layout is checked against; another
+//! layout of that frame would send the walk to a wrong record, which the walk's bounds stop
+//! (it ends or shows a wrong caller, never reads outside the stack).
 
 use std::collections::HashMap;
 
@@ -186,6 +191,18 @@ pub struct RunningTop {
     /// In compiled code (a trace) rather than the interpreter.
     pub compiled: bool,
 }
+
+/// Where a Lua state keeps its innermost C frame (`L->cframe`: LuaJIT 2.1, GC64, x86-64).
+const STATE_CFRAME: u64 = 80;
+/// Where a C frame keeps the PC of the Lua code that called out of the VM (`SAVE_PC`).
+const CFRAME_PC: u64 = 24;
+/// Where a C frame keeps its state (`SAVE_L`).
+const CFRAME_L: u64 = 16;
+/// Where, in a C frame, the frame record of the call that entered the VM is: past the
+/// frame's own space and the registers the entry saved (`vm_x64.dasc`'s `saveregs`): the
+/// interpreter's frame-pointer hop crosses the same bytes
+/// (`crate::interleave::classify`'s `LUAJIT_CFRAME_HOP`).
+pub(crate) const VM_ENTRY_RECORD: u64 = 64;
 
 fn itype(tv: u64) -> u32 {
     ((tv as i64) >> 47) as u32
@@ -699,9 +716,6 @@ impl Reader {
         mem: &mut dyn Memory,
         root: u64,
     ) -> Result<Option<RunningTop>, String> {
-        const STATE_CFRAME: u64 = 80;
-        const CFRAME_PC: u64 = 24;
-        const CFRAME_L: u64 = 16;
         let Some(j) = self.jit else {
             return Ok(None);
         };
@@ -724,6 +738,22 @@ impl Reader {
             Ok(_) => Ok(None),
             Err(e) => Err(e),
         }
+    }
+
+    /// The frame record (saved frame pointer, then return address) of the native call that
+    /// entered the VM for state `th`'s Lua code running now (`lua_pcall`'s call into
+    /// `lj_vm_pcall`, a resume's, a C function's callback): [`VM_ENTRY_RECORD`] bytes into the
+    /// state's innermost C frame (`L->cframe`, [`STATE_CFRAME`] bytes into the state, its low
+    /// two bits flags). Compiled code (a trace) runs in that frame and keeps no record of
+    /// its own: a native walk stopped in it goes on from there. `None`: the state has no C
+    /// frame (it runs no Lua code from C).
+    pub fn vm_entry_record(
+        &mut self,
+        mem: &mut dyn Memory,
+        th: u64,
+    ) -> Result<Option<u64>, String> {
+        let cf = Self::u64(mem, th.wrapping_add(STATE_CFRAME))? & !3;
+        Ok((cf != 0).then(|| cf.wrapping_add(VM_ENTRY_RECORD)))
     }
 
     /// The Lua function whose frame starts at `base` of state `th`, if `base` is inside its

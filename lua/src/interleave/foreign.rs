@@ -8,6 +8,7 @@
 //! How a result can be wrong: as [`crate::frames::foreign`] and the merge (a C level whose
 //! function no symbol table of the target names is not anchored: its Lua run moves down).
 
+use fibertrace_core::arch::Registers;
 use fibertrace_core::remote::Session;
 use fibertrace_core::symbolize::{Resolved, Symbol};
 use fibertrace_core::Frame;
@@ -24,6 +25,17 @@ const RUNS_LUA: &str = "it runs Lua code (LuaJIT's interpreter or a compiled tra
 const COMPILED: &str = "it runs compiled Lua code (a trace): its innermost Lua level is the \
                         function the trace runs in, and the native frames below the trace are \
                         not walked (SIGQUIT or --stall-ms read them inside the process)";
+/// What a fiber caught in compiled Lua code is shown without, when the native frames below
+/// the trace are walked from where the VM entered it ([`LuaLayer::below_unwound`]).
+const COMPILED_BELOW: &str = "it runs compiled Lua code (a trace): its innermost Lua level is \
+                              the function the trace runs in (a function the trace inlined \
+                              has no level)";
+/// The note of a thread whose walk went on below a trace.
+const BELOW_TRACE: &str = "compiled Lua code (a trace) has no unwind record: the frames below \
+                           it are walked from where LuaJIT's VM was entered";
+// The record of the VM's entry is where the interpreter's frame-pointer hop finds it.
+const _: () =
+    assert!(crate::frames::foreign::VM_ENTRY_RECORD == super::classify::LUAJIT_CFRAME_HOP);
 /// What a fiber caught in compiled Lua code by a non-blocking dump is shown without.
 const COMPILED_UNHELD: &str = "it runs compiled Lua code (a trace), read while it runs: its \
                                innermost Lua level is the function the trace runs in; its \
@@ -69,6 +81,8 @@ impl LuaLayer {
         native: Vec<Frame>,
         thread: i32,
     ) -> (Vec<Frame>, Option<String>, bool) {
+        // (Where the runtime's walk went on below a trace, if it did: see `below_unwound`.)
+        let below = self.below_unwound(s, word).map(|(r, _)| r.ip);
         let (Some(reader), Some(vm)) = (self.reader.as_mut(), self.vm.as_ref()) else {
             return (native, Some("its Lua frames are not read".into()), false);
         };
@@ -105,11 +119,23 @@ impl LuaLayer {
                     return (out.into_vec(), None, false);
                 }
                 // Compiled code: the native frames down to the trace's (the first outside
-                // every image), then the Lua levels.
+                // every image), then the Lua levels; and where the walk went on below the
+                // trace (from the VM's entry: the frame after the trace's is that return
+                // address), the frames below too, merged as the interpreter's: the trace's
+                // own frame is the innermost Lua level's (the code it runs), so the levels
+                // stand in its place.
                 let cut = native
                     .iter()
                     .position(|f| f.lookup_address().is_some_and(|a| !s.knows_code(a)))
                     .map_or(native.len(), |i| i + 1);
+                if cut > 0 && below.is_some_and(|ra| native.get(cut) == Some(&Frame::Ra(ra))) {
+                    let mut rest: SmallVec<[Frame; 64]> = SmallVec::new();
+                    rest.extend_from_slice(&native[..cut - 1]);
+                    rest.extend_from_slice(&native[cut..]);
+                    let mut out: SmallVec<[Frame; 192]> = SmallVec::new();
+                    super::merge_with_gap(&rest, &lua.levels, gap, vm, false, &mut out);
+                    return (out.into_vec(), Some(COMPILED_BELOW.into()), false);
+                }
                 let mut out: Vec<Frame> = native[..cut].to_vec();
                 push_levels(&lua, &mut out);
                 (out, Some(COMPILED.into()), true)
@@ -191,13 +217,16 @@ impl ForeignLayer for LuaLayer {
     /// checked against the state's stack and the function's code first. In compiled code
     /// (the VM state holds a trace's number) they are read from the base the trace was entered
     /// with: the innermost level is the function the trace runs in (its line, the trace's
-    /// start; a function the trace inlined has no level), and the native frames below the
-    /// trace's code, which has no unwind record, are not walked (the note says so). When
+    /// start; a function the trace inlined has no level); the trace's code has no unwind
+    /// record, and the runtime's walk goes on below it from where the VM was entered
+    /// ([`LuaLayer::below_unwound`]): those frames are merged in as the interpreter's, the
+    /// levels taking the trace's own frame's place (where that entry cannot be read, the
+    /// frames end at the trace's and the note says so). When
     /// neither can be read (a process that does not publish where its running code's state
     /// is, or values that do not check out): no Lua frames, and the note says why (the
     /// process's own dump, SIGQUIT, reads them at a safe point). The walk's note stays,
-    /// except in compiled code: the walk stops in the trace's code (it has no unwind record),
-    /// which the trace's note says.
+    /// except in compiled code whose walk did not go on below the trace: it stopped in the
+    /// trace's code, which the trace's note says.
     fn running_frames(
         &mut self,
         s: &mut Session,
@@ -216,6 +245,28 @@ impl ForeignLayer for LuaLayer {
     /// trace runs, and they are read again after its levels to check it is still the same
     /// trace at the same base (three tries). In the interpreter, or in C code, its base and
     /// frames change as it runs: not read.
+    /// In compiled code (the VM state is a trace's number, or the collector's step a trace
+    /// called), the record of the call that entered the VM for the running state
+    /// ([`Reader::vm_entry_record`]), when its return address is in the target's code.
+    fn below_unwound(&mut self, s: &mut Session, word: u64) -> Option<(Registers, String)> {
+        let reader = self.reader.as_mut()?;
+        let top = reader.running_top(s, word, None).ok()??;
+        if !top.compiled {
+            return None;
+        }
+        let rec = reader.vm_entry_record(s, top.th).ok()??;
+        let (fp, ra) = (s.read_u64(rec)?, s.read_u64(rec.wrapping_add(8))?);
+        if !s.knows_code(ra) {
+            return None;
+        }
+        let regs = Registers {
+            ip: ra,
+            sp: rec.wrapping_add(16),
+            fp,
+        };
+        Some((regs, BELOW_TRACE.into()))
+    }
+
     fn running_unheld(
         &mut self,
         s: &mut Session,

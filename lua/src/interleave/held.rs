@@ -13,7 +13,9 @@
 //! above it) and the VM state confirms (not running Lua code). In compiled code its levels
 //! come from the base the trace was entered with, in the interpreter from its base and PC
 //! registers where the thread was stopped, as `dump PID` reads them (each checked against
-//! the state's stack and the function's code first).
+//! the state's stack and the function's code first). A trace's code has no unwind record:
+//! the runtime's walk goes on below it from the record of the call that entered the VM
+//! ([`HeldLua`]'s `below_unwound`, `L->cframe`), and the levels take the trace's frame's place.
 //!
 //! How a result can be wrong: as the foreign reader's (a thread held inside a collector step
 //! that moves a stack reads a torn stack; the reader checks every link and says where it
@@ -140,6 +142,8 @@ impl HeldSource for HeldLua {
         native: &[Frame],
         register: &dyn Fn(u16) -> Option<u64>,
     ) -> (Option<Vec<Frame>>, Option<String>) {
+        // (Where the runtime's walk went on below a trace, if it did: see `below_unwound`.)
+        let below = self.below_unwound(word).map(|r| r.ip);
         let mut guard = self.state();
         let st = &mut *guard;
         let interp = self.vm.interpreter;
@@ -179,8 +183,26 @@ impl HeldSource for HeldLua {
                 .iter()
                 .position(|f| f.lookup_address().is_some_and(|a| !known(a)))
                 .map_or(native.len(), |i| i + 1);
-            let mut out = native[..cut].to_vec();
             let gap = (lua.omitted > 0).then_some((lua.omitted_at, lua.omitted));
+            // The walk went on below the trace (the frame after the trace's is the VM entry's
+            // return address): the frames below too, merged as the interpreter's, the
+            // levels in the trace's own frame's place (it runs the innermost one's code).
+            if cut > 0 && below.is_some_and(|ra| native.get(cut) == Some(&Frame::Ra(ra))) {
+                let mut rest: SmallVec<[Frame; 64]> = SmallVec::new();
+                rest.extend_from_slice(&native[..cut - 1]);
+                rest.extend_from_slice(&native[cut..]);
+                let mut out: SmallVec<[Frame; 192]> = SmallVec::new();
+                super::merge_with_gap(&rest, &lua.levels, gap, self.vm, false, &mut out);
+                return (
+                    Some(out.into_vec()),
+                    Some(
+                        "it runs compiled Lua code (a trace): its innermost Lua level is the \
+                         function the trace runs in (a function the trace inlined has no level)"
+                            .into(),
+                    ),
+                );
+            }
+            let mut out = native[..cut].to_vec();
             for (j, l) in lua.levels.iter().enumerate() {
                 if gap.is_some_and(|(at, _)| at == j) {
                     out.push(Frame::Omitted(lua.omitted));
@@ -228,6 +250,30 @@ impl HeldSource for HeldLua {
         }
         // No interpreter frame: not called from Lua code (the fiber's body in native code).
         self.merged(st, word, native, None)
+    }
+
+    /// In compiled code, the record of the call that entered the VM for the running state
+    /// ([`Reader::vm_entry_record`]), when its return address is in a loaded image.
+    fn below_unwound(&self, word: u64) -> Option<fibertrace_core::arch::Registers> {
+        let mut guard = self.state();
+        let st = &mut *guard;
+        let top = st.reader.running_top(&mut st.mem, word, None).ok()??;
+        if !top.compiled {
+            return None;
+        }
+        let rec = st.reader.vm_entry_record(&mut st.mem, top.th).ok()??;
+        let mut b = [0u8; 16];
+        if !st.mem.read(rec, &mut b) {
+            return None;
+        }
+        let fp = u64::from_le_bytes(b[..8].try_into().ok()?);
+        let ra = u64::from_le_bytes(b[8..].try_into().ok()?);
+        let known = fibertrace_core::image::published().is_some_and(|t| t.image_of(ra).is_some());
+        known.then_some(fibertrace_core::arch::Registers {
+            ip: ra,
+            sp: rec.wrapping_add(16),
+            fp,
+        })
     }
 
     fn name(&self, id: fibertrace_core::LuaFrameId) -> Option<String> {
