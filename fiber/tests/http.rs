@@ -352,18 +352,26 @@ fn bad_requests_get_clear_answers_and_the_server_goes_on() {
     assert!(t0.elapsed() >= Duration::from_millis(500));
 
     server.stop();
-    // A server with two places: two silent clients hold both, a third is told 503 at once,
-    // without waiting for them; once they time out, requests are answered again.
+    // Clients that connect and send nothing hold places of connections waiting for their
+    // request, not of answers: with two places of answers, two silent clients leave a
+    // request answered (it was told 503 until they timed out: 8 idle sockets locked every
+    // client out of the default server for 5 s).
     let server = http::serve_with(
         "127.0.0.1:0",
         Limits {
             max_connections: 2,
+            max_waiting: 3,
             ..limits
         },
     )
     .unwrap();
     let addr = server.local_addr();
-    let held: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    let mut held: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(get(addr, "/").0, 200);
+    // A third fills the places of waiting connections: a new one is told 503 at once,
+    // without waiting for them; once they time out, requests are answered again.
+    held.push(TcpStream::connect(addr).unwrap());
     std::thread::sleep(Duration::from_millis(50));
     let (status, head, _) = get(addr, "/");
     assert_eq!(status, 503);

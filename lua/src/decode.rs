@@ -41,6 +41,8 @@ impl Decoded {
     pub fn line(&self) -> Option<String> {
         match self {
             Decoded::Lws(t) => Some(t.to_b_line()),
+            // (A token can hold no frame: said, not an empty line.)
+            Decoded::Frames(f) if f.is_empty() => Some("(no frames)".into()),
             Decoded::Frames(f) => Some(text::format_frames(f)),
             Decoded::Table => None,
         }

@@ -74,6 +74,22 @@ fn bad_lines_are_reported_and_skipped() {
     );
 }
 
+/// A token with no frame says so (it printed an empty line); a bad token's text is written
+/// with its control characters escaped (a log line can hold a terminal's escape sequences:
+/// they cleared the screen and set the window's title).
+#[test]
+fn an_empty_trace_says_so_and_bad_tokens_are_written_escaped() {
+    let (out, err, code) = run(&["decode", "-"], "x ~c#00 y\n");
+    assert_eq!((out.as_str(), err.as_str(), code), ("(no frames)\n", "", 0));
+    let (out, err, code) = run(&["decode", "--cbf", "-"], "\x1b[31mRED\x1b]0;pwned\x07 x\n");
+    assert_eq!((out.as_str(), code), ("", 1));
+    assert!(!err.contains('\x1b') && !err.contains('\x07'), "{err:?}");
+    assert!(
+        err.starts_with("fibertrace: <stdin>:1: CBF \\e[31mRED\\e]0;pwned\\x07: "),
+        "{err:?}"
+    );
+}
+
 #[test]
 fn missing_file_is_an_error_but_others_go_on() {
     let dir = Scratch::new("cli");

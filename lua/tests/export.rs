@@ -436,11 +436,16 @@ fn two_dumps_on_exit_into_one_file_are_refused() {
     std::fs::create_dir(d.join("sub")).unwrap();
     std::fs::write(d.join("sub/existing"), "").unwrap();
     std::os::unix::fs::symlink("sub/existing", d.join("link")).unwrap();
+    // Links to files not made yet (the first dump would make it), one to another.
+    std::os::unix::fs::symlink("later", d.join("sub/dangling")).unwrap();
+    std::os::unix::fs::symlink("sub/dangling", d.join("chain")).unwrap();
     for (a, b) in [
         ("json:a", "text:a"),
         ("json:a", "text:./a"),
         ("json:sub/x", "folded:sub/../sub/x"),
         ("json:link", "text:sub/existing"),
+        ("text:sub/later", "json:sub/dangling"),
+        ("json:chain", "svg:sub/later"),
     ] {
         let out = run(&d, &["--dump-on-exit", a, "--dump-on-exit", b, "s.lua"]);
         assert_eq!(out.status.code(), Some(2), "{a} {b}");

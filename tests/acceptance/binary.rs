@@ -723,6 +723,151 @@ fn a_dumper_killed_while_it_holds_the_process_lets_it_go_and_it_runs_on() {
     target.wait().unwrap();
 }
 
+/// A process killed while `dump PID` holds it: what was read is written, with a line under
+/// the heading that says the process ended and the dump is incomplete, the same on stderr,
+/// and the status is 1. It was 0, without a word, the fiber count in the heading whatever had
+/// been read when the memory went away (11,000 of 30,001).
+#[test]
+fn a_process_killed_while_it_is_dumped_gives_an_incomplete_dump_said_so_and_status_1() {
+    let dir = scratch("dump-target-killed");
+    std::fs::write(
+        dir.join("many.lua"),
+        "local fiber = require('fiber')\n\
+         local ch = fiber.channel()\n\
+         for i = 1, 3000 do fiber.create(function() ch:get() end) end\n\
+         io.stdout:write('ready\\n') io.stdout:flush()\n\
+         fiber.sleep(60)\n",
+    )
+    .unwrap();
+    let mut ended = 0;
+    for _ in 0..10 {
+        let mut target = fibertrace_acceptance::start_until(&dir, &["run", "many.lua"], "ready\n");
+        let pid = target.id();
+        let dumper = std::process::Command::new(fibertrace_acceptance::binary())
+            .args(["dump", &pid.to_string()])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Killed once it is held by the dump.
+        let t0 = std::time::Instant::now();
+        while thread_state(pid, pid) != Some('t')
+            && t0.elapsed() < std::time::Duration::from_secs(10)
+        {
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+        target.kill().unwrap();
+        let out = dumper.wait_with_output().unwrap();
+        target.wait().unwrap();
+        let (text, err) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        if out.status.success() {
+            // The reading was over before the kill: complete, and nothing said.
+            assert!(text.contains(": 3001 fibers"), "{text}");
+            assert!(!text.contains("ended while it was read"), "{text}");
+            continue;
+        }
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert_eq!(
+            err,
+            format!(
+                "fibertrace: process {pid} ended while it was read (killed, or it exited): the \
+                 dump is incomplete\n"
+            )
+        );
+        let second = text.lines().nth(1).unwrap_or_default();
+        assert_eq!(
+            second,
+            "(the process ended while it was read (killed, or it exited): what was read after \
+             that is missing or wrong, the dump is incomplete)",
+            "{text}"
+        );
+        ended += 1;
+        if ended == 2 {
+            break;
+        }
+    }
+    assert!(ended > 0, "no kill came while the dump read the process");
+}
+
+/// Flags that take a number say what they take, whatever was given: clap's own messages were
+/// "invalid digit found in string" (`-1`, `1e3`), "number too large to fit in target type" and
+/// "0 is not in 1..18446744073709551615"; and a flag that only shapes another's work, given
+/// without it, is refused rather than silently unused.
+#[test]
+fn numeric_flags_say_what_they_take_and_a_flag_without_its_feature_is_refused() {
+    let dir = scratch("flag-values");
+    std::fs::write(dir.join("s.lua"), "print('ran')\n").unwrap();
+    let ms = "a whole number of milliseconds is expected, 1 or more";
+    let cases: &[(&str, &str, &str, &str)] = &[
+        ("--stall-ms", "-1", "N", ms),
+        ("--stall-ms", "0", "N", ms),
+        ("--stall-ms", "1e3", "N", ms),
+        ("--stall-ms", "99999999999999999999", "N", ms),
+        ("--blocked-ms", "", "N", ms),
+        ("--blocked-ms", "1.5", "N", ms),
+        (
+            "--dump-on-exit-wait",
+            "0.5",
+            "SECONDS",
+            "a whole number of seconds is expected, from 1 to 3600",
+        ),
+        (
+            "--heap-interval",
+            "1099511627777",
+            "BYTES",
+            "a whole number of bytes is expected, from 1 to 1099511627776",
+        ),
+        (
+            "--leaks-top",
+            "-1",
+            "N",
+            "a whole number of stacks is expected, from 1 to 100000",
+        ),
+    ];
+    for (flag, value, name, why) in cases {
+        let out = run_in(&dir, &["run", flag, value, "s.lua"]);
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}");
+        assert!(
+            out.stdout.is_empty(),
+            "{flag} {value}: the script did not run"
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            err.lines().next(),
+            Some(format!("error: invalid value '{value}' for '{flag} <{name}>': {why}").as_str()),
+            "{err}"
+        );
+    }
+    // In range: taken.
+    let out = run_in(
+        &dir,
+        &["run", "--stall-ms", "250", "--blocked-ms", "1", "s.lua"],
+    );
+    assert_eq!(
+        (out.status.code(), stdout_of(&out).as_str()),
+        (Some(0), "ran\n")
+    );
+    // --leaks-top without --leaks.
+    let out = run_in(&dir, &["run", "--leaks-top", "5", "s.lua"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(out.stdout.is_empty());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        "error: --leaks-top sets how many stacks the --leaks report lists, and --leaks is not \
+         given\n\nFor more information, try '--help'.\n"
+    );
+    let out = run_in(&dir, &["run", "--leaks", "--leaks-top", "5", "s.lua"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// `examples/speed.sh` (the speed goals' command) run from another directory.
 fn speed_script(
     dir: &std::path::Path,

@@ -471,6 +471,39 @@ try({}, {})\n";
     );
 }
 
+/// `os.exit` inside a `__gc` finalizer under `--leaks`: no collection can run there, and the
+/// report says that is why garbage is listed (it said the run ended neither at the script's
+/// end nor through `os.exit`), and the runtime's own pool of Lua threads is not charged to
+/// the script (it was: `release_thread`'s push, "held by exited fiber 1").
+#[test]
+fn leaks_after_os_exit_in_a_finalizer_say_why_the_heap_was_not_collected() {
+    let dir = scratch("heap-exit-in-gc");
+    std::fs::write(
+        dir.join("gx.lua"),
+        "local q = newproxy(true)\n\
+         getmetatable(q).__gc = function() print('gc exit 7') os.exit(7) end\n\
+         q = nil\n\
+         print('end of main')\n",
+    )
+    .unwrap();
+    let out = run_in(&dir, &["run", "--leaks", "gx.lua"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(7), "{err}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "end of main\ngc exit 7\n"
+    );
+    assert!(
+        err.contains(
+            "(the Lua heap was not collected first: os.exit was called inside a __gc \
+             finalizer, where no collection can run, so garbage not yet collected is listed \
+             too)"
+        ),
+        "{err}"
+    );
+    assert!(!err.contains("release_thread"), "{err}");
+}
+
 /// The line of an allocation made by the interpreter from inside an instruction (a table
 /// made, a string joined): read from the PC LuaJIT saved for that call, checked against the
 /// function's code. It showed `-1` ("a running function's line is not read"); code the JIT

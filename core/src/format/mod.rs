@@ -273,3 +273,74 @@ pub fn resolve_all(frames: &[Frame]) -> ResolvedBacktrace {
             .collect(),
     }
 }
+
+/// Text from outside (another process's thread names, paths, a log line's token) written for
+/// a terminal: control characters — C0, DEL and C1, which a terminal takes as commands (an
+/// escape sequence that clears the screen or sets the window's title) — as `\xNN` (or `\n`,
+/// `\t`, `\r`, `\e`), a backslash doubled; everything else as it is.
+pub struct Escaped<'a>(pub &'a str);
+
+impl std::fmt::Display for Escaped<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        escape_into(f, self.0, false)
+    }
+}
+
+/// [`Escaped`] between double quotes, a quote inside escaped: `"name"`.
+pub struct Quoted<'a>(pub &'a str);
+
+impl std::fmt::Display for Quoted<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_char('"')?;
+        escape_into(f, self.0, true)?;
+        f.write_char('"')
+    }
+}
+
+fn escape_into(f: &mut std::fmt::Formatter<'_>, s: &str, quoted: bool) -> std::fmt::Result {
+    // (Most text has nothing to escape: written at once.)
+    let plain = |c: char| !(c.is_control() || c == '\\' || (quoted && c == '"'));
+    if s.chars().all(plain) {
+        return f.write_str(s);
+    }
+    for c in s.chars() {
+        match c {
+            '\\' => f.write_str("\\\\")?,
+            '"' if quoted => f.write_str("\\\"")?,
+            '\n' => f.write_str("\\n")?,
+            '\t' => f.write_str("\\t")?,
+            '\r' => f.write_str("\\r")?,
+            '\x1b' => f.write_str("\\e")?,
+            c if c.is_control() => match c as u32 {
+                n @ 0..=0xff => write!(f, "\\x{n:02x}")?,
+                n => write!(f, "\\u{{{n:x}}}")?,
+            },
+            c => f.write_char(c)?,
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod escape_tests {
+    use super::{Escaped, Quoted};
+
+    #[test]
+    fn control_characters_are_written_escaped_and_the_rest_as_is() {
+        // A thread name that would clear the screen and set the window's title.
+        assert_eq!(
+            Quoted("\x1b]0;pwn\x07\x1b[2J").to_string(),
+            "\"\\e]0;pwn\\x07\\e[2J\""
+        );
+        assert_eq!(Quoted("a\"b\\c").to_string(), "\"a\\\"b\\\\c\"");
+        assert_eq!(Escaped("a\"b").to_string(), "a\"b");
+        // C1 controls (8-bit CSI), DEL, tabs and lines.
+        assert_eq!(
+            Escaped("\u{9b}2J\x7f\t\n\r").to_string(),
+            "\\x9b2J\\x7f\\t\\n\\r"
+        );
+        // Text with nothing to escape, any script.
+        assert_eq!(Quoted("worker-7 è 名前").to_string(), "\"worker-7 è 名前\"");
+        assert_eq!(Escaped("").to_string(), "");
+    }
+}

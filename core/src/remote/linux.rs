@@ -126,8 +126,13 @@ pub(super) fn threads(pid: i32) -> io::Result<Vec<i32>> {
 
 /// A thread's name (`comm`).
 pub(super) fn thread_name(pid: i32, tid: i32) -> String {
-    std::fs::read_to_string(proc(pid).join(format!("task/{tid}/comm")))
-        .map(|s| s.trim_end_matches('\n').to_string())
+    // (A name is any bytes the thread set: not UTF-8 reads lossily, not as no name.)
+    std::fs::read(proc(pid).join(format!("task/{tid}/comm")))
+        .map(|b| {
+            String::from_utf8_lossy(&b)
+                .trim_end_matches('\n')
+                .to_string()
+        })
         .unwrap_or_default()
 }
 

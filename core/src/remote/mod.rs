@@ -116,6 +116,10 @@ pub struct ProcessDump {
     /// the one mapped).
     #[serde(skip_serializing_if = "Vec::is_empty", default)]
     pub unnamed: Vec<String>,
+    /// The process ended while it was read (killed, or it exited while not held): frames
+    /// and fibers read after that are missing or wrong, and the dump is incomplete.
+    #[serde(skip_serializing_if = "std::ops::Not::not", default)]
+    pub ended: bool,
 }
 
 /// Why a dump could not be made.
@@ -331,6 +335,9 @@ pub struct Session {
     stopped: Option<platform::Stopped>,
     stopped_at: Option<Instant>,
     paused: Option<Duration>,
+    /// The live process was found ended (gone, or a zombie) when its reading finished (see
+    /// [`Session::resume`]): what was read after it ended is missing or wrong.
+    ended: Option<bool>,
     /// Read from a core file: its path and contents.
     core: Option<(String, Arc<corefile::Core>)>,
     /// The unwinder's rule cache, shared by every walk of the session.
@@ -432,6 +439,7 @@ impl Session {
             stopped,
             stopped_at,
             paused: None,
+            ended: None,
             core: None,
             cache: UnwindCache::new_in(),
         })
@@ -469,6 +477,7 @@ impl Session {
             stopped: None,
             stopped_at: None,
             paused: None,
+            ended: Some(false),
             core: Some((core.display().to_string(), c)),
             cache: UnwindCache::new_in(),
         })
@@ -661,8 +670,16 @@ impl Session {
         self.images.unwinder_knows(addr)
     }
 
-    /// Lets the stopped threads go (if they were); the time they were held.
+    /// Lets the stopped threads go (if they were); the time they were held. The first call
+    /// also looks whether the live process is still there: a held process ends only when
+    /// killed (SIGKILL goes through a stop), and one not held may have exited; either way
+    /// what was read after that is missing or wrong, and the dump says so
+    /// ([`ProcessDump::ended`]). (Looked at before the threads go, not after: a process that
+    /// ends once let go ended after the reading.)
     pub fn resume(&mut self) -> Option<Duration> {
+        if self.ended.is_none() {
+            self.ended = Some(!platform::exists(self.pid) || lone_zombie(self.pid));
+        }
         if self.stopped.take().is_some() {
             self.paused = self.stopped_at.map(|t| t.elapsed());
         }
@@ -702,6 +719,7 @@ impl Session {
             core: self.core.as_ref().map(|(p, _)| p.clone()),
             threads,
             unnamed,
+            ended: self.ended == Some(true),
         }
     }
 }
@@ -1409,15 +1427,23 @@ impl ProcessDump {
             (Mode::NonBlocking, _, _) => "not stopped: frames not exact".to_string(),
         };
         out.push_str(&format!(
-            "process {} \"{}\" ({}): {} threads, {}\n\n",
+            "process {} {} ({}): {} threads, {}\n",
             self.pid,
-            name,
-            self.exe,
+            crate::format::Quoted(name),
+            crate::format::Escaped(&self.exe),
             self.threads.len(),
             how
         ));
+        if self.ended {
+            out.push_str(ENDED_NOTE);
+        }
+        out.push('\n');
         for t in &self.threads {
-            out.push_str(&format!("thread {} \"{}\":\n", t.tid, t.name));
+            out.push_str(&format!(
+                "thread {} {}:\n",
+                t.tid,
+                crate::format::Quoted(&t.name)
+            ));
             out.push_str(&crate::format::text_resolved(&t.frames, opts));
             if let Some(n) = &t.note {
                 out.push_str(&format!("    ({n})\n"));
@@ -1430,6 +1456,10 @@ impl ProcessDump {
         out
     }
 }
+
+/// The line under a dump's heading when the process ended while it was read.
+pub const ENDED_NOTE: &str = "(the process ended while it was read (killed, or it exited): what \
+                              was read after that is missing or wrong, the dump is incomplete)\n";
 
 fn human_us(us: u64) -> String {
     if us < 1000 {

@@ -19,7 +19,11 @@
 //! Limits ([`Limits`]): a request head over [`Limits::max_head`] bytes gets 431; one not sent
 //! within [`Limits::read_timeout`] (in all, however it trickles) gets 408; an answer not taken
 //! by the client within [`Limits::write_timeout`] (in all) is cut; past
-//! [`Limits::max_connections`] connections being answered, a new one gets 503 at once; any
+//! [`Limits::max_waiting`] connections whose request has not come yet, a new one gets 503 at
+//! once, and a request that comes while [`Limits::max_connections`] others are being answered
+//! gets 503 (clients that connect and send nothing — a browser's speculative preconnects, a
+//! stalled proxy — used to take the places of the answers: 8 of them locked every client out
+//! until their read timed out); any
 //! method but `GET`/`HEAD` gets 405; a bad query value 400, saying what is accepted. A server
 //! on the loopback address answers only requests whose `Host` is `localhost`, `127.0.0.1` or
 //! `[::1]` (403 otherwise): a web page in the user's browser cannot read the stacks through a
@@ -45,8 +49,12 @@ use super::export::{self, Format};
 /// The bounds of a server (see the module doc).
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
-    /// Connections answered at once; one more gets 503.
+    /// Requests answered at once (each takes a snapshot of every fiber and encodes it); one
+    /// more gets 503.
     pub max_connections: usize,
+    /// Connections whose request has not come yet (each waits at most
+    /// [`Limits::read_timeout`]); one more gets 503 at once.
+    pub max_waiting: usize,
     /// Bytes of a request's head (request line and headers).
     pub max_head: usize,
     /// Time to receive a request's head.
@@ -59,6 +67,7 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_connections: 8,
+            max_waiting: 256,
             max_head: 8 * 1024,
             read_timeout: Duration::from_secs(5),
             write_timeout: Duration::from_secs(30),
@@ -219,6 +228,7 @@ fn bind(addrs: &[SocketAddr]) -> Result<TcpListener, HttpError> {
 
 fn accept_loop(listener: TcpListener, limits: Limits, stop: &AtomicBool) {
     let active = Arc::new(AtomicUsize::new(0));
+    let waiting = Arc::new(AtomicUsize::new(0));
     for conn in listener.incoming() {
         if stop.load(Ordering::SeqCst) {
             return;
@@ -229,21 +239,17 @@ fn accept_loop(listener: TcpListener, limits: Limits, stop: &AtomicBool) {
             std::thread::sleep(Duration::from_millis(10));
             continue;
         };
-        if active.fetch_add(1, Ordering::SeqCst) >= limits.max_connections {
-            active.fetch_sub(1, Ordering::SeqCst);
+        let Some(wait) = Slot::take(&waiting, limits.max_waiting) else {
             busy(stream);
             continue;
-        }
-        let slot = Slot(active.clone());
+        };
+        let active = active.clone();
         let spawned = std::thread::Builder::new()
             .name("fibertrace-http-conn".into())
             // Encoding runs here: gzip's state in a debug build wants more than 2 MiB
             // would give with room to spare (only what is touched is committed).
             .stack_size(8 << 20)
-            .spawn(move || {
-                let _slot = slot;
-                answer(stream, &limits);
-            });
+            .spawn(move || answer(stream, &limits, wait, &active));
         if let Err(e) = spawned {
             // The closure (with the stream and the slot) was dropped: nothing to answer on.
             let _ = e;
@@ -251,8 +257,20 @@ fn accept_loop(listener: TcpListener, limits: Limits, stop: &AtomicBool) {
     }
 }
 
-/// A connection being answered; gives its place back when dropped.
+/// A place among `max` (a connection waiting for its request, or a request being
+/// answered); given back when dropped.
 struct Slot(Arc<AtomicUsize>);
+
+impl Slot {
+    /// One of the `max` places counted by `count`, if one is free.
+    fn take(count: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
+        if count.fetch_add(1, Ordering::SeqCst) >= max {
+            count.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
+        Some(Slot(count.clone()))
+    }
+}
 
 impl Drop for Slot {
     fn drop(&mut self) {
@@ -260,17 +278,23 @@ impl Drop for Slot {
     }
 }
 
+/// What a request gets when too many are under way (503).
+const BUSY: &[u8] = b"too many connections being answered; try again\n";
+
+/// The head of a 503 answer.
+fn busy_head() -> Vec<u8> {
+    response_head(
+        503,
+        "text/plain; charset=utf-8",
+        BUSY.len(),
+        &[("Retry-After", "1")],
+    )
+}
+
 /// Answers 503 without reading the request (the acceptor must not wait on a client).
 fn busy(mut s: TcpStream) {
     let _ = s.set_nonblocking(true);
-    let body: &[u8] = b"too many connections being answered; try again\n";
-    let head = response_head(
-        503,
-        "text/plain; charset=utf-8",
-        body.len(),
-        &[("Retry-After", "1")],
-    );
-    let _ = s.write_all(&[head.as_slice(), body].concat());
+    let _ = s.write_all(&[busy_head().as_slice(), BUSY].concat());
     // Take in what the request already sent (without waiting for more): closing with
     // unread bytes would reset the connection and lose the answer.
     let mut sink = [0u8; 4096];
@@ -445,9 +469,19 @@ fn unescape(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-fn answer(mut s: TcpStream, limits: &Limits) {
+/// Reads the request (holding a waiting connection's place, `wait`), then answers it holding
+/// one of the places of answers (`active`), or with 503 when they are all taken.
+fn answer(mut s: TcpStream, limits: &Limits, wait: Slot, active: &Arc<AtomicUsize>) {
     let loopback = s.local_addr().is_ok_and(|a| a.ip().is_loopback());
-    let (head, body) = match read_request(&mut s, limits, loopback) {
+    let req = read_request(&mut s, limits, loopback);
+    drop(wait);
+    // (Held until the answer is written.)
+    let answering = req
+        .is_ok()
+        .then(|| Slot::take(active, limits.max_connections))
+        .flatten();
+    let (head, body) = match req {
+        Ok(_) if answering.is_none() => (busy_head(), BUSY.to_vec()),
         Ok(req) => {
             let (status, ty, body, extra) = route(&req);
             let extra: Vec<(&str, &str)> = extra.iter().map(|(k, v)| (*k, v.as_str())).collect();
@@ -467,6 +501,7 @@ fn answer(mut s: TcpStream, limits: &Limits) {
     let sent = write_until(&mut s, &head, deadline) && write_until(&mut s, &body, deadline);
     drop(body);
     let _ = s.shutdown(Shutdown::Write);
+    drop(answering);
     if sent {
         // Read what the client still sends (a body we did not read) for a moment, so
         // closing does not reset the connection before it read the answer.

@@ -368,6 +368,10 @@ fn double_past(mark: &mut Duration, t: Duration) {
     }
 }
 
+/// The note of a stall whose fiber yielded before it could be sampled.
+const NOT_SAMPLED: &str = "its stack was not sampled: the fiber yielded before the sampling \
+                           signal reached its thread";
+
 fn deliver(r: &Report) {
     let st = state();
     st.reports.fetch_add(1, Ordering::Relaxed);
@@ -554,16 +558,29 @@ fn run() {
                 continue;
             }
             let _in_flight = InFlight::new();
-            let Some(sample) = super::sample::sample(s, Duration::from_millis(500)) else {
+            let sample = super::sample::sample(s, Duration::from_millis(500));
+            let name = s.fiber(fid).map(|f| f.name()).unwrap_or_default();
+            in_window += 1;
+            let Some(sample) = sample.filter(|x| x.fiber == fid && x.resumes == resumes) else {
+                // It yielded before the sampling signal reached its thread (the sample is of
+                // another run, or none came in time: a thread that signals reach late, under
+                // a script's own profiler, on a loaded machine). The run was seen over its
+                // mark all the same: reported, without its stack, and said why (it was
+                // dropped without a word: a 700 ms stall went unreported).
+                deliver(&Report::Stall(Box::new(StallReport {
+                    scheduler: s.id,
+                    fiber: fid,
+                    name,
+                    running_for,
+                    backtrace: Backtrace::new(),
+                    frames: None,
+                    latency: Duration::ZERO,
+                    handler_time: Duration::ZERO,
+                    suppressed: take_suppressed(),
+                    note: Some(NOT_SAMPLED.into()),
+                })));
                 continue;
             };
-            if sample.fiber != fid || sample.resumes != resumes {
-                // It yielded meanwhile (and maybe was resumed again): the sample is of
-                // another run, and this one ended under the threshold's next multiple.
-                continue;
-            }
-            in_window += 1;
-            let name = s.fiber(fid).map(|f| f.name()).unwrap_or_default();
             let (frames, note) = layer_frames(s, &sample);
             let report = StallReport {
                 scheduler: s.id,

@@ -80,7 +80,8 @@ impl std::fmt::Display for QuotedName<'_> {
                 '\t' => f.write_str("\\t")?,
                 '\r' => f.write_str("\\r")?,
                 c if is_name_esc(c) => write!(f, "\\x{:02x}", c as u32 - NAME_ESC)?,
-                c if (c as u32) < 0x20 || c as u32 == 0x7f => write!(f, "\\x{:02x}", c as u32)?,
+                // (C0, DEL and C1: a terminal takes C1's 8-bit CSI as a command too.)
+                c if c.is_control() => write!(f, "\\x{:02x}", c as u32)?,
                 c => f.write_char(c)?,
             }
         }

@@ -127,7 +127,7 @@ fn cli() -> Command {
                     Arg::new("stall-ms")
                         .long("stall-ms")
                         .value_name("N")
-                        .value_parser(clap::value_parser!(u64).range(1..))
+                        .value_parser(whole(1, u64::MAX, "milliseconds"))
                         .help(
                             "Report a fiber that runs more than N ms without yielding \
                              (its Lua frames, read at its next Lua line; again at 2N, 4N, \
@@ -140,7 +140,7 @@ fn cli() -> Command {
                     Arg::new("blocked-ms")
                         .long("blocked-ms")
                         .value_name("N")
-                        .value_parser(clap::value_parser!(u64).range(1..))
+                        .value_parser(whole(1, u64::MAX, "milliseconds"))
                         .help(
                             "Report a fiber blocked more than N ms (on a channel, condition, \
                              join or sleep), once per wait, with its Lua frames",
@@ -179,7 +179,7 @@ fn cli() -> Command {
                     Arg::new("dump-on-exit-wait")
                         .long("dump-on-exit-wait")
                         .value_name("SECONDS")
-                        .value_parser(clap::value_parser!(u64).range(1..=3600))
+                        .value_parser(whole(1, 3600, "seconds"))
                         .default_value("10")
                         .help(
                             "After SIGINT, SIGTERM or another exit signal, how long the \
@@ -235,7 +235,7 @@ fn cli() -> Command {
                     Arg::new("heap-interval")
                         .long("heap-interval")
                         .value_name("BYTES")
-                        .value_parser(clap::value_parser!(u64).range(1..=(1u64 << 40)))
+                        .value_parser(whole(1, 1 << 40, "bytes"))
                         .help("Mean bytes between samples of --heap=sampled (default 524288)"),
                 )
                 .arg(
@@ -258,7 +258,7 @@ fn cli() -> Command {
                     Arg::new("leaks-top")
                         .long("leaks-top")
                         .value_name("N")
-                        .value_parser(clap::value_parser!(u64).range(1..=100_000))
+                        .value_parser(whole(1, 100_000, "stacks"))
                         .default_value("20")
                         .help("How many stacks the --leaks report lists"),
                 )
@@ -431,6 +431,31 @@ fn parse_http(v: &str) -> Result<String, String> {
     Ok(v.to_string())
 }
 
+/// A whole number of `unit` in `lo..=hi`, for a flag's value: clap's own parser answered
+/// `-1` and `1e3` with "invalid digit found in string", a number past 64 bits with "number
+/// too large to fit in target type", and `0` with "0 is not in 1..18446744073709551615".
+fn whole(
+    lo: u64,
+    hi: u64,
+    unit: &'static str,
+) -> impl Fn(&str) -> Result<u64, String> + Clone + Send + Sync + 'static {
+    move |v: &str| {
+        let range = if hi == u64::MAX {
+            format!("{lo} or more")
+        } else {
+            format!("from {lo} to {hi}")
+        };
+        let expected = format!("a whole number of {unit} is expected, {range}");
+        if v.is_empty() || !v.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(expected);
+        }
+        match v.parse::<u64>() {
+            Ok(n) if (lo..=hi).contains(&n) => Ok(n),
+            _ => Err(expected),
+        }
+    }
+}
+
 /// The dumps `--dump-on-exit` asked for.
 static DUMPS_ON_EXIT: std::sync::OnceLock<Vec<(Format, PathBuf)>> = std::sync::OnceLock::new();
 
@@ -525,6 +550,19 @@ fn dump_on_exit() -> bool {
     all
 }
 
+/// Flushes what the script printed so far (C's standard output, where Lua's `print` and
+/// `io.write` go, and Rust's), before the script's end or `os.exit` writes the
+/// `--dump-on-exit` dumps: a dump into the same terminal or file (`text:/dev/stdout`) came
+/// before the script's own output, and a dump's error before what the script printed. (Not
+/// on an exit signal's path: a thread may hold the stream's lock there for ever.)
+fn flush_script_output() {
+    let _ = io::stdout().flush();
+    // SAFETY: `stdout` is the C library's standard output stream, open for the life of the
+    // process; fflush on it is a plain call, and no thread of the script's holds its lock at
+    // the script's end or in `os.exit` (the script's own thread is here).
+    unsafe { libc::fflush(C_STDOUT) };
+}
+
 /// The program's exit code: the script's, except that a success whose `--dump-on-exit` dumps
 /// could not all be written is a failure (1): what watches the exit code learns the dump it
 /// relies on is missing. A failing script keeps its own code.
@@ -599,7 +637,10 @@ fn wrap_os_exit(lua: &mlua::Lua, list: &[(Format, PathBuf)]) -> mlua::Result<()>
     // written (by the exit path that did, waited for).
     let claim = lua.create_function(|_, ()| {
         Ok(match claim_exit_dumps() {
-            None => (true, None),
+            None => {
+                flush_script_output();
+                (true, None)
+            }
             Some(all) => {
                 defer_to_exit_signal();
                 (false, Some(all))
@@ -709,10 +750,23 @@ fn dump_process(m: &clap::ArgMatches) -> ExitCode {
         _ => d.to_text().into_bytes(),
     };
     let mut out = io::stdout().lock();
+    // What was read is written even when the process ended meanwhile (a dying process's
+    // last stacks are worth having), but that is no success: said, and the status is 1.
+    let ended = |code: ExitCode| {
+        if !d.process.ended {
+            return code;
+        }
+        err!(
+            "fibertrace: process {} ended while it was read (killed, or it exited): the dump \
+             is incomplete",
+            d.process.pid
+        );
+        ExitCode::from(1)
+    };
     match out.write_all(&text).and_then(|()| out.flush()) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => ended(ExitCode::SUCCESS),
         // A closed pipe (`| head`) ends it quietly.
-        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => ended(ExitCode::SUCCESS),
         Err(e) => {
             err!("fibertrace: cannot write the dump: {e}");
             ExitCode::from(1)
@@ -837,6 +891,9 @@ fn exit_dump_wait() -> Duration {
 fn same_file_twice(list: &[(Format, PathBuf)]) -> Option<(&PathBuf, &PathBuf)> {
     use std::os::unix::fs::MetadataExt as _;
     let key = |p: &PathBuf| {
+        // A link is followed to the file it names, existing or not (a dump into a link to a
+        // file not made yet, beside a dump into that file, went into the same file).
+        let p = &links_followed(p);
         let id = std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
         let dir = match p.parent() {
             Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
@@ -859,6 +916,24 @@ fn same_file_twice(list: &[(Format, PathBuf)]) -> Option<(&PathBuf, &PathBuf)> {
         }
     }
     None
+}
+
+/// `p` with its last component followed while it is a symbolic link (to the path the link
+/// holds, relative to the link's directory), at most 40 times (the kernel's own bound); where
+/// a link cannot be read, the path so far.
+fn links_followed(p: &std::path::Path) -> PathBuf {
+    let mut p = p.to_path_buf();
+    for _ in 0..40 {
+        let is_link = std::fs::symlink_metadata(&p).is_ok_and(|m| m.file_type().is_symlink());
+        let Some(to) = is_link.then(|| std::fs::read_link(&p).ok()).flatten() else {
+            break;
+        };
+        p = match p.parent() {
+            Some(dir) if to.is_relative() => dir.join(to),
+            _ => to,
+        };
+    }
+    p
 }
 
 /// One byte read from `fd`, waiting at most `wait` (forever: `None`); `None` when none came
@@ -1227,6 +1302,9 @@ fn report_leaks(top: usize) {
     };
     let collected = if fibertrace_lua::LuaHost::kept_released() {
         ""
+    } else if fibertrace_lua::LuaHost::release_in_finalizer() {
+        "(the Lua heap was not collected first: os.exit was called inside a __gc finalizer, \
+         where no collection can run, so garbage not yet collected is listed too)\n"
     } else {
         "(the Lua heap was not collected first: the run ended neither at the script's end \
          nor through os.exit (a signal, or an exit from native code), so garbage not yet \
@@ -1313,6 +1391,16 @@ fn interval_unused(m: &clap::ArgMatches) -> Option<&'static str> {
 }
 
 fn run(m: &clap::ArgMatches) -> ExitCode {
+    if m.value_source("leaks-top") == Some(clap::parser::ValueSource::CommandLine)
+        && !m.get_flag("leaks")
+    {
+        err!(
+            "error: --leaks-top sets how many stacks the --leaks report lists, and --leaks is \
+             not given\n\n\
+             For more information, try '--help'."
+        );
+        return ExitCode::from(2);
+    }
     if let Some(why) = interval_unused(m) {
         err!(
             "error: --heap-interval sets the sampling of --heap=sampled, and {why}\n\n\
@@ -1484,6 +1572,7 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
     if LEAKS_TOP.load(std::sync::atomic::Ordering::SeqCst) > 0 {
         host.release_kept();
     }
+    flush_script_output();
     let code = exit_code(code, dump_on_exit());
     // An exit signal's thread ends the process (its dumps, its report): not raced.
     defer_to_exit_signal();
@@ -1510,6 +1599,7 @@ fn output_failed(e: &io::Error, failed: bool) -> ExitCode {
 }
 
 fn decode(m: &clap::ArgMatches) -> ExitCode {
+    use fibertrace_core::format::Escaped;
     // File names as the shell passed them (not necessarily UTF-8).
     let files: Vec<std::ffi::OsString> = m
         .get_many::<std::ffi::OsString>("files")
@@ -1546,7 +1636,7 @@ fn decode(m: &clap::ArgMatches) -> ExitCode {
             match std::fs::File::open(name) {
                 Ok(f) => Box::new(f),
                 Err(e) => {
-                    err!("fibertrace: {}: {e}", name.display());
+                    err!("fibertrace: {}: {e}", Escaped(&name.to_string_lossy()));
                     failed = true;
                     continue;
                 }
@@ -1555,7 +1645,7 @@ fn decode(m: &clap::ArgMatches) -> ExitCode {
         let shown = if name == "-" {
             "<stdin>".into()
         } else {
-            name.display().to_string()
+            Escaped(&name.to_string_lossy()).to_string()
         };
         let mut reader = LineReader::new(BufReader::new(reader));
         let mut buf = Vec::new();
@@ -1623,7 +1713,9 @@ fn decode(m: &clap::ArgMatches) -> ExitCode {
                             write_error = Some(e);
                             return;
                         }
-                        err!("fibertrace: {shown}:{n}: {e}");
+                        // (The token is the log's text: written with its control
+                        // characters escaped, as a terminal would take them as commands.)
+                        err!("fibertrace: {shown}:{n}: {}", Escaped(&e));
                     }
                 }
             });

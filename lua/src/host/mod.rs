@@ -521,6 +521,12 @@ impl LuaHost {
         spawn::RELEASED.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Whether [`LuaHost::release_kept`] (or its Lua function) was called inside a `__gc`
+    /// finalizer, where it lets the pools go but cannot collect (`os.exit` in a finalizer).
+    pub fn release_in_finalizer() -> bool {
+        spawn::IN_FINALIZER.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// [`LuaHost::release_kept`] as a Lua function (no arguments, no results) that Lua code
     /// may call from any fiber (a wrapper of `os.exit` does).
     pub fn release_kept_fn(&self) -> mlua::Result<mlua::Function> {

@@ -176,6 +176,10 @@ pub(super) fn release_thread(h: &mut HostState, t: *mut ffi::lua_State, r: c_int
     unsafe {
         ffi::lua_settop(t, MSGH_SLOT);
         if h.pool.len() < POOL_MAX {
+            // (The pool's growth is the runtime's, not the fiber's that ended; what it holds
+            // is let go by `release_kept`.)
+            let _outside = (h.pool.len() == h.pool.capacity())
+                .then(fibertrace_core::heap::OutsideFibers::enter);
             h.pool.push((t, r));
         } else {
             ffi::luaL_unref(h.main_l, REG, r);
@@ -274,6 +278,7 @@ pub(crate) unsafe fn release_kept(l: *mut ffi::lua_State) {
     drop(outside);
     // SAFETY: per the contract (a state of this host, at a call boundary).
     if unsafe { super::finalize::in_finalizer(l) } {
+        IN_FINALIZER.store(true, std::sync::atomic::Ordering::Relaxed);
         return;
     }
     // SAFETY: as above: a full collection from a call boundary, as `collectgarbage()`; then
@@ -289,6 +294,11 @@ pub(crate) unsafe fn release_kept(l: *mut ffi::lua_State) {
 
 /// Whether [`release_kept`] collected the Lua heap in this process.
 pub(crate) static RELEASED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Whether [`release_kept`] was called inside a `__gc` finalizer (where no collection can
+/// run), and so did not collect.
+pub(crate) static IN_FINALIZER: std::sync::atomic::AtomicBool =
     std::sync::atomic::AtomicBool::new(false);
 
 /// [`release_kept`] as a Lua function of no arguments and no results (for a wrapper of
