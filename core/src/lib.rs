@@ -31,9 +31,9 @@ pub mod unwind;
 
 pub use backtrace::{Backtrace, CaptureOptions, Unwinder, CAPACITY};
 pub use capture::{
-    collect, collect_from, collect_from_into, collect_from_origin, collect_from_ucontext,
-    collect_into, collect_raw, collect_until, enter_stack, prepare, Registers, SavedContext,
-    StackBounds,
+    collect, collect_from, collect_from_held, collect_from_into, collect_from_origin,
+    collect_from_ucontext, collect_into, collect_raw, collect_until, enter_stack, prepare,
+    Registers, SavedContext, StackBounds,
 };
 pub use frame::{FiberId, Frame, LuaFrameId};
 pub use symbolize::{resolve, Resolved, Symbol};

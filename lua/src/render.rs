@@ -23,10 +23,12 @@ use crate::frames::intern::describe;
 /// The body of a Lua frame's line: `name in source:line`.
 pub fn lua_line(id: LuaFrameId) -> Option<String> {
     let info = describe(id)?;
+    // (A chunk's name is any string a script gave `load`, and another process's is read
+    // from its memory: written with control characters escaped, as for a terminal.)
     Some(format!(
         "{} in {}:{}",
-        info.display_name(),
-        info.source,
+        fibertrace_core::format::Escaped(&info.display_name()),
+        fibertrace_core::format::Escaped(&info.source),
         info.current_line
     ))
 }

@@ -726,7 +726,9 @@ fn a_dumper_killed_while_it_holds_the_process_lets_it_go_and_it_runs_on() {
 /// A process killed while `dump PID` holds it: what was read is written, with a line under
 /// the heading that says the process ended and the dump is incomplete, the same on stderr,
 /// and the status is 1. It was 0, without a word, the fiber count in the heading whatever had
-/// been read when the memory went away (11,000 of 30,001).
+/// been read when the memory went away (11,000 of 30,001). (Killed before its threads were
+/// walked, the dump is an error: `exited during the dump`, status 1. The kill comes later
+/// and later in the reading, try by try.)
 #[test]
 fn a_process_killed_while_it_is_dumped_gives_an_incomplete_dump_said_so_and_status_1() {
     let dir = scratch("dump-target-killed");
@@ -740,7 +742,7 @@ fn a_process_killed_while_it_is_dumped_gives_an_incomplete_dump_said_so_and_stat
     )
     .unwrap();
     let mut ended = 0;
-    for _ in 0..10 {
+    for attempt in 0..12u64 {
         let mut target = fibertrace_acceptance::start_until(&dir, &["run", "many.lua"], "ready\n");
         let pid = target.id();
         let dumper = std::process::Command::new(fibertrace_acceptance::binary())
@@ -756,8 +758,22 @@ fn a_process_killed_while_it_is_dumped_gives_an_incomplete_dump_said_so_and_stat
         {
             std::thread::sleep(std::time::Duration::from_micros(200));
         }
+        std::thread::sleep(std::time::Duration::from_millis(5 * attempt));
         target.kill().unwrap();
-        let out = dumper.wait_with_output().unwrap();
+        // (A dump that hangs fails the test, not the suite.)
+        let dumper_pid = dumper.id() as i32;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(dumper.wait_with_output());
+        });
+        let out = match rx.recv_timeout(std::time::Duration::from_secs(60)) {
+            Ok(out) => out.unwrap(),
+            Err(_) => {
+                // SAFETY: signals the child this test started.
+                unsafe { libc::kill(dumper_pid, libc::SIGKILL) };
+                panic!("the dump of a killed process did not end within 60 s");
+            }
+        };
         target.wait().unwrap();
         let (text, err) = (
             String::from_utf8_lossy(&out.stdout),
@@ -770,6 +786,10 @@ fn a_process_killed_while_it_is_dumped_gives_an_incomplete_dump_said_so_and_stat
             continue;
         }
         assert_eq!(out.status.code(), Some(1), "{err}");
+        if err == format!("fibertrace: process {pid} exited during the dump\n") {
+            assert_eq!(text, "");
+            continue;
+        }
         assert_eq!(
             err,
             format!(
@@ -805,7 +825,13 @@ fn numeric_flags_say_what_they_take_and_a_flag_without_its_feature_is_refused() 
         ("--stall-ms", "-1", "N", ms),
         ("--stall-ms", "0", "N", ms),
         ("--stall-ms", "1e3", "N", ms),
-        ("--stall-ms", "99999999999999999999", "N", ms),
+        (
+            "--stall-ms",
+            "99999999999999999999",
+            "N",
+            "a whole number of milliseconds is expected, 1 or more: this one is past \
+             18446744073709551615",
+        ),
         ("--blocked-ms", "", "N", ms),
         ("--blocked-ms", "1.5", "N", ms),
         (

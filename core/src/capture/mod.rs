@@ -445,6 +445,40 @@ pub fn collect_from_into(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Ba
     collect_from_general(ctx, opts, out);
 }
 
+/// [`collect_from_into`] for a context of a thread another one holds still (stopped in a
+/// signal handler while this one reads its stack): the general walk, with the image table as
+/// it is — code outside every known image ends the walk there instead of refreshing the
+/// table, which reads the loader's list under the loader's lock, a lock the held thread may
+/// hold.
+pub fn collect_from_held(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Backtrace) {
+    if !ctx.is_recorded() {
+        out.clear();
+        return;
+    }
+    let bounds = [StackBounds::new(ctx.regs.sp, ctx.stack.hi)];
+    let start = Start {
+        regs: ctx.regs,
+        emit_ip: true,
+        first_step_dwarf: false,
+        stop_sp: ctx.stop_sp,
+    };
+    let stacks = Stacks::new(&bounds);
+    let mut ring = new_ring();
+    let table = crate::image::table();
+    let mut sink = FrameSink::new(out, &mut ring, opts);
+    let end = with_thread_cache(|cache| {
+        unwind::walk(
+            start,
+            &stacks,
+            opts.unwinder,
+            Some(table),
+            Some(cache),
+            &mut sink,
+        )
+    });
+    sink.finish(end.cut);
+}
+
 /// [`collect_from_into`] by the general walk, for a recorded context. Out of line: inlined,
 /// its state made the one-go walk's caller save six registers and a 470-byte frame.
 #[inline(never)]

@@ -106,11 +106,12 @@ pub fn text_resolved(frames: &[ResolvedFrame], opts: &TextOptions<'_>) -> String
                 // A Lua frame another process's layer described: `name in source:line`.
                 let sym = &r.symbols[0];
                 let line = sym.line.map_or(-1, i64::from);
+                // (Names and sources come from another process's memory: written escaped.)
                 let _ = writeln!(
                     out,
                     "#{n:<2} {} in {}:{line}",
-                    sym.name.as_deref().unwrap_or("?"),
-                    sym.file.as_deref().unwrap_or("?")
+                    Escaped(sym.name.as_deref().unwrap_or("?")),
+                    Escaped(sym.file.as_deref().unwrap_or("?"))
                 );
             }
             (Frame::Parent(_), _) => {
@@ -145,7 +146,12 @@ fn native_line(out: &mut String, n: usize, addr: u64, r: &Resolved, opts: &TextO
         let _ = write!(out, "#{n:<2} {addr:#x} in ??");
         if let Some(img) = &r.image {
             let name = img.path.rsplit('/').next().unwrap_or(&img.path);
-            let _ = write!(out, " ({name}+{:#x})", addr.wrapping_sub(img.base));
+            let _ = write!(
+                out,
+                " ({}+{:#x})",
+                Escaped(name),
+                addr.wrapping_sub(img.base)
+            );
         }
         out.push('\n');
         return true;
@@ -170,7 +176,8 @@ fn native_line(out: &mut String, n: usize, addr: u64, r: &Resolved, opts: &TextO
         if k > 0 {
             out.push_str("    inlined into ");
         }
-        out.push_str(s.name.as_deref().unwrap_or("??"));
+        // (Names and paths may come from another process's files: written escaped.)
+        let _ = write!(out, "{}", Escaped(s.name.as_deref().unwrap_or("??")));
         if i == last {
             if let Some(off) = r.offset_of(addr) {
                 let _ = write!(out, "+{off:#x}");
@@ -179,7 +186,7 @@ fn native_line(out: &mut String, n: usize, addr: u64, r: &Resolved, opts: &TextO
         // With inline levels hidden, the line shown is the innermost one's.
         let loc = if opts.hide_inlined { &levels[0] } else { s };
         if let Some(file) = &loc.file {
-            let _ = write!(out, " at {file}");
+            let _ = write!(out, " at {}", Escaped(file));
             if let Some(line) = loc.line {
                 let _ = write!(out, ":{line}");
             }
@@ -277,7 +284,8 @@ pub fn resolve_all(frames: &[Frame]) -> ResolvedBacktrace {
 /// Text from outside (another process's thread names, paths, a log line's token) written for
 /// a terminal: control characters — C0, DEL and C1, which a terminal takes as commands (an
 /// escape sequence that clears the screen or sets the window's title) — as `\xNN` (or `\n`,
-/// `\t`, `\r`, `\e`), a backslash doubled; everything else as it is.
+/// `\t`, `\r`, `\e`); everything else as it is (a backslash too: a message that already
+/// escaped a character, `'\u{1b}'`, is not escaped twice).
 pub struct Escaped<'a>(pub &'a str);
 
 impl std::fmt::Display for Escaped<'_> {
@@ -286,7 +294,8 @@ impl std::fmt::Display for Escaped<'_> {
     }
 }
 
-/// [`Escaped`] between double quotes, a quote inside escaped: `"name"`.
+/// [`Escaped`] between double quotes, a quote and a backslash inside escaped (`\"`, `\\`):
+/// `"name"`, unambiguous.
 pub struct Quoted<'a>(pub &'a str);
 
 impl std::fmt::Display for Quoted<'_> {
@@ -299,13 +308,13 @@ impl std::fmt::Display for Quoted<'_> {
 
 fn escape_into(f: &mut std::fmt::Formatter<'_>, s: &str, quoted: bool) -> std::fmt::Result {
     // (Most text has nothing to escape: written at once.)
-    let plain = |c: char| !(c.is_control() || c == '\\' || (quoted && c == '"'));
+    let plain = |c: char| !(c.is_control() || (quoted && (c == '\\' || c == '"')));
     if s.chars().all(plain) {
         return f.write_str(s);
     }
     for c in s.chars() {
         match c {
-            '\\' => f.write_str("\\\\")?,
+            '\\' if quoted => f.write_str("\\\\")?,
             '"' if quoted => f.write_str("\\\"")?,
             '\n' => f.write_str("\\n")?,
             '\t' => f.write_str("\\t")?,
@@ -334,6 +343,11 @@ mod escape_tests {
         );
         assert_eq!(Quoted("a\"b\\c").to_string(), "\"a\\\"b\\\\c\"");
         assert_eq!(Escaped("a\"b").to_string(), "a\"b");
+        // A message that escaped a character already keeps its one backslash.
+        assert_eq!(
+            Escaped("'\\u{1b}' in \x1b[2J").to_string(),
+            "'\\u{1b}' in \\e[2J"
+        );
         // C1 controls (8-bit CSI), DEL, tabs and lines.
         assert_eq!(
             Escaped("\u{9b}2J\x7f\t\n\r").to_string(),

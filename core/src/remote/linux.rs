@@ -65,6 +65,16 @@ fn parse_stat(stat: &str) -> Option<(char, bool)> {
     Some((state, flags & PF_KTHREAD != 0))
 }
 
+/// Whether thread `tid` of process `pid` is in a tracing stop (`t`): a thread this process
+/// holds stays so until let go, unless it was killed meanwhile (SIGKILL goes through a
+/// stop); false when it is gone.
+pub(super) fn trace_stopped(pid: i32, tid: i32) -> bool {
+    std::fs::read_to_string(proc(pid).join(format!("task/{tid}/stat")))
+        .ok()
+        .and_then(|s| parse_stat(&s))
+        .is_some_and(|(state, _)| state == 't')
+}
+
 /// The process tracing process `pid` (`TracerPid` in `/proc/PID/status`), if any: a
 /// second tracer is refused with the same EPERM as a missing permission.
 pub(super) fn tracer(pid: i32) -> Option<i32> {

@@ -678,7 +678,15 @@ impl Session {
     /// ends once let go ended after the reading.)
     pub fn resume(&mut self) -> Option<Duration> {
         if self.ended.is_none() {
-            self.ended = Some(!platform::exists(self.pid) || lone_zombie(self.pid));
+            // (Held threads that are not in their tracing stop any more were killed: the
+            // process may not look a zombie yet while the kernel takes it down.)
+            let pid = self.pid;
+            let killed = self.stopped.as_ref().is_some_and(|st| {
+                st.threads()
+                    .iter()
+                    .any(|&t| !platform::trace_stopped(pid, t))
+            });
+            self.ended = Some(killed || !platform::exists(pid) || lone_zombie(pid));
         }
         if self.stopped.take().is_some() {
             self.paused = self.stopped_at.map(|t| t.elapsed());
@@ -1421,7 +1429,7 @@ impl ProcessDump {
         let mut out = String::new();
         let name = self.exe.rsplit('/').next().unwrap_or(&self.exe);
         let how = match (self.mode, self.paused_us, &self.core) {
-            (_, _, Some(core)) => format!("from the core file {core}"),
+            (_, _, Some(core)) => format!("from the core file {}", crate::format::Escaped(core)),
             (Mode::Consistent, Some(us), _) => format!("stopped {}", human_us(us)),
             (Mode::Consistent, None, _) => "stopped".to_string(),
             (Mode::NonBlocking, _, _) => "not stopped: frames not exact".to_string(),
@@ -1451,7 +1459,10 @@ impl ProcessDump {
             out.push('\n');
         }
         for u in &self.unnamed {
-            out.push_str(&format!("(frames unnamed in {u})\n"));
+            out.push_str(&format!(
+                "(frames unnamed in {})\n",
+                crate::format::Escaped(u)
+            ));
         }
         out
     }

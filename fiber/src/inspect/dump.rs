@@ -530,6 +530,22 @@ extern "C" fn on_dump_signal(_sig: libc::c_int) {
     IN_HANDLER.fetch_sub(1, Ordering::SeqCst);
 }
 
+/// Waits, at most 200 ms, while a dump signal sent to the process is pending or its handler
+/// runs: a signal sent to the process goes to a thread the kernel picks, which may run after
+/// the caller (a program about to end on an exit signal sent right after the dump signal:
+/// under load, the exit signal's thread came first, took no dump to be pending, and the
+/// dump was lost). After it, [`signal_dumps_pending`] counts that dump.
+pub fn settle_dump_signal() {
+    if let Some(&sig) = INSTALLED.get() {
+        let t0 = std::time::Instant::now();
+        while (signal_pending(sig) || IN_HANDLER.load(Ordering::SeqCst) != 0)
+            && t0.elapsed() < Duration::from_millis(200)
+        {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+}
+
 /// Whether a dump asked by the dump signal is still being taken or written.
 pub fn signal_dumps_pending() -> bool {
     ANSWERED.load(Ordering::SeqCst) < REQUESTED.load(Ordering::SeqCst)
@@ -539,6 +555,7 @@ pub fn signal_dumps_pending() -> bool {
 /// none: as long as it takes); whether they are. For a program about to end (an exit
 /// signal right after the dump signal): the dump asked first is not lost.
 pub fn wait_for_signal_dumps(timeout: Option<Duration>) -> bool {
+    settle_dump_signal();
     let asked = REQUESTED.load(Ordering::SeqCst);
     let t0 = std::time::Instant::now();
     while ANSWERED.load(Ordering::SeqCst) < asked {
@@ -548,6 +565,17 @@ pub fn wait_for_signal_dumps(timeout: Option<Duration>) -> bool {
         std::thread::sleep(Duration::from_millis(1));
     }
     true
+}
+
+/// Whether signal `sig` is pending for the process (or the calling thread): sent, its
+/// handler not begun yet.
+fn signal_pending(sig: i32) -> bool {
+    // SAFETY: sigset_t is plain data, filled by sigpending before it is read; sigismember
+    // reads it.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigpending(&mut set) == 0 && libc::sigismember(&set, sig) == 1
+    }
 }
 
 /// Waits (at most 100 ms) until no dump-signal handler runs, and a little more for the

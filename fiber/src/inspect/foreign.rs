@@ -376,8 +376,11 @@ fn continue_below(
     };
     let (mut more, more_note) = s.walk(below, stop);
     // (Its first frame is a return address: named by the call before it.)
-    if let Some(Frame::Pc(a)) = more.first().copied() {
-        more[0] = Frame::Ra(a);
+    match more.first().copied() {
+        Some(Frame::Pc(a)) => more[0] = Frame::Ra(a),
+        Some(_) => {}
+        // Nothing walked: the frames stay as they were, the walk's note with them.
+        None => return false,
     }
     frames.truncate(k + 1);
     frames.extend(more);

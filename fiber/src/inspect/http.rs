@@ -67,7 +67,7 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_connections: 8,
-            max_waiting: 256,
+            max_waiting: 64,
             max_head: 8 * 1024,
             read_timeout: Duration::from_secs(5),
             write_timeout: Duration::from_secs(30),
@@ -470,18 +470,22 @@ fn unescape(s: &str) -> String {
 }
 
 /// Reads the request (holding a waiting connection's place, `wait`), then answers it holding
-/// one of the places of answers (`active`), or with 503 when they are all taken.
+/// one of the places of answers (`active`) instead, or, when they are all taken, with 503,
+/// still holding its waiting place: each connection's thread holds a place until it ends
+/// (answer written and drained), so there are at most `max_waiting + max_connections` of
+/// them.
 fn answer(mut s: TcpStream, limits: &Limits, wait: Slot, active: &Arc<AtomicUsize>) {
     let loopback = s.local_addr().is_ok_and(|a| a.ip().is_loopback());
     let req = read_request(&mut s, limits, loopback);
-    drop(wait);
-    // (Held until the answer is written.)
-    let answering = req
-        .is_ok()
-        .then(|| Slot::take(active, limits.max_connections))
-        .flatten();
+    let (place, busy) = match Slot::take(active, limits.max_connections) {
+        Some(answering) => {
+            drop(wait);
+            (answering, false)
+        }
+        None => (wait, true),
+    };
     let (head, body) = match req {
-        Ok(_) if answering.is_none() => (busy_head(), BUSY.to_vec()),
+        _ if busy => (busy_head(), BUSY.to_vec()),
         Ok(req) => {
             let (status, ty, body, extra) = route(&req);
             let extra: Vec<(&str, &str)> = extra.iter().map(|(k, v)| (*k, v.as_str())).collect();
@@ -501,12 +505,12 @@ fn answer(mut s: TcpStream, limits: &Limits, wait: Slot, active: &Arc<AtomicUsiz
     let sent = write_until(&mut s, &head, deadline) && write_until(&mut s, &body, deadline);
     drop(body);
     let _ = s.shutdown(Shutdown::Write);
-    drop(answering);
     if sent {
         // Read what the client still sends (a body we did not read) for a moment, so
         // closing does not reset the connection before it read the answer.
         drain(&mut s, Duration::from_millis(500));
     }
+    drop(place);
 }
 
 /// Writes `buf` in pieces, each waiting at most until `deadline`; whether all was written.

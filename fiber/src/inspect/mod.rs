@@ -296,7 +296,8 @@ fn part_of(
 /// Cuts the held thread's frames `raw` after the first one in code outside every loaded
 /// image (code made at run time: a Lua trace) and goes on from `below`, the registers of the
 /// frame that entered that code ([`HeldSource::below_unwound`]), walked precisely (DWARF:
-/// the thread is held, and a frame-pointer walk would miss a caller that keeps none) within
+/// the thread is held, and a frame-pointer walk would miss a caller that keeps none; with
+/// the image table as it is: see [`fibertrace_core::collect_from_held`]) within
 /// the fiber's `stack`, down to its entry `stop` as the fiber's own walks. Whatever the first
 /// walk found past that frame (it followed a frame pointer the code used for something else)
 /// is dropped. Nothing changes when no frame is in such code or `below` is not in the stack.
@@ -324,11 +325,13 @@ fn continue_held(
     };
     let mut bt = fibertrace_core::Backtrace::new();
     let opts = fibertrace_core::CaptureOptions::with_unwinder(fibertrace_core::Unwinder::Precise);
-    fibertrace_core::collect_from_into(&ctx, &opts, &mut bt);
+    fibertrace_core::collect_from_held(&ctx, &opts, &mut bt);
     let mut more = bt.frames().to_vec();
     // (Its first frame is a return address: named by the call before it.)
-    if let Some(Frame::Pc(a)) = more.first().copied() {
-        more[0] = Frame::Ra(a);
+    match more.first().copied() {
+        Some(Frame::Pc(a)) => more[0] = Frame::Ra(a),
+        Some(_) => {}
+        None => return,
     }
     raw.truncate(k + 1);
     raw.extend(more);

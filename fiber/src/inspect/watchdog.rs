@@ -371,6 +371,9 @@ fn double_past(mark: &mut Duration, t: Duration) {
 /// The note of a stall whose fiber yielded before it could be sampled.
 const NOT_SAMPLED: &str = "its stack was not sampled: the fiber yielded before the sampling \
                            signal reached its thread";
+/// The note of a stall whose thread took no sampling signal in time (it may still run).
+const NO_SAMPLE: &str = "its stack was not sampled: its thread took no sampling signal within \
+                         500 ms";
 
 fn deliver(r: &Report) {
     let st = state();
@@ -561,10 +564,11 @@ fn run() {
             let sample = super::sample::sample(s, Duration::from_millis(500));
             let name = s.fiber(fid).map(|f| f.name()).unwrap_or_default();
             in_window += 1;
+            let came = sample.is_some();
             let Some(sample) = sample.filter(|x| x.fiber == fid && x.resumes == resumes) else {
                 // It yielded before the sampling signal reached its thread (the sample is of
-                // another run, or none came in time: a thread that signals reach late, under
-                // a script's own profiler, on a loaded machine). The run was seen over its
+                // another run), or no sample came in time (a thread that signals reach late:
+                // under a script's own profiler, on a loaded machine; it may still run). The run was seen over its
                 // mark all the same: reported, without its stack, and said why (it was
                 // dropped without a word: a 700 ms stall went unreported).
                 deliver(&Report::Stall(Box::new(StallReport {
@@ -577,7 +581,7 @@ fn run() {
                     latency: Duration::ZERO,
                     handler_time: Duration::ZERO,
                     suppressed: take_suppressed(),
-                    note: Some(NOT_SAMPLED.into()),
+                    note: Some(if came { NOT_SAMPLED } else { NO_SAMPLE }.into()),
                 })));
                 continue;
             };

@@ -451,7 +451,9 @@ fn whole(
         }
         match v.parse::<u64>() {
             Ok(n) if (lo..=hi).contains(&n) => Ok(n),
-            _ => Err(expected),
+            Ok(_) => Err(expected),
+            // (Digits only, past 64 bits.)
+            Err(_) => Err(format!("{expected}: this one is past {}", u64::MAX)),
         }
     }
 }
@@ -556,12 +558,34 @@ fn dump_on_exit() -> bool {
 /// before the script's own output, and a dump's error before what the script printed. (Not
 /// on an exit signal's path: a thread may hold the stream's lock there for ever.)
 fn flush_script_output() {
+    // Standard output without a reader (a pipe whose `head` ended): left as it is, so that
+    // the exit's own flush ends the program by SIGPIPE (`on_sigpipe`) after the dumps, not
+    // this one before them.
+    let mut p = libc::pollfd {
+        fd: 1,
+        events: 0,
+        revents: 0,
+    };
+    // SAFETY: poll(2) of one descriptor, without waiting.
+    if unsafe { libc::poll(&mut p, 1, 0) } == 1 && p.revents & (libc::POLLERR | libc::POLLHUP) != 0
+    {
+        return;
+    }
     let _ = io::stdout().flush();
     // SAFETY: `stdout` is the C library's standard output stream, open for the life of the
     // process; fflush on it is a plain call, and no thread of the script's holds its lock at
     // the script's end or in `os.exit` (the script's own thread is here).
-    unsafe { libc::fflush(C_STDOUT) };
+    if unsafe { libc::fflush(C_STDOUT) } != 0 {
+        // Said at exit (`stdout_at_exit`), with this error: the stream keeps only that one
+        // failed.
+        let e = io::Error::last_os_error().raw_os_error().unwrap_or(0);
+        STDOUT_ERRNO.store(e, std::sync::atomic::Ordering::Relaxed);
+    }
 }
+
+/// The error of a flush of C's standard output before the exit dumps
+/// ([`flush_script_output`]), 0 if none failed: [`stdout_at_exit`] says it.
+static STDOUT_ERRNO: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
 
 /// The program's exit code: the script's, except that a success whose `--dump-on-exit` dumps
 /// could not all be written is a failure (1): what watches the exit code learns the dump it
@@ -842,8 +866,13 @@ extern "C" fn stdout_at_exit() {
             libc::ferror(C_STDOUT) != 0,
         )
     };
+    let earlier = match STDOUT_ERRNO.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => None,
+        e => Some(io::Error::from_raw_os_error(e)),
+    };
     let Some(why) = flushed
         .or(rust)
+        .or(earlier)
         .or_else(|| failed.then(|| io::Error::other("a write failed")))
     else {
         return;
@@ -1084,6 +1113,8 @@ fn install_signals() -> Result<(), String> {
             };
             let dumps = DUMPS_ON_EXIT.get().is_some_and(|l| !l.is_empty());
             let leaks = LEAKS_TOP.load(std::sync::atomic::Ordering::SeqCst) > 0;
+            // (A SIGQUIT sent just before the exit signal may not be handled yet.)
+            fibertrace_fiber::dump::settle_dump_signal();
             let quit = fibertrace_fiber::dump::signal_dumps_pending();
             if (dumps || leaks || quit) && read_byte(timer_rd, Some(exit_dump_wait())).is_none() {
                 if quit && fibertrace_fiber::dump::signal_dumps_pending() {

@@ -277,8 +277,9 @@ pub(crate) unsafe fn release_kept(l: *mut ffi::lua_State) {
     fibertrace_fiber::release_caches();
     drop(outside);
     // SAFETY: per the contract (a state of this host, at a call boundary).
-    if unsafe { super::finalize::in_finalizer(l) } {
-        IN_FINALIZER.store(true, std::sync::atomic::Ordering::Relaxed);
+    let in_finalizer = unsafe { super::finalize::in_finalizer(l) };
+    IN_FINALIZER.store(in_finalizer, std::sync::atomic::Ordering::Relaxed);
+    if in_finalizer {
         return;
     }
     // SAFETY: as above: a full collection from a call boundary, as `collectgarbage()`; then
