@@ -742,8 +742,8 @@ impl Reader {
 
     /// The frame record (saved frame pointer, then return address) of the native call that
     /// entered the VM for state `th`'s Lua code running now (`lua_pcall`'s call into
-    /// `lj_vm_pcall`, a resume's, a C function's callback): [`VM_ENTRY_RECORD`] bytes into the
-    /// state's innermost C frame (`L->cframe`, [`STATE_CFRAME`] bytes into the state, its low
+    /// `lj_vm_pcall`, a resume's, a C function's callback): 64 bytes into the
+    /// state's innermost C frame (`L->cframe`, 80 bytes into the state, its low
     /// two bits flags). Compiled code (a trace) runs in that frame and keeps no record of
     /// its own: a native walk stopped in it goes on from there. `None`: the state has no C
     /// frame (it runs no Lua code from C).
