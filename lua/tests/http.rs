@@ -192,6 +192,67 @@ fn the_views_answer_while_a_lua_fiber_spins() {
     child.wait().unwrap();
 }
 
+/// A view asked as the script ends is answered in full: the program's exit waits for the
+/// answers under way (at most 2 s). It closed the connection with no answer at all.
+#[test]
+fn a_view_asked_as_the_script_ends_is_answered_in_full() {
+    let (_d, path) = script(
+        "ends.lua",
+        "local fiber = require('fiber')\n\
+         for i = 1, 3000 do fiber.create(function() fiber.sleep(60) end) end\n\
+         io.stdout:write('ready\\n') io.stdout:flush()\n\
+         io.stdin:read('*l')\n\
+         os.exit(0)\n",
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fibertrace"))
+        .args(["run", "--http", "127.0.0.1:0"])
+        .arg(&path)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    err.read_line(&mut line).unwrap();
+    let addr: SocketAddr = line
+        .strip_prefix("fibertrace: serving http://")
+        .and_then(|r| r.strip_suffix("/debug/fibers\n"))
+        .unwrap_or_else(|| panic!("{line:?}"))
+        .parse()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    // The request, then at once the line that ends the script.
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    write!(
+        s,
+        "GET /debug/fibers?format=json HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    child.stdin.take().unwrap().write_all(b"end\n").unwrap();
+    let mut all = Vec::new();
+    s.read_to_end(&mut all).unwrap();
+    assert_eq!(child.wait().unwrap().code(), Some(0));
+    let text = String::from_utf8_lossy(&all);
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("{text:?}"));
+    assert!(head.starts_with("HTTP/1.1 200 "), "{head}");
+    let json: serde_json::Value = serde_json::from_str(body).unwrap();
+    let fibers: usize = json["schedulers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["fibers"].as_array().unwrap().len())
+        .sum();
+    assert_eq!(fibers, 3001);
+}
+
 #[test]
 fn a_bad_or_taken_address_is_refused_before_the_script_runs() {
     let (_dir, path) = script("never.lua", "print('ran')\n");

@@ -32,6 +32,9 @@
 //! the views are the same snapshots as every dump (see [`super`] for how one can be wrong:
 //! not atomic across fibers; a spinning Lua fiber's frames native only, with a note).
 //!
+//! A program about to end can wait for the answers under way ([`finish_answers`]): its exit
+//! would cut them off, and a client that asked at that moment got no answer.
+//!
 //! Listening: [`parse_addr`] takes `PORT` or `:PORT` as the loopback address (127.0.0.1);
 //! anything else (`0.0.0.0:6060`, `[::]:6060`, `myhost:6060`) is listened on as given (an IPv6
 //! address in brackets: `::6060` is refused, not read as every address) —
@@ -278,6 +281,41 @@ impl Drop for Slot {
     }
 }
 
+/// Answers, of every server, whose request was read and which are not written yet
+/// ([`finish_answers`]).
+static WRITING: AtomicUsize = AtomicUsize::new(0);
+
+/// One answer counted in [`WRITING`] while it lives.
+struct Writing;
+
+impl Writing {
+    fn new() -> Writing {
+        WRITING.fetch_add(1, Ordering::SeqCst);
+        Writing
+    }
+}
+
+impl Drop for Writing {
+    fn drop(&mut self) {
+        WRITING.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Waits, at most `timeout`, until every answer under way (its request read, its answer not
+/// written yet) is written, for a program about to end: its exit cut them off (a client that
+/// asked as the script ended got its connection closed and no answer). Whether none is left.
+/// Answers asked after this returned are not waited for.
+pub fn finish_answers(timeout: Duration) -> bool {
+    let t0 = Instant::now();
+    while WRITING.load(Ordering::SeqCst) != 0 {
+        if t0.elapsed() >= timeout {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    true
+}
+
 /// What a request gets when too many are under way (503).
 const BUSY: &[u8] = b"too many connections being answered; try again\n";
 
@@ -477,6 +515,7 @@ fn unescape(s: &str) -> String {
 fn answer(mut s: TcpStream, limits: &Limits, wait: Slot, active: &Arc<AtomicUsize>) {
     let loopback = s.local_addr().is_ok_and(|a| a.ip().is_loopback());
     let req = read_request(&mut s, limits, loopback);
+    let writing = Writing::new();
     let (place, busy) = match Slot::take(active, limits.max_connections) {
         Some(answering) => {
             drop(wait);
@@ -505,6 +544,7 @@ fn answer(mut s: TcpStream, limits: &Limits, wait: Slot, active: &Arc<AtomicUsiz
     let sent = write_until(&mut s, &head, deadline) && write_until(&mut s, &body, deadline);
     drop(body);
     let _ = s.shutdown(Shutdown::Write);
+    drop(writing);
     if sent {
         // Read what the client still sends (a body we did not read) for a moment, so
         // closing does not reset the connection before it read the answer.

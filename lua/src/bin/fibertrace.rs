@@ -798,6 +798,13 @@ fn dump_process(m: &clap::ArgMatches) -> ExitCode {
     }
 }
 
+/// At exit (the script's end, an error, `os.exit`; not an exit signal's `_exit`): answers of
+/// `--http` under way are written first, for at most 2 s (a client that asked as the script
+/// ended got its connection closed and no answer).
+extern "C" fn http_at_exit() {
+    fibertrace_fiber::http::finish_answers(Duration::from_secs(2));
+}
+
 /// Says how many stall reports the rate limit suppressed that no report has counted yet
 /// (`fibertrace: N stall reports suppressed`), if any: at every exit of `run` — the end of
 /// the script, its error, `os.exit` (C `exit`, through `atexit`), SIGINT and SIGTERM.
@@ -1506,6 +1513,8 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
                     server.local_addr()
                 );
                 std::mem::forget(server);
+                // SAFETY: registers a function that runs at exit, once.
+                unsafe { libc::atexit(http_at_exit) };
             }
             Err(e) => {
                 err!("fibertrace: --http: {e}");
