@@ -420,6 +420,17 @@ fn addresses_are_checked_before_listening() {
         err("::6060"),
         format!("bad address \"::6060\": an IPv6 host goes in brackets, e.g. [::1]:6060 {hint}")
     );
+    // A URL for an address, a negative port: what is wrong, not a symptom of it.
+    assert_eq!(
+        err("http://127.0.0.1:0"),
+        format!(
+            "bad address \"http://127.0.0.1:0\": an address, not a URL: leave out \"http://\" {hint}"
+        )
+    );
+    assert_eq!(
+        err("-1"),
+        format!("bad address \"-1\": a port is a number from 0 to 65535 {hint}")
+    );
     assert_eq!(
         err("127.0.0.1:x"),
         format!("bad address \"127.0.0.1:x\": the port is not a number {hint}")

@@ -120,6 +120,17 @@ pub fn parse_addr(s: &str) -> Result<Vec<SocketAddr>, HttpError> {
     if s.is_empty() {
         return Err(bad("empty"));
     }
+    if let Some((scheme, _)) = s.split_once("://") {
+        return Err(bad(&format!(
+            "an address, not a URL: leave out {:?}",
+            format!("{scheme}://")
+        )));
+    }
+    if let Some(n) = s.strip_prefix('-') {
+        if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(bad("a port is a number from 0 to 65535"));
+        }
+    }
     let Some((host, port)) = s.rsplit_once(':') else {
         return Err(bad("no port"));
     };
