@@ -20,8 +20,8 @@ fn script(name: &str, body: &str) -> (Scratch, PathBuf) {
     (d, p)
 }
 
-/// Starts `fibertrace run --http 127.0.0.1:0 SCRIPT`; the child, the address it serves on,
-/// and its stdout.
+/// Starts `fibertrace run --http 127.0.0.1:0 SCRIPT`; the child (its stdin a pipe the
+/// test may write to), the address it serves on, and its stdout.
 fn start(path: &PathBuf) -> (Child, SocketAddr, BufReader<std::process::ChildStdout>) {
     start_with(path, &[])
 }
@@ -35,6 +35,7 @@ fn start_with(
         .args(["run", "--http", "127.0.0.1:0"])
         .args(opts)
         .arg(path)
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -204,25 +205,8 @@ fn a_view_asked_as_the_script_ends_is_answered_in_full() {
          io.stdin:read('*l')\n\
          os.exit(0)\n",
     );
-    let mut child = Command::new(env!("CARGO_BIN_EXE_fibertrace"))
-        .args(["run", "--http", "127.0.0.1:0"])
-        .arg(&path)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let (mut child, addr, mut out) = start(&path);
     let mut line = String::new();
-    err.read_line(&mut line).unwrap();
-    let addr: SocketAddr = line
-        .strip_prefix("fibertrace: serving http://")
-        .and_then(|r| r.strip_suffix("/debug/fibers\n"))
-        .unwrap_or_else(|| panic!("{line:?}"))
-        .parse()
-        .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    line.clear();
     out.read_line(&mut line).unwrap();
     assert_eq!(line, "ready\n");
     // The request, then at once the line that ends the script.

@@ -430,6 +430,20 @@ pub fn collect_from(ctx: &SavedContext, opts: &CaptureOptions) -> Backtrace {
     bt
 }
 
+/// Where a walk of a saved context starts (its registers, the recorded frame itself first,
+/// stopping at its entry) and the one stack it may read (from its stack pointer up).
+fn saved_start(ctx: &SavedContext) -> ([StackBounds; 1], Start) {
+    (
+        [StackBounds::new(ctx.regs.sp, ctx.stack.hi)],
+        Start {
+            regs: ctx.regs,
+            emit_ip: true,
+            first_step_dwarf: false,
+            stop_sp: ctx.stop_sp,
+        },
+    )
+}
+
 /// [`collect_from`] into an existing backtrace.
 pub fn collect_from_into(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Backtrace) {
     if !ctx.is_recorded() {
@@ -455,13 +469,7 @@ pub fn collect_from_held(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Ba
         out.clear();
         return;
     }
-    let bounds = [StackBounds::new(ctx.regs.sp, ctx.stack.hi)];
-    let start = Start {
-        regs: ctx.regs,
-        emit_ip: true,
-        first_step_dwarf: false,
-        stop_sp: ctx.stop_sp,
-    };
+    let (bounds, start) = saved_start(ctx);
     let stacks = Stacks::new(&bounds);
     let mut ring = new_ring();
     let table = crate::image::table();
@@ -483,13 +491,7 @@ pub fn collect_from_held(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Ba
 /// its state made the one-go walk's caller save six registers and a 470-byte frame.
 #[inline(never)]
 fn collect_from_general(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Backtrace) {
-    let bounds = [StackBounds::new(ctx.regs.sp, ctx.stack.hi)];
-    let start = Start {
-        regs: ctx.regs,
-        emit_ip: true,
-        first_step_dwarf: false,
-        stop_sp: ctx.stop_sp,
-    };
+    let (bounds, start) = saved_start(ctx);
     walk_with_refresh(start, &Stacks::new(&bounds), opts, out);
 }
 
@@ -564,13 +566,7 @@ pub fn collect_from_in_handler(
     if !ctx.is_recorded() {
         return;
     }
-    let bounds = [StackBounds::new(ctx.regs.sp, ctx.stack.hi)];
-    let start = Start {
-        regs: ctx.regs,
-        emit_ip: true,
-        first_step_dwarf: false,
-        stop_sp: ctx.stop_sp,
-    };
+    let (bounds, start) = saved_start(ctx);
     walk_in_handler(start, &Stacks::new(&bounds), opts, cache, out);
 }
 
