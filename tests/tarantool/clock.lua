@@ -9,58 +9,13 @@ local fiber = require('fiber')
 local clock = require('clock')
 
 ---------------------------------------------------------------------------
--- A tiny harness (kept inline so that the script runs from any directory)
+-- The harness (harness.lua, beside this script)
 ---------------------------------------------------------------------------
 
-local passed, failed = 0, 0
-
-local function show(v)
-    if type(v) == 'string' then return string.format('%q', v) end
-    if type(v) ~= 'table' then return tostring(v) end
-    local keys = {}
-    for k in pairs(v) do keys[#keys + 1] = k end
-    table.sort(keys, function(a, b)
-        if type(a) == type(b) and type(a) == 'number' then return a < b end
-        return tostring(a) < tostring(b)
-    end)
-    local parts = {}
-    for i, k in ipairs(keys) do
-        local key = type(k) == 'number' and '' or (tostring(k) .. '=')
-        parts[i] = key .. show(v[k])
-    end
-    return '{' .. table.concat(parts, ', ') .. '}'
-end
-
-local function same(a, b)
-    if type(a) ~= 'table' or type(b) ~= 'table' then return a == b end
-    for k, v in pairs(a) do if not same(v, b[k]) then return false end end
-    for k in pairs(b) do if a[k] == nil then return false end end
-    return true
-end
-
-local function fail(msg) error(msg, 0) end
-
-local function eq(got, want, what)
-    if not same(got, want) then
-        fail(string.format('%s: expected %s, got %s', what or 'value',
-                           show(want), show(got)))
-    end
-end
-
-local function truthy(v, what)
-    if not v then fail((what or 'condition') .. ' does not hold') end
-end
-
-local function case(name, fn)
-    local ok, err = pcall(fn)
-    if ok then
-        passed = passed + 1
-        print('ok ' .. name)
-    else
-        failed = failed + 1
-        print('not ok ' .. name .. ': ' .. tostring(err))
-    end
-end
+local t = dofile((debug.getinfo(1, 'S').source:match('^@(.*/)') or '')
+                 .. 'harness.lua')
+local case, eq, truthy = t.case, t.eq, t.truthy
+local same = t.same
 
 ---------------------------------------------------------------------------
 -- Cases
@@ -209,6 +164,4 @@ case('proc64_in_nanoseconds', function()
     close_to(clock.proc(), clock.proc64(), 1e9, 'clock.proc64()/1e9')
 end)
 
-print(string.format('%d passed, %d failed', passed, failed))
-io.stdout:flush()
-os.exit(failed == 0 and 0 or 1)
+t.finish()

@@ -11,117 +11,15 @@ local clock = require('clock')
 local ffi = require('ffi')
 
 ---------------------------------------------------------------------------
--- A tiny harness (kept inline so that the script runs from any directory)
+-- The harness (harness.lua, beside this script)
 ---------------------------------------------------------------------------
 
-local passed, failed = 0, 0
-local tracked = {}
-
-local function show(v)
-    if type(v) == 'string' then return string.format('%q', v) end
-    if type(v) ~= 'table' then return tostring(v) end
-    local keys = {}
-    for k in pairs(v) do keys[#keys + 1] = k end
-    table.sort(keys, function(a, b)
-        if type(a) == type(b) and type(a) == 'number' then return a < b end
-        return tostring(a) < tostring(b)
-    end)
-    local parts = {}
-    for i, k in ipairs(keys) do
-        local key = type(k) == 'number' and '' or (tostring(k) .. '=')
-        parts[i] = key .. show(v[k])
-    end
-    return '{' .. table.concat(parts, ', ') .. '}'
-end
-
-local function same(a, b)
-    if type(a) ~= 'table' or type(b) ~= 'table' then return a == b end
-    for k, v in pairs(a) do if not same(v, b[k]) then return false end end
-    for k in pairs(b) do if a[k] == nil then return false end end
-    return true
-end
-
-local function fail(msg) error(msg, 0) end
-
-local function eq(got, want, what)
-    if not same(got, want) then
-        fail(string.format('%s: expected %s, got %s', what or 'value',
-                           show(want), show(got)))
-    end
-end
-
-local function truthy(v, what)
-    if not v then fail((what or 'condition') .. ' does not hold') end
-end
-
--- Calls fn(...) and requires it to raise exactly `want`.
-local function raises(want, fn, ...)
-    local ok, err = pcall(fn, ...)
-    if ok then fail(string.format('expected error %q, the call succeeded', want)) end
-    eq(tostring(err), want, 'error')
-end
-
--- Waits (yielding) until cond() is true; false after `timeout` seconds.
-local function wait_until(cond, timeout)
-    local deadline = clock.monotonic() + (timeout or 2)
-    while not cond() do
-        if clock.monotonic() > deadline then return false end
-        fiber.sleep(0.001)
-    end
-    return true
-end
-
-local function wait_dead(f, timeout)
-    truthy(wait_until(function() return f:status() == 'dead' end, timeout),
-           'the fiber ends in time')
-end
-
--- A fiber that a case leaves behind is cancelled after the case.
-local function track(f)
-    tracked[#tracked + 1] = f
-    return f
-end
-
--- "file:line: " of the caller, as luaL_error prefixes a message raised by a
--- C function that the caller called (not as a tail call).
-local function here()
-    local info = debug.getinfo(2, 'Sl')
-    return info.short_src .. ':' .. info.currentline .. ': '
-end
-
-local function nothing() end
-
--- Runs a Lua source with the same program that runs this script and returns
--- what it wrote to stderr (Tarantool's log goes there without box.cfg).
-local function child_stderr(source)
-    local low = 0
-    while arg[low - 1] ~= nil do low = low - 1 end
-    local prog = arg[low]
-    local path = os.tmpname()
-    local file = assert(io.open(path, 'w'))
-    file:write(source)
-    file:close()
-    local run = rawget(_G, '_TARANTOOL') and '' or ' run'
-    local pipe = io.popen(string.format("timeout 20 '%s'%s '%s' 2>&1 >/dev/null",
-                                        prog, run, path))
-    local out = pipe:read('*a')
-    pipe:close()
-    os.remove(path)
-    return out
-end
-
-local function case(name, fn)
-    tracked = {}
-    local ok, err = pcall(fn)
-    for _, f in ipairs(tracked) do pcall(fiber.cancel, f) end
-    if ok then
-        passed = passed + 1
-        print('ok ' .. name)
-    else
-        failed = failed + 1
-        print('not ok ' .. name .. ': ' .. tostring(err))
-    end
-end
+local t = dofile((debug.getinfo(1, 'S').source:match('^@(.*/)') or '')
+                 .. 'harness.lua')
+local case, eq, truthy = t.case, t.eq, t.truthy
+local raises, show, same = t.raises, t.show, t.same
+local wait_until, wait_dead, track = t.wait_until, t.wait_dead, t.track
+local here, nothing, child_stderr = t.here, t.nothing, t.child_stderr
 
 ---------------------------------------------------------------------------
 -- Cases
@@ -752,6 +650,4 @@ case('cancel_of_self_raises_at_once', function()
     eq({f:join()}, {true, 'Ok'}, 'a later fiber runs normally')
 end)
 
-print(string.format('%d passed, %d failed', passed, failed))
-io.stdout:flush()
-os.exit(failed == 0 and 0 or 1)
+t.finish()

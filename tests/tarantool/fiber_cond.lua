@@ -8,74 +8,13 @@ local fiber = require('fiber')
 local clock = require('clock')
 
 ---------------------------------------------------------------------------
--- A tiny harness (kept inline so that the script runs from any directory)
+-- The harness (harness.lua, beside this script)
 ---------------------------------------------------------------------------
 
-local passed, failed = 0, 0
-local tracked = {}
-
-local function show(v)
-    if type(v) == 'string' then return string.format('%q', v) end
-    if type(v) ~= 'table' then return tostring(v) end
-    local keys = {}
-    for k in pairs(v) do keys[#keys + 1] = k end
-    table.sort(keys, function(a, b)
-        if type(a) == type(b) and type(a) == 'number' then return a < b end
-        return tostring(a) < tostring(b)
-    end)
-    local parts = {}
-    for i, k in ipairs(keys) do
-        local key = type(k) == 'number' and '' or (tostring(k) .. '=')
-        parts[i] = key .. show(v[k])
-    end
-    return '{' .. table.concat(parts, ', ') .. '}'
-end
-
-local function same(a, b)
-    if type(a) ~= 'table' or type(b) ~= 'table' then return a == b end
-    for k, v in pairs(a) do if not same(v, b[k]) then return false end end
-    for k in pairs(b) do if a[k] == nil then return false end end
-    return true
-end
-
-local function fail(msg) error(msg, 0) end
-
-local function eq(got, want, what)
-    if not same(got, want) then
-        fail(string.format('%s: expected %s, got %s', what or 'value',
-                           show(want), show(got)))
-    end
-end
-
-local function truthy(v, what)
-    if not v then fail((what or 'condition') .. ' does not hold') end
-end
-
--- Calls fn(...) and requires it to raise exactly `want`.
-local function raises(want, fn, ...)
-    local ok, err = pcall(fn, ...)
-    if ok then fail(string.format('expected error %q, the call succeeded', want)) end
-    eq(tostring(err), want, 'error')
-end
-
--- A fiber that a case leaves behind is cancelled after the case.
-local function track(f)
-    tracked[#tracked + 1] = f
-    return f
-end
-
-local function case(name, fn)
-    tracked = {}
-    local ok, err = pcall(fn)
-    for _, f in ipairs(tracked) do pcall(fiber.cancel, f) end
-    if ok then
-        passed = passed + 1
-        print('ok ' .. name)
-    else
-        failed = failed + 1
-        print('not ok ' .. name .. ': ' .. tostring(err))
-    end
-end
+local t = dofile((debug.getinfo(1, 'S').source:match('^@(.*/)') or '')
+                 .. 'harness.lua')
+local case, eq, truthy = t.case, t.eq, t.truthy
+local raises, track = t.raises, t.track
 
 ---------------------------------------------------------------------------
 -- Cases
@@ -150,6 +89,4 @@ case('broadcast_wakes_every_waiter', function()
     eq(marks, {'#', '#', '#', '#'}, 'waiters woken')
 end)
 
-print(string.format('%d passed, %d failed', passed, failed))
-io.stdout:flush()
-os.exit(failed == 0 and 0 or 1)
+t.finish()

@@ -10,126 +10,14 @@ local fiber = require('fiber')
 local clock = require('clock')
 
 ---------------------------------------------------------------------------
--- A tiny harness (kept inline so that the script runs from any directory)
+-- The harness (harness.lua, beside this script)
 ---------------------------------------------------------------------------
 
-local passed, failed = 0, 0
-local tracked = {}
-
-local function show(v)
-    if type(v) == 'string' then return string.format('%q', v) end
-    if type(v) ~= 'table' then return tostring(v) end
-    local keys = {}
-    for k in pairs(v) do keys[#keys + 1] = k end
-    table.sort(keys, function(a, b)
-        if type(a) == type(b) and type(a) == 'number' then return a < b end
-        return tostring(a) < tostring(b)
-    end)
-    local parts = {}
-    for i, k in ipairs(keys) do
-        local key = type(k) == 'number' and '' or (tostring(k) .. '=')
-        parts[i] = key .. show(v[k])
-    end
-    return '{' .. table.concat(parts, ', ') .. '}'
-end
-
-local function same(a, b)
-    if type(a) ~= 'table' or type(b) ~= 'table' then return a == b end
-    for k, v in pairs(a) do if not same(v, b[k]) then return false end end
-    for k in pairs(b) do if a[k] == nil then return false end end
-    return true
-end
-
-local function fail(msg) error(msg, 0) end
-
-local function eq(got, want, what)
-    if not same(got, want) then
-        fail(string.format('%s: expected %s, got %s', what or 'value',
-                           show(want), show(got)))
-    end
-end
-
-local function truthy(v, what)
-    if not v then fail((what or 'condition') .. ' does not hold') end
-end
-
--- Waits (yielding) until cond() is true; false after `timeout` seconds.
-local function wait_until(cond, timeout)
-    local deadline = clock.monotonic() + (timeout or 2)
-    while not cond() do
-        if clock.monotonic() > deadline then return false end
-        fiber.sleep(0.001)
-    end
-    return true
-end
-
-local function wait_dead(f, timeout)
-    truthy(wait_until(function() return f:status() == 'dead' end, timeout),
-           'the fiber ends in time')
-end
-
--- A fiber that a case leaves behind is cancelled after the case.
-local function track(f)
-    tracked[#tracked + 1] = f
-    return f
-end
-
-local function case(name, fn)
-    tracked = {}
-    local ok, err = pcall(fn)
-    for _, f in ipairs(tracked) do pcall(fiber.cancel, f) end
-    if ok then
-        passed = passed + 1
-        print('ok ' .. name)
-    else
-        failed = failed + 1
-        print('not ok ' .. name .. ': ' .. tostring(err))
-    end
-end
-
-local function pack(...) return {n = select('#', ...), ...} end
-
--- Runs fn(...) in a helper fiber and returns its results (or raises its
--- error); raises if it has not returned within `timeout` seconds, so that a
--- hang becomes a failure.
-local function within(timeout, fn, ...)
-    local args = pack(...)
-    local out
-    local helper = fiber.create(function()
-        out = pack(pcall(fn, unpack(args, 1, args.n)))
-    end)
-    local deadline = clock.monotonic() + timeout
-    while out == nil do
-        if clock.monotonic() > deadline then
-            pcall(fiber.cancel, helper)
-            fail('no return within ' .. timeout .. ' s (hangs)')
-        end
-        fiber.sleep(0.001)
-    end
-    if not out[1] then error(out[2], 0) end
-    return unpack(out, 2, out.n)
-end
-
--- Runs a Lua source with the same program that runs this script, in a
--- child process; returns what it wrote to the stream `which` ('stdout' or
--- 'stderr'; Tarantool's log goes to stderr without box.cfg).
-local function child_output(source, which)
-    local low = 0
-    while arg[low - 1] ~= nil do low = low - 1 end
-    local prog = arg[low]
-    local path = os.tmpname()
-    local file = assert(io.open(path, 'w'))
-    file:write(source)
-    file:close()
-    local run = rawget(_G, '_TARANTOOL') and '' or ' run'
-    local redirect = which == 'stderr' and '2>&1 >/dev/null' or '2>/dev/null'
-    local pipe = io.popen(string.format("timeout 20 '%s'%s '%s' %s",
-                                        prog, run, path, redirect))
-    local out = pipe:read('*a')
-    pipe:close()
-    os.remove(path)
-    return out
-end
+local t = dofile((debug.getinfo(1, 'S').source:match('^@(.*/)') or '')
+                 .. 'harness.lua')
+local case, eq, truthy = t.case, t.eq, t.truthy
+local show, wait_dead, track = t.show, t.wait_dead, t.track
+local within, child_output = t.within, t.child_output
 
 ---------------------------------------------------------------------------
 -- Cases: test/unit/fiber.cc (fiber_join_test, fiber_name_test,
@@ -373,6 +261,4 @@ case('stress_channel_of_one', function()
     eq(sum, n * (n + 1) / 2, 'sum of the values')
 end)
 
-print(string.format('%d passed, %d failed', passed, failed))
-io.stdout:flush()
-os.exit(failed == 0 and 0 or 1)
+t.finish()
