@@ -4,65 +4,24 @@
 //! works, and a finalizer may create fibers — also from inside the host's own allocations.
 #![cfg(feature = "luajit")]
 
-use std::io::Read;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use fibertrace_lua::LuaHost;
-
-const EXE: &str = env!("CARGO_BIN_EXE_fibertrace");
 
 /// `gcobj(f)`: a userdata whose finalizer is `f` (tables have no `__gc` in Lua 5.1).
 const PRELUDE: &str = "local fiber = require('fiber')\n\
     local function gcobj(f) local p = newproxy(true) getmetatable(p).__gc = f return p end\n";
 
-struct Out {
-    stdout: String,
-    stderr: String,
-    code: Option<i32>,
-}
+#[path = "common/bounded.rs"]
+mod bounded;
+use bounded::Out;
 
 /// Runs `src` (after [`PRELUDE`], so its line N is the script's line N + 2) as a script
 /// named `name`, bounded in time.
 fn run_script(name: &str, src: &str) -> (Out, String) {
     let path = std::env::temp_dir().join(format!("ft-fin-{name}-{}.lua", std::process::id()));
     std::fs::write(&path, format!("{PRELUDE}{src}")).unwrap();
-    let mut c = Command::new(EXE)
-        .arg("run")
-        .arg(&path)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut sout = c.stdout.take().unwrap();
-    let mut serr = c.stderr.take().unwrap();
-    let out = std::thread::spawn(move || {
-        let mut o = String::new();
-        let _ = sout.read_to_string(&mut o);
-        o
-    });
-    let err = std::thread::spawn(move || {
-        let mut e = String::new();
-        let _ = serr.read_to_string(&mut e);
-        e
-    });
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(s) = c.try_wait().unwrap() {
-            break s;
-        }
-        if t0.elapsed() > Duration::from_secs(60) {
-            let _ = c.kill();
-            panic!("{name} did not finish in 60 s");
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    };
-    let o = Out {
-        stdout: out.join().unwrap(),
-        stderr: err.join().unwrap(),
-        code: status.code(),
-    };
+    let o = bounded::run(&["run", path.to_str().unwrap()], b"");
     let p = path.to_str().unwrap().to_string();
     let _ = std::fs::remove_file(&path);
     (o, p)
