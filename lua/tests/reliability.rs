@@ -549,6 +549,110 @@ fn a_script_printing_into_a_closed_pipe_ends_and_a_closed_stderr_pipe_does_not()
     let _ = std::fs::remove_file(&script);
 }
 
+/// The same with `--dump-on-exit` or `--leaks`: the reader's going away ends the program as
+/// an exit signal does — the dumps and the report written first, then the end by SIGPIPE.
+/// It ended at once, the dump never written and the report never printed.
+#[test]
+fn a_closed_output_pipe_ends_the_program_after_its_exit_dumps_and_leaks_report() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = Scratch::new("pipe-dumps");
+    let script = dir.join("s.lua");
+    std::fs::write(
+        &script,
+        "local fiber = require('fiber')\n\
+         local i = 0 while true do i = i + 1 print(i) end\n",
+    )
+    .unwrap();
+    let s = script.to_str().unwrap();
+    let dump = dir.join("d.txt");
+    let d = format!("text:{}", dump.to_str().unwrap());
+    for opts in [
+        &["--dump-on-exit", &d][..],
+        &["--leaks", "--leaks-top", "1"][..],
+    ] {
+        let mut c = Command::new(EXE)
+            .arg("run")
+            .args(opts)
+            .arg(s)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut serr = c.stderr.take().unwrap();
+        let err = std::thread::spawn(move || {
+            let mut e = String::new();
+            let _ = serr.read_to_string(&mut e);
+            e
+        });
+        let mut sout = c.stdout.take().unwrap();
+        let mut first = [0u8; 4];
+        sout.read_exact(&mut first).unwrap();
+        assert_eq!(&first, b"1\n2\n");
+        drop(sout);
+        let t0 = Instant::now();
+        let status = loop {
+            if let Some(st) = c.try_wait().unwrap() {
+                break st;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "{opts:?}: still running 30 s after its reader went away"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        assert_eq!(status.signal(), Some(libc::SIGPIPE), "{opts:?}");
+        let err = err.join().unwrap();
+        if opts[0] == "--dump-on-exit" {
+            assert_eq!(err, "");
+            assert_eq!(
+                std::fs::read_to_string(&dump).unwrap(),
+                format!(
+                    "scheduler 1 \"lua\": 1 fiber\n\n\
+                     fiber 1 \"main\" [running]:\n\
+                     #0  main chunk in @{s}:2\n\n"
+                )
+            );
+        } else {
+            assert!(
+                err.starts_with("fibertrace: --leaks: live at exit:\n"),
+                "{err}"
+            );
+            // (Its top stack is the main chunk's, allocating in `print` or in the loop.)
+            assert!(err.contains(&format!("  main chunk in @{s}:2\n")), "{err}");
+        }
+    }
+}
+
+/// An option `run` does not take, before the script, is said to be one (exit 2, as clap's
+/// own errors): it was taken for the script, "--bogus: No such file or directory". A script
+/// whose name begins with `-` still runs when it exists; `-` is standard input.
+#[test]
+fn an_unknown_option_is_said_to_be_one_not_a_missing_script() {
+    for opt in ["--bogus", "--leak", "-x"] {
+        let o = run(&["run", opt, "s.lua"], b"");
+        assert_eq!(o.code, Some(2), "{opt}: {}", o.stderr);
+        assert_eq!(
+            o.stderr,
+            format!(
+                "error: unexpected argument '{opt}' (not an option of `fibertrace run`; a \
+                 script whose name begins with '-' is given as ./NAME)\n\nUsage: fibertrace \
+                 run [OPTIONS] <SCRIPT.lua [ARGS]...>\n\nFor more information, try '--help'.\n"
+            )
+        );
+        assert_eq!(o.stdout, "");
+    }
+    let dir = Scratch::new("dash-script");
+    std::fs::write(dir.join("-x"), "print('ran', ...)\n").unwrap();
+    let o = Command::new(EXE)
+        .args(["run", "-x", "a"])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "ran\ta\n");
+    assert_eq!(o.status.code(), Some(0));
+    assert_eq!(run(&["run", "-"], b"print('stdin')").stdout, "stdin\n");
+}
+
 /// An endless script (`run /dev/zero`, `yes | run -`) is an error once past 256 MiB, in
 /// bounded memory: it used to be read until memory ran out (24 GB, then the OOM killer).
 #[test]

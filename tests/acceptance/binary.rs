@@ -298,7 +298,7 @@ fn dump_pid_reads_another_process_from_anywhere_and_says_why_when_it_cannot() {
     assert!(main.contains(" in fibertrace_fiber::"), "{main}");
     // Its fibers, from the registry the runtime publishes: the main fiber sleeps.
     assert!(
-        text.contains("\nscheduler 1 \"lua\": 1 fibers (thread "),
+        text.contains("\nscheduler 1 \"lua\": 1 fiber (thread "),
         "{text}"
     );
     let fiber = text

@@ -210,14 +210,23 @@ pub fn render_heap_summary(h: &super::HeapSummary, out: &mut String) {
     }
 }
 
+/// `1 fiber`, `N fibers`.
+pub(crate) fn fibers_count(n: usize) -> String {
+    if n == 1 {
+        "1 fiber".to_string()
+    } else {
+        format!("{n} fibers")
+    }
+}
+
 /// One scheduler of a snapshot as text.
 pub fn render_scheduler(s: &SchedulerSnapshot, out: &mut String) {
     let _ = writeln!(
         out,
-        "scheduler {} {}: {} fibers\n",
+        "scheduler {} {}: {}\n",
         s.id,
         crate::sched::quoted_name(&s.name),
-        s.fibers.len()
+        fibers_count(s.fibers.len())
     );
     if let Some(note) = &s.note {
         let _ = writeln!(out, "({note})\n");
@@ -409,10 +418,10 @@ pub fn render_scheduler_grouped(s: &SchedulerSnapshot, out: &mut String) {
     list.sort_by(|a, b| b.1.len().cmp(&a.1.len()).then(a.1[0].id.cmp(&b.1[0].id)));
     let _ = writeln!(
         out,
-        "scheduler {} {}: {} fibers in {} {}\n",
+        "scheduler {} {}: {} in {} {}\n",
         s.id,
         crate::sched::quoted_name(&s.name),
-        s.fibers.len(),
+        fibers_count(s.fibers.len()),
         list.len(),
         if list.len() == 1 { "group" } else { "groups" }
     );

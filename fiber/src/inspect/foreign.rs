@@ -1003,10 +1003,10 @@ impl ForeignDump {
         for sched in &self.schedulers {
             let _ = write!(
                 out,
-                "\nscheduler {} {}: {} fibers",
+                "\nscheduler {} {}: {}",
                 sched.id,
                 crate::sched::quoted_name(&sched.name),
-                sched.fibers.len()
+                super::dump::fibers_count(sched.fibers.len())
             );
             if let Some(t) = sched.thread {
                 let _ = write!(out, " (thread {t})");

@@ -493,6 +493,7 @@ static EXIT_DUMPS_DONE: std::sync::Condvar = std::sync::Condvar::new();
 /// now (and then calls [`finish_exit_dumps`]); otherwise, once another exit path has written
 /// them (waiting for it), whether all were written.
 fn claim_exit_dumps() -> Option<bool> {
+    EXIT_BEGUN.store(true, std::sync::atomic::Ordering::SeqCst);
     // (A panic while the lock was held cannot leave the state half-changed: it is one value.)
     let mut st = EXIT_DUMPS.lock().unwrap_or_else(|e| e.into_inner());
     loop {
@@ -826,11 +827,22 @@ extern "C" fn say_suppressed_at_exit() {
     say_suppressed();
 }
 
+/// Set when standard output's reader went away and the program's end by SIGPIPE began on
+/// the exit signals' path (see [`on_sigpipe`]).
+static STDOUT_GONE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Set once an exit path has begun its dumps or its `--leaks` report (the script's end,
+/// `os.exit`, an exit signal): a SIGPIPE from then on (its last flush) ends the program at
+/// once, as it did before the dumps existed.
+static EXIT_BEGUN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// SIGPIPE in `run`: a write to a pipe nobody reads. When standard output is that pipe (the
-/// script prints into `| head`), the program ends by SIGPIPE as `lua` and Tarantool do — what
-/// was written stays written — instead of printing into nothing forever (Rust ignores
-/// SIGPIPE, and Lua's `print` drops write errors). Any other pipe (standard error gone, a
-/// pipe the script opened) only fails that write: a report lost, not the program.
+/// script prints into `| head`), the program ends by SIGPIPE as `lua` does — what was
+/// written stays written — instead of printing into nothing forever (Rust ignores SIGPIPE,
+/// and Lua's `print` drops write errors). With `--dump-on-exit` dumps or a `--leaks` report
+/// to write, it ends as on an exit signal (the dumps and the report first, then exit code
+/// 141, 128 + SIGPIPE): they were lost. Any other pipe (standard error gone, a pipe the
+/// script opened) only fails that write: a report lost, not the program.
 extern "C" fn on_sigpipe(_sig: libc::c_int) {
     let mut p = libc::pollfd {
         fd: 1,
@@ -843,8 +855,20 @@ extern "C" fn on_sigpipe(_sig: libc::c_int) {
     unsafe {
         let e = *libc::__errno_location();
         if libc::poll(&mut p, 1, 0) == 1 && p.revents & (libc::POLLERR | libc::POLLHUP) != 0 {
-            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-            libc::raise(libc::SIGPIPE);
+            use std::sync::atomic::Ordering::SeqCst;
+            // (Lock-free reads: a set `OnceLock`'s list and atomics.)
+            let work =
+                DUMPS_ON_EXIT.get().is_some_and(|l| !l.is_empty()) || LEAKS_TOP.load(SeqCst) > 0;
+            if STDOUT_GONE.load(SeqCst) || EXIT_SIGNALLED.load(SeqCst) != 0 {
+                // An exit signal's thread (this one's, or another signal's) is writing the
+                // dumps and ends the program after them: the script's writes meanwhile
+                // just fail.
+            } else if !work || EXIT_BEGUN.load(SeqCst) {
+                libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+                libc::raise(libc::SIGPIPE);
+            } else if !STDOUT_GONE.swap(true, SeqCst) {
+                on_exit_signal(libc::SIGPIPE);
+            }
         }
         *libc::__errno_location() = e;
     }
@@ -1165,6 +1189,16 @@ fn install_signals() -> Result<(), String> {
                 // The dumps and the report are done: the timer gives the flush its second.
                 // SAFETY: as above.
                 unsafe { libc::write(timer_wr, c.as_ptr().cast(), 1) };
+                if STDOUT_GONE.load(std::sync::atomic::Ordering::SeqCst) {
+                    // Standard output has no reader: what the script left in its buffers
+                    // has nowhere to go; the program ends by SIGPIPE, as without dumps.
+                    // SAFETY: signal(2) and raise(3); the default action ends the process.
+                    unsafe {
+                        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+                        libc::raise(libc::SIGPIPE);
+                        libc::_exit(code);
+                    }
+                }
                 let _ = io::stdout().flush();
                 // SAFETY: fflush(NULL) flushes every C output stream; the thread holds no
                 // stream lock itself.
@@ -1265,6 +1299,7 @@ static LEAKS_BASE: std::sync::OnceLock<fibertrace_lua::HeapBaseline> = std::sync
 /// `--leaks`: the live heap at exit, on stderr (an `atexit` handler: every way out passes
 /// there). Off a fiber's stack (the symbolizer wants more than a fiber has).
 extern "C" fn leaks_at_exit() {
+    EXIT_BEGUN.store(true, std::sync::atomic::Ordering::SeqCst);
     let top = LEAKS_TOP.swap(0, std::sync::atomic::Ordering::SeqCst);
     if top == 0 {
         // Taken by the exit signal's thread, which writes it and ends the process: this
@@ -1480,6 +1515,19 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
         .unwrap_or_default()
         .into_iter();
     let script = all.next().unwrap_or_default();
+    // The script takes every word from itself on, options too (`run s.lua -h` passes `-h`
+    // to it), so an option `run` does not know comes here as the script: said as such, not
+    // as a missing file (a script whose name starts with `-` is run when it exists).
+    let name = script.as_encoded_bytes();
+    if name.len() > 1 && name[0] == b'-' && std::fs::symlink_metadata(&script).is_err() {
+        err!(
+            "error: unexpected argument '{}' (not an option of `fibertrace run`; a script whose \
+             name begins with '-' is given as ./NAME)\n\nUsage: fibertrace run [OPTIONS] \
+             <SCRIPT.lua [ARGS]...>\n\nFor more information, try '--help'.",
+            fibertrace_core::format::Escaped(&script.to_string_lossy())
+        );
+        return ExitCode::from(2);
+    }
     let args: Vec<Vec<u8>> = all.map(|a| a.into_encoded_bytes()).collect();
     let args: Vec<&[u8]> = args.iter().map(|a| a.as_slice()).collect();
     if let Err(e) = install_signals() {
