@@ -171,7 +171,9 @@ pub fn lua_stack_hook(
     };
     // The innermost Lua level's line, when the interpreter allocates from inside one of its
     // instructions (the PC it saved for the call: checked against the function's code).
-    let mem = &mut crate::frames::foreign::SelfMem;
+    // (Read in blocks: a channel's creation read the stack ~160 times, a system call each,
+    // 0.3 ms; see `Blocks`.)
+    let mem = &mut crate::frames::foreign::Blocks::new(crate::frames::foreign::SelfMem);
     let top = reader.interpreter_top(mem, root).ok().flatten();
     let Ok(lua) = reader.stack_running(mem, root, top) else {
         return n;

@@ -77,6 +77,79 @@ impl Memory for SelfMem {
     }
 }
 
+/// Bytes of one block of [`Blocks`] (aligned: a block never spans two pages, so a block
+/// of mapped memory is read whole).
+const BLOCK: usize = 256;
+/// Blocks [`Blocks`] keeps.
+const BLOCKS: usize = 8;
+
+/// Reads through `inner` (memory that does not change while this is used: a thread held in
+/// the allocator for one capture) in aligned blocks, keeping the last [`BLOCKS`]: the reads
+/// of one stack's walk — a thread's slots, a prototype's header, its line and name tables —
+/// mostly fall in blocks already read, one read of `inner` (a system call for [`SelfMem`])
+/// instead of one each. A read larger than a few blocks goes to `inner` whole.
+pub struct Blocks<M> {
+    inner: M,
+    /// Each block's address (`u64::MAX`: none) and bytes.
+    at: [u64; BLOCKS],
+    bytes: [[u8; BLOCK]; BLOCKS],
+    /// The next block to replace.
+    next: usize,
+}
+
+impl<M: Memory> Blocks<M> {
+    /// A cache in front of `inner`, empty.
+    pub fn new(inner: M) -> Blocks<M> {
+        Blocks {
+            inner,
+            at: [u64::MAX; BLOCKS],
+            bytes: [[0; BLOCK]; BLOCKS],
+            next: 0,
+        }
+    }
+
+    /// The index of the block at `base` (aligned), read now if it is not kept.
+    fn block(&mut self, base: u64) -> Option<usize> {
+        if let Some(i) = self.at.iter().position(|&a| a == base) {
+            return Some(i);
+        }
+        let i = self.next;
+        self.next = (i + 1) % BLOCKS;
+        self.at[i] = u64::MAX;
+        if !self.inner.read(base, &mut self.bytes[i]) {
+            return None;
+        }
+        self.at[i] = base;
+        Some(i)
+    }
+}
+
+impl<M: Memory> Memory for Blocks<M> {
+    fn read(&mut self, addr: u64, out: &mut [u8]) -> bool {
+        let Some(end) = addr.checked_add(out.len() as u64) else {
+            return false;
+        };
+        if out.len() > BLOCK * (BLOCKS / 2) {
+            return self.inner.read(addr, out);
+        }
+        let mut at = addr;
+        while at < end {
+            let base = at & !(BLOCK as u64 - 1);
+            let Some(i) = self.block(base) else {
+                // (A block partly unmapped cannot be: it is within one page. The exact
+                // range, for what it says.)
+                return self.inner.read(addr, out);
+            };
+            let from = (at - base) as usize;
+            let n = (BLOCK - from).min((end - at) as usize);
+            let o = (at - addr) as usize;
+            out[o..o + n].copy_from_slice(&self.bytes[i][from..from + n]);
+            at += n as u64;
+        }
+        true
+    }
+}
+
 /// Frames read per thread at most (LuaJIT's own stack limit is about 65,500 slots).
 const MAX_FRAMES: usize = 1 << 16;
 /// Time one stack's read may take at most (its target may be held stopped meanwhile).
@@ -1402,6 +1475,71 @@ pub unsafe fn vm_tables_of(l: *mut mlua::ffi::lua_State) -> Vec<(usize, usize)> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Memory of `len` bytes at `base` (byte `i` is `i as u8`), with a hole of unreadable
+    /// bytes; counts its reads.
+    struct Fake {
+        base: u64,
+        len: u64,
+        hole: std::ops::Range<u64>,
+        reads: usize,
+    }
+
+    impl Memory for Fake {
+        fn read(&mut self, addr: u64, out: &mut [u8]) -> bool {
+            self.reads += 1;
+            let end = addr + out.len() as u64;
+            if addr < self.base || end > self.base + self.len {
+                return false;
+            }
+            if addr < self.hole.end && self.hole.start < end {
+                return false;
+            }
+            for (i, b) in out.iter_mut().enumerate() {
+                *b = (addr - self.base + i as u64) as u8;
+            }
+            true
+        }
+    }
+
+    #[test]
+    fn blocks_read_what_the_memory_holds_in_fewer_reads() {
+        let fake = Fake {
+            base: 0x1000,
+            len: 0x2000,
+            hole: 0x2000..0x2100,
+            reads: 0,
+        };
+        let mut m = Blocks::new(fake);
+        let want = |addr: u64, n: usize| -> Vec<u8> {
+            (0..n).map(|i| (addr - 0x1000 + i as u64) as u8).collect()
+        };
+        // Within a block, across blocks, and again: each block read once.
+        for (addr, n) in [(0x1010, 8), (0x10f8, 16), (0x1008, 300), (0x1100, 8)] {
+            let mut out = vec![0u8; n];
+            assert!(m.read(addr, &mut out), "{addr:#x} {n}");
+            assert_eq!(out, want(addr, n), "{addr:#x} {n}");
+        }
+        assert_eq!(m.inner.reads, 2);
+        // The hole: a read touching it fails, the bytes around it read.
+        let mut out = [0u8; 8];
+        assert!(!m.read(0x20fc, &mut out));
+        assert!(m.read(0x1ff8, &mut out));
+        assert_eq!(out.to_vec(), want(0x1ff8, 8));
+        assert!(m.read(0x2100, &mut out));
+        // Outside the memory, at the end of the address space, and a large read (whole).
+        assert!(!m.read(0x3000, &mut out));
+        assert!(!m.read(u64::MAX - 3, &mut out));
+        let mut big = vec![0u8; 4096];
+        assert!(m.read(0x1000, &mut big));
+        assert_eq!(big, want(0x1000, 4096));
+        // More blocks than are kept: still right.
+        for k in 0..3 * BLOCKS as u64 {
+            let a = 0x1000 + k * BLOCK as u64 % 0x1000 + 4;
+            assert!(m.read(a, &mut out));
+            assert_eq!(out.to_vec(), want(a, 8));
+        }
+    }
 
     #[test]
     fn short_sources_as_luajit_makes_them() {
