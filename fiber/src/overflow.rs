@@ -232,6 +232,23 @@ pub fn poll(sp: usize) -> Overflow {
 
 static INSTALL: Once = Once::new();
 
+/// What a fatal fault not ours calls before the handler that was there before (a crash
+/// report: `dump::install_crash_report`).
+pub(crate) type CrashHook = unsafe fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void);
+
+/// The [`CrashHook`] (0: none), as an address: read in the handler.
+static CRASH_HOOK: AtomicUsize = AtomicUsize::new(0);
+
+/// Sets the hook a fault not ours calls first, and installs the handler.
+///
+/// # Safety
+/// `hook` must be async-signal-safe: it runs in a SIGSEGV or SIGBUS handler, with the
+/// faulting thread stopped at any instruction.
+pub(crate) unsafe fn set_crash_hook(hook: CrashHook) {
+    CRASH_HOOK.store(hook as usize, Ordering::Release);
+    install();
+}
+
 /// The dispositions found when installing (SIGSEGV, SIGBUS), restored for faults not ours.
 static mut PREVIOUS: [std::mem::MaybeUninit<libc::sigaction>; 2] = [
     std::mem::MaybeUninit::uninit(),
@@ -293,7 +310,14 @@ extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, uc: *mut li
             return;
         }
     }
-    // Not ours: the handler that was there before.
+    // Not ours: reported (when a report was asked for: `set_crash_hook`), then the handler
+    // that was there before.
+    let hook = CRASH_HOOK.load(Ordering::Acquire);
+    if hook != 0 {
+        // SAFETY: a `CrashHook` stored by `set_crash_hook` (async-signal-safe, its contract),
+        // called with the kernel's `info` and `uc` for this handler.
+        unsafe { std::mem::transmute::<usize, CrashHook>(hook)(sig, info, uc) };
+    }
     let i = usize::from(sig == libc::SIGBUS);
     // SAFETY: PREVIOUS[i] was written by `install` before this handler was installed, and is
     // never written again.
@@ -319,7 +343,7 @@ extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, uc: *mut li
 /// The default action: for a fault, returning re-executes the faulting access, which then
 /// ends the process as the fault would have; a signal sent by a process (`si_code <= 0`) is
 /// raised again.
-fn default_action(sig: libc::c_int, info: *mut libc::siginfo_t) {
+pub(crate) fn default_action(sig: libc::c_int, info: *mut libc::siginfo_t) {
     // SAFETY: sigaction with a zeroed (SIG_DFL) disposition, and raise, are async-signal-safe;
     // `info` is the kernel's siginfo for this handler.
     unsafe {
@@ -334,19 +358,35 @@ fn default_action(sig: libc::c_int, info: *mut libc::siginfo_t) {
 }
 
 /// Formats into a fixed buffer without allocating (a signal handler may not).
-struct Writer<'a> {
-    buf: &'a mut [u8],
-    len: usize,
+pub(crate) struct Writer<'a> {
+    pub(crate) buf: &'a mut [u8],
+    pub(crate) len: usize,
 }
 
 impl Writer<'_> {
-    fn put(&mut self, s: &[u8]) {
+    pub(crate) fn put(&mut self, s: &[u8]) {
         let n = s.len().min(self.buf.len() - self.len);
         self.buf[self.len..self.len + n].copy_from_slice(&s[..n]);
         self.len += n;
     }
 
-    fn num(&mut self, mut v: u64) {
+    /// `v` in hexadecimal, lowercase, without leading zeros.
+    pub(crate) fn hex(&mut self, v: u64) {
+        let mut d = [0u8; 16];
+        let mut i = d.len();
+        let mut v = v;
+        loop {
+            i -= 1;
+            d[i] = b"0123456789abcdef"[(v & 15) as usize];
+            v >>= 4;
+            if v == 0 {
+                break;
+            }
+        }
+        self.put(&d[i..]);
+    }
+
+    pub(crate) fn num(&mut self, mut v: u64) {
         let mut d = [0u8; 20];
         let mut i = d.len();
         loop {

@@ -653,6 +653,124 @@ fn an_unknown_option_is_said_to_be_one_not_a_missing_script() {
     assert_eq!(run(&["run", "-"], b"print('stdin')").stdout, "stdin\n");
 }
 
+/// A crash in native code — a fault in an FFI call, an abort — reports itself before the
+/// process stops by its signal: the signal, the address, the fiber, then every fiber's
+/// stack as it stopped, the crashed one's read from the fault's context with its Lua levels.
+/// What the script printed is kept. It ended with no word, its output lost.
+#[test]
+#[cfg(feature = "luajit")]
+fn a_crash_in_native_code_reports_where_every_fiber_stopped() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = Scratch::new("crash");
+    let segv = dir.join("segv.lua");
+    std::fs::write(
+        &segv,
+        "local ffi = require('ffi')\n\
+         io.write('before\\n')\n\
+         local function poke() return ffi.cast('int *', 8)[0] end\n\
+         local function outer() return poke() + 1 end\n\
+         outer()\n",
+    )
+    .unwrap();
+    let abort = dir.join("abort.lua");
+    std::fs::write(
+        &abort,
+        "local ffi = require('ffi')\n\
+         ffi.cdef('void abort(void);')\n\
+         local fiber = require('fiber')\n\
+         local function die() ffi.C.abort() end\n\
+         io.write('partial')\n\
+         fiber.create(function() fiber.sleep(0.01) die() end)\n\
+         fiber.sleep(60)\n",
+    )
+    .unwrap();
+    let run_it = |script: &std::path::Path| {
+        let o = Command::new(EXE).arg("run").arg(script).output().unwrap();
+        (
+            o.status.signal(),
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    // The crashed fiber's block of the report.
+    let block = |err: &str, head: &str| -> Vec<String> {
+        let at = err
+            .find(head)
+            .unwrap_or_else(|| panic!("no {head:?} in {err}"));
+        err[at + head.len()..]
+            .split("\n\n")
+            .next()
+            .unwrap()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    };
+    let s = segv.to_str().unwrap();
+    let (sig, out, err) = run_it(&segv);
+    assert_eq!(sig, Some(libc::SIGSEGV), "{err}");
+    assert_eq!(out, "before\n");
+    let first = err.lines().find(|l| !l.is_empty()).unwrap();
+    assert!(
+        first.starts_with(
+            "fibertrace: SIGSEGV (invalid memory access) at address 0x8 in fiber 1 (thread "
+        ) && first.ends_with("); the process stops. Every fiber as it stopped:"),
+        "{err}"
+    );
+    assert!(err.contains("\nscheduler 1 \"lua\": 1 fiber\n"), "{err}");
+    let frames = block(&err, "\nfiber 1 \"main\" [running]:\n");
+    assert_eq!(frames.len(), 5, "{err}");
+    assert!(
+        frames[0].starts_with("#0  0x") && frames[0].contains(" in lj_cf_ffi_meta___index+"),
+        "{err}"
+    );
+    assert_eq!(
+        frames[1..],
+        [
+            "#1  __index in =[C]:-1".to_string(),
+            format!("#2  poke in @{s}:3"),
+            format!("#3  outer in @{s}:4"),
+            format!("#4  main chunk in @{s}:5"),
+        ],
+        "{err}"
+    );
+    let s = abort.to_str().unwrap();
+    let (sig, out, err) = run_it(&abort);
+    assert_eq!(sig, Some(libc::SIGABRT), "{err}");
+    assert_eq!(out, "partial");
+    let first = err.lines().find(|l| !l.is_empty()).unwrap();
+    assert!(
+        first.starts_with("fibertrace: SIGABRT (abort) in fiber 2 (thread "),
+        "{err}"
+    );
+    let frames = block(&err, "\nfiber 2 \"lua\" [running]:\n");
+    // The C library's frames down to `abort`, then the FFI call and the Lua levels.
+    let k = frames
+        .iter()
+        .position(|l| l.contains(" in abort+"))
+        .unwrap_or_else(|| panic!("{err}"));
+    let n = |i: usize| format!("#{:<2}", k + i);
+    assert!(
+        frames[k + 1].contains(" in lj_cf_ffi_meta___call+"),
+        "{err}"
+    );
+    assert_eq!(
+        frames[k + 2..],
+        [
+            format!("{} abort in =[C]:-1", n(2)),
+            format!("{} die in @{s}:4", n(3)),
+            format!("{} function <{s}:6> in @{s}:6", n(4)),
+        ],
+        "{err}"
+    );
+    // The main fiber, asleep, as any dump shows it.
+    let main = block(&err, "\nfiber 1 \"main\" [sleep, ");
+    assert_eq!(
+        main.last().unwrap(),
+        &format!("#3  main chunk in @{s}:7"),
+        "{err}"
+    );
+}
+
 /// An endless script (`run /dev/zero`, `yes | run -`) is an error once past 256 MiB, in
 /// bounded memory: it used to be read until memory ran out (24 GB, then the OOM killer).
 #[test]

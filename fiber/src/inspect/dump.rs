@@ -19,7 +19,7 @@
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicI32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -651,6 +651,8 @@ pub fn install_signal(sig: i32) -> Result<(), InstallError> {
     std::thread::Builder::new()
         .name("fibertrace-dump".into())
         .spawn(move || {
+            // SAFETY: gettid(2) has no preconditions.
+            DUMP_TID.store(unsafe { libc::gettid() }, Ordering::SeqCst);
             let mut b = [0u8; 64];
             loop {
                 // SAFETY: reading into our buffer from our pipe.
@@ -664,6 +666,9 @@ pub fn install_signal(sig: i32) -> Result<(), InstallError> {
                     return;
                 }
                 wait_for_handlers();
+                if CRASH_FLUSH.swap(false, Ordering::SeqCst) {
+                    flush_c_stdout();
+                }
                 let text = match view() {
                     View::Full => dump_text(),
                     View::Grouped => dump_grouped(),
@@ -688,6 +693,184 @@ pub fn install_signal(sig: i32) -> Result<(), InstallError> {
     }
     let _ = INSTALLED.set(sig);
     Ok(())
+}
+
+// ---- crash reports ----
+
+/// Set by [`install_crash_report`].
+static CRASH_REPORT: AtomicBool = AtomicBool::new(false);
+/// Set by the first crash: a crash on another thread meanwhile (or in the report's own
+/// dump) ends the process at once.
+static CRASHED: AtomicBool = AtomicBool::new(false);
+/// A crash asked for the dump: what the program printed is flushed before it.
+static CRASH_FLUSH: AtomicBool = AtomicBool::new(false);
+/// The dump thread's id (a crash of its own cannot wait for its dump).
+static DUMP_TID: AtomicI32 = AtomicI32::new(0);
+/// Longest a crashed thread waits for its report's dump before the process stops.
+const CRASH_WAIT: Duration = Duration::from_secs(15);
+
+/// Makes a crash — SIGSEGV, SIGBUS, SIGILL, SIGFPE (faults, in native code: an FFI call, a
+/// library) or SIGABRT (`abort`, a failed assertion) — report itself on stderr before the
+/// process stops as it would have (by that signal, a core dump where enabled): which signal,
+/// where it faulted, in which fiber, then the dump of every fiber ([`dump_text`], as the
+/// dump signal prints it), the crashed fiber's stack read from the fault's context while its
+/// thread waits in the handler, with the layer's frames (Lua) when the layer reads held
+/// threads. What the program printed to C's standard output is flushed first, unless the
+/// crash holds that stream. Without this, a crash ended the process with no word.
+///
+/// Needs [`install_signal`] (the report is that signal's dump). How it can be wrong: a crash
+/// that broke what the dump reads (the allocator's state, a scheduler's lists) can crash the
+/// dump too, or hold it: the process then stops at once, or after 15 s, with the report cut
+/// short; a fault in the handler's own thread while it reports stops the process.
+pub fn install_crash_report() -> Result<(), InstallError> {
+    if INSTALLED.get().is_none() {
+        return Err(InstallError(
+            "the crash report is a dump: install_signal first".into(),
+        ));
+    }
+    CRASH_REPORT.store(true, Ordering::SeqCst);
+    // SIGSEGV and SIGBUS: the stack-overflow handler's, which reports what is not an
+    // overflow of a fiber's stack.
+    // SAFETY: `crash_report` is async-signal-safe (see it).
+    unsafe { crate::overflow::set_crash_hook(crash_report) };
+    for sig in [libc::SIGABRT, libc::SIGILL, libc::SIGFPE] {
+        // SAFETY: installs an SA_SIGINFO handler that calls only async-signal-safe
+        // functions (see `crash_report`).
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_crash_signal as *const () as usize;
+            sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+            libc::sigemptyset(&mut sa.sa_mask);
+            if libc::sigaction(sig, &sa, std::ptr::null_mut()) != 0 {
+                return Err(InstallError(format!(
+                    "sigaction: {}",
+                    std::io::Error::last_os_error()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+extern "C" fn on_crash_signal(sig: libc::c_int, info: *mut libc::siginfo_t, uc: *mut libc::c_void) {
+    // SAFETY: `info` and `uc` are the kernel's for this handler.
+    unsafe { crash_report(sig, info, uc) };
+    crate::overflow::default_action(sig, info);
+}
+
+/// In the handler of a crash on this thread: the report (see [`install_crash_report`]),
+/// once, when installed. Returns when the report's dump is written (or could not be), the
+/// caller then stopping the process. Async-signal-safe: it writes its header with
+/// `write(2)`, asks the dump thread through its pipe, and waits, answering the dump's
+/// sample and hold requests for this thread itself, with the fault's context.
+///
+/// # Safety
+/// In a signal handler: `info` and `uc` are the kernel's for it.
+pub(crate) unsafe fn crash_report(
+    sig: libc::c_int,
+    info: *mut libc::siginfo_t,
+    uc: *mut libc::c_void,
+) {
+    if !CRASH_REPORT.load(Ordering::SeqCst) || CRASHED.swap(true, Ordering::SeqCst) {
+        return;
+    }
+    // This handler answers the sampling requests of this thread's scheduler (the dump's)
+    // itself: the sampling handler would take the handler's context instead of the fault's.
+    // SAFETY: a sigset on the stack, filled by sigemptyset/sigaddset; pthread_sigmask
+    // changes this thread's mask (a system call).
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, super::sample::signal());
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+    let mut buf = [0u8; 256];
+    let mut w = crate::overflow::Writer {
+        buf: &mut buf,
+        len: 0,
+    };
+    w.put(b"\nfibertrace: ");
+    w.put(match sig {
+        libc::SIGSEGV => b"SIGSEGV (invalid memory access)".as_slice(),
+        libc::SIGBUS => b"SIGBUS (bus error)",
+        libc::SIGILL => b"SIGILL (illegal instruction)",
+        libc::SIGFPE => b"SIGFPE (arithmetic fault)",
+        libc::SIGABRT => b"SIGABRT (abort)",
+        _ => b"a fatal signal",
+    });
+    // SAFETY: the kernel's siginfo; si_addr is the faulting address for these signals.
+    let (code, addr) = unsafe { ((*info).si_code, (*info).si_addr() as u64) };
+    if code > 0 && sig != libc::SIGABRT {
+        w.put(b" at address 0x");
+        w.hex(addr);
+    }
+    match crate::running::running_stack() {
+        Some((fid, ..)) => {
+            w.put(b" in fiber ");
+            w.num(fid);
+        }
+        None => w.put(b" outside any fiber"),
+    }
+    w.put(b" (thread ");
+    // SAFETY: gettid(2) has no preconditions.
+    let tid = unsafe { libc::gettid() };
+    w.num(tid as u64);
+    w.put(b"); the process stops. Every fiber as it stopped:\n");
+    let n = w.len;
+    // SAFETY: write(2) of a local buffer to stderr.
+    unsafe { libc::write(2, buf.as_ptr().cast(), n) };
+    let fd = PIPE_WRITE.load(Ordering::Relaxed);
+    if fd < 0 || tid == DUMP_TID.load(Ordering::SeqCst) {
+        return;
+    }
+    CRASH_FLUSH.store(true, Ordering::SeqCst);
+    let want = REQUESTED.fetch_add(1, Ordering::SeqCst) + 1;
+    let b = [1u8];
+    // (A full pipe: dumps are pending, and the next one answers this request too.)
+    // SAFETY: write(2) of one byte to our own (non-blocking) pipe.
+    unsafe { libc::write(fd, b.as_ptr().cast(), 1) };
+    let now = || {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: writes the monotonic time into `ts` (async-signal-safe).
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+        Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    };
+    let t0 = now();
+    while ANSWERED.load(Ordering::SeqCst) < want && now().saturating_sub(t0) < CRASH_WAIT {
+        // SAFETY: `uc` is the kernel's ucontext of the fault this handler runs for.
+        unsafe { super::sample::serve(uc) };
+        let nap = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 100_000,
+        };
+        // SAFETY: sleeps 100 us (async-signal-safe).
+        unsafe { libc::nanosleep(&nap, std::ptr::null_mut()) };
+    }
+}
+
+unsafe extern "C" {
+    /// The C library's standard output stream (where a Lua host's `print` goes).
+    #[link_name = "stdout"]
+    static C_STDOUT: *mut libc::FILE;
+    /// POSIX `ftrylockfile(3)` and `funlockfile(3)` (not in the `libc` crate).
+    fn ftrylockfile(f: *mut libc::FILE) -> libc::c_int;
+    fn funlockfile(f: *mut libc::FILE);
+}
+
+/// Flushes C's standard output unless some thread holds it (the crashed one may, stopped in
+/// the middle of a write: waiting for it would hold the report for ever).
+fn flush_c_stdout() {
+    // SAFETY: `stdout` is the C library's stream, open for the life of the process;
+    // ftrylockfile/fflush/funlockfile on it are plain calls (the lock taken only if free).
+    unsafe {
+        if ftrylockfile(C_STDOUT) == 0 {
+            libc::fflush(C_STDOUT);
+            funlockfile(C_STDOUT);
+        }
+    }
 }
 
 /// Writes `fiber N "name" panicked at LOCATION: MESSAGE` and the trace to stderr (the

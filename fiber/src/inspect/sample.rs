@@ -127,6 +127,20 @@ fn install() {
 }
 
 extern "C" fn on_signal(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut libc::c_void) {
+    // SAFETY: `uc` is the kernel's ucontext for this handler.
+    unsafe { serve(uc) };
+}
+
+/// Answers a sample (or hold) request of this thread's scheduler, if one is pending, with
+/// the context `uc` as the interrupted one: the sampling handler's body, also called by a
+/// handler that stops the thread for good (a crash: [`crate::dump`]'s report), which has
+/// the sampling signal blocked and answers the requests of the report's dump itself, with
+/// the context of the fault. Async-signal-safe.
+///
+/// # Safety
+/// In a signal handler on this thread: `uc` is the kernel's `ucontext_t` of a signal that
+/// interrupted this thread's code.
+pub(crate) unsafe fn serve(uc: *mut libc::c_void) {
     let p = crate::running::on_this_thread();
     if p.is_null() {
         return;

@@ -1107,6 +1107,8 @@ const RUN_FDS: u32 = 10;
 /// The handlers only write to pipes; threads do the work outside them.
 fn install_signals() -> Result<(), String> {
     fibertrace_fiber::dump::install_signal(libc::SIGQUIT).map_err(|e| e.to_string())?;
+    // A crash (a fault in native code, an abort) reports itself with that dump.
+    fibertrace_fiber::dump::install_crash_report().map_err(|e| e.to_string())?;
     let mut fds = [0i32; 2];
     // SAFETY: pipe2 fills two fds.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {

@@ -84,7 +84,7 @@ const BLOCK: usize = 256;
 const BLOCKS: usize = 8;
 
 /// Reads through `inner` (memory that does not change while this is used: a thread held in
-/// the allocator for one capture) in aligned blocks, keeping the last [`BLOCKS`]: the reads
+/// the allocator for one capture) in aligned blocks, keeping the last eight: the reads
 /// of one stack's walk — a thread's slots, a prototype's header, its line and name tables —
 /// mostly fall in blocks already read, one read of `inner` (a system call for [`SelfMem`])
 /// instead of one each. A read larger than a few blocks goes to `inner` whole.
