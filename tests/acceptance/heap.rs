@@ -373,7 +373,8 @@ try({format = 'table', file = 'x'})\n\
 try({format = 'text', file = ''})\n\
 try({format = 1})\n\
 try({format = 'pprof', file = {}})\n\
-try({}, {})\n";
+try({}, {})\n\
+try({top = 3, formt = 'text'})\n";
     std::fs::write(dir.join("e.lua"), script).unwrap();
     let out = run_in(&dir, &["run", "e.lua"]);
     assert_eq!(out.status.code(), Some(0));
@@ -386,7 +387,10 @@ try({}, {})\n";
              fibertrace_core::heap::Tracked as the global allocator (fibertrace run: --heap or \
              --leaks, or FIBERTRACE_HEAP=sampled|every)"
                 .to_string(),
-            "false\tbad argument #1 to '?' (table expected, got number)\tnil".to_string(),
+            format!(
+                "false\t{usage}: the argument is a table of options or a format name, not a \
+                 number\tnil"
+            ),
             format!("false\t{usage}: unknown format \"nope\"\tnil"),
             format!("false\t{usage}: top must be an integer from 1 to 100000\tnil"),
             format!("false\t{usage}: top must be an integer from 1 to 100000\tnil"),
@@ -399,6 +403,7 @@ try({}, {})\n";
             format!("false\t{usage}: format must be a string\tnil"),
             format!("false\t{usage}: file must be a string\tnil"),
             format!("false\t{usage}: one argument at most\tnil"),
+            format!("false\t{usage}: option \"formt\" is not one it takes (format, file, top)\tnil"),
         ]
     );
     // Tracked: a file that cannot be written is `nil, message`, nothing left behind.

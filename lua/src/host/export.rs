@@ -12,7 +12,8 @@
 //! ```
 //!
 //! `opts` is a table (or a format name alone); `format` is a string (default `text`),
-//! `file` a string (a path, any bytes). A wrong type or an unknown format is an error; a file
+//! `file` a string (a path, any bytes). A wrong type, an option it does not take or an
+//! unknown format is an error; a file
 //! that cannot be written is `nil, message` (as `io.open`), and what was at the path stays.
 
 use std::ffi::OsStr;
@@ -43,6 +44,64 @@ fn string_field(c: &mut Call, key: &str, usage: &str) -> Result<Option<Vec<u8>>,
     Ok(v)
 }
 
+/// The argument of `usage` being neither a table nor a name: said with the function's name
+/// (Lua's own message named it `?`: it is reached as a field of the module).
+fn bad_argument(c: &Call, usage: &str) -> LErr {
+    // SAFETY: the running call's state; lua_typename of a type tag is a static string.
+    let got = unsafe {
+        std::ffi::CStr::from_ptr(ffi::lua_typename(c.state(), c.type_of(1)))
+            .to_string_lossy()
+            .into_owned()
+    };
+    LErr::plain(format!(
+        "{usage}: the argument is a table of options or a format name, not a {got}"
+    ))
+}
+
+/// An error naming the first key of the options table at 1 that `usage` does not take: a
+/// misspelt option (`fromat`) was ignored, the default used without a word.
+fn unknown_option(c: &mut Call, allowed: &[&str], usage: &str) -> Result<(), LErr> {
+    let l = c.state();
+    let mut bad = None;
+    // SAFETY: `l` is the running call's state with the table at 1; `lua_next` from nil
+    // walks it without metamethods (a string key is only read, never converted, so the walk
+    // stays valid); the slots used are checked first and left as they were.
+    unsafe {
+        if ffi::lua_checkstack(l, 3) == 0 {
+            return Err(LErr::plain("not enough memory"));
+        }
+        ffi::lua_pushnil(l);
+        while ffi::lua_next(l, 1) != 0 {
+            let key = if ffi::lua_type(l, -2) == ffi::LUA_TSTRING {
+                let mut n = 0;
+                let p = ffi::lua_tolstring(l, -2, &mut n);
+                let k = std::slice::from_raw_parts(p.cast::<u8>(), n);
+                (!allowed.iter().any(|a| a.as_bytes() == k))
+                    .then(|| format!("option {:?}", String::from_utf8_lossy(k)))
+            } else {
+                let t = ffi::lua_typename(l, ffi::lua_type(l, -2));
+                Some(format!(
+                    "a {} key",
+                    std::ffi::CStr::from_ptr(t).to_string_lossy()
+                ))
+            };
+            ffi::lua_settop(l, -2);
+            if key.is_some() {
+                ffi::lua_settop(l, -2);
+                bad = key;
+                break;
+            }
+        }
+    }
+    match bad {
+        None => Ok(()),
+        Some(k) => Err(LErr::plain(format!(
+            "{usage}: {k} is not one it takes ({})",
+            allowed.join(", ")
+        ))),
+    }
+}
+
 pub(super) fn dump_body(c: &mut Call) -> LResult {
     if c.top() > 1 {
         return Err(LErr::plain(format!("{USAGE}: one argument at most")));
@@ -50,11 +109,14 @@ pub(super) fn dump_body(c: &mut Call) -> LResult {
     let (format, file) = match c.type_of(1) {
         ffi::LUA_TNONE | ffi::LUA_TNIL => (None, None),
         ffi::LUA_TSTRING => (c.string_bytes(1), None),
-        ffi::LUA_TTABLE => (
-            string_field(c, "format", USAGE)?,
-            string_field(c, "file", USAGE)?,
-        ),
-        _ => return Err(c.type_error(1, "table")),
+        ffi::LUA_TTABLE => {
+            unknown_option(c, &["format", "file"], USAGE)?;
+            (
+                string_field(c, "format", USAGE)?,
+                string_field(c, "file", USAGE)?,
+            )
+        }
+        _ => return Err(bad_argument(c, USAGE)),
     };
     let format = match format {
         None => Format::Text,
@@ -132,12 +194,15 @@ pub(super) fn heap_body(c: &mut Call) -> LResult {
     let (format, file, top) = match c.type_of(1) {
         ffi::LUA_TNONE | ffi::LUA_TNIL => (None, None, 20),
         ffi::LUA_TSTRING => (c.string_bytes(1), None, 20),
-        ffi::LUA_TTABLE => (
-            string_field(c, "format", HEAP_USAGE)?,
-            string_field(c, "file", HEAP_USAGE)?,
-            top_field(c)?,
-        ),
-        _ => return Err(c.type_error(1, "table")),
+        ffi::LUA_TTABLE => {
+            unknown_option(c, &["format", "file", "top"], HEAP_USAGE)?;
+            (
+                string_field(c, "format", HEAP_USAGE)?,
+                string_field(c, "file", HEAP_USAGE)?,
+                top_field(c)?,
+            )
+        }
+        _ => return Err(bad_argument(c, HEAP_USAGE)),
     };
     let format = format.unwrap_or_else(|| b"table".to_vec());
     if file.as_deref().is_some_and(<[u8]>::is_empty) {
