@@ -245,6 +245,57 @@ impl Call {
         }
     }
 
+    /// The name of the type of the value at `idx` (`no value` past the top).
+    pub(crate) fn type_name(&self, idx: c_int) -> String {
+        // SAFETY: lua_typename of a type tag (LUA_TNONE included) is a static string.
+        unsafe { std::ffi::CStr::from_ptr(ffi::lua_typename(self.l, self.type_of(idx))) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    /// The first key of the table at `idx` that is not one of `allowed` (a string key
+    /// quoted, another as `a TYPE key`), if any; the table's metamethods are not called.
+    pub(crate) fn key_not_in(
+        &mut self,
+        idx: c_int,
+        allowed: &[&str],
+    ) -> Result<Option<String>, LErr> {
+        let Some(t) = self
+            .slot(idx)
+            .filter(|_| self.type_of(idx) == ffi::LUA_TTABLE)
+        else {
+            return Ok(None);
+        };
+        self.room(3)?;
+        let l = self.l;
+        let mut bad = None;
+        // SAFETY: `t` is a table slot of the running call's frame; `lua_next` from nil walks
+        // it raw (a string key is only read, never converted in place, so the walk stays
+        // valid); room for the key and value was made; the stack is left as it was.
+        unsafe {
+            ffi::lua_pushnil(l);
+            while ffi::lua_next(l, t) != 0 {
+                let key = if ffi::lua_type(l, -2) == ffi::LUA_TSTRING {
+                    let mut n = 0;
+                    let p = ffi::lua_tolstring(l, -2, &mut n);
+                    let k = std::slice::from_raw_parts(p.cast::<u8>(), n);
+                    (!allowed.iter().any(|a| a.as_bytes() == k))
+                        .then(|| format!("{:?}", String::from_utf8_lossy(k)))
+                } else {
+                    let name = std::ffi::CStr::from_ptr(ffi::lua_typename(l, ffi::lua_type(l, -2)));
+                    Some(format!("a {} key", name.to_string_lossy()))
+                };
+                ffi::lua_settop(l, -2);
+                if key.is_some() {
+                    ffi::lua_settop(l, -2);
+                    bad = key;
+                    break;
+                }
+            }
+        }
+        Ok(bad)
+    }
+
     /// Whether the value at `idx` is nil or absent.
     pub(crate) fn is_none_or_nil(&self, idx: c_int) -> bool {
         self.type_of(idx) <= ffi::LUA_TNIL

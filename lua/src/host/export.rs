@@ -47,58 +47,28 @@ fn string_field(c: &mut Call, key: &str, usage: &str) -> Result<Option<Vec<u8>>,
 /// The argument of `usage` being neither a table nor a name: said with the function's name
 /// (Lua's own message named it `?`: it is reached as a field of the module).
 fn bad_argument(c: &Call, usage: &str) -> LErr {
-    // SAFETY: the running call's state; lua_typename of a type tag is a static string.
-    let got = unsafe {
-        std::ffi::CStr::from_ptr(ffi::lua_typename(c.state(), c.type_of(1)))
-            .to_string_lossy()
-            .into_owned()
-    };
     LErr::plain(format!(
-        "{usage}: the argument is a table of options or a format name, not a {got}"
+        "{usage}: the argument is a table of options or a format name, not a {}",
+        c.type_name(1)
     ))
 }
 
 /// An error naming the first key of the options table at 1 that `usage` does not take: a
 /// misspelt option (`fromat`) was ignored, the default used without a word.
 fn unknown_option(c: &mut Call, allowed: &[&str], usage: &str) -> Result<(), LErr> {
-    let l = c.state();
-    let mut bad = None;
-    // SAFETY: `l` is the running call's state with the table at 1; `lua_next` from nil
-    // walks it without metamethods (a string key is only read, never converted, so the walk
-    // stays valid); the slots used are checked first and left as they were.
-    unsafe {
-        if ffi::lua_checkstack(l, 3) == 0 {
-            return Err(LErr::plain("not enough memory"));
-        }
-        ffi::lua_pushnil(l);
-        while ffi::lua_next(l, 1) != 0 {
-            let key = if ffi::lua_type(l, -2) == ffi::LUA_TSTRING {
-                let mut n = 0;
-                let p = ffi::lua_tolstring(l, -2, &mut n);
-                let k = std::slice::from_raw_parts(p.cast::<u8>(), n);
-                (!allowed.iter().any(|a| a.as_bytes() == k))
-                    .then(|| format!("option {:?}", String::from_utf8_lossy(k)))
-            } else {
-                let t = ffi::lua_typename(l, ffi::lua_type(l, -2));
-                Some(format!(
-                    "a {} key",
-                    std::ffi::CStr::from_ptr(t).to_string_lossy()
-                ))
-            };
-            ffi::lua_settop(l, -2);
-            if key.is_some() {
-                ffi::lua_settop(l, -2);
-                bad = key;
-                break;
-            }
-        }
-    }
-    match bad {
+    match c.key_not_in(1, allowed)? {
         None => Ok(()),
-        Some(k) => Err(LErr::plain(format!(
-            "{usage}: {k} is not one it takes ({})",
-            allowed.join(", ")
-        ))),
+        Some(k) => {
+            let k = if k.starts_with('"') {
+                format!("option {k}")
+            } else {
+                k
+            };
+            Err(LErr::plain(format!(
+                "{usage}: {k} is not one it takes ({})",
+                allowed.join(", ")
+            )))
+        }
     }
 }
 
