@@ -74,12 +74,19 @@ impl Fiber {
     }
 
     /// Makes a blocked fiber ready (interrupts a sleep or a wait; the waiter re-checks its
-    /// condition). Must be called on the fiber's own scheduler thread; elsewhere it is a
-    /// no-op that returns false.
+    /// condition). The running fiber's own wake-up makes its next sleep or wait end at once
+    /// (Tarantool's: the fiber goes to the ready list). Must be called on the fiber's own
+    /// scheduler thread; elsewhere it is a no-op that returns false.
     pub fn wakeup(&self) -> bool {
         let known = ON_THREAD.with(|t| t.borrow().iter().any(|(id, _)| *id == self.shared.sched));
         if !known {
             return false;
+        }
+        if self.shared.id == current_id()
+            && with_sched(|s| s.shared.id == self.shared.sched && s.wake_running(self.shared.id))
+                == Some(true)
+        {
+            return true;
         }
         wake(self.shared.sched, self.shared.id);
         true

@@ -93,6 +93,10 @@ pub(crate) struct FiberCore {
     /// wake-up changes nothing. (Here, not in the slot map, so that a nested start sets it
     /// on the caller's context without a map lookup.)
     queued: Cell<bool>,
+    /// Woken while it ran (by itself, or by code it called): its next suspension does not
+    /// wait — a sleep or a wait ends at once, as in Tarantool, whose wake-up puts a running
+    /// fiber in the ready list.
+    woken: Cell<bool>,
 }
 
 /// A fiber's slot. Boxed: its address (and its context's, which `CURRENT` and a running

@@ -262,6 +262,21 @@ impl Inner {
         true
     }
 
+    /// A wake-up of the running fiber `fid` (Tarantool puts it in the ready list): its next
+    /// suspension does not wait (see `run_co`). False when `fid` is not the one running.
+    pub(super) fn wake_running(&self, fid: FiberId) -> bool {
+        if fid != self.current.get() {
+            return false;
+        }
+        match self.slots.borrow().get(&fid) {
+            Some(slot) => {
+                slot.ctx.woken.set(true);
+                true
+            }
+            None => false,
+        }
+    }
+
     pub(super) fn add_timer(&self, fid: FiberId, when: Instant) {
         let seq = self.next_seq.get();
         self.next_seq.set(seq + 1);
@@ -369,7 +384,15 @@ impl Inner {
                 // SAFETY: a fiber that suspended is still in the map (see `Ready`), and no
                 // reference to its `co` field is live (it was taken out before the resume).
                 unsafe { (*slot_ptr).co = Some(co) };
-                if y == Yield::Ready && !ctx.queued.get() {
+                // Woken while it ran: a wait it began ends at once, as a wake-up now would
+                // end it (its timer, if any, is left to lapse).
+                let woken = ctx.woken.replace(false);
+                if (y == Yield::Ready || woken) && !ctx.queued.get() {
+                    if y != Yield::Ready {
+                        // SAFETY: as above; only its timer's sequence is touched.
+                        unsafe { (*slot_ptr).timer_seq = 0 };
+                        shared.set_status(Status::Ready);
+                    }
                     ctx.queued.set(true);
                     self.ready.borrow_mut().push_back(this);
                 }

@@ -302,6 +302,7 @@ impl Builder {
                 b.ctx.unwinding.set(false);
                 b.ctx.dropping.set(false);
                 b.ctx.queued.set(true);
+                b.ctx.woken.set(false);
                 b.timer_seq = 0;
                 b.top = TopStat::default();
                 b
@@ -313,6 +314,7 @@ impl Builder {
                     unwinding: Cell::new(false),
                     dropping: Cell::new(false),
                     queued: Cell::new(true),
+                    woken: Cell::new(false),
                 },
                 co: None,
                 spare: None,

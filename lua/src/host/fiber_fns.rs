@@ -311,11 +311,10 @@ pub(super) fn cancel_body(c: &mut Call) -> LResult {
 lua_fn!(f_cancel, cancel_body);
 
 pub(super) fn wakeup_body(c: &mut Call) -> LResult {
-    let (fid, found) = check_fiber(c, 1, true)?;
+    let (_, found) = check_fiber(c, 1, true)?;
+    // (Its own too: its next sleep or wait then ends at once, as in Tarantool.)
     if let Found::Live(f) = found {
-        if fid != fibertrace_fiber::current_id() {
-            f.wakeup();
-        }
+        f.wakeup();
     }
     Ok(0)
 }
