@@ -626,6 +626,43 @@ fn a_closed_output_pipe_ends_the_program_after_its_exit_dumps_and_leaks_report()
     }
 }
 
+/// The same when the reader's going away is first met by the exit's own flush (the script
+/// ended with output still buffered): the `--leaks` report is written, then the end by
+/// SIGPIPE. The report's flush of that output came first and ended the program.
+#[test]
+fn a_reader_gone_before_the_exits_flush_still_gets_the_leaks_report() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = Scratch::new("pipe-at-exit");
+    let script = dir.join("s.lua");
+    std::fs::write(
+        &script,
+        "local fiber = require('fiber')\n\
+         io.write('1\\n') io.flush()\n\
+         fiber.sleep(0.5)\n\
+         io.write(string.rep('x', 100))\n",
+    )
+    .unwrap();
+    let mut c = Command::new(EXE)
+        .args(["run", "--leaks", "--leaks-top", "1"])
+        .arg(&script)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut sout = c.stdout.take().unwrap();
+    let mut first = [0u8; 2];
+    sout.read_exact(&mut first).unwrap();
+    assert_eq!(&first, b"1\n");
+    drop(sout);
+    let o = c.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.signal(), Some(libc::SIGPIPE), "{err}");
+    assert!(
+        err.starts_with("fibertrace: --leaks: live at exit:\n"),
+        "{err}"
+    );
+}
+
 /// An option `run` does not take, before the script, is said to be one (exit 2, as clap's
 /// own errors): it was taken for the script, "--bogus: No such file or directory". A script
 /// whose name begins with `-` still runs when it exists; `-` is standard input.

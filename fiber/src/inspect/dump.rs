@@ -718,6 +718,10 @@ const CRASH_WAIT: Duration = Duration::from_secs(15);
 /// threads. What the program printed to C's standard output is flushed first, unless the
 /// crash holds that stream. Without this, a crash ended the process with no word.
 ///
+/// The report comes before a handler the program had for these signals, which is called after
+/// it: a program whose own handler recovers from faults (a runtime that turns them into
+/// errors) would get a report, and a wait, for each; it should not install this.
+///
 /// Needs [`install_signal`] (the report is that signal's dump). How it can be wrong: a crash
 /// that broke what the dump reads (the allocator's state, a scheduler's lists) can crash the
 /// dump too, or hold it: the process then stops at once, or after 15 s, with the report cut
@@ -733,29 +737,62 @@ pub fn install_crash_report() -> Result<(), InstallError> {
     // overflow of a fiber's stack.
     // SAFETY: `crash_report` is async-signal-safe (see it).
     unsafe { crate::overflow::set_crash_hook(crash_report) };
-    for sig in [libc::SIGABRT, libc::SIGILL, libc::SIGFPE] {
-        // SAFETY: installs an SA_SIGINFO handler that calls only async-signal-safe
-        // functions (see `crash_report`).
-        unsafe {
-            let mut sa: libc::sigaction = std::mem::zeroed();
-            sa.sa_sigaction = on_crash_signal as *const () as usize;
-            sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
-            libc::sigemptyset(&mut sa.sa_mask);
-            if libc::sigaction(sig, &sa, std::ptr::null_mut()) != 0 {
-                return Err(InstallError(format!(
-                    "sigaction: {}",
-                    std::io::Error::last_os_error()
-                )));
+    CRASH_INSTALL.call_once(|| {
+        for (i, sig) in CRASH_SIGNALS.into_iter().enumerate() {
+            // SAFETY: installs an SA_SIGINFO handler that calls only async-signal-safe
+            // functions (see `crash_report`), the sampling signal blocked while it runs;
+            // the previous disposition is kept first, before the handler can read it, and
+            // never written again.
+            unsafe {
+                let prev = std::ptr::addr_of_mut!(CRASH_PREVIOUS[i]).cast::<libc::sigaction>();
+                libc::sigaction(sig, std::ptr::null(), prev);
+                let mut sa: libc::sigaction = std::mem::zeroed();
+                sa.sa_sigaction = on_crash_signal as *const () as usize;
+                sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+                libc::sigemptyset(&mut sa.sa_mask);
+                libc::sigaddset(&mut sa.sa_mask, super::sample::signal());
+                libc::sigaction(sig, &sa, std::ptr::null_mut());
             }
         }
-    }
+    });
     Ok(())
 }
+
+static CRASH_INSTALL: std::sync::Once = std::sync::Once::new();
+
+/// The signals [`install_crash_report`] takes itself (SIGSEGV and SIGBUS go through the
+/// stack-overflow handler).
+const CRASH_SIGNALS: [libc::c_int; 3] = [libc::SIGABRT, libc::SIGILL, libc::SIGFPE];
+
+/// Their dispositions before, called after the report (written once, before the handlers).
+static mut CRASH_PREVIOUS: [std::mem::MaybeUninit<libc::sigaction>; 3] = [
+    std::mem::MaybeUninit::uninit(),
+    std::mem::MaybeUninit::uninit(),
+    std::mem::MaybeUninit::uninit(),
+];
 
 extern "C" fn on_crash_signal(sig: libc::c_int, info: *mut libc::siginfo_t, uc: *mut libc::c_void) {
     // SAFETY: `info` and `uc` are the kernel's for this handler.
     unsafe { crash_report(sig, info, uc) };
-    crate::overflow::default_action(sig, info);
+    let i = CRASH_SIGNALS.iter().position(|&s| s == sig).unwrap_or(0);
+    // SAFETY: written by `install_crash_report` before this handler was installed, and
+    // never again.
+    let prev = unsafe { *std::ptr::addr_of!(CRASH_PREVIOUS[i]).cast::<libc::sigaction>() };
+    match prev.sa_sigaction {
+        libc::SIG_DFL | libc::SIG_IGN => crate::overflow::default_action(sig, info),
+        h if prev.sa_flags & libc::SA_SIGINFO != 0 => {
+            // SAFETY: an SA_SIGINFO handler installed before ours, called as the kernel
+            // would have called it.
+            let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
+                unsafe { std::mem::transmute(h) };
+            f(sig, info, uc);
+        }
+        h => {
+            // SAFETY: a plain handler installed before ours, called as the kernel would.
+            let f: extern "C" fn(libc::c_int) = unsafe { std::mem::transmute(h) };
+            f(sig);
+        }
+    }
 }
 
 /// In the handler of a crash on this thread: the report (see [`install_crash_report`]),
@@ -771,19 +808,71 @@ pub(crate) unsafe fn crash_report(
     info: *mut libc::siginfo_t,
     uc: *mut libc::c_void,
 ) {
-    if !CRASH_REPORT.load(Ordering::SeqCst) || CRASHED.swap(true, Ordering::SeqCst) {
+    if !CRASH_REPORT.load(Ordering::SeqCst) {
+        return;
+    }
+    // SAFETY: gettid(2) has no preconditions.
+    let tid = unsafe { libc::gettid() };
+    if CRASHED.swap(true, Ordering::SeqCst) {
+        // Another thread's report is under way (a broken heap faults on several threads):
+        // it ends the process when done; this one waits for that, unless it is the report's
+        // own dump that crashed.
+        if tid != DUMP_TID.load(Ordering::SeqCst) {
+            nap_until(|| false);
+        }
         return;
     }
     // This handler answers the sampling requests of this thread's scheduler (the dump's)
     // itself: the sampling handler would take the handler's context instead of the fault's.
-    // SAFETY: a sigset on the stack, filled by sigemptyset/sigaddset; pthread_sigmask
-    // changes this thread's mask (a system call).
-    unsafe {
+    // (The mask is put back on return, for a handler called after this one.)
+    // SAFETY: sigsets on the stack, filled by sigemptyset/sigaddset and pthread_sigmask,
+    // which changes this thread's mask (a system call).
+    let old_mask = unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
+        let mut old: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut set);
         libc::sigaddset(&mut set, super::sample::signal());
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut old);
+        old
+    };
+    // SAFETY: as above.
+    unsafe { report_and_wait(sig, info, uc, tid) };
+    // SAFETY: puts back the mask read above.
+    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old_mask, std::ptr::null_mut()) };
+}
+
+/// Naps (async-signal-safe) until `done` or [`CRASH_WAIT`] passed.
+fn nap_until(done: impl Fn() -> bool) {
+    let now = || {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: writes the monotonic time into `ts` (async-signal-safe).
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+        Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    };
+    let t0 = now();
+    while !done() && now().saturating_sub(t0) < CRASH_WAIT {
+        let nap = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 100_000,
+        };
+        // SAFETY: sleeps 100 us (async-signal-safe).
+        unsafe { libc::nanosleep(&nap, std::ptr::null_mut()) };
     }
+}
+
+/// The body of [`crash_report`]: the header, the dump asked for and waited for.
+///
+/// # Safety
+/// As [`crash_report`]'s.
+unsafe fn report_and_wait(
+    sig: libc::c_int,
+    info: *mut libc::siginfo_t,
+    uc: *mut libc::c_void,
+    tid: libc::pid_t,
+) {
     let mut buf = [0u8; 256];
     let mut w = crate::overflow::Writer {
         buf: &mut buf,
@@ -812,8 +901,6 @@ pub(crate) unsafe fn crash_report(
         None => w.put(b" outside any fiber"),
     }
     w.put(b" (thread ");
-    // SAFETY: gettid(2) has no preconditions.
-    let tid = unsafe { libc::gettid() };
     w.num(tid as u64);
     w.put(b"); the process stops. Every fiber as it stopped:\n");
     let n = w.len;
@@ -824,31 +911,19 @@ pub(crate) unsafe fn crash_report(
         return;
     }
     CRASH_FLUSH.store(true, Ordering::SeqCst);
-    let want = REQUESTED.fetch_add(1, Ordering::SeqCst) + 1;
+    let mut want = REQUESTED.fetch_add(1, Ordering::SeqCst) + 1;
     let b = [1u8];
-    // (A full pipe: dumps are pending, and the next one answers this request too.)
     // SAFETY: write(2) of one byte to our own (non-blocking) pipe.
-    unsafe { libc::write(fd, b.as_ptr().cast(), 1) };
-    let now = || {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: writes the monotonic time into `ts` (async-signal-safe).
-        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-        Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
-    };
-    let t0 = now();
-    while ANSWERED.load(Ordering::SeqCst) < want && now().saturating_sub(t0) < CRASH_WAIT {
+    if unsafe { libc::write(fd, b.as_ptr().cast(), 1) } != 1 {
+        // A full pipe: dumps are pending, each answering every request read before it;
+        // the last of them is waited for.
+        want = REQUESTED.fetch_sub(1, Ordering::SeqCst) - 1;
+    }
+    nap_until(|| {
         // SAFETY: `uc` is the kernel's ucontext of the fault this handler runs for.
         unsafe { super::sample::serve(uc) };
-        let nap = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 100_000,
-        };
-        // SAFETY: sleeps 100 us (async-signal-safe).
-        unsafe { libc::nanosleep(&nap, std::ptr::null_mut()) };
-    }
+        ANSWERED.load(Ordering::SeqCst) >= want
+    });
 }
 
 unsafe extern "C" {
@@ -863,6 +938,18 @@ unsafe extern "C" {
 /// Flushes C's standard output unless some thread holds it (the crashed one may, stopped in
 /// the middle of a write: waiting for it would hold the report for ever).
 fn flush_c_stdout() {
+    // Nor into a pipe without a reader (SIGPIPE would end the process before the report),
+    // nor into one that is full (the flush would wait for its reader).
+    let mut p = libc::pollfd {
+        fd: 1,
+        events: libc::POLLOUT,
+        revents: 0,
+    };
+    // SAFETY: poll(2) of one descriptor, without waiting.
+    let ready = unsafe { libc::poll(&mut p, 1, 0) };
+    if ready != 1 || p.revents != libc::POLLOUT {
+        return;
+    }
     // SAFETY: `stdout` is the C library's stream, open for the life of the process;
     // ftrylockfile/fflush/funlockfile on it are plain calls (the lock taken only if free).
     unsafe {
@@ -893,5 +980,24 @@ pub(crate) fn write_panic_report(f: &ControlBlock, r: &PanicReport) {
 /// the program.
 pub(crate) fn write_stderr(text: &str) {
     use std::io::Write as _;
+    if CRASHED.load(Ordering::SeqCst) {
+        // A crash report: the crashed thread may hold the standard library's stderr lock
+        // (a crash in the middle of a message), so the report goes around it.
+        let mut b = text.as_bytes();
+        while !b.is_empty() {
+            // SAFETY: write(2) from a live buffer to the standard error's descriptor.
+            let n = unsafe { libc::write(2, b.as_ptr().cast(), b.len()) };
+            if n <= 0 {
+                if n < 0
+                    && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted
+                {
+                    continue;
+                }
+                return;
+            }
+            b = &b[n as usize..];
+        }
+        return;
+    }
     let _ = std::io::stderr().write_all(text.as_bytes());
 }

@@ -523,7 +523,11 @@ static EXIT_SIGNALLED: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI
 /// exit signal came meanwhile, its thread ends the process (with 128 + the signal, flushed,
 /// within a second), so this one waits for that instead of racing it with its own code.
 fn defer_to_exit_signal() {
-    if EXIT_SIGNALLED.load(std::sync::atomic::Ordering::SeqCst) != 0 {
+    // (A closed standard output's end began in `on_sigpipe`: its exit thread may not have
+    // taken it yet.)
+    if EXIT_SIGNALLED.load(std::sync::atomic::Ordering::SeqCst) != 0
+        || STDOUT_GONE.load(std::sync::atomic::Ordering::SeqCst)
+    {
         loop {
             std::thread::park();
         }
@@ -553,6 +557,17 @@ fn dump_on_exit() -> bool {
     all
 }
 
+/// Whether standard output is a pipe whose reader went away (its write end polls POLLERR).
+fn stdout_reader_gone() -> bool {
+    let mut p = libc::pollfd {
+        fd: 1,
+        events: 0,
+        revents: 0,
+    };
+    // SAFETY: poll(2) of one descriptor, without waiting.
+    unsafe { libc::poll(&mut p, 1, 0) == 1 && p.revents & (libc::POLLERR | libc::POLLHUP) != 0 }
+}
+
 /// Flushes what the script printed so far (C's standard output, where Lua's `print` and
 /// `io.write` go, and Rust's), before the script's end or `os.exit` writes the
 /// `--dump-on-exit` dumps: a dump into the same terminal or file (`text:/dev/stdout`) came
@@ -562,14 +577,7 @@ fn flush_script_output() {
     // Standard output without a reader (a pipe whose `head` ended): left as it is, so that
     // the exit's own flush ends the program by SIGPIPE (`on_sigpipe`) after the dumps, not
     // this one before them.
-    let mut p = libc::pollfd {
-        fd: 1,
-        events: 0,
-        revents: 0,
-    };
-    // SAFETY: poll(2) of one descriptor, without waiting.
-    if unsafe { libc::poll(&mut p, 1, 0) } == 1 && p.revents & (libc::POLLERR | libc::POLLHUP) != 0
-    {
+    if stdout_reader_gone() {
         return;
     }
     let _ = io::stdout().flush();
@@ -886,6 +894,8 @@ unsafe extern "C" {
 /// program used to end silently with the script's status, its output lost. (A reader gone
 /// ends the program by SIGPIPE first, quietly: `on_sigpipe`.)
 extern "C" fn stdout_at_exit() {
+    // An exit signal's thread (or a closed standard output's) ends the process: not raced.
+    defer_to_exit_signal();
     let rust = io::stdout().flush().err();
     // SAFETY: `stdout` is the C library's standard output stream, open for the life of the
     // process (nothing here closes it); fflush and ferror on it are plain calls.
@@ -897,6 +907,8 @@ extern "C" fn stdout_at_exit() {
             libc::ferror(C_STDOUT) != 0,
         )
     };
+    // (The flush found the reader gone and began that end: `on_sigpipe`.)
+    defer_to_exit_signal();
     let earlier = match STDOUT_ERRNO.load(std::sync::atomic::Ordering::Relaxed) {
         0 => None,
         e => Some(io::Error::from_raw_os_error(e)),
@@ -1162,6 +1174,14 @@ fn install_signals() -> Result<(), String> {
             } else {
                 std::thread::sleep(std::time::Duration::from_secs(1));
             }
+            if STDOUT_GONE.load(std::sync::atomic::Ordering::SeqCst) {
+                // SAFETY: signal(2) and raise(3): the default action ends the process by
+                // SIGPIPE, as the closed standard output's end does when the dumps are done.
+                unsafe {
+                    libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+                    libc::raise(libc::SIGPIPE);
+                }
+            }
             // SAFETY: ends the process at once.
             unsafe { libc::_exit(i32::from(code)) };
         })
@@ -1355,7 +1375,9 @@ fn report_leaks(top: usize) {
     // before (`exit` flushes them only after this handler). Not after an exit signal: a
     // flush waits for the streams' locks, which a script blocked in `io.read()` holds (the
     // signal's thread flushes later, under its timer).
-    if EXIT_SIGNALLED.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+    // Nor into a standard output without a reader: that flush would end the program by
+    // SIGPIPE before the report (the exit's own flush ends it after).
+    if EXIT_SIGNALLED.load(std::sync::atomic::Ordering::SeqCst) == 0 && !stdout_reader_gone() {
         let _ = io::stdout().flush();
         // SAFETY: `fflush(NULL)` flushes every open output stream; no stream is closed here.
         unsafe { libc::fflush(std::ptr::null_mut()) };
