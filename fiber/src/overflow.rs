@@ -322,6 +322,21 @@ extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, uc: *mut li
     // SAFETY: PREVIOUS[i] was written by `install` before this handler was installed, and is
     // never written again.
     let prev = unsafe { *std::ptr::addr_of!(PREVIOUS[i]).cast::<libc::sigaction>() };
+    // SAFETY: the kernel's `info` and `uc` for this handler.
+    unsafe { call_previous(&prev, sig, info, uc) };
+}
+
+/// Hands signal `sig` to `prev`, the disposition found before ours: the default action, none
+/// (ignored), or its handler, called as the kernel would have called it.
+///
+/// # Safety
+/// In a handler of `sig`: `info` and `uc` are the kernel's for it.
+pub(crate) unsafe fn call_previous(
+    prev: &libc::sigaction,
+    sig: libc::c_int,
+    info: *mut libc::siginfo_t,
+    uc: *mut libc::c_void,
+) {
     match prev.sa_sigaction {
         libc::SIG_DFL => default_action(sig, info),
         libc::SIG_IGN => {}

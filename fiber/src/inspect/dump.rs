@@ -746,6 +746,10 @@ pub fn install_crash_report() -> Result<(), InstallError> {
             unsafe {
                 let prev = std::ptr::addr_of_mut!(CRASH_PREVIOUS[i]).cast::<libc::sigaction>();
                 libc::sigaction(sig, std::ptr::null(), prev);
+                if (*prev).sa_sigaction == libc::SIG_IGN {
+                    // Inherited ignored: kept so (a report would say the process stops).
+                    continue;
+                }
                 let mut sa: libc::sigaction = std::mem::zeroed();
                 sa.sa_sigaction = on_crash_signal as *const () as usize;
                 sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
@@ -778,21 +782,8 @@ extern "C" fn on_crash_signal(sig: libc::c_int, info: *mut libc::siginfo_t, uc: 
     // SAFETY: written by `install_crash_report` before this handler was installed, and
     // never again.
     let prev = unsafe { *std::ptr::addr_of!(CRASH_PREVIOUS[i]).cast::<libc::sigaction>() };
-    match prev.sa_sigaction {
-        libc::SIG_DFL | libc::SIG_IGN => crate::overflow::default_action(sig, info),
-        h if prev.sa_flags & libc::SA_SIGINFO != 0 => {
-            // SAFETY: an SA_SIGINFO handler installed before ours, called as the kernel
-            // would have called it.
-            let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
-                unsafe { std::mem::transmute(h) };
-            f(sig, info, uc);
-        }
-        h => {
-            // SAFETY: a plain handler installed before ours, called as the kernel would.
-            let f: extern "C" fn(libc::c_int) = unsafe { std::mem::transmute(h) };
-            f(sig);
-        }
-    }
+    // SAFETY: the kernel's `info` and `uc` for this handler.
+    unsafe { crate::overflow::call_previous(&prev, sig, info, uc) };
 }
 
 /// In the handler of a crash on this thread: the report (see [`install_crash_report`]),
@@ -843,15 +834,7 @@ pub(crate) unsafe fn crash_report(
 
 /// Naps (async-signal-safe) until `done` or [`CRASH_WAIT`] passed.
 fn nap_until(done: impl Fn() -> bool) {
-    let now = || {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: writes the monotonic time into `ts` (async-signal-safe).
-        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-        Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
-    };
+    let now = super::sample::monotonic;
     let t0 = now();
     while !done() && now().saturating_sub(t0) < CRASH_WAIT {
         let nap = libc::timespec {

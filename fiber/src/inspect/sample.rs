@@ -247,6 +247,17 @@ pub(crate) unsafe fn serve(uc: *mut libc::c_void) {
     }
 }
 
+/// The monotonic clock, read in a signal handler (`clock_gettime`: async-signal-safe).
+pub(crate) fn monotonic() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: writes the monotonic time into `ts`.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
 /// Longest a handler holds its thread ([`hold`]): past it the thread goes on, whatever the
 /// holder does (a holder that never lets go cannot stop the thread for good).
 const HOLD_MAX: Duration = Duration::from_secs(5);
@@ -257,15 +268,7 @@ const HOLD_MAX: Duration = Duration::from_secs(5);
 fn hold_here(slot: &crate::running::SampleSlot) {
     // SAFETY: this thread's errno location, read and written back by this thread only.
     let errno = unsafe { *libc::__errno_location() };
-    let now = || {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: writes the monotonic time into `ts` (async-signal-safe).
-        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-        Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
-    };
+    let now = monotonic;
     let t0 = now();
     while !slot.release.load(Ordering::Acquire) && now().saturating_sub(t0) < HOLD_MAX {
         let nap = libc::timespec {
