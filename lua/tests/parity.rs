@@ -186,6 +186,28 @@ out(fiber.find(dead:id()), dead:status())
     );
 }
 
+/// A fiber that wakes itself is in the ready list (Tarantool 2.6's `fiber_wakeup` of the
+/// running fiber): its next condition wait ends at once, `true`, and a channel's wait waits on
+/// until its timeout. (Its sleep is in `tests/tarantool/fiber.lua`, which runs under both
+/// programs; these are pinned here: Tarantool 2.6 leaves the fiber in the waiters' list, and a
+/// later wait spins for ever.)
+#[test]
+fn wakeup_of_self_ends_the_next_condition_wait() {
+    let (got, _) = run(r#"
+local c, ch = fiber.cond(), fiber.channel(1)
+local function took(f)
+  fiber.self():wakeup()
+  local t0 = clock.monotonic()
+  local r = f()
+  out(clock.monotonic() - t0 < 0.2 and 'at once' or 'waited', r)
+end
+took(function() return c:wait(0.5) end)
+took(function() return ch:get(0.3) end)
+took(function() return c:wait(0.05) end)
+"#);
+    check(&got, &s(&["at once true", "waited nil", "at once true"]));
+}
+
 /// `fiber_object.storage`: one table per fiber, set from any fiber, gone when the fiber's
 /// function ends; a dead fiber's raises with the caller's position.
 #[test]

@@ -421,21 +421,19 @@ case('gh1926_wakeup_self_in_new_fiber', function()
     eq(f:status(), 'dead', 'status after create')
 end)
 
--- A fiber that wakes itself is in the ready list: its next sleep or condition
--- wait ends at once (a yield in between takes the wake-up); a channel's wait
--- waits on (it waits again until a value or its timeout).
-case('wakeup_of_self_ends_the_next_wait', function()
-    local c, ch = fiber.cond(), fiber.channel(1)
+-- A fiber that wakes itself is in the ready list: its next sleep ends at once
+-- (a yield in between takes the wake-up). (Its condition and channel waits are
+-- pinned in lua/tests/parity.rs: in Tarantool 2.6 they leave the fiber linked
+-- in the waiters' list, and a later wait spins for ever.)
+case('wakeup_of_self_ends_the_next_sleep', function()
     local function took(f)
         fiber.self():wakeup()
         local t0 = clock.monotonic()
-        local r = f()
-        return clock.monotonic() - t0 < 0.2 and 'at once' or 'waited', r
+        f()
+        return clock.monotonic() - t0 < 0.2 and 'at once' or 'waited'
     end
-    eq({took(function() fiber.sleep(0.5) end)}, {'at once'}, 'sleep')
-    eq({took(function() return c:wait(0.5) end)}, {'at once', true}, 'cond:wait')
-    eq({took(function() return ch:get(0.3) end)}, {'waited'}, 'channel:get')
-    eq({took(function() fiber.yield() fiber.sleep(0.3) end)}, {'waited'},
+    eq(took(function() fiber.sleep(0.5) end), 'at once', 'sleep')
+    eq(took(function() fiber.yield() fiber.sleep(0.3) end), 'waited',
        'yield, then sleep')
 end)
 

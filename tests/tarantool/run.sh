@@ -51,12 +51,12 @@ total_passed=0
 total_failed=0
 for script in "${scripts[@]}"; do
     log="$out/$script.log"
-    timeout "$limit" "${cmd[@]}" "$here/$script" >"$log" 2>"$out/$script.err"
+    timeout -k 10 "$limit" "${cmd[@]}" "$here/$script" >"$log" 2>"$out/$script.err"
     rc=$?
     summary="$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$log" | tail -n 1)"
     grep -E '^not ok ' "$log" | sed "s/^/  $script: /"
     if [ -z "$summary" ]; then
-        if [ "$rc" -eq 124 ]; then
+        if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
             echo "$script: timed out after ${limit}s"
         else
             echo "$script: no summary line (exit code $rc)"
