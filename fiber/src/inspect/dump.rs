@@ -699,8 +699,8 @@ pub fn install_signal(sig: i32) -> Result<(), InstallError> {
 
 /// Set by [`install_crash_report`].
 static CRASH_REPORT: AtomicBool = AtomicBool::new(false);
-/// Set by the first crash: a crash on another thread meanwhile (or in the report's own
-/// dump) ends the process at once.
+/// Set by the first crash: a crash on another thread meanwhile waits for that report (one
+/// in the report's own dump ends the process at once).
 static CRASHED: AtomicBool = AtomicBool::new(false);
 /// A crash asked for the dump: what the program printed is flushed before it.
 static CRASH_FLUSH: AtomicBool = AtomicBool::new(false);

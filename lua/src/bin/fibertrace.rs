@@ -848,8 +848,8 @@ static EXIT_BEGUN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool
 /// script prints into `| head`), the program ends by SIGPIPE as `lua` does — what was
 /// written stays written — instead of printing into nothing forever (Rust ignores SIGPIPE,
 /// and Lua's `print` drops write errors). With `--dump-on-exit` dumps or a `--leaks` report
-/// to write, it ends as on an exit signal (the dumps and the report first, then exit code
-/// 141, 128 + SIGPIPE): they were lost. Any other pipe (standard error gone, a pipe the
+/// to write, it ends as on an exit signal, the dumps and the report first, then by SIGPIPE
+/// (they were lost). Any other pipe (standard error gone, a pipe the
 /// script opened) only fails that write: a report lost, not the program.
 extern "C" fn on_sigpipe(_sig: libc::c_int) {
     let mut p = libc::pollfd {
