@@ -689,8 +689,13 @@ fn a_dumper_killed_while_it_holds_the_process_lets_it_go_and_it_runs_on() {
                 std::thread::sleep(std::time::Duration::from_micros(200));
             }
             let status = dumper.wait().unwrap();
+            if caught && status.success() {
+                // The dump had just ended when the signal came (seen held a moment before
+                // it let the target go): not a dumper killed while it held the target.
+                caught = false;
+                continue;
+            }
             if caught {
-                assert!(!status.success(), "killed by {sig}");
                 break;
             }
         }
