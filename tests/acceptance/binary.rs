@@ -672,12 +672,20 @@ fn a_dumper_killed_while_it_holds_the_process_lets_it_go_and_it_runs_on() {
     for sig in [libc::SIGINT, libc::SIGKILL] {
         let mut caught = false;
         for _ in 0..10 {
-            let mut dumper = std::process::Command::new(fibertrace_acceptance::binary())
-                .args(["dump", &pid.to_string()])
+            let mut cmd = std::process::Command::new(fibertrace_acceptance::binary());
+            cmd.args(["dump", &pid.to_string()])
                 .stdout(std::process::Stdio::null())
-                .stderr(std::process::Stdio::null())
-                .spawn()
-                .unwrap();
+                .stderr(std::process::Stdio::null());
+            // SIGINT as a terminal gives it, whatever this test inherited (a run started in
+            // the background by a shell has it ignored, and the dumper then ran on).
+            // SAFETY: signal(2) in the child before exec, async-signal-safe.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+                    libc::signal(libc::SIGINT, libc::SIG_DFL);
+                    Ok(())
+                });
+            }
+            let mut dumper = cmd.spawn().unwrap();
             // Wait for the target to be held, then kill the dumper.
             while dumper.try_wait().unwrap().is_none() {
                 if thread_state(pid, pid) == Some('t') {
