@@ -1044,3 +1044,127 @@ fn too_few_file_descriptors_to_start_is_a_clear_error() {
     assert_eq!(String::from_utf8_lossy(&o.stdout), "hi\n");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Out of memory under an address-space limit: the Lua heap took everything it could (the
+/// script's `pcall` got `not enough memory`), then `fiber.info()`, `fibertrace.dump()` and a
+/// SIGQUIT dump still work, every round, where the first allocation the system refused used to
+/// abort the whole process (the reserve and the address space set aside, see
+/// `fibertrace_core::heap::Reserve`).
+#[test]
+fn out_of_memory_leaves_fiber_info_and_dumps_working() {
+    let dir = Scratch::new("rel-oom");
+    let script = dir.join("oom.lua");
+    std::fs::write(
+        &script,
+        "local fiber = require('fiber')\n\
+         for i = 1, 20 do fiber.create(function() fiber.sleep(100) end) end\n\
+         local hold = {}\n\
+         local function fill()\n\
+         \x20 local t = {}\n\
+         \x20 hold[#hold + 1] = t\n\
+         \x20 return pcall(function() local i = 0 while true do i = i + 1 t[i] = string.rep('x', 4096) .. i end end)\n\
+         end\n\
+         for round = 1, 3 do\n\
+         \x20 print('fill', round, fill())\n\
+         \x20 local ok, t = pcall(fiber.info)\n\
+         \x20 local n = 0\n\
+         \x20 if ok then for _ in pairs(t) do n = n + 1 end end\n\
+         \x20 print('info', round, ok, n)\n\
+         \x20 local ok2, d = pcall(require('fibertrace').dump)\n\
+         \x20 print('dump', round, ok2 and select(2, d:gsub('\\nfiber ', '')) or d)\n\
+         end\n\
+         print('quit now') io.stdout:flush()\n\
+         fiber.sleep(1.5)\n\
+         print('fill', 4, fill())\n\
+         print('info', 4, (pcall(fiber.info)))\n",
+    )
+    .unwrap();
+    let mut child = Command::new("bash")
+        .arg("-c")
+        .arg("ulimit -v 600000; exec \"$0\" run \"$@\"")
+        .arg(EXE)
+        .arg(&script)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as i32;
+    let mut stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    // SIGQUIT once the script says so (after three rounds out of memory).
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let mut sent = false;
+    loop {
+        let n = stdout.read(&mut buf).unwrap();
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(&buf[..n]);
+        if !sent && out.ends_with(b"quit now\n") {
+            // SAFETY: a signal to the child started above (still running: its stdout is open).
+            assert_eq!(unsafe { libc::kill(pid, libc::SIGQUIT) }, 0);
+            sent = true;
+        }
+    }
+    let status = child.wait().unwrap();
+    let err = err.join().unwrap();
+    let out = String::from_utf8_lossy(&out);
+    assert_eq!(status.code(), Some(0), "{status}\n{out}\n{err}");
+    // The dump's text is one Lua string: with the Lua heap full it may not fit, which is a
+    // Lua error the script catches (`not enough memory`); when it fits, every fiber is in it.
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 12, "{out}\n{err}");
+    for round in 1..=3 {
+        let l = &lines[(round - 1) * 3..round * 3];
+        assert_eq!(
+            l[0],
+            format!("fill\t{round}\tfalse\tnot enough memory"),
+            "{out}"
+        );
+        assert_eq!(l[1], format!("info\t{round}\ttrue\t21"), "{out}");
+        assert!(
+            [
+                format!("dump\t{round}\t21"),
+                format!("dump\t{round}\tnot enough memory")
+            ]
+            .contains(&l[2].to_string()),
+            "{out}"
+        );
+    }
+    assert_eq!(
+        lines[9..],
+        [
+            "quit now",
+            "fill\t4\tfalse\tnot enough memory",
+            "info\t4\ttrue"
+        ],
+        "{out}\n{err}"
+    );
+    // The SIGQUIT dump: every fiber, the main one with its Lua frames.
+    assert!(err.starts_with("scheduler 1 \"lua\": 21 fibers\n"), "{err}");
+    assert_eq!(err.matches("\nfiber ").count(), 21, "{err}");
+    let main = err
+        .split("\n\n")
+        .find(|b| b.starts_with("fiber 1 \"main\" [sleep, "))
+        .unwrap_or_else(|| panic!("{err}"));
+    let lua: Vec<&str> = main
+        .lines()
+        .filter(|l| l.starts_with('#') && !l.contains(" 0x"))
+        .map(|l| l.split_once(' ').unwrap().1.trim())
+        .collect();
+    assert_eq!(
+        lua,
+        [
+            "sleep in =[C]:-1".to_string(),
+            format!("main chunk in @{}:19", script.display())
+        ],
+        "{main}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -40,6 +40,7 @@
 
 mod every;
 mod owner;
+mod reserve;
 mod sample;
 mod totals;
 mod view;
@@ -48,6 +49,7 @@ pub use crate::untracked::{pause, Busy};
 pub use owner::{
     outside_fibers, owners, restore, switch_to, OutsideFibers, Owner, OwnerRow, Usage, MAX_OWNERS,
 };
+pub use reserve::{reserve_use, set_aside, Reserve, ReserveUse, RESERVE_BYTES};
 pub use totals::{totals, Total, MAX_ENTRIES};
 pub use view::{
     group, human_bytes, live, machinery_frames, render_groups, share_name, write_m_lines, Group,

@@ -12,10 +12,16 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 /// The heap tracker: off unless `FIBERTRACE_HEAP` (which `--heap` and `--leaks` set, running
-/// the program again) names a tier. Off, it costs a load and a branch per allocation.
+/// the program again) names a tier. Off, it costs a load and a branch per allocation. Below
+/// it, the emergency reserve: when the system has no memory left (the Lua heap took the
+/// address space a limit allows), `fiber.info()`, a dump or a crash report finish on the
+/// reserve where a failed allocation would abort the process.
 #[global_allocator]
-static HEAP: fibertrace_core::heap::Tracked<std::alloc::System> =
-    fibertrace_core::heap::Tracked::from_env(std::alloc::System, fibertrace_core::heap::Tier::Off);
+static HEAP: fibertrace_core::heap::Tracked<fibertrace_core::heap::Reserve<std::alloc::System>> =
+    fibertrace_core::heap::Tracked::from_env(
+        fibertrace_core::heap::Reserve::new(std::alloc::System),
+        fibertrace_core::heap::Tier::Off,
+    );
 
 /// Writes a line to standard error; a standard error that cannot be written (closed, full)
 /// loses the message, never the program.
@@ -696,7 +702,12 @@ fn wrap_os_exit(lua: &mlua::Lua, list: &[(Format, PathBuf)]) -> mlua::Result<()>
     os.set("exit", wrapped)
 }
 
+/// Address space set aside for the C library's own allocations once the system refuses
+/// memory (see `fibertrace_core::heap::set_aside`).
+const SET_ASIDE: usize = 8 << 20;
+
 fn main() -> ExitCode {
+    fibertrace_core::heap::set_aside(SET_ASIDE);
     let m = cli().get_matches();
     match m.subcommand() {
         Some(("run", m)) => run(m),

@@ -1,0 +1,365 @@
+//! An emergency reserve for the process's allocator: when the inner allocator has no memory
+//! left (the address-space limit reached, say, after a Lua heap took everything), allocations
+//! are served from a fixed arena set aside in the program image, so that the code that
+//! *reports* — `fiber.info()`, a dump, a crash report — can finish instead of aborting the
+//! process (Rust's reaction to a failed allocation, on stable Rust, is to abort).
+//!
+//! Invariants: the arena is one per process (a `static`), shared by every [`Reserve`]. Its
+//! state is a single word — the number of live arena blocks (high 32 bits) and the offset of
+//! the first free byte (low 32 bits) — changed only by compare-and-swap, so a block is handed
+//! out once, and the offset goes back to 0 only by the free that leaves no block live (a
+//! bump allocator that empties itself). A pointer is the arena's when it lies inside the
+//! arena's bytes: those are freed and reallocated here, every other one by the inner
+//! allocator.
+//!
+//! Code that does not allocate through Rust — the C library's own bookkeeping (registering a
+//! thread-local's destructor, say), a Lua heap — cannot use the arena. For it, [`set_aside`]
+//! takes some address space at the start and the first failure gives it back (once), then
+//! asks the inner allocator again: under an address-space limit, that is room for the C
+//! library too.
+//!
+//! How it can fall short: the reserve is [`RESERVE_BYTES`]; an allocation that does not fit
+//! in what is left of it fails as before (the process aborts). Blocks freed out of order are
+//! not reused until every arena block is free. Memory that the inner allocator refuses for a
+//! reason other than exhaustion (an impossible layout) is refused here too only when it does
+//! not fit.
+
+use std::alloc::{GlobalAlloc, Layout};
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+/// The bytes set aside (8 MiB): in the image's zero-filled data, so no page is touched — nor
+/// counted in the resident memory — before the inner allocator first fails.
+pub const RESERVE_BYTES: usize = 8 << 20;
+
+#[repr(C, align(4096))]
+struct Arena(UnsafeCell<[u8; RESERVE_BYTES]>);
+
+// SAFETY: the bytes are only reached through blocks handed out by `carve` (each block to
+// one owner, by the compare-and-swap on `STATE`); the arena itself is never read or
+// written as a whole.
+unsafe impl Sync for Arena {}
+
+static ARENA: Arena = Arena(UnsafeCell::new([0; RESERVE_BYTES]));
+
+/// Live blocks << 32 | offset of the first free byte.
+static STATE: AtomicU64 = AtomicU64::new(0);
+
+/// Allocations served from the arena since the process began.
+static SERVED: AtomicU64 = AtomicU64::new(0);
+
+/// The address space set aside by [`set_aside`] (its start; 0: none), and its length.
+static ASIDE: AtomicUsize = AtomicUsize::new(0);
+static ASIDE_LEN: AtomicUsize = AtomicUsize::new(0);
+
+/// Takes `bytes` of address space (no memory: a mapping nothing may touch) to give back at
+/// the first allocation the inner allocator refuses, for the code that cannot use the arena
+/// (see the module docs). Call it once, early; a second call keeps the first one's. Whether
+/// the space was taken.
+pub fn set_aside(bytes: usize) -> bool {
+    if bytes == 0 || ASIDE.load(Ordering::Acquire) != 0 {
+        return false;
+    }
+    // SAFETY: a fresh anonymous mapping, not accessible, placed by the kernel: it touches no
+    // existing memory.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            bytes,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return false;
+    }
+    ASIDE_LEN.store(bytes, Ordering::Relaxed);
+    if ASIDE
+        .compare_exchange(0, p as usize, Ordering::AcqRel, Ordering::Acquire)
+        .is_err()
+    {
+        // SAFETY: the mapping just made, never published.
+        unsafe { libc::munmap(p, bytes) };
+        return false;
+    }
+    true
+}
+
+/// Gives the set-aside space back, the first time only: whether it did.
+#[cold]
+fn give_back() -> bool {
+    let p = ASIDE.swap(0, Ordering::AcqRel);
+    if p == 0 {
+        return false;
+    }
+    // SAFETY: the mapping made by `set_aside`, of that length, taken out of `ASIDE` by this
+    // swap alone (nobody else unmaps it); nothing lives in it.
+    unsafe { libc::munmap(p as *mut libc::c_void, ASIDE_LEN.load(Ordering::Relaxed)) };
+    true
+}
+
+fn base() -> usize {
+    ARENA.0.get() as usize
+}
+
+fn holds(ptr: *mut u8) -> bool {
+    let p = ptr as usize;
+    p >= base() && p < base() + RESERVE_BYTES
+}
+
+/// A block of the arena for `layout`, or null when what is left does not hold it.
+#[cold]
+fn carve(layout: Layout) -> *mut u8 {
+    let mut cur = STATE.load(Ordering::Relaxed);
+    loop {
+        let (live, next) = (cur >> 32, (cur & 0xffff_ffff) as usize);
+        // The arena's base is page-aligned: an offset aligned to `align` (at most a page
+        // here; a larger alignment fails) gives an aligned address.
+        if layout.align() > 4096 {
+            return std::ptr::null_mut();
+        }
+        let start = (next + layout.align() - 1) & !(layout.align() - 1);
+        let Some(end) = start.checked_add(layout.size().max(1)) else {
+            return std::ptr::null_mut();
+        };
+        if end > RESERVE_BYTES {
+            return std::ptr::null_mut();
+        }
+        let new = (live + 1) << 32 | end as u64;
+        match STATE.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Relaxed) {
+            Ok(_) => {
+                SERVED.fetch_add(1, Ordering::Relaxed);
+                return (base() + start) as *mut u8;
+            }
+            Err(seen) => cur = seen,
+        }
+    }
+}
+
+/// Gives a block back: the arena empties itself when no block is live.
+fn release() {
+    let mut cur = STATE.load(Ordering::Relaxed);
+    loop {
+        let live = cur >> 32;
+        debug_assert!(live > 0, "a free of an arena block with none live");
+        let new = if live <= 1 {
+            0
+        } else {
+            (live - 1) << 32 | (cur & 0xffff_ffff)
+        };
+        match STATE.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Relaxed) {
+            Ok(_) => return,
+            Err(seen) => cur = seen,
+        }
+    }
+}
+
+/// What the reserve has done: allocations it served since the process began, and the blocks
+/// and bytes of it in use now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReserveUse {
+    /// Allocations served from the reserve since the process began.
+    pub served: u64,
+    /// Blocks of the reserve live now.
+    pub live: u64,
+    /// Bytes of the reserve taken now (freed blocks count until the reserve empties).
+    pub taken: usize,
+}
+
+/// The reserve's figures (all zero while the inner allocator has never failed).
+pub fn reserve_use() -> ReserveUse {
+    let s = STATE.load(Ordering::Relaxed);
+    ReserveUse {
+        served: SERVED.load(Ordering::Relaxed),
+        live: s >> 32,
+        taken: (s & 0xffff_ffff) as usize,
+    }
+}
+
+/// A [`GlobalAlloc`] that serves from the inner allocator, and from the process's emergency
+/// reserve (see the module docs) when the inner one fails. Put it under the tracker:
+///
+/// ```no_run
+/// use fibertrace_core::heap::{Reserve, Tracked};
+/// #[global_allocator]
+/// static HEAP: Tracked<Reserve<std::alloc::System>> =
+///     Tracked::sampled(Reserve::new(std::alloc::System));
+/// ```
+pub struct Reserve<A> {
+    inner: A,
+}
+
+impl<A> Reserve<A> {
+    /// `inner`, with the emergency reserve behind it.
+    pub const fn new(inner: A) -> Self {
+        Reserve { inner }
+    }
+}
+
+// SAFETY: a pointer handed out is either the inner allocator's (for `layout`) or an arena
+// block of at least `layout.size()` bytes at `layout.align()` that no other live allocation
+// overlaps (`carve`); each is freed or grown by the party that made it (`holds` tells them
+// apart: arena blocks lie inside the arena, the inner allocator's outside it).
+unsafe impl<A: GlobalAlloc> GlobalAlloc for Reserve<A> {
+    #[inline]
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller's contract (a non-zero-sized layout).
+        let p = unsafe { self.inner.alloc(layout) };
+        if p.is_null() {
+            if give_back() {
+                // SAFETY: as above.
+                let p = unsafe { self.inner.alloc(layout) };
+                if !p.is_null() {
+                    return p;
+                }
+            }
+            return carve(layout);
+        }
+        p
+    }
+
+    #[inline]
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller's contract.
+        let p = unsafe { self.inner.alloc_zeroed(layout) };
+        if p.is_null() {
+            if give_back() {
+                // SAFETY: as above.
+                let p = unsafe { self.inner.alloc_zeroed(layout) };
+                if !p.is_null() {
+                    return p;
+                }
+            }
+            let q = carve(layout);
+            if !q.is_null() {
+                // SAFETY: `q` is a fresh arena block of `layout.size()` bytes (an emptied
+                // arena's bytes may hold an earlier block's data).
+                unsafe { std::ptr::write_bytes(q, 0, layout.size()) };
+            }
+            return q;
+        }
+        p
+    }
+
+    #[inline]
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        if holds(ptr) {
+            release();
+        } else {
+            // SAFETY: not an arena block, so the inner allocator's, made with `layout`.
+            unsafe { self.inner.dealloc(ptr, layout) }
+        }
+    }
+
+    #[inline]
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if !holds(ptr) {
+            // SAFETY: the inner allocator's pointer, with its layout (the caller's contract).
+            let p = unsafe { self.inner.realloc(ptr, layout, new_size) };
+            if !p.is_null() {
+                return p;
+            }
+        }
+        // An arena block, or the inner allocator could not grow its own: a new block
+        // (inner first), the bytes copied, the old one freed by its maker.
+        // SAFETY: the caller's contract: `new_size` rounded up to `align` does not overflow.
+        let new = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
+        // SAFETY: `new` is non-zero-sized (the caller's contract for realloc).
+        let q = unsafe { self.alloc(new) };
+        if !q.is_null() {
+            // SAFETY: both blocks hold at least the bytes copied, and they do not overlap
+            // (`q` is a live block distinct from `ptr`).
+            unsafe { std::ptr::copy_nonoverlapping(ptr, q, layout.size().min(new_size)) };
+            // SAFETY: `ptr` was allocated with `layout` by this allocator.
+            unsafe { self.dealloc(ptr, layout) };
+        }
+        q
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The arena is one per process: its tests take turns.
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    /// An allocator that has no memory.
+    struct Empty;
+    // SAFETY: it hands out nothing, so frees nothing.
+    unsafe impl GlobalAlloc for Empty {
+        unsafe fn alloc(&self, _: Layout) -> *mut u8 {
+            std::ptr::null_mut()
+        }
+        unsafe fn dealloc(&self, _: *mut u8, _: Layout) {
+            unreachable!("nothing was handed out")
+        }
+    }
+
+    #[test]
+    fn an_empty_allocator_is_served_from_the_reserve_until_it_runs_out_then_it_empties_itself() {
+        let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let r = Reserve::new(Empty);
+        let small = Layout::from_size_align(24, 8).unwrap();
+        let page = Layout::from_size_align(100, 4096).unwrap();
+        let before = reserve_use();
+        // SAFETY: non-zero layouts; every block is freed with its layout below.
+        unsafe {
+            let a = r.alloc(small);
+            let b = r.alloc_zeroed(page);
+            assert!(holds(a) && holds(b));
+            assert_eq!(b as usize % 4096, 0, "the alignment asked for");
+            assert!((b as usize) >= a as usize + 24, "blocks do not overlap");
+            assert!(std::slice::from_raw_parts(b, 100).iter().all(|&x| x == 0));
+            a.write_bytes(7, 24);
+            // Grown: a new block holding the old bytes.
+            let c = r.realloc(a, small, 5000);
+            assert!(holds(c) && c != a);
+            assert!(std::slice::from_raw_parts(c, 24).iter().all(|&x| x == 7));
+            let u = reserve_use();
+            assert_eq!(u.live, 2);
+            assert_eq!(u.served, before.served + 3);
+            // More than is left: refused (null), as the inner allocator refused.
+            let huge = Layout::from_size_align(RESERVE_BYTES, 8).unwrap();
+            assert!(r.alloc(huge).is_null());
+            assert!(r.alloc(Layout::from_size_align(8, 8192).unwrap()).is_null());
+            r.dealloc(b, page);
+            assert_eq!(reserve_use().live, 1);
+            assert!(reserve_use().taken > 5000, "kept until every block is free");
+            r.dealloc(c, Layout::from_size_align(5000, 8).unwrap());
+            assert_eq!(reserve_use().live, 0);
+            assert_eq!(reserve_use().taken, 0, "emptied: the whole reserve again");
+            let d = r.alloc(huge);
+            assert_eq!(d as usize, base(), "the whole reserve, from its start");
+            r.dealloc(d, huge);
+        }
+    }
+
+    #[test]
+    fn blocks_carved_by_racing_threads_never_overlap() {
+        let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let blocks: Vec<Vec<usize>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..4)
+                .map(|_| {
+                    s.spawn(|| {
+                        let l = Layout::from_size_align(64, 16).unwrap();
+                        (0..500).map(|_| carve(l) as usize).collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let mut all: Vec<usize> = blocks.into_iter().flatten().collect();
+        assert!(all.iter().all(|&p| p != 0));
+        all.sort_unstable();
+        assert!(
+            all.windows(2).all(|w| w[1] - w[0] >= 64),
+            "a block handed out twice"
+        );
+        for _ in &all {
+            release();
+        }
+    }
+}
