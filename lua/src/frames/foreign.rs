@@ -246,7 +246,7 @@ struct Slot {
     th: u64,
     frame: u64,
     next: Option<u64>,
-    thread: u8,
+    thread: u16,
     /// The top level's PC when it is known otherwise than from a frame above it (the
     /// interpreter's register, a trace's start): as a frame link holds it, the instruction
     /// after the current one.
@@ -590,7 +590,7 @@ impl Reader {
         let mut all: Vec<Slot> = Vec::new();
         for (t, slots) in per_thread.into_iter().rev().enumerate() {
             all.extend(slots.into_iter().map(|s| Slot {
-                thread: t as u8,
+                thread: t as u16,
                 ..s
             }));
         }

@@ -79,8 +79,11 @@ pub const HEAD_LEVELS: usize = 96;
 /// are far below).
 const MAX_DEPTH: c_int = 1 << 24;
 
-/// Most Lua threads one capture follows.
-pub const MAX_THREADS: usize = 16;
+/// Most Lua threads one capture follows: above the VMs' own bound on nested resumes (each is
+/// a nested C call: LuaJIT stops at 8,192 with "C stack overflow", Lua 5.4 at 200), so the
+/// whole chain down to the innermost coroutine is read (with 16 the innermost ones of a
+/// deeper nest were lost without a word, their levels' native frames left on a `resume`).
+pub const MAX_THREADS: usize = 1 << 14;
 
 /// One captured Lua level.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -93,7 +96,7 @@ pub struct LuaLevel {
     /// module doc; 0 where not known); 0 for Lua levels.
     pub cfunc: usize,
     /// Which thread of the chain it belongs to (0 = the innermost coroutine).
-    pub thread: u8,
+    pub thread: u16,
 }
 
 impl LuaLevel {
@@ -231,7 +234,7 @@ pub unsafe fn capture_lua_stack_within(
                 break;
             }
             // SAFETY: `ar` was filled by lua_getstack for this state just above.
-            let lv = unsafe { read_level(l, &mut ar, t as u8) };
+            let lv = unsafe { read_level(l, &mut ar, t as u16) };
             if let Some(lv) = lv {
                 out.levels.push(lv);
             }
@@ -280,7 +283,7 @@ unsafe fn depth(l: *mut ffi::lua_State, ar: &mut ffi::lua_Debug) -> c_int {
 unsafe fn read_level(
     l: *mut ffi::lua_State,
     ar: &mut ffi::lua_Debug,
-    thread: u8,
+    thread: u16,
 ) -> Option<LuaLevel> {
     // SAFETY: per the function's contract; "Slnf" fills the string fields and pushes the
     // running function.

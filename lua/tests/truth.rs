@@ -1,0 +1,72 @@
+//! Backtraces against the truth the script itself establishes (what it called, where it
+//! waits, LuaJIT's own `debug.traceback` of the thread): the cases a black-box sweep found
+//! misreported, each the shape of stack that showed it.
+
+#[path = "../../tests/scratch.rs"]
+mod scratch;
+use scratch::Scratch;
+
+#[path = "common/bounded.rs"]
+mod bounded;
+
+/// Runs `script` (written to a scratch file) with `fibertrace run ARGS… SCRIPT`; its stdout,
+/// with the script's path replaced by `S`, after checking that it ended with 0.
+fn run_script(name: &str, args: &[&str], script: &str) -> (String, String) {
+    let dir = Scratch::new(name);
+    let path = dir.join(format!("{name}.lua"));
+    std::fs::write(&path, script).unwrap();
+    let p = path.to_str().unwrap();
+    let mut all = vec!["run"];
+    all.extend_from_slice(args);
+    all.push(p);
+    let o = bounded::run(&all, b"");
+    assert_eq!(o.code, Some(0), "{}\n{}", o.stdout, o.stderr);
+    let _ = std::fs::remove_dir_all(&dir);
+    (o.stdout.replace(p, "S"), o.stderr.replace(p, "S"))
+}
+
+/// A fiber that waits inside 40 nested coroutines: its trace begins at the wait in the
+/// innermost one (`sleep`, then the function that called it), in every view, as LuaJIT's
+/// own traceback of that coroutine does. Past 16 coroutines the innermost ones were dropped
+/// without a word and the wait's native frames sat on an outer `resume`.
+#[test]
+fn a_fiber_waiting_inside_forty_nested_coroutines_shows_the_innermost_wait() {
+    let (out, _) = run_script(
+        "nest40",
+        &[],
+        "local fiber = require('fiber')\n\
+         local inner\n\
+         local function nest(n)\n\
+         \x20 if n == 0 then inner = coroutine.running() fiber.sleep(5) return end\n\
+         \x20 local co = coroutine.create(function() nest(n - 1) end)\n\
+         \x20 assert(coroutine.resume(co))\n\
+         end\n\
+         local f = fiber.create(function() nest(40) end)\n\
+         fiber.yield()\n\
+         -- LuaJIT's own view of the innermost coroutine:\n\
+         print((debug.traceback(inner, '', 0):gsub('^%s+', ''):gsub('%s*\\n%s*', '|')))\n\
+         local lua = {}\n\
+         for _, e in ipairs(fiber.info()[f:id()].backtrace) do\n\
+         \x20 if e.L then lua[#lua + 1] = e.L:gsub('^#%d+%s+', '') end\n\
+         end\n\
+         print(table.concat(lua, '|', 1, 4))\n\
+         local d = require('fibertrace').dump()\n\
+         local block = d:match('\\nfiber ' .. f:id() .. ' [^\\n]*\\n(.-)\\n\\n')\n\
+         local dl = {}\n\
+         for l in block:gmatch('[^\\n]+') do\n\
+         \x20 if not l:find(' 0x') then dl[#dl + 1] = l:gsub('^#%d+%s+', '') end\n\
+         end\n\
+         print(table.concat(dl, '|', 1, 4))\n\
+         os.exit(0)\n",
+    );
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines[0],
+        "stack traceback:|[C]: in function 'sleep'|S:4: in function 'nest'|\
+         S:5: in function <S:5>",
+        "{out}"
+    );
+    let want = "sleep in =[C]:-1|nest in @S:4|function <S:5> in @S:5|resume in =[C]:-1";
+    assert_eq!(lines[1], want, "fiber.info: {out}");
+    assert_eq!(lines[2], want, "dump: {out}");
+}
