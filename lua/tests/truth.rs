@@ -70,3 +70,39 @@ fn a_fiber_waiting_inside_forty_nested_coroutines_shows_the_innermost_wait() {
     assert_eq!(lines[1], want, "fiber.info: {out}");
     assert_eq!(lines[2], want, "dump: {out}");
 }
+
+/// A creator's trace in the dumps names its Lua frames, as `fiber.info().parent_backtrace`
+/// does, in the text and grouped views and the JSON one: they printed as `[lua frame N]`.
+#[test]
+fn creators_traces_in_dumps_name_their_lua_frames() {
+    let (out, _) = run_script(
+        "parents",
+        &[],
+        "local fiber = require('fiber')\n\
+         local ft = require('fibertrace')\n\
+         fiber.parent_backtrace_enable()\n\
+         local function spawn_worker() local f = fiber.create(function() fiber.sleep(10) end) return f end\n\
+         local function setup() local f = spawn_worker() return f end\n\
+         local w = setup()\n\
+         w:name('worker')\n\
+         local function lua_lines(block)\n\
+         \x20 local t = {}\n\
+         \x20 for l in block:gmatch('[^\\n]+') do\n\
+         \x20   if not l:find(' 0x') then t[#t + 1] = (l:gsub('^#%d+%s+', '')) end\n\
+         \x20 end\n\
+         \x20 return table.concat(t, '|')\n\
+         end\n\
+         print(lua_lines(ft.dump():match('created by fiber 1 \"main\" at:\\n(.-)\\n\\n')))\n\
+         print(lua_lines(ft.dump('grouped'):match('created by fiber 1 \"main\" at:\\n(.-)\\n\\n')))\n\
+         local json = ft.dump('json')\n\
+         local labels = {}\n\
+         for arr in json:gmatch('\"parent_backtrace\": *(%b[])') do\n\
+         \x20 for l in arr:gmatch('\"label\": *\"([^\"]*)\"') do labels[#labels + 1] = l end\n\
+         end\n\
+         print(table.concat(labels, '|'))\n\
+         os.exit(0)\n",
+    );
+    let want = "create in =[C]:-1|spawn_worker in @S:4|setup in @S:5|main chunk in @S:6";
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines, [want, want, want], "{out}");
+}

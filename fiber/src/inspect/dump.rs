@@ -330,8 +330,8 @@ fn trace_text(fi: &FiberInfo) -> (String, String) {
                 );
             }
         }
-        let raw: Vec<Frame> = p.frames.iter().map(|f| f.frame).collect();
-        parents.push_str(&format::text(info::user_frames(&raw), &text_options()));
+        // (The layer's frames labelled, as the fiber's own: see `label_parents`.)
+        parents.push_str(&render_list(&p.frames));
     }
     if fi.parent_backtrace_omitted > 0 {
         parents.push_str(&more_parents_line(fi.parent_backtrace_omitted));

@@ -197,12 +197,14 @@ fn build_part_with(
             .collect(),
     };
     if let Some(src) = source::source(s.id) {
+        let mut shared = ParentLabels::default();
         for fi in &mut fibers {
             if Some(fi.id) == here_id {
                 label_source_frames(&*src, fi);
             } else {
                 add_source_frames(&*src, fi, opts.resolve);
             }
+            label_parents(&|id| src.name(id), fi, &mut shared);
         }
     }
     let tid = s.on_thread.tid.load(Ordering::Relaxed);
@@ -371,7 +373,9 @@ fn held_part(
         }
     }
     src.begin();
+    let mut shared = ParentLabels::default();
     for fi in &mut p.fibers {
+        label_parents(&|id| src.name(id), fi, &mut shared);
         let word = words.get(&fi.id).copied().unwrap_or(0);
         let Some(native) = fi.backtrace.as_ref().filter(|_| word != 0) else {
             continue;
@@ -746,6 +750,46 @@ fn label_source_frames(src: &dyn FrameSource, fi: &mut FiberInfo) {
         })
         .collect();
     fi.backtrace = Some(list);
+}
+
+/// The labelled copy of each creator's trace made in one snapshot, by the trace it was made
+/// from (kept alive here, so that its address names it): fibers that share a trace share
+/// its labelled copy.
+type ParentLabels =
+    std::collections::HashMap<*const FrameInfo, (Arc<[FrameInfo]>, Arc<[FrameInfo]>)>;
+
+/// Labels the layer's frames in the traces of fiber `fi`'s creators, as its own frames are
+/// (they were captured with the layer's frames merged in, but the runtime cannot name them):
+/// unlabelled, they printed as `[lua frame N]`.
+fn label_parents(
+    name: &dyn Fn(fibertrace_core::LuaFrameId) -> Option<String>,
+    fi: &mut FiberInfo,
+    shared: &mut ParentLabels,
+) {
+    for pi in &mut fi.parent_backtrace {
+        let unlabelled = |f: &FrameInfo| matches!(f.frame, Frame::Lua(_)) && f.label.is_none();
+        if !pi.frames.iter().any(unlabelled) {
+            continue;
+        }
+        let key = pi.frames.as_ptr();
+        if let Some((_, done)) = shared.get(&key) {
+            pi.frames = done.clone();
+            continue;
+        }
+        let done: Arc<[FrameInfo]> = pi
+            .frames
+            .iter()
+            .map(|f| match f.frame {
+                Frame::Lua(id) if f.label.is_none() => FrameInfo {
+                    label: name(id).map(Arc::from),
+                    ..f.clone()
+                },
+                _ => f.clone(),
+            })
+            .collect();
+        shared.insert(key, (pi.frames.clone(), done.clone()));
+        pi.frames = done;
+    }
 }
 
 /// Replaces a suspended (or never started) fiber's frames with the source's, when it has
