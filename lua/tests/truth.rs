@@ -106,3 +106,42 @@ fn creators_traces_in_dumps_name_their_lua_frames() {
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines, [want, want, want], "{out}");
 }
+
+/// A fiber woken from a sleep or a channel wait, not yet run again, is ready and waits on
+/// nothing, in `fiber.info()` and in the dump: it was shown `[sleep, 23ms]`, `waiting.on =
+/// 'sleep'`, while it was about to run.
+#[test]
+fn a_woken_fiber_is_ready_and_waits_on_nothing() {
+    let (out, _) = run_script(
+        "woken",
+        &[],
+        "local fiber = require('fiber')\n\
+         local ch = fiber.channel()\n\
+         local w = fiber.create(function() fiber.name('sleeper') fiber.sleep(10) print('sleeper resumed') end)\n\
+         local r = fiber.create(function() fiber.name('reader') ch:get() end)\n\
+         local s = fiber.create(function() fiber.name('still') fiber.sleep(10) end)\n\
+         w:wakeup()\n\
+         r:wakeup()\n\
+         local info = fiber.info()\n\
+         for _, f in ipairs{w, r, s} do\n\
+         \x20 local i = info[f:id()]\n\
+         \x20 print(f:name(), i.status, i.waiting and i.waiting.on)\n\
+         end\n\
+         for h in require('fibertrace').dump():gmatch('\\n(fiber %d+ [^\\n]*)') do\n\
+         \x20 print((h:gsub('%d+ms', 'Nms')))\n\
+         end\n\
+         fiber.yield()\n\
+         os.exit(0)\n",
+    );
+    assert_eq!(
+        out,
+        "sleeper\tready\tnil\n\
+         reader\tready\tnil\n\
+         still\tsleeping\tsleep\n\
+         fiber 1 \"main\" [running]:\n\
+         fiber 2 \"sleeper\" [ready]:\n\
+         fiber 3 \"reader\" [ready]:\n\
+         fiber 4 \"still\" [sleep, Nms]:\n\
+         sleeper resumed\n"
+    );
+}

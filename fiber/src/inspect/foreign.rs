@@ -737,7 +737,8 @@ fn read_fiber(
         RunState::Running => Status::Running,
         _ => Status::from_u8(byte(status)),
     };
-    let wait_on_v = WaitOn::unpack(w(wait_on));
+    // (What it waited on stays recorded until it runs again: a woken fiber waits no more.)
+    let wait_on_v = WaitOn::unpack(w(wait_on)).filter(|_| st.waits());
     let waiting = wait_on_v.as_ref().map(|on| on.words().into_owned());
     // How long it has waited, for a fiber that waits (as in-process): the time since a ready
     // or running fiber last blocked says nothing of what it does now (one that only yields

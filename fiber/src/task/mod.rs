@@ -63,6 +63,15 @@ pub enum Status {
     Dead,
 }
 
+impl Status {
+    /// Whether a fiber in this status waits (sleeps, is blocked or suspended): what it waits
+    /// on is recorded until it runs again, but a fiber woken meanwhile (ready) waits no more
+    /// — it was shown as still waiting, `[sleep, 23ms]`, where it was about to run.
+    pub fn waits(self) -> bool {
+        matches!(self, Status::Suspended | Status::Sleeping | Status::Waiting)
+    }
+}
+
 /// What a fiber waits on.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -791,7 +800,7 @@ impl ControlBlock {
     /// Status, what it waits on, and the clock ticks when the status began.
     pub(crate) fn status_raw(&self) -> (Status, Option<WaitOn>, u64) {
         let st = Status::from_u8(self.status.load(Ordering::Relaxed));
-        let on = WaitOn::unpack(self.wait_on.load(Ordering::Relaxed));
+        let on = WaitOn::unpack(self.wait_on.load(Ordering::Relaxed)).filter(|_| st.waits());
         (st, on, self.since.load(Ordering::Relaxed))
     }
 
