@@ -470,3 +470,43 @@ fn tfn_tarantool_lines_are_numbered_together() {
         assert!(text.contains(s.as_str()));
     }
 }
+
+const LOAD_READER: &str = "\
+local function reader()
+  capture()
+  return nil
+end
+local function loader()
+  load(reader)
+end
+loader()
+";
+
+/// `load` with a reader function: the reader runs inside `load`'s C code (`lj_cf_load`,
+/// `reader_func` calling back into Lua), so those native frames sit between the reader and
+/// the `load` level — they were appended below the main chunk.
+#[test]
+fn tfn_load_with_a_reader_function() {
+    let mut want = vec![
+        "C tfn_capture",
+        "C call_callback",
+        "L capture in =[C]:-1",
+        "L function <script.lua:1> in @script.lua:2",
+    ];
+    if LUAJIT {
+        want.extend(["C reader_func", "C lj_cf_load"]);
+    } else {
+        want.extend(["C generic_reader", "C luaB_load"]);
+    }
+    want.extend([
+        "L load in =[C]:-1",
+        "L loader in @script.lua:6",
+        "L main chunk in @script.lua:8",
+    ]);
+    check(
+        LOAD_READER,
+        &["reader_func", "lj_cf_load", "generic_reader", "luaB_load"],
+        &want,
+        "tfn_load_with_a_reader_function",
+    );
+}

@@ -145,3 +145,67 @@ fn a_woken_fiber_is_ready_and_waits_on_nothing() {
          sleeper resumed\n"
     );
 }
+
+/// Native code that runs inside a C function and calls back into Lua sits between the Lua it
+/// called and the C function's level: `load` reading its chunk through a reader function
+/// (`reader_func`, `lj_cf_load`), and a C library's `qsort` calling an FFI callback (`qsort`,
+/// `lj_cf_ffi_meta___call`) — those frames were printed after the main chunk, as if they
+/// had called it.
+#[cfg(feature = "luajit")]
+#[test]
+fn native_code_between_a_callback_and_its_c_function_stays_between_them() {
+    let (out, _) = run_script(
+        "callbacks",
+        &[],
+        "local fiber = require('fiber')\n\
+         local ffi = require('ffi')\n\
+         local ft = require('fibertrace')\n\
+         ffi.cdef[[ void qsort(void *base, size_t nmemb, size_t size, int (*compar)(const void *, const void *)); ]]\n\
+         local function names(block)\n\
+         \x20 local t = {}\n\
+         \x20 for l in block:gmatch('[^\\n]+') do\n\
+         \x20   local fn = l:match(' 0x%x+ in ([%w_]+)') or l:match('^#%d+%s+(.-)$')\n\
+         \x20   if fn then t[#t + 1] = fn end\n\
+         \x20 end\n\
+         \x20 return table.concat(t, '|')\n\
+         end\n\
+         local function reader() print(names(ft.dump():match('\\nfiber 1 [^\\n]*\\n(.-)\\n\\n'))) return nil end\n\
+         local function loader() load(reader) end\n\
+         loader()\n\
+         local slept = false\n\
+         local function cmp(a, b)\n\
+         \x20 if not slept then slept = true fiber.sleep(10) end\n\
+         \x20 return 0\n\
+         end\n\
+         local cb = ffi.cast('int (*)(const void *, const void *)', cmp)\n\
+         local arr = ffi.new('int[4]', {3, 1, 2, 0})\n\
+         local function sorter() ffi.C.qsort(arr, 4, 4, cb) end\n\
+         local f = fiber.create(function() sorter() end)\n\
+         fiber.yield()\n\
+         print(names(ft.dump():match('\\nfiber 2 [^\\n]*\\n(.-)\\n\\n')))\n\
+         os.exit(0)\n",
+    );
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines[0],
+        "dump in =[C]:-1|function <S:13> in @S:13|reader_func|lj_cf_load|load in =[C]:-1|\
+         loader in @S:14|main chunk in @S:15",
+        "{out}"
+    );
+    // (The C library's sort may be inlined into `qsort` or `qsort_r`; its frames are
+    // `msort_with_tmp` in glibc.)
+    let sorted = lines[1];
+    let (head, tail) = sorted
+        .split_once("|function <S:17> in @S:18|")
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(head.ends_with("sleep in =[C]:-1"), "{out}");
+    let (native, lua) = tail
+        .split_once("|qsort in =[C]:-1|")
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(native.ends_with("lj_cf_ffi_meta___call"), "{out}");
+    assert!(
+        native.contains("msort") || native.contains("qsort"),
+        "{out}"
+    );
+    assert_eq!(lua, "sorter in @S:23|function <S:24> in @S:24", "{out}");
+}

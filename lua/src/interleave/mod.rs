@@ -268,12 +268,20 @@ pub fn merge_with_gap<const N: usize>(
         }
         let v_end = next(i, false);
         let n_end = next(v_end, true);
-        let mut anchor = None;
-        while j < lua.len() {
-            if let Some(k) = find_anchor(v_end, n_end, j) {
-                anchor = Some(k);
-                break;
-            }
+        let near = (j..lua.len()).find_map(|jj| find_anchor(v_end, n_end, jj).map(|k| (jj, k)));
+        // None in the next segment: the first C level with an anchor at all, in a later one.
+        // The native code between (a VM-core stretch that runs no Lua, and the C it calls) ran
+        // inside that C function: `load` reading its chunk through a Lua reader (`lj_cf_load`
+        // … the parser … `reader_func` → the reader), a C library calling an FFI callback
+        // (`__call` … `qsort` → the callback). Without this, the levels were all emitted here
+        // and those native frames came after the main chunk.
+        let far = || {
+            let jj = (j..lua.len()).find(|&jj| lua[jj].is_anchor())?;
+            find_anchor(n_end, n, jj).map(|k| (jj, k))
+        };
+        let anchor = near.or_else(far);
+        let upto = anchor.map_or(lua.len(), |(jj, _)| jj);
+        while j < upto {
             lua_frame(j, out);
             j += 1;
         }
@@ -281,8 +289,13 @@ pub fn merge_with_gap<const N: usize>(
             out.extend_from_slice(&native[i..v_end]);
         }
         i = v_end;
-        if let Some(k) = anchor {
-            out.extend_from_slice(&native[v_end..=k]);
+        if let Some((_, k)) = anchor {
+            // The native frames up to the anchor (the VM's hidden unless shown).
+            for kk in v_end..=k {
+                if show_vm || !vm[kk] {
+                    out.push(native[kk]);
+                }
+            }
             lua_frame(j, out);
             i = k + 1;
             j += 1;
