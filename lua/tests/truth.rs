@@ -209,3 +209,31 @@ fn native_code_between_a_callback_and_its_c_function_stays_between_them() {
     );
     assert_eq!(lua, "sorter in @S:23|function <S:24> in @S:24", "{out}");
 }
+
+/// The creator's trace of a fiber made by `fiber.new` starts at the `new` call, as one made by
+/// `fiber.create` starts at `create`: it began with the host's own capture frames
+/// (`current_frames`, `spawn_lua`).
+#[test]
+fn a_fiber_new_creators_trace_starts_at_the_new_call() {
+    let (out, _) = run_script(
+        "new_parent",
+        &[],
+        "local fiber = require('fiber')\n\
+         fiber.parent_backtrace_enable()\n\
+         local function mk() local f = fiber.new(function() fiber.sleep(10) end) return f end\n\
+         local function mk2() local f = fiber.create(function() fiber.sleep(10) end) return f end\n\
+         for _, f in ipairs{mk(), mk2()} do\n\
+         \x20 local t = {}\n\
+         \x20 for _, e in ipairs(fiber.info()[f:id()].parent_backtrace) do\n\
+         \x20   t[#t + 1] = ((e.C or e.L):gsub('^#%d+%s+', ''):gsub('^0x%x+ in ', ''):gsub('%+%d+$', ''))\n\
+         \x20 end\n\
+         \x20 print(table.concat(t, '|', 1, 4))\n\
+         end\n\
+         os.exit(0)\n",
+    );
+    assert_eq!(
+        out,
+        "fibertrace_lua::host::spawn::f_new|new in =[C]:-1|mk in @S:3|main chunk in @S:5\n\
+         fibertrace_lua::host::spawn::f_create|create in =[C]:-1|mk2 in @S:4|main chunk in @S:5\n"
+    );
+}

@@ -534,9 +534,11 @@ fn spawn_lua(c: &mut Call, what: &str, starts_now: bool) -> Result<FiberId, LErr
         Err(e) => return Err(give_back(e)),
     };
     let parent = if parent_bt {
+        // From the Lua call of the C function that creates it: the host's own frames above
+        // are not the creator's.
+        let upto = if starts_now { "f_create" } else { "f_new" };
         // SAFETY: the creator's root thread runs on this OS thread (it is calling us).
-        let frames =
-            unsafe { super::info::current_frames(creator_root.unwrap_or(l), l, "f_create") };
+        let frames = unsafe { super::info::current_frames(creator_root.unwrap_or(l), l, upto) };
         let me = fibertrace_fiber::current();
         Some(ParentTrace::new(me.as_ref(), &frames))
     } else {
