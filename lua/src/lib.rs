@@ -50,7 +50,7 @@ pub mod symbols;
 pub use frames::intern::{describe, LuaFrameInfo, LuaKind};
 pub use frames::{capture_lua_stack, LuaLevel, LuaStack};
 pub use heap::{heap_baseline, heap_groups, heap_text, heap_text_since, HeapBaseline};
-pub use host::{LuaHost, ScriptError};
+pub use host::{LuaHost, ScriptError, HOST_CHUNK};
 pub use interleave::{
     capture_current, capture_current_raw, capture_interleaved, capture_interleaved_with,
     interleave, prepare, InterleaveOptions,

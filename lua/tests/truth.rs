@@ -237,3 +237,40 @@ fn a_fiber_new_creators_trace_starts_at_the_new_call() {
          fibertrace_lua::host::spawn::f_create|create in =[C]:-1|mk2 in @S:4|main chunk in @S:5\n"
     );
 }
+
+/// `os.exit` in nested calls with `--dump-on-exit`: the exiting fiber's trace begins at the
+/// script's own call, without the program's wrapper around `os.exit` (`dump in =[C]`,
+/// `exit in =fibertrace:11`, which the script never wrote).
+#[test]
+fn an_exit_dump_starts_at_the_scripts_own_exit_call() {
+    let dir = Scratch::new("exit-dump");
+    let file = dir.join("exit.txt");
+    let (out, _) = run_script(
+        "exit_dump",
+        &["--dump-on-exit", &format!("text:{}", file.display())],
+        "local function leave() os.exit(0) end\n\
+         local function mid() leave() end\n\
+         print('before')\n\
+         mid()\n",
+    );
+    assert_eq!(out, "before\n");
+    let dump = std::fs::read_to_string(&file).unwrap();
+    let main = dump
+        .split("\n\n")
+        .find(|b| b.starts_with("fiber 1 \"main\" [running]:"))
+        .unwrap_or_else(|| panic!("{dump}"));
+    let lines: Vec<&str> = main.lines().skip(1).collect();
+    assert!(lines.len() == 3, "{dump}");
+    assert!(
+        lines[0].starts_with("#0  leave in @") && lines[0].ends_with(":1"),
+        "{dump}"
+    );
+    assert!(
+        lines[1].starts_with("#1  mid in @") && lines[1].ends_with(":2"),
+        "{dump}"
+    );
+    assert!(
+        lines[2].starts_with("#2  main chunk in @") && lines[2].ends_with(":4"),
+        "{dump}"
+    );
+}

@@ -653,7 +653,7 @@ fn release_before_exit(host: &fibertrace_lua::LuaHost) -> mlua::Result<()> {
     let exit: mlua::Function = os.get("exit")?;
     let wrapped: mlua::Function = lua
         .load("local release, exit = ...\nreturn function(...) release() return exit(...) end")
-        .set_name("=fibertrace")
+        .set_name(fibertrace_lua::HOST_CHUNK)
         .call((host.release_kept_fn()?, exit))?;
     os.set("exit", wrapped)
 }
@@ -697,7 +697,7 @@ fn wrap_os_exit(lua: &mlua::Lua, list: &[(Format, PathBuf)]) -> mlua::Result<()>
     })?;
     let wrapped: mlua::Function = lua
         .load(EXIT_WRAPPER)
-        .set_name("=fibertrace")
+        .set_name(fibertrace_lua::HOST_CHUNK)
         .call((dump, exit, t, claim, finish, ended))?;
     os.set("exit", wrapped)
 }

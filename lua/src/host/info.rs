@@ -1384,6 +1384,10 @@ pub(crate) fn snapshot_here(
 ) -> fibertrace_fiber::Snapshot {
     let me = fibertrace_fiber::current_id();
     let root = with_host(|h| h.recs.get(&me).map(|r| r.thread)).flatten();
+    // The other fibers first, as of the call: reading this fiber's frames may load the
+    // symbolizer (its first use takes tens of milliseconds), and a wait read after it was
+    // that much longer than when the dump was asked for.
+    let mut snap = fibertrace_fiber::inspect::snapshot(&fibertrace_fiber::InfoOptions::default());
     // SAFETY: `root` is the running fiber's own Lua thread (its record's), on this thread;
     // `cur` the state of the running call.
     let mut mine = root.map(|root| unsafe { current_frames(root, cur, upto) });
@@ -1395,8 +1399,27 @@ pub(crate) fn snapshot_here(
         if v.first().is_some_and(|f| is_frame_of(f, upto)) {
             v.remove(0);
         }
+        // Called from the host program's own Lua (`os.exit` as `--dump-on-exit` wraps it,
+        // chunk [`super::HOST_CHUNK`]): that call and the wrapper are the host's, not the
+        // script's, whose own call (`os.exit(0)` in `leave`) comes next.
+        let host_level = |f: &Frame| match f {
+            Frame::Lua(id) => crate::describe(*id)
+                .is_some_and(|i| i.source.as_bytes() == super::HOST_CHUNK.as_bytes()),
+            _ => false,
+        };
+        let lua_levels = v
+            .iter()
+            .enumerate()
+            .filter(|(_, f)| matches!(f, Frame::Lua(_)));
+        let wrapped = lua_levels
+            .skip(1)
+            .take_while(|(_, f)| host_level(f))
+            .last()
+            .map(|(i, _)| i);
+        if let Some(i) = wrapped {
+            v.drain(..=i);
+        }
     }
-    let mut snap = fibertrace_fiber::inspect::snapshot(&fibertrace_fiber::InfoOptions::default());
     let Some(frames) = mine else {
         return snap;
     };

@@ -255,6 +255,11 @@ impl ScriptError {
     }
 }
 
+/// The chunk name of Lua code that a host program runs around the script (`fibertrace run`
+/// wraps `os.exit` to write its exit dumps first): its levels at the top of the calling
+/// fiber's trace in `fibertrace.dump()` are the program's, and are left out there.
+pub const HOST_CHUNK: &str = "=fibertrace";
+
 /// A Lua state whose fibers are fibertrace fibers, with the `fiber` and `clock` modules.
 pub struct LuaHost {
     lua: Option<mlua::Lua>,
