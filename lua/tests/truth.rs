@@ -274,3 +274,59 @@ fn an_exit_dump_starts_at_the_scripts_own_exit_call() {
         "{dump}"
     );
 }
+
+/// An uncaught error ends the script: the exit dump shows the main fiber where the error was
+/// raised, and says so, beside the fibers still waiting. It had ended by the time the dump
+/// was written, and the one stack that mattered was missing from the post-mortem file.
+#[test]
+fn an_exit_dump_after_an_uncaught_error_shows_where_it_was_raised() {
+    let dir = Scratch::new("error-dump");
+    let file = dir.join("err.txt");
+    let script = dir.join("fails.lua");
+    std::fs::write(
+        &script,
+        "local fiber = require('fiber')\n\
+         local function boom() local t = nil; return t.x end\n\
+         local function mid() local r = boom(); return r end\n\
+         fiber.create(function() fiber.name('bystander'); fiber.sleep(10) end)\n\
+         mid()\n",
+    )
+    .unwrap();
+    let o = bounded::run(
+        &[
+            "run",
+            "--dump-on-exit",
+            &format!("text:{}", file.display()),
+            script.to_str().unwrap(),
+        ],
+        b"",
+    );
+    assert_eq!(o.code, Some(1), "{}", o.stderr);
+    let p = script.display().to_string();
+    let dump = std::fs::read_to_string(&file).unwrap().replace(&p, "S");
+    let blocks: Vec<&str> = dump.split("\n\n").collect();
+    assert_eq!(blocks[0], "scheduler 1 \"lua\": 2 fibers", "{dump}");
+    assert_eq!(
+        blocks[1],
+        "(fiber 1 \"main\" ended by an uncaught error: S:2: attempt to index local 't' (a nil \
+         value); its trace is where the error was raised)",
+        "{dump}"
+    );
+    assert_eq!(
+        blocks[2],
+        "fiber 1 \"main\" [dead]:\n\
+         #0  boom in @S:2\n\
+         #1  mid in @S:3\n\
+         #2  main chunk in @S:5",
+        "{dump}"
+    );
+    assert!(
+        blocks[3].starts_with("fiber 2 \"bystander\" [sleep, "),
+        "{dump}"
+    );
+    assert!(
+        o.stderr.contains("stack traceback:\n#1  boom in @"),
+        "{}",
+        o.stderr
+    );
+}

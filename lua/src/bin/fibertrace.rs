@@ -553,7 +553,13 @@ fn dump_on_exit() -> bool {
     }
     let mut all = true;
     for (format, file) in list {
-        if let Err(e) = fibertrace_fiber::export::export_to_file(*format, file) {
+        // (With the main fiber where its uncaught error was raised, when that ended the
+        // script: it has ended by now.)
+        let mut snap =
+            fibertrace_fiber::inspect::snapshot(&fibertrace_fiber::InfoOptions::default());
+        fibertrace_lua::host::with_failed_main(&mut snap);
+        let bytes = fibertrace_fiber::export::to_bytes(&snap, *format);
+        if let Err(e) = fibertrace_fiber::export::write_file(file, &bytes) {
             err!("fibertrace: --dump-on-exit {format}: {e}");
             all = false;
         }

@@ -1423,7 +1423,18 @@ pub(crate) fn snapshot_here(
     let Some(frames) = mine else {
         return snap;
     };
-    let list: std::sync::Arc<[fibertrace_fiber::FrameInfo]> = frames
+    let list = frame_infos(&frames);
+    for fi in snap.schedulers.iter_mut().flat_map(|s| s.fibers.iter_mut()) {
+        if fi.id == me {
+            fi.backtrace = Some(list.clone());
+        }
+    }
+    snap
+}
+
+/// Frames as a report carries them: native ones resolved, Lua ones labelled.
+pub(crate) fn frame_infos(frames: &[Frame]) -> std::sync::Arc<[fibertrace_fiber::FrameInfo]> {
+    frames
         .iter()
         .map(|f| fibertrace_fiber::FrameInfo {
             frame: *f,
@@ -1436,13 +1447,66 @@ pub(crate) fn snapshot_here(
                 _ => None,
             },
         })
-        .collect();
-    for fi in snap.schedulers.iter_mut().flat_map(|s| s.fibers.iter_mut()) {
-        if fi.id == me {
-            fi.backtrace = Some(list.clone());
-        }
+        .collect()
+}
+
+/// The main fiber as it ended by an uncaught error (its scheduler's id, its info with the
+/// trace where the error was raised, the message): the program's exit dumps are written
+/// after it ended, and would not show it otherwise (see [`with_failed_main`]).
+static FAILED_MAIN: std::sync::Mutex<Option<(fibertrace_fiber::FiberInfo, String)>> =
+    std::sync::Mutex::new(None);
+
+/// Records the main fiber `fid`, failing now with `message`, its frames at the error
+/// `frames` (taken by the message handler).
+pub(crate) fn record_failed_main(fid: FiberId, frames: &[Frame], message: &str) {
+    let opts = fibertrace_fiber::InfoOptions {
+        backtrace: false,
+        ..Default::default()
+    };
+    let Some(mut fi) = fibertrace_fiber::inspect::info::fiber_info(fid, &opts) else {
+        return;
+    };
+    fi.status = Status::Dead;
+    fi.waiting = None;
+    fi.backtrace = Some(frame_infos(frames));
+    let mut msg: String = message.chars().take(500).collect();
+    if msg.len() < message.len() {
+        msg.push_str("...");
     }
-    snap
+    if let Ok(mut g) = FAILED_MAIN.lock() {
+        *g = Some((fi, msg));
+    }
+}
+
+/// Adds the main fiber that ended by an uncaught error (see [`record_failed_main`]) to a
+/// snapshot taken after it ended, with a note on its scheduler that says so: an exit dump
+/// then shows where the script failed. A snapshot that still has it is left as it is.
+pub fn with_failed_main(snap: &mut fibertrace_fiber::Snapshot) {
+    let Some((fi, msg)) = FAILED_MAIN.lock().ok().and_then(|g| g.clone()) else {
+        return;
+    };
+    let Some(s) = snap.schedulers.iter_mut().find(|s| s.id == fi.scheduler) else {
+        return;
+    };
+    if s.fibers.iter().any(|f| f.id == fi.id) {
+        return;
+    }
+    let line = format!(
+        "fiber {} \"{}\" ended by an uncaught error: {}; its trace is where the error was raised",
+        fi.id,
+        fibertrace_core::format::Escaped(&fi.name),
+        fibertrace_core::format::Escaped(&msg)
+    );
+    s.note = Some(match s.note.take() {
+        Some(n) => format!("{n}; {line}"),
+        None => line,
+    });
+    let at = s
+        .fibers
+        .iter()
+        .position(|f| f.id > fi.id)
+        .unwrap_or(s.fibers.len());
+    s.fibers.insert(at, fi);
 }
 
 #[cfg(test)]

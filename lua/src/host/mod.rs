@@ -53,7 +53,7 @@ mod hog;
 mod holds;
 mod info;
 #[doc(hidden)]
-pub use info::set_lua_level_memo;
+pub use info::{set_lua_level_memo, with_failed_main};
 mod install;
 mod objects;
 mod prelude;
@@ -200,6 +200,8 @@ thread_local! {
     static HOST: RefCell<Option<HostState>> = const { RefCell::new(None) };
     /// The interleaved trace of the last error caught by a fiber's message handler.
     static LAST_TRACE: RefCell<Option<String>> = const { RefCell::new(None) };
+    /// The frames of [`LAST_TRACE`], as the message handler took them.
+    static LAST_FRAMES: RefCell<Vec<fibertrace_core::Frame>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Runs `f` with the host state of this thread (`None`: no host, or already borrowed).
@@ -665,4 +667,12 @@ pub(crate) fn set_last_trace(t: Option<String>) {
 
 pub(crate) fn take_last_trace() -> Option<String> {
     LAST_TRACE.with(|c| c.borrow_mut().take())
+}
+
+pub(crate) fn set_last_frames(f: Vec<fibertrace_core::Frame>) {
+    LAST_FRAMES.with(|c| *c.borrow_mut() = f);
+}
+
+pub(crate) fn take_last_frames() -> Vec<fibertrace_core::Frame> {
+    LAST_FRAMES.with(|c| std::mem::take(&mut *c.borrow_mut()))
 }

@@ -34,6 +34,7 @@ pub(super) fn msgh_body(c: &mut Call) -> LResult {
         .position(|f| matches!(f, fibertrace_core::Frame::Lua(_)))
         .map_or(0, |i| i + 1);
     super::set_last_trace(Some(crate::render::tarantool_report(&frames[from..])));
+    super::set_last_frames(frames[from..].to_vec());
     Ok(1)
 }
 lua_fn!(f_msgh, msgh_body);
@@ -761,8 +762,11 @@ pub(crate) fn run_main_fiber(
         // The script failed: it ends now (as in Tarantool), not once the other fibers are
         // done — one that only yields would hold its error back forever.
         fibertrace_fiber::end_run_after_turn();
+        let message = String::from_utf8_lossy(&b).into_owned();
+        // Kept for the exit dumps, written after this fiber has ended.
+        super::info::record_failed_main(fid, &super::take_last_frames(), &message);
         Err(ScriptError {
-            message: String::from_utf8_lossy(&b).into_owned(),
+            message,
             message_bytes: b,
             traceback: super::take_last_trace().unwrap_or_default(),
         })
