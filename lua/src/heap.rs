@@ -150,6 +150,10 @@ pub fn heap_text_since(top: usize, base: Option<&HeapBaseline>) -> String {
     out
 }
 
+/// Most threads of a chain of coroutines the stack hook reads (see
+/// `Reader::set_max_threads`).
+const HOOK_THREADS: usize = 32;
+
 /// The tracker's stack hook (`fibertrace_core::heap::set_stack_hook`, installed by the host
 /// when the heap is tracked): the running fiber's Lua frames interleaved with the recorded
 /// native frames, each a `LUA_TAG | id` entry. See the module doc.
@@ -169,6 +173,9 @@ pub fn lua_stack_hook(
     let Ok(mut reader) = crate::frames::foreign::Reader::own() else {
         return n;
     };
+    // (A record keeps the innermost frames: a nest of thousands of coroutines is not walked
+    // at every allocation.)
+    reader.set_max_threads(HOOK_THREADS);
     // The innermost Lua level's line, when the interpreter allocates from inside one of its
     // instructions (the PC it saved for the call: checked against the function's code).
     // (Read in blocks: a channel's creation read the stack ~160 times, a system call each,

@@ -1074,7 +1074,7 @@ fn out_of_memory_leaves_fiber_info_and_dumps_working() {
          \x20 print('dump', round, ok2 and select(2, d:gsub('\\nfiber ', '')) or d)\n\
          end\n\
          print('quit now') io.stdout:flush()\n\
-         fiber.sleep(1.5)\n\
+         fiber.sleep(2.5)\n\
          print('fill', 4, fill())\n\
          print('info', 4, (pcall(fiber.info)))\n",
     )
@@ -1167,4 +1167,67 @@ fn out_of_memory_leaves_fiber_info_and_dumps_working() {
         "{main}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Out of memory, the exits that write something still do: `os.exit(3)` with
+/// `--dump-on-exit` exits 3 with its dump written (the wrapper's own Lua could not allocate:
+/// `os.exit` raised `not enough memory` and the script went on), and `--heap=every` and
+/// `--leaks` runs end with their report (the tracker's tables grew into nothing, and the
+/// exit's collection raised through a Rust frame: both aborted the process).
+#[cfg(feature = "luajit")]
+#[test]
+fn out_of_memory_exits_keep_their_code_dumps_and_reports() {
+    let dir = Scratch::new("rel-oom-exit");
+    let script = dir.join("fill.lua");
+    let dump = dir.join("d.txt");
+    std::fs::write(
+        &script,
+        "local hog, n = {}, 0\n\
+         local sz = 1024 * 1024\n\
+         while sz >= 64 do\n\
+         \x20 pcall(function() while true do n = n + 1 hog[n] = string.rep('x', sz) .. n end end)\n\
+         \x20 sz = math.floor(sz / 2)\n\
+         end\n\
+         io.stdout:write('filled\\n')\n\
+         io.stdout:flush()\n\
+         if arg[1] == 'exit' then os.exit(3) end\n\
+         hog = nil\n\
+         pcall(collectgarbage)\n\
+         io.stdout:write('done\\n')\n",
+    )
+    .unwrap();
+    let run = |args: &[&str]| {
+        Command::new("bash")
+            .arg("-c")
+            .arg("ulimit -v 600000; exec \"$0\" run \"$@\"")
+            .arg(EXE)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let s = script.to_str().unwrap();
+    let d = format!("text:{}", dump.display());
+    let o = run(&["--dump-on-exit", &d, s, "exit"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "filled\n", "{err}");
+    let text = std::fs::read_to_string(&dump).unwrap_or_else(|e| panic!("{e}: {err}"));
+    assert!(text.starts_with("scheduler 1 \"lua\": 1 fiber\n"), "{text}");
+    assert!(text.contains("\nfiber 1 \"main\" [running]:\n"), "{text}");
+    for flag in ["--heap=every", "--leaks"] {
+        let o = run(&[flag, s]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(0), "{flag}: {err}");
+        assert_eq!(
+            String::from_utf8_lossy(&o.stdout),
+            "filled\ndone\n",
+            "{flag}: {err}"
+        );
+        if flag == "--leaks" {
+            assert!(
+                err.contains("fibertrace: --leaks: live at exit:\n"),
+                "{err}"
+            );
+        }
+    }
 }

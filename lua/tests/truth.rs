@@ -128,7 +128,7 @@ fn a_woken_fiber_is_ready_and_waits_on_nothing() {
          \x20 print(f:name(), i.status, i.waiting and i.waiting.on)\n\
          end\n\
          for h in require('fibertrace').dump():gmatch('\\n(fiber %d+ [^\\n]*)') do\n\
-         \x20 print((h:gsub('%d+ms', 'Nms')))\n\
+         \x20 print((h:gsub('[%d.]+[mu]?s%]', 'N]')))\n\
          end\n\
          fiber.yield()\n\
          os.exit(0)\n",
@@ -141,7 +141,7 @@ fn a_woken_fiber_is_ready_and_waits_on_nothing() {
          fiber 1 \"main\" [running]:\n\
          fiber 2 \"sleeper\" [ready]:\n\
          fiber 3 \"reader\" [ready]:\n\
-         fiber 4 \"still\" [sleep, Nms]:\n\
+         fiber 4 \"still\" [sleep, N]:\n\
          sleeper resumed\n"
     );
 }
@@ -328,5 +328,36 @@ fn an_exit_dump_after_an_uncaught_error_shows_where_it_was_raised() {
         o.stderr.contains("stack traceback:\n#1  boom in @"),
         "{}",
         o.stderr
+    );
+}
+
+/// A fiber deep in 300 nested coroutines: one `... N frames omitted ...` marker, in the middle,
+/// and the trace ends at the fiber's entry function. The native trace's own cut (the resumes'
+/// frames, hidden anyway) showed as a second marker after the entry function.
+#[test]
+fn a_deep_nest_of_coroutines_has_one_omission_in_its_middle() {
+    let (out, _) = run_script(
+        "deep_nest",
+        &[],
+        "local fiber = require('fiber')\n\
+         local function nest(k)\n\
+         \x20 if k == 0 then fiber.sleep(10) return end\n\
+         \x20 local co = coroutine.create(nest)\n\
+         \x20 assert(coroutine.resume(co, k - 1))\n\
+         end\n\
+         local f = fiber.create(function() nest(300) end)\n\
+         fiber.yield()\n\
+         print(require('fibertrace').dump():match('\\nfiber 2 [^\\n]*\\n(.-)\\n\\n'))\n\
+         os.exit(0)\n",
+    );
+    let lines: Vec<&str> = out.lines().collect();
+    let marks: Vec<usize> = (0..lines.len())
+        .filter(|&i| lines[i].contains(" frames omitted ..."))
+        .collect();
+    assert_eq!(marks.len(), 1, "{out}");
+    assert!(marks[0] > 10 && marks[0] + 10 < lines.len(), "{out}");
+    assert!(
+        lines.last().unwrap().ends_with("function <S:7> in @S:7"),
+        "{out}"
     );
 }

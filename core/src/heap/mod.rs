@@ -49,7 +49,9 @@ pub use crate::untracked::{pause, Busy};
 pub use owner::{
     outside_fibers, owners, restore, switch_to, OutsideFibers, Owner, OwnerRow, Usage, MAX_OWNERS,
 };
-pub use reserve::{reserve_use, set_aside, Reserve, ReserveUse, RESERVE_BYTES};
+pub use reserve::{
+    reserve_use, set_aside, without_reserve, Reserve, ReserveUse, RESERVE_BYTES, SET_ASIDE_MAX,
+};
 pub use totals::{totals, Total, MAX_ENTRIES};
 pub use view::{
     group, human_bytes, live, machinery_frames, render_groups, share_name, write_m_lines, Group,
@@ -294,6 +296,35 @@ fn env_tier() -> Option<u8> {
     }
 }
 
+thread_local! {
+    /// How many tracked allocations are in progress on this thread: more than one while the
+    /// tracker allocates for its own tables during one (see [`reserve::without_reserve`]).
+    static TRACKED_DEPTH: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// See [`TRACKED_DEPTH`].
+pub(crate) fn tracked_depth() -> u32 {
+    TRACKED_DEPTH.try_with(|d| d.get()).unwrap_or(0)
+}
+
+/// Counts a tracked allocation in progress while held.
+struct InTracked;
+
+impl InTracked {
+    #[inline]
+    fn enter() -> InTracked {
+        let _ = TRACKED_DEPTH.try_with(|d| d.set(d.get().saturating_add(1)));
+        InTracked
+    }
+}
+
+impl Drop for InTracked {
+    #[inline]
+    fn drop(&mut self) {
+        let _ = TRACKED_DEPTH.try_with(|d| d.set(d.get().saturating_sub(1)));
+    }
+}
+
 // SAFETY: every method hands out memory from the inner allocator, with a layout that holds
 // the caller's (size and alignment) at the pointer returned, and frees it with the layout it
 // was allocated with (recomputed from the caller's layout and the header's length).
@@ -302,9 +333,15 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Tracked<A> {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         match self.mode() {
             // SAFETY: the caller's contract (a non-zero-sized layout).
-            EVERY => unsafe { every::alloc(&self.inner, layout, false) },
+            EVERY => unsafe {
+                let _in = InTracked::enter();
+                every::alloc(&self.inner, layout, false)
+            },
             // SAFETY: as above.
-            SAMPLED => unsafe { sample::alloc(&self.inner, layout, false) },
+            SAMPLED => unsafe {
+                let _in = InTracked::enter();
+                sample::alloc(&self.inner, layout, false)
+            },
             // SAFETY: as above.
             _ => unsafe { self.inner.alloc(layout) },
         }
@@ -314,9 +351,15 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Tracked<A> {
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         match self.mode() {
             // SAFETY: the caller's contract.
-            EVERY => unsafe { every::alloc(&self.inner, layout, true) },
+            EVERY => unsafe {
+                let _in = InTracked::enter();
+                every::alloc(&self.inner, layout, true)
+            },
             // SAFETY: as above.
-            SAMPLED => unsafe { sample::alloc(&self.inner, layout, true) },
+            SAMPLED => unsafe {
+                let _in = InTracked::enter();
+                sample::alloc(&self.inner, layout, true)
+            },
             // SAFETY: as above.
             _ => unsafe { self.inner.alloc_zeroed(layout) },
         }
@@ -338,9 +381,15 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Tracked<A> {
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         match self.mode() {
             // SAFETY: the caller's contract for realloc.
-            EVERY => unsafe { every::realloc(&self.inner, ptr, layout, new_size) },
+            EVERY => unsafe {
+                let _in = InTracked::enter();
+                every::realloc(&self.inner, ptr, layout, new_size)
+            },
             // SAFETY: as above.
-            SAMPLED => unsafe { sample::realloc(&self.inner, ptr, layout, new_size) },
+            SAMPLED => unsafe {
+                let _in = InTracked::enter();
+                sample::realloc(&self.inner, ptr, layout, new_size)
+            },
             // SAFETY: as above.
             _ => unsafe { self.inner.realloc(ptr, layout, new_size) },
         }

@@ -25,7 +25,7 @@
 //! not fit.
 
 use std::alloc::{GlobalAlloc, Layout};
-use std::cell::UnsafeCell;
+use std::cell::{Cell, UnsafeCell};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 /// The bytes set aside (8 MiB): in the image's zero-filled data, so no page is touched — nor
@@ -48,16 +48,49 @@ static STATE: AtomicU64 = AtomicU64::new(0);
 /// Allocations served from the arena since the process began.
 static SERVED: AtomicU64 = AtomicU64::new(0);
 
-/// The address space set aside by [`set_aside`] (its start; 0: none), and its length.
+/// The address space set aside by [`set_aside`]: its start (page-aligned) with its length in
+/// pages in the low 12 bits, one word so that it is taken and given back whole; 0: none.
 static ASIDE: AtomicUsize = AtomicUsize::new(0);
-static ASIDE_LEN: AtomicUsize = AtomicUsize::new(0);
 
-/// Takes `bytes` of address space (no memory: a mapping nothing may touch) to give back at
-/// the first allocation the inner allocator refuses, for the code that cannot use the arena
-/// (see the module docs). Call it once, early; a second call keeps the first one's. Whether
-/// the space was taken.
+/// Most bytes [`set_aside`] takes (4,095 pages).
+pub const SET_ASIDE_MAX: usize = 4095 * PAGE;
+
+const PAGE: usize = 4096;
+
+const _: () = assert!(RESERVE_BYTES < 1 << 32, "offsets are 32 bits in `STATE`");
+
+thread_local! {
+    /// Set while this thread allocates for a heap that raises its own out-of-memory error
+    /// (see [`without_reserve`]).
+    static NO_RESERVE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with the reserve and the set-aside space kept out of its allocations on this
+/// thread: a refusal of the inner allocator is a refusal (the heap tracker's own bookkeeping
+/// meanwhile is still served). For an allocator of a heap that handles running out itself (a
+/// Lua state raises `not enough memory`): it would otherwise take the reserve first, keep it
+/// in its live objects, and leave nothing for the reports.
+pub fn without_reserve<R>(f: impl FnOnce() -> R) -> R {
+    let was = NO_RESERVE.try_with(|c| c.replace(true)).unwrap_or(false);
+    let r = f();
+    let _ = NO_RESERVE.try_with(|c| c.set(was));
+    r
+}
+
+/// Whether a refusal now stays one: inside [`without_reserve`], except for the heap
+/// tracker's own bookkeeping (its tables: allocations nested inside a tracked allocation),
+/// which the reserve serves.
+fn reserve_kept_out() -> bool {
+    NO_RESERVE.try_with(Cell::get).unwrap_or(true) && super::tracked_depth() <= 1
+}
+
+/// Takes `bytes` (rounded up to pages, at most [`SET_ASIDE_MAX`]) of address space — no
+/// memory: a mapping nothing may touch — to give back at the first allocation the inner
+/// allocator refuses, for the code that cannot use the arena (see the module docs). Call it
+/// once, early; a second call keeps the first one's. Whether the space was taken.
 pub fn set_aside(bytes: usize) -> bool {
-    if bytes == 0 || ASIDE.load(Ordering::Acquire) != 0 {
+    let pages = bytes.div_ceil(PAGE);
+    if pages == 0 || pages * PAGE > SET_ASIDE_MAX || ASIDE.load(Ordering::Acquire) != 0 {
         return false;
     }
     // SAFETY: a fresh anonymous mapping, not accessible, placed by the kernel: it touches no
@@ -65,7 +98,7 @@ pub fn set_aside(bytes: usize) -> bool {
     let p = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
-            bytes,
+            pages * PAGE,
             libc::PROT_NONE,
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
             -1,
@@ -75,28 +108,37 @@ pub fn set_aside(bytes: usize) -> bool {
     if p == libc::MAP_FAILED {
         return false;
     }
-    ASIDE_LEN.store(bytes, Ordering::Relaxed);
     if ASIDE
-        .compare_exchange(0, p as usize, Ordering::AcqRel, Ordering::Acquire)
+        .compare_exchange(0, p as usize | pages, Ordering::AcqRel, Ordering::Acquire)
         .is_err()
     {
         // SAFETY: the mapping just made, never published.
-        unsafe { libc::munmap(p, bytes) };
+        unsafe { libc::munmap(p, pages * PAGE) };
         return false;
     }
     true
 }
 
-/// Gives the set-aside space back, the first time only: whether it did.
+/// Gives the set-aside space back, once, for a refused request of `size` bytes it could
+/// hold (a larger one, or an impossible one, would not fit in it anyway): whether it did.
 #[cold]
-fn give_back() -> bool {
-    let p = ASIDE.swap(0, Ordering::AcqRel);
-    if p == 0 {
+fn give_back(size: usize) -> bool {
+    let seen = ASIDE.load(Ordering::Acquire);
+    if seen == 0 || size > (seen & (PAGE - 1)) * PAGE {
         return false;
     }
-    // SAFETY: the mapping made by `set_aside`, of that length, taken out of `ASIDE` by this
-    // swap alone (nobody else unmaps it); nothing lives in it.
-    unsafe { libc::munmap(p as *mut libc::c_void, ASIDE_LEN.load(Ordering::Relaxed)) };
+    let taken = ASIDE.swap(0, Ordering::AcqRel);
+    if taken == 0 {
+        return false;
+    }
+    // SAFETY: the mapping made by `set_aside`, start and length in the one word taken out of
+    // `ASIDE` by this swap alone (nobody else unmaps it); nothing lives in it.
+    unsafe {
+        libc::munmap(
+            (taken & !(PAGE - 1)) as *mut libc::c_void,
+            (taken & (PAGE - 1)) * PAGE,
+        )
+    };
     true
 }
 
@@ -138,19 +180,43 @@ fn carve(layout: Layout) -> *mut u8 {
     }
 }
 
-/// Gives a block back: the arena empties itself when no block is live.
-fn release() {
+/// Gives block `ptr` of `size` bytes back: the last one carved gives its bytes back at once
+/// (a report's temporary allocations come and go mostly in that order), and the arena
+/// empties itself when no block is live.
+fn release(ptr: *mut u8, size: usize) {
+    let off = ptr as usize - base();
     let mut cur = STATE.load(Ordering::Relaxed);
     loop {
-        let live = cur >> 32;
+        let (live, next) = (cur >> 32, (cur & 0xffff_ffff) as usize);
         debug_assert!(live > 0, "a free of an arena block with none live");
         let new = if live <= 1 {
             0
+        } else if off + size.max(1) == next {
+            (live - 1) << 32 | off as u64
         } else {
-            (live - 1) << 32 | (cur & 0xffff_ffff)
+            (live - 1) << 32 | next as u64
         };
         match STATE.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Relaxed) {
             Ok(_) => return,
+            Err(seen) => cur = seen,
+        }
+    }
+}
+
+/// Grows or shrinks block `ptr` of `size` bytes to `new_size` where it is, when it is the
+/// last one carved and the arena holds the new size: whether it did.
+fn resize_last(ptr: *mut u8, size: usize, new_size: usize) -> bool {
+    let off = ptr as usize - base();
+    let mut cur = STATE.load(Ordering::Relaxed);
+    loop {
+        let (live, next) = (cur >> 32, (cur & 0xffff_ffff) as usize);
+        let end = off.saturating_add(new_size.max(1));
+        if off + size.max(1) != next || end > RESERVE_BYTES {
+            return false;
+        }
+        let new = live << 32 | end as u64;
+        match STATE.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Relaxed) {
+            Ok(_) => return true,
             Err(seen) => cur = seen,
         }
     }
@@ -208,7 +274,10 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Reserve<A> {
         // SAFETY: the caller's contract (a non-zero-sized layout).
         let p = unsafe { self.inner.alloc(layout) };
         if p.is_null() {
-            if give_back() {
+            if reserve_kept_out() {
+                return p;
+            }
+            if give_back(layout.size()) {
                 // SAFETY: as above.
                 let p = unsafe { self.inner.alloc(layout) };
                 if !p.is_null() {
@@ -225,7 +294,10 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Reserve<A> {
         // SAFETY: the caller's contract.
         let p = unsafe { self.inner.alloc_zeroed(layout) };
         if p.is_null() {
-            if give_back() {
+            if reserve_kept_out() {
+                return p;
+            }
+            if give_back(layout.size()) {
                 // SAFETY: as above.
                 let p = unsafe { self.inner.alloc_zeroed(layout) };
                 if !p.is_null() {
@@ -246,7 +318,7 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Reserve<A> {
     #[inline]
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         if holds(ptr) {
-            release();
+            release(ptr, layout.size());
         } else {
             // SAFETY: not an arena block, so the inner allocator's, made with `layout`.
             unsafe { self.inner.dealloc(ptr, layout) }
@@ -258,9 +330,11 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Reserve<A> {
         if !holds(ptr) {
             // SAFETY: the inner allocator's pointer, with its layout (the caller's contract).
             let p = unsafe { self.inner.realloc(ptr, layout, new_size) };
-            if !p.is_null() {
+            if !p.is_null() || reserve_kept_out() {
                 return p;
             }
+        } else if resize_last(ptr, layout.size(), new_size) {
+            return ptr;
         }
         // An arena block, or the inner allocator could not grow its own: a new block
         // (inner first), the bytes copied, the old one freed by its maker.
@@ -338,6 +412,41 @@ mod tests {
     }
 
     #[test]
+    fn the_last_block_grows_and_shrinks_in_place_and_gives_its_bytes_back_at_once() {
+        let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let r = Reserve::new(Empty);
+        let l = Layout::from_size_align(100, 8).unwrap();
+        // SAFETY: non-zero layouts; every block is freed with its layout below.
+        unsafe {
+            let x = r.alloc(l);
+            let y = r.alloc(l);
+            let after_x = reserve_use().taken - 100;
+            y.write_bytes(3, 100);
+            let y2 = r.realloc(y, l, 3000);
+            assert_eq!(y2, y, "the last block grows where it is");
+            assert_eq!(reserve_use().taken, after_x + 3000);
+            let y3 = r.realloc(y2, Layout::from_size_align(3000, 8).unwrap(), 50);
+            assert_eq!(y3, y);
+            assert!(std::slice::from_raw_parts(y3, 50).iter().all(|&b| b == 3));
+            r.dealloc(y3, Layout::from_size_align(50, 8).unwrap());
+            assert_eq!(reserve_use().taken, after_x, "its bytes back at once");
+            assert_eq!(reserve_use().live, 1);
+            // A refusal kept out of the reserve stays a refusal.
+            assert!(without_reserve(|| r.alloc(l)).is_null());
+            assert_eq!(reserve_use().live, 1);
+            r.dealloc(x, l);
+            assert_eq!(
+                reserve_use(),
+                ReserveUse {
+                    served: reserve_use().served,
+                    live: 0,
+                    taken: 0
+                }
+            );
+        }
+    }
+
+    #[test]
     fn blocks_carved_by_racing_threads_never_overlap() {
         let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let blocks: Vec<Vec<usize>> = std::thread::scope(|s| {
@@ -358,8 +467,9 @@ mod tests {
             all.windows(2).all(|w| w[1] - w[0] >= 64),
             "a block handed out twice"
         );
-        for _ in &all {
-            release();
+        for &p in &all {
+            release(p as *mut u8, 64);
         }
+        assert_eq!(reserve_use().live, 0);
     }
 }

@@ -624,23 +624,38 @@ fn exit_code(script: i32, dumped: bool) -> i32 {
 /// `os.exit(true)`, `os.exit(0)`, `os.exit('0')`, which `os.exit` reads as 0) whose dumps
 /// could not all be written exits with 1, as [`exit_code`] says.
 const EXIT_WRAPPER: &str = r#"
-local dump, exit, list, claim, finish, ended = ...
+local dump, exit, list, claim, finish, ended, failed = ...
 -- (The script may change the globals: the wrapper keeps its own.)
-local ipairs, pcall, select, tonumber, tostring = ipairs, pcall, select, tonumber, tostring
+local pcall, select, tonumber, tostring = pcall, select, tonumber, tostring
 local stderr = io.stderr
-return function(...)
+-- Everything the exit needs is made now: with the Lua heap full, os.exit still exits (it
+-- raised `not enough memory` and the script went on).
+local opts = {}
+for i, d in ipairs(list) do opts[i] = {format = d[1], file = d[2]} end
+local function write_dumps()
     local mine, all = claim()
-    if mine then
-        all = true
-        for _, d in ipairs(list) do
-            local ok, err = dump({format = d[1], file = d[2]})
-            if not ok then
-                pcall(stderr.write, stderr, 'fibertrace: --dump-on-exit ', d[1], ': ', tostring(err), '\n')
-                all = false
-            end
-            ended()
+    if not mine then return all end
+    all = true
+    for i = 1, #opts do
+        local ok, err = dump(opts[i])
+        if not ok then
+            pcall(stderr.write, stderr, 'fibertrace: --dump-on-exit ', opts[i].format, ': ', tostring(err), '\n')
+            all = false
         end
-        finish(all)
+        ended()
+    end
+    finish(all)
+    return all
+end
+local function say(e)
+    stderr:write('fibertrace: --dump-on-exit: written without the Lua frames of the fiber that exits: ', tostring(e), '\n')
+end
+return function(...)
+    local ok, all = pcall(write_dumps)
+    if not ok then
+        pcall(say, all)
+        ok, all = pcall(failed)
+        all = ok and all
     end
     local code = ...
     if not all and (code == nil or code == true or tonumber(code) == 0) then
@@ -664,6 +679,25 @@ fn release_before_exit(host: &fibertrace_lua::LuaHost) -> mlua::Result<()> {
     os.set("exit", wrapped)
 }
 
+/// [`EXIT_WRAPPER`]'s dumps stopped by an error (the Lua heap full: the wrapper's own calls
+/// allocate): they are written from here, as the script's end writes them (without the
+/// exiting fiber's Lua frames, which need Lua's memory); returns whether all were. A plain
+/// C function (no argument, one boolean result): it allocates nothing in Lua to be called.
+///
+/// # Safety
+/// Called by Lua, on a state of this program's host.
+unsafe extern "C-unwind" fn exit_dumps_failed(l: *mut mlua::ffi::lua_State) -> std::ffi::c_int {
+    WRAPPER_CLAIMED.store(false, std::sync::atomic::Ordering::SeqCst);
+    let all = dump_on_exit();
+    defer_to_exit_signal();
+    // SAFETY: the state of this running C function, with room for one value.
+    unsafe { mlua::ffi::lua_pushboolean(l, all as std::ffi::c_int) };
+    1
+}
+
+/// Whether [`EXIT_WRAPPER`] claimed the exit dumps and has not finished them.
+static WRAPPER_CLAIMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// Replaces `os.exit` with [`EXIT_WRAPPER`].
 fn wrap_os_exit(lua: &mlua::Lua, list: &[(Format, PathBuf)]) -> mlua::Result<()> {
     use std::os::unix::ffi::OsStrExt as _;
@@ -683,6 +717,7 @@ fn wrap_os_exit(lua: &mlua::Lua, list: &[(Format, PathBuf)]) -> mlua::Result<()>
     let claim = lua.create_function(|_, ()| {
         Ok(match claim_exit_dumps() {
             None => {
+                WRAPPER_CLAIMED.store(true, std::sync::atomic::Ordering::SeqCst);
                 flush_script_output();
                 (true, None)
             }
@@ -693,10 +728,14 @@ fn wrap_os_exit(lua: &mlua::Lua, list: &[(Format, PathBuf)]) -> mlua::Result<()>
         })
     })?;
     let finish = lua.create_function(|_, all: bool| {
+        WRAPPER_CLAIMED.store(false, std::sync::atomic::Ordering::SeqCst);
         finish_exit_dumps(all);
         defer_to_exit_signal();
         Ok(())
     })?;
+    // SAFETY: `exit_dumps_failed` is a C function that uses its state only to push one
+    // boolean (room for it is there: a C function has LUA_MINSTACK slots).
+    let failed = unsafe { lua.create_c_function(exit_dumps_failed) }?;
     let ended = lua.create_function(|_, ()| {
         EXIT_DUMPS_ENDED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Ok(())
@@ -704,7 +743,7 @@ fn wrap_os_exit(lua: &mlua::Lua, list: &[(Format, PathBuf)]) -> mlua::Result<()>
     let wrapped: mlua::Function = lua
         .load(EXIT_WRAPPER)
         .set_name(fibertrace_lua::HOST_CHUNK)
-        .call((dump, exit, t, claim, finish, ended))?;
+        .call((dump, exit, t, claim, finish, ended, failed))?;
     os.set("exit", wrapped)
 }
 
@@ -1416,6 +1455,9 @@ fn report_leaks(top: usize) {
     };
     let collected = if fibertrace_lua::LuaHost::kept_released() {
         ""
+    } else if fibertrace_lua::LuaHost::release_collect_failed() {
+        "(the Lua heap was not collected first: the collection ran out of memory (it \
+         allocates too), so garbage not yet collected is listed too)\n"
     } else if fibertrace_lua::LuaHost::release_in_finalizer() {
         "(the Lua heap was not collected first: os.exit was called inside a __gc finalizer, \
          where no collection can run, so garbage not yet collected is listed too)\n"

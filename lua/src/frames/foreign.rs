@@ -226,6 +226,8 @@ pub struct Reader {
     cached: usize,
     /// Time spent reading stacks so far.
     spent: std::time::Duration,
+    /// Most threads of a chain read (see [`Reader::set_max_threads`]).
+    max_threads: usize,
 }
 
 /// A prototype's description, read once per dump.
@@ -429,6 +431,7 @@ impl Reader {
             names: HashMap::new(),
             cached: 0,
             spent: std::time::Duration::ZERO,
+            max_threads: MAX_THREADS,
         })
     }
 
@@ -463,6 +466,7 @@ impl Reader {
             names: HashMap::new(),
             cached: 0,
             spent: std::time::Duration::ZERO,
+            max_threads: MAX_THREADS,
         })
     }
 
@@ -536,6 +540,14 @@ impl Reader {
         s.prefetch(&stacks);
     }
 
+    /// Reads at most `n` threads (at least 1) of a chain of coroutines: past them, only the
+    /// thread running now (when known) as the innermost, the ones between left out and the
+    /// stack marked truncated. A dump reads whole chains ([`MAX_THREADS`], the default); the
+    /// heap tracker's hook, which reads at every allocation, a few.
+    pub fn set_max_threads(&mut self, n: usize) {
+        self.max_threads = n.clamp(1, MAX_THREADS);
+    }
+
     /// The Lua stack of state `root` and of the coroutines running inside it, innermost
     /// first (see the module doc).
     pub fn stack(&mut self, mem: &mut dyn Memory, root: u64) -> Result<LuaStack, String> {
@@ -570,21 +582,35 @@ impl Reader {
     ) -> Result<LuaStack, String> {
         let mut chain: SmallVec<[u64; 4]> = SmallVec::new();
         chain.push(root);
+        // (The threads of the chain as a set: memory read from another process may loop.)
+        let mut seen = std::collections::HashSet::from([root]);
         let deadline = std::time::Instant::now() + MAX_TIME;
         let mut left = MAX_FRAMES;
         let mut per_thread: SmallVec<[Vec<Slot>; 4]> = SmallVec::new();
         per_thread.push(self.slots(mem, root, top, &mut left, deadline)?);
-        while chain.len() < MAX_THREADS {
+        let mut cut = false;
+        loop {
             // The thread running now is the innermost: nothing above its top runs.
             if top.is_some_and(|t| t.th == chain[chain.len() - 1]) {
                 break;
             }
             let head = per_thread[per_thread.len() - 1].first().copied();
-            let Some(next) = head.and_then(|s| self.resumed_by(mem, s, &chain, top)) else {
+            let Some(next) = head.and_then(|s| self.resumed_by(mem, s, &seen, top)) else {
                 break;
             };
+            if chain.len() >= self.max_threads {
+                cut = true;
+                break;
+            }
             chain.push(next);
+            seen.insert(next);
             per_thread.push(self.slots(mem, next, top, &mut left, deadline)?);
+        }
+        // Cut short (see `Reader::set_max_threads`): the thread running now is read as the
+        // innermost, the ones between left out.
+        if let Some(t) = top.filter(|t| cut && !seen.contains(&t.th)) {
+            chain.push(t.th);
+            per_thread.push(self.slots(mem, t.th, top, &mut left, deadline)?);
         }
         // Innermost thread first.
         let mut all: Vec<Slot> = Vec::new();
@@ -596,6 +622,7 @@ impl Reader {
         }
         let mut out = LuaStack::new();
         out.threads = chain.len();
+        out.truncated = cut;
         let total = all.len();
         let (head, tail_from) = if total <= MAX_LEVELS {
             (total, total)
@@ -856,7 +883,7 @@ impl Reader {
         &mut self,
         mem: &mut dyn Memory,
         top: Slot,
-        chain: &[u64],
+        chain: &std::collections::HashSet<u64>,
         running: Option<RunningTop>,
     ) -> Option<u64> {
         let l = self.l;
@@ -1740,6 +1767,7 @@ mod tests {
             names: HashMap::new(),
             cached: 0,
             spent: std::time::Duration::ZERO,
+            max_threads: MAX_THREADS,
         };
         let t0 = std::time::Instant::now();
         for seed in 0..40u64 {

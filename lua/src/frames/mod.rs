@@ -383,10 +383,13 @@ unsafe fn resumed_by(
     }
 }
 
-/// Whether `co` is a thread the chain may go down into: not null, not already in the chain,
-/// not suspended in a yield, and with at least one frame.
+/// Whether `co` is a thread the chain may go down into: not null, not one of the last
+/// threads of the chain, not suspended in a yield, and with at least one frame. (A thread
+/// resuming another cannot be resumed again: a chain has no loop. The check looks at the
+/// nearest ones only, at constant cost, where looking at all of them cost O(n²) over a nest of
+/// thousands; [`MAX_THREADS`] bounds the chain anyway.)
 fn usable(co: *mut ffi::lua_State, chain: &[*mut ffi::lua_State]) -> bool {
-    if co.is_null() || chain.contains(&co) {
+    if co.is_null() || chain.iter().rev().take(8).any(|&c| c == co) {
         return false;
     }
     let mut ar = zeroed_debug();

@@ -1400,22 +1400,26 @@ pub(crate) fn snapshot_here(
             v.remove(0);
         }
         // Called from the host program's own Lua (`os.exit` as `--dump-on-exit` wraps it,
-        // chunk [`super::HOST_CHUNK`]): that call and the wrapper are the host's, not the
-        // script's, whose own call (`os.exit(0)` in `leave`) comes next.
-        let host_level = |f: &Frame| match f {
-            Frame::Lua(id) => crate::describe(*id)
-                .is_some_and(|i| i.source.as_bytes() == super::HOST_CHUNK.as_bytes()),
-            _ => false,
-        };
-        let lua_levels = v
+        // chunk [`super::HOST_CHUNK`]): that call, the wrapper's levels and the C functions
+        // it called (its `pcall`) are the host's, not the script's, whose own call
+        // (`os.exit(0)` in `leave`) comes after the last of them.
+        let mut wrapped = None;
+        for (i, f) in v
             .iter()
             .enumerate()
-            .filter(|(_, f)| matches!(f, Frame::Lua(_)));
-        let wrapped = lua_levels
+            .filter(|(_, f)| matches!(f, Frame::Lua(_)))
             .skip(1)
-            .take_while(|(_, f)| host_level(f))
-            .last()
-            .map(|(i, _)| i);
+        {
+            let Frame::Lua(id) = f else { continue };
+            let Some(info) = crate::describe(*id) else {
+                break;
+            };
+            if info.source.as_bytes() == super::HOST_CHUNK.as_bytes() {
+                wrapped = Some(i);
+            } else if info.kind != crate::LuaKind::C {
+                break;
+            }
+        }
         if let Some(i) = wrapped {
             v.drain(..=i);
         }
@@ -1458,7 +1462,7 @@ static FAILED_MAIN: std::sync::Mutex<Option<(fibertrace_fiber::FiberInfo, String
 
 /// Records the main fiber `fid`, failing now with `message`, its frames at the error
 /// `frames` (taken by the message handler).
-pub(crate) fn record_failed_main(fid: FiberId, frames: &[Frame], message: &str) {
+pub(crate) fn record_failed_main(fid: FiberId, frames: &[Frame], message: &[u8]) {
     let opts = fibertrace_fiber::InfoOptions {
         backtrace: false,
         ..Default::default()
@@ -1468,13 +1472,29 @@ pub(crate) fn record_failed_main(fid: FiberId, frames: &[Frame], message: &str) 
     };
     fi.status = Status::Dead;
     fi.waiting = None;
-    fi.backtrace = Some(frame_infos(frames));
-    let mut msg: String = message.chars().take(500).collect();
-    if msg.len() < message.len() {
+    // (None: the error was raised without the message handler — out of memory.)
+    fi.backtrace = (!frames.is_empty()).then(|| frame_infos(frames));
+    // Its bytes, at most 500 of them: text as it is, a byte that is not UTF-8 as `\xNN`
+    // (control characters are escaped where it is shown).
+    let mut msg = String::new();
+    for chunk in message[..message.len().min(500)].utf8_chunks() {
+        msg.push_str(chunk.valid());
+        for b in chunk.invalid() {
+            msg.push_str(&format!("\\x{b:02x}"));
+        }
+    }
+    if message.len() > 500 {
         msg.push_str("...");
     }
     if let Ok(mut g) = FAILED_MAIN.lock() {
         *g = Some((fi, msg));
+    }
+}
+
+/// Forgets the main fiber's end recorded by an earlier run (see [`record_failed_main`]).
+pub(crate) fn clear_failed_main() {
+    if let Ok(mut g) = FAILED_MAIN.lock() {
+        *g = None;
     }
 }
 

@@ -324,13 +324,35 @@ unsafe extern "C" fn global_alloc(
         let Ok(new) = Layout::from_size_align(nsize, ALIGN) else {
             return std::ptr::null_mut();
         };
-        let p = if ptr.is_null() {
-            std::alloc::alloc(new)
-        } else {
-            // (Null on failure, the old block kept: as Lua expects.)
-            let old = Layout::from_size_align_unchecked(osize, ALIGN);
-            std::alloc::realloc(ptr.cast(), old, nsize)
+        let allocate = || {
+            if ptr.is_null() {
+                std::alloc::alloc(new)
+            } else {
+                // (Null on failure, the old block kept: as Lua expects.)
+                let old = Layout::from_size_align_unchecked(osize, ALIGN);
+                std::alloc::realloc(ptr.cast(), old, nsize)
+            }
         };
+        // Out of memory, Lua raises `not enough memory` itself: the process's emergency
+        // reserve is kept for the reports, which a full Lua heap would otherwise hold —
+        // except for the collection at exit (`release_kept`), which frees the heap and may
+        // need a little to do it (the string table it shrinks).
+        let mut p = if spawn::COLLECTING_AT_EXIT.load(std::sync::atomic::Ordering::Relaxed) {
+            allocate()
+        } else {
+            fibertrace_core::heap::without_reserve(allocate)
+        };
+        if p.is_null() && !ptr.is_null() && nsize <= osize {
+            // Lua assumes a shrink never fails (LuaJIT's collector shrinks its buffers in a
+            // trace exit, where an error it raises crashed the VM), but the tracker's
+            // realloc is a new block: the reserve serves it, and past the reserve the old
+            // block, large enough, stays (the tracker, told the smaller size when it is freed,
+            // then counts the difference as live to the end).
+            p = allocate();
+            if p.is_null() {
+                p = ptr.cast();
+            }
+        }
         // (Not a tail call: this frame stays on the stack a heap record captures, the same in
         // every build — the first frame of every Lua allocation's stack.)
         std::hint::black_box(p).cast()
@@ -526,6 +548,12 @@ impl LuaHost {
     /// garbage too.
     pub fn kept_released() -> bool {
         spawn::RELEASED.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether [`LuaHost::release_kept`]'s collection failed (out of memory: a collection
+    /// allocates too), leaving the Lua heap's garbage in place.
+    pub fn release_collect_failed() -> bool {
+        spawn::COLLECT_FAILED.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether [`LuaHost::release_kept`] (or its Lua function) was called inside a `__gc`

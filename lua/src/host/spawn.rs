@@ -81,7 +81,15 @@ pub(super) fn lua_fiber_main(t: *mut ffi::lua_State, nargs: c_int) {
     // SAFETY: `t` was set up by `spawn_lua` and belongs to this fiber.
     let ok = unsafe { call_in_thread(t, nargs) };
     let fid = fibertrace_fiber::current_id();
-    let trace = if ok { None } else { super::take_last_trace() };
+    // (Both the text and the frames: frames left behind would be taken by the next failing
+    // fiber whose error the handler did not see — out of memory raises without it — as its
+    // own.)
+    let trace = if ok {
+        None
+    } else {
+        drop(super::take_last_frames());
+        super::take_last_trace()
+    };
     // SAFETY: the thread is ours and idle now.
     let msg = (!ok).then(|| unsafe { raw::error_bytes(t, -1) });
     let report = with_host(|h| {
@@ -283,11 +291,26 @@ pub(crate) unsafe fn release_kept(l: *mut ffi::lua_State) {
     if in_finalizer {
         return;
     }
-    // SAFETY: as above: a full collection from a call boundary, as `collectgarbage()`; then
-    // the VM's own tables read (room for the probe's one value was checked above).
+    // SAFETY: as above: a full collection from a call boundary, as `collectgarbage()`, in a
+    // protected call (a collection allocates — the string table shrinks — and out of memory
+    // that raises: through this Rust frame it aborted the process); then the VM's own tables
+    // read (room for the probe's one value was checked above).
     unsafe {
-        ffi::lua_gc(l, ffi::LUA_GCCOLLECT, 0);
-        ffi::lua_gc(l, ffi::LUA_GCCOLLECT, 0);
+        let top = ffi::lua_gettop(l);
+        COLLECTING_AT_EXIT.store(true, std::sync::atomic::Ordering::Relaxed);
+        let collected = super::raw::protect(l, &[], &mut |l| {
+            ffi::lua_gc(l, ffi::LUA_GCCOLLECT, 0);
+            ffi::lua_gc(l, ffi::LUA_GCCOLLECT, 0);
+            0
+        });
+        COLLECTING_AT_EXIT.store(false, std::sync::atomic::Ordering::Relaxed);
+        if collected.is_err() {
+            // (Its error value dropped. Not collected: the report lists the garbage too, and
+            // says so.)
+            ffi::lua_settop(l, top);
+            COLLECT_FAILED.store(true, std::sync::atomic::Ordering::Relaxed);
+            return;
+        }
         RELEASED.store(true, std::sync::atomic::Ordering::Relaxed);
         let _outside = fibertrace_core::heap::OutsideFibers::enter();
         crate::heap::set_vm_own(crate::frames::foreign::vm_tables_of(l));
@@ -296,6 +319,16 @@ pub(crate) unsafe fn release_kept(l: *mut ffi::lua_State) {
 
 /// Whether [`release_kept`] collected the Lua heap in this process.
 pub(crate) static RELEASED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Set during [`release_kept`]'s collection: the Lua allocator may use the process's
+/// emergency reserve then (see `global_alloc`).
+pub(crate) static COLLECTING_AT_EXIT: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Whether [`release_kept`]'s collection raised an error (out of memory: a collection
+/// allocates), so that the heap was not collected.
+pub(crate) static COLLECT_FAILED: std::sync::atomic::AtomicBool =
     std::sync::atomic::AtomicBool::new(false);
 
 /// Whether [`release_kept`] was called inside a `__gc` finalizer (where no collection can
@@ -660,6 +693,7 @@ pub(crate) fn run_main_fiber(
     let Some(main_l) = with_host(|h| h.main_l) else {
         return Err(err("fibertrace: no Lua host on this thread".into()));
     };
+    super::info::clear_failed_main();
     // SAFETY: the host's main state, idle (no Lua runs on it).
     let (t, tref) = match unsafe { take_thread(main_l) } {
         Ok(t) => t,
@@ -762,11 +796,10 @@ pub(crate) fn run_main_fiber(
         // The script failed: it ends now (as in Tarantool), not once the other fibers are
         // done — one that only yields would hold its error back forever.
         fibertrace_fiber::end_run_after_turn();
-        let message = String::from_utf8_lossy(&b).into_owned();
         // Kept for the exit dumps, written after this fiber has ended.
-        super::info::record_failed_main(fid, &super::take_last_frames(), &message);
+        super::info::record_failed_main(fid, &super::take_last_frames(), &b);
         Err(ScriptError {
-            message,
+            message: String::from_utf8_lossy(&b).into_owned(),
             message_bytes: b,
             traceback: super::take_last_trace().unwrap_or_default(),
         })

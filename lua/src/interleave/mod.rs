@@ -13,10 +13,13 @@
 //! 1. if the innermost level is anchored in `N0`, emit `N0` up to its anchor;
 //! 2. emit the rest of the non-VM segment; at a `V`, emit Lua levels until one is anchored in
 //!    the non-VM segment after that `V` (the *nearest* match: all mlua callbacks share one
-//!    trampoline, so only the nearest is right); emit `V` itself only with
-//!    [`InterleaveOptions::show_vm`]; emit the native frames up to and including the anchor,
-//!    then the anchored C level itself (so a C function shows both as the native frame that
-//!    implements it and as the Lua level naming it, e.g. `pcall in =[C]:-1`);
+//!    trampoline, so only the nearest is right) — or, when that segment anchors none, in the
+//!    nearest later one that does (native code that runs inside a C function and calls back
+//!    into Lua through the VM's core: `load`'s reader, a C library's FFI callback); emit `V`
+//!    itself only with [`InterleaveOptions::show_vm`]; emit the native frames up to and
+//!    including the anchor, then the anchored C level itself (so a C function shows both as
+//!    the native frame that implements it and as the Lua level naming it, e.g. `pcall in
+//!    =[C]:-1`);
 //! 3. repeat; Lua levels left when the native frames end are appended at the end (before a
 //!    final `Truncated` marker).
 //!
@@ -225,6 +228,22 @@ pub fn merge_with_gap<const N: usize>(
         }
         out.push(Frame::Lua(lua[j].id));
     };
+    // A native trace cut in its middle (`Omitted`) beside a Lua stack cut in its middle: the
+    // native frames left out are those of the same deep middle (the resumes and calls
+    // between the Lua levels left out, the VM's own mostly, which are not shown), and the
+    // Lua gap's marker stands for both — the native one sat after the last Lua level (the
+    // fiber's entry function) with a count of frames that are not there.
+    let filtered: SmallVec<[Frame; 64]>;
+    let native = if gap.is_some() && native.iter().any(|f| matches!(f, Frame::Omitted(_))) {
+        filtered = native
+            .iter()
+            .copied()
+            .filter(|f| !matches!(f, Frame::Omitted(_)))
+            .collect();
+        &filtered[..]
+    } else {
+        native
+    };
     let n = native.len();
     let vm: SmallVec<[bool; 64]> = native
         .iter()
@@ -267,19 +286,20 @@ pub fn merge_with_gap<const N: usize>(
             break;
         }
         let v_end = next(i, false);
-        let n_end = next(v_end, true);
-        let near = (j..lua.len()).find_map(|jj| find_anchor(v_end, n_end, jj).map(|k| (jj, k)));
-        // None in the next segment: the first C level with an anchor at all, in a later one.
-        // The native code between (a VM-core stretch that runs no Lua, and the C it calls) ran
-        // inside that C function: `load` reading its chunk through a Lua reader (`lj_cf_load`
-        // … the parser … `reader_func` → the reader), a C library calling an FFI callback
-        // (`__call` … `qsort` → the callback). Without this, the levels were all emitted here
-        // and those native frames came after the main chunk.
-        let far = || {
-            let jj = (j..lua.len()).find(|&jj| lua[jj].is_anchor())?;
-            find_anchor(n_end, n, jj).map(|k| (jj, k))
-        };
-        let anchor = near.or_else(far);
+        // The nearest non-VM segment after this VM stretch where a level left is anchored
+        // (the first such level): the next one, as a rule. When it anchors none, a later
+        // one: the native code between (a VM-core stretch that runs no Lua, and the C it
+        // calls) ran inside that C function — `load` reading its chunk through a Lua reader
+        // (`lj_cf_load` … the parser … `reader_func` → the reader), a C library calling an
+        // FFI callback (`__call` … `qsort` → the callback). (Emitting every level here put
+        // those native frames after the main chunk.)
+        let mut anchor = None;
+        let mut seg = v_end;
+        while seg < n && anchor.is_none() {
+            let seg_end = next(seg, true);
+            anchor = (j..lua.len()).find_map(|jj| find_anchor(seg, seg_end, jj).map(|k| (jj, k)));
+            seg = next(seg_end, false);
+        }
         let upto = anchor.map_or(lua.len(), |(jj, _)| jj);
         while j < upto {
             lua_frame(j, out);
