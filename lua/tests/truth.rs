@@ -60,12 +60,14 @@ fn a_fiber_waiting_inside_forty_nested_coroutines_shows_the_innermost_wait() {
          os.exit(0)\n",
     );
     let lines: Vec<&str> = out.lines().collect();
-    assert_eq!(
-        lines[0],
-        "stack traceback:|[C]: in function 'sleep'|S:4: in function 'nest'|\
-         S:5: in function <S:5>",
-        "{out}"
-    );
+    // (Each VM words its own traceback.)
+    let truth = if cfg!(feature = "luajit") {
+        "stack traceback:|[C]: in function 'sleep'|S:4: in function 'nest'|S:5: in function <S:5>"
+    } else {
+        "stack traceback:|[C]: in function 'fiber.sleep'|S:4: in upvalue 'nest'|\
+         S:5: in function <S:5>"
+    };
+    assert_eq!(lines[0], truth, "{out}");
     let want = "sleep in =[C]:-1|nest in @S:4|function <S:5> in @S:5|resume in =[C]:-1";
     assert_eq!(lines[1], want, "fiber.info: {out}");
     assert_eq!(lines[2], want, "dump: {out}");
@@ -306,10 +308,18 @@ fn an_exit_dump_after_an_uncaught_error_shows_where_it_was_raised() {
     let dump = std::fs::read_to_string(&file).unwrap().replace(&p, "S");
     let blocks: Vec<&str> = dump.split("\n\n").collect();
     assert_eq!(blocks[0], "scheduler 1 \"lua\": 2 fibers", "{dump}");
+    // (Each VM words its own error.)
+    let message = if cfg!(feature = "luajit") {
+        "S:2: attempt to index local 't' (a nil value)"
+    } else {
+        "S:2: attempt to index a nil value (local 't')"
+    };
     assert_eq!(
         blocks[1],
-        "(fiber 1 \"main\" ended by an uncaught error: S:2: attempt to index local 't' (a nil \
-         value); its trace is where the error was raised)",
+        format!(
+            "(fiber 1 \"main\" ended by an uncaught error: {message}; its trace is where the \
+             error was raised)"
+        ),
         "{dump}"
     );
     assert_eq!(
@@ -331,7 +341,7 @@ fn an_exit_dump_after_an_uncaught_error_shows_where_it_was_raised() {
     );
 }
 
-/// A fiber deep in 300 nested coroutines: one `... N frames omitted ...` marker, in the middle,
+/// A fiber deep in 150 nested coroutines (Lua 5.4 allows 200 nested C calls): one `... N frames omitted ...` marker, in the middle,
 /// and the trace ends at the fiber's entry function. The native trace's own cut (the resumes'
 /// frames, hidden anyway) showed as a second marker after the entry function.
 #[test]
@@ -345,7 +355,7 @@ fn a_deep_nest_of_coroutines_has_one_omission_in_its_middle() {
          \x20 local co = coroutine.create(nest)\n\
          \x20 assert(coroutine.resume(co, k - 1))\n\
          end\n\
-         local f = fiber.create(function() nest(300) end)\n\
+         local f = fiber.create(function() nest(150) end)\n\
          fiber.yield()\n\
          print(require('fibertrace').dump():match('\\nfiber 2 [^\\n]*\\n(.-)\\n\\n'))\n\
          os.exit(0)\n",
