@@ -752,9 +752,9 @@ fn label_source_frames(src: &dyn FrameSource, fi: &mut FiberInfo) {
     fi.backtrace = Some(list);
 }
 
-/// The labelled copy of each creator's trace made in one snapshot, by the trace it was made
-/// from (kept alive here, so that its address names it): fibers that share a trace share
-/// its labelled copy.
+/// The labelled copy of each creator's trace made for one scheduler's part of a snapshot, by
+/// the trace it was made from (kept alive here, so that its address names it): that part's
+/// fibers that share a trace share its labelled copy.
 type ParentLabels =
     std::collections::HashMap<*const FrameInfo, (Arc<[FrameInfo]>, Arc<[FrameInfo]>)>;
 
