@@ -50,7 +50,8 @@ pub use owner::{
     outside_fibers, owners, restore, switch_to, OutsideFibers, Owner, OwnerRow, Usage, MAX_OWNERS,
 };
 pub use reserve::{
-    reserve_use, set_aside, without_reserve, Reserve, ReserveUse, RESERVE_BYTES, SET_ASIDE_MAX,
+    keep_reserve_out, reserve_use, set_aside, Reserve, ReserveKeptOut, ReserveUse, RESERVE_BYTES,
+    SET_ASIDE_MAX,
 };
 pub use totals::{totals, Total, MAX_ENTRIES};
 pub use view::{
@@ -298,7 +299,7 @@ fn env_tier() -> Option<u8> {
 
 thread_local! {
     /// How many tracked allocations are in progress on this thread: more than one while the
-    /// tracker allocates for its own tables during one (see [`reserve::without_reserve`]).
+    /// tracker allocates for its own tables during one (see [`keep_reserve_out`]).
     static TRACKED_DEPTH: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
 }
 

@@ -61,23 +61,38 @@ const _: () = assert!(RESERVE_BYTES < 1 << 32, "offsets are 32 bits in `STATE`")
 
 thread_local! {
     /// Set while this thread allocates for a heap that raises its own out-of-memory error
-    /// (see [`without_reserve`]).
+    /// (see [`keep_reserve_out`]).
     static NO_RESERVE: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Runs `f` with the reserve and the set-aside space kept out of its allocations on this
-/// thread: a refusal of the inner allocator is a refusal (the heap tracker's own bookkeeping
-/// meanwhile is still served). For an allocator of a heap that handles running out itself (a
-/// Lua state raises `not enough memory`): it would otherwise take the reserve first, keep it
-/// in its live objects, and leave nothing for the reports.
-pub fn without_reserve<R>(f: impl FnOnce() -> R) -> R {
-    let was = NO_RESERVE.try_with(|c| c.replace(true)).unwrap_or(false);
-    let r = f();
-    let _ = NO_RESERVE.try_with(|c| c.set(was));
-    r
+/// Keeps the reserve and the set-aside space out of this thread's allocations while held: a
+/// refusal of the inner allocator is a refusal (the heap tracker's own bookkeeping meanwhile
+/// is still served). For an allocator of a heap that handles running out itself (a Lua state
+/// raises `not enough memory`): it would otherwise take the reserve first, keep it in its
+/// live objects, and leave nothing for the reports. A guard, not a closure, so that the
+/// allocating function stays the frame a heap record sees first.
+pub struct ReserveKeptOut {
+    was: bool,
+    _not_send: std::marker::PhantomData<*const ()>,
 }
 
-/// Whether a refusal now stays one: inside [`without_reserve`], except for the heap
+/// See [`ReserveKeptOut`].
+#[inline]
+pub fn keep_reserve_out() -> ReserveKeptOut {
+    ReserveKeptOut {
+        was: NO_RESERVE.try_with(|c| c.replace(true)).unwrap_or(false),
+        _not_send: std::marker::PhantomData,
+    }
+}
+
+impl Drop for ReserveKeptOut {
+    #[inline]
+    fn drop(&mut self) {
+        let _ = NO_RESERVE.try_with(|c| c.set(self.was));
+    }
+}
+
+/// Whether a refusal now stays one: under [`keep_reserve_out`], except for the heap
 /// tracker's own bookkeeping (its tables: allocations nested inside a tracked allocation),
 /// which the reserve serves.
 fn reserve_kept_out() -> bool {
@@ -432,7 +447,9 @@ mod tests {
             assert_eq!(reserve_use().taken, after_x, "its bytes back at once");
             assert_eq!(reserve_use().live, 1);
             // A refusal kept out of the reserve stays a refusal.
-            assert!(without_reserve(|| r.alloc(l)).is_null());
+            let kept = keep_reserve_out();
+            assert!(r.alloc(l).is_null());
+            drop(kept);
             assert_eq!(reserve_use().live, 1);
             r.dealloc(x, l);
             assert_eq!(

@@ -324,31 +324,27 @@ unsafe extern "C" fn global_alloc(
         let Ok(new) = Layout::from_size_align(nsize, ALIGN) else {
             return std::ptr::null_mut();
         };
-        let allocate = || {
-            if ptr.is_null() {
-                std::alloc::alloc(new)
-            } else {
-                // (Null on failure, the old block kept: as Lua expects.)
-                let old = Layout::from_size_align_unchecked(osize, ALIGN);
-                std::alloc::realloc(ptr.cast(), old, nsize)
-            }
-        };
         // Out of memory, Lua raises `not enough memory` itself: the process's emergency
         // reserve is kept for the reports, which a full Lua heap would otherwise hold —
         // except for the collection at exit (`release_kept`), which frees the heap and may
         // need a little to do it (the string table it shrinks).
-        let mut p = if spawn::COLLECTING_AT_EXIT.load(std::sync::atomic::Ordering::Relaxed) {
-            allocate()
+        let kept = (!spawn::COLLECTING_AT_EXIT.load(std::sync::atomic::Ordering::Relaxed))
+            .then(fibertrace_core::heap::keep_reserve_out);
+        let old = Layout::from_size_align_unchecked(osize, ALIGN);
+        let mut p = if ptr.is_null() {
+            std::alloc::alloc(new)
         } else {
-            fibertrace_core::heap::without_reserve(allocate)
+            // (Null on failure, the old block kept: as Lua expects.)
+            std::alloc::realloc(ptr.cast(), old, nsize)
         };
+        drop(kept);
         if p.is_null() && !ptr.is_null() && nsize <= osize {
             // Lua assumes a shrink never fails (LuaJIT's collector shrinks its buffers in a
             // trace exit, where an error it raises crashed the VM), but the tracker's
             // realloc is a new block: the reserve serves it, and past the reserve the old
             // block, large enough, stays (the tracker, told the smaller size when it is freed,
             // then counts the difference as live to the end).
-            p = allocate();
+            p = std::alloc::realloc(ptr.cast(), old, nsize);
             if p.is_null() {
                 p = ptr.cast();
             }
