@@ -215,9 +215,10 @@ fn cli() -> Command {
                         .long("native-detail")
                         .action(ArgAction::SetTrue)
                         .help(
-                            "Show every native frame in reports and tracebacks, the runtime's \
-                             and the host's glue too (catch_unwind, wrappers, the trampoline), \
-                             which are left out by default",
+                            "Show the runtime's and the host's glue in reports and tracebacks \
+                             too (catch_unwind, wrappers, the trampoline), which are left out \
+                             by default; the Lua VM's own frames (its interpreter and the core \
+                             functions it runs Lua through, such as its parser) stay out",
                         ),
                 )
                 .arg(
