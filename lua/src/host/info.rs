@@ -1498,7 +1498,7 @@ pub(crate) fn clear_failed_main() {
     }
 }
 
-/// Adds the main fiber that ended by an uncaught error (see [`record_failed_main`]) to a
+/// Adds the main fiber that ended by an uncaught error (recorded by the host as it ended) to a
 /// snapshot taken after it ended, with a note on its scheduler that says so: an exit dump
 /// then shows where the script failed. A snapshot that still has it is left as it is.
 pub fn with_failed_main(snap: &mut fibertrace_fiber::Snapshot) {
