@@ -82,9 +82,6 @@ pub(crate) struct SampleSlot {
     /// The general registers (DWARF numbers 0 to 16) where the held thread was stopped,
     /// written before `holding` is published.
     pub regs: [AtomicU64; 17],
-    /// A handler took a request and never published its sample (its thread stopped inside
-    /// it): the slot may still be written, so it is left locked and never used again.
-    pub broken: AtomicBool,
 }
 
 // SAFETY: `sample.out` is written only by the handler while `sample.requested` is set, and
@@ -122,7 +119,6 @@ impl OnThread {
                 holding: AtomicBool::new(false),
                 release: AtomicBool::new(false),
                 regs: [const { AtomicU64::new(0) }; 17],
-                broken: AtomicBool::new(false),
             },
         }
     }

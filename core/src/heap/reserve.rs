@@ -102,12 +102,13 @@ fn reserve_kept_out() -> bool {
 /// Takes `bytes` (rounded up to pages, at most [`SET_ASIDE_MAX`]) of address space — no
 /// memory: a mapping nothing may touch — to give back at the first allocation the inner
 /// allocator refuses, for the code that cannot use the arena (see the module docs). Call it
-/// once, early; a second call keeps the first one's. Whether the space was taken.
+/// once, early: a call while space is set aside keeps it (after it was given back, a call
+/// sets aside anew). Whether the space was taken.
 pub fn set_aside(bytes: usize) -> bool {
-    let pages = bytes.div_ceil(PAGE);
-    if pages == 0 || pages * PAGE > SET_ASIDE_MAX || ASIDE.load(Ordering::Acquire) != 0 {
+    if bytes == 0 || bytes > SET_ASIDE_MAX || ASIDE.load(Ordering::Acquire) != 0 {
         return false;
     }
+    let pages = bytes.div_ceil(PAGE);
     // SAFETY: a fresh anonymous mapping, not accessible, placed by the kernel: it touches no
     // existing memory.
     let p = unsafe {
@@ -221,6 +222,9 @@ fn release(ptr: *mut u8, size: usize) {
 /// Grows or shrinks block `ptr` of `size` bytes to `new_size` where it is, when it is the
 /// last one carved and the arena holds the new size: whether it did.
 fn resize_last(ptr: *mut u8, size: usize, new_size: usize) -> bool {
+    if new_size > size && reserve_kept_out() {
+        return false;
+    }
     let off = ptr as usize - base();
     let mut cur = STATE.load(Ordering::Relaxed);
     loop {

@@ -391,10 +391,6 @@ impl Drop for Hold<'_> {
     }
 }
 
-/// How long past its timeout a sample waits for a handler that took its request to publish
-/// (see [`sample_with`]).
-const HANDLER_MAX: Duration = Duration::from_secs(10);
-
 /// [`sample`], holding the thread in the handler afterwards when `hold` (then the lock on
 /// the thread's samples is given back with the sample, to keep while it is held).
 fn sample_with(
@@ -408,19 +404,7 @@ fn sample_with(
     if thread == 0 {
         return None;
     }
-    // (Not a blocking lock: a slot given up for good stays locked, see below.)
-    let guard = loop {
-        if slot.broken.load(Ordering::Acquire) {
-            return None;
-        }
-        match slot.lock.try_lock() {
-            Ok(g) => break g,
-            Err(std::sync::TryLockError::Poisoned(e)) => break e.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => {
-                std::thread::sleep(Duration::from_micros(200));
-            }
-        }
-    };
+    let guard = slot.lock.lock().unwrap_or_else(|e| e.into_inner());
     let before = slot.seq.load(Ordering::Acquire);
     slot.hold_wanted.store(hold, Ordering::Relaxed);
     slot.requested.store(true, Ordering::Release);
@@ -442,21 +426,16 @@ fn sample_with(
                 slot.hold_wanted.store(false, Ordering::Relaxed);
                 return None;
             }
-            // Its walk is short; a handler that has not ended long after (its thread
-            // stopped inside it) may still write the slot: the slot is given up for good,
-            // left locked, and this and every later sample of the thread get nothing.
+            // Its walk is short: only a thread stopped inside the handler (a debugger, a
+            // stopped process) keeps it — waited for asleep, not spinning (the slot may still
+            // be written until it publishes).
             let mut waited = 0u32;
             while slot.seq.load(Ordering::Acquire) == before {
-                if t0.elapsed() > timeout + HANDLER_MAX {
-                    slot.broken.store(true, Ordering::Release);
-                    std::mem::forget(guard);
-                    return None;
-                }
                 waited += 1;
                 if waited < 2000 {
                     std::hint::spin_loop();
                 } else {
-                    std::thread::yield_now();
+                    std::thread::sleep(Duration::from_millis(1));
                 }
             }
             break;

@@ -475,10 +475,10 @@ static DUMPS_ON_EXIT: std::sync::OnceLock<Vec<(Format, PathBuf)>> = std::sync::O
 /// files), then take its outcome. The exit signal's wait is bounded by
 /// `--dump-on-exit-wait`, as its own writing is (see [`install_signals`]).
 ///
-/// A claim whose writer raised a Lua error before it finished (`os.exit`'s dump, out of
-/// memory: it is called without a protected call, which would show in its trace) is taken
-/// over by the next claim made on the same thread: a thread that claims again is not
-/// writing any more.
+/// A claim whose writer raised a Lua error before it finished (`os.exit`'s dumps, out of
+/// memory) is taken over by the next claim made on the same thread — the wrapper's fallback
+/// that writes them from Rust, or the script's end: a thread that claims again is not writing
+/// any more.
 #[derive(Clone, Copy, PartialEq)]
 enum ExitDumps {
     NotBegun,
@@ -621,7 +621,8 @@ fn exit_code(script: i32, dumped: bool) -> i32 {
 }
 
 /// `os.exit` with the `--dump-on-exit` dumps written first, through `fibertrace.dump`, on
-/// the fiber that exits (its own trace then has its Lua frames). A success (`os.exit()`,
+/// the fiber that exits (its own trace then has its Lua frames; when the wrapper's Lua cannot
+/// allocate, [`exit_dumps_failed`] writes them from Rust, without them). A success (`os.exit()`,
 /// `os.exit(true)`, `os.exit(0)`, `os.exit('0')`, which `os.exit` reads as 0) whose dumps
 /// could not all be written exits with 1, as [`exit_code`] says.
 const EXIT_WRAPPER: &str = r#"
@@ -674,9 +675,9 @@ fn release_before_exit(host: &fibertrace_lua::LuaHost) -> mlua::Result<()> {
     let os: mlua::Table = lua.globals().get("os")?;
     let exit: mlua::Function = os.get("exit")?;
     let wrapped: mlua::Function = lua
-        .load("local release, exit = ...\nreturn function(...) release() return exit(...) end")
+        .load("local release, exit, pcall = ...\nreturn function(...) pcall(release) return exit(...) end")
         .set_name(fibertrace_lua::HOST_CHUNK)
-        .call((host.release_kept_fn()?, exit))?;
+        .call((host.release_kept_fn()?, exit, lua.globals().get::<mlua::Function>("pcall")?))?;
     os.set("exit", wrapped)
 }
 
@@ -688,16 +689,20 @@ fn release_before_exit(host: &fibertrace_lua::LuaHost) -> mlua::Result<()> {
 /// # Safety
 /// Called by Lua, on a state of this program's host.
 unsafe extern "C-unwind" fn exit_dumps_failed(l: *mut mlua::ffi::lua_State) -> std::ffi::c_int {
-    WRAPPER_CLAIMED.store(false, std::sync::atomic::Ordering::SeqCst);
-    let all = dump_on_exit();
+    // (A panic must not unwind into the VM.)
+    let all = std::panic::catch_unwind(|| {
+        flush_script_output();
+        // All of them again: the count of those ended restarts (it tells an exit signal's
+        // path which ones it gave up on).
+        EXIT_DUMPS_ENDED.store(0, std::sync::atomic::Ordering::SeqCst);
+        dump_on_exit()
+    })
+    .unwrap_or(false);
     defer_to_exit_signal();
     // SAFETY: the state of this running C function, with room for one value.
     unsafe { mlua::ffi::lua_pushboolean(l, all as std::ffi::c_int) };
     1
 }
-
-/// Whether [`EXIT_WRAPPER`] claimed the exit dumps and has not finished them.
-static WRAPPER_CLAIMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Replaces `os.exit` with [`EXIT_WRAPPER`].
 fn wrap_os_exit(lua: &mlua::Lua, list: &[(Format, PathBuf)]) -> mlua::Result<()> {
@@ -718,7 +723,6 @@ fn wrap_os_exit(lua: &mlua::Lua, list: &[(Format, PathBuf)]) -> mlua::Result<()>
     let claim = lua.create_function(|_, ()| {
         Ok(match claim_exit_dumps() {
             None => {
-                WRAPPER_CLAIMED.store(true, std::sync::atomic::Ordering::SeqCst);
                 flush_script_output();
                 (true, None)
             }
@@ -729,7 +733,6 @@ fn wrap_os_exit(lua: &mlua::Lua, list: &[(Format, PathBuf)]) -> mlua::Result<()>
         })
     })?;
     let finish = lua.create_function(|_, all: bool| {
-        WRAPPER_CLAIMED.store(false, std::sync::atomic::Ordering::SeqCst);
         finish_exit_dumps(all);
         defer_to_exit_signal();
         Ok(())

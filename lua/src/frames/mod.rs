@@ -383,13 +383,11 @@ unsafe fn resumed_by(
     }
 }
 
-/// Whether `co` is a thread the chain may go down into: not null, not one of the last
-/// threads of the chain, not suspended in a yield, and with at least one frame. (A thread
-/// resuming another cannot be resumed again: a chain has no loop. The check looks at the
-/// nearest ones only, at constant cost, where looking at all of them cost O(n²) over a nest of
-/// thousands; [`MAX_THREADS`] bounds the chain anyway.)
+/// Whether `co` is a thread the chain may go down into: not null, not already in the chain
+/// (a C function given a thread that resumes this one — `fiber.yield(co)` — is taken for a
+/// resume, and the chain would loop), not suspended in a yield, and with at least one frame.
 fn usable(co: *mut ffi::lua_State, chain: &[*mut ffi::lua_State]) -> bool {
-    if co.is_null() || chain.iter().rev().take(8).any(|&c| c == co) {
+    if co.is_null() || chain.contains(&co) {
         return false;
     }
     let mut ar = zeroed_debug();

@@ -1477,13 +1477,18 @@ pub(crate) fn record_failed_main(fid: FiberId, frames: &[Frame], message: &[u8])
     // Its bytes, at most 500 of them: text as it is, a byte that is not UTF-8 as `\xNN`
     // (control characters are escaped where it is shown).
     let mut msg = String::new();
-    for chunk in message[..message.len().min(500)].utf8_chunks() {
+    // (Cut at a character's start: not inside one, whose bytes would show as escapes.)
+    let mut end = message.len().min(500);
+    while end > 0 && end < message.len() && message[end] & 0xc0 == 0x80 && end > 496 {
+        end -= 1;
+    }
+    for chunk in message[..end].utf8_chunks() {
         msg.push_str(chunk.valid());
         for b in chunk.invalid() {
             msg.push_str(&format!("\\x{b:02x}"));
         }
     }
-    if message.len() > 500 {
+    if message.len() > end {
         msg.push_str("...");
     }
     if let Ok(mut g) = FAILED_MAIN.lock() {

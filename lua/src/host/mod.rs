@@ -312,11 +312,19 @@ unsafe extern "C" fn global_alloc(
     }
     use std::alloc::Layout;
     const ALIGN: usize = ffi::SYS_MIN_ALIGN;
-    // SAFETY: per the contract, a non-null `ptr` was allocated here with `osize` bytes and
-    // this alignment (a layout that was valid then); a new layout is checked.
+    // The size the block was allocated with: Lua's `osize`, unless a shrink of it was
+    // refused and the block kept (below).
+    let osize = if ptr.is_null() {
+        osize
+    } else {
+        kept_size(ptr as usize).unwrap_or(osize)
+    };
+    // SAFETY: per the contract, a non-null `ptr` was allocated here with `osize` bytes (or the
+    // kept size) and this alignment (a layout that was valid then); a new layout is checked.
     unsafe {
         if nsize == 0 {
             if !ptr.is_null() {
+                forget_kept(ptr as usize);
                 std::alloc::dealloc(ptr.cast(), Layout::from_size_align_unchecked(osize, ALIGN));
             }
             return std::ptr::null_mut();
@@ -328,30 +336,90 @@ unsafe extern "C" fn global_alloc(
         // reserve is kept for the reports, which a full Lua heap would otherwise hold —
         // except for the collection at exit (`release_kept`), which frees the heap and may
         // need a little to do it (the string table it shrinks).
-        let kept = (!spawn::COLLECTING_AT_EXIT.load(std::sync::atomic::Ordering::Relaxed))
+        let kept = (!spawn::COLLECTING_AT_EXIT.with(std::cell::Cell::get))
             .then(fibertrace_core::heap::keep_reserve_out);
-        let old = Layout::from_size_align_unchecked(osize, ALIGN);
         let mut p = if ptr.is_null() {
             std::alloc::alloc(new)
         } else {
             // (Null on failure, the old block kept: as Lua expects.)
+            let old = Layout::from_size_align_unchecked(osize, ALIGN);
             std::alloc::realloc(ptr.cast(), old, nsize)
         };
         drop(kept);
+        if !ptr.is_null() && !p.is_null() {
+            forget_kept(ptr as usize);
+        }
         if p.is_null() && !ptr.is_null() && nsize <= osize {
             // Lua assumes a shrink never fails (LuaJIT's collector shrinks its buffers in a
             // trace exit, where an error it raises crashed the VM), but the tracker's
-            // realloc is a new block: the reserve serves it, and past the reserve the old
-            // block, large enough, stays (the tracker, told the smaller size when it is freed,
-            // then counts the difference as live to the end).
-            p = std::alloc::realloc(ptr.cast(), old, nsize);
-            if p.is_null() {
-                p = ptr.cast();
-            }
+            // realloc is a new block: the old one, large enough, stays, and its size is
+            // kept for its free (a layout other than its own would break the allocator's
+            // contract); with no room to keep it, the reserve makes the smaller block, and
+            // past the reserve the old block stays all the same.
+            p = if keep_size(ptr as usize, osize) {
+                ptr.cast()
+            } else {
+                let old = Layout::from_size_align_unchecked(osize, ALIGN);
+                let q = std::alloc::realloc(ptr.cast(), old, nsize);
+                if q.is_null() {
+                    ptr.cast()
+                } else {
+                    q
+                }
+            };
         }
         // (Not a tail call: this frame stays on the stack a heap record captures, the same in
         // every build — the first frame of every Lua allocation's stack.)
         std::hint::black_box(p).cast()
+    }
+}
+
+/// Most Lua blocks [`global_alloc`] keeps at their size after a refused shrink.
+const KEPT_MAX: usize = 256;
+
+/// Those blocks: (address, the size they were allocated with); `(0, 0)` is a free entry.
+/// Empty but while a Lua heap is out of memory.
+static KEPT: std::sync::Mutex<[(usize, usize); KEPT_MAX]> =
+    std::sync::Mutex::new([(0, 0); KEPT_MAX]);
+
+/// How many entries of [`KEPT`] are taken (read without the lock: 0 almost always).
+static KEPT_N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The size block `p` was kept at, if it was.
+fn kept_size(p: usize) -> Option<usize> {
+    if KEPT_N.load(std::sync::atomic::Ordering::Acquire) == 0 {
+        return None;
+    }
+    let k = KEPT.lock().unwrap_or_else(|e| e.into_inner());
+    k.iter().find(|e| e.0 == p).map(|e| e.1)
+}
+
+/// Forgets block `p`'s kept size (freed, or moved by a reallocation).
+fn forget_kept(p: usize) {
+    if KEPT_N.load(std::sync::atomic::Ordering::Acquire) == 0 {
+        return;
+    }
+    let mut k = KEPT.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(e) = k.iter_mut().find(|e| e.0 == p) {
+        *e = (0, 0);
+        KEPT_N.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+/// Keeps block `p` at `size`: whether there was room.
+fn keep_size(p: usize, size: usize) -> bool {
+    let mut k = KEPT.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(e) = k.iter_mut().find(|e| e.0 == p) {
+        e.1 = size;
+        return true;
+    }
+    match k.iter_mut().find(|e| e.0 == 0) {
+        Some(e) => {
+            *e = (p, size);
+            KEPT_N.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            true
+        }
+        None => false,
     }
 }
 

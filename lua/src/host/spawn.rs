@@ -297,13 +297,13 @@ pub(crate) unsafe fn release_kept(l: *mut ffi::lua_State) {
     // read (room for the probe's one value was checked above).
     unsafe {
         let top = ffi::lua_gettop(l);
-        COLLECTING_AT_EXIT.store(true, std::sync::atomic::Ordering::Relaxed);
+        COLLECTING_AT_EXIT.with(|c| c.set(true));
         let collected = super::raw::protect(l, &[], &mut |l| {
             ffi::lua_gc(l, ffi::LUA_GCCOLLECT, 0);
             ffi::lua_gc(l, ffi::LUA_GCCOLLECT, 0);
             0
         });
-        COLLECTING_AT_EXIT.store(false, std::sync::atomic::Ordering::Relaxed);
+        COLLECTING_AT_EXIT.with(|c| c.set(false));
         if collected.is_err() {
             // (Its error value dropped. Not collected: the report lists the garbage too, and
             // says so.)
@@ -321,10 +321,12 @@ pub(crate) unsafe fn release_kept(l: *mut ffi::lua_State) {
 pub(crate) static RELEASED: std::sync::atomic::AtomicBool =
     std::sync::atomic::AtomicBool::new(false);
 
-/// Set during [`release_kept`]'s collection: the Lua allocator may use the process's
-/// emergency reserve then (see `global_alloc`).
-pub(crate) static COLLECTING_AT_EXIT: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(false);
+thread_local! {
+    /// Set on this thread during [`release_kept`]'s collection: the Lua allocator may use
+    /// the process's emergency reserve then (see `global_alloc`).
+    pub(crate) static COLLECTING_AT_EXIT: std::cell::Cell<bool> =
+        const { std::cell::Cell::new(false) };
+}
 
 /// Whether [`release_kept`]'s collection raised an error (out of memory: a collection
 /// allocates), so that the heap was not collected.

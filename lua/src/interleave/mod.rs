@@ -21,7 +21,8 @@
 //!    the native frame that implements it and as the Lua level naming it, e.g. `pcall in
 //!    =[C]:-1`);
 //! 3. repeat; Lua levels left when the native frames end are appended at the end (before a
-//!    final `Truncated` marker).
+//!    final `Truncated` marker). (A native `Omitted` marker between VM frames is dropped when
+//!    the Lua stack has a gap of its own: the Lua gap's marker stands for that middle.)
 //!
 //! Invariants: every native frame and every Lua level appears exactly once, native frames in
 //! their order, Lua levels in theirs (VM frames only when shown); the result is fitted to
@@ -228,17 +229,26 @@ pub fn merge_with_gap<const N: usize>(
         }
         out.push(Frame::Lua(lua[j].id));
     };
-    // A native trace cut in its middle (`Omitted`) beside a Lua stack cut in its middle: the
-    // native frames left out are those of the same deep middle (the resumes and calls
-    // between the Lua levels left out, the VM's own mostly, which are not shown), and the
-    // Lua gap's marker stands for both — the native one sat after the last Lua level (the
-    // fiber's entry function) with a count of frames that are not there.
+    // A native trace cut in its middle (`Omitted`) between VM frames, beside a Lua stack cut
+    // in its middle: the native frames left out are those of the same deep middle (the VM's
+    // own, between the Lua levels left out, which are not shown), and the Lua gap's marker
+    // stands for both — the native one sat after the last Lua level (the fiber's entry
+    // function) with a count of frames that are not there. A cut with other code beside it
+    // stays.
+    let is_vm = |f: Option<&Frame>| {
+        f.and_then(Frame::lookup_address)
+            .is_none_or(|a| map.is_vm(a))
+    };
+    let vm_cut = |k: usize| {
+        matches!(native[k], Frame::Omitted(_))
+            && is_vm(k.checked_sub(1).and_then(|p| native.get(p)))
+            && is_vm(native.get(k + 1))
+    };
     let filtered: SmallVec<[Frame; 64]>;
-    let native = if gap.is_some() && native.iter().any(|f| matches!(f, Frame::Omitted(_))) {
-        filtered = native
-            .iter()
-            .copied()
-            .filter(|f| !matches!(f, Frame::Omitted(_)))
+    let native = if gap.is_some() && (0..native.len()).any(vm_cut) {
+        filtered = (0..native.len())
+            .filter(|&k| !vm_cut(k))
+            .map(|k| native[k])
             .collect();
         &filtered[..]
     } else {
