@@ -1045,6 +1045,18 @@ fn too_few_file_descriptors_to_start_is_a_clear_error() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `fibertrace run ARGS…` under an address-space limit (600 MB, `ulimit -v`): what a script
+/// can fill with its Lua heap.
+#[cfg(feature = "luajit")]
+fn limited_run(args: &[&str]) -> Command {
+    let mut c = Command::new("bash");
+    c.arg("-c")
+        .arg("ulimit -v 600000; exec \"$0\" run \"$@\"")
+        .arg(EXE)
+        .args(args);
+    c
+}
+
 /// Out of memory under an address-space limit: the Lua heap took everything it could (the
 /// script's `pcall` got `not enough memory`), then `fiber.info()`, `fibertrace.dump()` and a
 /// SIGQUIT dump still work, every round, where the first allocation the system refused used to
@@ -1081,11 +1093,7 @@ fn out_of_memory_leaves_fiber_info_and_dumps_working() {
          print('info', 4, (pcall(fiber.info)))\n",
     )
     .unwrap();
-    let mut child = Command::new("bash")
-        .arg("-c")
-        .arg("ulimit -v 600000; exec \"$0\" run \"$@\"")
-        .arg(EXE)
-        .arg(&script)
+    let mut child = limited_run(&[script.to_str().unwrap()])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -1198,15 +1206,7 @@ fn out_of_memory_exits_keep_their_code_dumps_and_reports() {
          io.stdout:write('done\\n')\n",
     )
     .unwrap();
-    let run = |args: &[&str]| {
-        Command::new("bash")
-            .arg("-c")
-            .arg("ulimit -v 600000; exec \"$0\" run \"$@\"")
-            .arg(EXE)
-            .args(args)
-            .output()
-            .unwrap()
-    };
+    let run = |args: &[&str]| limited_run(args).output().unwrap();
     let s = script.to_str().unwrap();
     let d = format!("text:{}", dump.display());
     let o = run(&["--dump-on-exit", &d, s, "exit"]);

@@ -283,6 +283,40 @@ impl<A> Reserve<A> {
     }
 }
 
+impl<A: GlobalAlloc> Reserve<A> {
+    /// After the inner allocator refused `layout`: nothing under [`keep_reserve_out`];
+    /// else the inner allocator again once the set-aside space is given back, else an arena
+    /// block (zeroed when `zeroed`: an emptied arena's bytes may hold an earlier block's).
+    ///
+    /// # Safety
+    /// As `GlobalAlloc::alloc` (a non-zero-sized layout).
+    #[cold]
+    unsafe fn refused(&self, layout: Layout, zeroed: bool) -> *mut u8 {
+        if reserve_kept_out() {
+            return std::ptr::null_mut();
+        }
+        if give_back(layout.size()) {
+            // SAFETY: the caller's contract.
+            let p = unsafe {
+                if zeroed {
+                    self.inner.alloc_zeroed(layout)
+                } else {
+                    self.inner.alloc(layout)
+                }
+            };
+            if !p.is_null() {
+                return p;
+            }
+        }
+        let q = carve(layout);
+        if zeroed && !q.is_null() {
+            // SAFETY: `q` is a fresh arena block of `layout.size()` bytes.
+            unsafe { std::ptr::write_bytes(q, 0, layout.size()) };
+        }
+        q
+    }
+}
+
 // SAFETY: a pointer handed out is either the inner allocator's (for `layout`) or an arena
 // block of at least `layout.size()` bytes at `layout.align()` that no other live allocation
 // overlaps (`carve`); each is freed or grown by the party that made it (`holds` tells them
@@ -293,17 +327,8 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Reserve<A> {
         // SAFETY: the caller's contract (a non-zero-sized layout).
         let p = unsafe { self.inner.alloc(layout) };
         if p.is_null() {
-            if reserve_kept_out() {
-                return p;
-            }
-            if give_back(layout.size()) {
-                // SAFETY: as above.
-                let p = unsafe { self.inner.alloc(layout) };
-                if !p.is_null() {
-                    return p;
-                }
-            }
-            return carve(layout);
+            // SAFETY: as above.
+            return unsafe { self.refused(layout, false) };
         }
         p
     }
@@ -313,23 +338,8 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Reserve<A> {
         // SAFETY: the caller's contract.
         let p = unsafe { self.inner.alloc_zeroed(layout) };
         if p.is_null() {
-            if reserve_kept_out() {
-                return p;
-            }
-            if give_back(layout.size()) {
-                // SAFETY: as above.
-                let p = unsafe { self.inner.alloc_zeroed(layout) };
-                if !p.is_null() {
-                    return p;
-                }
-            }
-            let q = carve(layout);
-            if !q.is_null() {
-                // SAFETY: `q` is a fresh arena block of `layout.size()` bytes (an emptied
-                // arena's bytes may hold an earlier block's data).
-                unsafe { std::ptr::write_bytes(q, 0, layout.size()) };
-            }
-            return q;
+            // SAFETY: as above.
+            return unsafe { self.refused(layout, true) };
         }
         p
     }
