@@ -3,7 +3,8 @@
 //! `fiber.top()`'s accounting, the run time of the current fiber (for slices), a cancellation
 //! that does not end a join, fiber names as the bytes the layer stores, the cycle clock the
 //! runtime's times are counted in, and the handler that turns a C stack overflow into that
-//! language's error ([`overflow`]).
+//! language's error ([`overflow`]), and reads of the process's own memory that fail where a
+//! plain read would fault (`overflow::ProbeReads`: what the same handler gives).
 //!
 //! A program that only runs Rust fibers needs none of it.
 
@@ -15,8 +16,8 @@ pub use crate::clock::{ticks, Rate};
 /// guard).
 pub mod overflow {
     pub use crate::overflow::{
-        poll, running_fiber_open, set_thread_handler, Overflow, OverflowHandler, MAX_OPEN,
-        RAISE_AGAIN_BELOW,
+        poll, running_fiber_open, set_thread_handler, Overflow, OverflowHandler, ProbeReads,
+        MAX_OPEN, RAISE_AGAIN_BELOW,
     };
 }
 pub use crate::sched::{

@@ -20,6 +20,11 @@
 //! [`poll`] and raises an error there; the stack unwinds, and a later [`poll`] (or the stack's
 //! return to the pool) closes the reserve again, so the next overflow is caught the same way.
 //!
+//! **Probe reads.** The same handler turns a fault of [`ProbeReads::read`] (two known
+//! instructions) into a failed read: a walk of memory that may hold stale pointers (the Lua
+//! frames the heap tracker records at each allocation) reads without a system call per read.
+//! It is checked first, before anything else the handler does.
+//!
 //! How it can be wrong: a frame larger than the guard (64 KiB) can step over it into other
 //! memory; such an overflow is not caught here (and may not fault at all). Code that uses up
 //! the whole reserve (256 KiB) before the handler's safe point comes (C code recursing with no
@@ -279,6 +284,11 @@ pub(crate) fn install() {
 }
 
 extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, uc: *mut libc::c_void) {
+    // A probe's read of an address that is not there (`ProbeReads`): it fails, nothing else.
+    // SAFETY: `info` and `uc` are the kernel's for this handler.
+    if unsafe { fibertrace_core::arch::probe_fixup(info, uc) } {
+        return;
+    }
     // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler.
     let addr = unsafe { (*info).si_addr() } as u64;
     if let Some((fid, lo, hi)) = crate::running::running_stack() {
@@ -324,6 +334,102 @@ extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, uc: *mut li
     let prev = unsafe { *std::ptr::addr_of!(PREVIOUS[i]).cast::<libc::sigaction>() };
     // SAFETY: the kernel's `info` and `uc` for this handler.
     unsafe { call_previous(&prev, sig, info, uc) };
+}
+
+/// Reads of this process's memory that fail, instead of faulting, where nothing is mapped
+/// (or nothing readable): what reading another process's memory through the kernel gives
+/// (`process_vm_readv`), without a system call per read. A read that faults is resumed by
+/// this module's fault handler as a failure ([`fibertrace_core::arch::probe_copy`]).
+///
+/// Lent by [`ProbeReads::with`] after it checked the conditions that make it sound: this
+/// module's handler (installed then, if it was not) still the process's handler of SIGSEGV
+/// and SIGBUS (code that installs its own takes them over), neither signal blocked on this
+/// thread (a fault with its signal blocked ends the process), and an alternate signal stack
+/// with room for the fault's frame (a fiber's stack may have none left). What it cannot
+/// rule out: a handler another thread installs while the reads go on would get their
+/// faults (most would end the process). Unlike `process_vm_readv`, a read reaches device
+/// mappings too (a stale pointer into one reads it), and under a debugger each failed read
+/// stops the program with a SIGSEGV first (`handle SIGSEGV nostop noprint` in gdb). A read
+/// racing a write of the same bytes by another thread gives a mix of old and new bytes.
+#[derive(Debug)]
+pub struct ProbeReads {
+    _this_thread: std::marker::PhantomData<*const ()>,
+}
+
+/// Bytes of the alternate signal stack a probe's fault needs beyond the kernel's own least
+/// (`AT_MINSIGSTKSZ`): the handler's path for a probe is a few calls deep.
+const PROBE_HANDLER_ROOM: usize = 4096;
+
+impl ProbeReads {
+    /// Calls `f` with probe reads on this thread when they are sound now (see
+    /// [`ProbeReads`]), with `None` otherwise (another fault handler, a blocked signal, no
+    /// alternate stack, or running on it in a signal handler): then read some other way. Four system calls (the two
+    /// dispositions, the signal mask, the alternate stack), no allocation.
+    pub fn with<R>(f: impl FnOnce(Option<&ProbeReads>) -> R) -> R {
+        if Self::sound_here() {
+            f(Some(&ProbeReads {
+                _this_thread: std::marker::PhantomData,
+            }))
+        } else {
+            f(None)
+        }
+    }
+
+    fn sound_here() -> bool {
+        install();
+        for sig in SIGNALS {
+            // SAFETY: sigaction with no new disposition only reads the current one into a
+            // zeroed struct of ours.
+            let cur = unsafe {
+                let mut cur: libc::sigaction = std::mem::zeroed();
+                if libc::sigaction(sig, std::ptr::null(), &mut cur) != 0 {
+                    return false;
+                }
+                cur
+            };
+            let flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+            if cur.sa_sigaction != on_fault as *const () as usize || cur.sa_flags & flags != flags {
+                return false;
+            }
+        }
+        // SAFETY: pthread_sigmask with no new set only reads this thread's mask into ours;
+        // sigismember reads that set; sigaltstack with no new stack only reads the current
+        // one; getauxval reads the process's auxiliary vector.
+        unsafe {
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            if libc::pthread_sigmask(libc::SIG_BLOCK, std::ptr::null(), &mut set) != 0
+                || SIGNALS.iter().any(|&s| libc::sigismember(&set, s) != 0)
+            {
+                return false;
+            }
+            let mut ss: libc::stack_t = std::mem::zeroed();
+            // (Running on it already, inside a signal handler: how much is left is not known.)
+            if libc::sigaltstack(std::ptr::null(), &mut ss) != 0
+                || ss.ss_flags & (libc::SS_DISABLE | libc::SS_ONSTACK) != 0
+            {
+                return false;
+            }
+            // The kernel's least room for a signal frame on this machine (AT_MINSIGSTKSZ,
+            // 51: its size follows the CPU's register state), 2 KiB where it does not say.
+            let least = (libc::getauxval(51) as usize).max(2048);
+            ss.ss_size >= least + PROBE_HANDLER_ROOM
+        }
+    }
+
+    /// Fills `out` from this process's address `addr`; `false` if any of it could not be
+    /// read (unmapped, unreadable, or past the end of the address space), `out` then holding
+    /// anything.
+    #[inline]
+    pub fn read(&self, addr: u64, out: &mut [u8]) -> bool {
+        if addr.checked_add(out.len() as u64).is_none() {
+            return false;
+        }
+        // SAFETY: `out` is ours to write (`addr` may point into it: the copy allows
+        // overlap); `self` is only lent by `with`, inside a call where this module's handler
+        // was found in place for both signals, neither blocked on this thread, with an
+        // alternate stack: a faulting read comes back as `false`.
+        unsafe { fibertrace_core::arch::probe_copy(out.as_mut_ptr(), addr as *const u8, out.len()) }
+    }
 }
 
 /// Hands signal `sig` to `prev`, the disposition found before ours: the default action, none

@@ -27,7 +27,8 @@ pub(crate) use x86_64::{
 pub(crate) use x86_64::{is_sigreturn, UCONTEXT_REGS};
 #[cfg(target_arch = "x86_64")]
 pub use x86_64::{
-    prefetch, prefetch_far, register_from_ucontext, registers_from_ucontext, timestamp_counter,
+    prefetch, prefetch_far, probe_copy, probe_fixup, register_from_ucontext,
+    registers_from_ucontext, timestamp_counter,
 };
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86_64::{registers_from_prstatus, registers_from_user_regs, ELF_MACHINE};

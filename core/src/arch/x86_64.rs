@@ -297,3 +297,106 @@ pub fn timestamp_counter() -> u64 {
     // SAFETY: RDTSC is available on every x86_64 CPU and has no side effects.
     unsafe { core::arch::x86_64::_rdtsc() }
 }
+
+// A copy whose only memory accesses that can fault are two known instructions (a word's
+// load, or `rep movsb` for any other length), so a fault handler can tell a failed probe
+// from any other fault by the faulting instruction's address alone, and resume after it
+// with a failure (see `probe_copy`, `probe_fixup`). A leaf with no stack of its own (the
+// CFI directives give unwinders its one rule: the return address on top). Symbols hidden:
+// the program's own, not exported from a shared object (two semver-incompatible copies of
+// this crate in one program would clash at link time: hence the version in the names).
+core::arch::global_asm!(
+    ".pushsection .text.fibertrace_probe_copy_v1,\"ax\",@progbits",
+    ".p2align 4",
+    ".globl fibertrace_probe_copy_v1",
+    ".hidden fibertrace_probe_copy_v1",
+    ".type fibertrace_probe_copy_v1,@function",
+    "fibertrace_probe_copy_v1:",
+    ".cfi_startproc",
+    "cmp rdx, 8",
+    "jne 2f",
+    // The common read, a word: one load.
+    ".globl fibertrace_probe_copy_v1_word",
+    ".hidden fibertrace_probe_copy_v1_word",
+    "fibertrace_probe_copy_v1_word:",
+    "mov rax, qword ptr [rsi]",
+    "mov qword ptr [rdi], rax",
+    "xor eax, eax",
+    "ret",
+    "2:",
+    "mov rcx, rdx",
+    ".globl fibertrace_probe_copy_v1_at",
+    ".hidden fibertrace_probe_copy_v1_at",
+    "fibertrace_probe_copy_v1_at:",
+    "rep movsb",
+    "xor eax, eax",
+    "ret",
+    ".globl fibertrace_probe_copy_v1_fault",
+    ".hidden fibertrace_probe_copy_v1_fault",
+    "fibertrace_probe_copy_v1_fault:",
+    "mov eax, 1",
+    "ret",
+    ".cfi_endproc",
+    ".size fibertrace_probe_copy_v1, . - fibertrace_probe_copy_v1",
+    ".popsection",
+);
+
+extern "C" {
+    /// Copies `len` bytes from `src` to `dst`: 0 when done, 1 when a read faulted and a
+    /// handler resumed at the fault label (`probe_fixup`).
+    fn fibertrace_probe_copy_v1(dst: *mut u8, src: *const u8, len: usize) -> u32;
+    /// The copy's two faulting instructions: the word's load, the byte copy.
+    static fibertrace_probe_copy_v1_word: u8;
+    static fibertrace_probe_copy_v1_at: u8;
+    /// Where a fault of that instruction resumes: returns 1.
+    static fibertrace_probe_copy_v1_fault: u8;
+}
+
+/// Copies `len` bytes from `src` into `dst` (forward, a byte at a time as far as the result
+/// goes: overlapping ranges are allowed), `false` if a read of `src` faulted (an unmapped or
+/// unreadable address); after a failure `dst`'s contents are unspecified.
+///
+/// # Safety
+/// `dst` is valid for `len` bytes of writes; and every fault this copy can take reaches a
+/// handler that calls [`probe_fixup`] first and returns when it says true: a SIGSEGV and
+/// SIGBUS handler installed for the process, run where the kernel has room for its frame,
+/// neither signal blocked on this thread. Without it, a read of an unmapped address ends
+/// the process.
+#[inline]
+pub unsafe fn probe_copy(dst: *mut u8, src: *const u8, len: usize) -> bool {
+    // SAFETY: per the contract: `dst` is writable for `len` bytes, and a faulting read of
+    // `src` is turned into a return of 1 by the handler (the copy writes only `dst`).
+    unsafe { fibertrace_probe_copy_v1(dst, src, len) == 0 }
+}
+
+/// In a SIGSEGV or SIGBUS handler: when the fault is [`probe_copy`]'s read (raised by the
+/// kernel for one of its two faulting instructions, not sent by a process), moves the
+/// interrupted context to the copy's failure return and says true (the handler then returns
+/// at once); false, and `uc` untouched, for anything else. Async-signal-safe.
+///
+/// # Safety
+/// `info` and `uc` are the `siginfo_t` and `ucontext_t` the kernel passed to the handler
+/// (its second and third arguments).
+pub unsafe fn probe_fixup(info: *const libc::siginfo_t, uc: *mut libc::c_void) -> bool {
+    // A signal sent by `kill` or `tgkill` (`si_code <= 0`) while the copy runs is not its
+    // fault.
+    // SAFETY: the caller passes the handler's own siginfo.
+    if unsafe { (*info).si_code } <= 0 {
+        return false;
+    }
+    // SAFETY: the caller passes the handler's own ucontext, valid and ours to change while
+    // the handler runs (the kernel restores the context from it when the handler returns).
+    let uc = unsafe { &mut *(uc as *mut libc::ucontext_t) };
+    let ip = &mut uc.uc_mcontext.gregs[libc::REG_RIP as usize];
+    // Only the labels' addresses are taken; nothing is read through them.
+    let (word, at, fault) = (
+        &raw const fibertrace_probe_copy_v1_word as usize,
+        &raw const fibertrace_probe_copy_v1_at as usize,
+        &raw const fibertrace_probe_copy_v1_fault as usize,
+    );
+    if *ip as usize != at && *ip as usize != word {
+        return false;
+    }
+    *ip = fault as i64;
+    true
+}

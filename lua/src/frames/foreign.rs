@@ -77,6 +77,18 @@ impl Memory for SelfMem {
     }
 }
 
+/// This process's memory read in place, a read of an unmapped address failing instead of
+/// faulting (`ProbeReads`: the fault handler resumes it as a failure): [`SelfMem`] without
+/// its system call per read, where the handler is in place on this thread.
+pub struct ProbeMem<'a>(pub &'a fibertrace_fiber::embed::overflow::ProbeReads);
+
+impl Memory for ProbeMem<'_> {
+    #[inline]
+    fn read(&mut self, addr: u64, out: &mut [u8]) -> bool {
+        self.0.read(addr, out)
+    }
+}
+
 /// Bytes of one block of [`Blocks`] (aligned: a block never spans two pages, so a block
 /// of mapped memory is read whole).
 const BLOCK: usize = 256;
