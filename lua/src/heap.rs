@@ -21,22 +21,24 @@
 //! not checked, a budget spent) keeps its native frames only.
 
 use fibertrace_core::format::TextOptions;
-use fibertrace_core::heap::{self, Group, LiveAlloc};
+use fibertrace_core::heap::{self, Group};
 
 /// A live fiber's name.
 pub fn fiber_name(id: u64) -> Option<String> {
     fibertrace_fiber::registry::find(id).map(|(_, cb)| cb.name_arc().to_string())
 }
 
-/// `allocs` grouped by stack (most bytes first), each group with its frames as text lines
-/// (`0x… in f+0x… at file:line`, `leaf in @s.lua:3`), index numbers left out.
-pub fn heap_groups(allocs: &[LiveAlloc]) -> Vec<(Group, Vec<String>)> {
+/// The live allocations grouped by stack (most bytes first; read one at a time, see
+/// `heap::group_live`), each group with its frames as text lines (`0x… in f+0x… at
+/// file:line`, `leaf in @s.lua:3`), index numbers left out.
+pub fn heap_groups() -> Vec<(Group, Vec<String>)> {
     let namer = |id| crate::render::lua_line(id);
     let opts = TextOptions {
         lua: Some(&namer),
         ..TextOptions::default()
     };
-    heap::group(allocs)
+    heap::group_live(|_| true)
+        .groups
         .into_iter()
         .map(|mut g| {
             g.frames = as_frames(&g);
@@ -104,28 +106,26 @@ pub fn heap_text_since(top: usize, base: Option<&HeapBaseline>) -> String {
     if heap::tier() == heap::Tier::Off {
         return format!("{}\n", fibertrace_fiber::export::NOT_TRACKED);
     }
-    let mut live = heap::live();
-    let mut out = String::new();
-    if let Some(base) = base {
-        let before = live.len();
-        let mut bytes = 0i64;
-        let vm_own = VM_OWN.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        live.retain(|a| {
+    // Grouped as read (no list of every live allocation: at exit under a memory limit, a
+    // report of hundreds of thousands of them needs room for its distinct stacks alone).
+    let vm_own = VM_OWN.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let grouped = heap::group_live(|a| match base {
+        None => true,
+        Some(base) => {
             let old = a.fiber.is_none()
                 || vm_own
                     .iter()
                     .any(|&(p, n)| p == a.ptr && (n == a.size || n == 0))
                 || base.contains(&(a.ptr, a.size, a.addrs.first().copied().unwrap_or(0)));
-            if old {
-                bytes += a.bytes;
-            }
             !old
-        });
+        }
+    });
+    let mut out = String::new();
+    if base.is_some() {
         out.push_str(&format!(
             "(left out: {} allocations, {} bytes, live since before the script started or \
              made outside its fibers — the runtime's and the Lua state's own)\n",
-            before - live.len(),
-            bytes
+            grouped.left_out, grouped.left_out_bytes
         ));
     }
     let namer = |id| crate::render::lua_line(id);
@@ -134,17 +134,19 @@ pub fn heap_text_since(top: usize, base: Option<&HeapBaseline>) -> String {
         hide: fibertrace_fiber::glue::filter(),
         ..TextOptions::default()
     };
-    if base.is_some() && live.is_empty() {
+    let none = grouped.groups.is_empty();
+    if base.is_some() && none {
         out.push_str("heap: nothing the script made is still live\n");
     }
-    let groups: Vec<Group> = heap::group(&live)
+    let groups: Vec<Group> = grouped
+        .groups
         .into_iter()
         .map(|mut g| {
             g.frames = as_frames(&g);
             g
         })
         .collect();
-    if base.is_none() || !live.is_empty() {
+    if base.is_none() || !none {
         out.push_str(&heap::render_groups(&groups, top, &fiber_name, &opts));
     }
     if let Some(s) = fibertrace_fiber::inspect::HeapSummary::now() {

@@ -1179,6 +1179,60 @@ fn out_of_memory_leaves_fiber_info_and_dumps_working() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `--leaks` at exit with hundreds of thousands of live allocations and the address space
+/// full: the report groups them as it reads them (it listed every allocation first, tens of
+/// MB the limit no longer had, and the process aborted: exit 134, no report), and lists each
+/// stack with its exact count and Lua frames.
+#[cfg(feature = "luajit")]
+#[test]
+fn leaks_of_200000_allocations_at_the_memory_limit_are_reported() {
+    let dir = Scratch::new("rel-oom-leaks");
+    let script = dir.join("many.lua");
+    std::fs::write(
+        &script,
+        "jit.off()\n\
+         keep = {}\n\
+         local function make(i) keep[i] = {i} end\n\
+         for i = 1, 200000 do make(i) end\n\
+         hog = {}\n\
+         print('filled', pcall(function() local n = 0 while true do n = n + 1 hog[n] = string.rep('x', 4096) .. n end end))\n",
+    )
+    .unwrap();
+    let s = script.to_str().unwrap();
+    let o = limited_run(&["--leaks", s]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        "filled\tfalse\tnot enough memory\n",
+        "{err}"
+    );
+    assert!(
+        err.starts_with("fibertrace: --leaks: live at exit:\n"),
+        "{err}"
+    );
+    // The 200,000 tables `make` made, one group, its frames from the host's allocator (its
+    // own frame, or `alloc` inlined into it in an optimised build) up.
+    let at = err
+        .find("MiB in 200000 allocations — held by exited fiber 1: ")
+        .unwrap_or_else(|| panic!("{err}"));
+    let group: Vec<&str> = err[at..].lines().take(6).collect();
+    let one = group.iter().position(|l| l.starts_with("#1 ")).unwrap();
+    assert!(group[1].starts_with("#0  0x"), "{group:?}");
+    assert!(
+        group[1..one]
+            .iter()
+            .any(|l| l.contains("fibertrace_lua::host::global_alloc+")),
+        "{group:?}"
+    );
+    assert_eq!(group[one], format!("#1  make in @{s}:3"), "{group:?}");
+    assert_eq!(
+        group[one + 1],
+        format!("#2  main chunk in @{s}:4"),
+        "{group:?}"
+    );
+}
+
 /// Out of memory, the exits that write something still do: `os.exit(3)` with
 /// `--dump-on-exit` exits 3 with its dump written (the wrapper's own Lua could not allocate:
 /// `os.exit` raised `not enough memory` and the script went on), and `--heap=every` and

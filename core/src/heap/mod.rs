@@ -55,8 +55,8 @@ pub use reserve::{
 };
 pub use totals::{totals, Total, MAX_ENTRIES};
 pub use view::{
-    group, human_bytes, live, machinery_frames, render_groups, share_name, write_m_lines, Group,
-    LiveAlloc, Share,
+    for_each_live, group, group_live, human_bytes, live, machinery_frames, render_groups,
+    share_name, write_m_lines, Group, Grouped, LiveAlloc, LiveRef, Share,
 };
 
 use std::alloc::{GlobalAlloc, Layout};

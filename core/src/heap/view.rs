@@ -187,51 +187,171 @@ fn machinery_prefix(addrs: &[u64]) -> usize {
 
 /// Groups allocations by stack (machinery frames dropped), most bytes first.
 pub fn group(allocs: &[LiveAlloc]) -> Vec<Group> {
-    let mut trim: HashMap<&[u64], usize> = HashMap::new();
-    /// Bytes and allocations per (fiber, exited).
-    type PerFiber = HashMap<(Option<u64>, bool), (i64, i64)>;
-    let mut by: HashMap<&[u64], (i64, i64, PerFiber)> = HashMap::new();
+    let mut g = Grouper::default();
     for a in allocs {
-        let k = *trim
-            .entry(&a.addrs)
-            .or_insert_with(|| machinery_prefix(&a.addrs));
-        let e = by.entry(&a.addrs[k..]).or_default();
-        e.0 += a.bytes;
-        e.1 += a.objects;
-        let f = e.2.entry((a.fiber, a.exited)).or_default();
-        f.0 += a.bytes;
-        f.1 += a.objects;
+        g.add(&a.addrs, a.fiber, a.exited, a.bytes, a.objects);
     }
-    let mut out: Vec<Group> = by
-        .into_iter()
-        .map(|(addrs, (bytes, objects, fibers))| {
-            let mut fibers: Vec<Share> = fibers
-                .into_iter()
-                .map(|((fiber, exited), (bytes, objects))| Share {
+    g.finish()
+}
+
+/// One live allocation (every tier) or sample (sampled tier) as [`for_each_live`] shows it.
+#[derive(Clone, Copy, Debug)]
+pub struct LiveRef<'a> {
+    /// The pointer handed out.
+    pub ptr: usize,
+    /// Its size.
+    pub size: usize,
+    /// The fiber it is charged to (`None`: outside fibers).
+    pub fiber: Option<u64>,
+    /// Whether that fiber has ended.
+    pub exited: bool,
+    /// Return addresses of its allocation stack, innermost first (machinery included).
+    pub addrs: &'a [u64],
+    /// Bytes it stands for (see [`LiveAlloc::bytes`]).
+    pub bytes: i64,
+    /// Allocations it stands for (1 in the every tier).
+    pub objects: i64,
+}
+
+/// Calls `f` for each live allocation (each sample, in the sampled tier), read one at a time
+/// from the tracker's list: what [`live`] lists, without a list of every allocation (a report
+/// of hundreds of thousands of them at exit under a memory limit has room for what it sums
+/// alone). Nothing when no tier is active. `f` runs with tracking paused and the list's
+/// lock held: it may allocate (untracked), but must not free a block allocated tracked
+/// before the call — a collection made before it must not grow inside it (the free would
+/// take the lock again): start with an empty one, which allocates inside.
+pub fn for_each_live(mut f: impl FnMut(&LiveRef)) {
+    // Paused throughout, as `live`: the walk holds the list's lock.
+    let _busy = super::pause();
+    match super::tier() {
+        Tier::Every => every::for_each(|ptr, blob, slot| {
+            let Ok(t) = LwsTrace::decode(blob) else {
+                return;
+            };
+            let (fiber, exited) = owner::fiber_of(slot);
+            f(&LiveRef {
+                ptr,
+                size: t.size as usize,
+                fiber,
+                exited,
+                addrs: &t.addrs,
+                bytes: t.size as i64,
+                objects: 1,
+            });
+        }),
+        Tier::Sampled => {
+            for (ptr, s) in sample::samples() {
+                let (fiber, exited) = owner::fiber_of(s.slot);
+                f(&LiveRef {
+                    ptr,
+                    size: s.size,
                     fiber,
                     exited,
+                    addrs: &s.frames[..usize::from(s.depth)],
+                    bytes: s.bytes,
+                    objects: s.objects,
+                });
+            }
+        }
+        Tier::Off => {}
+    }
+}
+
+/// What [`group_live`] gives: the groups, and what its filter left out.
+#[derive(Debug, Default)]
+pub struct Grouped {
+    /// The allocations kept, grouped as [`group`] groups them.
+    pub groups: Vec<Group>,
+    /// Allocations the filter left out.
+    pub left_out: i64,
+    /// Their bytes.
+    pub left_out_bytes: i64,
+}
+
+/// [`group`] of the live allocations (samples, in the sampled tier) that `keep` accepts, read
+/// one at a time ([`for_each_live`]): memory for the groups only.
+pub fn group_live(mut keep: impl FnMut(&LiveRef) -> bool) -> Grouped {
+    let mut g = Grouper::default();
+    let mut out = Grouped::default();
+    for_each_live(|r| {
+        if keep(r) {
+            g.add(r.addrs, r.fiber, r.exited, r.bytes, r.objects);
+        } else {
+            out.left_out += r.objects;
+            out.left_out_bytes += r.bytes;
+        }
+    });
+    out.groups = g.finish();
+    out
+}
+
+/// Bytes and allocations per (fiber, exited).
+type PerFiber = HashMap<(Option<u64>, bool), (i64, i64)>;
+
+/// Allocations summed per stack (machinery frames dropped), as they come.
+#[derive(Default)]
+struct Grouper {
+    /// Each recorded stack's machinery prefix (resolving is the costly part).
+    trim: HashMap<Vec<u64>, usize>,
+    by: HashMap<Vec<u64>, (i64, i64, PerFiber)>,
+}
+
+impl Grouper {
+    fn add(&mut self, addrs: &[u64], fiber: Option<u64>, exited: bool, bytes: i64, objects: i64) {
+        let k = match self.trim.get(addrs) {
+            Some(&k) => k,
+            None => {
+                let k = machinery_prefix(addrs);
+                self.trim.insert(addrs.to_vec(), k);
+                k
+            }
+        };
+        let key = &addrs[k..];
+        let e = match self.by.get_mut(key) {
+            Some(e) => e,
+            None => self.by.entry(key.to_vec()).or_default(),
+        };
+        e.0 += bytes;
+        e.1 += objects;
+        let f = e.2.entry((fiber, exited)).or_default();
+        f.0 += bytes;
+        f.1 += objects;
+    }
+
+    /// The groups, most bytes first.
+    fn finish(self) -> Vec<Group> {
+        let mut out: Vec<Group> = self
+            .by
+            .into_iter()
+            .map(|(addrs, (bytes, objects, fibers))| {
+                let mut fibers: Vec<Share> = fibers
+                    .into_iter()
+                    .map(|((fiber, exited), (bytes, objects))| Share {
+                        fiber,
+                        exited,
+                        bytes,
+                        objects,
+                    })
+                    .collect();
+                fibers.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.fiber.cmp(&b.fiber)));
+                Group {
+                    frames: addrs.iter().map(|&a| Frame::Ra(a)).collect(),
                     bytes,
                     objects,
-                })
-                .collect();
-            fibers.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.fiber.cmp(&b.fiber)));
-            Group {
-                frames: addrs.iter().map(|&a| Frame::Ra(a)).collect(),
-                bytes,
-                objects,
-                fibers,
-            }
-        })
-        .collect();
-    out.sort_by(|a, b| {
-        b.bytes.cmp(&a.bytes).then_with(|| {
-            a.frames
-                .iter()
-                .map(Frame::address)
-                .cmp(b.frames.iter().map(Frame::address))
-        })
-    });
-    out
+                    fibers,
+                }
+            })
+            .collect();
+        out.sort_by(|a, b| {
+            b.bytes.cmp(&a.bytes).then_with(|| {
+                a.frames
+                    .iter()
+                    .map(Frame::address)
+                    .cmp(b.frames.iter().map(Frame::address))
+            })
+        });
+        out
+    }
 }
 
 /// Bytes for people: `512 B`, `1.5 KiB`, `12.0 MiB`.

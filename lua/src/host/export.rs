@@ -223,8 +223,7 @@ lua_fn!(f_heap, heap_body);
 /// name, exited, bytes, objects}...}, frames = {line...}}...}}`.
 fn heap_table(c: &mut Call, top: usize) -> LResult {
     use fibertrace_core::heap;
-    let allocs = heap::live();
-    let groups = crate::heap_groups(&allocs);
+    let groups = crate::heap_groups();
     let summary = fibertrace_fiber::inspect::HeapSummary::now().unwrap_or_default();
     let tier = heap::tier();
     /// A share: fiber, its name (live), exited, bytes, allocations.
@@ -252,9 +251,9 @@ fn heap_table(c: &mut Call, top: usize) -> LResult {
             frames: frames.clone(),
         })
         .collect();
-    let (live_bytes, live_objects) = allocs
+    let (live_bytes, live_objects) = groups
         .iter()
-        .fold((0i64, 0i64), |(b, o), a| (b + a.bytes, o + a.objects));
+        .fold((0i64, 0i64), |(b, o), (g, _)| (b + g.bytes, o + g.objects));
     let n = c.protected(&[], |p| {
         p.new_table(0, 8);
         let t = p.top();

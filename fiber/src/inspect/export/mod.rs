@@ -152,11 +152,23 @@ pub fn heap_pprof(
         e.0[0] += t.objects as i64;
         e.0[1] += t.bytes as i64;
     }
-    for a in heap::live() {
-        let e = d.rows.entry((a.addrs, a.fiber)).or_default();
-        e.0[2] += a.objects;
-        e.0[3] += a.bytes;
-        e.1 |= a.exited;
+    // Read one at a time: room for the rows only, not for a list of every allocation. Into
+    // a map of its own, empty until the walk (a block allocated before it may not be freed
+    // inside it, as `d.rows` growing would), merged after.
+    type LiveRows = std::collections::HashMap<(Vec<u64>, Option<u64>), (i64, i64, bool)>;
+    let mut live = LiveRows::new();
+    heap::for_each_live(|a| {
+        let k = (a.addrs.to_vec(), a.fiber);
+        let e = live.entry(k).or_default();
+        e.0 += a.objects;
+        e.1 += a.bytes;
+        e.2 |= a.exited;
+    });
+    for (k, (objects, bytes, exited)) in live {
+        let e = d.rows.entry(k).or_default();
+        e.0[2] += objects;
+        e.0[3] += bytes;
+        e.1 |= exited;
     }
     for (addrs, fiber) in d.rows.keys() {
         if let Some(f) = fiber {
