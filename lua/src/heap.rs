@@ -106,6 +106,7 @@ pub fn heap_text_since(top: usize, base: Option<&HeapBaseline>) -> String {
     if heap::tier() == heap::Tier::Off {
         return format!("{}\n", fibertrace_fiber::export::NOT_TRACKED);
     }
+    let skipped = fibertrace_core::symbolize::skipped_for_memory();
     // Grouped as read (no list of every live allocation: at exit under a memory limit, a
     // report of hundreds of thousands of them needs room for its distinct stacks alone).
     let vm_own = VM_OWN.lock().unwrap_or_else(|e| e.into_inner()).clone();
@@ -148,6 +149,12 @@ pub fn heap_text_since(top: usize, base: Option<&HeapBaseline>) -> String {
         .collect();
     if base.is_none() || !none {
         out.push_str(&heap::render_groups(&groups, top, &fiber_name, &opts));
+    }
+    if fibertrace_core::symbolize::skipped_for_memory() > skipped {
+        out.push_str(
+            "(native frames shown as addresses above were left unnamed: too little address \
+             space was left (a memory limit, `ulimit -v`) to read their debug information)\n",
+        );
     }
     if let Some(s) = fibertrace_fiber::inspect::HeapSummary::now() {
         out.push('\n');

@@ -1192,13 +1192,55 @@ fn leaks_of_200000_allocations_at_the_memory_limit_are_reported() {
         &script,
         "jit.off()\n\
          keep = {}\n\
-         local function make(i) keep[i] = {i} end\n\
-         for i = 1, 200000 do make(i) end\n\
+         local function make(i) return {i} end\n\
+         for i = 1, 200000 do keep[i] = make(i) end\n\
          hog = {}\n\
-         print('filled', pcall(function() local n = 0 while true do n = n + 1 hog[n] = string.rep('x', 4096) .. n end end))\n",
+         print('filled', pcall(function() local n = 0 while true do n = n + 1 hog[n] = string.rep('x', 4096) .. n end end))\n\
+         if arg[1] then\n\
+         \x20 local ft = require('fibertrace')\n\
+         \x20 local ok, t = pcall(ft.heap)\n\
+         \x20 print('table', ok, ok and t.live_objects >= 200000 or t)\n\
+         \x20 local ok2, n = pcall(ft.heap, {format = 'pprof', file = arg[1]})\n\
+         \x20 print('pprof', ok2, ok2 and n > 0 or n)\n\
+         \x20 local ok3, l, why = pcall(ft.heap, {format = 'lws'})\n\
+         \x20 print('lws', ok3, type(l) == 'string' and #l > 200000 * 20 or why)\n\
+         end\n",
     )
     .unwrap();
     let s = script.to_str().unwrap();
+    // `fibertrace.heap()` as a table and as a pprof file, at the limit: a result each (the
+    // symbolizer, short of room to parse debug information, leaves frames unnamed rather
+    // than abort the process), or a Lua error the script catches.
+    let pb = dir.join("heap.pb.gz");
+    let o = limited_run(&["--heap=every", s, pb.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let out = String::from_utf8_lossy(&o.stdout);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 4, "{out}{err}");
+    assert_eq!(lines[0], "filled\tfalse\tnot enough memory", "{out}{err}");
+    for (line, what) in lines[1..3].iter().zip(["table", "pprof"]) {
+        assert!(
+            *line == format!("{what}\ttrue\ttrue")
+                || *line == format!("{what}\tfalse\tnot enough memory"),
+            "{out}{err}"
+        );
+    }
+    // Every allocation listed, or a clear refusal when there is no room to list them.
+    let lws = lines[3];
+    let refused = lws
+        .strip_prefix("lws\ttrue\tnot enough memory to list ")
+        .and_then(|r| r.strip_suffix(" live allocations"))
+        .and_then(|n| n.parse::<u64>().ok())
+        .is_some_and(|n| n >= 200_000);
+    assert!(lws == "lws\ttrue\ttrue" || refused, "{out}{err}");
+    assert!(
+        out == "filled\tfalse\tnot enough memory\ntable\ttrue\ttrue\npprof\ttrue\ttrue\n"
+            || out.contains("\tfalse\tnot enough memory\n"),
+        "{out}{err}"
+    );
     let o = limited_run(&["--leaks", s]).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(0), "{err}");
@@ -1212,25 +1254,37 @@ fn leaks_of_200000_allocations_at_the_memory_limit_are_reported() {
         "{err}"
     );
     // The 200,000 tables `make` made, one group, its frames from the host's allocator (its
-    // own frame, or `alloc` inlined into it in an optimised build) up.
+    // own frame, or `alloc` inlined into it in an optimised build; an address, and a note
+    // under the report, when too little address space was left to read its debug
+    // information) up.
     let at = err
         .find("MiB in 200000 allocations — held by exited fiber 1: ")
         .unwrap_or_else(|| panic!("{err}"));
-    let group: Vec<&str> = err[at..].lines().take(6).collect();
-    let one = group.iter().position(|l| l.starts_with("#1 ")).unwrap();
+    let group: Vec<&str> = err[at..].lines().take_while(|l| !l.is_empty()).collect();
     assert!(group[1].starts_with("#0  0x"), "{group:?}");
-    assert!(
-        group[1..one]
-            .iter()
-            .any(|l| l.contains("fibertrace_lua::host::global_alloc+")),
-        "{group:?}"
-    );
-    assert_eq!(group[one], format!("#1  make in @{s}:3"), "{group:?}");
+    // The Lua frames, in order, right after the native frames of the allocator.
+    let make = format!(" make in @{s}:3");
+    let i = group
+        .iter()
+        .position(|l| l.starts_with('#') && l.ends_with(&make))
+        .unwrap_or_else(|| panic!("{group:?}"));
+    let n: usize = group[i][1..].split(' ').next().unwrap().parse().unwrap();
+    assert_eq!(group[i], format!("#{n}  make in @{s}:3"), "{group:?}");
     assert_eq!(
-        group[one + 1],
-        format!("#2  main chunk in @{s}:4"),
+        group[i + 1],
+        format!("#{}  main chunk in @{s}:4", n + 1),
         "{group:?}"
     );
+    let native = &group[1..i];
+    let named = native
+        .iter()
+        .any(|l| l.contains("fibertrace_lua::host::global_alloc+"));
+    let unnamed = native.iter().all(|l| l.contains(" in ?? (fibertrace+0x"))
+        && err.contains(
+            "\n(native frames shown as addresses above were left unnamed: too little address \
+             space was left (a memory limit, `ulimit -v`) to read their debug information)\n",
+        );
+    assert!(named || unnamed, "{group:?}\n{err}");
 }
 
 /// Out of memory, the exits that write something still do: `os.exit(3)` with

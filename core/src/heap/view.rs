@@ -94,12 +94,26 @@ pub fn live() -> Vec<LiveAlloc> {
 /// decoder reads; in the sampled tier one per sample). Returns how many.
 pub fn write_m_lines(w: &mut dyn std::io::Write) -> std::io::Result<usize> {
     let _busy = super::pause();
+    // Every allocation is listed in memory first (a few hundred bytes each): under an
+    // address-space limit with less room than that, an error rather than an abort midway.
+    let n = every::count();
+    let need = n.saturating_mul(LISTED_BYTES).saturating_add(1 << 20);
+    if !crate::symbolize::address_space_room(need) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::OutOfMemory,
+            format!("not enough memory to list {n} live allocations"),
+        ));
+    }
     let all = live();
     for a in &all {
         writeln!(w, "{M_LEAD}{}", crate::codec::base64::encode(&a.blob))?;
     }
     Ok(all.len())
 }
+
+/// Bytes [`write_m_lines`] wants free per listed allocation (its entry in [`live`]'s list,
+/// its stack, its blob and its line).
+const LISTED_BYTES: usize = 512;
 
 /// A fiber's share of a [`Group`].
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -214,12 +228,14 @@ pub struct LiveRef<'a> {
 }
 
 /// Calls `f` for each live allocation (each sample, in the sampled tier), read one at a time
-/// from the tracker's list: what [`live`] lists, without a list of every allocation (a report
-/// of hundreds of thousands of them at exit under a memory limit has room for what it sums
-/// alone). Nothing when no tier is active. `f` runs with tracking paused and the list's
-/// lock held: it may allocate (untracked), but must not free a block allocated tracked
-/// before the call — a collection made before it must not grow inside it (the free would
-/// take the lock again): start with an empty one, which allocates inside.
+/// from the every tier's list: what [`live`] lists, without a list of every allocation (a
+/// report of hundreds of thousands of them at exit under a memory limit has room for what
+/// it sums alone; the sampled tier's table, small, is copied first). Nothing when no tier
+/// is active. `f` runs with tracking paused and, in the every tier, the list's lock held
+/// (every other thread's tracked allocation waits): it should only sum, and it may allocate
+/// (untracked) but must not free a block allocated tracked before the call — a collection
+/// made before it must not grow inside it (the free would take the lock again): start with
+/// an empty one, which allocates inside.
 pub fn for_each_live(mut f: impl FnMut(&LiveRef)) {
     // Paused throughout, as `live`: the walk holds the list's lock.
     let _busy = super::pause();
@@ -269,7 +285,9 @@ pub struct Grouped {
 }
 
 /// [`group`] of the live allocations (samples, in the sampled tier) that `keep` accepts, read
-/// one at a time ([`for_each_live`]): memory for the groups only.
+/// one at a time ([`for_each_live`]; summed per recorded stack under the lock, resolved and
+/// trimmed after it): memory for the distinct stacks only. `left_out` counts allocations (in
+/// the sampled tier, the estimated allocations the samples stand for).
 pub fn group_live(mut keep: impl FnMut(&LiveRef) -> bool) -> Grouped {
     let mut g = Grouper::default();
     let mut out = Grouped::default();
@@ -288,28 +306,18 @@ pub fn group_live(mut keep: impl FnMut(&LiveRef) -> bool) -> Grouped {
 /// Bytes and allocations per (fiber, exited).
 type PerFiber = HashMap<(Option<u64>, bool), (i64, i64)>;
 
-/// Allocations summed per stack (machinery frames dropped), as they come.
+/// Allocations summed per recorded stack as they come (nothing resolved: the sums may be
+/// made under the tracker's lock), then per stack with the machinery frames dropped.
 #[derive(Default)]
 struct Grouper {
-    /// Each recorded stack's machinery prefix (resolving is the costly part).
-    trim: HashMap<Vec<u64>, usize>,
     by: HashMap<Vec<u64>, (i64, i64, PerFiber)>,
 }
 
 impl Grouper {
     fn add(&mut self, addrs: &[u64], fiber: Option<u64>, exited: bool, bytes: i64, objects: i64) {
-        let k = match self.trim.get(addrs) {
-            Some(&k) => k,
-            None => {
-                let k = machinery_prefix(addrs);
-                self.trim.insert(addrs.to_vec(), k);
-                k
-            }
-        };
-        let key = &addrs[k..];
-        let e = match self.by.get_mut(key) {
+        let e = match self.by.get_mut(addrs) {
             Some(e) => e,
-            None => self.by.entry(key.to_vec()).or_default(),
+            None => self.by.entry(addrs.to_vec()).or_default(),
         };
         e.0 += bytes;
         e.1 += objects;
@@ -318,10 +326,23 @@ impl Grouper {
         f.1 += objects;
     }
 
-    /// The groups, most bytes first.
+    /// The groups, machinery frames dropped (each distinct stack resolved once), most bytes
+    /// first.
     fn finish(self) -> Vec<Group> {
-        let mut out: Vec<Group> = self
-            .by
+        let mut trimmed: HashMap<Vec<u64>, (i64, i64, PerFiber)> = HashMap::new();
+        for (mut addrs, (bytes, objects, fibers)) in self.by {
+            let k = machinery_prefix(&addrs);
+            addrs.drain(..k);
+            let e = trimmed.entry(addrs).or_default();
+            e.0 += bytes;
+            e.1 += objects;
+            for (who, (b, o)) in fibers {
+                let f = e.2.entry(who).or_default();
+                f.0 += b;
+                f.1 += o;
+            }
+        }
+        let mut out: Vec<Group> = trimmed
             .into_iter()
             .map(|(addrs, (bytes, objects, fibers))| {
                 let mut fibers: Vec<Share> = fibers

@@ -1,4 +1,5 @@
-//! Linux/glibc leaf: `dladdr` for exported names of code without a usable file.
+//! Linux/glibc leaf: `dladdr` for exported names of code without a usable file, and the
+//! address space left under a limit.
 
 /// The exported symbol containing `addr` and its start address, from the dynamic loader.
 pub(super) fn dladdr_name(addr: u64) -> Option<(String, u64)> {
@@ -15,4 +16,35 @@ pub(super) fn dladdr_name(addr: u64) -> Option<(String, u64)> {
         .to_string_lossy()
         .into_owned();
     Some((name, info.dli_saddr as u64))
+}
+
+/// Whether `bytes` more of address space can be had now: always under no limit
+/// (`RLIMIT_AS` unlimited); under one, a mapping of that size is made and given back (it
+/// counts against the limit whatever its protection).
+pub(super) fn address_space_room(bytes: usize) -> bool {
+    // SAFETY: getrlimit fills a struct of ours.
+    let unlimited = unsafe {
+        let mut r: libc::rlimit = std::mem::zeroed();
+        libc::getrlimit(libc::RLIMIT_AS, &mut r) != 0 || r.rlim_cur == libc::RLIM_INFINITY
+    };
+    if unlimited {
+        return true;
+    }
+    // SAFETY: a fresh private anonymous mapping, inaccessible, unmapped at once; nothing
+    // else refers to it.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            bytes,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        );
+        if p == libc::MAP_FAILED {
+            return false;
+        }
+        libc::munmap(p, bytes);
+    }
+    true
 }

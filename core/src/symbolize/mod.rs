@@ -187,8 +187,54 @@ pub fn cache_generation() -> u64 {
     GENERATION.load(std::sync::atomic::Ordering::Acquire)
 }
 
+/// Address space a lookup wants free before it parses an image's debug information (a
+/// unit's line table and names take up to megabytes, allocated where a failure aborts the
+/// process: at a memory limit the Lua heap filled, a report's first lookups did); opening
+/// an image's file wants its size besides (it is mapped, and its index built).
+const PARSE_ROOM: usize = 8 << 20;
+
+std::thread_local! {
+    /// Lookups this thread left unresolved for want of address space (see [`PARSE_ROOM`]).
+    static SKIPPED_HERE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// A lookup was left unresolved for want of address space since the last one that parsed:
+/// the next that parses starts a new [`cache_generation`] (caches of results made from the
+/// unresolved frame are remade).
+static SKIPPED_PENDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// How many lookups this thread made so far found too little address space left (an
+/// address-space limit, `ulimit -v`: only it is checked) to parse debug information, or to
+/// open an image's file, and left their frame unresolved (`0x… in ??`, or the exported name
+/// only) rather than risk aborting the process mid-parse; a report that sees it move while
+/// it renders can say so. Each is tried again at its next lookup.
+pub fn skipped_for_memory() -> u64 {
+    SKIPPED_HERE.with(|c| c.get())
+}
+
+/// Whether `bytes` more of address space can be had now (always, under no address-space
+/// limit): for work that allocates a lot where a failure would abort.
+pub(crate) fn address_space_room(bytes: usize) -> bool {
+    linux::address_space_room(bytes)
+}
+
+/// Whether there is room to parse (or open, `extra` being the file's size) now; counts a
+/// lookup that is left unresolved when not.
+fn room_to_parse(extra: u64) -> bool {
+    let want = (PARSE_ROOM as u64).saturating_add(extra);
+    if linux::address_space_room(usize::try_from(want).unwrap_or(usize::MAX)) {
+        if SKIPPED_PENDING.swap(false, std::sync::atomic::Ordering::AcqRel) {
+            GENERATION.fetch_add(1, std::sync::atomic::Ordering::Release);
+        }
+        return true;
+    }
+    SKIPPED_HERE.with(|c| c.set(c.get() + 1));
+    SKIPPED_PENDING.store(true, std::sync::atomic::Ordering::Release);
+    false
+}
+
 /// The resolution of `addr`, and whether it lasts (false: its image's file could not be
-/// opened for the moment, see `open_for`).
+/// opened for the moment, see `open_for`, or there was no room to parse).
 fn resolve_uncached(r: &Resolver, addr: u64) -> (Resolved, bool) {
     let mut table = image::table();
     let mut img = table.image_of(addr).cloned();
@@ -215,13 +261,21 @@ fn resolve_uncached(r: &Resolver, addr: u64) -> (Resolved, bool) {
             .clone();
         let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
         if matches!(*st, FileState::Unopened) {
-            *st = open_for(img);
+            let size = std::fs::metadata(&img.path).map_or(0, |m| m.len());
+            if room_to_parse(size) {
+                *st = open_for(img);
+            }
         }
         lasting = !matches!(*st, FileState::Unopened);
         if let FileState::Open(elf) = &*st {
-            let l = elf.lookup(addr.wrapping_sub(img.base));
-            out.symbols = l.symbols;
-            out.function_start = l.function_start.map(|s| s.wrapping_add(img.base));
+            if room_to_parse(0) {
+                let l = elf.lookup(addr.wrapping_sub(img.base));
+                out.symbols = l.symbols;
+                out.function_start = l.function_start.map(|s| s.wrapping_add(img.base));
+            } else {
+                // Left unresolved for now (not cached): the next lookup tries again.
+                lasting = false;
+            }
         }
     }
     if out.function().is_none() {

@@ -208,7 +208,11 @@ pub(super) fn heap_body(c: &mut Call) -> LResult {
         },
         b"lws" => {
             let mut out = Vec::new();
-            let _ = heap::write_m_lines(&mut out);
+            if let Err(e) = heap::write_m_lines(&mut out) {
+                c.push_nil()?;
+                c.push_str(&e.to_string())?;
+                return Ok(2);
+            }
             out
         }
         b"text" => crate::heap_text(top).into_bytes(),

@@ -500,9 +500,14 @@ fn is_frame_of(f: &Frame, upto: &'static str) -> bool {
     if let Some(hit) = FRAME_OF.with(|c| c.borrow().get(&key).copied()) {
         return hit;
     }
+    let skipped = fibertrace_core::symbolize::skipped_for_memory();
     let hit = fibertrace_core::symbolize::resolve(f)
         .and_then(|r| r.function().map(|n| n.rsplit("::").next() == Some(upto)))
         .unwrap_or(false);
+    if fibertrace_core::symbolize::skipped_for_memory() != skipped {
+        // Left unnamed for want of memory: not an answer to keep.
+        return hit;
+    }
     FRAME_OF.with(|c| {
         let mut c = c.borrow_mut();
         if c.len() >= CACHE_MAX {
