@@ -424,11 +424,12 @@ impl ProbeReads {
         if addr.checked_add(out.len() as u64).is_none() {
             return false;
         }
-        // SAFETY: `out` is ours to write (`addr` may point into it: the copy allows
-        // overlap); `self` is only lent by `with`, inside a call where this module's handler
-        // was found in place for both signals, neither blocked on this thread, with an
-        // alternate stack: a faulting read comes back as `false`.
-        unsafe { fibertrace_core::arch::probe_copy(out.as_mut_ptr(), addr as *const u8, out.len()) }
+        let (dst, len) = (out.as_mut_ptr(), out.len());
+        // SAFETY: `dst` is `out`, ours to write for `len` bytes (`addr` may point into it:
+        // the copy allows overlap); `self` is only lent by `with`, inside a call where this
+        // module's handler was found in place for both signals, neither blocked on this
+        // thread, with an alternate stack: a faulting read comes back as `false`.
+        unsafe { fibertrace_core::arch::probe_copy(dst, addr as *const u8, len) }
     }
 }
 
