@@ -640,3 +640,82 @@ fn flush_waits_for_the_report_being_made() {
     t.join().unwrap();
     watchdog::stop();
 }
+
+/// A short-lived fiber's body: spins a little, so that samples catch it in its own code as
+/// well as while it starts and ends.
+#[inline(never)]
+fn short_lived_body() {
+    busy_1(Instant::now() + Duration::from_micros(2));
+    black_box(());
+}
+
+#[test]
+fn samples_of_fibers_starting_and_ending_name_their_code_or_no_fiber() {
+    // A fiber caught while the runtime starts it (before its code is called) or finishes it
+    // (after its code returned) has no frame of its own: such a sample names no fiber (as
+    // one caught mid-switch), never the fiber with the runtime's start-up frames (corosensei's
+    // trampoline, `??` without symbols) as its trace.
+    let _t = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let stop = Arc::new(AtomicBool::new(false));
+    let sched_fid = Arc::new(AtomicU64::new(0));
+    let (s2, f2) = (stop.clone(), sched_fid.clone());
+    let t = std::thread::spawn(move || {
+        Scheduler::new()
+            .block_on(move || {
+                f2.store(fibertrace_fiber::current_id(), Ordering::Release);
+                while !s2.load(Ordering::Relaxed) {
+                    // Fibers started and finished back to back: most of their time is the
+                    // runtime's start and end.
+                    let f = spawn(short_lived_body);
+                    f.join().unwrap();
+                }
+            })
+            .unwrap()
+    });
+    while sched_fid.load(Ordering::Acquire) == 0 {
+        std::thread::yield_now();
+    }
+    let main = sched_fid.load(Ordering::Acquire);
+    let (sched, _) = registry::find(main).unwrap();
+    let mut short = 0u32;
+    let mut bad = Vec::new();
+    for _ in 0..50_000 {
+        let Some(s) = fibertrace_fiber::sample::sample(&sched, Duration::from_millis(500)) else {
+            continue;
+        };
+        if s.fiber == 0 {
+            assert!(
+                s.backtrace.frames().is_empty(),
+                "{:?}",
+                s.backtrace.frames()
+            );
+            continue;
+        }
+        let n = common::names(s.backtrace.frames());
+        if s.fiber == main {
+            continue;
+        }
+        short += 1;
+        // Its code's frames; or only the calls into it (the runtime's trampoline, the
+        // outermost frame of every fiber, which reports leave out, and the `FnOnce` shim of
+        // an unoptimised build), caught at the entry of its code or just past its return.
+        let own = n
+            .iter()
+            .any(|x| x.contains("short_lived_body") || x.contains("busy"));
+        let entry = !n.is_empty()
+            && n.iter()
+                .all(|x| matches!(x.as_str(), "call_user" | "call_once" | "black_box"));
+        if !own && !entry {
+            bad.push(n);
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    t.join().unwrap();
+    assert!(short > 1000, "{short} samples of the short-lived fibers");
+    assert!(
+        bad.is_empty(),
+        "{} of {short} samples: {:?}",
+        bad.len(),
+        &bad[..bad.len().min(5)]
+    );
+}

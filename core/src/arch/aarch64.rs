@@ -5,7 +5,8 @@
 //! `rt_sigreturn` check (`mov x8, #139; svc #0`), a prefetch (`prfm pldl1keep`), framehop's
 //! `aarch64` types with the same names as `x86_64.rs` gives them (`DwarfUnwinder`,
 //! `UnwindCache`, `UnwindRegs`, `unwind_regs`, `regs_fp`, `set_regs_fp`), the DWARF numbers
-//! (`SP` 31, `FP` 29, `RA` 30), the cycle counter (`cntvct_el0`), and the probe copy
+//! (`SP` 31, `FP` 29, `RA` 30), the cycle counter (`cntvct_el0`), the one-instruction store (`str`) of
+//! `__fibertrace_store_word_here!`, and the probe copy
 //! (`probe_copy`, `probe_fixup`: a copy whose faulting loads are known instructions, the
 //! handler moving `pc` to its failure return).
 //!

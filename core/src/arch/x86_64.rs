@@ -27,6 +27,30 @@ macro_rules! __fibertrace_registers_here {
     }};
 }
 
+/// Stores `$v` (a `u64`) in the `AtomicU64` at `$p` with one instruction of the enclosing
+/// function's own, at every optimisation level (an aligned 8-byte `mov`, a relaxed atomic
+/// store on this architecture). A macro, not `AtomicU64::store`, which an unoptimised build
+/// calls: a signal handler that interrupts the thread then finds the store done while the
+/// thread is still in a callee's frame.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! __fibertrace_store_word_here {
+    ($p:expr, $v:expr) => {{
+        let p: &::core::sync::atomic::AtomicU64 = $p;
+        let v: u64 = $v;
+        // SAFETY: `p` is a reference to an `AtomicU64` (valid, 8-byte aligned): an aligned
+        // 8-byte store to it is atomic on x86_64, as a relaxed `store` is.
+        unsafe {
+            ::core::arch::asm!(
+                "mov qword ptr [{p}], {v}",
+                p = in(reg) p.as_ptr(),
+                v = in(reg) v,
+                options(nostack, preserves_flags)
+            );
+        }
+    }};
+}
+
 /// Registers of an interrupted context.
 ///
 /// # Safety

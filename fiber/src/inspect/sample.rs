@@ -15,6 +15,12 @@
 //! The signal is SIGURG by default (ignored by default if our handler were ever missing,
 //! and not SIGPROF, which profilers use); [`set_signal`] changes it before first use.
 //!
+//! A fiber is named only while its own code runs: caught in the switch to or from it, or
+//! while the runtime starts it (before its entry stack pointer is set, the last step before
+//! its code is called) or finishes it (a stack pointer at or above that entry), the sample
+//! names no fiber, as between fibers. Caught at the very entry of its code or just past its
+//! return, its trace is the runtime's trampoline alone (which reports leave out).
+//!
 //! How a sample can be wrong: the scheduler may switch fibers between the request and the
 //! signal (the sample then names the fiber it caught); an interrupt inside a prologue can lose
 //! one caller with the frame-pointer unwinder (the first step is DWARF to avoid it).
@@ -164,21 +170,26 @@ pub(crate) unsafe fn serve(uc: *mut libc::c_void) {
         // The scheduler is switching to or from the fiber: no fiber code is running.
         fid = 0;
     }
+    let f = sm.fiber.load(Ordering::Relaxed);
+    // Its entry stack pointer (where its own code is called) is set once it started; 0
+    // before.
+    let stop = if fid == 0 || f.is_null() {
+        0
+    } else {
+        // SAFETY: the fiber runs on this thread (we interrupted it): its block is alive.
+        unsafe { (*f).entry_sp.load(Ordering::Relaxed) }
+    };
+    if !f.is_null() && (stop == 0 || sp >= stop) {
+        // The runtime is starting the fiber (its code not called yet) or finishing it (its
+        // code returned): nothing of the fiber's own is on its stack, as in a switch.
+        fid = 0;
+    }
     if fid != 0 {
         // The running fiber's stack, from its low end to just below corosensei's link.
         let stacks = [StackBounds::new(
             sm.lo.load(Ordering::Relaxed),
             sm.hi.load(Ordering::Relaxed),
         )];
-        let f = sm.fiber.load(Ordering::Relaxed);
-        let stop = if f.is_null() {
-            0
-        } else {
-            // Its entry stack pointer is set once it started (0 before: the walk then ends
-            // at the stack bounds).
-            // SAFETY: the fiber runs on this thread (we interrupted it): its block is alive.
-            unsafe { (*f).entry_sp.load(Ordering::Relaxed) }
-        };
         let opts = CaptureOptions::with_unwinder(Unwinder::Auto);
         // SAFETY: as above, the cache is the handler's.
         let cache = unsafe { (*slot.cache.get()).as_deref_mut() };

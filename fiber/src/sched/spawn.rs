@@ -643,7 +643,12 @@ where
     let call: fn(F) -> T = std::hint::black_box(call_user::<F, T>);
     let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
         let here = fibertrace_core::__fibertrace_registers_here!();
-        shared.set_entry_sp(here.sp);
+        shared.set_stop_sp(here.sp);
+        // The last step before the fiber's own code: an interrupt (the sampler's signal)
+        // that finds it set is in that code, or at its entry (`call_user`), or past its
+        // return (a stack pointer at or above it); one that finds it unset, in the
+        // runtime's start-up code. In this function's frame at every optimisation level.
+        fibertrace_core::__fibertrace_store_word_here!(&shared.entry_sp, here.sp);
         call(f)
     }));
     if r.is_err() && ctx.dropping.get() {

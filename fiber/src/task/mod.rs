@@ -588,9 +588,9 @@ impl ControlBlock {
         }
     }
 
-    /// Sets the entry stack pointer (once, when the fiber starts).
-    pub(crate) fn set_entry_sp(&self, sp: u64) {
-        self.entry_sp.store(sp, Ordering::Relaxed);
+    /// Sets where the walks of the fiber's recorded contexts end (once, when the fiber
+    /// starts, before its entry stack pointer is published: see `entry_sp_here!`).
+    pub(crate) fn set_stop_sp(&self, sp: u64) {
         // SAFETY: called by the fiber itself while RUNNING (see record_suspension).
         unsafe { (*self.ctx.get()).stop_sp = sp };
     }
