@@ -270,15 +270,6 @@ pub struct LuaHost {
     own_state: Option<*mut ffi::lua_State>,
 }
 
-/// The Lua state of a host: all standard libraries (including `debug`, and `ffi`/`jit` on
-/// LuaJIT, as the `lua`/`luajit` interpreters have them).
-///
-/// With `own_allocator` on LuaJIT, the state is made with LuaJIT's own allocator
-/// (`luaL_newstate`) and handed to mlua: mlua's allocator goes through the process
-/// allocator, which costs about a quarter more instructions in `fiber.info` (and a little in
-/// `fiber.create`), where thousands of small objects are made. The host then closes that
-/// state itself (the second value) — see [`LuaHost::new_with_own_allocator`] for what that
-/// asks of the caller.
 /// A Lua allocator over the process's (global) allocator that, unlike mlua's, answers a
 /// failed allocation with null — Lua's `not enough memory`, which `pcall` catches — instead
 /// of aborting the process.
@@ -443,12 +434,22 @@ pub(crate) unsafe fn vm_allocations_outside(l: *mut ffi::lua_State) {
     }
 }
 
+/// The Lua state of a host: all standard libraries (including `debug`, and `ffi`/`jit` on
+/// LuaJIT, as the `lua`/`luajit` interpreters have them).
+///
+/// With `own_allocator`, the state is made with the VM's own allocator (`luaL_newstate`),
+/// or [`global_alloc`] with the heap tracked, and handed to mlua: mlua's allocator aborts
+/// the process where an allocation fails, and on LuaJIT costs about a quarter more
+/// instructions in `fiber.info` (and a little in `fiber.create`), where thousands of small
+/// objects are made. The host then closes that state itself (the second value) — see
+/// [`LuaHost::new_with_own_allocator`] for what that asks of the caller.
 fn new_lua(own_allocator: bool) -> Result<(mlua::Lua, Option<*mut ffi::lua_State>), String> {
     // With the heap tracked, Lua allocates through the process's allocator, so that its own
-    // allocations are counted too ([`global_alloc`]); else, on LuaJIT, LuaJIT's own
-    // allocator (on Lua 5.4, mlua's, below).
+    // allocations are counted too ([`global_alloc`]); else through the VM's own allocator
+    // (LuaJIT's; Lua 5.4's `realloc`-based one). Either returns null where memory runs out
+    // (Lua's `not enough memory`); mlua's (below) aborts the process there.
     let tracked = fibertrace_core::heap::tier() != fibertrace_core::heap::Tier::Off;
-    if own_allocator && (cfg!(feature = "luajit") || tracked) {
+    if own_allocator {
         // SAFETY: a fresh state, opened and then owned by this host only; mlua keeps its
         // data in the state and frees it when the state is closed. `global_alloc` is a Lua
         // allocator (see there).
@@ -465,7 +466,6 @@ fn new_lua(own_allocator: bool) -> Result<(mlua::Lua, Option<*mut ffi::lua_State
             return Ok((mlua::Lua::get_or_init_from_ptr(l).clone(), Some(l)));
         }
     }
-    let _ = own_allocator;
     // SAFETY: unsafe_new only allows loading the `debug` (and on LuaJIT `ffi`) libraries,
     // which a Lua interpreter (as `fibertrace run` is) offers to its scripts.
     Ok((unsafe { mlua::Lua::unsafe_new() }, None))
@@ -481,12 +481,11 @@ impl LuaHost {
         Self::make(false)
     }
 
-    /// As [`LuaHost::new`], but on LuaJIT the Lua state uses LuaJIT's own allocator instead
-    /// of mlua's (about a quarter fewer instructions in `fiber.info`), or, with the heap
+    /// As [`LuaHost::new`], but the Lua state uses the VM's own allocator instead of mlua's
+    /// (on LuaJIT about a quarter fewer instructions in `fiber.info`), or, with the heap
     /// tracked, the process's allocator through a function of ours: either way an allocation
     /// that fails is Lua's `not enough memory` (mlua's allocator aborts the process then);
-    /// `fibertrace run` uses it. On Lua 5.4 without the heap tracked this is
-    /// [`LuaHost::new`].
+    /// `fibertrace run` uses it.
     ///
     /// # Safety
     /// The host closes that Lua state when it is dropped, whatever else refers to it: no
