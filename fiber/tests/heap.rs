@@ -91,6 +91,10 @@ fn an_allocation_is_charged_to_its_fiber_with_its_stack_and_credited_back_on_a_f
                     .any(|n| n.starts_with("heap::an_allocation_is_charged")),
                 "{levels:?}"
             );
+            // And nothing after it: the runtime's start-up frames (the trampoline, the fiber
+            // body, corosensei's stack start) are left out, as the fiber's trace ends there.
+            let all: Vec<String> = g[0].frames.iter().map(function).collect();
+            assert_eq!(g[0].frames.len(), 4, "{all:?}");
             assert_eq!((g[0].bytes, g[0].objects), (50_000, 1));
             assert_eq!(g[0].fibers.len(), 1);
             assert_eq!(g[0].fibers[0].fiber, Some(bid));

@@ -3,7 +3,14 @@
 //! Stacks are recorded from inside the allocation machinery; [`group`] resolves them and
 //! drops the leading frames whose every function level is that machinery (`__rust_alloc`,
 //! `alloc::`, `core::`, `std::`, `hashbrown::`, the tracker), so a group starts at the code
-//! that asked for memory. A stack that is all machinery keeps its frames.
+//! that asked for memory. A stack that is all machinery keeps its frames. In a fiber's stack
+//! the frames outward of the runtime's trampoline (registered with [`add_fiber_trampoline`]:
+//! the fiber body, the coroutine library's stack start) are dropped too, as a fiber's trace
+//! ends at its entry.
+//!
+//! How a group can be wrong: frames the symbolizer could not name (no symbols, or too little
+//! address space to read them) are never dropped, so two stacks that differ only there show
+//! as two groups.
 
 use super::{every, owner, sample, Tier};
 use crate::codec::lws::{LwsTrace, M_LEAD};
@@ -171,27 +178,82 @@ fn machinery(name: &str) -> bool {
 
 /// How many leading frames of a recorded stack are the allocation machinery (every function
 /// level of each named `__rust_alloc`, `alloc::…`, `core::…`, `std::…`, `hashbrown::…`, the
-/// tracker's own): what the views drop. 0 when the whole stack is machinery.
+/// tracker's own). 0 when the whole stack is machinery. The views drop these and a fiber's
+/// start-up frames: see [`own_frames`].
 pub fn machinery_frames(addrs: &[u64]) -> usize {
     machinery_prefix(addrs)
 }
 
+/// The frames of a recorded stack the views show: without its leading allocation machinery
+/// ([`machinery_frames`]) and, in a fiber's stack, without the runtime's start-up frames
+/// outward of the fiber's trampoline ([`add_fiber_trampoline`]), as a fiber's trace ends
+/// there. The trampoline's own frame goes too unless the fiber's code was inlined into it
+/// (a level of it that is neither the trampoline nor a `call_once` shim). A stack cut short
+/// before its trampoline keeps its outer frames.
+pub fn own_frames(addrs: &[u64]) -> std::ops::Range<usize> {
+    let start = machinery_prefix(addrs);
+    let tramps = trampolines();
+    if tramps.is_empty() {
+        return start..addrs.len();
+    }
+    let is_tramp = |n: &str| tramps.iter().any(|p| n.starts_with(p));
+    for (i, &a) in addrs.iter().enumerate().skip(start) {
+        let Some(r) = crate::symbolize::resolve(&Frame::Ra(a)) else {
+            continue;
+        };
+        let names = || r.symbols.iter().filter_map(|s| s.name.as_deref());
+        if !names().any(is_tramp) {
+            continue;
+        }
+        let only_runtime = names().all(|n| is_tramp(n) || n.ends_with("::call_once"));
+        let end = if only_runtime { i } else { i + 1 };
+        // Something of the fiber's own is left.
+        return if end > start {
+            start..end
+        } else {
+            start..addrs.len()
+        };
+    }
+    start..addrs.len()
+}
+
+/// Function-name prefixes of the fiber runtimes' trampolines ([`add_fiber_trampoline`]).
+static TRAMPOLINES: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+
+/// Registers `prefix` as the function-name prefix of a fiber runtime's trampoline: the
+/// outermost frame of every fiber's own code, whose callers are the runtime's start-up code
+/// (its fiber body, a panic catch, the coroutine library's stack start). The heap views cut
+/// a fiber's allocation stacks there ([`own_frames`]). Registering a prefix twice is
+/// harmless.
+pub fn add_fiber_trampoline(prefix: &'static str) {
+    let mut v = TRAMPOLINES.lock().unwrap_or_else(|e| e.into_inner());
+    if !v.contains(&prefix) {
+        v.push(prefix);
+    }
+}
+
+fn trampolines() -> Vec<&'static str> {
+    TRAMPOLINES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone()
+}
+
+/// Whether the frame returning to `a` is named and every function level of it is one `is`
+/// accepts.
+fn all_named(a: u64, is: &dyn Fn(&str) -> bool) -> bool {
+    let r = crate::symbolize::resolve(&Frame::Ra(a));
+    r.as_ref().is_some_and(|r| {
+        !r.symbols.is_empty() && r.symbols.iter().all(|s| s.name.as_deref().is_some_and(is))
+    })
+}
+
 /// Leading frames of `addrs` that are all machinery.
 fn machinery_prefix(addrs: &[u64]) -> usize {
-    let mut n = 0;
-    for &a in addrs {
-        let r = crate::symbolize::resolve(&Frame::Ra(a));
-        let all = r.as_ref().is_some_and(|r| {
-            !r.symbols.is_empty()
-                && r.symbols
-                    .iter()
-                    .all(|s| s.name.as_deref().is_some_and(machinery))
-        });
-        if !all {
-            break;
-        }
-        n += 1;
-    }
+    let n = addrs
+        .iter()
+        .take_while(|&&a| all_named(a, &machinery))
+        .count();
     if n == addrs.len() {
         0
     } else {
@@ -307,7 +369,8 @@ pub fn group_live(mut keep: impl FnMut(&LiveRef) -> bool) -> Grouped {
 type PerFiber = HashMap<(Option<u64>, bool), (i64, i64)>;
 
 /// Allocations summed per recorded stack as they come (nothing resolved: the sums may be
-/// made under the tracker's lock), then per stack with the machinery frames dropped.
+/// made under the tracker's lock), then per stack with the machinery and a fiber's start-up
+/// frames dropped ([`own_frames`]).
 #[derive(Default)]
 struct Grouper {
     by: HashMap<Vec<u64>, (i64, i64, PerFiber)>,
@@ -330,10 +393,9 @@ impl Grouper {
     /// first.
     fn finish(self) -> Vec<Group> {
         let mut trimmed: HashMap<Vec<u64>, (i64, i64, PerFiber)> = HashMap::new();
-        for (mut addrs, (bytes, objects, fibers)) in self.by {
-            let k = machinery_prefix(&addrs);
-            addrs.drain(..k);
-            let e = trimmed.entry(addrs).or_default();
+        for (addrs, (bytes, objects, fibers)) in self.by {
+            let own = addrs[own_frames(&addrs)].to_vec();
+            let e = trimmed.entry(own).or_default();
             e.0 += bytes;
             e.1 += objects;
             for (who, (b, o)) in fibers {

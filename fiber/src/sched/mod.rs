@@ -376,6 +376,7 @@ impl Scheduler {
     /// A scheduler with the given options, wired to the layers above by `hooks`.
     pub(crate) fn with_hooks(opts: SchedulerOptions, hooks: &'static Hooks) -> Scheduler {
         panic::install_hook();
+        spawn::register_heap_entry();
         crate::clock::init();
         // The thread's own stack bounds, found now and cached (a scheduler runs on the thread
         // that made it), before its fibers' stacks are mapped: on the main thread the C

@@ -605,6 +605,12 @@ fn parent_trace_dwarf(
     no_tail_call(n)
 }
 
+/// Tells the heap views where a fiber's own frames end (see
+/// `fibertrace_core::heap::add_fiber_trampoline`): at the trampoline, as its traces do.
+pub(crate) fn register_heap_entry() {
+    fibertrace_core::heap::add_fiber_trampoline(crate::frames::TRAMPOLINE);
+}
+
 /// The body of every fiber, on its own stack.
 fn fiber_body<F, T>(y: &Yielder<(), Yield>, f: F, result: Option<&ResultSlot<T>>)
 where

@@ -416,12 +416,12 @@ pub(crate) fn heap_profile(d: &HeapData) -> Vec<u8> {
     b.p.time_nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as i64);
-    // Merged again after the machinery is cut off (two recorded stacks can differ only
-    // there).
+    // Merged again after the machinery and the start-up frames are cut off (two recorded
+    // stacks can differ only there).
     let mut by: HeapRows = HashMap::new();
     for ((addrs, fiber), (v, exited)) in &d.rows {
-        let k = heap::machinery_frames(addrs);
-        let e = by.entry((addrs[k..].to_vec(), *fiber)).or_default();
+        let own = heap::own_frames(addrs);
+        let e = by.entry((addrs[own].to_vec(), *fiber)).or_default();
         for (sum, x) in e.0.iter_mut().zip(v) {
             *sum += x;
         }
