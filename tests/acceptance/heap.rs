@@ -562,3 +562,38 @@ fn leaks_name_the_line_of_each_interpreted_allocation() {
         .unwrap_or_else(|| panic!("{report}"));
     assert_eq!(lua(strings), ["main chunk in @s.lua:9"], "{strings}");
 }
+
+/// An allocation 300 Lua levels deep: its record keeps the innermost frames, exact (the hook
+/// reads only as many levels as a record keeps: reading every level cost each allocation of a
+/// deep recursion several times more).
+#[test]
+fn leaks_of_a_deep_recursion_keep_its_innermost_frames() {
+    let dir = scratch("heap-deep");
+    std::fs::write(
+        dir.join("s.lua"),
+        "jit.off()\n\
+         keep = {}\n\
+         local function work() for i = 1, 7 do keep[i] = {i} end end\n\
+         local function rec(d) if d == 0 then work() return end return (rec(d - 1)) end\n\
+         rec(300)\n",
+    )
+    .unwrap();
+    let out = run_in(&dir, &["run", "--leaks", "s.lua"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let report = leak_report(&err);
+    let group = report
+        .split("\n\n")
+        .find(|g| g.contains(" in 7 allocations"))
+        .unwrap_or_else(|| panic!("{report}"));
+    let frames: Vec<&str> = group.lines().filter(|l| l.starts_with('#')).collect();
+    // The host's allocator, then the Lua levels, innermost first, as many as a record keeps
+    // (31 frames, `fibertrace_core::codec::lws::MAX_DEPTH`, the allocator's own among them:
+    // more of those in an unoptimised build).
+    assert!(frames[0].starts_with("#0  0x"), "{group}");
+    assert!((25..=30).contains(&frames.len()), "{group}");
+    assert_eq!(frames[1], "#1  work in @s.lua:3", "{group}");
+    for (i, f) in frames.iter().enumerate().skip(2) {
+        assert_eq!(*f, format!("#{i:<2} rec in @s.lua:4"), "{group}");
+    }
+}

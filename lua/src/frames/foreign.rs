@@ -240,6 +240,9 @@ pub struct Reader {
     spent: std::time::Duration,
     /// Most threads of a chain read (see [`Reader::set_max_threads`]).
     max_threads: usize,
+    /// Most levels read, and how many of them are the innermost ones (see
+    /// [`Reader::set_max_levels`]).
+    max_levels: (usize, usize),
 }
 
 /// A prototype's description, read once per dump.
@@ -444,6 +447,7 @@ impl Reader {
             cached: 0,
             spent: std::time::Duration::ZERO,
             max_threads: MAX_THREADS,
+            max_levels: (MAX_LEVELS, HEAD_LEVELS),
         })
     }
 
@@ -479,6 +483,7 @@ impl Reader {
             cached: 0,
             spent: std::time::Duration::ZERO,
             max_threads: MAX_THREADS,
+            max_levels: (MAX_LEVELS, HEAD_LEVELS),
         })
     }
 
@@ -560,6 +565,16 @@ impl Reader {
         self.max_threads = n.clamp(1, MAX_THREADS);
     }
 
+    /// Reads at most `n` levels (at least 1), the innermost ones: the levels past them are
+    /// counted as omitted, not read (each level read costs its function's description and
+    /// line). A dump reads [`MAX_LEVELS`], the innermost [`HEAD_LEVELS`] and the outermost
+    /// rest (the default); the heap tracker's hook, which reads at every allocation and
+    /// records the innermost frames only, as many as it records.
+    pub fn set_max_levels(&mut self, n: usize) {
+        let n = n.clamp(1, MAX_LEVELS);
+        self.max_levels = (n, n);
+    }
+
     /// The Lua stack of state `root` and of the coroutines running inside it, innermost
     /// first (see the module doc).
     pub fn stack(&mut self, mem: &mut dyn Memory, root: u64) -> Result<LuaStack, String> {
@@ -636,10 +651,11 @@ impl Reader {
         out.threads = chain.len();
         out.truncated = cut;
         let total = all.len();
-        let (head, tail_from) = if total <= MAX_LEVELS {
+        let (max, head_max) = self.max_levels;
+        let (head, tail_from) = if total <= max {
             (total, total)
         } else {
-            (HEAD_LEVELS, total - (MAX_LEVELS - HEAD_LEVELS))
+            (head_max, total - (max - head_max))
         };
         for (at, s) in all.iter().enumerate() {
             if at >= head && at < tail_from {
@@ -1780,6 +1796,7 @@ mod tests {
             cached: 0,
             spent: std::time::Duration::ZERO,
             max_threads: MAX_THREADS,
+            max_levels: (MAX_LEVELS, HEAD_LEVELS),
         };
         let t0 = std::time::Instant::now();
         for seed in 0..40u64 {
