@@ -195,12 +195,23 @@ pub fn lua_stack_hook(
     // Read in place where the fault handler turns a bad read into a failure (`ProbeMem`);
     // otherwise through the kernel, in blocks (a channel's creation read the stack ~160
     // times, a system call each, 0.3 ms; see `Blocks`).
-    use crate::frames::foreign::{Blocks, Memory, ProbeMem, SelfMem};
+    use crate::frames::foreign::{Blocks, Memory, ProbeMem, RunningTop, SelfMem};
     let mut read = |mem: &mut dyn Memory| {
         // The innermost Lua level's line, when the interpreter allocates from inside one of
         // its instructions (the PC it saved for the call: checked against the function's
-        // code).
-        let top = reader.interpreter_top(mem, root).ok().flatten();
+        // code). Compiled code (a trace) allocating: its frames from the base the trace was
+        // entered with, where the state's recorded base is that of its last call out of Lua
+        // (a `fiber.yield` long returned showed as the allocation's innermost level); no
+        // line (a trace keeps no PC there).
+        let top = match reader.interpreter_top(mem, root) {
+            Ok(Some(t)) => Some(t),
+            _ => reader
+                .running_top(mem, root, None)
+                .ok()
+                .flatten()
+                .filter(|t| t.compiled)
+                .map(|t| RunningTop { pc: None, ..t }),
+        };
         reader.stack_running(mem, root, top)
     };
     let stack = fibertrace_fiber::embed::overflow::ProbeReads::with(|p| match p {

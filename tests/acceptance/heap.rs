@@ -597,3 +597,55 @@ fn leaks_of_a_deep_recursion_keep_its_innermost_frames() {
         assert_eq!(*f, format!("#{i:<2} rec in @s.lua:4"), "{group}");
     }
 }
+
+/// Allocations made by compiled code (the loop below becomes a trace) are charged to the
+/// function running the trace, without a line (a trace keeps no PC there): the state's
+/// recorded frames are those of its last call out of Lua, and a `fiber.yield` that had
+/// long returned showed as the innermost level of most of them.
+#[test]
+fn leaks_of_compiled_code_name_the_function_running_it() {
+    let dir = scratch("heap-jit");
+    std::fs::write(
+        dir.join("s.lua"),
+        "local fiber = require('fiber')\n\
+         keep = {}\n\
+         local function producer()\n\
+           for i = 1, 3000 do\n\
+             keep[i] = {i}\n\
+             if i % 100 == 0 then fiber.yield() end\n\
+           end\n\
+         end\n\
+         fiber.create(producer)\n\
+         fiber.sleep(0.1)\n",
+    )
+    .unwrap();
+    let out = run_in(&dir, &["run", "--leaks", "s.lua"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let report = leak_report(&err);
+    let groups: Vec<&str> = report
+        .split("\n\n")
+        .filter(|g| g.contains(" — held by exited fiber 2: "))
+        .collect();
+    let (mut interpreted, mut compiled) = (0u64, 0u64);
+    for g in &groups {
+        let count: u64 = g
+            .split_once(" in ")
+            .and_then(|(_, r)| r.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{g}"));
+        let first_lua = g
+            .lines()
+            .find(|l| l.starts_with('#') && !l.contains(" 0x"))
+            .unwrap_or_else(|| panic!("{g}"));
+        let (_, at) = first_lua.split_once("  ").unwrap_or_else(|| panic!("{g}"));
+        match at {
+            "function <s.lua:3> in @s.lua:5" => interpreted += count,
+            "function <s.lua:3> in @s.lua:-1" => compiled += count,
+            _ => panic!("an allocation of the producer's shown elsewhere: {g}"),
+        }
+    }
+    // The 3,000 tables and the growth of `keep`, most of them by the trace.
+    assert!(interpreted + compiled >= 3000, "{report}");
+    assert!(compiled > 2000, "{report}");
+}
