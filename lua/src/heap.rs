@@ -40,8 +40,7 @@ pub fn heap_groups() -> Vec<(Group, Vec<String>)> {
     heap::group_live(|_| true)
         .groups
         .into_iter()
-        .map(|mut g| {
-            g.frames = as_frames(&g);
+        .map(|g| {
             let text = fibertrace_core::format::text(&g.frames, &opts);
             let lines = text
                 .lines()
@@ -53,12 +52,6 @@ pub fn heap_groups() -> Vec<(Group, Vec<String>)> {
             (g, lines)
         })
         .collect()
-}
-
-/// A group's recorded entries as frames (tagged entries as Lua frames).
-fn as_frames(g: &Group) -> Vec<fibertrace_core::Frame> {
-    let addrs: Vec<u64> = g.frames.iter().filter_map(|f| f.address()).collect();
-    heap::frames_of(&addrs)
 }
 
 /// The live heap as a report: totals, then the `top` stacks with most bytes, each with the
@@ -139,14 +132,7 @@ pub fn heap_text_since(top: usize, base: Option<&HeapBaseline>) -> String {
     if base.is_some() && none {
         out.push_str("heap: nothing the script made is still live\n");
     }
-    let groups: Vec<Group> = grouped
-        .groups
-        .into_iter()
-        .map(|mut g| {
-            g.frames = as_frames(&g);
-            g
-        })
-        .collect();
+    let groups: Vec<Group> = grouped.groups;
     if base.is_none() || !none {
         out.push_str(&heap::render_groups(&groups, top, &fiber_name, &opts));
     }
@@ -224,20 +210,38 @@ pub fn lua_stack_hook(
     if lua.levels.is_empty() {
         return n;
     }
-    let native: Vec<Frame> = addrs[..n].iter().map(|&a| Frame::Ra(a)).collect();
+    // (The native stack went on past the frames given: its last entry says so.)
+    let cut_native = n > 0 && addrs[n - 1] == heap::TRUNC_TAG;
+    let given = if cut_native { n - 1 } else { n };
+    let native: Vec<Frame> = addrs[..given].iter().map(|&a| Frame::Ra(a)).collect();
     let bt = crate::interleave(&native, &lua, &crate::InterleaveOptions::default());
     let mut k = 0;
+    let mut cut = cut_native;
     for fr in bt.frames() {
         if k == addrs.len() {
+            cut = true;
             break;
         }
         let v = match fr {
             Frame::Ra(a) | Frame::Pc(a) | Frame::Async(a) => *a,
             Frame::Lua(id) => heap::LUA_TAG | u64::from(id.0),
+            // Lua levels left unread (deeper than a record keeps): the record ends here.
+            Frame::Omitted(_) | Frame::Truncated => {
+                cut = true;
+                break;
+            }
             _ => continue,
         };
         addrs[k] = v;
         k += 1;
+    }
+    if cut && k > 0 {
+        if k == addrs.len() {
+            addrs[k - 1] = heap::TRUNC_TAG;
+        } else {
+            addrs[k] = heap::TRUNC_TAG;
+            k += 1;
+        }
     }
     k
 }

@@ -589,13 +589,19 @@ fn leaks_of_a_deep_recursion_keep_its_innermost_frames() {
     let frames: Vec<&str> = group.lines().filter(|l| l.starts_with('#')).collect();
     // The host's allocator, then the Lua levels, innermost first, as many as a record keeps
     // (31 frames, `fibertrace_core::codec::lws::MAX_DEPTH`, the allocator's own among them:
-    // more of those in an unoptimised build).
+    // more of those in an unoptimised build), then the mark that the stack went on.
     assert!(frames[0].starts_with("#0  0x"), "{group}");
     assert!((25..=30).contains(&frames.len()), "{group}");
     assert_eq!(frames[1], "#1  work in @s.lua:3", "{group}");
-    for (i, f) in frames.iter().enumerate().skip(2) {
+    let last = frames.len() - 1;
+    for (i, f) in frames.iter().enumerate().take(last).skip(2) {
         assert_eq!(*f, format!("#{i:<2} rec in @s.lua:4"), "{group}");
     }
+    assert_eq!(
+        frames[last],
+        format!("#{last:<2} ... truncated ..."),
+        "{group}"
+    );
 }
 
 /// Allocations made by compiled code (the loop below becomes a trace) are charged to the

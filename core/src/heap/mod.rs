@@ -404,13 +404,20 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Tracked<A> {
 /// needs.
 pub const LUA_TAG: u64 = 0x7f1b_0000_0000_0000;
 
-/// A recorded stack's entries as frames: Lua frames for tagged entries, return addresses
-/// for the others.
+/// The last entry of a recorded stack cut short (the stack went on past the frames a record
+/// keeps, [`Config::depth`] at most): [`frames_of`] gives [`crate::Frame::Truncated`] for it.
+/// Like [`LUA_TAG`], no native address and below 2^63.
+pub const TRUNC_TAG: u64 = 0x7f1c_0000_0000_0000;
+
+/// A recorded stack's entries as frames: Lua frames for tagged entries, the truncation mark
+/// for [`TRUNC_TAG`], return addresses for the others.
 pub fn frames_of(addrs: &[u64]) -> Vec<crate::Frame> {
     addrs
         .iter()
         .map(|&a| {
-            if a & 0xffff_0000_0000_0000 == LUA_TAG {
+            if a == TRUNC_TAG {
+                crate::Frame::Truncated
+            } else if a & 0xffff_0000_0000_0000 == LUA_TAG {
                 crate::Frame::Lua(crate::LuaFrameId((a & 0xffff_ffff) as u32))
             } else {
                 crate::Frame::Ra(a)
@@ -421,8 +428,10 @@ pub fn frames_of(addrs: &[u64]) -> Vec<crate::Frame> {
 
 /// Adds a layer's frames to a stack being recorded: gets the native return addresses
 /// (innermost first, the allocator's own frames cut) and their count, rewrites them in
-/// place and returns the new count (at most the array's length). It runs inside the
-/// allocator, on the allocating thread, with tracking paused; it must not block.
+/// place and returns the new count (at most the array's length). The last entry given is
+/// [`TRUNC_TAG`] when the native stack went on past them; the hook ends its result with it
+/// when that stack, or its own result, was cut. It runs inside the allocator, on the
+/// allocating thread, with tracking paused; it must not block.
 pub type StackHook = fn(&mut [u64; crate::codec::lws::MAX_DEPTH], usize) -> usize;
 
 static HOOK: std::sync::atomic::AtomicPtr<()> =
@@ -495,6 +504,10 @@ pub(crate) fn capture(out: &mut [u64; crate::codec::lws::MAX_DEPTH]) -> usize {
     let hi = n.saturating_sub(post).max(lo);
     let k = (hi - lo).min(out.len());
     out[..k].copy_from_slice(&buf[lo..lo + k]);
+    // More frames than the record keeps (or than were captured: the walk may have gone on).
+    if k > 0 && (hi - lo > k || (n == CAPTURE && post == 0)) {
+        out[k - 1] = TRUNC_TAG;
+    }
     let k = match stack_hook() {
         // A panic in the hook must not unwind out of the allocator (that aborts): the stack
         // keeps its native frames.
@@ -510,5 +523,8 @@ pub(crate) fn capture(out: &mut [u64; crate::codec::lws::MAX_DEPTH]) -> usize {
         }
         None => k,
     };
+    if k > depth && depth > 0 {
+        out[depth - 1] = TRUNC_TAG;
+    }
     k.min(depth)
 }

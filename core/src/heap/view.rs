@@ -138,7 +138,8 @@ pub struct Share {
 /// Live allocations that share a stack.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Group {
-    /// The stack from the code that asked for memory outward (return addresses).
+    /// The stack from the code that asked for memory outward ([`super::frames_of`]: return
+    /// addresses, a host's Lua frames, a last [`Frame::Truncated`] when it was cut short).
     pub frames: Vec<Frame>,
     /// Bytes.
     pub bytes: i64,
@@ -198,7 +199,10 @@ pub fn own_frames(addrs: &[u64]) -> std::ops::Range<usize> {
     }
     let is_tramp = |n: &str| tramps.iter().any(|p| n.starts_with(p));
     for (i, &a) in addrs.iter().enumerate().skip(start) {
-        let Some(r) = crate::symbolize::resolve(&Frame::Ra(a)) else {
+        let Some(r) = native(a)
+            .then(|| crate::symbolize::resolve(&Frame::Ra(a)))
+            .flatten()
+        else {
             continue;
         };
         let names = || r.symbols.iter().filter_map(|s| s.name.as_deref());
@@ -242,10 +246,19 @@ fn trampolines() -> Vec<&'static str> {
 /// Whether the frame returning to `a` is named and every function level of it is one `is`
 /// accepts.
 fn all_named(a: u64, is: &dyn Fn(&str) -> bool) -> bool {
+    if !native(a) {
+        return false;
+    }
     let r = crate::symbolize::resolve(&Frame::Ra(a));
     r.as_ref().is_some_and(|r| {
         !r.symbols.is_empty() && r.symbols.iter().all(|s| s.name.as_deref().is_some_and(is))
     })
+}
+
+/// Whether a recorded entry is a native return address (not a host's tagged Lua frame nor
+/// the truncation mark: no user-space address has their high bits).
+fn native(a: u64) -> bool {
+    a >> 48 == 0
 }
 
 /// Leading frames of `addrs` that are all machinery.
@@ -418,7 +431,7 @@ impl Grouper {
                     .collect();
                 fibers.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.fiber.cmp(&b.fiber)));
                 Group {
-                    frames: addrs.iter().map(|&a| Frame::Ra(a)).collect(),
+                    frames: super::frames_of(&addrs),
                     bytes,
                     objects,
                     fibers,
