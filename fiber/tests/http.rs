@@ -457,3 +457,46 @@ fn addresses_are_checked_before_listening() {
         format!("cannot listen on {taken}: Address already in use (os error 98)")
     );
 }
+
+/// Clients that connect and send nothing cost the server no thread and hold no place of an
+/// answer: with a hundred of them connected, requests are answered at once (64 of them used
+/// to lock every client out with 503 until they timed out, 5 s). Requests beyond the
+/// answers under way wait their turn (they were told 503: a scraper counts that a failed
+/// scrape), and an absolute-form request line is served as its path.
+#[test]
+fn idle_clients_and_bursts_of_requests_are_all_answered() {
+    let server = http::serve_with(
+        "127.0.0.1:0",
+        Limits {
+            max_connections: 2,
+            ..Limits::default()
+        },
+    )
+    .unwrap();
+    let addr = server.local_addr();
+    let idle: Vec<TcpStream> = (0..100)
+        .map(|_| TcpStream::connect(addr).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let t0 = Instant::now();
+    assert_eq!(get(addr, "/debug/fibers?format=text").0, 200);
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    // Forty at once, two answered at a time: every one gets its answer.
+    let answers: Vec<u16> = (0..40)
+        .map(|_| std::thread::spawn(move || get(addr, "/debug/fibers?format=json").0))
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().unwrap())
+        .collect();
+    assert!(answers.iter().all(|&s| s == 200), "{answers:?}");
+    let (status, _, body) = get(addr, "http://localhost/debug/fibers?format=folded");
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    // A parameter given twice: which one was meant is not known.
+    let (status, _, body) = get(addr, "/debug/fibers?format=json&format=svg");
+    assert_eq!(
+        (status, String::from_utf8_lossy(&body).as_ref()),
+        (400, "format given more than once\n")
+    );
+    drop(idle);
+    server.stop();
+}

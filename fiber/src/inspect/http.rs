@@ -16,15 +16,23 @@
 //! each a line here; the small crates (tiny_http) keep an unbounded pool of connection
 //! threads and no head limit of their own to set.
 //!
+//! How it runs: one thread accepts connections and reads every request head at once
+//! (`poll`, no thread per connection); [`Limits::max_connections`] answering threads, started
+//! with the server, answer the requests read, in turn. Nothing is started per request: at
+//! the memory limit (`ulimit -v`) a thread's stack could not be had and the connection was
+//! dropped unanswered, when the stacks matter most.
+//!
 //! Limits ([`Limits`]): a request head over [`Limits::max_head`] bytes gets 431; one not sent
 //! within [`Limits::read_timeout`] (in all, however it trickles) gets 408; an answer not taken
 //! by the client within [`Limits::write_timeout`] (in all) is cut; past
 //! [`Limits::max_waiting`] connections whose request has not come yet, a new one gets 503 at
-//! once, and a request that comes while [`Limits::max_connections`] others are being answered
-//! gets 503 (clients that connect and send nothing — a browser's speculative preconnects, a
-//! stalled proxy — used to take the places of the answers: 8 of them locked every client out
-//! until their read timed out); any
-//! method but `GET`/`HEAD` gets 405; a bad query value 400, saying what is accepted. A server
+//! once (clients that connect and send nothing — a browser's speculative preconnects, a
+//! stalled proxy — cost a descriptor and a look each, and hold no place of an answer), and a
+//! request read while [`Limits::max_queued`] others wait for an answering thread gets 503
+//! (requests beyond the answers under way wait their turn: a burst of scrapes is answered,
+//! not refused); any method but `GET`/`HEAD` gets 405; a bad query value, or one given
+//! twice, 400, saying what is accepted. A request line in absolute form (`GET
+//! http://host/path`) is served as its path. A server
 //! on the loopback address answers only requests whose `Host` is `localhost`, `127.0.0.1` or
 //! `[::1]` (403 otherwise): a web page in the user's browser cannot read the stacks through a
 //! name that resolves to 127.0.0.1 (DNS rebinding). A request with more than one `Host` gets
@@ -52,12 +60,17 @@ use super::export::{self, Format};
 /// The bounds of a server (see the module doc).
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
-    /// Requests answered at once (each takes a snapshot of every fiber and encodes it); one
-    /// more gets 503.
+    /// Requests answered at once (each takes a snapshot of every fiber and encodes it): the
+    /// answering threads, started with the server (none is started per request: at the
+    /// memory limit a new thread's stack cannot be had, and the connection was dropped
+    /// unanswered).
     pub max_connections: usize,
     /// Connections whose request has not come yet (each waits at most
-    /// [`Limits::read_timeout`]); one more gets 503 at once.
+    /// [`Limits::read_timeout`]; read by the server's one thread, no thread each); one more
+    /// gets 503 at once.
     pub max_waiting: usize,
+    /// Requests read and waiting for an answering thread; one more gets 503 at once.
+    pub max_queued: usize,
     /// Bytes of a request's head (request line and headers).
     pub max_head: usize,
     /// Time to receive a request's head.
@@ -70,7 +83,8 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_connections: 8,
-            max_waiting: 64,
+            max_waiting: 256,
+            max_queued: 64,
             max_head: 8 * 1024,
             read_timeout: Duration::from_secs(5),
             write_timeout: Duration::from_secs(30),
@@ -160,6 +174,7 @@ pub struct Server {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
+    queue: Arc<Queue>,
 }
 
 impl Server {
@@ -176,6 +191,8 @@ impl Server {
 
     fn shutdown(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
+        // The answering threads end once the requests read are answered.
+        self.queue.close();
         // Wake the accept: connect to ourselves (the loopback address of our port when we
         // listen on every address).
         let mut to = self.addr;
@@ -216,16 +233,40 @@ pub fn serve_with(addr: &str, limits: Limits) -> Result<Server, HttpError> {
     let local = listener
         .local_addr()
         .map_err(|e| HttpError::Bind(addrs[0], e))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| HttpError::Bind(local, e))?;
     let stop = Arc::new(AtomicBool::new(false));
-    let stop2 = stop.clone();
+    let queue = Arc::new(Queue::default());
+    for _ in 0..limits.max_connections.max(1) {
+        let q = queue.clone();
+        let spawned = std::thread::Builder::new()
+            .name("fibertrace-http-answer".into())
+            // Encoding runs here: gzip's state in a debug build wants more than 2 MiB
+            // would give with room to spare (only what is touched is committed).
+            .stack_size(8 << 20)
+            .spawn(move || answer_loop(&q, &limits));
+        if let Err(e) = spawned {
+            queue.close();
+            return Err(HttpError::Thread(e));
+        }
+    }
+    let (stop2, q) = (stop.clone(), queue.clone());
     let thread = std::thread::Builder::new()
         .name("fibertrace-http".into())
-        .spawn(move || accept_loop(listener, limits, &stop2))
-        .map_err(HttpError::Thread)?;
+        .spawn(move || accept_loop(listener, limits, &stop2, &q));
+    let thread = match thread {
+        Ok(t) => t,
+        Err(e) => {
+            queue.close();
+            return Err(HttpError::Thread(e));
+        }
+    };
     Ok(Server {
         addr: local,
         stop,
         thread: Some(thread),
+        queue,
     })
 }
 
@@ -240,55 +281,209 @@ fn bind(addrs: &[SocketAddr]) -> Result<TcpListener, HttpError> {
     Err(last.unwrap_or_else(|| HttpError::Address("no address to listen on".into())))
 }
 
-fn accept_loop(listener: TcpListener, limits: Limits, stop: &AtomicBool) {
-    let active = Arc::new(AtomicUsize::new(0));
-    let waiting = Arc::new(AtomicUsize::new(0));
-    for conn in listener.incoming() {
+/// A request read (or refused while reading: the status and why), waiting for an answering
+/// thread.
+struct Job {
+    stream: TcpStream,
+    req: Result<Request, (u16, String)>,
+    /// Counted in [`WRITING`] until answered.
+    _writing: Writing,
+}
+
+/// The requests read, for the answering threads.
+#[derive(Default)]
+struct Queue {
+    jobs: std::sync::Mutex<(std::collections::VecDeque<Job>, bool)>,
+    ready: std::sync::Condvar,
+}
+
+impl Queue {
+    /// Queues `job` unless `max` are waiting (or the server stopped): it comes back then.
+    fn push(&self, job: Job, max: usize) -> Result<(), Job> {
+        let mut g = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        if g.1 || g.0.len() >= max {
+            return Err(job);
+        }
+        g.0.push_back(job);
+        drop(g);
+        self.ready.notify_one();
+        Ok(())
+    }
+
+    /// The next job; `None` once the server stopped and none is left.
+    fn pop(&self) -> Option<Job> {
+        let mut g = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(j) = g.0.pop_front() {
+                return Some(j);
+            }
+            if g.1 {
+                return None;
+            }
+            g = self.ready.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn close(&self) {
+        self.jobs.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
+        self.ready.notify_all();
+    }
+}
+
+fn answer_loop(q: &Queue, limits: &Limits) {
+    while let Some(job) = q.pop() {
+        answer(job, limits);
+    }
+}
+
+/// A connection whose request head is being read.
+struct Pending {
+    stream: TcpStream,
+    head: Vec<u8>,
+    deadline: Option<Instant>,
+    loopback: bool,
+}
+
+impl Pending {
+    /// Reads what has arrived (without waiting): the request once its head is complete, or
+    /// the refusal (400, 431) once it cannot be; `None` while more is to come.
+    fn read_some(&mut self, limits: &Limits) -> Option<Result<Request, (u16, String)>> {
+        let mut buf = [0u8; 2048];
+        loop {
+            match self.stream.read(&mut buf) {
+                Ok(0) => {
+                    return Some(Err((
+                        400,
+                        "connection closed before the request's end".into(),
+                    )))
+                }
+                Ok(n) => {
+                    // (Only the bytes that came since the last look are searched again.)
+                    let from = self.head.len().saturating_sub(3);
+                    self.head.extend_from_slice(&buf[..n]);
+                    if let Some(end) = head_end(&self.head, from) {
+                        return Some(parse_request(&self.head, end, limits, self.loopback));
+                    }
+                    if self.head.len() > limits.max_head {
+                        let why = format!("request head over {} bytes", limits.max_head);
+                        return Some(Err((431, why)));
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return None,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Some(Err((400, format!("reading the request: {e}")))),
+            }
+        }
+    }
+}
+
+/// The server's thread: accepts connections and reads their request heads, all at once
+/// (`poll`), each within its read timeout, and hands each request read to the answering
+/// threads ([`Queue`]).
+fn accept_loop(listener: TcpListener, limits: Limits, stop: &AtomicBool, q: &Queue) {
+    use std::os::fd::AsRawFd;
+    let mut pending: Vec<Pending> = Vec::new();
+    let mut fds: Vec<libc::pollfd> = Vec::new();
+    loop {
         if stop.load(Ordering::SeqCst) {
             return;
         }
-        let Ok(stream) = conn else {
-            // (Out of descriptors, a connection reset before accept: try the next; a short
-            // pause so a persistent error does not spin.)
-            std::thread::sleep(Duration::from_millis(10));
+        let now = Instant::now();
+        // Requests not read in time: 408.
+        let mut i = 0;
+        while i < pending.len() {
+            if pending[i].deadline.is_some_and(|d| d <= now) {
+                let p = pending.swap_remove(i);
+                let late = Err((408, "request not received in time".into()));
+                dispatch(p.stream, late, &limits, q);
+            } else {
+                i += 1;
+            }
+        }
+        let wait = pending
+            .iter()
+            .filter_map(|p| p.deadline)
+            .min()
+            .map_or(1000, |d| {
+                d.saturating_duration_since(now).as_millis().clamp(1, 1000) as i32
+            });
+        fds.clear();
+        fds.push(libc::pollfd {
+            fd: listener.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        fds.extend(pending.iter().map(|p| libc::pollfd {
+            fd: p.stream.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }));
+        // SAFETY: `fds` is a live array of `fds.len()` pollfd structs, written by the kernel.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait) };
+        if n < 0 {
+            // (Interrupted by a signal; anything else: a short pause, then again.)
+            if io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+                std::thread::sleep(Duration::from_millis(10));
+            }
             continue;
-        };
-        let Some(wait) = Slot::take(&waiting, limits.max_waiting) else {
-            busy(stream);
-            continue;
-        };
-        let active = active.clone();
-        let spawned = std::thread::Builder::new()
-            .name("fibertrace-http-conn".into())
-            // Encoding runs here: gzip's state in a debug build wants more than 2 MiB
-            // would give with room to spare (only what is touched is committed).
-            .stack_size(8 << 20)
-            .spawn(move || answer(stream, &limits, wait, &active));
-        if let Err(e) = spawned {
-            // The closure (with the stream and the slot) was dropped: nothing to answer on.
-            let _ = e;
+        }
+        // The connections that have something to read (or ended), last first (a removal
+        // moves the last one into its place, which was looked at already).
+        for i in (0..pending.len()).rev() {
+            if fds[i + 1].revents == 0 {
+                continue;
+            }
+            if let Some(req) = pending[i].read_some(&limits) {
+                let p = pending.swap_remove(i);
+                dispatch(p.stream, req, &limits, q);
+            }
+        }
+        if fds[0].revents != 0 {
+            accept_all(&listener, &limits, &mut pending);
         }
     }
 }
 
-/// A place among `max` (a connection waiting for its request, or a request being
-/// answered); given back when dropped.
-struct Slot(Arc<AtomicUsize>);
-
-impl Slot {
-    /// One of the `max` places counted by `count`, if one is free.
-    fn take(count: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
-        if count.fetch_add(1, Ordering::SeqCst) >= max {
-            count.fetch_sub(1, Ordering::SeqCst);
-            return None;
+/// Accepts every connection waiting: each is read from then, or gets 503 at once past
+/// [`Limits::max_waiting`].
+fn accept_all(listener: &TcpListener, limits: &Limits, pending: &mut Vec<Pending>) {
+    loop {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                if pending.len() >= limits.max_waiting || stream.set_nonblocking(true).is_err() {
+                    busy(stream);
+                    continue;
+                }
+                let loopback = stream.local_addr().is_ok_and(|a| a.ip().is_loopback());
+                pending.push(Pending {
+                    stream,
+                    head: Vec::new(),
+                    deadline: Instant::now().checked_add(limits.read_timeout),
+                    loopback,
+                });
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => {
+                // (Out of descriptors, a connection reset before accept: the next look
+                // tries again; a short pause so a persistent error does not spin.)
+                std::thread::sleep(Duration::from_millis(10));
+                return;
+            }
         }
-        Some(Slot(count.clone()))
     }
 }
 
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+/// Hands a request read to the answering threads, or answers 503 at once past
+/// [`Limits::max_queued`].
+fn dispatch(stream: TcpStream, req: Result<Request, (u16, String)>, limits: &Limits, q: &Queue) {
+    let job = Job {
+        stream,
+        req,
+        _writing: Writing::new(),
+    };
+    if let Err(job) = q.push(job, limits.max_queued) {
+        busy(job.stream);
     }
 }
 
@@ -362,50 +557,15 @@ struct Request {
     query: Vec<(String, String)>,
 }
 
-/// Reads the request head: `Err` is the status to answer with (400, 405, 408, 431).
-fn read_request(
-    s: &mut TcpStream,
+/// The request whose head is `head[..end]` (`end`: where its empty line starts): `Err` is
+/// the status to answer with (400, 403, 405, 431). `loopback`: the connection came to a
+/// loopback address (see the `Host` check in the module doc).
+fn parse_request(
+    head: &[u8],
+    end: usize,
     limits: &Limits,
     loopback: bool,
 ) -> Result<Request, (u16, String)> {
-    let late = || (408, "request not received in time".to_string());
-    let deadline = Instant::now().checked_add(limits.read_timeout);
-    let mut head = Vec::with_capacity(1024);
-    let mut buf = [0u8; 2048];
-    let end = loop {
-        // The head ends at an empty line (CRLF CRLF, or LF LF from a lenient client); only
-        // the bytes that arrived since the last look are searched again.
-        let from = head.len().saturating_sub(buf.len() + 3);
-        if let Some(i) = head_end(&head, from) {
-            break i;
-        }
-        if head.len() > limits.max_head {
-            return Err((431, format!("request head over {} bytes", limits.max_head)));
-        }
-        // Each read waits at most until the request's deadline: a client trickling bytes
-        // cannot stretch it.
-        let left = match deadline {
-            Some(d) => d.checked_duration_since(Instant::now()).ok_or_else(late)?,
-            None => Duration::from_secs(3600),
-        };
-        if left.is_zero() || s.set_read_timeout(Some(left)).is_err() {
-            return Err(late());
-        }
-        match s.read(&mut buf) {
-            Ok(0) => return Err((400, "connection closed before the request's end".into())),
-            Ok(n) => head.extend_from_slice(&buf[..n]),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
-                return Err(late())
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err((400, format!("reading the request: {e}"))),
-        }
-    };
     if end > limits.max_head {
         return Err((431, format!("request head over {} bytes", limits.max_head)));
     }
@@ -442,6 +602,14 @@ fn read_request(
         "GET" => false,
         "HEAD" => true,
         _ => return Err((405, format!("method {method} not allowed: GET or HEAD"))),
+    };
+    // The absolute form (`GET http://host/path`, RFC 9112 3.2.2): its path.
+    let target = match target
+        .strip_prefix("http://")
+        .or_else(|| target.strip_prefix("https://"))
+    {
+        Some(rest) => rest.find('/').map_or("/", |i| &rest[i..]),
+        None => target,
     };
     let (path, query) = target.split_once('?').unwrap_or((target, ""));
     let query = query
@@ -518,24 +686,16 @@ fn unescape(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// Reads the request (holding a waiting connection's place, `wait`), then answers it holding
-/// one of the places of answers (`active`) instead, or, when they are all taken, with 503,
-/// still holding its waiting place: each connection's thread holds a place until it ends
-/// (answer written and drained), so there are at most `max_waiting + max_connections` of
-/// them.
-fn answer(mut s: TcpStream, limits: &Limits, wait: Slot, active: &Arc<AtomicUsize>) {
-    let loopback = s.local_addr().is_ok_and(|a| a.ip().is_loopback());
-    let req = read_request(&mut s, limits, loopback);
-    let writing = Writing::new();
-    let (place, busy) = match Slot::take(active, limits.max_connections) {
-        Some(answering) => {
-            drop(wait);
-            (answering, false)
-        }
-        None => (wait, true),
-    };
+/// Answers a request read (or its refusal) on an answering thread, within the write
+/// timeout, then lets the client close first (for a moment).
+fn answer(job: Job, limits: &Limits) {
+    let Job {
+        stream: mut s,
+        req,
+        _writing: writing,
+    } = job;
+    let _ = s.set_nonblocking(false);
     let (head, body) = match req {
-        _ if busy => (busy_head(), BUSY.to_vec()),
         Ok(req) => {
             let (status, ty, body, extra) = route(&req);
             let extra: Vec<(&str, &str)> = extra.iter().map(|(k, v)| (*k, v.as_str())).collect();
@@ -561,7 +721,6 @@ fn answer(mut s: TcpStream, limits: &Limits, wait: Slot, active: &Arc<AtomicUsiz
         // closing does not reset the connection before it read the answer.
         drain(&mut s, Duration::from_millis(500));
     }
-    drop(place);
 }
 
 /// Writes `buf` in pieces, each waiting at most until `deadline`; whether all was written.
@@ -653,6 +812,12 @@ fn route(req: &Request) -> Routed {
             .find(|(n, _)| n == k)
             .map(|(_, v)| v.as_str())
     };
+    // A parameter given twice (`format=json&format=svg`): which one was meant is not known.
+    for k in ["format", "debug"] {
+        if req.query.iter().filter(|(n, _)| n == k).count() > 1 {
+            return text(400, format!("{k} given more than once\n"));
+        }
+    }
     match req.path.as_str() {
         "/" | "/debug/fibers/" | "/debug/pprof/" | "/debug/pprof" => (
             200,
