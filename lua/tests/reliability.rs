@@ -1348,3 +1348,71 @@ fn out_of_memory_exits_keep_their_code_dumps_and_reports() {
         }
     }
 }
+
+/// The first report at the memory limit names the native frames: `fibertrace run` sets
+/// address space aside under `ulimit -v` and gives it back when that report must read its
+/// own file and debug information (a SIGQUIT dump with the Lua heap full showed every
+/// native frame as `?? (fibertrace+0x…)`, the host's glue frames among them).
+#[test]
+fn the_first_dump_at_the_memory_limit_names_its_native_frames() {
+    let dir = Scratch::new("rel-oom-names");
+    let script = dir.join("full.lua");
+    std::fs::write(
+        &script,
+        "local fiber = require('fiber')\n\
+         local hold = {}\n\
+         local ok = pcall(function() while true do hold[#hold + 1] = string.rep('x', 1048000) .. #hold end end)\n\
+         print('filled', ok) io.stdout:flush()\n\
+         fiber.sleep(2)\n",
+    )
+    .unwrap();
+    let mut child = limited_run(&[script.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as i32;
+    let mut stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let mut out = Vec::new();
+    let mut buf = [0u8; 256];
+    let mut sent = false;
+    loop {
+        let n = stdout.read(&mut buf).unwrap();
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(&buf[..n]);
+        if !sent && out.ends_with(b"filled\tfalse\n") {
+            // SAFETY: a signal to the child started above (still running: its stdout is open).
+            assert_eq!(unsafe { libc::kill(pid, libc::SIGQUIT) }, 0);
+            sent = true;
+        }
+    }
+    let status = child.wait().unwrap();
+    let err = err.join().unwrap();
+    assert_eq!(status.code(), Some(0), "{err}");
+    assert!(sent, "{}", String::from_utf8_lossy(&out));
+    let main = err
+        .split("\n\n")
+        .find(|b| b.starts_with("fiber 1 \"main\" [sleep, "))
+        .unwrap_or_else(|| panic!("{err}"));
+    let frames: Vec<&str> = main.lines().filter(|l| l.starts_with('#')).collect();
+    assert!(
+        frames[0].contains(" in fibertrace_fiber::sched::sleep"),
+        "{main}"
+    );
+    assert!(!main.contains(" in ?? "), "{main}");
+    assert_eq!(
+        frames
+            .last()
+            .map(|l| l.split_once("  ").map_or(*l, |x| x.1)),
+        Some(format!("main chunk in @{}:5", script.display()).as_str()),
+        "{main}"
+    );
+}

@@ -18,6 +18,42 @@ pub(super) fn dladdr_name(addr: u64) -> Option<(String, u64)> {
     Some((name, info.dli_saddr as u64))
 }
 
+/// Whether an address-space limit (`RLIMIT_AS`) is set.
+fn address_space_limited() -> bool {
+    // SAFETY: getrlimit fills a struct of ours.
+    unsafe {
+        let mut r: libc::rlimit = std::mem::zeroed();
+        libc::getrlimit(libc::RLIMIT_AS, &mut r) == 0 && r.rlim_cur != libc::RLIM_INFINITY
+    }
+}
+
+/// Takes `bytes` of address space (inaccessible, nothing committed) to give back later
+/// ([`give_back`]): its start, or `None` (no address-space limit, where nothing needs it,
+/// or no room).
+pub(super) fn take_room(bytes: usize) -> Option<usize> {
+    if bytes == 0 || !address_space_limited() {
+        return None;
+    }
+    // SAFETY: a fresh private anonymous mapping, inaccessible; nothing else refers to it.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            bytes,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    (p != libc::MAP_FAILED).then_some(p as usize)
+}
+
+/// Gives back a mapping [`take_room`] made.
+pub(super) fn give_back(start: usize, bytes: usize) {
+    // SAFETY: `start..start + bytes` is a mapping `take_room` made and nothing uses.
+    unsafe { libc::munmap(start as *mut libc::c_void, bytes) };
+}
+
 /// Whether `bytes` more of address space can be had now: always under no limit
 /// (`RLIMIT_AS` unlimited); under one, a mapping of that size is made and given back (it
 /// counts against the limit whatever its protection).

@@ -218,11 +218,54 @@ pub(crate) fn address_space_room(bytes: usize) -> bool {
     linux::address_space_room(bytes)
 }
 
-/// Whether there is room to parse (or open, `extra` being the file's size) now; counts a
-/// lookup that is left unresolved when not.
+/// Address space taken for the symbolizer by [`set_aside_room`]: start << 0 and length,
+/// taken and given back whole (0: none).
+static ASIDE: std::sync::Mutex<(usize, usize)> = std::sync::Mutex::new((0, 0));
+
+/// Under an address-space limit (`ulimit -v`), takes `image_bytes` (the size of the image
+/// files a report will read, the program's own at least) and what a parse wants besides of
+/// address space now, and gives it back the first time a lookup finds too little left: the
+/// first report at the limit (a program whose heap took everything: a `SIGQUIT` dump, a
+/// crash report) can then open the program's file and parse its debug information, where
+/// it left every native frame unnamed. Whether it was taken (never without a limit, or
+/// when there is no room now, or when taken already).
+pub fn set_aside_room(image_bytes: u64) -> bool {
+    let mut a = ASIDE.lock().unwrap_or_else(|e| e.into_inner());
+    if a.0 != 0 {
+        return false;
+    }
+    // (Room to open the file, then to parse with what opening it took besides.)
+    let want = (4 * PARSE_ROOM as u64).saturating_add(image_bytes);
+    let Ok(want) = usize::try_from(want) else {
+        return false;
+    };
+    match linux::take_room(want) {
+        Some(p) => {
+            *a = (p, want);
+            true
+        }
+        None => false,
+    }
+}
+
+/// Gives back what [`set_aside_room`] took, if it still holds it.
+fn give_back_room() -> bool {
+    let mut a = ASIDE.lock().unwrap_or_else(|e| e.into_inner());
+    let (p, n) = std::mem::take(&mut *a);
+    if p == 0 {
+        return false;
+    }
+    linux::give_back(p, n);
+    true
+}
+
+/// Whether there is room to parse (or open, `extra` being the file's size) now (giving back
+/// the room set aside for it, when it needs it); counts a lookup that is left unresolved
+/// when not.
 fn room_to_parse(extra: u64) -> bool {
     let want = (PARSE_ROOM as u64).saturating_add(extra);
-    if linux::address_space_room(usize::try_from(want).unwrap_or(usize::MAX)) {
+    let want = usize::try_from(want).unwrap_or(usize::MAX);
+    if linux::address_space_room(want) || (give_back_room() && linux::address_space_room(want)) {
         if SKIPPED_PENDING.swap(false, std::sync::atomic::Ordering::AcqRel) {
             GENERATION.fetch_add(1, std::sync::atomic::Ordering::Release);
         }

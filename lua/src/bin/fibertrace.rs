@@ -759,7 +759,13 @@ fn main() -> ExitCode {
     fibertrace_core::heap::set_aside(SET_ASIDE);
     let m = cli().get_matches();
     match m.subcommand() {
-        Some(("run", m)) => run(m),
+        Some(("run", m)) => {
+            // Under `ulimit -v`, room for the first report at the limit to read this
+            // program's file and debug information (its native frames were all unnamed).
+            let exe = std::env::current_exe().and_then(std::fs::metadata);
+            fibertrace_core::symbolize::set_aside_room(exe.map_or(0, |m| m.len()));
+            run(m)
+        }
         Some(("decode", m)) => decode(m),
         Some(("dump", m)) => dump_process(m),
         _ => ExitCode::from(2),
