@@ -179,7 +179,9 @@ fn with_the_lua_heap_full_fiber_functions_raise_not_enough_memory() {
     assert_eq!(lines.first(), Some(&"before"), "{}", o.stdout);
     assert_eq!(lines.last(), Some(&"after"), "{}", o.stdout);
     // Each call either completed (it needed no new memory) or raised `not enough memory`;
-    // the ones that must make something new raised.
+    // the ones that must make something new raised. (Not the `info` calls: the first that
+    // names native frames gets the address space `fibertrace run` set aside for the first
+    // report at the limit, and the Lua heap may grow into what the names leave of it.)
     let must_fail = [
         "fiber.self",
         "fiber.cond",
@@ -188,10 +190,6 @@ fn with_the_lua_heap_full_fiber_functions_raise_not_enough_memory() {
         "fiber.new",
         "tostring(other)",
         "tostring(ch)",
-        "fiber.info",
-        "fiber.info{bt=false}",
-        "other:info",
-        "fiber.self():info",
     ];
     for l in &lines[1..lines.len() - 2] {
         let f: Vec<&str> = l.split('\t').collect();
