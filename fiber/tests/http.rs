@@ -177,7 +177,10 @@ fn every_view_is_served_while_a_fiber_spins() {
         .unwrap()
         .contains("\"spinner\" [running]"));
     // HEAD: the same head, no body.
-    let (status, head, body) = exchange(addr, b"HEAD /debug/fibers?format=json HTTP/1.1\r\n\r\n");
+    let (status, head, body) = exchange(
+        addr,
+        b"HEAD /debug/fibers?format=json HTTP/1.1\r\nHost: localhost\r\n\r\n",
+    );
     assert_eq!((status, body.len()), (200, 0));
     assert!(
         header(&head, "Content-Length")
@@ -240,7 +243,10 @@ fn bad_requests_get_clear_answers_and_the_server_goes_on() {
             )
         )
     );
-    let r = exchange(addr, b"POST / HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc");
+    let r = exchange(
+        addr,
+        b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Length: 3\r\n\r\nabc",
+    );
     assert_eq!(header(&r.1, "Allow"), Some("GET, HEAD"));
     assert_eq!(
         body(r),
@@ -497,6 +503,56 @@ fn idle_clients_and_bursts_of_requests_are_all_answered() {
         (status, String::from_utf8_lossy(&body).as_ref()),
         (400, "format given more than once\n")
     );
+    let text = |r: (u16, String, Vec<u8>)| (r.0, String::from_utf8_lossy(&r.2).into_owned());
+    // The absolute form's host is checked as the Host header is.
+    let r = exchange(
+        addr,
+        b"GET http://evil.example/debug/fibers HTTP/1.1\r\nHost: localhost\r\n\r\n",
+    );
+    assert_eq!(r.0, 403);
+    // Whitespace before a header's colon, and HTTP/1.1 without a Host: 400.
+    assert_eq!(
+        text(exchange(addr, b"GET / HTTP/1.1\r\nHost :localhost\r\n\r\n")),
+        (
+            400,
+            "whitespace between a header's name and its colon\n".into()
+        )
+    );
+    assert_eq!(
+        text(exchange(addr, b"GET / HTTP/1.1\r\n\r\n")),
+        (400, "no Host header (HTTP/1.1 requires one)\n".into())
+    );
+    assert_eq!(exchange(addr, b"GET / HTTP/1.0\r\n\r\n").0, 200);
     drop(idle);
+    server.stop();
+
+    // Two hundred silent clients timing out together get their 408s from the server's own
+    // thread: the answers' places stay free (each 408 took one for its drain, and a request
+    // that came then was told 503).
+    let server = http::serve_with(
+        "127.0.0.1:0",
+        Limits {
+            max_connections: 2,
+            read_timeout: Duration::from_millis(300),
+            ..Limits::default()
+        },
+    )
+    .unwrap();
+    let addr = server.local_addr();
+    let idle: Vec<TcpStream> = (0..200)
+        .map(|_| TcpStream::connect(addr).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(350));
+    let answers: Vec<u16> = (0..8)
+        .map(|_| std::thread::spawn(move || get(addr, "/").0))
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().unwrap())
+        .collect();
+    assert!(answers.iter().all(|&s| s == 200), "{answers:?}");
+    for mut c in idle {
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        assert_eq!(read_response(&mut c).0, 408);
+    }
     server.stop();
 }

@@ -33,8 +33,10 @@ pub fn fiber_name(id: u64) -> Option<String> {
 /// file:line`, `leaf in @s.lua:3`), index numbers left out.
 pub fn heap_groups() -> Vec<(Group, Vec<String>)> {
     let namer = |id| crate::render::lua_line(id);
+    // The runtime's and the host's glue left out, as the text form leaves it out.
     let opts = TextOptions {
         lua: Some(&namer),
+        hide: fibertrace_fiber::glue::filter(),
         ..TextOptions::default()
     };
     heap::group_live(|_| true)

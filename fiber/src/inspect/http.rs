@@ -16,11 +16,14 @@
 //! each a line here; the small crates (tiny_http) keep an unbounded pool of connection
 //! threads and no head limit of their own to set.
 //!
-//! How it runs: one thread accepts connections and reads every request head at once
-//! (`poll`, no thread per connection); [`Limits::max_connections`] answering threads, started
-//! with the server, answer the requests read, in turn. Nothing is started per request: at
-//! the memory limit (`ulimit -v`) a thread's stack could not be had and the connection was
-//! dropped unanswered, when the stacks matter most.
+//! How it runs: one thread accepts connections, reads every request head at once (`poll`, no
+//! thread per connection) and answers refusals itself; answering threads answer the
+//! requests read, in turn: one started with the server (at the memory limit, `ulimit -v`, a
+//! thread's stack cannot be had: when a thread was started per connection, every request
+//! was dropped unanswered, when the stacks matter most), more as requests come, up to
+//! [`Limits::max_connections`], kept after. A client that does not read its answer holds
+//! an answering thread up to [`Limits::write_timeout`]: that many such clients delay every
+//! answer that long.
 //!
 //! Limits ([`Limits`]): a request head over [`Limits::max_head`] bytes gets 431; one not sent
 //! within [`Limits::read_timeout`] (in all, however it trickles) gets 408; an answer not taken
@@ -41,7 +44,8 @@
 //! not atomic across fibers; a spinning Lua fiber's frames native only, with a note).
 //!
 //! A program about to end can wait for the answers under way ([`finish_answers`]): its exit
-//! would cut them off, and a client that asked at that moment got no answer.
+//! would cut them off, and a client that asked at that moment got no answer. Requests read
+//! once the wait began are told 503.
 //!
 //! Listening: [`parse_addr`] takes `PORT` or `:PORT` as the loopback address (127.0.0.1);
 //! anything else (`0.0.0.0:6060`, `[::]:6060`, `myhost:6060`) is listened on as given (an IPv6
@@ -238,18 +242,11 @@ pub fn serve_with(addr: &str, limits: Limits) -> Result<Server, HttpError> {
         .map_err(|e| HttpError::Bind(local, e))?;
     let stop = Arc::new(AtomicBool::new(false));
     let queue = Arc::new(Queue::default());
-    for _ in 0..limits.max_connections.max(1) {
-        let q = queue.clone();
-        let spawned = std::thread::Builder::new()
-            .name("fibertrace-http-answer".into())
-            // Encoding runs here: gzip's state in a debug build wants more than 2 MiB
-            // would give with room to spare (only what is touched is committed).
-            .stack_size(8 << 20)
-            .spawn(move || answer_loop(&q, &limits));
-        if let Err(e) = spawned {
-            queue.close();
-            return Err(HttpError::Thread(e));
-        }
+    // One answering thread now, so that one is there at the memory limit; more as requests
+    // come (up to `max_connections`), kept after.
+    if let Err(e) = Queue::start_thread(&queue, &limits) {
+        queue.close();
+        return Err(HttpError::Thread(e));
     }
     let (stop2, q) = (stop.clone(), queue.clone());
     let thread = std::thread::Builder::new()
@@ -293,39 +290,75 @@ struct Job {
 /// The requests read, for the answering threads.
 #[derive(Default)]
 struct Queue {
-    jobs: std::sync::Mutex<(std::collections::VecDeque<Job>, bool)>,
+    state: std::sync::Mutex<QueueState>,
     ready: std::sync::Condvar,
 }
 
+#[derive(Default)]
+struct QueueState {
+    jobs: std::collections::VecDeque<Job>,
+    closed: bool,
+    /// Answering threads started (and not ended).
+    threads: usize,
+    /// Of them, the ones waiting for a job.
+    idle: usize,
+}
+
 impl Queue {
-    /// Queues `job` unless `max` are waiting (or the server stopped): it comes back then.
-    fn push(&self, job: Job, max: usize) -> Result<(), Job> {
-        let mut g = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
-        if g.1 || g.0.len() >= max {
+    /// Queues `job` unless `limits.max_queued` are waiting (or the server stopped): it comes
+    /// back then. Starts one more answering thread when none is idle and fewer than
+    /// `limits.max_connections` run (a thread that cannot be started: the ones there answer).
+    fn push(q: &Arc<Queue>, job: Job, limits: &Limits) -> Result<(), Job> {
+        let mut g = q.state.lock().unwrap_or_else(|e| e.into_inner());
+        if g.closed || g.jobs.len() >= limits.max_queued {
             return Err(job);
         }
-        g.0.push_back(job);
+        g.jobs.push_back(job);
+        let more = g.idle < g.jobs.len() && g.threads < limits.max_connections;
         drop(g);
-        self.ready.notify_one();
+        q.ready.notify_one();
+        if more {
+            let _ = Queue::start_thread(q, limits);
+        }
+        Ok(())
+    }
+
+    /// Starts an answering thread.
+    fn start_thread(q: &Arc<Queue>, limits: &Limits) -> io::Result<()> {
+        q.state.lock().unwrap_or_else(|e| e.into_inner()).threads += 1;
+        let (q2, limits) = (q.clone(), *limits);
+        let spawned = std::thread::Builder::new()
+            .name("fibertrace-http-answer".into())
+            // Encoding runs here: gzip's state in a debug build wants more than 2 MiB
+            // would give with room to spare (only what is touched is committed).
+            .stack_size(8 << 20)
+            .spawn(move || answer_loop(&q2, &limits));
+        if let Err(e) = spawned {
+            q.state.lock().unwrap_or_else(|e| e.into_inner()).threads -= 1;
+            return Err(e);
+        }
         Ok(())
     }
 
     /// The next job; `None` once the server stopped and none is left.
     fn pop(&self) -> Option<Job> {
-        let mut g = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
         loop {
-            if let Some(j) = g.0.pop_front() {
+            if let Some(j) = g.jobs.pop_front() {
                 return Some(j);
             }
-            if g.1 {
+            if g.closed {
+                g.threads -= 1;
                 return None;
             }
+            g.idle += 1;
             g = self.ready.wait(g).unwrap_or_else(|e| e.into_inner());
+            g.idle -= 1;
         }
     }
 
     fn close(&self) {
-        self.jobs.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).closed = true;
         self.ready.notify_all();
     }
 }
@@ -380,7 +413,7 @@ impl Pending {
 /// The server's thread: accepts connections and reads their request heads, all at once
 /// (`poll`), each within its read timeout, and hands each request read to the answering
 /// threads ([`Queue`]).
-fn accept_loop(listener: TcpListener, limits: Limits, stop: &AtomicBool, q: &Queue) {
+fn accept_loop(listener: TcpListener, limits: Limits, stop: &AtomicBool, q: &Arc<Queue>) {
     use std::os::fd::AsRawFd;
     let mut pending: Vec<Pending> = Vec::new();
     let mut fds: Vec<libc::pollfd> = Vec::new();
@@ -476,16 +509,37 @@ fn accept_all(listener: &TcpListener, limits: &Limits, pending: &mut Vec<Pending
 
 /// Hands a request read to the answering threads, or answers 503 at once past
 /// [`Limits::max_queued`].
-fn dispatch(stream: TcpStream, req: Result<Request, (u16, String)>, limits: &Limits, q: &Queue) {
+fn dispatch(
+    stream: TcpStream,
+    req: Result<Request, (u16, String)>,
+    limits: &Limits,
+    q: &Arc<Queue>,
+) {
+    // A refusal is a few bytes: written here, at once (an idle connection's 408 took an
+    // answering thread's place, for its drain).
+    let req = match req {
+        Ok(_) if ENDING.load(Ordering::SeqCst) => {
+            refuse(stream, 503, "the program is ending");
+            return;
+        }
+        Ok(r) => r,
+        Err((status, why)) => {
+            refuse(stream, status, &why);
+            return;
+        }
+    };
     let job = Job {
         stream,
-        req,
+        req: Ok(req),
         _writing: Writing::new(),
     };
-    if let Err(job) = q.push(job, limits.max_queued) {
+    if let Err(job) = Queue::push(q, job, limits) {
         busy(job.stream);
     }
 }
+
+/// The program is ending ([`finish_answers`]): requests read are told 503.
+static ENDING: AtomicBool = AtomicBool::new(false);
 
 /// Answers, of every server, whose request was read and which are not written yet
 /// ([`finish_answers`]).
@@ -512,6 +566,9 @@ impl Drop for Writing {
 /// asked as the script ended got its connection closed and no answer). Whether none is left.
 /// Answers asked after this returned are not waited for.
 pub fn finish_answers(timeout: Duration) -> bool {
+    // Requests read from now on are told 503 (a scraper polling steadily kept the wait
+    // busy until its end, and the answers under way were cut).
+    ENDING.store(true, Ordering::SeqCst);
     let t0 = Instant::now();
     while WRITING.load(Ordering::SeqCst) != 0 {
         if t0.elapsed() >= timeout {
@@ -536,9 +593,24 @@ fn busy_head() -> Vec<u8> {
 }
 
 /// Answers 503 without reading the request (the acceptor must not wait on a client).
-fn busy(mut s: TcpStream) {
+fn busy(s: TcpStream) {
+    answer_at_once(s, &[busy_head().as_slice(), BUSY].concat());
+}
+
+/// Answers a refusal (`status`, `why`) without waiting on the client.
+fn refuse(s: TcpStream, status: u16, why: &str) {
+    let allow = [("Allow", "GET, HEAD")];
+    let extra: &[(&str, &str)] = if status == 405 { &allow } else { &[] };
+    let body = format!("{why}\n").into_bytes();
+    let head = response_head(status, "text/plain; charset=utf-8", body.len(), extra);
+    answer_at_once(s, &[head, body].concat());
+}
+
+/// Writes a short answer without waiting (what the socket's buffer takes), then closes
+/// (the server's thread must not wait on a client).
+fn answer_at_once(mut s: TcpStream, answer: &[u8]) {
     let _ = s.set_nonblocking(true);
-    let _ = s.write_all(&[busy_head().as_slice(), BUSY].concat());
+    let _ = s.write_all(answer);
     // Take in what the request already sent (without waiting for more): closing with
     // unread bytes would reset the connection and lose the answer.
     let mut sink = [0u8; 4096];
@@ -585,18 +657,51 @@ fn parse_request(
     if !version.starts_with("HTTP/1.") {
         return Err((400, format!("unsupported protocol {version:?}")));
     }
+    // (RFC 9112 5.1: whitespace between a field's name and its colon is a 400: a proxy may
+    // read such a line otherwise than the checks below do.)
+    let spaced = head.split(|&b| b == b'\n').skip(1).any(|l| {
+        l.iter()
+            .position(|&b| b == b':')
+            .is_some_and(|c| c > 0 && matches!(l[c - 1], b' ' | b'\t'))
+    });
+    if spaced {
+        return Err((
+            400,
+            "whitespace between a header's name and its colon".into(),
+        ));
+    }
     // (RFC 9112: a request with more than one is answered 400. Which one a proxy in front
     // reads is not known: the loopback check below must not pass one name and serve another.)
-    if host_headers(head).nth(1).is_some() {
+    let hosts = host_headers(head).count();
+    if hosts > 1 {
         return Err((400, "more than one Host header".into()));
     }
-    if loopback && !host_is_loopback(head) {
-        return Err((
+    if hosts == 0 && version != "HTTP/1.0" {
+        return Err((400, "no Host header (HTTP/1.1 requires one)".into()));
+    }
+    // The absolute form's authority (`GET http://host/path`) is the request's host too.
+    let authority = target
+        .strip_prefix("http://")
+        .or_else(|| target.strip_prefix("https://"))
+        .map(|rest| {
+            rest.split(['/', '?'])
+                .next()
+                .unwrap_or("")
+                .to_ascii_lowercase()
+        });
+    let refused = || {
+        (
             403,
             "this server listens on the loopback address and answers only requests for \
              localhost, 127.0.0.1 or [::1] (Host header)"
-                .into(),
-        ));
+                .to_string(),
+        )
+    };
+    if loopback && !host_is_loopback(head) {
+        return Err(refused());
+    }
+    if loopback && authority.is_some_and(|a| !name_is_loopback(&a)) {
+        return Err(refused());
     }
     let head_only = match method {
         "GET" => false,
@@ -655,9 +760,14 @@ fn host_is_loopback(head: &[u8]) -> bool {
     let Some(host) = host_headers(head).next() else {
         return true;
     };
+    name_is_loopback(&host)
+}
+
+/// Whether `host` (`name[:port]`, `[v6][:port]`, lowercase) names the loopback address.
+fn name_is_loopback(host: &str) -> bool {
     let name = match host.strip_prefix('[') {
         Some(rest) => rest.split(']').next().unwrap_or(""),
-        None => host.rsplit_once(':').map_or(host.as_str(), |(h, _)| h),
+        None => host.rsplit_once(':').map_or(host, |(h, _)| h),
     };
     matches!(name, "localhost" | "127.0.0.1" | "::1")
 }

@@ -402,6 +402,11 @@ impl Inner {
                 shared.set_status(Status::Dead);
                 // What it still holds is "held by exited fiber N" from here on.
                 shared.heap.close();
+                // The runtime's own bookkeeping below (the registry's free list grows, say)
+                // is nobody's heap: after a nested run (`fiber.create`) it was charged to
+                // the fiber that started this one, and a script that kept nothing was
+                // listed as holding 16 bytes at exit.
+                let _outside = fibertrace_core::heap::OutsideFibers::enter();
                 let slot = self.slots.borrow_mut().remove(&fid);
                 if let Some(slot) = &slot {
                     self.shared

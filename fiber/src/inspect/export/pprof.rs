@@ -364,7 +364,8 @@ fn heap_frame(
             _ => None,
         },
     };
-    super::ex_frame(&info, None)
+    // The runtime's and the hosts' glue left out, as the text views leave it out.
+    super::ex_frame(&info, crate::inspect::glue::filter())
 }
 
 /// What a heap profile is made of, gathered where the names are known (see
