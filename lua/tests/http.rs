@@ -399,3 +399,44 @@ fn at_the_memory_limit_the_views_are_still_served() {
     child.kill().unwrap();
     child.wait().unwrap();
 }
+
+/// Under `ulimit -v` the server's threads take little of what the script may use: its Lua
+/// heap fills to within 32 MB of what it fills to without `--http` (each helper thread's own
+/// malloc arena reserved 64 MiB, and eight answering threads started at once left it a few
+/// MB, or kept the program from starting).
+#[test]
+fn under_a_memory_limit_the_server_leaves_the_script_its_room() {
+    let (_dir, path) = script(
+        "fill.lua",
+        "local hold = {}\n\
+         pcall(function() while true do hold[#hold + 1] = string.rep('x', 1048000) .. #hold end end)\n\
+         print(#hold)\n",
+    );
+    let filled = |http: bool| -> u64 {
+        let o = Command::new("bash")
+            .arg("-c")
+            .arg(if http {
+                "ulimit -v 700000; exec \"$0\" run --http 127.0.0.1:0 \"$1\""
+            } else {
+                "ulimit -v 700000; exec \"$0\" run \"$1\""
+            })
+            .arg(env!("CARGO_BIN_EXE_fibertrace"))
+            .arg(&path)
+            .output()
+            .unwrap();
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "{out}{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        out.trim().parse().unwrap_or_else(|_| panic!("{out}"))
+    };
+    let (alone, served) = (filled(false), filled(true));
+    assert!(alone > 300, "{alone} MB");
+    assert!(
+        served + 32 >= alone,
+        "{served} MB with --http, {alone} MB without"
+    );
+}

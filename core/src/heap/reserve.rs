@@ -99,6 +99,31 @@ fn reserve_kept_out() -> bool {
     NO_RESERVE.try_with(Cell::get).unwrap_or(true) && super::tracked_depth() <= 1
 }
 
+/// Under an address-space limit (`RLIMIT_AS`, `ulimit -v`), has glibc's allocator serve
+/// every thread from one arena: each thread's own arena reserves 64 MiB of address space
+/// (two helper threads of a program under `ulimit -v 700000` left its Lua heap 245 MB where
+/// it had 382). Without a limit, or on another C library, nothing. Call it early, before
+/// threads start. Whether it was set.
+pub fn one_arena_under_limit() -> bool {
+    // SAFETY: getrlimit fills a struct of ours.
+    let limited = unsafe {
+        let mut r: libc::rlimit = std::mem::zeroed();
+        libc::getrlimit(libc::RLIMIT_AS, &mut r) == 0 && r.rlim_cur != libc::RLIM_INFINITY
+    };
+    if !limited {
+        return false;
+    }
+    #[cfg(target_env = "gnu")]
+    {
+        // SAFETY: mallopt sets a tunable of glibc's allocator; M_ARENA_MAX takes a count.
+        unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) == 1 }
+    }
+    #[cfg(not(target_env = "gnu"))]
+    {
+        false
+    }
+}
+
 /// Takes `bytes` (rounded up to pages, at most [`SET_ASIDE_MAX`]) of address space — no
 /// memory: a mapping nothing may touch — to give back at the first allocation the inner
 /// allocator refuses, for the code that cannot use the arena (see the module docs). Call it

@@ -756,6 +756,9 @@ fn wrap_os_exit(lua: &mlua::Lua, list: &[(Format, PathBuf)]) -> mlua::Result<()>
 const SET_ASIDE: usize = 8 << 20;
 
 fn main() -> ExitCode {
+    // (Before any thread starts: under `ulimit -v`, each thread's own malloc arena would
+    // reserve 64 MiB of what the script may use.)
+    fibertrace_core::heap::one_arena_under_limit();
     fibertrace_core::heap::set_aside(SET_ASIDE);
     let m = cli().get_matches();
     match m.subcommand() {
