@@ -99,6 +99,15 @@ fn reserve_kept_out() -> bool {
     NO_RESERVE.try_with(Cell::get).unwrap_or(true) && super::tracked_depth() <= 1
 }
 
+/// Whether a thread with a `stack`-byte stack can be started now: always without an
+/// address-space limit; under one, whether that much and 1 MiB besides can be mapped. The
+/// standard library maps a new thread's signal stack as the thread starts and aborts the
+/// process when it cannot: at the memory limit, code that would start a helper thread does
+/// its work where it is instead.
+pub fn room_for_thread(stack: usize) -> bool {
+    crate::symbolize::address_space_room(stack.saturating_add(1 << 20))
+}
+
 /// Under an address-space limit (`RLIMIT_AS`, `ulimit -v`), has glibc's allocator serve
 /// every thread from one arena: each thread's own arena reserves 64 MiB of address space
 /// (two helper threads of a program under `ulimit -v 700000` left its Lua heap 245 MB where

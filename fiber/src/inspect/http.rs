@@ -323,8 +323,13 @@ impl Queue {
         Ok(())
     }
 
-    /// Starts an answering thread.
+    /// Starts an answering thread (none at the memory limit: a thread that cannot map its
+    /// signal stack aborts the process as it starts, see
+    /// `fibertrace_core::heap::room_for_thread`).
     fn start_thread(q: &Arc<Queue>, limits: &Limits) -> io::Result<()> {
+        if !fibertrace_core::heap::room_for_thread(8 << 20) {
+            return Err(io::Error::from(io::ErrorKind::OutOfMemory));
+        }
         q.state.lock().unwrap_or_else(|e| e.into_inner()).threads += 1;
         let (q2, limits) = (q.clone(), *limits);
         let spawned = std::thread::Builder::new()

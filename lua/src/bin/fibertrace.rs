@@ -1454,7 +1454,11 @@ fn report_leaks(top: usize) {
     let report = || {
         fibertrace_core::heap::untracked(|| fibertrace_lua::heap_text_since(top, LEAKS_BASE.get()))
     };
-    let text = if fibertrace_fiber::current().is_some() {
+    // (On a thread of its own when on a fiber, whose stack is small; not at the memory limit,
+    // where starting a thread can abort the process: `heap::room_for_thread`.)
+    let text = if fibertrace_fiber::current().is_some()
+        && fibertrace_core::heap::room_for_thread(8 << 20)
+    {
         std::thread::scope(|s| {
             std::thread::Builder::new()
                 .stack_size(8 << 20)

@@ -188,7 +188,8 @@ pub fn heap_pprof(
             }
         }
     }
-    if crate::current().is_none() {
+    // (At the memory limit, here: see `fibertrace_core::heap::room_for_thread`.)
+    if crate::current().is_none() || !fibertrace_core::heap::room_for_thread(8 << 20) {
         return Ok(pprof::heap_profile(&d));
     }
     // On a fiber: the symbolizer and the encoder on a thread of their own (see `to_bytes`).
@@ -218,9 +219,12 @@ pub fn native_frames(addrs: &[u64]) -> Vec<Frame> {
 ///
 /// Called on a fiber, the encoding runs on a helper thread: a fiber's stack is small and
 /// fixed, and the encoders (gzip's state, the flame graph's layout) can take more of it than
-/// a fiber has, in a build without optimizations. (If no thread can be made, it runs here.)
+/// a fiber has, in a build without optimizations. (If no thread can be made, or at the memory
+/// limit, it runs here.)
 pub fn to_bytes(snap: &Snapshot, fmt: Format) -> Vec<u8> {
-    if crate::current().is_none() {
+    // (At the memory limit, here: a thread that cannot map its signal stack aborts the
+    // process as it starts; see `fibertrace_core::heap::room_for_thread`.)
+    if crate::current().is_none() || !fibertrace_core::heap::room_for_thread(8 << 20) {
         return encode(snap, fmt);
     }
     std::thread::scope(|s| {
