@@ -200,13 +200,16 @@ pub fn lua_stack_hook(
                 .filter(|t| t.compiled)
                 .map(|t| RunningTop { pc: None, ..t }),
         };
-        reader.stack_running(mem, root, top)
+        (
+            reader.stack_running(mem, root, top),
+            top.is_some_and(|t| t.compiled),
+        )
     };
     let stack = fibertrace_fiber::embed::overflow::ProbeReads::with(|p| match p {
         Some(p) => read(&mut ProbeMem(p)),
         None => read(&mut Blocks::new(SelfMem)),
     });
-    let Ok(lua) = stack else {
+    let (Ok(lua), compiled) = stack else {
         return n;
     };
     if lua.levels.is_empty() {
@@ -215,7 +218,14 @@ pub fn lua_stack_hook(
     // (The native stack went on past the frames given: its last entry says so.)
     let cut_native = n > 0 && addrs[n - 1] == heap::TRUNC_TAG;
     let given = if cut_native { n - 1 } else { n };
-    let native: Vec<Frame> = addrs[..given].iter().map(|&a| Frame::Ra(a)).collect();
+    // Compiled code allocating: the trace's machine code, in no object the loader knows, is
+    // the VM's own (the Lua levels above stand for it); shown, it came after them as
+    // `0x… in ??`, the innermost code as the outermost caller.
+    let native: Vec<Frame> = addrs[..given]
+        .iter()
+        .filter(|&&a| !compiled || fibertrace_core::symbolize::in_loaded_object(a))
+        .map(|&a| Frame::Ra(a))
+        .collect();
     let bt = crate::interleave(&native, &lua, &crate::InterleaveOptions::default());
     let mut k = 0;
     let mut cut = cut_native;

@@ -18,6 +18,15 @@ pub(super) fn dladdr_name(addr: u64) -> Option<(String, u64)> {
     Some((name, info.dli_saddr as u64))
 }
 
+/// Whether `addr` lies in an object the dynamic loader knows (the program, a library, the
+/// vDSO): not in code generated at run time (a JIT's).
+pub(super) fn in_loaded_object(addr: u64) -> bool {
+    // SAFETY: Dl_info is plain data that dladdr fills in; dladdr accepts any address.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: `info` is a valid out-pointer for the call.
+    unsafe { libc::dladdr(addr as *const libc::c_void, &mut info) != 0 }
+}
+
 /// Whether an address-space limit (`RLIMIT_AS`) is set.
 fn address_space_limited() -> bool {
     // SAFETY: getrlimit fills a struct of ours.

@@ -212,6 +212,13 @@ pub fn skipped_for_memory() -> u64 {
     SKIPPED_HERE.with(|c| c.get())
 }
 
+/// Whether the code address `addr` lies in an object the dynamic loader knows (the program,
+/// a library, the vDSO), not in code generated at run time (a JIT's traces). A lookup of
+/// the loader's list (it takes the loader's lock; it does not allocate).
+pub fn in_loaded_object(addr: u64) -> bool {
+    linux::in_loaded_object(addr)
+}
+
 /// Whether `bytes` more of address space can be had now (always, under no address-space
 /// limit): for work that allocates a lot where a failure would abort.
 pub(crate) fn address_space_room(bytes: usize) -> bool {
