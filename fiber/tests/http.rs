@@ -556,3 +556,138 @@ fn idle_clients_and_bursts_of_requests_are_all_answered() {
     }
     server.stop();
 }
+
+/// Recurses `depth` calls deep, then waits on `ch` (a deep stack for the views to print).
+#[inline(never)]
+fn deep_wait(depth: u32, ch: &fibertrace_fiber::Channel<u8>) {
+    if depth == 0 {
+        wait_here(ch);
+    } else {
+        deep_wait(std::hint::black_box(depth - 1), ch);
+    }
+    std::hint::black_box(depth);
+}
+
+/// Asks for the full text view (and reads nothing of the answer).
+fn ask_and_read_nothing(addr: SocketAddr) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.write_all(b"GET /debug/fibers?format=text HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        .unwrap();
+    s
+}
+
+/// A client that does not read its answer holds no answering thread: with one answering
+/// thread, a request that comes after three clients that read nothing of their answers (each
+/// larger than the socket buffers between them and the server can take) is answered at once,
+/// and the three get their whole answers when they read — also after the server stopped.
+/// With no room to hold answers (`max_sending_bytes: 0`), the answering thread writes them
+/// itself and is held until the write timeout cuts the unread one.
+#[test]
+fn clients_that_do_not_read_their_answers_hold_up_no_other() {
+    // Fibers 60 calls deep: a text view of several MiB.
+    let (stop, ready) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let (stop2, ready2) = (stop.clone(), ready.clone());
+    let t = std::thread::spawn(move || {
+        let s = Scheduler::new();
+        let ch = channel::<u8>(0);
+        for _ in 0..std::hint::black_box(1500) {
+            let c = ch.clone();
+            s.builder().name("deep").spawn(move || deep_wait(60, &c));
+        }
+        s.builder().name("ready").spawn(move || {
+            ready2.store(true, Ordering::SeqCst);
+            while !stop2.load(Ordering::SeqCst) {
+                fibertrace_fiber::sleep(Duration::from_millis(10));
+            }
+            ch.close();
+        });
+        s.run().unwrap();
+    });
+    while !ready.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The size of one answer, and the most the buffers between a client and the server hold
+    // (the server's send buffer grows to tcp_wmem's maximum; a client that reads nothing
+    // keeps its receive window at tcp_rmem's default).
+    let server = http::serve_with(
+        "127.0.0.1:0",
+        Limits {
+            max_connections: 1,
+            write_timeout: Duration::from_secs(60),
+            ..Limits::default()
+        },
+    )
+    .unwrap();
+    let addr = server.local_addr();
+    let (status, head, body) = get(addr, "/debug/fibers?format=text");
+    assert_eq!(status, 200);
+    let sysctl = |name: &str, i: usize| -> usize {
+        std::fs::read_to_string(format!("/proc/sys/net/ipv4/{name}")).map_or(4 << 20, |v| {
+            v.split_whitespace().nth(i).unwrap().parse().unwrap()
+        })
+    };
+    let buffered = sysctl("tcp_wmem", 2) + sysctl("tcp_rmem", 1);
+    assert!(
+        body.len() > buffered + (1 << 20),
+        "an answer of {} bytes fits in the {buffered} bytes of buffers: make the fibers deeper",
+        body.len()
+    );
+    let len: usize = header(&head, "Content-Length").unwrap().parse().unwrap();
+    assert_eq!(len, body.len());
+
+    let slow: Vec<TcpStream> = (0..3).map(|_| ask_and_read_nothing(addr)).collect();
+    // Their answers are made (one after the other, on the one answering thread) ...
+    std::thread::sleep(Duration::from_millis(200));
+    let t0 = Instant::now();
+    let (status, _, _) = get(addr, "/debug/fibers?format=grouped");
+    assert_eq!(status, 200);
+    // ... and the request after them waits for that, not for them to be read (the write
+    // timeout is 60 s).
+    let waited = t0.elapsed();
+    assert!(waited < Duration::from_secs(20), "{waited:?}");
+    // The server stops at once, and what it holds is still written.
+    let t0 = Instant::now();
+    server.stop();
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    assert!(TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_err());
+    for mut c in slow {
+        c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let (status, head, body) = read_response(&mut c);
+        assert_eq!(status, 200);
+        let len: usize = header(&head, "Content-Length").unwrap().parse().unwrap();
+        assert_eq!(body.len(), len);
+        assert!(len > buffered, "{len}");
+    }
+
+    // No room to hold answers: the answering thread writes its own, held by a client that
+    // reads nothing until the write timeout cuts it.
+    let server = http::serve_with(
+        "127.0.0.1:0",
+        Limits {
+            max_connections: 1,
+            write_timeout: Duration::from_millis(1500),
+            max_sending_bytes: 0,
+            ..Limits::default()
+        },
+    )
+    .unwrap();
+    let addr = server.local_addr();
+    let mut slow = ask_and_read_nothing(addr);
+    std::thread::sleep(Duration::from_millis(100));
+    let t0 = Instant::now();
+    assert_eq!(get(addr, "/").0, 200);
+    let waited = t0.elapsed();
+    assert!(waited > Duration::from_millis(1000), "{waited:?}");
+    let mut all = Vec::new();
+    slow.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let _ = slow.read_to_end(&mut all);
+    assert!(all.len() < len, "{} of {len} bytes: not cut", all.len());
+    server.stop();
+
+    stop.store(true, Ordering::SeqCst);
+    t.join().unwrap();
+}

@@ -21,9 +21,13 @@
 //! requests read, in turn: one started with the server (at the memory limit, `ulimit -v`, a
 //! thread's stack cannot be had: when a thread was started per connection, every request
 //! was dropped unanswered, when the stacks matter most), more as requests come, up to
-//! [`Limits::max_connections`], kept after. A client that does not read its answer holds
-//! an answering thread up to [`Limits::write_timeout`]: that many such clients delay every
-//! answer that long.
+//! [`Limits::max_connections`], kept after. An answering thread writes what the client's
+//! socket takes at once and hands the rest over to the server's thread, which writes it as
+//! the client reads (`poll` again) and waits for the client to close: a client that does not
+//! read its answer holds no answering thread (when one did, eight such clients delayed every
+//! answer by the write timeout, 30 s). Answers held so add up to at most
+//! [`Limits::max_sending_bytes`]; past it an answering thread writes its answer itself, as
+//! slowly as its client reads (within the write timeout).
 //!
 //! Limits ([`Limits`]): a request head over [`Limits::max_head`] bytes gets 431; one not sent
 //! within [`Limits::read_timeout`] (in all, however it trickles) gets 408; an answer not taken
@@ -54,7 +58,9 @@
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -81,6 +87,9 @@ pub struct Limits {
     pub read_timeout: Duration,
     /// Time to send an answer.
     pub write_timeout: Duration,
+    /// Bytes of answers not yet taken by their clients that the server's thread holds (see
+    /// the module doc); an answer that does not fit is written by its answering thread.
+    pub max_sending_bytes: usize,
 }
 
 impl Default for Limits {
@@ -92,6 +101,7 @@ impl Default for Limits {
             max_head: 8 * 1024,
             read_timeout: Duration::from_secs(5),
             write_timeout: Duration::from_secs(30),
+            max_sending_bytes: 256 << 20,
         }
     }
 }
@@ -179,6 +189,8 @@ pub struct Server {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
     queue: Arc<Queue>,
+    /// Told by the server's thread once it no longer listens.
+    closed: Receiver<()>,
 }
 
 impl Server {
@@ -187,8 +199,9 @@ impl Server {
         self.addr
     }
 
-    /// Stops accepting connections and waits for the server's thread (answers under way
-    /// finish on their own threads).
+    /// Stops accepting connections and waits until the port is closed (answers under way
+    /// finish on their own: requests read are answered, answers handed to the server's
+    /// thread are written, each within the write timeout).
     pub fn stop(mut self) {
         self.shutdown();
     }
@@ -197,22 +210,12 @@ impl Server {
         self.stop.store(true, Ordering::SeqCst);
         // The answering threads end once the requests read are answered.
         self.queue.close();
-        // Wake the accept: connect to ourselves (the loopback address of our port when we
-        // listen on every address).
-        let mut to = self.addr;
-        if to.ip().is_unspecified() {
-            to.set_ip(match to {
-                SocketAddr::V4(_) => [127, 0, 0, 1].into(),
-                SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
-            });
-        }
-        let woke = TcpStream::connect_timeout(&to, Duration::from_secs(1)).is_ok();
+        self.queue.outbox.wake();
         if let Some(t) = self.thread.take() {
-            // Without the wake-up the accept may never return: leave the thread (it stops
-            // at its next connection) rather than hang here.
-            if woke {
-                let _ = t.join();
-            }
+            // It closes the port at once (its `poll` waits a second at most, and the wake-up
+            // ends that), then goes on with the answers it holds: it is left to them.
+            let _ = self.closed.recv_timeout(Duration::from_secs(5));
+            drop(t);
         }
     }
 }
@@ -241,7 +244,9 @@ pub fn serve_with(addr: &str, limits: Limits) -> Result<Server, HttpError> {
         .set_nonblocking(true)
         .map_err(|e| HttpError::Bind(local, e))?;
     let stop = Arc::new(AtomicBool::new(false));
-    let queue = Arc::new(Queue::default());
+    let (queue, woken) = Queue::new().map_err(HttpError::Thread)?;
+    let queue = Arc::new(queue);
+    let (closed_tx, closed) = std::sync::mpsc::sync_channel(1);
     // One answering thread now, so that one is there at the memory limit; more as requests
     // come (up to `max_connections`), kept after.
     if let Err(e) = Queue::start_thread(&queue, &limits) {
@@ -251,7 +256,7 @@ pub fn serve_with(addr: &str, limits: Limits) -> Result<Server, HttpError> {
     let (stop2, q) = (stop.clone(), queue.clone());
     let thread = std::thread::Builder::new()
         .name("fibertrace-http".into())
-        .spawn(move || accept_loop(listener, limits, &stop2, &q));
+        .spawn(move || accept_loop(listener, limits, &stop2, &q, woken, closed_tx));
     let thread = match thread {
         Ok(t) => t,
         Err(e) => {
@@ -264,6 +269,7 @@ pub fn serve_with(addr: &str, limits: Limits) -> Result<Server, HttpError> {
         stop,
         thread: Some(thread),
         queue,
+        closed,
     })
 }
 
@@ -288,10 +294,11 @@ struct Job {
 }
 
 /// The requests read, for the answering threads.
-#[derive(Default)]
 struct Queue {
     state: std::sync::Mutex<QueueState>,
     ready: std::sync::Condvar,
+    /// Where answering threads hand answers over to the server's thread.
+    outbox: Outbox,
 }
 
 #[derive(Default)]
@@ -305,6 +312,22 @@ struct QueueState {
 }
 
 impl Queue {
+    /// An empty queue, and the end of its outbox's wake-up the server's thread watches.
+    fn new() -> io::Result<(Queue, UnixStream)> {
+        let (waker, woken) = UnixStream::pair()?;
+        waker.set_nonblocking(true)?;
+        woken.set_nonblocking(true)?;
+        let q = Queue {
+            state: Default::default(),
+            ready: Default::default(),
+            outbox: Outbox {
+                state: Default::default(),
+                waker,
+            },
+        };
+        Ok((q, woken))
+    }
+
     /// Queues `job` unless `limits.max_queued` are waiting (or the server stopped): it comes
     /// back then. Starts one more answering thread when none is idle and fewer than
     /// `limits.max_connections` run (a thread that cannot be started: the ones there answer).
@@ -370,7 +393,156 @@ impl Queue {
 
 fn answer_loop(q: &Queue, limits: &Limits) {
     while let Some(job) = q.pop() {
-        answer(job, limits);
+        answer(job, limits, &q.outbox);
+    }
+}
+
+/// Answers being written by the server's thread (see the module doc): an answering thread
+/// writes what the client's socket takes at once and hands the rest over here.
+struct Outbox {
+    state: std::sync::Mutex<OutboxState>,
+    /// Written to wake the server's thread (its `poll` watches the other end).
+    waker: UnixStream,
+}
+
+#[derive(Default)]
+struct OutboxState {
+    /// Handed over, not yet taken by the server's thread.
+    new: Vec<Sending>,
+    /// Bytes not yet written of the answers handed over (new or being written).
+    bytes: usize,
+    /// Connections handed over and not yet closed.
+    count: usize,
+    /// The server's thread has ended: nothing more is taken.
+    closed: bool,
+}
+
+impl Outbox {
+    /// Hands `snd` over to the server's thread, unless it is gone or holds
+    /// `limits.max_sending_bytes` (or `limits.max_waiting` connections) already: `snd`
+    /// comes back then.
+    fn hand_over(&self, mut snd: Sending, limits: &Limits) -> Result<(), Sending> {
+        let left = snd.left();
+        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let full = g.count >= limits.max_waiting
+            || g.bytes.saturating_add(left) > limits.max_sending_bytes;
+        // (At the memory limit the list may not grow: the answering thread writes it.)
+        if g.closed || full || g.new.try_reserve(1).is_err() {
+            return Err(snd);
+        }
+        snd.counted = left;
+        g.bytes += left;
+        g.count += 1;
+        g.new.push(snd);
+        drop(g);
+        self.wake();
+        Ok(())
+    }
+
+    /// Wakes the server's thread (a byte it reads; when the socket is full, it is awake
+    /// already).
+    fn wake(&self) {
+        let _ = (&self.waker).write(&[1]);
+    }
+}
+
+/// How far a write got.
+enum Progress {
+    Done,
+    More,
+    Failed,
+}
+
+/// An answer on its way to its client: being written (`writing` is set), then, written,
+/// waiting a moment for the client to close (closing first, with bytes of the client's not
+/// read, would reset the connection and could lose the answer).
+struct Sending {
+    stream: TcpStream,
+    /// The head and the body; `parts[part][off..]` is next.
+    parts: [Vec<u8>; 2],
+    part: usize,
+    off: usize,
+    /// The end of the write timeout while writing; of the wait for the close after.
+    deadline: Option<Instant>,
+    /// Counted in [`WRITING`] until written.
+    writing: Option<Writing>,
+    /// Bytes counted in the outbox's total for this answer (0: none).
+    counted: usize,
+}
+
+/// How long a written answer's connection waits for the client to close.
+const CLOSE_WAIT: Duration = Duration::from_millis(500);
+
+impl Sending {
+    /// Bytes not written yet.
+    fn left(&self) -> usize {
+        match self.part {
+            0 => self.parts[0].len().saturating_sub(self.off) + self.parts[1].len(),
+            1 => self.parts[1].len().saturating_sub(self.off),
+            _ => 0,
+        }
+    }
+
+    /// Writes what the socket takes now (non-blocking).
+    fn write_some(&mut self) -> Progress {
+        while self.part < 2 {
+            let buf = &self.parts[self.part][self.off..];
+            if buf.is_empty() {
+                self.part += 1;
+                self.off = 0;
+                continue;
+            }
+            match self.stream.write(buf) {
+                Ok(0) => return Progress::Failed,
+                Ok(n) => self.off += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Progress::More,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return Progress::Failed,
+            }
+        }
+        Progress::Done
+    }
+
+    /// The answer is written: the writing side is closed, and the connection waits a moment
+    /// for the client to close.
+    fn written(&mut self) {
+        let _ = self.stream.shutdown(Shutdown::Write);
+        self.writing = None;
+        self.parts = Default::default();
+        self.deadline = Instant::now().checked_add(CLOSE_WAIT);
+    }
+
+    /// Reads what the client still sends (without waiting); whether it is done (closed, or
+    /// an error).
+    fn drain_some(&mut self) -> bool {
+        let mut sink = [0u8; 4096];
+        loop {
+            match self.stream.read(&mut sink) {
+                Ok(0) => return true,
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return false,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return true,
+            }
+        }
+    }
+
+    /// Writes the rest here, waiting on the client (within the write timeout), then waits for
+    /// its close: when the server's thread cannot take the answer.
+    fn finish_here(mut self) {
+        let _ = self.stream.set_nonblocking(false);
+        if self.writing.is_some() {
+            while self.part < 2 {
+                let buf = &self.parts[self.part][self.off..];
+                if !write_until(&mut self.stream, buf, self.deadline) {
+                    return;
+                }
+                self.part += 1;
+                self.off = 0;
+            }
+            self.written();
+        }
+        drain(&mut self.stream, CLOSE_WAIT);
     }
 }
 
@@ -416,15 +588,39 @@ impl Pending {
 }
 
 /// The server's thread: accepts connections and reads their request heads, all at once
-/// (`poll`), each within its read timeout, and hands each request read to the answering
-/// threads ([`Queue`]).
-fn accept_loop(listener: TcpListener, limits: Limits, stop: &AtomicBool, q: &Arc<Queue>) {
+/// (`poll`), each within its read timeout, hands each request read to the answering threads
+/// ([`Queue`]), and writes the answers they hand back ([`Outbox`]) as their clients take
+/// them. Stopped, it closes the port, tells `closed`, and ends once the answers it holds are
+/// written (or their time is up).
+fn accept_loop(
+    listener: TcpListener,
+    limits: Limits,
+    stop: &AtomicBool,
+    q: &Arc<Queue>,
+    mut woken: UnixStream,
+    closed: SyncSender<()>,
+) {
     use std::os::fd::AsRawFd;
+    let mut listener = Some(listener);
     let mut pending: Vec<Pending> = Vec::new();
+    let mut sending: Vec<Sending> = Vec::new();
     let mut fds: Vec<libc::pollfd> = Vec::new();
     loop {
-        if stop.load(Ordering::SeqCst) {
-            return;
+        if stop.load(Ordering::SeqCst) && listener.is_some() {
+            listener = None;
+            pending.clear();
+            let _ = closed.try_send(());
+        }
+        // The answers handed over since the last look.
+        {
+            let mut g = q.outbox.state.lock().unwrap_or_else(|e| e.into_inner());
+            if listener.is_none() && sending.is_empty() && g.new.is_empty() {
+                g.closed = true;
+                return;
+            }
+            if sending.try_reserve(g.new.len()).is_ok() {
+                sending.append(&mut g.new);
+            }
         }
         let now = Instant::now();
         // Requests not read in time: 408.
@@ -438,22 +634,48 @@ fn accept_loop(listener: TcpListener, limits: Limits, stop: &AtomicBool, q: &Arc
                 i += 1;
             }
         }
+        // Answers not taken in time are cut; connections done waiting for the close, closed.
+        let (mut released, mut ended) = (0, 0);
+        sending.retain_mut(|snd| {
+            if snd.deadline.is_some_and(|d| d <= now) {
+                released += std::mem::take(&mut snd.counted);
+                ended += 1;
+                return false;
+            }
+            true
+        });
         let wait = pending
             .iter()
             .filter_map(|p| p.deadline)
+            .chain(sending.iter().filter_map(|s| s.deadline))
             .min()
             .map_or(1000, |d| {
                 d.saturating_duration_since(now).as_millis().clamp(1, 1000) as i32
             });
         fds.clear();
         fds.push(libc::pollfd {
-            fd: listener.as_raw_fd(),
+            // (Stopped: no listener; poll skips a negative descriptor.)
+            fd: listener.as_ref().map_or(-1, |l| l.as_raw_fd()),
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        fds.push(libc::pollfd {
+            fd: woken.as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
         });
         fds.extend(pending.iter().map(|p| libc::pollfd {
             fd: p.stream.as_raw_fd(),
             events: libc::POLLIN,
+            revents: 0,
+        }));
+        fds.extend(sending.iter().map(|s| libc::pollfd {
+            fd: s.stream.as_raw_fd(),
+            events: if s.writing.is_some() {
+                libc::POLLOUT
+            } else {
+                libc::POLLIN
+            },
             revents: 0,
         }));
         // SAFETY: `fds` is a live array of `fds.len()` pollfd structs, written by the kernel.
@@ -465,10 +687,46 @@ fn accept_loop(listener: TcpListener, limits: Limits, stop: &AtomicBool, q: &Arc
             }
             continue;
         }
-        // The connections that have something to read (or ended), last first (a removal
-        // moves the last one into its place, which was looked at already).
+        if fds[1].revents != 0 {
+            let mut sink = [0u8; 64];
+            while matches!(woken.read(&mut sink), Ok(n) if n > 0) {}
+        }
+        // The answers whose clients took more (or closed), last first (a removal moves the
+        // last one into its place, which was looked at already).
+        let base = 2 + pending.len();
+        for i in (0..sending.len()).rev() {
+            if fds[base + i].revents == 0 {
+                continue;
+            }
+            let snd = &mut sending[i];
+            let done = if snd.writing.is_some() {
+                match snd.write_some() {
+                    Progress::More => false,
+                    Progress::Failed => true,
+                    Progress::Done => {
+                        released += std::mem::take(&mut snd.counted);
+                        snd.written();
+                        // (A client that closed at once is done.)
+                        snd.drain_some()
+                    }
+                }
+            } else {
+                snd.drain_some()
+            };
+            if done {
+                released += std::mem::take(&mut sending[i].counted);
+                ended += 1;
+                sending.swap_remove(i);
+            }
+        }
+        if released != 0 || ended != 0 {
+            let mut g = q.outbox.state.lock().unwrap_or_else(|e| e.into_inner());
+            g.bytes = g.bytes.saturating_sub(released);
+            g.count = g.count.saturating_sub(ended);
+        }
+        // The connections that have something to read (or ended), last first.
         for i in (0..pending.len()).rev() {
-            if fds[i + 1].revents == 0 {
+            if fds[i + 2].revents == 0 {
                 continue;
             }
             if let Some(req) = pending[i].read_some(&limits) {
@@ -477,7 +735,9 @@ fn accept_loop(listener: TcpListener, limits: Limits, stop: &AtomicBool, q: &Arc
             }
         }
         if fds[0].revents != 0 {
-            accept_all(&listener, &limits, &mut pending);
+            if let Some(l) = &listener {
+                accept_all(l, &limits, &mut pending);
+            }
         }
     }
 }
@@ -803,13 +1063,12 @@ fn unescape(s: &str) -> String {
 
 /// Answers a request read (or its refusal) on an answering thread, within the write
 /// timeout, then lets the client close first (for a moment).
-fn answer(job: Job, limits: &Limits) {
+fn answer(job: Job, limits: &Limits, outbox: &Outbox) {
     let Job {
-        stream: mut s,
+        stream: s,
         req,
         _writing: writing,
     } = job;
-    let _ = s.set_nonblocking(false);
     let (head, body) = match req {
         Ok(req) => {
             let (status, ty, body, extra) = route(&req);
@@ -827,14 +1086,24 @@ fn answer(job: Job, limits: &Limits) {
     };
     // The whole answer within the write timeout, however slowly the client reads.
     let deadline = Instant::now().checked_add(limits.write_timeout.max(Duration::from_millis(1)));
-    let sent = write_until(&mut s, &head, deadline) && write_until(&mut s, &body, deadline);
-    drop(body);
-    let _ = s.shutdown(Shutdown::Write);
-    drop(writing);
-    if sent {
-        // Read what the client still sends (a body we did not read) for a moment, so
-        // closing does not reset the connection before it read the answer.
-        drain(&mut s, Duration::from_millis(500));
+    let _ = s.set_nonblocking(true);
+    let mut snd = Sending {
+        stream: s,
+        parts: [head, body],
+        part: 0,
+        off: 0,
+        deadline,
+        writing: Some(writing),
+        counted: 0,
+    };
+    match snd.write_some() {
+        Progress::Failed => return,
+        Progress::Done => snd.written(),
+        Progress::More => {}
+    }
+    // What the client did not take yet, and the wait for its close: the server's thread's.
+    if let Err(snd) = outbox.hand_over(snd, limits) {
+        snd.finish_here();
     }
 }
 
