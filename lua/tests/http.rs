@@ -31,8 +31,21 @@ fn start_with(
     path: &PathBuf,
     opts: &[&str],
 ) -> (Child, SocketAddr, BufReader<std::process::ChildStdout>) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_fibertrace"))
-        .args(["run", "--http", "127.0.0.1:0"])
+    start_under("", path, opts)
+}
+
+/// [`start_with`] under the shell's `limits` (`ulimit -v N`, ...; empty: none).
+fn start_under(
+    limits: &str,
+    path: &PathBuf,
+    opts: &[&str],
+) -> (Child, SocketAddr, BufReader<std::process::ChildStdout>) {
+    let mut child = Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "{limits}\nexec \"$0\" run --http 127.0.0.1:0 \"$@\""
+        ))
+        .arg(env!("CARGO_BIN_EXE_fibertrace"))
         .args(opts)
         .arg(path)
         .stdin(Stdio::piped())
@@ -366,26 +379,8 @@ fn at_the_memory_limit_the_views_are_still_served() {
          io.stdout:write('filled ', tostring(ok), '\\n') io.stdout:flush()\n\
          fiber.sleep(60)\n",
     );
-    let mut child = Command::new("bash")
-        .arg("-c")
-        .arg("ulimit -v 1500000; exec \"$0\" run --http 127.0.0.1:0 \"$1\"")
-        .arg(env!("CARGO_BIN_EXE_fibertrace"))
-        .arg(&path)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let (mut child, addr, mut out) = start_under("ulimit -v 1500000", &path, &[]);
     let mut line = String::new();
-    err.read_line(&mut line).unwrap();
-    let addr: SocketAddr = line
-        .strip_prefix("fibertrace: serving http://")
-        .and_then(|r| r.strip_suffix("/debug/fibers\n"))
-        .unwrap_or_else(|| panic!("{line:?}"))
-        .parse()
-        .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    line.clear();
     out.read_line(&mut line).unwrap();
     assert_eq!(line, "filled false\n");
     let s = path.to_str().unwrap();
@@ -439,4 +434,58 @@ fn under_a_memory_limit_the_server_leaves_the_script_its_room() {
         served + 32 >= alone,
         "{served} MB with --http, {alone} MB without"
     );
+}
+
+/// Out of file descriptors (the script holds every one `ulimit -n` allows), a request is
+/// told so at once (503); it waited unanswered in the listen queue. With one descriptor
+/// free, a view is served with its native frames named: the program's file is opened with
+/// the descriptors set aside for it (every frame of the program was `?? (fibertrace+0x…)`).
+#[test]
+fn out_of_file_descriptors_a_request_is_told_so() {
+    let (_dir, path) = script(
+        "fds.lua",
+        "local fiber = require('fiber')\n\
+         local files = {}\n\
+         while true do\n\
+           local f = io.open('/dev/null') if not f then break end\n\
+           files[#files + 1] = f\n\
+         end\n\
+         io.stdout:write('full\\n') io.stdout:flush()\n\
+         io.stdin:read('*l')\n\
+         table.remove(files):close()\n\
+         io.stdout:write('one free\\n') io.stdout:flush()\n\
+         fiber.sleep(60)\n",
+    );
+    let (mut child, addr, mut out) = start_under("ulimit -n 64", &path, &[]);
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "full\n");
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        assert_eq!(
+            get(addr, "/debug/fibers?format=text"),
+            (
+                503,
+                "the process is out of file descriptors; try again\n".into()
+            )
+        );
+        assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    }
+    child.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "one free\n");
+    let (status, text) = get(addr, "/debug/fibers?format=text");
+    assert_eq!(status, 200, "{text}");
+    assert!(
+        text.contains(&format!("main chunk in @{}:11", path.display())),
+        "{text}"
+    );
+    assert!(
+        text.contains(" in fibertrace_fiber::sched::sleep"),
+        "{text}"
+    );
+    assert!(!text.contains("?? (fibertrace+"), "{text}");
+    child.kill().unwrap();
+    child.wait().unwrap();
 }

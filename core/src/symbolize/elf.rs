@@ -50,6 +50,15 @@ pub struct OpenError {
     /// Whether it may go right later: the process was out of file descriptors or memory
     /// for the moment (`EMFILE`, `ENFILE`, `ENOMEM`, `EAGAIN`, `EINTR`).
     pub transient: bool,
+    /// The system's error number, when a system call failed.
+    errno: Option<i32>,
+}
+
+impl OpenError {
+    /// Whether the process (or the system) was out of file descriptors.
+    pub fn out_of_descriptors(&self) -> bool {
+        matches!(self.errno, Some(libc::EMFILE | libc::ENFILE))
+    }
 }
 
 impl std::fmt::Display for OpenError {
@@ -98,16 +107,18 @@ impl ElfSymbols {
             path: path.display().to_string(),
             reason,
             transient: false,
+            errno: None,
         };
-        let io_err = |e: std::io::Error| OpenError {
+        let io_err = |e: &std::io::Error| OpenError {
             transient: matches!(
                 e.raw_os_error(),
                 Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EAGAIN | libc::EINTR)
             ),
+            errno: e.raw_os_error(),
             ..err(e.to_string())
         };
         // (Before opening it: opening a FIFO waits for a writer.)
-        let meta = std::fs::metadata(path).map_err(io_err)?;
+        let meta = std::fs::metadata(path).map_err(|e| io_err(&e))?;
         if !meta.is_file() {
             return Err(err(
                 "not a regular file (an ELF executable, library or debug file is needed)".into(),
@@ -116,11 +127,14 @@ impl ElfSymbols {
         if meta.len() == 0 {
             return Err(err("an empty file, not an ELF file".into()));
         }
-        let file = std::fs::File::open(path).map_err(io_err)?;
+        let file = std::fs::File::open(path).map_err(|e| io_err(&e))?;
         // If another process truncates the file while it is mapped, reading it faults — the
         // same hazard every ELF reader that maps files accepts.
         // SAFETY: a read-only private mapping of a file, dropped before this function returns.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io_err)?;
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| io_err(&e))?;
+        // (Its descriptor is not needed past the mapping: the loader below opens the file
+        // again, with one descriptor free.)
+        drop(file);
         let build_id = read_build_id(&map).map_err(err)?;
         let code = code_ranges(&map);
         let stripped = is_stripped(&map);
@@ -131,7 +145,11 @@ impl ElfSymbols {
             .as_deref()
             .filter(|_| stripped)
             .and_then(detached_debug_file);
-        let loader = addr2line::Loader::new(path).map_err(|e| err(e.to_string()))?;
+        // (Its error is the opening's when that failed: out of descriptors, it is transient.)
+        let loader = addr2line::Loader::new(path).map_err(|e| match e.downcast_ref() {
+            Some(io) => io_err(io),
+            None => err(e.to_string()),
+        })?;
         let debug = detached.and_then(|d| addr2line::Loader::new(d).ok());
         Ok(ElfSymbols {
             path: path.display().to_string(),

@@ -27,6 +27,17 @@ pub(super) fn in_loaded_object(addr: u64) -> bool {
     unsafe { libc::dladdr(addr as *const libc::c_void, &mut info) != 0 }
 }
 
+/// The limit on open files (`RLIMIT_NOFILE`, soft), if any.
+pub(super) fn open_files_limit() -> Option<u64> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit fills a struct of ours.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0;
+    (ok && r.rlim_cur != libc::RLIM_INFINITY).then_some(r.rlim_cur)
+}
+
 /// Whether an address-space limit (`RLIMIT_AS`) is set.
 fn address_space_limited() -> bool {
     // SAFETY: getrlimit fills a struct of ours.

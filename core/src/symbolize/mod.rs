@@ -255,6 +255,55 @@ pub fn set_aside_room(image_bytes: u64) -> bool {
     }
 }
 
+/// File descriptors held for the symbolizer by [`set_aside_descriptors`] (of `/dev/null`).
+static SPARE_FDS: std::sync::Mutex<Vec<std::fs::File>> = std::sync::Mutex::new(Vec::new());
+
+/// How many descriptors [`set_aside_descriptors`] asked to hold (0: none).
+static SPARE_WANTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Holds `n` file descriptors (of `/dev/null`) for the symbolizer: when a report finds the
+/// process out of descriptors (`ulimit -n` reached — a descriptor leak, the moment a dump
+/// is asked for), opening an image's file fails and every native frame of the report is
+/// unnamed (`?? (program+0x…)`); the symbolizer then closes the ones it holds, opens the
+/// file (and its debug information: each is mapped, its descriptor closed at once), and
+/// takes them again. Three are enough (the file, its debug information, a detached debug
+/// file, opened one after the other). None are taken under a limit below 64 open files (they
+/// would be a share of it the program may miss). Returns how many are held.
+pub fn set_aside_descriptors(n: usize) -> usize {
+    let n = if linux::open_files_limit().is_some_and(|l| l < 64) {
+        0
+    } else {
+        n
+    };
+    SPARE_WANTED.store(n, std::sync::atomic::Ordering::Relaxed);
+    retake_descriptors()
+}
+
+/// Takes again the descriptors [`set_aside_descriptors`] asked for (those it can); how many
+/// are held.
+fn retake_descriptors() -> usize {
+    let want = SPARE_WANTED.load(std::sync::atomic::Ordering::Relaxed);
+    let mut held = SPARE_FDS.lock().unwrap_or_else(|e| e.into_inner());
+    while held.len() < want {
+        if held.try_reserve(1).is_err() {
+            break;
+        }
+        match std::fs::File::open("/dev/null") {
+            Ok(f) => held.push(f),
+            Err(_) => break,
+        }
+    }
+    held.len()
+}
+
+/// Closes the descriptors held for the symbolizer; whether there were any.
+fn give_back_descriptors() -> bool {
+    let mut held = SPARE_FDS.lock().unwrap_or_else(|e| e.into_inner());
+    let had = !held.is_empty();
+    held.clear();
+    had
+}
+
 /// Gives back what [`set_aside_room`] took, if it still holds it.
 fn give_back_room() -> bool {
     let mut a = ASIDE.lock().unwrap_or_else(|e| e.into_inner());
@@ -348,7 +397,13 @@ fn open_for(img: &Image) -> FileState {
     if img.path.is_empty() || img.path.starts_with('[') {
         return FileState::Unusable;
     }
-    match ElfSymbols::open(&img.path) {
+    let mut opened = ElfSymbols::open(&img.path);
+    if opened.as_ref().is_err_and(|e| e.out_of_descriptors()) && give_back_descriptors() {
+        // Out of descriptors: with the ones held for this (see `set_aside_descriptors`).
+        opened = ElfSymbols::open(&img.path);
+        retake_descriptors();
+    }
+    match opened {
         Ok(elf) => {
             if img.build_id.is_some() && elf.build_id() != img.build_id.as_deref() {
                 // The file on disk is not what is mapped.

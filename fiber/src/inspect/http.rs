@@ -37,7 +37,9 @@
 //! stalled proxy — cost a descriptor and a look each, and hold no place of an answer), and a
 //! request read while [`Limits::max_queued`] others wait for an answering thread gets 503
 //! (requests beyond the answers under way wait their turn: a burst of scrapes is answered,
-//! not refused); any method but `GET`/`HEAD` gets 405; a bad query value, or one given
+//! not refused); a connection that comes while the process is out of file descriptors
+//! (`ulimit -n` reached) gets 503 at once (the server keeps one in reserve to tell it:
+//! otherwise it waited unanswered in the listen queue); any method but `GET`/`HEAD` gets 405; a bad query value, or one given
 //! twice, 400, saying what is accepted. A request line in absolute form (`GET
 //! http://host/path`) is served as its path. A server
 //! on the loopback address answers only requests whose `Host` is `localhost`, `127.0.0.1` or
@@ -474,6 +476,20 @@ struct Sending {
 const CLOSE_WAIT: Duration = Duration::from_millis(500);
 
 impl Sending {
+    /// A connection whose answer is written, waiting for the client to close.
+    fn closing(stream: TcpStream) -> Sending {
+        let _ = stream.shutdown(Shutdown::Write);
+        Sending {
+            stream,
+            parts: Default::default(),
+            part: 2,
+            off: 0,
+            deadline: Instant::now().checked_add(CLOSE_WAIT),
+            writing: None,
+            counted: 0,
+        }
+    }
+
     /// Bytes not written yet.
     fn left(&self) -> usize {
         match self.part {
@@ -605,6 +621,9 @@ fn accept_loop(
     let mut pending: Vec<Pending> = Vec::new();
     let mut sending: Vec<Sending> = Vec::new();
     let mut fds: Vec<libc::pollfd> = Vec::new();
+    // A descriptor kept in reserve: out of descriptors, it is closed to accept a connection
+    // and tell it so (503), then taken again.
+    let mut spare = std::fs::File::open("/dev/null").ok();
     loop {
         if stop.load(Ordering::SeqCst) && listener.is_some() {
             listener = None;
@@ -621,6 +640,9 @@ fn accept_loop(
             if sending.try_reserve(g.new.len()).is_ok() {
                 sending.append(&mut g.new);
             }
+        }
+        if spare.is_none() {
+            spare = std::fs::File::open("/dev/null").ok();
         }
         let now = Instant::now();
         // Requests not read in time: 408.
@@ -736,15 +758,27 @@ fn accept_loop(
         }
         if fds[0].revents != 0 {
             if let Some(l) = &listener {
-                accept_all(l, &limits, &mut pending);
+                accept_all(l, &limits, &mut pending, &mut spare, &mut sending);
             }
         }
     }
 }
 
 /// Accepts every connection waiting: each is read from then, or gets 503 at once past
-/// [`Limits::max_waiting`].
-fn accept_all(listener: &TcpListener, limits: &Limits, pending: &mut Vec<Pending>) {
+/// [`Limits::max_waiting`], or when the process is out of file descriptors (accepted
+/// through `spare`: otherwise the connections waited unanswered in the backlog).
+fn accept_all(
+    listener: &TcpListener,
+    limits: &Limits,
+    pending: &mut Vec<Pending>,
+    spare: &mut Option<std::fs::File>,
+    closing: &mut Vec<Sending>,
+) {
+    // The spare first, when a descriptor came free (a connection closed since): a new
+    // connection would take it otherwise, and the next one find no spare to be told with.
+    if spare.is_none() {
+        *spare = std::fs::File::open("/dev/null").ok();
+    }
     loop {
         match listener.accept() {
             Ok((stream, _)) => {
@@ -762,9 +796,32 @@ fn accept_all(listener: &TcpListener, limits: &Limits, pending: &mut Vec<Pending
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+                let accepted = spare.take().and_then(|f| {
+                    drop(f);
+                    listener.accept().ok()
+                });
+                let Some((stream, _)) = accepted else {
+                    // (No spare to give: the next look tries again, after a short pause so
+                    // that the error does not spin.)
+                    *spare = std::fs::File::open("/dev/null").ok();
+                    std::thread::sleep(Duration::from_millis(10));
+                    return;
+                };
+                // Written at once; the connection then waits for the client to close (it
+                // may not have sent its request yet: closing on it now would reset its
+                // connection as it sends, and lose the answer). The spare is taken again
+                // once a descriptor is free.
+                let mut stream = stream;
+                let _ = stream.set_nonblocking(true);
+                let _ = stream.write(&out_of_descriptors());
+                if closing.try_reserve(1).is_ok() {
+                    closing.push(Sending::closing(stream));
+                }
+            }
             Err(_) => {
-                // (Out of descriptors, a connection reset before accept: the next look
-                // tries again; a short pause so a persistent error does not spin.)
+                // (A connection reset before accept, say: the next look tries again; a
+                // short pause so a persistent error does not spin.)
                 std::thread::sleep(Duration::from_millis(10));
                 return;
             }
@@ -855,6 +912,18 @@ fn busy_head() -> Vec<u8> {
         BUSY.len(),
         &[("Retry-After", "1")],
     )
+}
+
+/// A 503 for a connection accepted while the process is out of file descriptors.
+fn out_of_descriptors() -> Vec<u8> {
+    let body = b"the process is out of file descriptors; try again\n";
+    let head = response_head(
+        503,
+        "text/plain; charset=utf-8",
+        body.len(),
+        &[("Retry-After", "1")],
+    );
+    [head.as_slice(), body].concat()
 }
 
 /// Answers 503 without reading the request (the acceptor must not wait on a client).

@@ -767,6 +767,8 @@ fn main() -> ExitCode {
             // program's file and debug information (its native frames were all unnamed).
             let exe = std::env::current_exe().and_then(std::fs::metadata);
             fibertrace_core::symbolize::set_aside_room(exe.map_or(0, |m| m.len()));
+            // And three descriptors, for a report when the script used up `ulimit -n`.
+            fibertrace_core::symbolize::set_aside_descriptors(3);
             run(m)
         }
         Some(("decode", m)) => decode(m),
