@@ -1062,6 +1062,45 @@ fn limited_run(args: &[&str]) -> Command {
     c
 }
 
+/// Runs `cmd` (its output piped), sends it SIGQUIT once its standard output ends with
+/// `marker`, and waits for its end: its status, standard output and error, and whether the
+/// signal was sent.
+fn quit_when_printed(
+    mut cmd: Command,
+    marker: &[u8],
+) -> (std::process::ExitStatus, Vec<u8>, String, bool) {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as i32;
+    let mut stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let mut sent = false;
+    loop {
+        let n = stdout.read(&mut buf).unwrap();
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(&buf[..n]);
+        if !sent && out.ends_with(marker) {
+            // SAFETY: a signal to the child started above (still running: its stdout is open).
+            assert_eq!(unsafe { libc::kill(pid, libc::SIGQUIT) }, 0);
+            sent = true;
+        }
+    }
+    let status = child.wait().unwrap();
+    (status, out, err.join().unwrap(), sent)
+}
+
 /// Out of memory under an address-space limit: the Lua heap took everything it could (the
 /// script's `pcall` got `not enough memory`), then `fiber.info()`, `fibertrace.dump()` and a
 /// SIGQUIT dump still work, every round, where the first allocation the system refused used to
@@ -1097,37 +1136,9 @@ fn out_of_memory_leaves_fiber_info_and_dumps_working() {
          print('info', 4, (pcall(fiber.info)))\n",
     )
     .unwrap();
-    let mut child = limited_run(&[script.to_str().unwrap()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let pid = child.id() as i32;
-    let mut stdout = child.stdout.take().unwrap();
-    let mut stderr = child.stderr.take().unwrap();
-    let err = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stderr.read_to_string(&mut s);
-        s
-    });
     // SIGQUIT once the script says so (after three rounds out of memory).
-    let mut out = Vec::new();
-    let mut buf = [0u8; 4096];
-    let mut sent = false;
-    loop {
-        let n = stdout.read(&mut buf).unwrap();
-        if n == 0 {
-            break;
-        }
-        out.extend_from_slice(&buf[..n]);
-        if !sent && out.ends_with(b"quit now\n") {
-            // SAFETY: a signal to the child started above (still running: its stdout is open).
-            assert_eq!(unsafe { libc::kill(pid, libc::SIGQUIT) }, 0);
-            sent = true;
-        }
-    }
-    let status = child.wait().unwrap();
-    let err = err.join().unwrap();
+    let (status, out, err, _) =
+        quit_when_printed(limited_run(&[script.to_str().unwrap()]), b"quit now\n");
     let out = String::from_utf8_lossy(&out);
     assert_eq!(status.code(), Some(0), "{status}\n{out}\n{err}");
     // The dump's text is one Lua string: with the Lua heap full it may not fit, which is a
@@ -1382,36 +1393,8 @@ fn the_first_dump_at_the_memory_limit_names_its_native_frames() {
          fiber.sleep(2)\n",
     )
     .unwrap();
-    let mut child = limited_run(&[script.to_str().unwrap()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let pid = child.id() as i32;
-    let mut stdout = child.stdout.take().unwrap();
-    let mut stderr = child.stderr.take().unwrap();
-    let err = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stderr.read_to_string(&mut s);
-        s
-    });
-    let mut out = Vec::new();
-    let mut buf = [0u8; 256];
-    let mut sent = false;
-    loop {
-        let n = stdout.read(&mut buf).unwrap();
-        if n == 0 {
-            break;
-        }
-        out.extend_from_slice(&buf[..n]);
-        if !sent && out.ends_with(b"filled\tfalse\n") {
-            // SAFETY: a signal to the child started above (still running: its stdout is open).
-            assert_eq!(unsafe { libc::kill(pid, libc::SIGQUIT) }, 0);
-            sent = true;
-        }
-    }
-    let status = child.wait().unwrap();
-    let err = err.join().unwrap();
+    let (status, out, err, sent) =
+        quit_when_printed(limited_run(&[script.to_str().unwrap()]), b"filled\tfalse\n");
     assert_eq!(status.code(), Some(0), "{err}");
     assert!(sent, "{}", String::from_utf8_lossy(&out));
     let main = err
