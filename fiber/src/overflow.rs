@@ -334,6 +334,22 @@ extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, uc: *mut li
     let prev = unsafe { *std::ptr::addr_of!(PREVIOUS[i]).cast::<libc::sigaction>() };
     // SAFETY: the kernel's `info` and `uc` for this handler.
     unsafe { call_previous(&prev, sig, info, uc) };
+    // A handler before ours that put the default action back and returned (the standard
+    // library's, for a fault that is not a stack overflow) counts on the fault to happen
+    // again; a signal sent by a process (`kill -SEGV`) does not, and the process went on
+    // (after a report that said it stops). Raised again then.
+    // SAFETY: the kernel's siginfo for this handler; sigaction reads the disposition into a
+    // struct of ours (async-signal-safe).
+    unsafe {
+        let mut now: libc::sigaction = std::mem::zeroed();
+        let sent = (*info).si_code <= 0;
+        if sent
+            && libc::sigaction(sig, std::ptr::null(), &mut now) == 0
+            && now.sa_sigaction == libc::SIG_DFL
+        {
+            libc::raise(sig);
+        }
+    }
 }
 
 /// Reads of this process's memory that fail, instead of faulting, where nothing is mapped

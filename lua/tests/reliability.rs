@@ -811,6 +811,57 @@ fn a_crash_in_native_code_reports_where_every_fiber_stopped() {
     );
 }
 
+/// A SIGSEGV or SIGBUS sent by another process (`kill -SEGV`) ends the program as the
+/// report says (by that signal), the report naming who sent it: the program went on after
+/// the report (the standard library's handler, called after it, put the default action back
+/// and returned, counting on a fault that recurs).
+#[test]
+fn a_fault_signal_sent_from_outside_ends_the_program_as_reported() {
+    use std::io::BufRead;
+    use std::os::unix::process::ExitStatusExt;
+    let dir = Scratch::new("killsegv");
+    let script = dir.join("tick.lua");
+    std::fs::write(
+        &script,
+        "local fiber = require('fiber')\n\
+         io.write('ready\\n') io.stdout:flush()\n\
+         for i = 1, 600 do fiber.sleep(0.1) end\n\
+         io.write('went on\\n')\n",
+    )
+    .unwrap();
+    for (sig, name) in [
+        (libc::SIGSEGV, "SIGSEGV (invalid memory access)"),
+        (libc::SIGBUS, "SIGBUS (bus error)"),
+    ] {
+        let mut child = Command::new(EXE)
+            .arg("run")
+            .arg(&script)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        assert_eq!(line, "ready\n");
+        // SAFETY: a signal to the child started above (it waits: its stdout is open).
+        assert_eq!(unsafe { libc::kill(child.id() as i32, sig) }, 0);
+        let o = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.signal(), Some(sig), "{err}");
+        let first = err.lines().find(|l| !l.is_empty()).unwrap();
+        let head = format!("fibertrace: {name} sent by process {} ", std::process::id());
+        assert!(
+            first.starts_with(&head)
+                && first.ends_with("); the process stops. Every fiber as it stopped:"),
+            "{err}"
+        );
+        line.clear();
+        out.read_line(&mut line).unwrap();
+        assert_eq!(line, "", "{err}");
+    }
+}
+
 /// An endless script (`run /dev/zero`, `yes | run -`) is an error once past 256 MiB, in
 /// bounded memory: it used to be read until memory ran out (24 GB, then the OOM killer).
 #[test]

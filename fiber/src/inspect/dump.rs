@@ -875,6 +875,16 @@ unsafe fn report_and_wait(
     if code > 0 && sig != libc::SIGABRT {
         w.put(b" at address 0x");
         w.hex(addr);
+    } else if code <= 0 {
+        // Sent by another process (`kill -SEGV`): which one. (Sent by this one, `abort`
+        // or `raise`, it is said by the trace.)
+        // SAFETY: the kernel's siginfo (a signal sent by a process carries its pid);
+        // getpid(2) has no preconditions.
+        let (from, me) = unsafe { ((*info).si_pid(), libc::getpid()) };
+        if from != me {
+            w.put(b" sent by process ");
+            w.num(u64::try_from(from).unwrap_or(0));
+        }
     }
     match crate::running::running_stack() {
         Some((fid, ..)) => {
