@@ -242,6 +242,29 @@ fn a_thousand_fibers_of_a_stopped_process_are_read_with_their_frames_and_it_runs
         "{}",
         &folded[..folded.len().min(4000)]
     );
+    // The threads are threads (`thread:NAME`, or its id), not fibers.
+    let threads: Vec<&str> = folded
+        .lines()
+        .filter(|l| l.starts_with("threads;"))
+        .collect();
+    let counted: usize = threads
+        .iter()
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<usize>().unwrap())
+        .sum();
+    assert_eq!(counted, d.process.threads.len(), "{folded}");
+    for t in &d.process.threads {
+        let label = if t.name.is_empty() {
+            t.tid.to_string()
+        } else {
+            t.name.clone()
+        };
+        assert!(
+            threads
+                .iter()
+                .any(|l| l.starts_with(&format!("threads;thread:{label};"))),
+            "{label}: {threads:?}"
+        );
+    }
     // It counts on, then every fiber finishes its work.
     let after = t.count();
     let later = t.count();

@@ -361,6 +361,57 @@ fn dump_pid_reads_another_process_from_anywhere_and_says_why_when_it_cannot() {
     // (A core records no clock: what the fiber waits on, not for how long.)
     assert!(text.contains("\nfiber 1 \"main\" [sleep]:\n"), "{text}");
     assert!(text.contains(" in fibertrace::main"), "{text}");
+    // Grouped too (it said `[sleep, 0us]`).
+    let tmp = std::env::temp_dir();
+    let c = core.to_str().unwrap();
+    let grouped = stdout_of(&run_in(&tmp, &["dump", "--core", c, "--format", "grouped"]));
+    assert!(
+        grouped.contains("\n1 fiber [sleep]: id 1, name \"main\":\n"),
+        "{grouped}"
+    );
+    // Another program given for the executable: its frames unnamed and why, and the fibers
+    // not said to be absent (another build's tables named and unwound the frames wrong, and
+    // the fibers were said not to exist).
+    let out = run_in(&tmp, &["dump", "--core", c, "/bin/sh"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let exe = fibertrace_acceptance::binary();
+    assert!(
+        text.starts_with(&format!(
+            "process {pid} \"fibertrace\" ({}): ",
+            exe.display()
+        )),
+        "{text}"
+    );
+    let unnamed = format!(
+        "(frames unnamed in {}: the file read for it (/bin/sh) is not the one mapped (",
+        exe.display()
+    );
+    assert!(text.contains(&unnamed), "{text}");
+    assert!(
+        text.contains(
+            "(fibers: no fiber registry found, but not every file of the process could be \
+             read for it: "
+        ),
+        "{text}"
+    );
+    assert!(!text.contains(" in fibertrace::main"), "{text}");
+    // A --root that is not a directory, an executable that is not a file: said.
+    for (args, said) in [
+        (
+            vec!["--root", "sleep.lua"],
+            "fibertrace: --root sleep.lua: not a directory (a copy of the machine's files is one)\n",
+        ),
+        (
+            vec!["12345"],
+            "fibertrace: 12345: not a file (the executable the core names, where it is now)\n",
+        ),
+    ] {
+        let mut all = vec!["dump", "--core", c];
+        all.extend(args);
+        let out = run_in(&dir, &all);
+        assert_eq!(out.status.code(), Some(1));
+        assert_eq!(String::from_utf8_lossy(&out.stderr), said);
+    }
     let _ = std::fs::remove_file(&core);
     // --root needs --core; a core file that is not one says so.
     let out = run_in(&dir, &["dump", &pid, "--root", "/"]);

@@ -39,6 +39,10 @@ pub(super) struct Core {
     pub maps: Vec<Mapping>,
     /// The process name (`NT_PRPSINFO`'s `pr_fname`).
     pub name: String,
+    /// The file is shorter than its headers say (its writer stopped, a full disk): where its
+    /// segments reach and where it ends. Memory past its end is missing: stacks and fibers
+    /// read there are cut short or missing.
+    pub truncated: Option<(u64, u64)>,
 }
 
 const NT_PRSTATUS: u32 = 1;
@@ -56,6 +60,22 @@ impl Core {
         exe: Option<&Path>,
         root: Option<&Path>,
     ) -> Result<Core, String> {
+        if let Some(r) = root {
+            if !r.is_dir() {
+                return Err(format!(
+                    "--root {}: not a directory (a copy of the machine's files is one)",
+                    r.display()
+                ));
+            }
+        }
+        if let Some(e) = exe {
+            if !e.is_file() {
+                return Err(format!(
+                    "{}: not a file (the executable the core names, where it is now)",
+                    e.display()
+                ));
+            }
+        }
         // (Mapping a directory or a device fails with ENODEV: said plainly. Looked at before
         // opening: opening a FIFO waits for a writer.)
         let m = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -95,9 +115,21 @@ impl Core {
                 crate::arch::ELF_MACHINE.1
             ));
         }
-        let phdrs = elf
-            .program_headers(endian, &*data)
-            .map_err(|_| format!("{}: bad program headers", path.display()))?;
+        let phdrs = elf.program_headers(endian, &*data).map_err(|_| {
+            let reach = elf.e_phoff(endian).saturating_add(
+                u64::from(elf.e_phnum(endian)).saturating_mul(u64::from(elf.e_phentsize(endian))),
+            );
+            if reach > data.len() as u64 {
+                format!(
+                    "{}: the file is truncated: its program headers reach byte {reach}, it ends \
+                     at {}",
+                    path.display(),
+                    data.len()
+                )
+            } else {
+                format!("{}: bad program headers", path.display())
+            }
+        })?;
         let mut segments = Vec::new();
         let mut loads = Vec::new();
         let mut threads = Vec::new();
@@ -117,7 +149,21 @@ impl Core {
                     ));
                 }
                 object::elf::PT_NOTE => {
-                    let Ok(Some(mut notes)) = ph.notes(endian, &*data) else {
+                    // (The notes the file holds: a core cut in its note segment keeps the
+                    // first ones, the threads' among them.)
+                    let (off, len) = (ph.p_offset(endian), ph.p_filesz(endian));
+                    let Some(held) = usize::try_from(off)
+                        .ok()
+                        .and_then(|off| data.get(off..))
+                        .map(|rest| {
+                            &rest[..usize::try_from(len).unwrap_or(usize::MAX).min(rest.len())]
+                        })
+                    else {
+                        continue;
+                    };
+                    let Ok(mut notes) = object::read::elf::NoteIterator::<
+                        object::elf::FileHeader64<Endianness>,
+                    >::new(endian, ph.p_align(endian), held) else {
                         continue;
                     };
                     while let Ok(Some(n)) = notes.next() {
@@ -159,20 +205,20 @@ impl Core {
                 _ => {}
             }
         }
+        // A core cut short (its writer stopped, a full disk).
+        let claimed = phdrs
+            .iter()
+            .map(|ph| ph.p_offset(endian).saturating_add(ph.p_filesz(endian)))
+            .max()
+            .unwrap_or(0);
+        let truncated = (claimed > data.len() as u64).then_some((claimed, data.len() as u64));
         if threads.is_empty() {
-            // A core cut short (its writer stopped, a full disk) loses its notes with it.
-            let claimed = phdrs
-                .iter()
-                .map(|ph| ph.p_offset(endian).saturating_add(ph.p_filesz(endian)))
-                .max()
-                .unwrap_or(0);
-            let cut = if claimed > data.len() as u64 {
-                format!(
-                    "; the file is truncated: its segments reach byte {claimed}, it ends at {}",
-                    data.len()
-                )
-            } else {
-                String::new()
+            // (It loses its notes with it.)
+            let cut = match truncated {
+                Some((claimed, len)) => format!(
+                    "; the file is truncated: its segments reach byte {claimed}, it ends at {len}"
+                ),
+                None => String::new(),
             };
             return Err(format!(
                 "{}: the core holds no thread (no NT_PRSTATUS note){cut}",
@@ -225,6 +271,7 @@ impl Core {
             threads,
             maps,
             name,
+            truncated,
         })
     }
 
@@ -291,4 +338,112 @@ fn parse_nt_file(d: &[u8]) -> Option<Vec<(u64, u64, u64, String)>> {
         out.push((s, e, o.saturating_mul(page), name));
     }
     Some(out)
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    /// A little-endian x86_64 core: the ELF header, a note segment of `notes` `NT_PRSTATUS`
+    /// notes (thread ids 100, 101, ...) and one loaded segment of 4096 bytes, the file then
+    /// cut at `cut` bytes (`None`: whole).
+    fn synthetic_core(notes: usize, cut: Option<usize>) -> Vec<u8> {
+        let (eh, ph) = (64usize, 56usize);
+        let note_len = 12 + 8 + 336;
+        let note_off = eh + 2 * ph;
+        let load_off = note_off + notes * note_len;
+        let mut f = vec![0u8; load_off + 4096];
+        f[..4].copy_from_slice(b"\x7fELF");
+        f[4] = 2; // 64-bit
+        f[5] = 1; // little-endian
+        f[6] = 1; // version
+        f[16..18].copy_from_slice(&4u16.to_le_bytes()); // ET_CORE
+        f[18..20].copy_from_slice(&62u16.to_le_bytes()); // EM_X86_64
+        f[20..24].copy_from_slice(&1u32.to_le_bytes());
+        f[32..40].copy_from_slice(&(eh as u64).to_le_bytes()); // e_phoff
+        f[52..54].copy_from_slice(&(eh as u16).to_le_bytes());
+        f[54..56].copy_from_slice(&(ph as u16).to_le_bytes());
+        f[56..58].copy_from_slice(&2u16.to_le_bytes());
+        let phdr = |f: &mut Vec<u8>, i: usize, ty: u32, off: usize, filesz: usize, vaddr: u64| {
+            let p = eh + i * ph;
+            f[p..p + 4].copy_from_slice(&ty.to_le_bytes());
+            f[p + 4..p + 8].copy_from_slice(&6u32.to_le_bytes()); // PF_R | PF_W
+            f[p + 8..p + 16].copy_from_slice(&(off as u64).to_le_bytes());
+            f[p + 16..p + 24].copy_from_slice(&vaddr.to_le_bytes());
+            f[p + 32..p + 40].copy_from_slice(&(filesz as u64).to_le_bytes());
+            f[p + 40..p + 48].copy_from_slice(&(filesz as u64).to_le_bytes());
+            f[p + 48..p + 56].copy_from_slice(&4u64.to_le_bytes());
+        };
+        phdr(
+            &mut f,
+            0,
+            object::elf::PT_NOTE.0,
+            note_off,
+            notes * note_len,
+            0,
+        );
+        phdr(&mut f, 1, object::elf::PT_LOAD.0, load_off, 4096, 0x10000);
+        for i in 0..notes {
+            let n = note_off + i * note_len;
+            f[n..n + 4].copy_from_slice(&5u32.to_le_bytes());
+            f[n + 4..n + 8].copy_from_slice(&336u32.to_le_bytes());
+            f[n + 8..n + 12].copy_from_slice(&NT_PRSTATUS.to_le_bytes());
+            f[n + 12..n + 17].copy_from_slice(b"CORE\0");
+            let d = n + 20;
+            f[d + 32..d + 36].copy_from_slice(&(100 + i as i32).to_le_bytes());
+        }
+        if let Some(c) = cut {
+            f.truncate(c);
+        }
+        f
+    }
+
+    fn open(bytes: &[u8]) -> Result<Core, String> {
+        let dir = std::env::temp_dir().join(format!("fibertrace-corefile-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(format!("core-{}", bytes.len()));
+        std::fs::write(&p, bytes).unwrap();
+        let r = Core::open(&p, None, None);
+        let _ = std::fs::remove_file(&p);
+        r
+    }
+
+    #[test]
+    fn a_core_cut_short_keeps_the_threads_it_holds_and_says_it_is_cut() {
+        let whole = synthetic_core(3, None);
+        let c = open(&whole).unwrap();
+        let tids: Vec<i32> = c.threads.iter().map(|t| t.tid).collect();
+        assert_eq!(tids, [100, 101, 102]);
+        assert_eq!(c.truncated, None);
+        // Cut inside its memory: every thread, and the cut said.
+        let n = whole.len() - 1000;
+        let c = open(&whole[..n]).unwrap();
+        assert_eq!(c.threads.len(), 3);
+        assert_eq!(c.truncated, Some((whole.len() as u64, n as u64)));
+        // Cut inside its third note: the first two threads (the segment was refused whole).
+        let at = 64 + 2 * 56 + 2 * 356 + 100;
+        let c = open(&whole[..at]).unwrap();
+        let tids: Vec<i32> = c.threads.iter().map(|t| t.tid).collect();
+        assert_eq!(tids, [100, 101]);
+        assert_eq!(c.truncated, Some((whole.len() as u64, at as u64)));
+        // Cut inside its first note: no thread, and why.
+        let e = open(&whole[..64 + 2 * 56 + 40]).err().unwrap();
+        assert!(
+            e.ends_with(&format!(
+                "the core holds no thread (no NT_PRSTATUS note); the file is truncated: its \
+                 segments reach byte {}, it ends at {}",
+                whole.len(),
+                64 + 2 * 56 + 40
+            )),
+            "{e}"
+        );
+        // Cut inside its program headers.
+        let e = open(&whole[..100]).err().unwrap();
+        assert!(
+            e.ends_with(
+                "the file is truncated: its program headers reach byte 176, it ends at 100"
+            ),
+            "{e}"
+        );
+    }
 }

@@ -120,6 +120,9 @@ pub struct ProcessDump {
     /// and fibers read after that are missing or wrong, and the dump is incomplete.
     #[serde(skip_serializing_if = "std::ops::Not::not", default)]
     pub ended: bool,
+    /// What makes the dump incomplete besides (a core file cut short).
+    #[serde(skip_serializing_if = "Vec::is_empty", default)]
+    pub warnings: Vec<String>,
 }
 
 /// Why a dump could not be made.
@@ -461,9 +464,13 @@ impl Session {
         let files = move |m: &platform::Mapping| cc.file_for(&m.path);
         let images = Images::read(&c.maps, &files, &mut mem)?;
         let pid = c.threads[0].tid;
-        let exe_name = exe
-            .map(|e| e.display().to_string())
-            .or_else(|| c.maps.first().map(|m| m.path.clone()))
+        // The program as the core names it (a file given for it, `exe`, is named where its
+        // frames are unnamed, if it is not the one mapped).
+        let exe_name = c
+            .maps
+            .first()
+            .map(|m| m.path.clone())
+            .or_else(|| exe.map(|e| e.display().to_string()))
             .unwrap_or_default();
         Ok(Session {
             pid,
@@ -609,6 +616,19 @@ impl Session {
         })
     }
 
+    /// The target's images whose files could not be used, with why (`path: why`): not
+    /// readable here, or not the ones the process mapped.
+    pub fn unusable_images(&self) -> Vec<String> {
+        self.images
+            .images
+            .iter()
+            .filter_map(|i| match &i.symbols {
+                ImageSymbols::None(why) => Some(format!("{}: {why}", i.path)),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// The target's files that could be opened, with their load bias: `(file, bias)`, the
     /// file as this process opens it (through `/proc/PID/root`, or the core's `--root`).
     pub fn image_files(&self) -> Vec<(std::path::PathBuf, u64)> {
@@ -728,7 +748,24 @@ impl Session {
             threads,
             unnamed,
             ended: self.ended == Some(true),
+            warnings: self.warnings(),
         }
+    }
+
+    /// What makes a dump of this session incomplete besides the process's end (see
+    /// [`ProcessDump::warnings`]).
+    pub fn warnings(&self) -> Vec<String> {
+        let mut w = Vec::new();
+        if let Some((_, c)) = &self.core {
+            if let Some((claimed, len)) = c.truncated {
+                w.push(format!(
+                    "the core file is truncated: its segments reach byte {claimed}, it ends at \
+                     byte {len}; what lay past its end is missing (stacks cut short, fibers or \
+                     their Lua frames not read)"
+                ));
+            }
+        }
+        w
     }
 }
 
@@ -1097,19 +1134,36 @@ impl Images {
                 None => ImageSymbols::Table(symbol_table(&obj)),
             };
             // The file on disk must be what is mapped: its build id against the target's
-            // memory (the note lies in the first loaded segment).
-            if let (Some(id), ImageSymbols::File { .. }) = (&build_id, &symbols) {
-                if let Some(in_mem) = build_id_in_memory(&obj, bias, mem) {
-                    if &in_mem != id {
-                        symbols = ImageSymbols::None(
-                            "the file on disk is not the one mapped (another build id)".into(),
-                        );
+            // memory (the note lies in the first loaded segment); where the memory does not
+            // hold it (a core file leaves read-only pages out: gdb's does), its segments must
+            // lie where the process mapped the file. Another file's tables would name and
+            // unwind the frames wrong (another build's functions, walks that go astray).
+            let mut mismatch = None;
+            if let ImageSymbols::File { file: f, .. } = &symbols {
+                let f = f.clone();
+                match build_id_in_memory(&obj, bias, mem) {
+                    Some(in_mem) if build_id.as_ref().is_some_and(|id| *id != in_mem) => {
+                        mismatch = Some("another build id");
                     }
+                    None if !layout_matches(&obj, bias, maps) => {
+                        mismatch = Some("its segments are not where the process mapped them");
+                    }
+                    _ => {}
+                }
+                if let Some(why) = mismatch {
+                    let what = if f.as_os_str() == path.as_str() {
+                        "the file on disk".to_string()
+                    } else {
+                        format!("the file read for it ({})", f.display())
+                    };
+                    symbols = ImageSymbols::None(format!("{what} is not the one mapped ({why})"));
                 }
             }
-            if let Some(m) = module(&path, &obj, start..end, bias) {
-                unwinder.add_module(m);
-                deref.extend(cfa::deref_rows(&obj, bias));
+            if mismatch.is_none() {
+                if let Some(m) = module(&path, &obj, start..end, bias) {
+                    unwinder.add_module(m);
+                    deref.extend(cfa::deref_rows(&obj, bias));
+                }
             }
             images.push(Image {
                 path,
@@ -1119,6 +1173,7 @@ impl Images {
                 exec: exec_ranges,
                 sections: obj
                     .sections()
+                    .filter(|_| mismatch.is_none())
                     .filter_map(|sec| {
                         let name = sec.name().ok()?;
                         name.starts_with(".fibertrace")
@@ -1271,6 +1326,26 @@ fn symbol_table(obj: &object::File<'_>) -> Vec<(u64, u64, String)> {
 }
 
 /// The build id in the target's memory, from the file's note segment.
+/// Whether every mapping of an image (`maps`) lies where the file's segments say, with load
+/// bias `bias`: each mapping's file offset in a loaded segment's pages, at that segment's
+/// address. (A mapping split by `mprotect`, RELRO's, starts inside its segment.)
+fn layout_matches(obj: &object::File<'_>, bias: u64, maps: &[platform::Mapping]) -> bool {
+    let page = PAGE as u64;
+    maps.iter().all(|m| {
+        obj.segments().any(|s| {
+            let (off, len) = s.file_range();
+            let first = off & !(page - 1);
+            let end = off.saturating_add(len).saturating_add(page - 1) & !(page - 1);
+            m.offset >= first
+                && m.offset < end
+                && bias
+                    .wrapping_add(s.address() & !(page - 1))
+                    .wrapping_add(m.offset - first)
+                    == m.start
+        })
+    })
+}
+
 fn build_id_in_memory(obj: &object::File<'_>, bias: u64, mem: &mut Memory) -> Option<Vec<u8>> {
     use object::read::elf::ProgramHeader as _;
     let object::File::Elf64(elf) = obj else {
@@ -1444,6 +1519,9 @@ impl ProcessDump {
         ));
         if self.ended {
             out.push_str(ENDED_NOTE);
+        }
+        for w in &self.warnings {
+            out.push_str(&format!("({w})\n"));
         }
         out.push('\n');
         for t in &self.threads {

@@ -85,9 +85,12 @@ fn text_options() -> TextOptions<'static> {
     }
 }
 
-fn status_words(fi: &FiberInfo) -> String {
+/// Its status in words, with how long (when `times` are known: see
+/// [`SchedulerSnapshot::times_unknown`]).
+fn status_words(fi: &FiberInfo, times: bool) -> String {
     let d = Duration::from_secs_f64(fi.status_seconds.max(0.0));
     match (&fi.waiting, fi.status) {
+        (Some(w), _) if !times => w.what.to_string(),
         (Some(w), _) => format!("{}, {}", w.what, human(d)),
         (None, Status::Running) => "running".to_string(),
         (None, Status::Ready) => "ready".to_string(),
@@ -99,12 +102,17 @@ fn status_words(fi: &FiberInfo) -> String {
 /// One fiber as text: its frames (with a layer above's, labelled, when the snapshot carries
 /// them: see [`super::FrameSource`]) and its creators.
 pub fn render_fiber(fi: &FiberInfo, out: &mut String) {
+    render_fiber_timed(fi, true, out);
+}
+
+/// [`render_fiber`], its status's duration left out unless `times` are known.
+fn render_fiber_timed(fi: &FiberInfo, times: bool, out: &mut String) {
     let _ = writeln!(
         out,
         "fiber {} {} [{}]:",
         fi.id,
         crate::sched::quoted_name(&fi.name),
-        status_words(fi)
+        status_words(fi, times)
     );
     if let Some(u) = &fi.heap {
         let _ = writeln!(out, "{}", heap_words(u));
@@ -232,7 +240,7 @@ pub fn render_scheduler(s: &SchedulerSnapshot, out: &mut String) {
         let _ = writeln!(out, "({note})\n");
     }
     for fi in &s.fibers {
-        render_fiber(fi, out);
+        render_fiber_timed(fi, !s.times_unknown, out);
         out.push('\n');
     }
 }
@@ -298,7 +306,7 @@ fn state_kind(fi: &FiberInfo) -> String {
             WaitOn::Join(_) => "join".to_string(),
             on => on.words().into_owned(),
         },
-        None => status_words(fi),
+        None => status_words(fi, false),
     }
 }
 
@@ -432,7 +440,7 @@ pub fn render_scheduler_grouped(s: &SchedulerSnapshot, out: &mut String) {
         let secs = |fi: &&FiberInfo| fi.status_seconds.max(0.0);
         let lo = members.iter().map(secs).fold(f64::INFINITY, f64::min);
         let hi = members.iter().map(secs).fold(0.0, f64::max);
-        let span = if members[0].waiting.is_none() {
+        let span = if members[0].waiting.is_none() || s.times_unknown {
             String::new()
         } else if human(Duration::from_secs_f64(lo)) == human(Duration::from_secs_f64(hi)) {
             format!(", {}", human(Duration::from_secs_f64(hi)))

@@ -441,6 +441,15 @@ fn read_registry(
     layer: &mut LayerState<'_>,
 ) -> Result<(Vec<RawScheduler>, Option<String>), String> {
     let Some((addr, size)) = s.section(".fibertrace.registry") else {
+        // (It is looked for in the program's files: one that could not be used may hold it.)
+        let unusable = s.unusable_images();
+        if !unusable.is_empty() {
+            return Err(format!(
+                "no fiber registry found, but not every file of the process could be read \
+                 for it: {}",
+                unusable.join("; ")
+            ));
+        }
         return Err(
             "no fiber registry: the process does not use the fibertrace runtime \
                     (or was built without it)"
@@ -940,6 +949,7 @@ impl ForeignDump {
                     .map(|t| info(t.tid as u64, &t.name, 0, Status::Running, None, &t.frames))
                     .collect(),
                 note: None,
+                times_unknown: false,
             });
         }
         for s in &self.schedulers {
@@ -954,6 +964,11 @@ impl ForeignDump {
                     .map(|f| info(f.id, &f.name, s.id, f.status, Some(f), &f.frames))
                     .collect(),
                 note: s.note.clone(),
+                // (A waiting fiber's time is read from the process's clock: a core has none.)
+                times_unknown: s
+                    .fibers
+                    .iter()
+                    .any(|f| f.waiting.is_some() && f.status_seconds.is_none()),
             });
         }
         super::Snapshot {

@@ -146,6 +146,10 @@ pub struct SchedulerSnapshot {
     /// read in time: see the module doc).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub note: Option<String>,
+    /// How long each fiber has been in its status is not known (a core file records no
+    /// clock): the fibers' `status_seconds` and `waiting.seconds` are 0 and mean nothing.
+    #[serde(skip_serializing_if = "std::ops::Not::not", default)]
+    pub times_unknown: bool,
 }
 
 /// Takes a snapshot of every scheduler of the process.
@@ -216,6 +220,7 @@ fn build_part_with(
         running: (running != 0).then_some(running),
         fibers,
         note: None,
+        times_unknown: false,
     }
 }
 

@@ -829,6 +829,10 @@ fn dump_process(m: &clap::ArgMatches) -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    // (Said in the text too; on stderr for every format.)
+    for w in &d.process.warnings {
+        err!("fibertrace: warning: {w}");
+    }
     fibertrace_fiber::glue::set_native_detail(m.get_flag("native-detail"));
     // (The target may run a Lua host: its glue is left out too.)
     fibertrace_lua::host::register_glue();
@@ -855,8 +859,13 @@ fn dump_process(m: &clap::ArgMatches) -> ExitCode {
     };
     let mut out = io::stdout().lock();
     // What was read is written even when the process ended meanwhile (a dying process's
-    // last stacks are worth having), but that is no success: said, and the status is 1.
+    // last stacks are worth having), or the core file was cut short, but that is no
+    // success: said, and the status is 1.
     let ended = |code: ExitCode| {
+        if !d.process.warnings.is_empty() {
+            // (Said before the dump.)
+            return ExitCode::from(1);
+        }
         if !d.process.ended {
             return code;
         }

@@ -7,7 +7,8 @@
 //! ```
 //!
 //! The first field is the scheduler's name (the thread), the second `fiber:` and the fiber's
-//! name; then every function level, an inlined call after the function it was inlined into;
+//! name (in a dump of another process, its threads are the part `threads`, each
+//! `thread:NAME` or `thread:TID` when it has no name); then every function level, an inlined call after the function it was inlined into;
 //! a layer's frame (Lua) is its function name and its chunk in parentheses. A native
 //! function is named without its file and line, so a flame merges its calls from different
 //! lines, as flame graphs of native code do. `;` in a name (`[u8; 4]`) is written `,`, and a
@@ -28,8 +29,18 @@ pub fn folded(snap: &Snapshot) -> String {
     for s in &snap.schedulers {
         for fi in &s.fibers {
             let mut line = clean(&s.name);
-            line.push_str(";fiber:");
-            line.push_str(&clean(&fi.name));
+            // (Scheduler 0: the threads of a dump of another process; schedulers count from 1.)
+            if s.id == 0 {
+                line.push_str(";thread:");
+                if fi.name.is_empty() {
+                    line.push_str(&fi.id.to_string());
+                } else {
+                    line.push_str(&clean(&fi.name));
+                }
+            } else {
+                line.push_str(";fiber:");
+                line.push_str(&clean(&fi.name));
+            }
             for f in stack(fi).iter().rev() {
                 for l in f.levels.iter().rev() {
                     line.push(';');

@@ -326,7 +326,7 @@ pub(super) fn profile(snap: &Snapshot) -> Vec<u8> {
             if let Some(p) = fi.parent {
                 label.push(b.label_num("parent", p as i64, ""));
             }
-            if let Some(w) = &fi.waiting {
+            if let Some(w) = fi.waiting.as_ref().filter(|_| !s.times_unknown) {
                 label.push(b.label_num(
                     "waiting_ms",
                     (w.seconds.max(0.0) * 1e3) as i64,
