@@ -97,8 +97,18 @@ impl Core {
         let f = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
         // SAFETY: a read-only private mapping of a file; if another process truncates it
         // while mapped, reading faults — the hazard every ELF reader that maps files accepts.
-        let data =
-            unsafe { memmap2::Mmap::map(&f) }.map_err(|e| format!("{}: {e}", path.display()))?;
+        let data = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| {
+            if e.raw_os_error() == Some(libc::ENOMEM) {
+                format!(
+                    "{}: cannot map the core file ({} bytes) into memory: {e} (it is read \
+                     mapped whole: an address-space limit, ulimit -v, must leave room for it)",
+                    path.display(),
+                    m.len()
+                )
+            } else {
+                format!("{}: {e}", path.display())
+            }
+        })?;
         let elf = object::elf::FileHeader64::<Endianness>::parse(&*data)
             .map_err(|_| format!("{}: not a 64-bit ELF file", path.display()))?;
         let endian = elf
