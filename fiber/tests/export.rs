@@ -551,3 +551,46 @@ fn every_key_of_the_json_export_is_in_its_documented_schema() {
         assert!(paths.contains(want), "{want} not in {paths:?}");
     }
 }
+
+/// A fiber named with control characters (an escape sequence, `\x01`): the folded stacks
+/// write them as the text view does (`\x1b`), and the flame graph is well-formed XML (no
+/// control character but tab and line ends; the raw ESC made the SVG unreadable).
+#[test]
+fn control_characters_in_names_leave_the_folded_stacks_and_the_svg_well_formed() {
+    Scheduler::with_options(SchedulerOptions {
+        name: "ctl".into(),
+        ..Default::default()
+    })
+    .block_on(|| {
+        let ch = channel::<u8>(1);
+        let rx = ch.clone();
+        let w = Builder::new()
+            .name("w\u{1b}[31m\u{1}")
+            .spawn(move || wait_three(&rx));
+        yield_now();
+        let full = inspect::snapshot(&InfoOptions::default());
+        let snap = Snapshot {
+            schedulers: vec![mine(&full, w.id()).clone()],
+            ..full.clone()
+        };
+        let folded = String::from_utf8(export::to_bytes(&snap, Format::Folded)).unwrap();
+        assert!(
+            folded
+                .lines()
+                .any(|l| l.starts_with("ctl;fiber:w\\x1b[31m\\x01;")),
+            "{folded}"
+        );
+        let svg = export::to_bytes(&snap, Format::Svg);
+        let bad = svg
+            .iter()
+            .position(|&b| b < 0x20 && !matches!(b, b'\t' | b'\n' | b'\r'));
+        assert_eq!(bad, None, "{}", String::from_utf8_lossy(&svg));
+        assert!(
+            String::from_utf8_lossy(&svg).contains("fiber:w\\x1b[31m\\x01"),
+            "the name is in the flame graph"
+        );
+        ch.close();
+        let _ = w.join();
+    })
+    .unwrap();
+}

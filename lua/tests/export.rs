@@ -556,6 +556,38 @@ fn a_dump_on_exit_that_cannot_be_written_is_a_failure() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// A dump on exit into the program's own standard output or error, when that is a file
+/// (`> out.log`), lands where the program is in that file, and what comes after it (the
+/// `--leaks` report, the shell's next line) after it: opened again by name, it got a file
+/// offset of its own and what came after wrote over it (the leaks report replaced the dump
+/// whole).
+#[test]
+fn a_dump_on_exit_into_the_programs_own_output_file_is_not_written_over() {
+    let d = dir("own-output");
+    std::fs::write(d.join("s.lua"), "print('script output')\n").unwrap();
+    let exe = env!("CARGO_BIN_EXE_fibertrace");
+    let out = Command::new("sh")
+        .current_dir(&d)
+        .arg("-c")
+        .arg(format!(
+            "{{ echo before; '{exe}' run --dump-on-exit text:/dev/stdout s.lua; echo after; }} \
+             > out.log; '{exe}' run --leaks --dump-on-exit text:/dev/stderr s.lua 2> err.log"
+        ))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(
+        std::fs::read_to_string(d.join("out.log")).unwrap(),
+        "before\nscript output\nscheduler 1 \"lua\": 0 fibers\n\nafter\n"
+    );
+    let err = std::fs::read_to_string(d.join("err.log")).unwrap();
+    assert!(
+        err.starts_with("scheduler 1 \"lua\": 0 fibers\n\n") && err.contains("heap: "),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// `fibertrace.dump` from Lua: the text of every fiber, the caller's own Lua frames too.
 const FROM_LUA: &str = r#"local fiber = require('fiber')
 local ft = require('fibertrace')

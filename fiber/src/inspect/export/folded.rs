@@ -12,7 +12,10 @@
 //! a layer's frame (Lua) is its function name and its chunk in parentheses. A native
 //! function is named without its file and line, so a flame merges its calls from different
 //! lines, as flame graphs of native code do. `;` in a name (`[u8; 4]`) is written `,`, and a
-//! line end as a space, so every line splits back into its frames. Lines are sorted.
+//! line end as a space, so every line splits back into its frames; any other control
+//! character (a fiber named with an escape sequence) as `\xNN` (`\u{NN}` past `\x7f`), as
+//! the text view writes it: raw, it made the flame graph's SVG an ill-formed XML file.
+//! Lines are sorted.
 
 use std::collections::BTreeMap;
 
@@ -20,7 +23,19 @@ use super::{stack, Kind};
 use crate::inspect::Snapshot;
 
 fn clean(s: &str) -> String {
-    s.replace(';', ",").replace(['\n', '\r'], " ")
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            ';' => out.push(','),
+            '\n' | '\r' => out.push(' '),
+            c if c.is_control() && (c as u32) < 0x80 => {
+                out.push_str(&format!("\\x{:02x}", c as u32));
+            }
+            c if c.is_control() => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 /// The snapshot's fibers as folded stacks (see the module doc).

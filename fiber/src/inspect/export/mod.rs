@@ -285,12 +285,18 @@ pub fn export_to_file(fmt: Format, path: &Path) -> Result<usize, ExportError> {
 /// keeps being a link: its target is written so. What is not a regular file — a terminal, a
 /// FIFO, a device like `/dev/null` or `/dev/full` — and the process's own streams
 /// (`/dev/stdout`, `/dev/stderr`, `/dev/fd/N`, anything under `/proc`), whatever they are, are
-/// written into, appended, as a shell's `>>` would: never replaced by a file. A FIFO without
-/// a reader is an error, not a wait.
+/// written into, appended, as a shell's `>>` would: never replaced by a file. The process's
+/// own descriptors (`/dev/stdout`, `/dev/stderr`, `/dev/fd/N`, `/proc/self/fd/N`) are written
+/// through the descriptor itself: opened again by name, a file (`> out.log`) got a file
+/// offset of its own, and what the program wrote after the dump wrote over it. A FIFO
+/// without a reader is an error, not a wait.
 pub fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ExportError> {
     let fail = |what: &str, e: io::Error| ExportError(format!("{}: {what}: {e}", path.display()));
     if path.file_name().is_none() {
         return Err(ExportError(format!("{}: not a file name", path.display())));
+    }
+    if let Some(fd) = own_descriptor(path) {
+        return write_descriptor(fd, bytes).map_err(|e| fail("cannot write", e));
     }
     // The process's own streams, whatever they are (a file `2> err.txt` is appended to, not
     // replaced).
@@ -320,6 +326,55 @@ pub fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ExportError> {
         }
         Err(e) => Err(fail("cannot write", e)),
     }
+}
+
+/// The descriptor of this process that `path` names (`/dev/stdout`, `/dev/stderr`,
+/// `/dev/stdin`, `/dev/fd/N`, `/proc/self/fd/N`, `/proc/thread-self/fd/N`,
+/// `/proc/PID/fd/N` with this process's id), if it is open.
+fn own_descriptor(path: &Path) -> Option<libc::c_int> {
+    let s = path.to_str()?;
+    let fd = match s {
+        "/dev/stdin" => 0,
+        "/dev/stdout" => 1,
+        "/dev/stderr" => 2,
+        _ => {
+            let me = format!("/proc/{}/fd/", std::process::id());
+            let n = [
+                "/dev/fd/",
+                "/proc/self/fd/",
+                "/proc/thread-self/fd/",
+                me.as_str(),
+            ]
+            .iter()
+            .find_map(|p| s.strip_prefix(p))?;
+            if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            n.parse().ok()?
+        }
+    };
+    // SAFETY: F_GETFD reads a descriptor's flags; it fails (EBADF) on one not open.
+    (unsafe { libc::fcntl(fd, libc::F_GETFD) } >= 0).then_some(fd)
+}
+
+/// Writes all of `bytes` to this process's open descriptor `fd` (left open).
+fn write_descriptor(fd: libc::c_int, mut bytes: &[u8]) -> io::Result<()> {
+    while !bytes.is_empty() {
+        // SAFETY: write(2) from a live buffer to a descriptor checked open by the caller.
+        let n = unsafe { libc::write(fd, bytes.as_ptr().cast(), bytes.len()) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        bytes = &bytes[n as usize..];
+    }
+    Ok(())
 }
 
 /// Writes `bytes` into what is at `path` (not a regular file, or a process's stream),
