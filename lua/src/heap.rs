@@ -138,15 +138,46 @@ pub fn heap_text_since(top: usize, base: Option<&HeapBaseline>) -> String {
     if base.is_none() || !none {
         out.push_str(&heap::render_groups(&groups, top, &fiber_name, &opts));
     }
+    // What each fiber holds of what is listed (the process's totals per fiber count what was
+    // left out too: a fiber's total was larger than the whole report's).
+    let listed = base.is_some().then(|| {
+        let mut by: std::collections::BTreeMap<u64, (bool, heap::Usage)> = Default::default();
+        for sh in groups.iter().flat_map(|g| &g.fibers) {
+            let Some(f) = sh.fiber else { continue };
+            let e = by.entry(f).or_insert((sh.exited, heap::Usage::default()));
+            e.1.live_bytes += sh.bytes;
+            e.1.live_objects += sh.objects;
+        }
+        by
+    });
     if fibertrace_core::symbolize::skipped_for_memory() > skipped {
         out.push_str(
             "(native frames shown as addresses above were left unnamed: too little address \
              space was left (a memory limit, `ulimit -v`) to read their debug information)\n",
         );
     }
-    if let Some(s) = fibertrace_fiber::inspect::HeapSummary::now() {
-        out.push('\n');
-        fibertrace_fiber::dump::render_heap_summary(&s, &mut out);
+    match listed {
+        Some(by) if !by.is_empty() => {
+            out.push('\n');
+            for (f, (exited, u)) in by {
+                let who = if exited {
+                    "held by exited fiber"
+                } else {
+                    "held by fiber"
+                };
+                out.push_str(&format!(
+                    "{who} {f}: {}\n",
+                    fibertrace_fiber::dump::heap_words(&u)
+                ));
+            }
+        }
+        Some(_) => {}
+        None => {
+            if let Some(s) = fibertrace_fiber::inspect::HeapSummary::now() {
+                out.push('\n');
+                fibertrace_fiber::dump::render_heap_summary(&s, &mut out);
+            }
+        }
     }
     out
 }

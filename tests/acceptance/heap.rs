@@ -165,6 +165,22 @@ fn leaks_at_exit_lists_what_is_still_live_with_the_fiber_that_made_it() {
         report.contains("\nheld by exited fiber 2: heap: "),
         "{report}"
     );
+    // What each fiber holds adds up to the report's total (each fiber's total counted what
+    // was left out too, and exceeded the whole report's).
+    let count = |l: &str, after: &str| -> u64 {
+        l.split_once(after)
+            .and_then(|(_, r)| r.split_once(" allocation"))
+            .and_then(|(n, _)| n.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("{l}"))
+    };
+    let total = count(report.lines().next().unwrap(), " live in");
+    let held: u64 = report
+        .lines()
+        .filter(|l| l.starts_with("held by ") && l.contains(": heap: "))
+        .map(|l| count(l, ": heap: "))
+        .sum();
+    assert_eq!(held, total, "{report}");
+    assert!(!report.contains("\noutside fibers: "), "{report}");
 }
 
 /// The `--leaks` report of a run: what follows its first line.
