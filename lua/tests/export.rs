@@ -604,10 +604,10 @@ io.write('--\n')
 for _, a in ipairs({
     {1}, {{format = 1}}, {{format = 'xml'}}, {{file = true}}, {{file = ''}}, {{}, 2},
     {{format = 'folded', file = 'no/such/dir/x'}}, {'grouped'}, {{fromat = 'json'}},
-    {{[1] = 'json'}},
+    {{[1] = 'json'}}, {string.rep('N', 1000000)},
 }) do
     local ok, r, e = pcall(ft.dump, (unpack or table.unpack)(a))
-    print(ok, type(r) == 'string' and #r > 200 and 'a dump' or r, e)
+    print(ok, ok and type(r) == 'string' and #r > 200 and 'a dump' or r, e)
 end
 print(ft.dump{format = 'json', file = 'd.json'} == #io.open('d.json'):read('*a'))
 "#;
@@ -664,7 +664,7 @@ fn a_dump_from_lua_shows_every_fiber_with_its_lua_frames_and_refuses_bad_argumen
              number\tnil"
         ),
         format!("false\t{usage}: format must be a string\tnil"),
-        "false\tunknown dump format \"xml\": one of text, grouped, json, pprof, folded, svg, speedscope\tnil".to_string(),
+        format!("false\t{usage}: unknown dump format \"xml\": one of text, grouped, json, pprof, folded, svg, speedscope\tnil"),
         format!("false\t{usage}: file must be a string\tnil"),
         format!("false\t{usage}: file is empty\tnil"),
         format!("false\t{usage}: one argument at most\tnil"),
@@ -672,6 +672,12 @@ fn a_dump_from_lua_shows_every_fiber_with_its_lua_frames_and_refuses_bad_argumen
         "true\ta dump\tnil".to_string(),
         format!("false\t{usage}: option \"fromat\" is not one it takes (format, file)\tnil"),
         format!("false\t{usage}: a number key is not one it takes (format, file)\tnil"),
+        // (A huge argument is cut in its message.)
+        format!(
+            "false\t{usage}: unknown dump format \"{}\"... (1000000 bytes): one of text, \
+             grouped, json, pprof, folded, svg, speedscope\tnil",
+            "N".repeat(64)
+        ),
         "true".to_string(),
     ];
     assert_eq!(rest.lines().collect::<Vec<_>>(), expected, "{rest}");

@@ -691,6 +691,25 @@ fn an_unknown_option_is_said_to_be_one_not_a_missing_script() {
     assert_eq!(String::from_utf8_lossy(&o.stdout), "ran\ta\n");
     assert_eq!(o.status.code(), Some(0));
     assert_eq!(run(&["run", "-"], b"print('stdin')").stdout, "stdin\n");
+    // An empty name, and a tier given to --heap without '=' (taken as the script): said so
+    // (`fibertrace: : No such file or directory`, `fibertrace: every: No such file ...`).
+    let o = run(&["run", ""], b"");
+    assert_eq!(
+        (o.code, o.stderr.as_str()),
+        (
+            Some(1),
+            "fibertrace: the script's name is empty (a file, or - for standard input)\n"
+        )
+    );
+    let o = run(&["run", "--heap", "every", "s.lua"], b"");
+    assert_eq!(
+        (o.code, o.stderr.as_str()),
+        (
+            Some(1),
+            "fibertrace: every: No such file or directory (os error 2): `--heap every` takes \
+             every as the script; the tier goes after '=': --heap=every\n"
+        )
+    );
 }
 
 /// A crash in native code — a fault in an FFI call, an abort — reports itself before the

@@ -1639,6 +1639,22 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
         );
         return ExitCode::from(2);
     }
+    if name.is_empty() {
+        err!("fibertrace: the script's name is empty (a file, or - for standard input)");
+        return ExitCode::from(1);
+    }
+    // `--heap every s.lua`: the tier was taken as the script (it goes after '=').
+    if matches!(name, b"every" | b"sampled")
+        && m.contains_id("heap")
+        && std::fs::symlink_metadata(&script).is_err()
+    {
+        let t = script.to_string_lossy();
+        err!(
+            "fibertrace: {t}: No such file or directory (os error 2): `--heap {t}` takes {t} as \
+             the script; the tier goes after '=': --heap={t}"
+        );
+        return ExitCode::from(1);
+    }
     let args: Vec<Vec<u8>> = all.map(|a| a.into_encoded_bytes()).collect();
     let args: Vec<&[u8]> = args.iter().map(|a| a.as_slice()).collect();
     if let Err(e) = install_signals() {

@@ -92,7 +92,7 @@ pub(super) fn dump_body(c: &mut Call) -> LResult {
         None => Format::Text,
         Some(b) => {
             let name = String::from_utf8_lossy(&b);
-            Format::parse(&name).map_err(|e| LErr::plain(e.to_string()))?
+            Format::parse(&name).map_err(|e| LErr::plain(format!("{USAGE}: {e}")))?
         }
     };
     if file.as_deref().is_some_and(<[u8]>::is_empty) {
@@ -180,8 +180,8 @@ pub(super) fn heap_body(c: &mut Call) -> LResult {
     }
     if !matches!(&format[..], b"table" | b"text" | b"pprof" | b"lws") {
         return Err(LErr::plain(format!(
-            "{HEAP_USAGE}: unknown format {:?}",
-            String::from_utf8_lossy(&format)
+            "{HEAP_USAGE}: unknown format {}",
+            fibertrace_fiber::export::short_quoted(&String::from_utf8_lossy(&format))
         )));
     }
     if format == b"table" && file.is_some() {

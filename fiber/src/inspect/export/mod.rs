@@ -100,11 +100,30 @@ impl Format {
             .find(|f| f.name() == name)
             .ok_or_else(|| {
                 ExportError(format!(
-                    "unknown dump format {:?}: one of {}",
-                    name,
+                    "unknown dump format {}: one of {}",
+                    short_quoted(name),
                     Format::ALL.map(Format::name).join(", ")
                 ))
             })
+    }
+}
+
+/// `s` quoted for a message, cut past 64 characters (with its length): an argument of
+/// megabytes is not repeated whole.
+pub fn short_quoted(s: &str) -> String {
+    const MAX: usize = 64;
+    match s.char_indices().nth(MAX) {
+        None => format!("{s:?}"),
+        Some((at, _)) => format!("{:?}... ({} bytes)", &s[..at], s.len()),
+    }
+}
+
+/// A path for a message, cut past 256 bytes (with its length).
+fn short_path(path: &Path) -> String {
+    let s = path.display().to_string();
+    match s.char_indices().nth(256) {
+        None => s,
+        Some((at, _)) => format!("{}... ({} bytes)", &s[..at], s.len()),
     }
 }
 
@@ -291,9 +310,12 @@ pub fn export_to_file(fmt: Format, path: &Path) -> Result<usize, ExportError> {
 /// offset of its own, and what the program wrote after the dump wrote over it. A FIFO
 /// without a reader is an error, not a wait.
 pub fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ExportError> {
-    let fail = |what: &str, e: io::Error| ExportError(format!("{}: {what}: {e}", path.display()));
+    let fail = |what: &str, e: io::Error| ExportError(format!("{}: {what}: {e}", short_path(path)));
     if path.file_name().is_none() {
-        return Err(ExportError(format!("{}: not a file name", path.display())));
+        return Err(ExportError(format!(
+            "{}: not a file name",
+            short_path(path)
+        )));
     }
     if let Some(fd) = own_descriptor(path) {
         return write_descriptor(fd, bytes).map_err(|e| fail("cannot write", e));
