@@ -270,6 +270,27 @@ fn sleeping_lua_process(dir: &std::path::Path) -> std::process::Child {
     fibertrace_acceptance::start_until(dir, &["run", "sleep.lua"], "ready\n")
 }
 
+/// Dumps of one process taken at once each get their turn (a process has one tracer at a
+/// time: all but one failed, "already traced by process N (fibertrace)").
+#[test]
+fn dumps_of_one_process_taken_at_once_all_succeed() {
+    let dir = scratch("dump-at-once");
+    let mut target = sleeping_lua_process(&dir);
+    let pid = target.id().to_string();
+    let dumps: Vec<_> = (0..6)
+        .map(|_| {
+            let pid = pid.clone();
+            std::thread::spawn(move || run_in(&std::env::temp_dir(), &["dump", &pid]))
+        })
+        .collect();
+    for d in dumps {
+        let text = stdout_of(&d.join().unwrap());
+        assert!(text.contains("\nfiber 1 \"main\" [sleep, "), "{text}");
+    }
+    target.kill().unwrap();
+    target.wait().unwrap();
+}
+
 #[test]
 fn dump_pid_reads_another_process_from_anywhere_and_says_why_when_it_cannot() {
     let dir = scratch("dump-pid");

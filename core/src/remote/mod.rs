@@ -234,6 +234,24 @@ const CAP_NAMES: [&str; 41] = [
     "CHECKPOINT_RESTORE",
 ];
 
+/// How long a dump waits for another one that holds the process (see [`held_by_a_dump`]).
+const DUMP_TURN: Duration = Duration::from_secs(10);
+
+/// Whether process `pid` is traced by a dump of this program's (the same executable): it
+/// lets go once done.
+fn held_by_a_dump(pid: i32) -> bool {
+    let Some(t) = platform::tracer(pid) else {
+        return false;
+    };
+    let (Ok(theirs), Ok(ours)) = (
+        std::fs::read_link(format!("/proc/{t}/exe")),
+        std::env::current_exe(),
+    ) else {
+        return false;
+    };
+    theirs == ours
+}
+
 fn permission(pid: i32) -> DumpError {
     if let Some(t) = platform::tracer(pid) {
         let name = std::fs::read_to_string(format!("/proc/{t}/comm")).unwrap_or_default();
@@ -419,8 +437,21 @@ impl Session {
         let mut stopped = None;
         let mut stopped_at = None;
         if opts.mode == Mode::Consistent {
-            stopped_at = Some(Instant::now());
-            stopped = Some(platform::Stopped::all(pid).map_err(|e| match e {
+            // Held by another dump (two taken at once): its turn first, then ours (a process
+            // has one tracer at a time; the second failed).
+            let wait_until = Instant::now() + DUMP_TURN;
+            let all = loop {
+                stopped_at = Some(Instant::now());
+                match platform::Stopped::all(pid) {
+                    Err(platform::StopError::Permission)
+                        if Instant::now() < wait_until && held_by_a_dump(pid) =>
+                    {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    r => break r,
+                }
+            };
+            stopped = Some(all.map_err(|e| match e {
                 platform::StopError::Permission => permission(pid),
                 platform::StopError::Gone => DumpError::Exited(pid),
                 platform::StopError::Other(e) => {
