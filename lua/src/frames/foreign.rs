@@ -487,31 +487,26 @@ impl Reader {
         })
     }
 
-    fn u64(mem: &mut dyn Memory, a: u64) -> Result<u64, String> {
-        let mut b = [0u8; 8];
+    /// `N` bytes at `a`.
+    fn bytes<const N: usize>(mem: &mut dyn Memory, a: u64) -> Result<[u8; N], String> {
+        let mut b = [0u8; N];
         if mem.read(a, &mut b) {
-            Ok(u64::from_le_bytes(b))
+            Ok(b)
         } else {
             Err(format!("cannot read {a:#x}"))
         }
+    }
+
+    fn u64(mem: &mut dyn Memory, a: u64) -> Result<u64, String> {
+        Self::bytes(mem, a).map(u64::from_le_bytes)
     }
 
     fn u32(mem: &mut dyn Memory, a: u64) -> Result<u32, String> {
-        let mut b = [0u8; 4];
-        if mem.read(a, &mut b) {
-            Ok(u32::from_le_bytes(b))
-        } else {
-            Err(format!("cannot read {a:#x}"))
-        }
+        Self::bytes(mem, a).map(u32::from_le_bytes)
     }
 
     fn u8(mem: &mut dyn Memory, a: u64) -> Result<u8, String> {
-        let mut b = [0u8; 1];
-        if mem.read(a, &mut b) {
-            Ok(b[0])
-        } else {
-            Err(format!("cannot read {a:#x}"))
-        }
+        Self::bytes::<1>(mem, a).map(|[b]| b)
     }
 
     /// A string object's bytes (at most [`MAX_STR`]), cached by address.
