@@ -433,6 +433,7 @@ impl Outbox {
             return Err(snd);
         }
         snd.counted = left;
+        snd.handed = true;
         g.bytes += left;
         g.count += 1;
         g.new.push(snd);
@@ -470,6 +471,9 @@ struct Sending {
     writing: Option<Writing>,
     /// Bytes counted in the outbox's total for this answer (0: none).
     counted: usize,
+    /// Handed over by an answering thread: counted in the outbox's connections (a refusal
+    /// the server's thread wrote itself is not).
+    handed: bool,
 }
 
 /// How long a written answer's connection waits for the client to close.
@@ -487,6 +491,7 @@ impl Sending {
             deadline: Instant::now().checked_add(CLOSE_WAIT),
             writing: None,
             counted: 0,
+            handed: false,
         }
     }
 
@@ -661,7 +666,7 @@ fn accept_loop(
         sending.retain_mut(|snd| {
             if snd.deadline.is_some_and(|d| d <= now) {
                 released += std::mem::take(&mut snd.counted);
-                ended += 1;
+                ended += usize::from(snd.handed);
                 return false;
             }
             true
@@ -737,7 +742,7 @@ fn accept_loop(
             };
             if done {
                 released += std::mem::take(&mut sending[i].counted);
-                ended += 1;
+                ended += usize::from(sending[i].handed);
                 sending.swap_remove(i);
             }
         }
@@ -1164,6 +1169,7 @@ fn answer(job: Job, limits: &Limits, outbox: &Outbox) {
         deadline,
         writing: Some(writing),
         counted: 0,
+        handed: false,
     };
     match snd.write_some() {
         Progress::Failed => return,
