@@ -580,8 +580,7 @@ fn ask_and_read_nothing(addr: SocketAddr) -> TcpStream {
 /// thread, a request that comes after three clients that read nothing of their answers (each
 /// larger than the socket buffers between them and the server can take) is answered at once,
 /// and the three get their whole answers when they read — also after the server stopped.
-/// With no room to hold answers (`max_sending_bytes: 0`), the answering thread writes them
-/// itself and is held until the write timeout cuts the unread one.
+/// With their room full (`max_sending_bytes`), views are told 503 until it frees.
 #[test]
 fn clients_that_do_not_read_their_answers_hold_up_no_other() {
     // Fibers 60 calls deep: a text view of several MiB.
@@ -662,30 +661,40 @@ fn clients_that_do_not_read_their_answers_hold_up_no_other() {
         assert!(len > buffered, "{len}");
     }
 
-    // No room to hold answers: the answering thread writes its own, held by a client that
-    // reads nothing until the write timeout cuts it.
+    // A room of one byte for answers clients do not take: once one is held, a view asked
+    // for is told 503 at once (built, it would wait with them, holding an answering thread
+    // until its write timeout, and every request behind it); the index is served. The unread
+    // answer is cut at its write timeout, and views are served again.
     let server = http::serve_with(
         "127.0.0.1:0",
         Limits {
             max_connections: 1,
             write_timeout: Duration::from_millis(1500),
-            max_sending_bytes: 0,
+            max_sending_bytes: 1,
             ..Limits::default()
         },
     )
     .unwrap();
     let addr = server.local_addr();
     let mut slow = ask_and_read_nothing(addr);
-    std::thread::sleep(Duration::from_millis(100));
+    std::thread::sleep(Duration::from_millis(300));
     let t0 = Instant::now();
+    let (status, _, body) = get(addr, "/debug/fibers?format=grouped");
+    let body = String::from_utf8_lossy(&body);
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.ends_with(" MiB of answers wait for clients that do not read them; try again\n"),
+        "{body}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
     assert_eq!(get(addr, "/").0, 200);
-    let waited = t0.elapsed();
-    assert!(waited > Duration::from_millis(1000), "{waited:?}");
     let mut all = Vec::new();
     slow.set_read_timeout(Some(Duration::from_secs(30)))
         .unwrap();
+    std::thread::sleep(Duration::from_millis(2000));
     let _ = slow.read_to_end(&mut all);
     assert!(all.len() < len, "{} of {len} bytes: not cut", all.len());
+    assert_eq!(get(addr, "/debug/fibers?format=grouped").0, 200);
     server.stop();
 
     stop.store(true, Ordering::SeqCst);

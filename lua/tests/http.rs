@@ -489,3 +489,40 @@ fn out_of_file_descriptors_a_request_is_told_so() {
     child.kill().unwrap();
     child.wait().unwrap();
 }
+
+/// Near the address-space limit (`ulimit -v`, the Lua heap filled), a view too big to build
+/// there is told 503, and the program goes on (building it, an answering thread's failed
+/// allocation aborted the process: `memory allocation of 67108864 bytes failed`); the index
+/// is still served.
+#[test]
+fn a_view_too_big_for_the_memory_left_is_refused_and_the_program_goes_on() {
+    let (_dir, path) = script(
+        "big.lua",
+        "local fiber = require('fiber')\n\
+         local function rec(d) if d == 0 then fiber.sleep(60) else rec(d - 1) end end\n\
+         for i = 1, 1500 do fiber.create(rec, 30) end\n\
+         local hold = {}\n\
+         local ok = pcall(function() while true do hold[#hold + 1] = string.rep('x', 1048000) .. #hold end end)\n\
+         io.stdout:write('filled ', tostring(ok), '\\n') io.stdout:flush()\n\
+         fiber.sleep(60)\n",
+    );
+    let (mut child, addr, mut out) = start_under("ulimit -v 3000000", &path, &[]);
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "filled false\n");
+    for _ in 0..3 {
+        let (status, body) = get(addr, "/debug/fibers?format=json");
+        assert_eq!(status, 503, "{}", &body[..body.len().min(300)]);
+        assert!(
+            body.starts_with("not enough memory to build this view now (about ")
+                && body.ends_with(
+                    " MiB; the process is near its address-space limit, ulimit -v); try again\n"
+                ),
+            "{body}"
+        );
+    }
+    assert_eq!(get(addr, "/").0, 200);
+    assert!(child.try_wait().unwrap().is_none(), "the program ended");
+    child.kill().unwrap();
+    child.wait().unwrap();
+}

@@ -50,8 +50,8 @@ pub use owner::{
     outside_fibers, owners, restore, switch_to, OutsideFibers, Owner, OwnerRow, Usage, MAX_OWNERS,
 };
 pub use reserve::{
-    keep_reserve_out, one_arena_under_limit, reserve_use, room_for_thread, set_aside, Reserve,
-    ReserveKeptOut, ReserveUse, RESERVE_BYTES, SET_ASIDE_MAX,
+    keep_reserve_out, one_arena_under_limit, reserve_use, room_for, room_for_thread, set_aside,
+    Reserve, ReserveKeptOut, ReserveUse, RESERVE_BYTES, SET_ASIDE_MAX,
 };
 pub use totals::{totals, Total, MAX_ENTRIES};
 pub use view::{

@@ -105,7 +105,15 @@ fn reserve_kept_out() -> bool {
 /// process when it cannot: at the memory limit, code that would start a helper thread does
 /// its work where it is instead.
 pub fn room_for_thread(stack: usize) -> bool {
-    crate::symbolize::address_space_room(stack.saturating_add(1 << 20))
+    room_for(stack.saturating_add(1 << 20))
+}
+
+/// Whether `bytes` of address space can be had now: always without an address-space limit
+/// (`ulimit -v`); under one, whether that much can be mapped (it is not kept). For work that
+/// allocates a lot where a failed allocation aborts the process (a report of megabytes): it
+/// can be declined instead.
+pub fn room_for(bytes: usize) -> bool {
+    crate::symbolize::address_space_room(bytes)
 }
 
 /// Under an address-space limit (`RLIMIT_AS`, `ulimit -v`), has glibc's allocator serve

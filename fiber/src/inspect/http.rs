@@ -25,9 +25,14 @@
 //! socket takes at once and hands the rest over to the server's thread, which writes it as
 //! the client reads (`poll` again) and waits for the client to close: a client that does not
 //! read its answer holds no answering thread (when one did, eight such clients delayed every
-//! answer by the write timeout, 30 s). Answers held so add up to at most
-//! [`Limits::max_sending_bytes`]; past it an answering thread writes its answer itself, as
-//! slowly as its client reads (within the write timeout).
+//! answer by the write timeout, 30 s). While the answers held so add up to
+//! [`Limits::max_sending_bytes`] or more, a view asked for is told 503 at once (the index
+//! and refusals are still answered): one built then would wait with them, and each held an
+//! answering thread until its write timeout, every request behind it waiting. A view is
+//! also told 503 when the process is too near its address-space limit (`ulimit -v`) to build
+//! it (its last size of that kind, or 16 KiB a fiber, three times over): a failed
+//! allocation aborts the process, and a view must never end the program it shows. A
+//! request whose client reset its connection while it waited is dropped unbuilt.
 //!
 //! Limits ([`Limits`]): a request head over [`Limits::max_head`] bytes gets 431; one not sent
 //! within [`Limits::read_timeout`] (in all, however it trickles) gets 408; an answer not taken
@@ -89,8 +94,8 @@ pub struct Limits {
     pub read_timeout: Duration,
     /// Time to send an answer.
     pub write_timeout: Duration,
-    /// Bytes of answers not yet taken by their clients that the server's thread holds (see
-    /// the module doc); an answer that does not fit is written by its answering thread.
+    /// Bytes of answers not yet taken by their clients that the server's thread holds before
+    /// views asked for are told 503 (see the module doc).
     pub max_sending_bytes: usize,
 }
 
@@ -426,8 +431,10 @@ impl Outbox {
     fn hand_over(&self, mut snd: Sending, limits: &Limits) -> Result<(), Sending> {
         let left = snd.left();
         let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let full = g.count >= limits.max_waiting
-            || g.bytes.saturating_add(left) > limits.max_sending_bytes;
+        // (Past `max_sending_bytes` too: the answer is made, and holding it here costs what
+        // holding it on an answering thread would; no new view is built meanwhile, see
+        // `may_build`.)
+        let full = g.count >= limits.max_waiting;
         // (At the memory limit the list may not grow: the answering thread writes it.)
         if g.closed || full || g.new.try_reserve(1).is_err() {
             return Err(snd);
@@ -1145,7 +1152,14 @@ fn answer(job: Job, limits: &Limits, outbox: &Outbox) {
     } = job;
     let (head, body) = match req {
         Ok(req) => {
-            let (status, ty, body, extra) = route(&req);
+            // A client gone already (its connection reset while the request waited): no
+            // view is built for it (a hundred such requests took the answering threads for
+            // seconds, and the requests behind them were told 503).
+            if reset(&s) {
+                return;
+            }
+            let gate = |kind: usize| may_build(kind, outbox, limits);
+            let (status, ty, body, extra) = route(&req, &gate);
             let extra: Vec<(&str, &str)> = extra.iter().map(|(k, v)| (*k, v.as_str())).collect();
             let head = response_head(status, ty, body.len(), &extra);
             (head, if req.head_only { Vec::new() } else { body })
@@ -1180,6 +1194,19 @@ fn answer(job: Job, limits: &Limits, outbox: &Outbox) {
     if let Err(snd) = outbox.hand_over(snd, limits) {
         snd.finish_here();
     }
+}
+
+/// Whether the peer reset the connection (or it failed): nothing can be written to it.
+fn reset(s: &TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd {
+        fd: s.as_raw_fd(),
+        events: 0,
+        revents: 0,
+    };
+    // SAFETY: poll(2) of one descriptor of ours, without waiting.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n == 1 && p.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0
 }
 
 /// Writes `buf` in pieces, each waiting at most until `deadline`; whether all was written.
@@ -1234,8 +1261,86 @@ fn text(status: u16, body: String) -> Routed {
     )
 }
 
-fn view(fmt: Format) -> Routed {
+/// Whether a view may be built now (`None`) or the answer to give instead (503): not while
+/// the answers held for clients that do not read them fill their room (a view built then
+/// would wait with them: each such request held an answering thread until its write timeout,
+/// and every request, the index's too, waited behind them), nor when the process is too
+/// near its address-space limit for the view's size (its last one of that kind, or 16 KiB a
+/// fiber; three times that, for the snapshot and the growth of the buffer): a failed
+/// allocation aborts the process, and a view must never end the program it shows. Views
+/// under construction count against the room (`BUILDING`) until [`Built`] is dropped.
+fn may_build(kind: usize, outbox: &Outbox, limits: &Limits) -> Result<Built, Routed> {
+    let held = outbox.state.lock().unwrap_or_else(|e| e.into_inner()).bytes;
+    if held > 0 && held >= limits.max_sending_bytes {
+        return Err(text(
+            503,
+            format!(
+                "{} MiB of answers wait for clients that do not read them; try again\n",
+                held >> 20
+            ),
+        ));
+    }
+    let fibers: usize = crate::registry::schedulers()
+        .iter()
+        .map(|s| s.fibers().len())
+        .sum();
+    let last = LAST_SIZE.get(kind).map_or(0, |l| l.load(Ordering::Relaxed));
+    let need = last.max(fibers.saturating_mul(16 << 10)).saturating_mul(3);
+    let building = BUILDING
+        .fetch_add(need, Ordering::SeqCst)
+        .saturating_add(need);
+    let built = Built { kind, need };
+    if !fibertrace_core::heap::room_for(building) {
+        return Err(text(
+            503,
+            format!(
+                "not enough memory to build this view now (about {} MiB; the process is near \
+                 its address-space limit, ulimit -v); try again\n",
+                (need >> 20).max(1)
+            ),
+        ));
+    }
+    Ok(built)
+}
+
+/// Bytes of address space the views under construction may take ([`may_build`]).
+static BUILDING: AtomicUsize = AtomicUsize::new(0);
+
+/// The size of the last view of each kind (the formats in [`Format::ALL`]'s order, then the
+/// heap profile).
+static LAST_SIZE: [AtomicUsize; 8] = [const { AtomicUsize::new(0) }; 8];
+
+/// A view under construction (see [`may_build`]): its room given back when dropped.
+struct Built {
+    kind: usize,
+    need: usize,
+}
+
+impl Built {
+    fn done(&self, size: usize) {
+        if let Some(l) = LAST_SIZE.get(self.kind) {
+            l.store(size, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for Built {
+    fn drop(&mut self) {
+        BUILDING.fetch_sub(self.need, Ordering::SeqCst);
+    }
+}
+
+/// The gate of every view: [`may_build`] with the server's outbox and limits.
+type Gate<'a> = &'a dyn Fn(usize) -> Result<Built, Routed>;
+
+fn view(fmt: Format, gate: Gate<'_>) -> Routed {
+    let kind = Format::ALL.iter().position(|&f| f == fmt).unwrap_or(0);
+    let built = match gate(kind) {
+        Ok(b) => b,
+        Err(refused) => return refused,
+    };
     let body = export::export(fmt);
+    built.done(body.len());
     let mut extra = Vec::new();
     if fmt == Format::Pprof {
         extra.push((
@@ -1248,23 +1353,30 @@ fn view(fmt: Format) -> Routed {
 
 /// The heap profile (pprof, Go's four sample types), or 404 with why when the heap is not
 /// tracked.
-fn heap_view() -> Routed {
+fn heap_view(gate: Gate<'_>) -> Routed {
+    let built = match gate(Format::ALL.len()) {
+        Ok(b) => b,
+        Err(refused) => return refused,
+    };
     let name = |id: u64| crate::registry::find(id).map(|(_, cb)| cb.name_arc().to_string());
     match export::heap_pprof(&name, &|_| None, fibertrace_core::heap::frames_of) {
-        Ok(body) => (
-            200,
-            Format::Pprof.media_type(),
-            body,
-            vec![(
-                "Content-Disposition",
-                "attachment; filename=\"heap.pb.gz\"".to_string(),
-            )],
-        ),
+        Ok(body) => {
+            built.done(body.len());
+            (
+                200,
+                Format::Pprof.media_type(),
+                body,
+                vec![(
+                    "Content-Disposition",
+                    "attachment; filename=\"heap.pb.gz\"".to_string(),
+                )],
+            )
+        }
         Err(e) => text(404, format!("no heap profile: {e}\n")),
     }
 }
 
-fn route(req: &Request) -> Routed {
+fn route(req: &Request, gate: Gate<'_>) -> Routed {
     let q = |k: &str| {
         req.query
             .iter()
@@ -1285,19 +1397,19 @@ fn route(req: &Request) -> Routed {
             Vec::new(),
         ),
         "/debug/fibers" => match Format::parse(q("format").unwrap_or("text")) {
-            Ok(f) => view(f),
+            Ok(f) => view(f, gate),
             Err(e) => text(400, format!("{e}\n")),
         },
         "/debug/pprof/goroutine" => match q("debug").unwrap_or("0") {
-            "0" | "" => view(Format::Pprof),
-            "1" => view(Format::Grouped),
-            "2" => view(Format::Text),
+            "0" | "" => view(Format::Pprof, gate),
+            "1" => view(Format::Grouped, gate),
+            "2" => view(Format::Text, gate),
             other => text(
                 400,
                 format!("bad debug={other:?}: 0 (pprof), 1 (grouped text) or 2 (full text)\n"),
             ),
         },
-        "/debug/pprof/heap" | "/debug/pprof/allocs" => heap_view(),
+        "/debug/pprof/heap" | "/debug/pprof/allocs" => heap_view(gate),
         other => text(
             404,
             format!("no such page {other:?}: see / for the views\n"),
