@@ -660,9 +660,9 @@ fn dump_pid_of_a_lua_process_shows_each_fibers_lua_frames_as_its_own_dump_does()
         "{f}"
     );
     assert!(
-        f.lines()
-            .any(|l| l.starts_with("threads;fiber:fibertrace;")
-                && l.contains(";fibertrace::main;")),
+        f.lines().any(
+            |l| l.starts_with("threads;thread:fibertrace;") && l.contains(";fibertrace::main;")
+        ),
         "{f}"
     );
     let p = run_in(&std::env::temp_dir(), &["dump", &pid, "--format", "pprof"]);
