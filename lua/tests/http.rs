@@ -500,7 +500,7 @@ fn a_view_too_big_for_the_memory_left_is_refused_and_the_program_goes_on() {
         "big.lua",
         "local fiber = require('fiber')\n\
          local function rec(d) if d == 0 then fiber.sleep(60) else rec(d - 1) end end\n\
-         for i = 1, 1500 do fiber.create(rec, 30) end\n\
+         for i = 1, 400 do fiber.create(rec, 30) end\n\
          local hold = {}\n\
          local ok = pcall(function() while true do hold[#hold + 1] = string.rep('x', 1048000) .. #hold end end)\n\
          io.stdout:write('filled ', tostring(ok), '\\n') io.stdout:flush()\n\
