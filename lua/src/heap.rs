@@ -15,10 +15,16 @@
 //! fault, and nothing is written.
 //!
 //! How a recorded stack can be wrong: an allocation made by compiled code (a LuaJIT trace)
-//! sees the Lua frames as they were when the trace was entered (LuaJIT writes the stack back
-//! when a trace exits), so its innermost Lua frame may be a caller of the function that
-//! allocated; the trace's own native frame is `??`. A stack that cannot be read (a layout
-//! not checked, a budget spent) keeps its native frames only.
+//! has the Lua frames and line of the trace's snapshot nearest before the call (LuaJIT
+//! writes the stack back from a snapshot when a trace exits; see `frames::foreign`'s
+//! `snapshot`): exact with Lua safe points on (a snapshot at every line and function the
+//! trace enters); with `FIBERTRACE_LUA_SAFE_POINTS=0`, a function the trace inlined and
+//! entered after its last guard is missing, its caller's line shown. Where the snapshot
+//! does not check out, the frames are those the trace was entered with and the innermost
+//! line is `-1`. Objects a trace's exit makes (those it did not make yet) have the frames of
+//! the snapshot it restores; the JIT compiler's own (a trace, its IR) the Lua line it
+//! compiles at. The trace's own native frame, in no object, is left out. A stack that
+//! cannot be read (a layout not checked, a budget spent) keeps its native frames only.
 
 use fibertrace_core::format::TextOptions;
 use fibertrace_core::heap::{self, Group};
@@ -194,6 +200,7 @@ pub fn lua_stack_hook(
     n: usize,
 ) -> usize {
     use fibertrace_core::Frame;
+    use smallvec::SmallVec;
     let Some(f) = fibertrace_fiber::current() else {
         return n;
     };
@@ -215,21 +222,33 @@ pub fn lua_stack_hook(
     // otherwise through the kernel, in blocks (a channel's creation read the stack ~160
     // times, a system call each, 0.3 ms; see `Blocks`).
     use crate::frames::foreign::{Blocks, Memory, ProbeMem, RunningTop, SelfMem};
+    // (The native frames: the first in a trace's machine code is where compiled code called
+    // out to allocate.)
+    let cut_native = n > 0 && addrs[n - 1] == heap::TRUNC_TAG;
+    let given = if cut_native { n - 1 } else { n };
+    let all: SmallVec<[Frame; 64]> = addrs[..given].iter().map(|&a| Frame::Ra(a)).collect();
     let mut read = |mem: &mut dyn Memory| {
         // The innermost Lua level's line, when the interpreter allocates from inside one of
         // its instructions (the PC it saved for the call: checked against the function's
-        // code). Compiled code (a trace) allocating: its frames from the base the trace was
-        // entered with, where the state's recorded base is that of its last call out of Lua
-        // (a `fiber.yield` long returned showed as the allocation's innermost level); no
-        // line (a trace keeps no PC there).
+        // code). Compiled code (a trace) allocating: its frames and line from the trace's
+        // snapshot nearest before the call (the functions it inlined too), or, when that
+        // does not check out, from the base the trace was entered with and no line — not
+        // the state's recorded base, that of its last call out of Lua (a `fiber.yield` long
+        // returned showed as the allocation's innermost level).
         let top = match reader.interpreter_top(mem, root) {
             Ok(Some(t)) => Some(t),
             _ => reader
-                .running_top(mem, root, None)
+                .running_top(mem, root, None, &all)
                 .ok()
                 .flatten()
                 .filter(|t| t.compiled)
-                .map(|t| RunningTop { pc: None, ..t }),
+                .map(|t| {
+                    if t.snapshot {
+                        t
+                    } else {
+                        RunningTop { pc: None, ..t }
+                    }
+                }),
         };
         (
             reader.stack_running(mem, root, top),
@@ -247,15 +266,16 @@ pub fn lua_stack_hook(
         return n;
     }
     // (The native stack went on past the frames given: its last entry says so.)
-    let cut_native = n > 0 && addrs[n - 1] == heap::TRUNC_TAG;
-    let given = if cut_native { n - 1 } else { n };
     // Compiled code allocating: the trace's machine code, in no object the loader knows, is
     // the VM's own (the Lua levels above stand for it); shown, it came after them as
     // `0x… in ??`, the innermost code as the outermost caller.
-    let native: Vec<Frame> = addrs[..given]
-        .iter()
-        .filter(|&&a| !compiled || fibertrace_core::symbolize::in_loaded_object(a))
-        .map(|&a| Frame::Ra(a))
+    let native: Vec<Frame> = all
+        .into_iter()
+        .filter(|f| {
+            !compiled
+                || f.lookup_address()
+                    .is_some_and(fibertrace_core::symbolize::in_loaded_object)
+        })
         .collect();
     let bt = crate::interleave(&native, &lua, &crate::InterleaveOptions::default());
     let mut k = 0;

@@ -28,9 +28,16 @@
 //! A state caught running Lua code ([`Reader::running_top`]) has no current base of its own:
 //! in the interpreter it is the thread's register, in compiled code the base the trace was
 //! entered with. Each is used only after it checks out (inside the running state's stack,
-//! below a Lua function, the interpreter's PC inside that function's code); in a trace, a
-//! function the trace inlined has no level, and the innermost level's line is the trace's
-//! start (the loop's head), `-1` when the trace starts in another function. The native frames
+//! below a Lua function, the interpreter's PC inside that function's code). In a trace, the
+//! frames are its snapshot's nearest before the thread's PC or the return address of its
+//! call out (`snapshot`): the functions it inlined are levels, the line the snapshot's — with
+//! Lua safe points on (LuaJIT's profiler in line mode), a trace takes a snapshot at every
+//! line and function it enters, so the line and function are the code's; without them, a
+//! trace's snapshots are at its guards only, and a function entered after the last guard
+//! before the address is missing, its caller's line shown. Where no snapshot checks out (no
+//! address in the trace's code is known: a dump that does not hold the thread), a function
+//! the trace inlined has no level, and the innermost level's line is the trace's start (the
+//! loop's head), `-1` when the trace starts in another function. The native frames
 //! below a trace are walked from the record of the call that entered the VM
 //! ([`Reader::vm_entry_record`]): a fixed offset into LuaJIT's C frame (`L->cframe`) of
 //! LuaJIT 2.1's x86-64 GC64 build, the one the published layout is checked against; another
@@ -42,8 +49,10 @@ use std::collections::HashMap;
 use smallvec::SmallVec;
 
 use super::intern::{self, LuaKind, RawInfo};
-use super::publish::{self, Header, JitLayout, Layout, GCV_MASK};
+use super::publish::{self, Header, JitLayout, Layout, TraceLayout, GCV_MASK};
 use super::{LuaLevel, LuaStack, HEAD_LEVELS, MAX_LEVELS, MAX_THREADS};
+
+mod snapshot;
 
 /// Another process's memory.
 pub trait Memory {
@@ -182,6 +191,18 @@ const MAX_TOTAL_TIME: std::time::Duration = std::time::Duration::from_secs(10);
 const IDSIZE: usize = 60;
 /// LuaJIT's VM state while its collector runs (`~LJ_VMST_GC`).
 const VMST_GC: i32 = !2;
+/// The VM states of the interpreter, of the trace recorder (the interpreter runs each
+/// instruction it records), and of the JIT compiler's optimiser and assembler.
+const VMST_INTERP: i32 = !0;
+const VMST_RECORD: i32 = !4;
+const VMST_OPT: i32 = !5;
+const VMST_ASM: i32 = !6;
+
+/// Whether the interpreter is the one running Lua code in VM state `vmstate` (not compiled
+/// code, the collector, C code Lua called or a trace's exit).
+fn interpreting(vmstate: i32) -> bool {
+    [VMST_INTERP, VMST_RECORD, VMST_OPT, VMST_ASM].contains(&vmstate)
+}
 /// The type tags of a thread and a function in a 64-bit `TValue` (`~6`, `~8`).
 const T_THREAD: u32 = !6;
 const T_FUNC: u32 = !8;
@@ -226,6 +247,11 @@ pub struct Reader {
     l: Layout,
     /// Where the running code's state is, if the process published it and found it right.
     jit: Option<JitLayout>,
+    /// Where a trace keeps its snapshots, if the process published it (and `jit` is known).
+    trace: Option<TraceLayout>,
+    /// The stack words the last [`Reader::running_top`] found in a trace's snapshot, for
+    /// the frames at `(state, base)` (see `snapshot`).
+    overlay: Option<(u64, u64, snapshot::Words)>,
     bc_mode: Vec<u16>,
     strings: HashMap<u64, Option<Box<[u8]>>>,
     /// What each prototype read gives a level: first line, line count, source, printable
@@ -280,12 +306,17 @@ pub struct RunningTop {
     pub pc: Option<u64>,
     /// In compiled code (a trace) rather than the interpreter.
     pub compiled: bool,
+    /// Compiled code whose frames are its trace's snapshot's (see `snapshot`): the
+    /// functions it inlined are levels, and the PC is the snapshot's.
+    pub snapshot: bool,
 }
 
 /// Where a Lua state keeps its innermost C frame (`L->cframe`: LuaJIT 2.1, GC64, x86-64).
 const STATE_CFRAME: u64 = 80;
 /// Where a C frame keeps the PC of the Lua code that called out of the VM (`SAVE_PC`).
 const CFRAME_PC: u64 = 24;
+/// Where a C frame keeps the C frame it was made from (`SAVE_CFRAME`, `cframe_prev`).
+const CFRAME_PREV: u64 = 32;
 /// Where a C frame keeps its state (`SAVE_L`).
 const CFRAME_L: u64 = 16;
 /// Where, in a C frame, the frame record of the call that entered the VM is: past the
@@ -437,9 +468,42 @@ impl Reader {
                 .all(|&o| o <= 1 << 16)
                 && j.trace_traceno <= 4096
         });
+        let trace_at = offset_of!(Header, trace);
+        let trace = (jit.is_some() && size >= trace_at + std::mem::size_of::<TraceLayout>())
+            .then(|| head.get(trace_at..trace_at + std::mem::size_of::<TraceLayout>()))
+            .flatten()
+            .map(|b| {
+                // SAFETY: `b` holds `size_of::<TraceLayout>()` bytes; `TraceLayout` is
+                // `repr(C)` of `u32`s only, so any bytes are a value of it; the read is
+                // unaligned-safe.
+                unsafe { std::ptr::read_unaligned(b.as_ptr().cast::<TraceLayout>()) }
+            })
+            .filter(|t| {
+                [
+                    t.trace_nsnap,
+                    t.trace_ir,
+                    t.trace_nk,
+                    t.trace_nsnapmap,
+                    t.trace_snap,
+                    t.trace_snapmap,
+                    t.trace_szmcode,
+                    t.trace_mcode,
+                    t.snap_mcofs,
+                    t.snap_nent,
+                ]
+                .iter()
+                .all(|&o| o <= 4096)
+                    && t.g_exit_trace <= 1 << 16
+                    && t.g_exit_snap <= 1 << 16
+                    && (4..=64).contains(&t.snap_size)
+                    && t.snap_mcofs + 2 <= t.snap_size
+                    && t.snap_nent < t.snap_size
+            });
         Ok(Reader {
             l,
             jit,
+            trace,
+            overlay: None,
             bc_mode,
             strings: HashMap::new(),
             protos: HashMap::new(),
@@ -476,6 +540,8 @@ impl Reader {
         Ok(Reader {
             l: publish::HEADER.layout,
             jit,
+            trace: jit.map(|_| publish::HEADER.trace),
+            overlay: None,
             bc_mode,
             strings: HashMap::new(),
             protos: HashMap::new(),
@@ -591,7 +657,26 @@ impl Reader {
             ));
         }
         let t0 = std::time::Instant::now();
-        let r = self.stack_inner(mem, root, top);
+        // Compiled code's frames from its trace's snapshot: the walk sees the slots an exit
+        // would restore.
+        let words = match (top, self.overlay.take()) {
+            (Some(t), Some((th, base, w))) if t.snapshot && t.th == th && t.base == base => {
+                Some((th, base, w))
+            }
+            _ => None,
+        };
+        let r = match &words {
+            Some((_, _, w)) => self.stack_inner(
+                &mut snapshot::Overlay {
+                    inner: mem,
+                    words: w,
+                },
+                root,
+                top,
+            ),
+            None => self.stack_inner(mem, root, top),
+        };
+        self.overlay = words;
         self.spent += t0.elapsed();
         r
     }
@@ -746,10 +831,14 @@ impl Reader {
     /// thread is in LuaJIT's interpreter (`interp`: the thread's frame base and PC registers,
     /// given when its PC is in the interpreter's code) or in compiled code (the VM state is a
     /// trace's number): the state running (the VM's current one), and its frame base — the
-    /// interpreter's register, or the base the trace was entered with — with the PC of the
-    /// function there (the interpreter's; a trace's start when the trace starts in that
-    /// function, else not known — as while the collector runs a step the trace called). `Ok(None)`: neither (the state's recorded base is current,
-    /// it called out of Lua). `Err`: the VM says Lua code runs but what it holds does not
+    /// interpreter's register; in a trace, the innermost frame of its snapshot nearest before
+    /// the first of `code`'s frames in its machine code (the thread's frames, innermost
+    /// first: see `snapshot`), or else the base the trace was entered with — with the PC of
+    /// the function there (the interpreter's; the snapshot's; a trace's start when the trace
+    /// starts in that function, else not known — as while the collector runs a step the
+    /// trace called). A snapshot's frames are then what [`Reader::stack_running`] walks for
+    /// that top. `Ok(None)`: neither (the state's recorded base is current, it called out of
+    /// Lua). `Err`: the VM says Lua code runs but what it holds does not
     /// check out (a base outside the state's stack or below no Lua function, a PC outside
     /// that function's code): never a guess.
     pub fn running_top(
@@ -757,7 +846,9 @@ impl Reader {
         mem: &mut dyn Memory,
         root: u64,
         interp: Option<(u64, u64)>,
+        code: &[fibertrace_core::Frame],
     ) -> Result<Option<RunningTop>, String> {
+        self.overlay = None;
         let Some(j) = self.jit else {
             return Err(
                 "the process does not publish where its running code's state is \
@@ -774,21 +865,36 @@ impl Reader {
         if vmstate > 0 || (vmstate == VMST_GC && jit_base != 0) {
             let base = jit_base;
             let func = self.lua_function_at(mem, cur, base)?;
-            // The trace's start, when the trace is the one the VM state names and it starts
-            // in the function at the base it was entered with.
+            // The trace the VM state names.
+            let trace = self.trace_numbered(mem, g, vmstate);
+            // The frames at the code address, from the trace's snapshot, when they check out.
+            if let Some(t) = trace {
+                if let Some(top) = self.snapshot_top(mem, t, base, code) {
+                    let mut seen = snapshot::Overlay {
+                        inner: &mut *mem,
+                        words: &top.words,
+                    };
+                    let ok = self
+                        .lua_function_at(&mut seen, cur, top.base)
+                        .ok()
+                        .and_then(|f| self.pc_position(&mut seen, f, top.pc))
+                        .is_some();
+                    if ok {
+                        self.overlay = Some((cur, top.base, top.words));
+                        return Ok(Some(RunningTop {
+                            th: cur,
+                            base: top.base,
+                            pc: Some(top.pc),
+                            compiled: true,
+                            snapshot: true,
+                        }));
+                    }
+                }
+            }
+            // The trace's start, when it starts in the function at the base it was entered
+            // with.
             let pc = (|| -> Option<u64> {
-                let traces = Self::u64(mem, g.wrapping_add(j.g_traces as u64)).ok()?;
-                let size = Self::u32(mem, g.wrapping_add(j.g_sizetrace as u64)).ok()?;
-                if vmstate <= 0 || vmstate as u32 >= size {
-                    return None;
-                }
-                let t = Self::u64(mem, traces.wrapping_add(8 * vmstate as u64)).ok()? & GCV_MASK;
-                let mut no = [0u8; 2];
-                if !mem.read(t.wrapping_add(j.trace_traceno as u64), &mut no)
-                    || u16::from_le_bytes(no) as i32 != vmstate
-                {
-                    return None;
-                }
+                let t = trace?;
                 let pt = Self::u64(mem, t.wrapping_add(j.trace_startpt as u64)).ok()? & GCV_MASK;
                 if self.proto(mem, func).ok()? != pt {
                     return None;
@@ -803,27 +909,58 @@ impl Reader {
                 base,
                 pc,
                 compiled: true,
+                snapshot: false,
             }));
         }
-        // LJ_VMST_INTERP (~0).
-        if vmstate == -1 {
+        if interpreting(vmstate) {
             let Some((base, pc)) = interp else {
                 return Ok(None);
             };
-            let func = self.lua_function_at(mem, cur, base)?;
-            if self.pc_position(mem, func, pc).is_none() {
-                return Err(format!(
-                    "the interpreter's PC {pc:#x} is not in the function at its base"
-                ));
-            }
-            return Ok(Some(RunningTop {
-                th: cur,
-                base,
-                pc: Some(pc),
-                compiled: false,
-            }));
+            return self.interpreted_top(mem, cur, base, pc).map(Some);
         }
         Ok(None)
+    }
+
+    /// Trace number `no` of the JIT state after global state `g`, checked: its number is that.
+    fn trace_numbered(&self, mem: &mut dyn Memory, g: u64, no: i32) -> Option<u64> {
+        let j = self.jit?;
+        let traces = Self::u64(mem, g.wrapping_add(j.g_traces as u64)).ok()?;
+        let size = Self::u32(mem, g.wrapping_add(j.g_sizetrace as u64)).ok()?;
+        if no <= 0 || no as u32 >= size {
+            return None;
+        }
+        let t = Self::u64(mem, traces.wrapping_add(8 * no as u64)).ok()? & GCV_MASK;
+        let mut b = [0u8; 2];
+        if !mem.read(t.wrapping_add(j.trace_traceno as u64), &mut b)
+            || u16::from_le_bytes(b) as i32 != no
+        {
+            return None;
+        }
+        Some(t)
+    }
+
+    /// The interpreter's frame at `base` of state `th` with `pc` (as a frame link holds it),
+    /// checked: a Lua function there, the PC inside its code.
+    fn interpreted_top(
+        &self,
+        mem: &mut dyn Memory,
+        th: u64,
+        base: u64,
+        pc: u64,
+    ) -> Result<RunningTop, String> {
+        let func = self.lua_function_at(mem, th, base)?;
+        if self.pc_position(mem, func, pc).is_none() {
+            return Err(format!(
+                "the interpreter's PC {pc:#x} is not in the function at its base"
+            ));
+        }
+        Ok(RunningTop {
+            th,
+            base,
+            pc: Some(pc),
+            compiled: false,
+            snapshot: false,
+        })
     }
 
     /// The Lua code running now in this process, where the interpreter left it to call out
@@ -839,27 +976,70 @@ impl Reader {
         mem: &mut dyn Memory,
         root: u64,
     ) -> Result<Option<RunningTop>, String> {
+        self.overlay = None;
         let Some(j) = self.jit else {
             return Ok(None);
         };
         let g = Self::u64(mem, root.wrapping_add(j.state_glref as u64))?;
-        if Self::u32(mem, g.wrapping_add(j.g_vmstate as u64))? as i32 != -1 {
+        let vmstate = Self::u32(mem, g.wrapping_add(j.g_vmstate as u64))? as i32;
+        // Compiled code runs (a trace, or the collector's step it called): not the
+        // interpreter. In every other state the check below decides: the VM state is not
+        // kept exact — it is "C" from the return of the VM's protected calls (the JIT
+        // compiler's, a trace's exit) until the interpreter calls out of Lua again, while
+        // the interpreter runs Lua code —; while the JIT compiler optimises and assembles a
+        // trace, the interpreter waits at the instruction that ended its recording; while a
+        // trace exits, its snapshot's PC is saved before the stack is restored from it (the
+        // objects the trace did not make yet are made then), and the state's base is the
+        // innermost frame's once the stack is restored: the PC checks out against the
+        // function at the base when the snapshot has no inlined frame, or once restored.
+        // In C code Lua called, the state's base is the C function's: no Lua function there.
+        let jit_base = Self::u64(mem, g.wrapping_add(j.g_jit_base as u64))?;
+        if vmstate > 0 || (vmstate == VMST_GC && jit_base != 0) {
             return Ok(None);
         }
         let cur = Self::u64(mem, g.wrapping_add(j.g_cur_l as u64))? & GCV_MASK;
         let base = Self::u64(mem, cur.wrapping_add(self.l.state_base as u64))?;
-        let cf = Self::u64(mem, cur.wrapping_add(STATE_CFRAME))? & !3;
-        if cf == 0 {
+        // The innermost C frame that holds a PC: a protected call the VM made for itself
+        // (the JIT compiler's, a trace's exit) holds none, and the interpreter's PC is in the
+        // frame it was made from.
+        let mut cf = Self::u64(mem, cur.wrapping_add(STATE_CFRAME))? & !3;
+        let mut pc = 0;
+        for _ in 0..4 {
+            if cf == 0 {
+                return Ok(None);
+            }
+            pc = Self::u64(mem, cf.wrapping_add(CFRAME_PC))?;
+            if pc != 0 && pc != Self::u64(mem, cf.wrapping_add(CFRAME_L))? {
+                break;
+            }
+            pc = 0;
+            cf = Self::u64(mem, cf.wrapping_add(CFRAME_PREV))? & !3;
+        }
+        if pc == 0 {
             return Ok(None);
         }
-        let pc = Self::u64(mem, cf.wrapping_add(CFRAME_PC))?;
-        if pc == 0 || pc == Self::u64(mem, cf.wrapping_add(CFRAME_L))? {
-            return Ok(None);
-        }
-        match self.running_top(mem, root, Some((base, pc))) {
-            Ok(Some(top)) if !top.compiled && top.th == cur => Ok(Some(top)),
-            Ok(_) => Ok(None),
-            Err(e) => Err(e),
+        match self.interpreted_top(mem, cur, base, pc) {
+            Ok(top) => Ok(Some(top)),
+            Err(e) if interpreting(vmstate) => Err(e),
+            // A trace's exit restoring inlined frames (the PC is the innermost one's, the
+            // base still the trace's): the frames of the snapshot it restores. Else C code
+            // Lua called (the base is the C function's).
+            Err(_) => Ok(self.exit_top(mem, g, base, pc).and_then(|top| {
+                let mut seen = snapshot::Overlay {
+                    inner: &mut *mem,
+                    words: &top.words,
+                };
+                let func = self.lua_function_at(&mut seen, cur, top.base).ok()?;
+                self.pc_position(&mut seen, func, top.pc)?;
+                self.overlay = Some((cur, top.base, top.words));
+                Some(RunningTop {
+                    th: cur,
+                    base: top.base,
+                    pc: Some(top.pc),
+                    compiled: false,
+                    snapshot: true,
+                })
+            })),
         }
     }
 
@@ -1733,7 +1913,7 @@ mod tests {
         old[size..size + 4].copy_from_slice(&(least as u32).to_le_bytes());
         let mut r = Reader::open(&mut Words(publish::MATCHES), &old).unwrap();
         assert_eq!(r.jit, None);
-        let e = r.running_top(&mut Same(0), 0x1000, None).unwrap_err();
+        let e = r.running_top(&mut Same(0), 0x1000, None, &[]).unwrap_err();
         assert!(e.contains("an older fibertrace"), "{e}");
         // Cut shorter still, it is malformed.
         let e = Reader::open(&mut Words(publish::MATCHES), &old[..least - 8])
@@ -1782,6 +1962,8 @@ mod tests {
         let reader = || Reader {
             l: publish::Layout::LUAJIT_GC64,
             jit: Some(JitLayout::LUAJIT_GC64),
+            trace: Some(TraceLayout::LUAJIT_GC64),
+            overlay: None,
             bc_mode: (0..104u32)
                 .map(|i| (i.wrapping_mul(2_654_435_761) >> 7) as u16)
                 .collect(),
@@ -1807,7 +1989,12 @@ mod tests {
                 // What runs now, read from garbage and garbage registers.
                 let regs = Some((seed.wrapping_mul(0x51_7CC1), root ^ seed));
                 for interp in [None, regs] {
-                    if let Ok(Some(top)) = r.running_top(&mut Garbage(seed), root, interp) {
+                    if let Ok(Some(top)) = r.running_top(
+                        &mut Garbage(seed),
+                        root,
+                        interp,
+                        &[fibertrace_core::Frame::Pc(root ^ seed)],
+                    ) {
                         let _ = r.stack_running(&mut Garbage(seed), root, Some(top));
                     }
                 }
@@ -1826,7 +2013,12 @@ mod tests {
             let mut r = reader();
             for root in [0, 0x1000, u64::MAX] {
                 let _ = r.stack(&mut Same(w), root);
-                if let Ok(Some(top)) = r.running_top(&mut Same(w), root, Some((w, w))) {
+                if let Ok(Some(top)) = r.running_top(
+                    &mut Same(w),
+                    root,
+                    Some((w, w)),
+                    &[fibertrace_core::Frame::Pc(w)],
+                ) {
                     let _ = r.stack_running(&mut Same(w), root, Some(top));
                 }
             }
@@ -1842,5 +2034,92 @@ mod tests {
         r.spent = MAX_TOTAL_TIME + std::time::Duration::from_millis(1);
         let e = r.stack(&mut Garbage(1), 0x1000).err().unwrap();
         assert_eq!(e, "not read: reading Lua stacks took 10s already");
+    }
+
+    /// A trace's snapshot read from garbage (the trace's machine code made to hold the
+    /// address, so the read goes on into the snapshot, its map and its IR) gives frames or
+    /// nothing, never a panic or a wild walk (at most two or three words per level, 64
+    /// levels).
+    #[test]
+    fn a_snapshot_read_from_garbage_gives_frames_or_nothing() {
+        let mut r = Reader {
+            l: publish::Layout::LUAJIT_GC64,
+            jit: Some(JitLayout::LUAJIT_GC64),
+            trace: Some(TraceLayout::LUAJIT_GC64),
+            overlay: None,
+            bc_mode: vec![0; 104],
+            strings: HashMap::new(),
+            protos: HashMap::new(),
+            names: HashMap::new(),
+            cached: 0,
+            spent: std::time::Duration::ZERO,
+            max_threads: MAX_THREADS,
+            max_levels: (MAX_LEVELS, HEAD_LEVELS),
+        };
+        let tl = TraceLayout::LUAJIT_GC64;
+        for seed in 0..20_000u64 {
+            let mut mem = Garbage(seed);
+            let t = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) & !7;
+            let mcode = Reader::u64(&mut mem, t + tl.trace_mcode as u64).unwrap();
+            let size = Reader::u32(&mut mem, t + tl.trace_szmcode as u64).unwrap() as u64;
+            let at = mcode.wrapping_add(size / 2);
+            let base = seed << 4;
+            let code = [fibertrace_core::Frame::Pc(at)];
+            if let Some(top) = r.snapshot_top(&mut mem, t, base, &code) {
+                assert!(top.words.len() <= 3 * 64, "{}", top.words.len());
+            }
+            let _ = r.exit_top(&mut mem, t, base, at);
+        }
+        // Every word the same: a snapshot map of one value, a chain that does not end.
+        for w in [
+            0,
+            1,
+            8,
+            u64::MAX,
+            0x0101_0101_0101_0101,
+            0x0200_0000_0000_0002,
+        ] {
+            let code = [fibertrace_core::Frame::Pc(w)];
+            let _ = r.snapshot_top(&mut Same(w), 0x1000, 0x2000, &code);
+            let _ = r.exit_top(&mut Same(w), 0x1000, 0x2000, w);
+        }
+    }
+
+    /// The words a snapshot restores replace what memory holds, in any read that covers
+    /// them whole or in part, and nothing else.
+    #[test]
+    fn an_overlay_shows_its_words_in_every_read_that_covers_them() {
+        let words = [(0x1008, 0x1122_3344_5566_7788u64), (0x1020, u64::MAX)];
+        let mut inner = Same(0);
+        let mut m = snapshot::Overlay {
+            inner: &mut inner,
+            words: &words,
+        };
+        let mut b = [0u8; 48];
+        assert!(m.read(0x1000, &mut b));
+        assert_eq!(&b[..8], &[0; 8]);
+        assert_eq!(&b[8..16], &0x1122_3344_5566_7788u64.to_le_bytes());
+        assert_eq!(&b[16..32], &[0; 16]);
+        assert_eq!(&b[32..40], &[0xff; 8]);
+        assert_eq!(&b[40..], &[0; 8]);
+        // Parts of a word, at either end of a read.
+        let mut b = [0u8; 4];
+        assert!(m.read(0x100c, &mut b));
+        assert_eq!(b, [0x44, 0x33, 0x22, 0x11]);
+        let mut b = [0u8; 6];
+        assert!(m.read(0x1005, &mut b));
+        assert_eq!(b, [0, 0, 0, 0x88, 0x77, 0x66]);
+        // A read the memory below refuses stays refused.
+        struct Refuse;
+        impl Memory for Refuse {
+            fn read(&mut self, _: u64, _: &mut [u8]) -> bool {
+                false
+            }
+        }
+        let mut m = snapshot::Overlay {
+            inner: &mut Refuse,
+            words: &words,
+        };
+        assert!(!m.read(0x1008, &mut [0u8; 8]));
     }
 }

@@ -26,7 +26,8 @@
 //! the VM state, the running state, a trace's entry base, the trace array), with a check word
 //! of its own: checked from a C function Lua calls (VM state "C", the running state the one
 //! called on, no trace) and against the registry's address. A header from before it ends
-//! where it begins; a reader then reads suspended stacks only.
+//! where it begins; a reader then reads suspended stacks only. Last, where a trace keeps its
+//! snapshots ([`TraceLayout`]), which give compiled code's frames and lines.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -172,6 +173,62 @@ impl JitLayout {
     };
 }
 
+/// Where a reader finds a trace's snapshots (byte offsets and sizes): with them, the Lua
+/// frames of compiled code at a point of its machine code — the functions the trace inlined
+/// and the line it runs — as LuaJIT's own exit from the trace would restore them (see
+/// [`super::foreign`]). A trace's fields: `u16` snapshot count, the IR array (biased by
+/// `REF_BIAS`), `u32` lowest constant, `u32` snapshot-map length, the snapshot array, the
+/// snapshot map, `u32` machine-code size and the machine code; a snapshot's size, its `u16`
+/// machine-code offset and `u8` entry count (its map offset is its first `u32`); the IR
+/// opcodes of a garbage-collected constant and a 64-bit number constant; where the JIT state
+/// names the trace exit in progress. Not checked at the
+/// start (no trace exists then): a reader checks each against the trace it reads (its
+/// number, its machine code holding the address, the snapshot's map inside the map, the
+/// frames found making a chain down to the trace's base, the PC inside its function).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TraceLayout {
+    pub trace_nsnap: u32,
+    pub trace_ir: u32,
+    pub trace_nk: u32,
+    pub trace_nsnapmap: u32,
+    pub trace_snap: u32,
+    pub trace_snapmap: u32,
+    pub trace_szmcode: u32,
+    pub trace_mcode: u32,
+    pub snap_size: u32,
+    pub snap_mcofs: u32,
+    pub snap_nent: u32,
+    pub ir_kgc: u32,
+    pub ir_knum: u32,
+    /// From the global state, the `u32` trace and snapshot numbers of the trace exit in
+    /// progress (`jit_State`'s `parent` and `exitno`).
+    pub g_exit_trace: u32,
+    pub g_exit_snap: u32,
+}
+
+impl TraceLayout {
+    /// LuaJIT 2.1's (GC64, x86-64): `GCtrace`, `SnapShot` and `IROp` of `lj_jit.h` and
+    /// `lj_ir.h`.
+    pub const LUAJIT_GC64: TraceLayout = TraceLayout {
+        trace_nsnap: 10,
+        trace_ir: 32,
+        trace_nk: 40,
+        trace_nsnapmap: 44,
+        trace_snap: 48,
+        trace_snapmap: 56,
+        trace_szmcode: 84,
+        trace_mcode: 88,
+        snap_size: 12,
+        snap_mcofs: 6,
+        snap_nent: 10,
+        ir_kgc: 24,
+        ir_knum: 28,
+        g_exit_trace: 840 - 96 + 3016,
+        g_exit_snap: 840 - 96 + 3020,
+    };
+}
+
 /// The payload of a 64-bit reference (`LJ_GCVMASK`).
 pub(crate) const GCV_MASK: u64 = (1 << 47) - 1;
 
@@ -200,6 +257,10 @@ pub struct Header {
     pub jit_checked: &'static AtomicU32,
     /// Where the running code's state is ([`JitLayout`]).
     pub jit: JitLayout,
+    /// Where a trace's snapshots are ([`TraceLayout`]; added after the running code's
+    /// layout: a reader finds it only in a header whose size covers it, and uses it only
+    /// where that layout was checked).
+    pub trace: TraceLayout,
 }
 
 static CHECKED: AtomicU32 = AtomicU32::new(UNCHECKED);
@@ -224,6 +285,7 @@ pub static HEADER: Header = Header {
     layout: Layout::LUAJIT_GC64,
     jit_checked: &JIT_CHECKED,
     jit: JitLayout::LUAJIT_GC64,
+    trace: TraceLayout::LUAJIT_GC64,
 };
 
 /// Where the VM state of `l`'s global state is (an `i32`: `~LJ_VMST_GC` while the collector

@@ -25,6 +25,11 @@ const RUNS_LUA: &str = "it runs Lua code (LuaJIT's interpreter or a compiled tra
 const COMPILED: &str = "it runs compiled Lua code (a trace): its innermost Lua level is the \
                         function the trace runs in, and the native frames below the trace are \
                         not walked (SIGQUIT or --stall-ms read them inside the process)";
+/// What a fiber caught in compiled Lua code is shown without, when its levels are its trace's
+/// snapshot's.
+const COMPILED_SNAPSHOT: &str = "it runs compiled Lua code (a trace): the native frames below \
+                                 the trace are not walked (SIGQUIT or --stall-ms read them \
+                                 inside the process)";
 /// What a fiber caught in compiled Lua code is shown without, when the native frames below
 /// the trace are walked from where the VM entered it ([`LuaLayer::below_unwound`]).
 const COMPILED_BELOW: &str = "it runs compiled Lua code (a trace): its innermost Lua level is \
@@ -100,7 +105,7 @@ impl LuaLayer {
                 ))
             })
             .flatten();
-        match reader.running_top(s, word, regs) {
+        match reader.running_top(s, word, regs, &native) {
             Ok(Some(top)) => {
                 let lua = match reader.stack_running(s, word, Some(top)) {
                     Ok(lua) => lua,
@@ -134,11 +139,19 @@ impl LuaLayer {
                     rest.extend_from_slice(&native[cut..]);
                     let mut out: SmallVec<[Frame; 192]> = SmallVec::new();
                     super::merge_with_gap(&rest, &lua.levels, gap, vm, false, &mut out);
-                    return (out.into_vec(), Some(COMPILED_BELOW.into()), false);
+                    // (From the trace's snapshot, its levels are the ones an exit would
+                    // restore: nothing to say.)
+                    let note = (!top.snapshot).then(|| COMPILED_BELOW.into());
+                    return (out.into_vec(), note, false);
                 }
                 let mut out: Vec<Frame> = native[..cut].to_vec();
                 push_levels(&lua, &mut out);
-                (out, Some(COMPILED.into()), true)
+                let note = if top.snapshot {
+                    COMPILED_SNAPSHOT
+                } else {
+                    COMPILED
+                };
+                (out, Some(note.into()), true)
             }
             // Not in Lua code as the VM tells (or it cannot tell: an older process, values
             // that do not check out): C code that Lua called has its state current.
@@ -250,7 +263,7 @@ impl ForeignLayer for LuaLayer {
     /// ([`Reader::vm_entry_record`]), when its return address is in the target's code.
     fn below_unwound(&mut self, s: &mut Session, word: u64) -> Option<(Registers, String)> {
         let reader = self.reader.as_mut()?;
-        let top = reader.running_top(s, word, None).ok()??;
+        let top = reader.running_top(s, word, None, &[]).ok()??;
         if !top.compiled {
             return None;
         }
@@ -274,14 +287,14 @@ impl ForeignLayer for LuaLayer {
     ) -> Option<(Vec<Frame>, Option<String>)> {
         let reader = self.reader.as_mut()?;
         for _ in 0..3 {
-            let top = reader.running_top(s, word, None).ok()??;
+            let top = reader.running_top(s, word, None, &[]).ok()??;
             if !top.compiled {
                 return None;
             }
             let Ok(lua) = reader.stack_running(s, word, Some(top)) else {
                 continue;
             };
-            if reader.running_top(s, word, None).ok()? != Some(top) {
+            if reader.running_top(s, word, None, &[]).ok()? != Some(top) {
                 continue;
             }
             let mut out = Vec::new();

@@ -155,7 +155,7 @@ impl HeldSource for HeldLua {
             .is_some_and(in_interp)
             .then(|| Some((register(INTERP_BASE)?, register(INTERP_PC)?)))
             .flatten();
-        let top = match st.reader.running_top(&mut st.mem, word, regs) {
+        let top = match st.reader.running_top(&mut st.mem, word, regs, native) {
             Ok(Some(top)) if !top.compiled => return self.merged(st, word, native, Some(top)),
             Ok(top) => top,
             Err(why) => {
@@ -193,14 +193,14 @@ impl HeldSource for HeldLua {
                 rest.extend_from_slice(&native[cut..]);
                 let mut out: SmallVec<[Frame; 192]> = SmallVec::new();
                 super::merge_with_gap(&rest, &lua.levels, gap, self.vm, false, &mut out);
-                return (
-                    Some(out.into_vec()),
-                    Some(
-                        "it runs compiled Lua code (a trace): its innermost Lua level is the \
-                         function the trace runs in (a function the trace inlined has no level)"
-                            .into(),
-                    ),
-                );
+                // (From the trace's snapshot, its levels are the ones an exit would restore:
+                // nothing to say.)
+                let note = (!top.snapshot).then(|| {
+                    "it runs compiled Lua code (a trace): its innermost Lua level is the \
+                     function the trace runs in (a function the trace inlined has no level)"
+                        .into()
+                });
+                return (Some(out.into_vec()), note);
             }
             let mut out = native[..cut].to_vec();
             for (j, l) in lua.levels.iter().enumerate() {
@@ -209,15 +209,15 @@ impl HeldSource for HeldLua {
                 }
                 out.push(Frame::Lua(l.id));
             }
-            return (
-                Some(out),
-                Some(
-                    "it runs compiled Lua code (a trace): its innermost Lua level is the \
-                     function the trace runs in, and the native frames below the trace are \
-                     not walked"
-                        .into(),
-                ),
-            );
+            let note = if top.snapshot {
+                "it runs compiled Lua code (a trace): the native frames below the trace are \
+                 not walked"
+            } else {
+                "it runs compiled Lua code (a trace): its innermost Lua level is the \
+                 function the trace runs in, and the native frames below the trace are not \
+                 walked"
+            };
+            return (Some(out), Some(note.into()));
         }
         // C code that Lua called: the interpreter's frame is below it, and no code outside
         // every image is above it.
@@ -257,7 +257,7 @@ impl HeldSource for HeldLua {
     fn below_unwound(&self, word: u64) -> Option<fibertrace_core::arch::Registers> {
         let mut guard = self.state();
         let st = &mut *guard;
-        let top = st.reader.running_top(&mut st.mem, word, None).ok()??;
+        let top = st.reader.running_top(&mut st.mem, word, None, &[]).ok()??;
         if !top.compiled {
             return None;
         }

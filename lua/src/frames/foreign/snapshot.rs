@@ -1,0 +1,258 @@
+//! Compiled code's Lua frames, from the trace's snapshots: a trace keeps no PC and no frames
+//! of the functions it inlined while it runs (they live in registers), but for each point
+//! where it may exit it keeps a *snapshot* — the bytecode PC to go on at, and the stack
+//! slots to write back, the frames of inlined calls among them — which LuaJIT's exit
+//! handler uses to rebuild the interpreter's stack. Read here, the snapshot nearest before an
+//! address of the trace's machine code (the thread's PC, or a return address into the trace
+//! from a call it made: an allocation) gives that point's frames and line.
+//!
+//! How it is read (LuaJIT 2.1, GC64, two slots per frame): the snapshots are ordered by
+//! their machine-code offset (`mcofs`: where the code after each begins), so the one for an
+//! offset is the last whose `mcofs` is not past it (the search LuaJIT's `trace_exit_find`
+//! does). Its map holds `nent` entries (`slot << 24 | flags | IR reference`) and then one
+//! 64-bit word, `PC << 8 | (innermost frame's function slot)`. Slot `s` is the stack slot
+//! `8 * (s - 2)` bytes above the base the trace runs with (`jit_base`, which a trace that
+//! returns below its start moves too). An inlined frame's function slot holds an IR constant
+//! of the function, its link slot the frame link as a 64-bit number constant (the caller's
+//! return PC, or a delta for vararg and continuation frames, whose PC is the slot below the
+//! function).
+//!
+//! The frames are handed to the walk as *memory*: [`Overlay`] shows those slots with the
+//! values an exit would write back, so the walk, the names callers give and the lines are
+//! the interpreter's own code paths.
+//!
+//! Invariants: nothing is used unless it checks out — the trace's machine code holds the
+//! address, the snapshot and its map are inside their arrays, every frame from the innermost
+//! down to the trace's base has a constant function and link in the snapshot (a function
+//! the trace did not fix, a closure made in a loop, gives no snapshot frames: the caller
+//! falls back to the trace's base function), the chain lands on the base frame exactly, and
+//! (the caller checks) a Lua function is at the innermost frame with the PC inside it. How a
+//! result can be wrong: the snapshot is the state *before* the guard that follows it; the
+//! code after it may belong to the next bytecode instructions of the same function (often
+//! the same line, not always); a function inlined and already returned from at the address
+//! shows when its snapshot is the nearest.
+
+use fibertrace_core::Frame;
+use smallvec::SmallVec;
+
+use super::{Memory, Reader, T_FUNC};
+
+/// The IR reference bias (`REF_BIAS`): references below it are constants.
+const REF_BIAS: u32 = 0x8000;
+/// An IR instruction's size, and where its type byte is (its opcode byte follows).
+const IRINS: u64 = 8;
+const IR_TYPE: u64 = 4;
+/// The IR type of a function (`IRT_FUNC`), in the low five bits of the type byte.
+const IRT_FUNC: u8 = 8;
+/// A snapshot entry's frame-link and continuation flags (`SNAP_FRAME`, `SNAP_CONT`).
+const SNAP_FRAME: u32 = 0x01_0000;
+const SNAP_CONT: u32 = 0x02_0000;
+/// Most entries a snapshot has (`nent` is a `u8`).
+const MAX_ENTRIES: usize = 255;
+/// Most inlined frames followed (LuaJIT's own bound on a trace's frame depth is lower).
+const MAX_DEPTH: usize = 64;
+
+/// Stack words an exit would restore: (address, value).
+pub(in crate::frames) type Words = SmallVec<[(u64, u64); 16]>;
+
+/// The innermost frame of compiled code at a point, from the trace's snapshot: its base,
+/// its PC (as a frame link holds it: the instruction after the current one) and the stack
+/// words the walk needs to see the inlined frames above the trace's base.
+pub(in crate::frames) struct SnapTop {
+    pub base: u64,
+    pub pc: u64,
+    pub words: Words,
+}
+
+/// Memory with some 8-byte words shown with other values (the slots a trace's snapshot
+/// restores).
+pub(in crate::frames) struct Overlay<'a> {
+    pub inner: &'a mut dyn Memory,
+    pub words: &'a [(u64, u64)],
+}
+
+impl Memory for Overlay<'_> {
+    fn read(&mut self, addr: u64, out: &mut [u8]) -> bool {
+        if !self.inner.read(addr, out) {
+            return false;
+        }
+        let end = addr.saturating_add(out.len() as u64);
+        for &(at, v) in self.words {
+            let (from, to) = (at.max(addr), at.saturating_add(8).min(end));
+            if from < to {
+                let bytes = v.to_le_bytes();
+                out[(from - addr) as usize..(to - addr) as usize]
+                    .copy_from_slice(&bytes[(from - at) as usize..(to - at) as usize]);
+            }
+        }
+        true
+    }
+}
+
+impl Reader {
+    /// The frames of trace `t` (running with base `jit_base`) at the first of `code`'s
+    /// frames in its machine code (innermost first: the thread's PC, return addresses),
+    /// from the snapshot nearest before it (see the module doc); `None` when the process
+    /// published no trace layout, no frame is in the trace's code, or what the snapshot
+    /// holds does not check out.
+    pub(super) fn snapshot_top(
+        &mut self,
+        mem: &mut dyn Memory,
+        t: u64,
+        jit_base: u64,
+        code: &[Frame],
+    ) -> Option<SnapTop> {
+        let tl = self.trace?;
+        let field = |off: u32| t.wrapping_add(off as u64);
+        let mcode = Self::u64(mem, field(tl.trace_mcode)).ok()?;
+        let size = Self::u32(mem, field(tl.trace_szmcode)).ok()? as u64;
+        let ofs = code
+            .iter()
+            .filter_map(Frame::lookup_address)
+            .find_map(|a| a.checked_sub(mcode).filter(|&o| o < size))?;
+        let nsnap = u16::from_le_bytes(Self::bytes(mem, field(tl.trace_nsnap)).ok()?) as u64;
+        let snaps = Self::u64(mem, field(tl.trace_snap)).ok()?;
+        let snap = |i: u64| snaps.wrapping_add(i.wrapping_mul(tl.snap_size as u64));
+        // The last snapshot whose code begins at or before the offset.
+        let (mut lo, mut hi) = (0u64, nsnap);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            let mcofs = u16::from_le_bytes(
+                Self::bytes(mem, snap(mid).wrapping_add(tl.snap_mcofs as u64)).ok()?,
+            ) as u64;
+            if ofs < mcofs {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        let k = lo.checked_sub(1)?;
+        self.snapshot_frames(mem, t, k, jit_base)
+    }
+
+    /// The frames a trace's exit is restoring now, when state `th`'s saved PC (`pc`, as a
+    /// frame link holds it) is the one the exit's snapshot saved — the exit handler saves it
+    /// first, before it writes the snapshot's slots onto the stack from the trace's base
+    /// (`base`, the state's base until the restore ends) and makes the objects the trace did
+    /// not make yet. The trace and snapshot are the ones the JIT state names for the exit
+    /// in progress (`J->parent`, `J->exitno`; `g`: the global state).
+    pub(super) fn exit_top(
+        &mut self,
+        mem: &mut dyn Memory,
+        g: u64,
+        base: u64,
+        pc: u64,
+    ) -> Option<SnapTop> {
+        let tl = self.trace?;
+        let no = Self::u32(mem, g.wrapping_add(tl.g_exit_trace as u64)).ok()?;
+        let k = Self::u32(mem, g.wrapping_add(tl.g_exit_snap as u64)).ok()? as u64;
+        let t = self.trace_numbered(mem, g, no as i32)?;
+        let nsnap =
+            u16::from_le_bytes(Self::bytes(mem, t.wrapping_add(tl.trace_nsnap as u64)).ok()?)
+                as u64;
+        if k >= nsnap {
+            return None;
+        }
+        // (Saved as the instruction after the snapshot's, or the snapshot's own — as the
+        // interpreter's frame keeps it — once the restore is done.)
+        self.snapshot_frames(mem, t, k, base)
+            .filter(|top| top.pc == pc || top.pc == pc.wrapping_add(4))
+    }
+
+    /// The frames of snapshot `k` of trace `t` running with base `jit_base` (see the module
+    /// doc).
+    fn snapshot_frames(
+        &mut self,
+        mem: &mut dyn Memory,
+        t: u64,
+        k: u64,
+        jit_base: u64,
+    ) -> Option<SnapTop> {
+        let tl = self.trace?;
+        let field = |off: u32| t.wrapping_add(off as u64);
+        let snap_k = Self::u64(mem, field(tl.trace_snap))
+            .ok()?
+            .wrapping_add(k.wrapping_mul(tl.snap_size as u64));
+        let mapofs = Self::u32(mem, snap_k).ok()? as u64;
+        let nent = Self::u8(mem, snap_k.wrapping_add(tl.snap_nent as u64)).ok()? as usize;
+        let nsnapmap = Self::u32(mem, field(tl.trace_nsnapmap)).ok()? as u64;
+        if mapofs + nent as u64 + 2 > nsnapmap {
+            return None;
+        }
+        let map = Self::u64(mem, field(tl.trace_snapmap)).ok()?;
+        let mut raw = [0u8; 4 * (MAX_ENTRIES + 2)];
+        let raw = &mut raw[..4 * (nent + 2)];
+        if !mem.read(map.wrapping_add(4 * mapofs), raw) {
+            return None;
+        }
+        let pcbase = u64::from_le_bytes(raw[4 * nent..].try_into().ok()?);
+        let (pc, top) = (pcbase >> 8, (pcbase & 0xff) as u32);
+        let ir = Self::u64(mem, field(tl.trace_ir)).ok()?;
+        let nk = Self::u32(mem, field(tl.trace_nk)).ok()?;
+        // The constant slots: (slot, flags, value as the stack holds it).
+        let mut consts: SmallVec<[(u32, u32, u64); 32]> = SmallVec::new();
+        for e in raw[..4 * nent].chunks_exact(4) {
+            let sn = u32::from_le_bytes(e.try_into().ok()?);
+            let (slot, flags, r) = (sn >> 24, sn & 0x00ff_0000, sn & 0xffff);
+            if r >= REF_BIAS || r < nk {
+                continue;
+            }
+            let ins = ir.wrapping_add(IRINS * r as u64);
+            let [ty, op] = Self::bytes::<2>(mem, ins.wrapping_add(IR_TYPE)).ok()?;
+            let v = Self::u64(mem, ins.wrapping_add(IRINS)).ok()?;
+            let value = if op as u32 == tl.ir_kgc && ty & 0x1f == IRT_FUNC {
+                ((T_FUNC as u64) << 47) | (v & super::GCV_MASK)
+            } else if op as u32 == tl.ir_knum {
+                v
+            } else {
+                continue;
+            };
+            consts.push((slot, flags, value));
+        }
+        let get = |s: u32, flag: u32| {
+            consts
+                .iter()
+                .find(|c| c.0 == s && (flag == 0 || c.1 & flag != 0))
+                .map(|c| c.2)
+        };
+        let addr = |s: u32| jit_base.wrapping_add(8 * s as u64).wrapping_sub(16);
+        // From the innermost frame down to the trace's base (slot 0), each frame's function
+        // and link constants.
+        let mut words = Words::new();
+        let mut s = top;
+        let mut depth = 0;
+        while s > 0 {
+            depth += 1;
+            if depth > MAX_DEPTH {
+                return None;
+            }
+            let func = get(s, 0).filter(|&v| super::itype(v) == T_FUNC)?;
+            let link = get(s + 1, SNAP_FRAME | SNAP_CONT)?;
+            words.push((addr(s), func));
+            words.push((addr(s + 1), link));
+            let down = if link & 3 == 0 {
+                // A Lua frame: the call instruction before the return PC sizes the caller.
+                let ins = Self::u32(mem, link.wrapping_sub(4)).ok()?;
+                2 + ((ins >> 8) & 0xff)
+            } else {
+                match link & 7 {
+                    // A continuation: its PC is the slot below the function.
+                    2 => {
+                        let pc = get(s.checked_sub(1)?, 0)?;
+                        words.push((addr(s - 1), pc));
+                    }
+                    // A vararg frame's upper half.
+                    3 => {}
+                    _ => return None,
+                }
+                u32::try_from((link & !7) / 8).ok()?
+            };
+            s = s.checked_sub(down)?;
+        }
+        Some(SnapTop {
+            base: addr(top).wrapping_add(16),
+            pc: pc.wrapping_add(4),
+            words,
+        })
+    }
+}
