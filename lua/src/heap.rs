@@ -23,7 +23,11 @@
 //! does not check out, the frames are those the trace was entered with and the innermost
 //! line is `-1`. Objects a trace's exit makes (those it did not make yet) have the frames of
 //! the snapshot it restores; the JIT compiler's own (a trace, its IR) the Lua line it
-//! compiles at. The trace's own native frame, in no object, is left out. A stack that
+//! compiles at. An allocation in a `__gc` finalizer (which LuaJIT runs on the VM's main
+//! thread, from the collector's step inside the fiber's own allocation or
+//! `collectgarbage`) has the finalizer's levels, then the fiber's (see
+//! `Reader::set_called_states`); if compiled code took that step, the fiber's levels are
+//! those of its last call out of Lua. The trace's own native frame, in no object, is left out. A stack that
 //! cannot be read (a layout not checked, a budget spent) keeps its native frames only.
 
 use fibertrace_core::format::TextOptions;
@@ -218,6 +222,9 @@ pub fn lua_stack_hook(
     // (Nor are levels read past the innermost ones a record keeps: a recursion hundreds of
     // levels deep cost every allocation ~35 us.)
     reader.set_max_levels(addrs.len());
+    // (A `__gc` finalizer the collector runs while this fiber allocates runs on the VM's main
+    // thread: its levels are this allocation's innermost.)
+    reader.set_called_states(fibertrace_core::capture::stack_here());
     // Read in place where the fault handler turns a bad read into a failure (`ProbeMem`);
     // otherwise through the kernel, in blocks (a channel's creation read the stack ~160
     // times, a system call each, 0.3 ms; see `Blocks`).

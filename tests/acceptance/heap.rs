@@ -715,6 +715,122 @@ fn leaks_of_compiled_code_have_its_lines_and_the_functions_it_inlined() {
     assert_eq!((tables, values), (5000, 5000), "{report}");
 }
 
+/// Allocations a `__gc` finalizer makes have the finalizer's frames, then the frames of the
+/// code whose collection ran it: LuaJIT runs finalizers on the VM's main thread, and the
+/// fiber's own state still held the frames of its call out (`collectgarbage`), so they were
+/// charged to `lj_buf_str` ← `collectgarbage` ← the main chunk, the finalizer missing.
+#[test]
+fn allocations_in_a_finalizer_have_its_frames_then_the_code_that_ran_it() {
+    let dir = scratch("heap-gc");
+    std::fs::write(
+        dir.join("s.lua"),
+        "keep = {}\n\
+         local function in_finalizer(i)\n\
+           keep[#keep + 1] = string.rep('x', 100000 + i)\n\
+         end\n\
+         local function make(i)\n\
+           local p = newproxy(true)\n\
+           getmetatable(p).__gc = function() in_finalizer(i) end\n\
+         end\n\
+         for i = 1, 3 do make(i) end\n\
+         collectgarbage()\n\
+         assert(#keep == 3)\n",
+    )
+    .unwrap();
+    let out = run_in(&dir, &["run", "--leaks", "s.lua"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let report = leak_report(&err);
+    let group = report
+        .split("\n\n")
+        .find(|g| g.starts_with("[1] ") && g.contains(" in 3 allocations — "))
+        .unwrap_or_else(|| panic!("{report}"));
+    let lua: Vec<&str> = group
+        .lines()
+        .filter(|l| l.starts_with('#') && !l.contains(" 0x"))
+        .map(|l| l[4..].trim_start())
+        .collect();
+    assert_eq!(
+        lua,
+        [
+            "rep in =[C]:-1",
+            "in_finalizer in @s.lua:3",
+            "function <s.lua:7> in @s.lua:7",
+            "collectgarbage in =[C]:-1",
+            "main chunk in @s.lua:10",
+        ],
+        "{group}"
+    );
+}
+
+/// Finalizers the collector runs inside a fiber's allocations (its steps, from the
+/// interpreter and from C functions) have their frames on top of the fiber's, which have
+/// their lines: the line the fiber's code was at when it called out (the step it took).
+#[test]
+fn finalizers_run_by_a_fibers_allocations_show_on_top_of_its_frames() {
+    let dir = scratch("heap-gc-steps");
+    std::fs::write(
+        dir.join("s.lua"),
+        "local fiber = require('fiber')\n\
+         keep = {}\n\
+         local function in_finalizer(i)\n\
+           keep[#keep + 1] = {i, i}\n\
+         end\n\
+         local function make(i)\n\
+           local p = newproxy(true)\n\
+           getmetatable(p).__gc = function() in_finalizer(i) end\n\
+         end\n\
+         local function churn()\n\
+           for i = 1, 6000 do\n\
+             make(i)\n\
+             local junk = {i, i, i}\n\
+           end\n\
+           io.stdout:write(#keep, '\\n')\n\
+         end\n\
+         fiber.create(churn)\n",
+    )
+    .unwrap();
+    let out = run_in(&dir, &["run", "--leaks", "s.lua"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let kept: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    assert!(kept > 200, "{kept}");
+    let report = leak_report(&err);
+    let mut counted = 0;
+    for g in report.split("\n\n").filter(|g| g.contains("in_finalizer")) {
+        let count: u64 = g
+            .split_once(" in ")
+            .and_then(|(_, r)| r.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{g}"));
+        let lua: Vec<&str> = g
+            .lines()
+            .filter(|l| l.starts_with('#') && !l.contains(" 0x"))
+            .map(|l| l[4..].trim_start())
+            .collect();
+        assert_eq!(
+            lua[..2],
+            ["in_finalizer in @s.lua:4", "function <s.lua:8> in @s.lua:8"],
+            "{g}"
+        );
+        // Below: where the fiber's code was, each level with its line.
+        let below: &[&str] = &lua[2..];
+        let known: [&[&str]; 3] = [
+            &[
+                "newproxy in =[C]:-1",
+                "make in @s.lua:7",
+                "function <s.lua:10> in @s.lua:12",
+            ],
+            &["make in @s.lua:8", "function <s.lua:10> in @s.lua:12"],
+            &["function <s.lua:10> in @s.lua:13"],
+        ];
+        assert!(known.contains(&below), "{g}");
+        counted += count;
+    }
+    // Each finalizer's table (and the growth of `keep`), all of them.
+    assert!(counted >= kept, "{counted} < {kept}: {report}");
+}
+
 /// The table form and the pprof export of the heap leave out the runtime's and the host's
 /// glue, as the text form does: the three show a fiber's allocation with the same frames
 /// (the table kept the host's `call_in_thread`, `run_main_fiber`, ... under the main chunk;

@@ -269,6 +269,9 @@ pub struct Reader {
     /// Most levels read, and how many of them are the innermost ones (see
     /// [`Reader::set_max_levels`]).
     max_levels: (usize, usize),
+    /// The stack the reading runs on, when Lua code another state runs for the one read
+    /// is read too (see [`Reader::set_called_states`]).
+    called_states: Option<fibertrace_core::StackBounds>,
 }
 
 /// A prototype's description, read once per dump.
@@ -310,6 +313,11 @@ pub struct RunningTop {
     /// functions it inlined are levels, and the PC is the snapshot's.
     pub snapshot: bool,
 }
+
+/// Frame link types (the low three bits of a non-Lua frame's link): a vararg function's
+/// upper half, and a protected call from C.
+const FRAME_VARG: u64 = 3;
+const FRAME_CP: u64 = 5;
 
 /// Where a Lua state keeps its innermost C frame (`L->cframe`: LuaJIT 2.1, GC64, x86-64).
 const STATE_CFRAME: u64 = 80;
@@ -512,6 +520,7 @@ impl Reader {
             spent: std::time::Duration::ZERO,
             max_threads: MAX_THREADS,
             max_levels: (MAX_LEVELS, HEAD_LEVELS),
+            called_states: None,
         })
     }
 
@@ -550,6 +559,7 @@ impl Reader {
             spent: std::time::Duration::ZERO,
             max_threads: MAX_THREADS,
             max_levels: (MAX_LEVELS, HEAD_LEVELS),
+            called_states: None,
         })
     }
 
@@ -636,6 +646,20 @@ impl Reader {
         self.max_levels = (n, n);
     }
 
+    /// Reads, as the innermost levels, the Lua code another state runs now on behalf of the
+    /// state read, called from C code that state called: a `__gc` finalizer, which the
+    /// collector runs on the VM's main thread while the state read allocates (LuaJIT's
+    /// `gc_call_finalizer`), or a C function's `lua_pcall` on another state — that state's
+    /// levels down to the one C code called (a frame linked as a protected call from C).
+    /// `stack`: the stack the reading runs on, in this process (the heap tracker's hook,
+    /// inside the allocation): the VM's running state is read only when its innermost C
+    /// frame is on it, below the reader — the call from C is one the reading runs inside
+    /// (the state the VM last ran may be another fiber's, whose C frames are on its own
+    /// stack). `None`: not read (the default).
+    pub fn set_called_states(&mut self, stack: Option<fibertrace_core::StackBounds>) {
+        self.called_states = stack;
+    }
+
     /// The Lua stack of state `root` and of the coroutines running inside it, innermost
     /// first (see the module doc).
     pub fn stack(&mut self, mem: &mut dyn Memory, root: u64) -> Result<LuaStack, String> {
@@ -719,6 +743,38 @@ impl Reader {
             chain.push(t.th);
             per_thread.push(self.slots(mem, t.th, top, &mut left, deadline)?);
         }
+        // Lua code another state runs now for this one, called from C code this one called
+        // (see `Reader::set_called_states`): that state's levels down to its call from C, as
+        // the innermost.
+        if let Some(stack) = self.called_states {
+            if let Some(cur) = self.running_state(mem, root).filter(|c| !chain.contains(c)) {
+                let cf = Self::u64(mem, cur.wrapping_add(STATE_CFRAME)).unwrap_or(0) & !3;
+                let on_stack = stack.contains(cf);
+                let slots = on_stack
+                    .then(|| self.slots_from_c(mem, cur, top, &mut left, deadline))
+                    .flatten();
+                if let Some(slots) = slots {
+                    // The state it runs for called out from inside an instruction (the
+                    // collector's step): its innermost level's line is the PC it saved —
+                    // unless compiled code called the step (a trace keeps its PC nowhere;
+                    // the state's recorded base is then its last call out's).
+                    let th = chain[chain.len() - 1];
+                    let in_trace = self.jit.is_some_and(|j| {
+                        Self::u64(mem, root.wrapping_add(j.state_glref as u64))
+                            .and_then(|g| Self::u64(mem, g.wrapping_add(j.g_jit_base as u64)))
+                            .map_or(true, |b| b != 0)
+                    });
+                    let last = per_thread.len() - 1;
+                    if let Some(first) = per_thread[last].first_mut() {
+                        if !in_trace && first.next.is_none() && first.pc.is_none() {
+                            first.pc = self.saved_pc(mem, th, first.frame.wrapping_add(8));
+                        }
+                    }
+                    chain.push(cur);
+                    per_thread.push(slots);
+                }
+            }
+        }
         // Innermost thread first.
         let mut all: Vec<Slot> = Vec::new();
         for (t, slots) in per_thread.into_iter().rev().enumerate() {
@@ -752,6 +808,56 @@ impl Reader {
             out.levels.push(self.level(mem, s)?);
         }
         Ok(out)
+    }
+
+    /// The state running Lua code now in the VM of state `root` (`cur_L`).
+    fn running_state(&self, mem: &mut dyn Memory, root: u64) -> Option<u64> {
+        let j = self.jit?;
+        let g = Self::u64(mem, root.wrapping_add(j.state_glref as u64)).ok()?;
+        let cur = Self::u64(mem, g.wrapping_add(j.g_cur_l as u64)).ok()? & GCV_MASK;
+        (cur != 0).then_some(cur)
+    }
+
+    /// The PC state `th` saved in its innermost C frame when it called out of Lua, if it
+    /// checks out against the Lua function at `base`.
+    fn saved_pc(&self, mem: &mut dyn Memory, th: u64, base: u64) -> Option<u64> {
+        let cf = Self::u64(mem, th.wrapping_add(STATE_CFRAME)).ok()? & !3;
+        if cf == 0 {
+            return None;
+        }
+        let pc = Self::u64(mem, cf.wrapping_add(CFRAME_PC)).ok()?;
+        if pc == 0 || pc == Self::u64(mem, cf.wrapping_add(CFRAME_L)).ok()? {
+            return None;
+        }
+        self.interpreted_top(mem, th, base, pc).ok().map(|_| pc)
+    }
+
+    /// The levels of state `th` down to the first one C code called with a protected call
+    /// (its frame link a C-protected one, `FRAME_CP`: `lua_pcall` from C, the collector's
+    /// call of a finalizer), that one included; `None` when no level of it was called so.
+    fn slots_from_c(
+        &mut self,
+        mem: &mut dyn Memory,
+        th: u64,
+        top: Option<RunningTop>,
+        left: &mut usize,
+        deadline: std::time::Instant,
+    ) -> Option<Vec<Slot>> {
+        let mut slots = self.slots(mem, th, top, left, deadline).ok()?;
+        let mut n = None;
+        for (i, s) in slots.iter().enumerate() {
+            let mut ftsz = Self::u64(mem, s.frame).ok()?;
+            if ftsz & 7 == FRAME_VARG {
+                // A vararg function: its link is the lower half's.
+                ftsz = Self::u64(mem, s.frame.wrapping_sub(ftsz & !7)).ok()?;
+            }
+            if ftsz & 7 == FRAME_CP {
+                n = Some(i + 1);
+                break;
+            }
+        }
+        slots.truncate(n?);
+        Some(slots)
     }
 
     /// Every level of one thread, innermost first (LuaJIT's `lj_debug_frame` order), at most
@@ -1974,6 +2080,7 @@ mod tests {
             spent: std::time::Duration::ZERO,
             max_threads: MAX_THREADS,
             max_levels: (MAX_LEVELS, HEAD_LEVELS),
+            called_states: None,
         };
         let t0 = std::time::Instant::now();
         for seed in 0..40u64 {
@@ -2055,6 +2162,7 @@ mod tests {
             spent: std::time::Duration::ZERO,
             max_threads: MAX_THREADS,
             max_levels: (MAX_LEVELS, HEAD_LEVELS),
+            called_states: None,
         };
         let tl = TraceLayout::LUAJIT_GC64;
         for seed in 0..20_000u64 {
