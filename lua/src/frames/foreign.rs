@@ -762,7 +762,8 @@ impl Reader {
                     let in_trace = self.jit.is_some_and(|j| {
                         Self::u64(mem, root.wrapping_add(j.state_glref as u64))
                             .and_then(|g| Self::u64(mem, g.wrapping_add(j.g_jit_base as u64)))
-                            .map_or(true, |b| b != 0)
+                            .ok()
+                            .is_none_or(|b| b != 0)
                     });
                     let last = per_thread.len() - 1;
                     if let Some(first) = per_thread[last].first_mut() {
