@@ -218,13 +218,15 @@ fn the_views_answer_while_a_lua_fiber_spins() {
 }
 
 /// A view asked as the script ends is answered in full: the program's exit waits for the
-/// answers under way (at most 2 s). It closed the connection with no answer at all.
+/// answers under way (at most 2 s). It closed the connection with no answer at all. (1,000
+/// fibers: their JSON view takes ~0.5 s in a debug build, well inside the wait on a loaded
+/// machine; 3,000 took 1.4 s, and past the wait under load.)
 #[test]
 fn a_view_asked_as_the_script_ends_is_answered_in_full() {
     let (_d, path) = script(
         "ends.lua",
         "local fiber = require('fiber')\n\
-         for i = 1, 3000 do fiber.create(function() fiber.sleep(60) end) end\n\
+         for i = 1, 1000 do fiber.create(function() fiber.sleep(60) end) end\n\
          io.stdout:write('ready\\n') io.stdout:flush()\n\
          io.stdin:read('*l')\n\
          os.exit(0)\n",
@@ -258,7 +260,7 @@ fn a_view_asked_as_the_script_ends_is_answered_in_full() {
         .iter()
         .map(|s| s["fibers"].as_array().unwrap().len())
         .sum();
-    assert_eq!(fibers, 3001);
+    assert_eq!(fibers, 1001);
 }
 
 #[test]

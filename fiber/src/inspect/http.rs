@@ -55,8 +55,9 @@
 //! not atomic across fibers; a spinning Lua fiber's frames native only, with a note).
 //!
 //! A program about to end can wait for the answers under way ([`finish_answers`]): its exit
-//! would cut them off, and a client that asked at that moment got no answer. Requests read
-//! once the wait began are told 503.
+//! would cut them off, and a client that asked at that moment got no answer. Requests sent
+//! before it began (connections not accepted yet, requests not read yet) are taken in first
+//! and answered; requests read after are told 503.
 //!
 //! Listening: [`parse_addr`] takes `PORT` or `:PORT` as the loopback address (127.0.0.1);
 //! anything else (`0.0.0.0:6060`, `[::]:6060`, `myhost:6060`) is listened on as given (an IPv6
@@ -66,7 +67,7 @@
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -271,6 +272,11 @@ pub fn serve_with(addr: &str, limits: Limits) -> Result<Server, HttpError> {
             return Err(HttpError::Thread(e));
         }
     };
+    {
+        let mut all = SWEEPERS.lock().unwrap_or_else(|e| e.into_inner());
+        all.retain(|q| q.strong_count() > 0);
+        all.push(Arc::downgrade(&queue));
+    }
     Ok(Server {
         addr: local,
         stop,
@@ -306,6 +312,9 @@ struct Queue {
     ready: std::sync::Condvar,
     /// Where answering threads hand answers over to the server's thread.
     outbox: Outbox,
+    /// The last of [`SWEEP_ASKED`] the server's thread answered with a last look (see
+    /// [`finish_answers`]).
+    swept: AtomicU64,
 }
 
 #[derive(Default)]
@@ -331,6 +340,7 @@ impl Queue {
                 state: Default::default(),
                 waker,
             },
+            swept: AtomicU64::new(0),
         };
         Ok((q, woken))
     }
@@ -637,6 +647,22 @@ fn accept_loop(
     // and tell it so (503), then taken again.
     let mut spare = std::fs::File::open("/dev/null").ok();
     loop {
+        // The program is about to end (`finish_answers`): a last look at what came, so that
+        // a request sent before the end is answered (it may not have been read yet: it was
+        // told nothing, its connection closed by the exit).
+        let asked = SWEEP_ASKED.load(Ordering::SeqCst);
+        if asked > q.swept.load(Ordering::SeqCst) {
+            if let Some(l) = &listener {
+                accept_all(l, &limits, &mut pending, &mut spare, &mut sending);
+            }
+            for i in (0..pending.len()).rev() {
+                if let Some(req) = pending[i].read_some(&limits) {
+                    let p = pending.swap_remove(i);
+                    dispatch(p.stream, req, &limits, q);
+                }
+            }
+            q.swept.store(asked, Ordering::SeqCst);
+        }
         if stop.load(Ordering::SeqCst) && listener.is_some() {
             listener = None;
             pending.clear();
@@ -875,6 +901,13 @@ fn dispatch(
 /// The program is ending ([`finish_answers`]): requests read are told 503.
 static ENDING: AtomicBool = AtomicBool::new(false);
 
+/// Every server's queue, for [`finish_answers`]'s last look.
+static SWEEPERS: std::sync::Mutex<Vec<std::sync::Weak<Queue>>> = std::sync::Mutex::new(Vec::new());
+
+/// How many last looks [`finish_answers`] asked for (each server's thread answers with
+/// [`Queue::swept`]).
+static SWEEP_ASKED: AtomicU64 = AtomicU64::new(0);
+
 /// Answers, of every server, whose request was read and which are not written yet
 /// ([`finish_answers`]).
 static WRITING: AtomicUsize = AtomicUsize::new(0);
@@ -897,13 +930,43 @@ impl Drop for Writing {
 
 /// Waits, at most `timeout`, until every answer under way (its request read, its answer not
 /// written yet) is written, for a program about to end: its exit cut them off (a client that
-/// asked as the script ended got its connection closed and no answer). Whether none is left.
-/// Answers asked after this returned are not waited for.
+/// asked as the script ended got its connection closed and no answer). Requests sent before
+/// the call are answered too: each server takes in what came first. Whether none is left.
+/// Answers asked after this returned are not waited for (told 503 while it waits).
 pub fn finish_answers(timeout: Duration) -> bool {
+    let t0 = Instant::now();
+    // First, every server takes what came until now: connections waiting to be accepted,
+    // requests sent and not read yet (a request sent just before the end was told nothing,
+    // its connection closed by the exit). A server's thread that does not look within a
+    // quarter of the time (busy, or ended) is not waited for.
+    let gen = SWEEP_ASKED.fetch_add(1, Ordering::SeqCst) + 1;
+    let queues: Vec<Arc<Queue>> = SWEEPERS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .filter_map(std::sync::Weak::upgrade)
+        .collect();
+    for q in &queues {
+        q.outbox.wake();
+    }
+    while queues.iter().any(|q| {
+        q.swept.load(Ordering::SeqCst) < gen
+            && !q
+                .outbox
+                .state
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .closed
+    }) {
+        if t0.elapsed() >= timeout / 4 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    drop(queues);
     // Requests read from now on are told 503 (a scraper polling steadily kept the wait
     // busy until its end, and the answers under way were cut).
     ENDING.store(true, Ordering::SeqCst);
-    let t0 = Instant::now();
     while WRITING.load(Ordering::SeqCst) != 0 {
         if t0.elapsed() >= timeout {
             return false;
