@@ -1,6 +1,10 @@
 //! Dumps: the text reads like Go's goroutine dump, JSON parses, and the dump signal works
 //! while a fiber spins (checked on a real process: the `fiber_dump` example).
 
+#[path = "common/tied.rs"]
+mod tied;
+use tied::Tied;
+
 mod common;
 
 use std::io::{BufRead, BufReader, Read};
@@ -120,6 +124,7 @@ fn dump_signal_works_while_a_fiber_spins_and_the_process_goes_on() {
         .arg("30")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        .tied()
         .spawn()
         .unwrap();
     let mut out = BufReader::new(child.stdout.take().unwrap());

@@ -3,6 +3,10 @@
 //! name, status and wait, and a fiber's frames are exactly the ones the target's own dump
 //! gives; the target runs on and its fibers finish their work after being read.
 
+#[path = "common/tied.rs"]
+mod tied;
+use tied::Tied;
+
 #[path = "../../tests/scratch.rs"]
 mod scratch;
 use scratch::Scratch;
@@ -40,6 +44,7 @@ impl Target {
             .arg(n.to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
+            .tied()
             .spawn()
             .unwrap();
         let mut out = BufReader::new(child.stdout.take().unwrap());
@@ -290,7 +295,7 @@ fn fibers_are_read_without_stopping_the_process_too() {
 
 #[test]
 fn a_process_without_the_runtime_has_its_threads_and_a_note() {
-    let mut c = Command::new("sleep").arg("10").spawn().unwrap();
+    let mut c = Command::new("sleep").arg("10").tied().spawn().unwrap();
     std::thread::sleep(Duration::from_millis(100));
     let d = foreign::dump(c.id() as i32, &DumpOptions::default()).unwrap();
     c.kill().unwrap();

@@ -2,6 +2,10 @@
 //! too: the frames a release build inlines or tail-calls are where order went wrong): a fiber
 //! parked inside a debug hook, and a fiber caught inside `fiber.info()`.
 
+#[path = "common/tied.rs"]
+mod tied;
+use tied::Tied;
+
 #[path = "../../tests/scratch.rs"]
 mod scratch;
 use scratch::Scratch;
@@ -123,6 +127,7 @@ fn a_fiber_dumped_inside_fiber_info_is_shown_in_call_order() {
         .current_dir(&d)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
+        .tied()
         .spawn()
         .unwrap();
     let mut line = String::new();

@@ -2,6 +2,10 @@
 //! exactly what lws's tool prints; bad lines are reported with their numbers and do not stop
 //! the rest.
 
+#[path = "common/tied.rs"]
+mod tied;
+use tied::Tied;
+
 #[path = "../../tests/scratch.rs"]
 mod scratch;
 use scratch::Scratch;
@@ -18,6 +22,7 @@ fn run(args: &[&str], stdin: &str) -> (String, String, i32) {
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        .tied()
         .spawn()
         .unwrap();
     c.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
@@ -188,6 +193,7 @@ fn an_endless_line_is_reported_once_as_it_streams_and_the_next_line_decodes() {
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        .tied()
         .spawn()
         .unwrap();
     let mut sin = c.stdin.take().unwrap();
@@ -299,6 +305,7 @@ fn each_line_is_written_out_before_waiting_for_more_input() {
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        .tied()
         .spawn()
         .unwrap();
     let mut sin = c.stdin.take().unwrap();

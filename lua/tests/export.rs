@@ -2,6 +2,10 @@
 //! --dump-on-exit FORMAT:FILE`: every exit path writes the dump, Lua frames in place, and
 //! every bad argument is a clear error.
 
+#[path = "common/tied.rs"]
+mod tied;
+use tied::Tied;
+
 #[path = "../../tests/scratch.rs"]
 mod scratch;
 use scratch::Scratch;
@@ -178,6 +182,7 @@ fn start_and_wait(cwd: &Path, args: &[&str], first: &str) -> std::process::Child
         .current_dir(cwd)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
+        .tied()
         .spawn()
         .unwrap();
     let mut line = String::new();
@@ -330,6 +335,7 @@ fn an_exit_signal_waits_for_the_dumps_another_exit_path_writes() {
             .current_dir(&d)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
+            .tied()
             .spawn()
             .unwrap();
         let mut line = String::new();
@@ -421,6 +427,7 @@ fn os_exit_dumps_survive_changed_globals_and_a_dump_that_raises() {
             .current_dir(&d)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
+            .tied()
             .spawn()
             .unwrap();
         let t0 = std::time::Instant::now();

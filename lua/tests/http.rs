@@ -2,6 +2,10 @@
 //! Lua frames of its fibers while it waits, and an answer (native frames, a note) while a
 //! fiber spins; bad addresses refused before the script runs.
 
+#[path = "common/tied.rs"]
+mod tied;
+use tied::Tied;
+
 #[path = "../../tests/scratch.rs"]
 mod scratch;
 use scratch::Scratch;
@@ -51,6 +55,7 @@ fn start_under(
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        .tied()
         .spawn()
         .unwrap();
     let mut err = BufReader::new(child.stderr.take().unwrap());

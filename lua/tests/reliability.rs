@@ -2,6 +2,10 @@
 //! grows without bound, each bad input gets a clear error that names it, and nothing
 //! printed before is lost. (The channel and cancellation classes are in `channel.rs`.)
 
+#[path = "common/tied.rs"]
+mod tied;
+use tied::Tied;
+
 #[path = "../../tests/scratch.rs"]
 mod scratch;
 use scratch::Scratch;
@@ -124,6 +128,7 @@ fn a_closed_output_pipe_ends_decode_quietly() {
         ))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
+        .tied()
         .spawn()
         .and_then(|mut c| {
             let mut sin = c.stdin.take().unwrap();
@@ -209,6 +214,7 @@ fn signalled(sig: i32, ignore_first: bool) -> (String, String, Option<i32>, Opti
             out.display()
         ))
         .stderr(Stdio::piped())
+        .tied()
         .spawn()
         .unwrap();
     let t0 = Instant::now();
@@ -440,6 +446,7 @@ fn stall_reports_still_suppressed_at_exit_are_counted() {
         let mut c = Command::new(EXE)
             .args(["run", "--stall-ms", "1", s, "wait"])
             .stderr(Stdio::piped())
+            .tied()
             .spawn()
             .unwrap();
         let mut serr = c.stderr.take().unwrap();
@@ -508,6 +515,7 @@ fn a_script_printing_into_a_closed_pipe_ends_and_a_closed_stderr_pipe_does_not()
         .args(["run", s, "stdout"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        .tied()
         .spawn()
         .unwrap();
     let mut sout = c.stdout.take().unwrap();
@@ -535,6 +543,7 @@ fn a_script_printing_into_a_closed_pipe_ends_and_a_closed_stderr_pipe_does_not()
         .args(["run", s, "stderr"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        .tied()
         .spawn()
         .unwrap();
     let mut serr = c.stderr.take().unwrap();
@@ -576,6 +585,7 @@ fn a_closed_output_pipe_ends_the_program_after_its_exit_dumps_and_leaks_report()
             .arg(s)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
+            .tied()
             .spawn()
             .unwrap();
         let mut serr = c.stderr.take().unwrap();
@@ -647,6 +657,7 @@ fn a_reader_gone_before_the_exits_flush_still_gets_the_leaks_report() {
         .arg(&script)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        .tied()
         .spawn()
         .unwrap();
     let mut sout = c.stdout.take().unwrap();
@@ -857,6 +868,7 @@ fn a_fault_signal_sent_from_outside_ends_the_program_as_reported() {
             .arg(&script)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
+            .tied()
             .spawn()
             .unwrap();
         let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
@@ -1142,6 +1154,7 @@ fn quit_when_printed(
     let mut child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        .tied()
         .spawn()
         .unwrap();
     let pid = child.id() as i32;

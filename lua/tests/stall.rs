@@ -1,6 +1,10 @@
 //! Stuck Lua fibers through `fibertrace run`: a busy fiber is reported by the stall
 //! detector (`--stall-ms`), a channel deadlock exits non-zero with the report.
 
+#[path = "common/tied.rs"]
+mod tied;
+use tied::Tied;
+
 use std::process::Command;
 
 /// Where [`run_script`] writes `script` run with `args`.
@@ -858,6 +862,7 @@ fn stray_sigprof_signals_do_no_harm() {
         .arg(&path)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
+        .tied()
         .spawn()
         .unwrap();
     let mut out = std::io::BufReader::new(child.stdout.take().unwrap());

@@ -1,6 +1,8 @@
 //! The `fibertrace` binary end to end, as a user runs it: from another directory, on a
 //! script named by a relative path.
 
+use fibertrace_acceptance::Tied;
+
 use fibertrace_acceptance::{run_in, scratch};
 
 /// The `#N` lines of a report block that are Lua frames (`name in source:line`), without
@@ -522,6 +524,7 @@ fn dump_pid_of_a_lua_process_shows_each_fibers_lua_frames_as_its_own_dump_does()
         .current_dir(&dir)
         .stdout(std::process::Stdio::piped())
         .stderr(err_file)
+        .tied()
         .spawn()
         .unwrap();
     let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
@@ -722,6 +725,7 @@ fn a_dumper_killed_while_it_holds_the_process_lets_it_go_and_it_runs_on() {
         .args(["run", "ticker.lua"])
         .current_dir(&dir)
         .stdout(std::process::Stdio::piped())
+        .tied()
         .spawn()
         .unwrap();
     let pid = target.id();
@@ -757,7 +761,7 @@ fn a_dumper_killed_while_it_holds_the_process_lets_it_go_and_it_runs_on() {
                     Ok(())
                 });
             }
-            let mut dumper = cmd.spawn().unwrap();
+            let mut dumper = cmd.tied().spawn().unwrap();
             // Wait for the target to be held, then kill the dumper.
             while dumper.try_wait().unwrap().is_none() {
                 if thread_state(pid, pid) == Some('t') {
@@ -834,6 +838,7 @@ fn a_process_killed_while_it_is_dumped_gives_an_incomplete_dump_said_so_and_stat
             .args(["dump", &pid.to_string()])
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
+            .tied()
             .spawn()
             .unwrap();
         // Killed once it is held by the dump.

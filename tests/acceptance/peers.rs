@@ -8,6 +8,8 @@
 //! points `FIBERTRACE_SPEEDSCOPE` at speedscope's `dist/release` directory. A tool that is
 //! missing is a failure that says how to install it, never a pass.
 
+use fibertrace_acceptance::Tied;
+
 use std::path::Path;
 use std::process::Command;
 
@@ -297,6 +299,7 @@ fn the_live_endpoint_answers_curl_go_tool_pprof_and_a_browser() {
         .current_dir(&d)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
+        .tied()
         .spawn()
         .unwrap();
     let mut line = String::new();

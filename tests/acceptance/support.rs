@@ -4,6 +4,28 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// Programs a test starts end with the test: [`Tied::tied`] has the kernel kill the child
+/// when the thread that started it ends (a test that panicked left its `fibertrace run`
+/// running, a script waiting for a file that never came).
+pub trait Tied {
+    /// Kills the child (SIGKILL) when the thread that starts it ends.
+    fn tied(&mut self) -> &mut Self;
+}
+
+impl Tied for Command {
+    fn tied(&mut self) -> &mut Self {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: the closure runs in the child between fork and exec, where only
+        // async-signal-safe calls may be made: `prctl` is a plain system call.
+        unsafe {
+            self.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            })
+        }
+    }
+}
+
 /// The repository's root.
 pub fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -66,7 +88,7 @@ pub fn command_in(cwd: &Path, args: &[&str]) -> Command {
 /// script saying it is ready); the child runs on, its output no longer read.
 pub fn spawn_until(mut cmd: Command, first: &str) -> std::process::Child {
     use std::io::BufRead;
-    let mut child = cmd.spawn().expect("the binary runs");
+    let mut child = cmd.tied().spawn().expect("the binary runs");
     let mut line = String::new();
     std::io::BufReader::new(child.stdout.take().expect("its output piped"))
         .read_line(&mut line)

@@ -315,9 +315,10 @@ pub struct RunningTop {
 }
 
 /// Frame link types (the low three bits of a non-Lua frame's link): a vararg function's
-/// upper half, and a protected call from C.
+/// upper half, and a call from C (`FRAME_C`; a protected one, `FRAME_CP`, is 5: the same
+/// low two bits).
 const FRAME_VARG: u64 = 3;
-const FRAME_CP: u64 = 5;
+const FRAME_C: u64 = 1;
 
 /// Where a Lua state keeps its innermost C frame (`L->cframe`: LuaJIT 2.1, GC64, x86-64).
 const STATE_CFRAME: u64 = 80;
@@ -650,12 +651,11 @@ impl Reader {
     /// state read, called from C code that state called: a `__gc` finalizer, which the
     /// collector runs on the VM's main thread while the state read allocates (LuaJIT's
     /// `gc_call_finalizer`), or a C function's `lua_pcall` on another state — that state's
-    /// levels down to the one C code called (a frame linked as a protected call from C).
-    /// `stack`: the stack the reading runs on, in this process (the heap tracker's hook,
-    /// inside the allocation): the VM's running state is read only when its innermost C
-    /// frame is on it, below the reader — the call from C is one the reading runs inside
-    /// (the state the VM last ran may be another fiber's, whose C frames are on its own
-    /// stack). `None`: not read (the default).
+    /// levels down to the outermost call from C the reading runs inside: `stack` is the
+    /// stack the reading runs on, in this process (the heap tracker's hook, inside the
+    /// allocation), and each of the state's C frames on it is one such call, matched to a
+    /// level called from C (the state the VM last ran may be another fiber's, whose C frames
+    /// are on its own stack: not read). `None`: not read (the default).
     pub fn set_called_states(&mut self, stack: Option<fibertrace_core::StackBounds>) {
         self.called_states = stack;
     }
@@ -748,10 +748,15 @@ impl Reader {
         // the innermost.
         if let Some(stack) = self.called_states {
             if let Some(cur) = self.running_state(mem, root).filter(|c| !chain.contains(c)) {
-                let cf = Self::u64(mem, cur.wrapping_add(STATE_CFRAME)).unwrap_or(0) & !3;
-                let on_stack = stack.contains(cf);
-                let slots = on_stack
-                    .then(|| self.slots_from_c(mem, cur, top, &mut left, deadline))
+                // Its calls from C this reading runs inside: its C frames on this stack.
+                let mut on_stack = 0;
+                let mut cf = Self::u64(mem, cur.wrapping_add(STATE_CFRAME)).unwrap_or(0) & !3;
+                while on_stack < 64 && cf != 0 && stack.contains(cf) {
+                    on_stack += 1;
+                    cf = Self::u64(mem, cf.wrapping_add(CFRAME_PREV)).unwrap_or(0) & !3;
+                }
+                let slots = (on_stack > 0)
+                    .then(|| self.slots_from_c(mem, cur, on_stack, top, &mut left, deadline))
                     .flatten();
                 if let Some(slots) = slots {
                     // The state it runs for called out from inside an instruction (the
@@ -833,28 +838,33 @@ impl Reader {
         self.interpreted_top(mem, th, base, pc).ok().map(|_| pc)
     }
 
-    /// The levels of state `th` down to the first one C code called with a protected call
-    /// (its frame link a C-protected one, `FRAME_CP`: `lua_pcall` from C, the collector's
-    /// call of a finalizer), that one included; `None` when no level of it was called so.
+    /// The levels of state `th` down to the `calls`-th one C code called (its frame link a
+    /// C one, `FRAME_C` or `FRAME_CP`: `lua_call` or `lua_pcall` from C, the collector's
+    /// call of a finalizer — each the C frame of one call from C), that one included;
+    /// `None` when fewer of its levels were called so.
     fn slots_from_c(
         &mut self,
         mem: &mut dyn Memory,
         th: u64,
+        calls: usize,
         top: Option<RunningTop>,
         left: &mut usize,
         deadline: std::time::Instant,
     ) -> Option<Vec<Slot>> {
         let mut slots = self.slots(mem, th, top, left, deadline).ok()?;
-        let mut n = None;
+        let (mut n, mut seen) = (None, 0);
         for (i, s) in slots.iter().enumerate() {
             let mut ftsz = Self::u64(mem, s.frame).ok()?;
             if ftsz & 7 == FRAME_VARG {
                 // A vararg function: its link is the lower half's.
                 ftsz = Self::u64(mem, s.frame.wrapping_sub(ftsz & !7)).ok()?;
             }
-            if ftsz & 7 == FRAME_CP {
-                n = Some(i + 1);
-                break;
+            if ftsz & 3 == FRAME_C {
+                seen += 1;
+                if seen == calls {
+                    n = Some(i + 1);
+                    break;
+                }
             }
         }
         slots.truncate(n?);
@@ -1019,7 +1029,10 @@ impl Reader {
                 snapshot: false,
             }));
         }
-        if interpreting(vmstate) {
+        // (The interpreter's registers, only in the state the interpreter itself sets: the
+        // thread held in the VM's glue — a return from C code, say — has other values there
+        // while the recorder's or the C state holds.)
+        if vmstate == VMST_INTERP {
             let Some((base, pc)) = interp else {
                 return Ok(None);
             };
@@ -2198,14 +2211,14 @@ mod tests {
     /// them whole or in part, and nothing else.
     #[test]
     fn an_overlay_shows_its_words_in_every_read_that_covers_them() {
-        let words = [(0x1008, 0x1122_3344_5566_7788u64), (0x1020, u64::MAX)];
+        let words = [(0x10_1008, 0x1122_3344_5566_7788u64), (0x10_1020, u64::MAX)];
         let mut inner = Same(0);
         let mut m = snapshot::Overlay {
             inner: &mut inner,
             words: &words,
         };
         let mut b = [0u8; 48];
-        assert!(m.read(0x1000, &mut b));
+        assert!(m.read(0x10_1000, &mut b));
         assert_eq!(&b[..8], &[0; 8]);
         assert_eq!(&b[8..16], &0x1122_3344_5566_7788u64.to_le_bytes());
         assert_eq!(&b[16..32], &[0; 16]);
@@ -2213,10 +2226,10 @@ mod tests {
         assert_eq!(&b[40..], &[0; 8]);
         // Parts of a word, at either end of a read.
         let mut b = [0u8; 4];
-        assert!(m.read(0x100c, &mut b));
+        assert!(m.read(0x10_100c, &mut b));
         assert_eq!(b, [0x44, 0x33, 0x22, 0x11]);
         let mut b = [0u8; 6];
-        assert!(m.read(0x1005, &mut b));
+        assert!(m.read(0x10_1005, &mut b));
         assert_eq!(b, [0, 0, 0, 0x88, 0x77, 0x66]);
         // A read the memory below refuses stays refused.
         struct Refuse;
@@ -2229,6 +2242,20 @@ mod tests {
             inner: &mut Refuse,
             words: &words,
         };
-        assert!(!m.read(0x1008, &mut [0u8; 8]));
+        assert!(!m.read(0x10_1008, &mut [0u8; 8]));
+        // A function object made up for the walk (where no memory is): zero but for its
+        // words; past its room, refused.
+        let fake = snapshot::FAKE_FUNCS;
+        let words = [(fake + 32, 0x5555_6666_7777_8888u64)];
+        let mut m = snapshot::Overlay {
+            inner: &mut Refuse,
+            words: &words,
+        };
+        let mut b = [0xaau8; 48];
+        assert!(m.read(fake, &mut b));
+        assert_eq!(&b[..32], &[0; 32]);
+        assert_eq!(&b[32..40], &0x5555_6666_7777_8888u64.to_le_bytes());
+        assert!(!m.read(fake.wrapping_sub(8), &mut [0u8; 16]));
+        assert!(!m.read(0x10_0000, &mut [0u8; 8]));
     }
 }

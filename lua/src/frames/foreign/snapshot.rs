@@ -37,6 +37,9 @@ use smallvec::SmallVec;
 
 use super::{Memory, Reader, T_FUNC};
 
+/// A prototype's object type byte (`gct`), and its value for a prototype (`~LJ_TPROTO`).
+const PROTO_GCT: u64 = 9;
+const GCT_PROTO: u8 = 7;
 /// The IR reference bias (`REF_BIAS`): references below it are constants.
 const REF_BIAS: u32 = 0x8000;
 /// An IR instruction's size, and where its type byte is (its opcode byte follows).
@@ -51,6 +54,13 @@ const SNAP_CONT: u32 = 0x02_0000;
 const MAX_ENTRIES: usize = 255;
 /// Most inlined frames followed (LuaJIT's own bound on a trace's frame depth is lower).
 const MAX_DEPTH: usize = 64;
+/// Where function objects made up for the walk are ([`Overlay`]): addresses no process maps
+/// (below Linux's lowest mappable address, 64 KiB), one [`FAKE_SIZE`] each.
+pub(super) const FAKE_FUNCS: u64 = 0x1000;
+const FAKE_SIZE: u64 = 64;
+const FAKE_END: u64 = 0x2000;
+/// Most instructions looked back from one to the start of its function's code.
+const MAX_SCAN: u64 = 1 << 14;
 
 /// Stack words an exit would restore: (address, value).
 pub(in crate::frames) type Words = SmallVec<[(u64, u64); 16]>;
@@ -74,7 +84,15 @@ pub(in crate::frames) struct Overlay<'a> {
 impl Memory for Overlay<'_> {
     fn read(&mut self, addr: u64, out: &mut [u8]) -> bool {
         if !self.inner.read(addr, out) {
-            return false;
+            // A function object made up for the walk: its bytes are zero but for its words.
+            let made = addr >= FAKE_FUNCS
+                && addr
+                    .checked_add(out.len() as u64)
+                    .is_some_and(|e| e <= FAKE_END);
+            if !made {
+                return false;
+            }
+            out.fill(0);
         }
         let end = addr.saturating_add(out.len() as u64);
         for &(at, v) in self.words {
@@ -90,6 +108,33 @@ impl Memory for Overlay<'_> {
 }
 
 impl Reader {
+    /// The start of the code (the first instruction, just after its prototype) of the Lua
+    /// function whose instruction is at `ins`: looked back for the function-header
+    /// instruction every prototype's code starts with (and only it), checked against the
+    /// prototype before it (its object type, its code's length holding `ins`). At most
+    /// [`MAX_SCAN`] instructions back.
+    fn code_of(&mut self, mem: &mut dyn Memory, ins: u64) -> Option<u64> {
+        let l = self.l;
+        if ins & 3 != 0 {
+            return None;
+        }
+        // The function headers: FUNCF, IFUNCF, JFUNCF, FUNCV, IFUNCV, JFUNCV, just before
+        // FUNCC.
+        let first = l.op_funcc.checked_sub(6)?..l.op_funcc;
+        for k in 0..MAX_SCAN {
+            let at = ins.checked_sub(4 * k)?;
+            if !first.contains(&Self::u8(mem, at).ok()?) {
+                continue;
+            }
+            let pt = at.wrapping_sub(l.proto_size as u64);
+            let sizebc = Self::u32(mem, pt.wrapping_add(l.proto_sizebc as u64)).ok()? as u64;
+            let ok = Self::u8(mem, pt.wrapping_add(PROTO_GCT)).ok()? == GCT_PROTO
+                && ins < at.wrapping_add(4 * sizebc);
+            return ok.then_some(at);
+        }
+        None
+    }
+
     /// The frames of trace `t` (running with base `jit_base`) at the first of `code`'s
     /// frames in its machine code (innermost first: the thread's PC, return addresses),
     /// from the snapshot nearest before it (see the module doc); `None` when the process
@@ -221,28 +266,58 @@ impl Reader {
         let mut words = Words::new();
         let mut s = top;
         let mut depth = 0;
+        // An instruction of the function at `s` (the snapshot's own; then each caller's call
+        // or metamethod instruction): a function the trace does not hold as a constant is
+        // found from it.
+        let mut inside = Some(pc);
+        let mut made = 0;
         while s > 0 {
             depth += 1;
             if depth > MAX_DEPTH {
                 return None;
             }
-            let func = get(s, 0).filter(|&v| super::itype(v) == T_FUNC)?;
+            let func = match get(s, 0).filter(|&v| super::itype(v) == T_FUNC) {
+                Some(f) => f,
+                None => {
+                    // A closure the trace checks by its prototype only (one made again
+                    // and again, or many of one function): a function object made up
+                    // for the walk, with that prototype (see `Overlay`).
+                    let code = self.code_of(mem, inside?)?;
+                    let fake = FAKE_FUNCS + FAKE_SIZE * made;
+                    made += 1;
+                    if fake + FAKE_SIZE > FAKE_END {
+                        return None;
+                    }
+                    let l = self.l;
+                    // (The kind and upvalue-count bytes are in the word at 8: zero, a Lua
+                    // function.)
+                    words.push((fake + (l.func_ffid as u64 & !7), 0));
+                    words.push((fake + l.func_pc as u64, code));
+                    ((T_FUNC as u64) << 47) | fake
+                }
+            };
             let link = get(s + 1, SNAP_FRAME | SNAP_CONT)?;
             words.push((addr(s), func));
             words.push((addr(s + 1), link));
             let down = if link & 3 == 0 {
                 // A Lua frame: the call instruction before the return PC sizes the caller.
                 let ins = Self::u32(mem, link.wrapping_sub(4)).ok()?;
+                inside = Some(link.wrapping_sub(4));
                 2 + ((ins >> 8) & 0xff)
             } else {
                 match link & 7 {
-                    // A continuation: its PC is the slot below the function.
+                    // A continuation: its PC (of the instruction after the one that called
+                    // the metamethod) is the slot below the function.
                     2 => {
                         let pc = get(s.checked_sub(1)?, 0)?;
                         words.push((addr(s - 1), pc));
+                        inside = Some(pc.wrapping_sub(4));
                     }
-                    // A vararg frame's upper half.
+                    // A vararg frame's upper half (the lower half is the same function's).
                     3 => {}
+                    // A protected call's callee (`pcall`, `xpcall`): below it, the call's
+                    // own frame.
+                    6 | 7 => inside = None,
                     _ => return None,
                 }
                 u32::try_from((link & !7) / 8).ok()?
