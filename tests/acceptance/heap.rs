@@ -793,6 +793,60 @@ fn compiled_calls_of_closures_and_through_pcall_have_their_levels() {
     assert_eq!((a, t), (2000, 2000), "{report}");
 }
 
+/// A C function the interpreter calls right after a trace exited inside an inlined
+/// function allocates with that function's frames: the JIT state still names the exit and
+/// the saved PC is still its snapshot's, and the exit's frames were laid over the C
+/// function's base (the review of the snapshot reader found it).
+#[test]
+fn a_c_function_called_right_after_a_trace_exit_has_its_own_frames() {
+    let dir = scratch("heap-jit-exit");
+    std::fs::write(
+        dir.join("s.lua"),
+        "keep, strs = {}, {}\n\
+         local function mk(i)\n\
+           local t = {i}\n\
+           if i % 500 == 0 then\n\
+             strs[#strs + 1] = string.format('%d-%s', i, 'x')\n\
+           end\n\
+           return t\n\
+         end\n\
+         local function loop(n)\n\
+           for i = 1, n do\n\
+             keep[i] = mk(i)\n\
+           end\n\
+         end\n\
+         loop(3000)\n",
+    )
+    .unwrap();
+    let out = run_in(&dir, &["run", "--leaks", "s.lua"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let report = leak_report(&err);
+    let mut strings = 0;
+    for g in report
+        .split("\n\n")
+        .filter(|g| g.contains("format in =[C]"))
+    {
+        let lua: Vec<&str> = g
+            .lines()
+            .filter(|l| l.starts_with('#') && !l.contains(" 0x") && !l.contains("truncated"))
+            .map(|l| l[4..].trim_start())
+            .collect();
+        assert_eq!(
+            lua,
+            [
+                "format in =[C]:-1",
+                "mk in @s.lua:5",
+                "loop in @s.lua:11",
+                "main chunk in @s.lua:14"
+            ],
+            "{g}"
+        );
+        strings += 1;
+    }
+    assert!(strings > 0, "{report}");
+}
+
 /// Allocations a `__gc` finalizer makes have the finalizer's frames, then the frames of the
 /// code whose collection ran it: LuaJIT runs finalizers on the VM's main thread, and the
 /// fiber's own state still held the frames of its call out (`collectgarbage`), so they were

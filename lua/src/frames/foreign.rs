@@ -191,6 +191,8 @@ const MAX_TOTAL_TIME: std::time::Duration = std::time::Duration::from_secs(10);
 const IDSIZE: usize = 60;
 /// LuaJIT's VM state while its collector runs (`~LJ_VMST_GC`).
 const VMST_GC: i32 = !2;
+/// LuaJIT's VM state while a trace exits (`lj_trace_exit`, the snapshot restored).
+const VMST_EXIT: i32 = !3;
 /// The VM states of the interpreter, of the trace recorder (the interpreter runs each
 /// instruction it records), and of the JIT compiler's optimiser and assembler.
 const VMST_INTERP: i32 = !0;
@@ -326,6 +328,9 @@ const STATE_CFRAME: u64 = 80;
 const CFRAME_PC: u64 = 24;
 /// Where a C frame keeps the C frame it was made from (`SAVE_CFRAME`, `cframe_prev`).
 const CFRAME_PREV: u64 = 32;
+/// Where a C frame keeps its `i32` result count (`SAVE_NRES`: negative for a C frame with
+/// no Lua frame, a protected call of the VM's own).
+const CFRAME_NRES: u64 = 8;
 /// Where a C frame keeps its state (`SAVE_L`).
 const CFRAME_L: u64 = 16;
 /// Where, in a C frame, the frame record of the call that entered the VM is: past the
@@ -748,13 +753,23 @@ impl Reader {
         // the innermost.
         if let Some(stack) = self.called_states {
             if let Some(cur) = self.running_state(mem, root).filter(|c| !chain.contains(c)) {
-                // Its calls from C this reading runs inside: its C frames on this stack.
-                let mut on_stack = 0;
+                // Its calls from C this reading runs inside: its C frames on this stack that
+                // have a Lua frame (a protected call the VM makes for itself has none: its
+                // result count is negative).
+                let (mut on_stack, mut frames) = (0, 0);
                 let mut cf = Self::u64(mem, cur.wrapping_add(STATE_CFRAME)).unwrap_or(0) & !3;
-                while on_stack < 64 && cf != 0 && stack.contains(cf) {
-                    on_stack += 1;
+                while frames < 64 && cf != 0 && stack.contains(cf) {
+                    frames += 1;
+                    let nres = Self::u32(mem, cf.wrapping_add(CFRAME_NRES)).unwrap_or(0) as i32;
+                    if nres >= 0 {
+                        on_stack += 1;
+                    }
                     cf = Self::u64(mem, cf.wrapping_add(CFRAME_PREV)).unwrap_or(0) & !3;
                 }
+                // (Not a coroutine waiting to be resumed, that its resume's growing of its
+                // stack made the running one: only a state that runs now, status 0.)
+                let runs = Self::u8(mem, cur.wrapping_add(self.l.state_status as u64)) == Ok(0);
+                let on_stack = if runs { on_stack } else { 0 };
                 let slots = (on_stack > 0)
                     .then(|| self.slots_from_c(mem, cur, on_stack, top, &mut left, deadline))
                     .flatten();
@@ -1142,8 +1157,12 @@ impl Reader {
             Ok(top) => Ok(Some(top)),
             Err(e) if interpreting(vmstate) => Err(e),
             // A trace's exit restoring inlined frames (the PC is the innermost one's, the
-            // base still the trace's): the frames of the snapshot it restores. Else C code
-            // Lua called (the base is the C function's).
+            // base still the trace's): the frames of the snapshot it restores — only while
+            // the exit runs (its VM state, which the protected call it makes keeps): the
+            // JIT state names the last exit long after, and its saved PC stays until the
+            // interpreter saves another. Else C code Lua called (the base is the C
+            // function's).
+            Err(_) if vmstate != VMST_EXIT => Ok(None),
             Err(_) => Ok(self.exit_top(mem, g, base, pc).and_then(|top| {
                 let mut seen = snapshot::Overlay {
                     inner: &mut *mem,

@@ -14,23 +14,29 @@
 //! `8 * (s - 2)` bytes above the base the trace runs with (`jit_base`, which a trace that
 //! returns below its start moves too). An inlined frame's function slot holds an IR constant
 //! of the function, its link slot the frame link as a 64-bit number constant (the caller's
-//! return PC, or a delta for vararg and continuation frames, whose PC is the slot below the
-//! function).
+//! return PC, or a delta for vararg, continuation and protected-call frames; a
+//! continuation's PC is the slot below the function). A function the trace holds by its
+//! prototype only (a closure made again and again, one of several closures of a function)
+//! has no constant: its prototype is found from an instruction inside it (the snapshot's
+//! PC, or the call its callee returns to), and a function object with that prototype is
+//! made up for the walk, at an address no process maps.
 //!
 //! The frames are handed to the walk as *memory*: [`Overlay`] shows those slots with the
-//! values an exit would write back, so the walk, the names callers give and the lines are
-//! the interpreter's own code paths.
+//! values an exit would write back (and the made-up objects), so the walk, the names callers
+//! give and the lines are the interpreter's own code paths.
 //!
 //! Invariants: nothing is used unless it checks out — the trace's machine code holds the
 //! address, the snapshot and its map are inside their arrays, every frame from the innermost
-//! down to the trace's base has a constant function and link in the snapshot (a function
-//! the trace did not fix, a closure made in a loop, gives no snapshot frames: the caller
-//! falls back to the trace's base function), the chain lands on the base frame exactly, and
-//! (the caller checks) a Lua function is at the innermost frame with the PC inside it. How a
-//! result can be wrong: the snapshot is the state *before* the guard that follows it; the
-//! code after it may belong to the next bytecode instructions of the same function (often
-//! the same line, not always); a function inlined and already returned from at the address
-//! shows when its snapshot is the nearest.
+//! down to the trace's base has a function (a constant, or a prototype found and checked)
+//! and a constant link in the snapshot, the chain lands on the base frame exactly, and (the
+//! caller checks) a Lua function is at the innermost frame with the PC inside it; otherwise
+//! the caller falls back to the trace's base function. How a result can be wrong: the
+//! snapshot is the state *before* the guard that follows it, and the code after it runs on
+//! to the next snapshot. With Lua safe points on, LuaJIT's profiler (line mode) makes the
+//! trace take a snapshot at every line and every function it enters, so the function and
+//! line are the code's; without, snapshots are at guards only, and a function entered (or a
+//! line reached) after the last guard before the address is missing (its caller, its
+//! earlier line shown); a function inlined and returned from before the address may show.
 
 use fibertrace_core::Frame;
 use smallvec::SmallVec;
@@ -84,11 +90,17 @@ pub(in crate::frames) struct Overlay<'a> {
 impl Memory for Overlay<'_> {
     fn read(&mut self, addr: u64, out: &mut [u8]) -> bool {
         if !self.inner.read(addr, out) {
-            // A function object made up for the walk: its bytes are zero but for its words.
+            // A function object made up for the walk: its bytes are zero but for its words
+            // (a read anywhere else of that room fails, as the memory's own).
+            let block = |a: u64| (a.wrapping_sub(FAKE_FUNCS)) / FAKE_SIZE;
             let made = addr >= FAKE_FUNCS
                 && addr
                     .checked_add(out.len() as u64)
-                    .is_some_and(|e| e <= FAKE_END);
+                    .is_some_and(|e| e <= FAKE_END && block(e - 1) == block(addr))
+                && self
+                    .words
+                    .iter()
+                    .any(|&(w, _)| (FAKE_FUNCS..FAKE_END).contains(&w) && block(w) == block(addr));
             if !made {
                 return false;
             }
@@ -133,6 +145,29 @@ impl Reader {
             return ok.then_some(at);
         }
         None
+    }
+
+    /// A function object made up for the walk (at the next free place of the [`FAKE_FUNCS`]
+    /// room, its words added to `words`), a Lua function whose code holds the instruction at
+    /// `inside`: its value as a stack slot holds it.
+    fn made_up_function(
+        &mut self,
+        mem: &mut dyn Memory,
+        inside: u64,
+        made: &mut u64,
+        words: &mut Words,
+    ) -> Option<u64> {
+        let code = self.code_of(mem, inside)?;
+        let fake = FAKE_FUNCS + FAKE_SIZE * *made;
+        if fake + FAKE_SIZE > FAKE_END {
+            return None;
+        }
+        *made += 1;
+        let l = self.l;
+        // (The kind and upvalue-count bytes are in the word at 8: zero, a Lua function.)
+        words.push((fake + (l.func_ffid as u64 & !7), 0));
+        words.push((fake + l.func_pc as u64, code));
+        Some(((T_FUNC as u64) << 47) | fake)
     }
 
     /// The frames of trace `t` (running with base `jit_base`) at the first of `code`'s
@@ -236,9 +271,12 @@ impl Reader {
         let nk = Self::u32(mem, field(tl.trace_nk)).ok()?;
         // The constant slots: (slot, flags, value as the stack holds it).
         let mut consts: SmallVec<[(u32, u32, u64); 32]> = SmallVec::new();
+        // Whether the snapshot holds the base frame's function slot at all.
+        let mut has_base = false;
         for e in raw[..4 * nent].chunks_exact(4) {
             let sn = u32::from_le_bytes(e.try_into().ok()?);
             let (slot, flags, r) = (sn >> 24, sn & 0x00ff_0000, sn & 0xffff);
+            has_base |= slot == 0;
             if r >= REF_BIAS || r < nk {
                 continue;
             }
@@ -278,23 +316,9 @@ impl Reader {
             }
             let func = match get(s, 0).filter(|&v| super::itype(v) == T_FUNC) {
                 Some(f) => f,
-                None => {
-                    // A closure the trace checks by its prototype only (one made again
-                    // and again, or many of one function): a function object made up
-                    // for the walk, with that prototype (see `Overlay`).
-                    let code = self.code_of(mem, inside?)?;
-                    let fake = FAKE_FUNCS + FAKE_SIZE * made;
-                    made += 1;
-                    if fake + FAKE_SIZE > FAKE_END {
-                        return None;
-                    }
-                    let l = self.l;
-                    // (The kind and upvalue-count bytes are in the word at 8: zero, a Lua
-                    // function.)
-                    words.push((fake + (l.func_ffid as u64 & !7), 0));
-                    words.push((fake + l.func_pc as u64, code));
-                    ((T_FUNC as u64) << 47) | fake
-                }
+                // A closure the trace checks by its prototype only (one made again and
+                // again, or many of one function).
+                None => self.made_up_function(mem, inside?, &mut made, &mut words)?,
             };
             let link = get(s + 1, SNAP_FRAME | SNAP_CONT)?;
             words.push((addr(s), func));
@@ -323,6 +347,33 @@ impl Reader {
                 u32::try_from((link & !7) / 8).ok()?
             };
             s = s.checked_sub(down)?;
+        }
+        // The trace's base frame: its function is the one on the stack, unless the trace
+        // tail-called another in its place (the snapshot holds the callee there, the stack
+        // the caller until the trace exits).
+        if has_base {
+            let func = match get(0, 0) {
+                Some(f) if super::itype(f) == T_FUNC => Some(f),
+                Some(_) => return None,
+                None => {
+                    // Not a constant (a side trace's slot it took from its parent, say):
+                    // the stack's own function when its code holds the instruction.
+                    let at = inside?;
+                    let own = Self::u64(mem, addr(0)).ok().filter(|&tv| {
+                        super::itype(tv) == T_FUNC
+                            && self
+                                .pc_position(mem, tv & super::GCV_MASK, at.wrapping_add(4))
+                                .is_some()
+                    });
+                    match own {
+                        Some(_) => None,
+                        None => Some(self.made_up_function(mem, at, &mut made, &mut words)?),
+                    }
+                }
+            };
+            if let Some(func) = func {
+                words.push((addr(0), func));
+            }
         }
         Some(SnapTop {
             base: addr(top).wrapping_add(16),
