@@ -228,9 +228,12 @@ impl ForeignLayer for LuaLayer {
     /// read and merged as a suspended fiber's. Inside LuaJIT's interpreter the base and PC
     /// are the thread's registers (`rdx`, `rbx` on x86-64): the levels are read from them,
     /// checked against the state's stack and the function's code first. In compiled code
-    /// (the VM state holds a trace's number) they are read from the base the trace was entered
-    /// with: the innermost level is the function the trace runs in (its line, the trace's
-    /// start; a function the trace inlined has no level); the trace's code has no unwind
+    /// (the VM state holds a trace's number) they are the trace's snapshot's nearest before
+    /// the thread's PC (or the return address into the trace of the call it made): the
+    /// functions the trace inlined are levels, the line is the snapshot's; where no
+    /// snapshot checks out, they are read from the base the trace was entered with (the
+    /// innermost level is the function the trace runs in, at the trace's start, a function
+    /// the trace inlined has no level, and the note says so); the trace's code has no unwind
     /// record, and the runtime's walk goes on below it from where the VM was entered
     /// ([`LuaLayer::below_unwound`]): those frames are merged in as the interpreter's, the
     /// levels taking the trace's own frame's place (where that entry cannot be read, the
