@@ -475,6 +475,34 @@ ch:get()
 
 /// `--dump-view grouped`: a deadlock of 40 fibers stuck on the same line and the main fiber
 /// reads as two groups, the 40 first, each with its Lua frames once.
+/// A wait shorter than Tarantool's `TIMEOUT_INFINITY` (100 years) has a timer: a fiber that
+/// sleeps two billion seconds is asleep, not suspended for good, so a script whose other
+/// fibers wait on it is not a deadlock (from a billion seconds on it was: `all fibers are
+/// asleep`, though the sleeper would wake and go on). From 100 years on, forever.
+#[test]
+fn waits_shorter_than_a_hundred_years_have_a_timer() {
+    let (code, out, err) = run_script(
+        &[],
+        "local fiber = require('fiber')\n\
+         local a = fiber.create(function() fiber.sleep(2e9) end)\n\
+         local b = fiber.create(function() fiber.sleep(4e9) end)\n\
+         local ch = fiber.channel(0)\n\
+         local c = fiber.create(function() ch:get(2e9) end)\n\
+         fiber.yield()\n\
+         local info = fiber.info({backtrace = false})\n\
+         print(info[a:id()].status, info[b:id()].status, info[c:id()].status)\n\
+         os.exit(0)\n",
+    );
+    assert_eq!(code, 0, "{err}");
+    let shorter = out.trim_end().split('\t').collect::<Vec<_>>();
+    assert_eq!(shorter.len(), 3, "{out}");
+    // The two-billion-second ones wait with a timer, as a short sleep does; the 4e9 one
+    // forever.
+    assert_eq!(shorter[0], "sleeping", "{out}");
+    assert_eq!(shorter[1], "suspended", "{out}");
+    assert_eq!(shorter[2], "waiting", "{out}");
+}
+
 #[test]
 fn a_deadlock_of_many_identical_lua_waiters_reads_as_groups() {
     let (code, _out, err) = run_script(&["--dump-view", "grouped"], MANY_WAITERS);

@@ -325,10 +325,12 @@ pub(crate) unsafe fn type_of(l: *mut ffi::lua_State, idx: c_int) -> c_int {
     unsafe { ffi::lua_type(l, idx) }
 }
 
-/// A non-negative number of seconds as a timeout (`None`: forever, for NaN and anything past
-/// a billion seconds; `Duration::from_secs_f64` would panic past its range).
+/// A non-negative number of seconds as a timeout (`None`: forever, for NaN and from
+/// Tarantool's `TIMEOUT_INFINITY` on, 100 years; `Duration::from_secs_f64` would panic past
+/// its range). Below it, a timer: a fiber that sleeps a billion seconds is not "asleep
+/// forever" to the deadlock report (it was, from a billion on).
 pub(crate) fn seconds(s: f64) -> Option<std::time::Duration> {
-    if s.is_nan() || s >= 1e9 {
+    if s.is_nan() || s >= crate::host::Slice::INFINITE {
         None
     } else {
         Some(std::time::Duration::from_secs_f64(s.max(0.0)))
