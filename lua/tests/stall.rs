@@ -671,6 +671,37 @@ fn a_fiber_blocked_longer_than_blocked_ms_is_reported_once_with_its_lua_frames()
     );
 }
 
+/// Many fibers blocked at once past `--blocked-ms` get the stall reports' rate limit (ten
+/// reports a second): the rest are counted in a line, not reported one by one (20,000 fibers
+/// waiting on one channel printed 20,000 reports, 10 MB, in a second).
+#[test]
+fn many_fibers_blocked_at_once_are_reported_at_the_rate_limit_and_counted() {
+    let (code, _out, err) = run_script(
+        &["--blocked-ms", "100"],
+        "local fiber = require('fiber')\n\
+         local ch = fiber.channel(0)\n\
+         for i = 1, 200 do fiber.create(function() ch:get(0.5) end) end\n\
+         fiber.sleep(0.4)\n",
+    );
+    assert_eq!(code, 0, "{err}");
+    let reports = err.matches("blocked: fiber ").count();
+    let counted: u64 = err
+        .lines()
+        .filter_map(|l| l.strip_prefix("fibertrace: "))
+        .filter_map(|l| l.strip_suffix(" blocked past the limit, not reported (the rate limit)"))
+        .map(|l| {
+            l.split(' ')
+                .next()
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("{l}"))
+        })
+        .sum();
+    // The 200 waiting fibers and the main fiber's sleep: within the first second, ten
+    // reports, the others counted.
+    assert_eq!(reports, 10, "{err}");
+    assert_eq!(reports as u64 + counted, 201, "{err}");
+}
+
 #[test]
 fn blocked_ms_rejects_zero_and_non_numbers() {
     for bad in ["0", "-1", "x", "", "18446744073709551616", "1.5"] {

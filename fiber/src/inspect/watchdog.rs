@@ -151,6 +151,10 @@ pub enum Report {
     /// Stall reports dropped by the rate limit in a window of a second with no report
     /// after them to carry the count (a burst that ended): nothing is dropped unsaid.
     Suppressed(u64),
+    /// Blocked fibers found by one scan past the rate limit ([`Config::max_reports_per_sec`]
+    /// blocked reports a second): counted, not reported one by one (thousands of fibers
+    /// waiting on one channel made as many reports at once).
+    BlockedSuppressed(u64),
 }
 
 impl Report {
@@ -170,6 +174,13 @@ impl Report {
             }
             Report::Suppressed(n) => {
                 format!("fibertrace: {n} more stall reports suppressed by the rate limit\n")
+            }
+            Report::BlockedSuppressed(n) => {
+                let fibers = if *n == 1 { "fiber" } else { "fibers" };
+                format!(
+                    "fibertrace: {n} more {fibers} blocked past the limit, not reported (the \
+                     rate limit)\n\n"
+                )
             }
         }
     }
@@ -444,6 +455,8 @@ fn run() {
     let mut blocked_seen: std::collections::HashMap<(FiberId, u64), ()> =
         std::collections::HashMap::new();
     let mut last_blocked_scan = Instant::now();
+    // The blocked reports' own rate limit: (window start, reports in it).
+    let mut blocked_window = (Instant::now(), 0u32);
     while !st.stop.load(Ordering::Relaxed) {
         let cfg = st.config.lock().unwrap_or_else(|e| e.into_inner()).clone();
         // Whether some run is over the threshold now (its next report will carry the count
@@ -618,6 +631,10 @@ fn run() {
             if last_blocked_scan.elapsed() >= tick.max(Duration::from_millis(10)) {
                 last_blocked_scan = Instant::now();
                 let mut live = std::collections::HashSet::new();
+                if blocked_window.0.elapsed() >= Duration::from_secs(1) {
+                    blocked_window = (Instant::now(), 0);
+                }
+                let mut suppressed = 0u64;
                 for s in &scheds {
                     // A scheduler with a frame source builds the report on its thread (its
                     // fibers' Lua frames are readable there only); one that did not come
@@ -634,6 +651,11 @@ fn run() {
                         if blocked_seen.insert(key, ()).is_some() {
                             continue;
                         }
+                        if blocked_window.1 >= cfg.max_reports_per_sec {
+                            suppressed += 1;
+                            continue;
+                        }
+                        blocked_window.1 += 1;
                         let opts = crate::InfoOptions::default();
                         let _in_flight = InFlight::new();
                         if let Some((fiber, note)) = super::fiber_part(s, f.id, &opts, wait) {
@@ -649,6 +671,10 @@ fn run() {
                     }
                 }
                 blocked_seen.retain(|(id, _), _| live.contains(id));
+                if suppressed > 0 {
+                    let _in_flight = InFlight::new();
+                    deliver(&Report::BlockedSuppressed(suppressed));
+                }
             }
         }
     }
