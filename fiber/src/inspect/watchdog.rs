@@ -151,9 +151,10 @@ pub enum Report {
     /// Stall reports dropped by the rate limit in a window of a second with no report
     /// after them to carry the count (a burst that ended): nothing is dropped unsaid.
     Suppressed(u64),
-    /// Blocked fibers found by one scan past the rate limit ([`Config::max_reports_per_sec`]
-    /// blocked reports a second): counted, not reported one by one (thousands of fibers
-    /// waiting on one channel made as many reports at once).
+    /// Blocked fibers found past the rate limit ([`Config::max_reports_per_sec`] blocked
+    /// reports a second): counted, not reported one by one (thousands of fibers waiting on
+    /// one channel made as many reports at once), and said once the second is over (or as
+    /// the program ends, [`finish`]).
     BlockedSuppressed(u64),
 }
 
@@ -202,6 +203,10 @@ struct State {
     /// Reports being made now, from the sample (or the scan) that found them to their
     /// delivery: what [`flush`] waits for.
     in_flight: AtomicU64,
+    /// The program is ending ([`finish`]): no new report is begun.
+    closing: AtomicBool,
+    /// Blocked fibers past the rate limit not yet counted in a delivered line.
+    blocked_suppressed: AtomicU64,
 }
 
 thread_local! {
@@ -238,6 +243,8 @@ fn state() -> &'static State {
         reports: AtomicU64::new(0),
         suppressed: AtomicU64::new(0),
         in_flight: AtomicU64::new(0),
+        closing: AtomicBool::new(false),
+        blocked_suppressed: AtomicU64::new(0),
     })
 }
 
@@ -273,6 +280,10 @@ pub fn stop() {
     if n > 0 {
         deliver(&Report::Suppressed(n));
     }
+    let n = st.blocked_suppressed.swap(0, Ordering::AcqRel);
+    if n > 0 {
+        deliver(&Report::BlockedSuppressed(n));
+    }
 }
 
 /// Waits, at most `max`, until no report is being made: one the watchdog found (it sampled
@@ -295,6 +306,21 @@ pub fn flush(max: Duration) -> bool {
         std::thread::sleep(Duration::from_millis(1));
     }
     true
+}
+
+/// For a program about to end: no new report is begun from now on (fibers left waiting as
+/// the program ends are not "blocked", and their reports, each waiting for a scheduler that
+/// will not come back, held the exit up: 5 s with 25,000 waiting fibers), and the reports
+/// being made are waited for, at most `max` (see [`flush`]).
+pub fn finish(max: Duration) -> bool {
+    let st = state();
+    st.closing.store(true, Ordering::SeqCst);
+    let done = flush(max);
+    let n = st.blocked_suppressed.swap(0, Ordering::AcqRel);
+    if n > 0 {
+        deliver(&Report::BlockedSuppressed(n));
+    }
+    done
 }
 
 /// Takes the count of stall reports suppressed by the rate limit that no delivered report
@@ -464,6 +490,9 @@ fn run() {
         let mut ongoing = false;
         let tick = (cfg.threshold / 4).clamp(Duration::from_micros(500), Duration::from_millis(50));
         std::thread::sleep(tick);
+        if st.closing.load(Ordering::SeqCst) {
+            continue;
+        }
         let scheds = registry::schedulers();
         watches.retain(|w| w.sched.strong_count() > 0);
         for s in &scheds {
@@ -633,8 +662,13 @@ fn run() {
                 let mut live = std::collections::HashSet::new();
                 if blocked_window.0.elapsed() >= Duration::from_secs(1) {
                     blocked_window = (Instant::now(), 0);
+                    // The second is over: what it counted is said.
+                    let n = st.blocked_suppressed.swap(0, Ordering::AcqRel);
+                    if n > 0 {
+                        let _in_flight = InFlight::new();
+                        deliver(&Report::BlockedSuppressed(n));
+                    }
                 }
-                let mut suppressed = 0u64;
                 for s in &scheds {
                     // A scheduler with a frame source builds the report on its thread (its
                     // fibers' Lua frames are readable there only); one that did not come
@@ -651,8 +685,11 @@ fn run() {
                         if blocked_seen.insert(key, ()).is_some() {
                             continue;
                         }
+                        if st.closing.load(Ordering::SeqCst) {
+                            break;
+                        }
                         if blocked_window.1 >= cfg.max_reports_per_sec {
-                            suppressed += 1;
+                            st.blocked_suppressed.fetch_add(1, Ordering::AcqRel);
                             continue;
                         }
                         blocked_window.1 += 1;
@@ -671,10 +708,6 @@ fn run() {
                     }
                 }
                 blocked_seen.retain(|(id, _), _| live.contains(id));
-                if suppressed > 0 {
-                    let _in_flight = InFlight::new();
-                    deliver(&Report::BlockedSuppressed(suppressed));
-                }
             }
         }
     }

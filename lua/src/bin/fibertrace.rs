@@ -910,8 +910,8 @@ fn say_suppressed() {
 extern "C" fn say_suppressed_at_exit() {
     // A stall or blocked report found before the exit is delivered before it (the first
     // report of a large binary symbolizes its frames cold, which may take longer than the
-    // program has left): waited for, at most 5 s.
-    fibertrace_fiber::watchdog::flush(Duration::from_secs(5));
+    // program has left): waited for, at most 5 s. None is begun from now on.
+    fibertrace_fiber::watchdog::finish(Duration::from_secs(5));
     say_suppressed();
 }
 
