@@ -702,6 +702,39 @@ fn many_fibers_blocked_at_once_are_reported_at_the_rate_limit_and_counted() {
     assert_eq!(reports as u64 + counted, 201, "{err}");
 }
 
+/// A dump the dump signal asked for just before the script ends on its own is written
+/// before the exit, whole (none was: the exit came first; a dump under way during a
+/// deadlock's exit was cut mid-line).
+#[test]
+fn a_dump_asked_just_before_the_end_is_written_before_the_exit() {
+    let (code, _out, err) = run_script(
+        &[],
+        "local fiber = require('fiber')\n\
+         local ffi = require('ffi')\n\
+         ffi.cdef('int kill(int pid, int sig); int getpid(void);')\n\
+         local ch = fiber.channel(0)\n\
+         for i = 1, 300 do fiber.create(function() ch:get() end) end\n\
+         fiber.yield()\n\
+         ffi.C.kill(ffi.C.getpid(), 3)\n",
+    );
+    assert_eq!(code, 0, "{err}");
+    let fibers = err
+        .lines()
+        .filter(|l| l.starts_with("fiber ") && l.contains(" [channel receive, "))
+        .count();
+    assert_eq!(fibers, 300, "{err}");
+    // Whole: the last fiber's block too, down to the frame that started it. (Taken as the
+    // program ends, after its Lua host is gone: native frames only.)
+    let last = err.trim_end().rsplit("\n\n").next().unwrap();
+    assert!(last.starts_with("fiber "), "{last}");
+    assert!(
+        last.lines()
+            .last()
+            .is_some_and(|l| l.contains(" in lua_pcall+")),
+        "{last}"
+    );
+}
+
 #[test]
 fn blocked_ms_rejects_zero_and_non_numbers() {
     for bad in ["0", "-1", "x", "", "18446744073709551616", "1.5"] {

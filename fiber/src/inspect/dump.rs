@@ -596,6 +596,32 @@ pub fn wait_for_signal_dumps(timeout: Option<Duration>) -> bool {
     true
 }
 
+/// For a program about to end on its own (the script's end, `os.exit`, a deadlock): a dump
+/// the dump signal asked for is written before the exit, at most `timeout` (the exit cut a
+/// dump being written mid-line, or dropped one asked just before the end). Unlike
+/// [`wait_for_signal_dumps`], no time is given to a signal that has not reached its
+/// handler yet when none is pending: an exit with no dump asked is not held up. Whether
+/// none is left.
+pub fn finish_signal_dumps(timeout: Duration) -> bool {
+    let Some(&sig) = INSTALLED.get() else {
+        return true;
+    };
+    let t0 = std::time::Instant::now();
+    while (signal_pending(sig) || IN_HANDLER.load(Ordering::SeqCst) != 0)
+        && t0.elapsed() < Duration::from_millis(200)
+    {
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    let asked = REQUESTED.load(Ordering::SeqCst);
+    while ANSWERED.load(Ordering::SeqCst) < asked {
+        if t0.elapsed() >= timeout {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    true
+}
+
 /// Whether signal `sig` is pending for the process (or the calling thread): sent, its
 /// handler not begun yet.
 fn signal_pending(sig: i32) -> bool {

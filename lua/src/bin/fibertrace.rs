@@ -910,7 +910,9 @@ fn say_suppressed() {
 extern "C" fn say_suppressed_at_exit() {
     // A stall or blocked report found before the exit is delivered before it (the first
     // report of a large binary symbolizes its frames cold, which may take longer than the
-    // program has left): waited for, at most 5 s. None is begun from now on.
+    // program has left): waited for, at most 5 s. None is begun from now on. So is a dump
+    // the dump signal asked for (it was cut mid-line, or never written).
+    fibertrace_fiber::dump::finish_signal_dumps(Duration::from_secs(5));
     fibertrace_fiber::watchdog::finish(Duration::from_secs(5));
     say_suppressed();
 }
