@@ -152,3 +152,27 @@ fn ten_thousand_waiters_on_one_channel_read_as_one_line() {
     assert_eq!(g.objects[0].holders.len(), 16);
     assert!(g.objects[0].more);
 }
+
+/// The graph quotes names as every other text view does: control characters escaped as
+/// `\x1b` (it printed Rust's debug form, `\u{1b}`, and for a Lua name's bytes that are not
+/// UTF-8 the code points that stand for them, `\u{10ffff}`, where the dumps say `\xff`).
+#[test]
+fn the_graph_quotes_names_as_the_dumps_do() {
+    let s = Scheduler::new();
+    let name = "ab\x1b[31m\n\"q";
+    let (tx, rx) = (channel::<u8>(0), channel::<u8>(0));
+    let (t2, r2) = (tx.clone(), rx.clone());
+    let a = s.builder().name(name).spawn(move || {
+        r2.recv();
+        let _ = t2.send(1);
+    });
+    let _b = s.builder().name("b").spawn(move || {
+        let _ = a.join();
+    });
+    assert!(matches!(s.run(), Err(RunError::Deadlock { .. })));
+    let mut out = String::new();
+    s.wait_graph().render(&mut out);
+    assert!(out.contains(r#""ab\x1b[31m\n\"q""#), "{out}");
+    assert!(!out.contains("\\u{"), "{out}");
+    drop((tx, rx));
+}

@@ -435,7 +435,9 @@ impl WaitGraph {
             self.nodes.iter().map(|n| (n.fiber, &n.on)).collect();
         let held: BTreeMap<u64, &Held> = self.objects.iter().map(|h| (h.object, h)).collect();
         let fiber = |id: FiberId| match names.get(&id) {
-            Some(name) => format!("{id} {name:?}"),
+            // (Quoted as every other text view quotes names: control characters and bytes
+            // that are not UTF-8 escaped the same way.)
+            Some(name) => format!("{id} {}", crate::sched::quoted_name(name)),
             None => id.to_string(),
         };
         let list = |ids: &[FiberId]| {
