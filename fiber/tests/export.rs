@@ -461,6 +461,25 @@ fn an_export_writes_into_devices_fifos_and_links_instead_of_replacing_them() {
     }
     assert_eq!(reader.join().unwrap(), big);
     assert!(std::fs::metadata(&fifo).unwrap().file_type().is_fifo());
+    // A reader there that takes nothing: given up after 10 s, with an error (a program's
+    // normal exit waited on it forever).
+    let idle = {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&fifo)
+            .unwrap()
+    };
+    let e = export::write_file(&fifo, &big).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{}: cannot write: the FIFO's reader took nothing for 10 s",
+            fifo.display()
+        )
+    );
+    drop(idle);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

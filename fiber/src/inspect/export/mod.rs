@@ -308,7 +308,7 @@ pub fn export_to_file(fmt: Format, path: &Path) -> Result<usize, ExportError> {
 /// own descriptors (`/dev/stdout`, `/dev/stderr`, `/dev/fd/N`, `/proc/self/fd/N`) are written
 /// through the descriptor itself: opened again by name, a file (`> out.log`) got a file
 /// offset of its own, and what the program wrote after the dump wrote over it. A FIFO
-/// without a reader is an error, not a wait.
+/// without a reader is an error, not a wait; so is one whose reader takes nothing for 10 s.
 pub fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ExportError> {
     let fail = |what: &str, e: io::Error| ExportError(format!("{}: {what}: {e}", short_path(path)));
     if path.file_name().is_none() {
@@ -414,19 +414,48 @@ fn write_into(path: &Path, bytes: &[u8], kind: std::fs::FileType) -> io::Result<
             _ => e,
         })?;
     if fifo {
-        use std::os::fd::AsRawFd;
-        let fd = f.as_raw_fd();
-        // SAFETY: fcntl on the descriptor `f` owns and keeps open for the call: the reader
-        // is there, so the write may wait for it as any pipe's does.
-        unsafe {
-            let fl = libc::fcntl(fd, libc::F_GETFL);
-            if fl < 0 || libc::fcntl(fd, libc::F_SETFL, fl & !libc::O_NONBLOCK) < 0 {
-                return Err(io::Error::last_os_error());
-            }
-        }
+        return write_fifo(&mut f, bytes);
     }
     f.write_all(bytes)?;
     f.flush()
+}
+
+/// How long a FIFO's reader may take nothing before a write into it gives up.
+const FIFO_IDLE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Writes `bytes` into the FIFO `f` (opened non-blocking, its reader there), waiting for
+/// the reader to take them, but not for one that takes nothing for [`FIFO_IDLE`]: an error
+/// then (a reader that never read held a program's normal exit up forever).
+fn write_fifo(f: &mut std::fs::File, mut bytes: &[u8]) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let fd = f.as_raw_fd();
+    while !bytes.is_empty() {
+        match f.write(bytes) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => bytes = &bytes[n..],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                let mut p = libc::pollfd {
+                    fd,
+                    events: libc::POLLOUT,
+                    revents: 0,
+                };
+                // SAFETY: `p` is one live pollfd for a descriptor `f` keeps open.
+                let r = unsafe { libc::poll(&mut p, 1, FIFO_IDLE.as_millis() as libc::c_int) };
+                if r == 0 {
+                    return Err(io::Error::other(format!(
+                        "the FIFO's reader took nothing for {} s",
+                        FIFO_IDLE.as_secs()
+                    )));
+                }
+                if r < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// Writes `bytes` to the regular file (or no file) at `path` through a temporary file
