@@ -2,7 +2,7 @@
 //! too: the frames a release build inlines or tail-calls are where order went wrong): a fiber
 //! parked inside a debug hook, and a fiber caught inside `fiber.info()`.
 
-#[path = "common/tied.rs"]
+#[path = "../../fiber/tests/common/tied.rs"]
 mod tied;
 use tied::Tied;
 

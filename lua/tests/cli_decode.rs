@@ -2,7 +2,7 @@
 //! exactly what lws's tool prints; bad lines are reported with their numbers and do not stop
 //! the rest.
 
-#[path = "common/tied.rs"]
+#[path = "../../fiber/tests/common/tied.rs"]
 mod tied;
 use tied::Tied;
 

@@ -2,7 +2,7 @@
 //! --dump-on-exit FORMAT:FILE`: every exit path writes the dump, Lua frames in place, and
 //! every bad argument is a clear error.
 
-#[path = "common/tied.rs"]
+#[path = "../../fiber/tests/common/tied.rs"]
 mod tied;
 use tied::Tied;
 

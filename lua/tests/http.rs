@@ -2,7 +2,7 @@
 //! Lua frames of its fibers while it waits, and an answer (native frames, a note) while a
 //! fiber spins; bad addresses refused before the script runs.
 
-#[path = "common/tied.rs"]
+#[path = "../../fiber/tests/common/tied.rs"]
 mod tied;
 use tied::Tied;
 

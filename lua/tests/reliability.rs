@@ -2,7 +2,7 @@
 //! grows without bound, each bad input gets a clear error that names it, and nothing
 //! printed before is lost. (The channel and cancellation classes are in `channel.rs`.)
 
-#[path = "common/tied.rs"]
+#[path = "../../fiber/tests/common/tied.rs"]
 mod tied;
 use tied::Tied;
 

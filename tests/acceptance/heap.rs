@@ -639,6 +639,22 @@ fn leaks_of_a_deep_recursion_keep_its_innermost_frames() {
     );
 }
 
+/// A report group's allocation count (`[N] SIZE in COUNT allocations — ...`), if it is one.
+fn group_count(g: &str) -> Option<u64> {
+    g.split_once(" in ")
+        .and_then(|(_, r)| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+}
+
+/// A report group's Lua frames, innermost first, without their numbers (a record's
+/// `... truncated ...` end left out).
+fn group_lua(g: &str) -> Vec<&str> {
+    g.lines()
+        .filter(|l| l.starts_with('#') && !l.contains(" 0x") && !l.contains("truncated"))
+        .map(|l| l[4..].trim_start())
+        .collect()
+}
+
 /// Allocations made by compiled code (the loop below becomes a trace, which inlines `va`,
 /// `mid` and `leaf`, and the `__index` metamethod) have the frames and lines the
 /// interpreter's allocations have: read from the trace's snapshot nearest before its call
@@ -687,19 +703,11 @@ fn leaks_of_compiled_code_have_its_lines_and_the_functions_it_inlined() {
     let metamethod = ["__index in @s.lua:7", "function <s.lua:8> in @s.lua:12"];
     let (mut tables, mut values) = (0u64, 0u64);
     for g in &groups {
-        let count: u64 = g
-            .split_once(" in ")
-            .and_then(|(_, r)| r.split(' ').next())
-            .and_then(|n| n.parse().ok())
-            .unwrap_or_else(|| panic!("{g}"));
+        let count = group_count(g).unwrap_or_else(|| panic!("{g}"));
         // (The trace's machine code is the VM's: not shown, as `0x… in ??` after the Lua
         // frames it was.)
         assert!(!g.contains(" in ??"), "{g}");
-        let lua: Vec<&str> = g
-            .lines()
-            .filter(|l| l.starts_with('#') && !l.contains(" 0x"))
-            .map(|l| l[4..].trim_start())
-            .collect();
+        let lua = group_lua(g);
         if lua == inlined {
             tables += count;
         } else if lua == metamethod {
@@ -766,18 +774,10 @@ fn compiled_calls_of_closures_and_through_pcall_have_their_levels() {
     ];
     let (mut a, mut t) = (0u64, 0u64);
     for g in report.split("\n\n") {
-        let Some(count) = g
-            .split_once(" in ")
-            .and_then(|(_, r)| r.split(' ').next())
-            .and_then(|n| n.parse::<u64>().ok())
-        else {
+        let Some(count) = group_count(g) else {
             continue;
         };
-        let lua: Vec<&str> = g
-            .lines()
-            .filter(|l| l.starts_with('#') && !l.contains(" 0x"))
-            .map(|l| l[4..].trim_start())
-            .collect();
+        let lua = group_lua(g);
         if lua == closure {
             a += count;
         } else if lua == pcalled {
@@ -827,11 +827,7 @@ fn a_c_function_called_right_after_a_trace_exit_has_its_own_frames() {
         .split("\n\n")
         .filter(|g| g.contains("format in =[C]"))
     {
-        let lua: Vec<&str> = g
-            .lines()
-            .filter(|l| l.starts_with('#') && !l.contains(" 0x") && !l.contains("truncated"))
-            .map(|l| l[4..].trim_start())
-            .collect();
+        let lua = group_lua(g);
         assert_eq!(
             lua,
             [
@@ -878,11 +874,7 @@ fn allocations_in_a_finalizer_have_its_frames_then_the_code_that_ran_it() {
         .split("\n\n")
         .find(|g| g.starts_with("[1] ") && g.contains(" in 3 allocations — "))
         .unwrap_or_else(|| panic!("{report}"));
-    let lua: Vec<&str> = group
-        .lines()
-        .filter(|l| l.starts_with('#') && !l.contains(" 0x"))
-        .map(|l| l[4..].trim_start())
-        .collect();
+    let lua = group_lua(group);
     assert_eq!(
         lua,
         [
@@ -903,11 +895,7 @@ fn allocations_in_a_finalizer_have_its_frames_then_the_code_that_ran_it() {
         .filter(|g| g.contains("channel in =[C]") || g.contains("? in =[C]"))
     {
         // (A record keeps the innermost frames: the host's below the main chunk are cut.)
-        let lua: Vec<&str> = g
-            .lines()
-            .filter(|l| l.starts_with('#') && !l.contains(" 0x") && !l.contains("truncated"))
-            .map(|l| l[4..].trim_start())
-            .collect();
+        let lua = group_lua(g);
         // (Under the channel's C function, its own protected call, `?`, when it made
         // them there.)
         assert!(
@@ -960,16 +948,8 @@ fn finalizers_run_by_a_fibers_allocations_show_on_top_of_its_frames() {
     let report = leak_report(&err);
     let mut counted = 0;
     for g in report.split("\n\n").filter(|g| g.contains("in_finalizer")) {
-        let count: u64 = g
-            .split_once(" in ")
-            .and_then(|(_, r)| r.split(' ').next())
-            .and_then(|n| n.parse().ok())
-            .unwrap_or_else(|| panic!("{g}"));
-        let lua: Vec<&str> = g
-            .lines()
-            .filter(|l| l.starts_with('#') && !l.contains(" 0x"))
-            .map(|l| l[4..].trim_start())
-            .collect();
+        let count = group_count(g).unwrap_or_else(|| panic!("{g}"));
+        let lua = group_lua(g);
         assert_eq!(
             lua[..2],
             ["in_finalizer in @s.lua:4", "function <s.lua:8> in @s.lua:8"],

@@ -1,6 +1,7 @@
 //! Programs a test starts end with the test: [`Tied::tied`] has the kernel kill the child
 //! when the thread that started it ends (a test that panics left its `fibertrace run`
-//! running, a script waiting for input that never came). Included with `#[path]`.
+//! running, a script waiting for input that never came). Included with `#[path]` (the Lua
+//! crate's tests too).
 
 /// See the module doc.
 pub trait Tied {

@@ -243,6 +243,21 @@ const MM_NAMES: [&str; 22] = [
     "__ipairs",
 ];
 
+/// The layouts a header carries: `repr(C)` structures of plain integers only, so any bytes
+/// are a value of each.
+trait Plain: Copy {}
+impl Plain for Layout {}
+impl Plain for JitLayout {}
+impl Plain for TraceLayout {}
+
+/// The `T` at byte `at` of a header, if the header holds it whole.
+fn read_plain<T: Plain>(head: &[u8], at: usize) -> Option<T> {
+    let b = head.get(at..at.checked_add(std::mem::size_of::<T>())?)?;
+    // SAFETY: `b` holds `size_of::<T>()` bytes; `T` is `repr(C)` of plain integers only
+    // (`Plain`), so any bytes are a value of it; the read is unaligned-safe.
+    Some(unsafe { std::ptr::read_unaligned(b.as_ptr().cast::<T>()) })
+}
+
 /// Reads Lua stacks of one process, with its layout and caches of what every stack shares
 /// (strings, prototypes).
 pub struct Reader {
@@ -408,13 +423,8 @@ impl Reader {
             }
             _ => return Err("its Lua layout's check word could not be read".into()),
         }
-        let at = offset_of!(Header, layout);
-        let bytes = head
-            .get(at..at + std::mem::size_of::<Layout>())
+        let l: Layout = read_plain(head, offset_of!(Header, layout))
             .ok_or("its Lua layout header is cut short")?;
-        // SAFETY: `bytes` holds `size_of::<Layout>()` bytes; `Layout` is `repr(C)` of plain
-        // integers only, so any bytes are a value of it; the read is unaligned-safe.
-        let l: Layout = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
         let offsets = [
             l.state_status,
             l.state_base,
@@ -455,13 +465,8 @@ impl Reader {
         let jit = (size >= jit_at + std::mem::size_of::<JitLayout>()
             && word(offset_of!(Header, jit_checked), mem).map(|w| w as u32)
                 == Some(publish::MATCHES))
-        .then(|| head.get(jit_at..jit_at + std::mem::size_of::<JitLayout>()))
+        .then(|| read_plain::<JitLayout>(head, jit_at))
         .flatten()
-        .map(|b| {
-            // SAFETY: `b` holds `size_of::<JitLayout>()` bytes; `JitLayout` is `repr(C)` of
-            // `u32`s only, so any bytes are a value of it; the read is unaligned-safe.
-            unsafe { std::ptr::read_unaligned(b.as_ptr().cast::<JitLayout>()) }
-        })
         .filter(|j| {
             [
                 j.state_glref,
@@ -484,14 +489,8 @@ impl Reader {
         });
         let trace_at = offset_of!(Header, trace);
         let trace = (jit.is_some() && size >= trace_at + std::mem::size_of::<TraceLayout>())
-            .then(|| head.get(trace_at..trace_at + std::mem::size_of::<TraceLayout>()))
+            .then(|| read_plain::<TraceLayout>(head, trace_at))
             .flatten()
-            .map(|b| {
-                // SAFETY: `b` holds `size_of::<TraceLayout>()` bytes; `TraceLayout` is
-                // `repr(C)` of `u32`s only, so any bytes are a value of it; the read is
-                // unaligned-safe.
-                unsafe { std::ptr::read_unaligned(b.as_ptr().cast::<TraceLayout>()) }
-            })
             .filter(|t| {
                 [
                     t.trace_nsnap,
