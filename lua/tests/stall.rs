@@ -65,38 +65,41 @@ f:set_joinable(true)
 print(f:join() and 'done')
 "#;
 
-/// The first stall report of fiber "busy" in `err` (the one with the smallest figure: the
-/// first by CPU time; a wall-time report may come first on a loaded machine), with its
-/// figure in ms, up to a blank line or the next report's heading (reports of a running
-/// fiber follow one another without a blank line).
-fn first_busy_report(err: &str) -> (f64, Vec<&str>) {
-    let heads: Vec<(usize, f64)> = err
-        .lines()
+/// The stall reports of fiber "busy" in `err`, in order, each with its figure in ms, up to
+/// a blank line or the next report's heading (reports of a running fiber follow one another
+/// without a blank line).
+fn busy_reports(err: &str) -> Vec<(f64, Vec<&str>)> {
+    let lines: Vec<&str> = err.lines().collect();
+    lines
+        .iter()
         .enumerate()
-        .filter(|(_, l)| l.contains("\"busy\" has run "))
         .filter_map(|(i, l)| {
-            let v = l
-                .split("has run ")
+            let ms = l
+                .split("\"busy\" has run ")
                 .nth(1)?
                 .split("ms")
                 .next()?
                 .parse()
                 .ok()?;
-            Some((i, v))
+            let report = lines[i..]
+                .iter()
+                .enumerate()
+                .take_while(|(k, l)| !l.is_empty() && (*k == 0 || !l.starts_with("fiber ")))
+                .map(|(_, l)| *l)
+                .collect();
+            Some((ms, report))
         })
-        .collect();
-    let &(first, ms) = heads
-        .iter()
-        .min_by(|a, b| a.1.total_cmp(&b.1))
-        .unwrap_or_else(|| panic!("no stall report:\n{err}"));
-    let report = err
-        .lines()
-        .skip(first)
-        .enumerate()
-        .take_while(|(i, l)| !l.is_empty() && (*i == 0 || !l.starts_with("fiber ")))
-        .map(|(_, l)| l)
-        .collect();
-    (ms, report)
+        .collect()
+}
+
+/// The first stall report of fiber "busy" in `err` (the one with the smallest figure: the
+/// first by CPU time; a wall-time report may come first on a loaded machine), with its
+/// figure in ms (see [`busy_reports`]).
+fn first_busy_report(err: &str) -> (f64, Vec<&str>) {
+    busy_reports(err)
+        .into_iter()
+        .min_by(|a, b| a.0.total_cmp(&b.0))
+        .unwrap_or_else(|| panic!("no stall report:\n{err}"))
 }
 
 /// A report's frame lines without their numbers.
@@ -264,6 +267,68 @@ fn a_fiber_stuck_in_c_code_is_reported_with_its_native_and_lua_frames() {
             ),
             "{text}"
         );
+    }
+}
+
+/// A fiber blocked in the kernel for less than the 200 ms a safe point is waited for after
+/// its report: three calls of 0.5 s in one run, reported by wall time at 400, 800 and 1,600
+/// ms. Its frames are those of the moment it was blocked — the call, at its line — read with
+/// its thread held (LuaJIT). They were those of its next safe point, reached once the call
+/// returned: the line after the call (the loop's), the call gone. Without a held reader
+/// (Lua 5.4) the frames of the safe point are said to be of that later moment.
+const BLOCKED_BRIEFLY: &str = r#"
+local fiber = require('fiber')
+local function blocker()
+  for _ = 1, 3 do
+    os.execute('sleep 0.5')
+  end
+  return 1
+end
+local function outer()
+  local r = blocker()
+  return r
+end
+local f = fiber.new(outer)
+f:name('busy')
+f:set_joinable(true)
+print(f:join() and 'done')
+"#;
+
+#[test]
+fn a_fiber_blocked_briefly_in_the_kernel_is_reported_at_its_call_not_the_line_after() {
+    let args = ["--stall-ms", "100"];
+    let (code, out, err) = run_script(&args, BLOCKED_BRIEFLY);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out, "done\n", "{err}");
+    let path = script_path(&args, BLOCKED_BRIEFLY);
+    let reports = busy_reports(&err);
+    assert!(!reports.is_empty(), "{err}");
+    for (_, report) in &reports {
+        let text = report.join("\n");
+        let frames = frame_bodies(report);
+        let lua: Vec<&String> = frames.iter().filter(|f| !f.starts_with("0x")).collect();
+        if cfg!(feature = "luajit") {
+            assert_eq!(
+                lua,
+                [
+                    "execute in =[C]:-1",
+                    &format!("blocker in @{path}:5"),
+                    &format!("function <{path}:9> in @{path}:10"),
+                ],
+                "{text}"
+            );
+            assert!(!text.contains("not shown"), "{text}");
+        } else if !lua.is_empty() {
+            assert!(
+                text.ends_with(
+                    "(its frames are of its next safe point (for Lua, its next line), after \
+                     the call it was blocked in returned)"
+                ),
+                "{text}"
+            );
+        } else {
+            assert!(text.contains("(Lua frames not shown: "), "{text}");
+        }
     }
 }
 

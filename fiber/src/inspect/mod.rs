@@ -581,31 +581,60 @@ pub(crate) fn running_part(
         Ask::Here => Ok(None),
         Ask::Built(mut p) => Ok(p.fibers.pop().map(|f| (f, None))),
         Ask::Late(refused) => match held_part(s, opts, Some(id)) {
-            Some((mut p, notes)) => {
-                let mine = notes.into_iter().find(|n| n.fiber == id);
-                if let Some(n) = mine.as_ref().filter(|n| !n.read) {
-                    return Err((
-                        format!(
-                            "frames of the layer above the runtime (Lua) not shown: {}",
-                            n.why
-                        ),
-                        true,
-                    ));
-                }
-                let why = mine.map(|n| n.why);
-                let note = match (refused, why) {
-                    (Some(r), why) => Some(format!(
-                        "its running fiber cannot be stopped at a safe point: {r}: its Lua \
-                         frames were read from memory, its thread held still{}",
-                        why.map(|w| format!("; {w}")).unwrap_or_default()
-                    )),
-                    (None, why) => why,
-                };
-                Ok(p.fibers.pop().map(|f| (f, note)))
-            }
+            Some((p, notes)) => held_running(p, notes, id, refused),
             None => Err((late_note(wait, refused), refused.is_some())),
         },
     }
+}
+
+/// The running fiber `id` of scheduler `s` read with its thread held still first (see
+/// [`HeldSource`]), for a fiber blocked in the kernel: its next safe point comes only once
+/// the blocking call returned, so frames read there have the line after the call, and the
+/// call is gone from them. `None` when the scheduler's layer reads no held thread, or the
+/// hold failed (the caller then asks for a safe point: [`running_part`]); `Some(Ok(None))`
+/// when the part can be built on this thread (nothing to hold).
+pub(crate) fn held_running_part(
+    s: &SchedShared,
+    id: FiberId,
+    opts: &InfoOptions,
+) -> Option<RunningPart> {
+    let elsewhere = source::registered(s.id) && source::source(s.id).is_none();
+    if !elsewhere {
+        return Some(Ok(None));
+    }
+    let (p, notes) = held_part(s, opts, Some(id))?;
+    Some(held_running(p, notes, id, None))
+}
+
+/// Fiber `id` of a part read with its thread held ([`held_part`]), with the layer's note on
+/// it (and `refused`: why it could not be brought to a safe point), or the note that says
+/// why its layer's frames could not be read.
+fn held_running(
+    mut p: SchedulerSnapshot,
+    notes: Vec<LayerNote>,
+    id: FiberId,
+    refused: Option<&str>,
+) -> RunningPart {
+    let mine = notes.into_iter().find(|n| n.fiber == id);
+    if let Some(n) = mine.as_ref().filter(|n| !n.read) {
+        return Err((
+            format!(
+                "frames of the layer above the runtime (Lua) not shown: {}",
+                n.why
+            ),
+            true,
+        ));
+    }
+    let why = mine.map(|n| n.why);
+    let note = match (refused, why) {
+        (Some(r), why) => Some(format!(
+            "its running fiber cannot be stopped at a safe point: {r}: its Lua frames were \
+             read from memory, its thread held still{}",
+            why.map(|w| format!("; {w}")).unwrap_or_default()
+        )),
+        (None, why) => why,
+    };
+    Ok(p.fibers.pop().map(|f| (f, note)))
 }
 
 fn wait_for(asked: &Asked, d: Duration) -> Option<SchedulerSnapshot> {

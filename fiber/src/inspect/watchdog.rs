@@ -36,6 +36,10 @@
 //! [`super::serve_at_safe_point`]), and waits at most [`super::SOURCE_WAIT`] for them; a
 //! fiber that does not get there (it runs C code that does not return to Lua) is reported
 //! with its native frames and a note that says why (a host can word it: [`set_annotator`]).
+//! A fiber reported by wall time (blocked in the kernel) is read with its thread held still
+//! first, where the layer reads held threads ([`super::HeldSource`]): its next safe point
+//! comes after the blocking call returned. How it can be wrong: a layer without a held reader
+//! gives the frames of that later point (the report says so).
 //!
 //! A blocked fiber's report ([`Config::blocked_longer_than`]) is a view of the snapshot: for a
 //! scheduler with a [`crate::FrameSource`] (a Lua host), it is built on that scheduler's thread
@@ -405,6 +409,10 @@ fn double_past(mark: &mut Duration, t: Duration) {
     }
 }
 
+/// The note of a fiber blocked in the kernel whose frames were read at its next safe point.
+const RETURNED: &str = "its frames are of its next safe point (for Lua, its next line), after \
+                        the call it was blocked in returned";
+
 /// The note of a stall whose fiber yielded before it could be sampled.
 const NOT_SAMPLED: &str = "its stack was not sampled: the fiber yielded before the sampling \
                            signal reached its thread";
@@ -427,9 +435,16 @@ fn deliver(r: &Report) {
 /// its scheduler has such a layer, with a note of what they were read without; otherwise
 /// the note that says why not (the host's annotation, see [`set_annotator`], or the
 /// runtime's).
+///
+/// A fiber `blocked` in the kernel (a report by wall time) is read with its thread held
+/// first: its next safe point comes only once the blocking call returned, and frames read
+/// there had the line after the call, the call gone (`os.execute('sleep 0.6')` reported at
+/// 400 ms, its safe point at 600 ms). Where its layer reads no held thread (Lua 5.4), the
+/// frames of a safe point are said to be of the moment the call returned.
 fn layer_frames(
     s: &SchedShared,
     sample: &super::sample::Sample,
+    blocked: bool,
 ) -> (Option<Arc<[FrameInfo]>>, Option<String>) {
     let annotate = || {
         let annot = *state().annotator.lock().unwrap_or_else(|e| e.into_inner());
@@ -439,12 +454,21 @@ fn layer_frames(
         parent_backtrace: false,
         ..crate::InfoOptions::default()
     };
-    match super::running_part(s, sample.fiber, &opts, super::SOURCE_WAIT) {
+    let held = blocked
+        .then(|| super::held_running_part(s, sample.fiber, &opts))
+        .flatten();
+    let at_safe_point = held.is_none();
+    match held.unwrap_or_else(|| super::running_part(s, sample.fiber, &opts, super::SOURCE_WAIT)) {
         // No layer above the runtime: its frames are all there is.
         Ok(None) => (None, None),
         Ok(Some((fi, note))) => {
             let same_run = fi.status == Status::Running
                 && s.on_thread.resumes.load(Ordering::Acquire) == sample.resumes;
+            // (A safe point of a blocked fiber's is after the call it was blocked in.)
+            let note = match note {
+                None if blocked && at_safe_point => Some(RETURNED.to_string()),
+                note => note,
+            };
             match fi.backtrace {
                 Some(frames) if same_run => (Some(frames), note),
                 _ => (
@@ -573,6 +597,7 @@ fn run() {
                 wall
             };
             ongoing |= cpu >= cfg.threshold || wall >= wall_limit(cfg.threshold);
+            let mut blocked = false;
             let running_for = if cpu >= w.next_report {
                 w.next_report = w.next_report.saturating_mul(2);
                 cpu
@@ -585,6 +610,7 @@ fn run() {
                 // the run queue's count above does not have yet; the mark waits for a tick
                 // where it is blocked.)
                 w.next_wall_report = w.next_wall_report.saturating_mul(2);
+                blocked = true;
                 wall
             } else {
                 continue;
@@ -627,7 +653,7 @@ fn run() {
                 })));
                 continue;
             };
-            let (frames, note) = layer_frames(s, &sample);
+            let (frames, note) = layer_frames(s, &sample, blocked);
             let report = StallReport {
                 scheduler: s.id,
                 fiber: fid,

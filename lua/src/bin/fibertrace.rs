@@ -139,7 +139,7 @@ fn cli() -> Command {
                              (its Lua frames, read at its next Lua line; again at 2N, 4N, \
                              ...). Runs are measured in CPU time; a fiber blocked in the \
                              kernel (a blocking read, os.execute) is reported once blocked \
-                             4N ms (at least N + 200)",
+                             4N ms (at least N + 200), its frames read where it is blocked",
                         ),
                 )
                 .arg(
