@@ -3,18 +3,21 @@
 //! other fibers run meanwhile.
 //!
 //! What a channel guarantees, whatever ends an operation (a value, a timeout, `close`, the
-//! fiber's cancellation unwinding out of its wait):
+//! fiber's cancellation), as Tarantool's channels do:
 //! * a value is delivered at most once, and a send reports success exactly when its value
-//!   was queued (buffered channel), or taken by a receiver or handed to one that was waiting
-//!   for it (a discarding close keeps what was handed over); a value handed to a waiting
-//!   receiver is that receiver's — a receive that comes later, before it runs, does not take
-//!   it — and takes no room in the channel (as Tarantool hands it over directly); a
-//!   rendezvous send that fails takes its value back out of the channel
-//!   ([`Channel::send_back`] hands it to the caller; otherwise it is dropped), so a value
-//!   never stays queued for a sender that was told it was not sent;
-//! * a receive that took a value returns it;
-//! * a wake-up meant for a fiber that leaves by unwinding is passed on to the next waiter,
-//!   so no value sits in a channel while a receiver sleeps.
+//!   was buffered, handed to a receiver that was waiting for it, or taken by a receiver
+//!   while its sender waited — also when the sender was cancelled meanwhile (the
+//!   cancellation is raised at its next wait); a value handed to a waiting receiver is that
+//!   receiver's — a receive that comes later, before it runs, does not take it, and its
+//!   receive returns it even if it was cancelled meanwhile — and takes no room in the
+//!   channel (a discarding close keeps it);
+//! * a waiting sender's value waits with it, not in the channel (a rendezvous channel's
+//!   count is always 0): a receiver takes it from there, or, taking a buffered value, moves
+//!   it into the room it leaves and wakes its sender; a send that fails takes its value back
+//!   ([`Channel::send_back`] hands it to the caller; otherwise it is dropped), so nobody
+//!   receives a value whose sender was told it was not sent;
+//! * a receive that took a value returns it; each receive or send wakes at most one other
+//!   fiber (many senders waiting on one channel cost no more per value than one).
 
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -258,47 +261,129 @@ pub struct SendError<T> {
     pub value: Option<T>,
 }
 
-/// A value in a channel.
+/// A value in a channel's buffer.
 struct Queued<T> {
-    /// Its ticket (increasing along the queue).
-    ticket: u64,
     /// The receiver it was handed to (it was waiting for it), which alone takes it; 0: not
     /// handed, the next receive takes it. A discarding close keeps a handed value.
     to: FiberId,
     value: T,
 }
 
+/// A sender waiting with its value: Tarantool keeps a blocked writer's message in its wait,
+/// where a receiver takes it (a rendezvous), or moves it into the buffer as it frees room.
+struct Sending<T> {
+    ticket: u64,
+    waiter: Waiter,
+    /// `None` once taken back by its sender, or delivered.
+    value: Option<T>,
+}
+
+/// The senders waiting on a channel with their values, first come first served. A sender
+/// that leaves (timeout, close, cancellation) takes its value back and leaves an empty entry,
+/// skipped when it reaches the front (compacted when most are empty): leaving costs
+/// O(log n) however many senders wait.
+struct SendQueue<T> {
+    q: VecDeque<Sending<T>>,
+    /// Entries that still hold a value.
+    live: usize,
+    next: u64,
+    /// Tickets whose values a receiver took, for their senders to see as they wake.
+    delivered: HashSet<u64, BuildHasherDefault<AddrHasher>>,
+}
+
+impl<T> Default for SendQueue<T> {
+    fn default() -> Self {
+        SendQueue {
+            q: VecDeque::new(),
+            live: 0,
+            next: 0,
+            delivered: HashSet::default(),
+        }
+    }
+}
+
+impl<T> SendQueue<T> {
+    /// Queues the current fiber's value; its ticket.
+    fn push(&mut self, v: T) -> u64 {
+        let ticket = self.next;
+        self.next += 1;
+        self.q.push_back(Sending {
+            ticket,
+            waiter: me(),
+            value: Some(v),
+        });
+        self.live += 1;
+        ticket
+    }
+
+    /// Takes the value of the first sender still waiting that was not cancelled (a cancelled
+    /// one fails: its value is not sent), marks it delivered; the value and its sender, to
+    /// wake.
+    fn take_first(&mut self) -> Option<(T, Waiter)> {
+        while self.q.front().is_some_and(|s| s.value.is_none()) {
+            self.q.pop_front();
+        }
+        let s = self
+            .q
+            .iter_mut()
+            .find(|s| s.value.is_some() && !sched::is_cancelled_fiber(s.waiter.0, s.waiter.1))?;
+        let v = s.value.take()?;
+        self.live -= 1;
+        self.delivered.insert(s.ticket);
+        Some((v, s.waiter))
+    }
+
+    /// Whether the value of `ticket` was delivered (forgotten once said).
+    fn was_delivered(&mut self, ticket: u64) -> bool {
+        self.delivered.remove(&ticket)
+    }
+
+    /// Takes the value of `ticket` back (its sender leaves); `None` if it is not there.
+    fn take_back(&mut self, ticket: u64) -> Option<T> {
+        let i = self.q.binary_search_by_key(&ticket, |s| s.ticket).ok()?;
+        let v = self.q[i].value.take()?;
+        self.live -= 1;
+        if self.q.len() > 2 * self.live + 32 {
+            self.q.retain(|s| s.value.is_some());
+        }
+        Some(v)
+    }
+
+    /// Every sender still waiting (to wake them all: the channel was closed).
+    fn waiters(&self) -> Vec<Waiter> {
+        self.q
+            .iter()
+            .filter(|s| s.value.is_some())
+            .map(|s| s.waiter)
+            .collect()
+    }
+
+    /// Whether a sender waits that was not cancelled.
+    fn has_live(&self) -> bool {
+        self.q
+            .iter()
+            .any(|s| s.value.is_some() && !sched::is_cancelled_fiber(s.waiter.0, s.waiter.1))
+    }
+}
+
 struct ChanInner<T> {
     id: u64,
     cap: usize,
-    /// Queued values, in the order they came.
+    /// Buffered values, in the order they came, and values handed to waiting receivers.
     buf: RefCell<VecDeque<Queued<T>>>,
     /// How many of them were handed to a receiver (they take no room: the rest count
     /// against the capacity).
     handed: Cell<usize>,
     closed: Cell<bool>,
-    /// The highest ticket a receiver took. Read for a rendezvous channel only, whose queue
-    /// holds one value at a time: every ticket up to it was taken, taken back by its sender,
-    /// or discarded (a value handed to a receiver may leave after a later one on a buffered
-    /// channel).
-    taken: Cell<u64>,
-    pushed: Cell<u64>,
     receivers: RefCell<WaitQueue>,
-    senders: RefCell<WaitQueue>,
+    senders: RefCell<SendQueue<T>>,
     users: Rc<Users>,
 }
 
 impl<T> ChanInner<T> {
-    /// Values queued and not handed to a receiver (they count against the capacity).
+    /// Values buffered and not handed to a receiver (they count against the capacity).
     fn queued(&self) -> usize {
         self.buf.borrow().len() - self.handed.get()
-    }
-
-    /// Counts `q` out of the handed values if it was one (it left the queue).
-    fn unhand(&self, q: &Queued<T>) {
-        if q.to != 0 {
-            self.handed.set(self.handed.get() - 1);
-        }
     }
 }
 
@@ -326,8 +411,6 @@ pub fn channel<T>(capacity: usize) -> Channel<T> {
             buf: RefCell::new(VecDeque::new()),
             handed: Cell::new(0),
             closed: Cell::new(false),
-            taken: Cell::new(0),
-            pushed: Cell::new(0),
             receivers: RefCell::default(),
             senders: RefCell::default(),
             users: Users::new(id),
@@ -341,7 +424,8 @@ impl<T> Channel<T> {
         self.inner.id
     }
 
-    /// Values buffered (not those handed to a waiting receiver, which are its already).
+    /// Values buffered (not those handed to a waiting receiver, which are its already, nor
+    /// those of senders waiting: a rendezvous channel's count is always 0, as Tarantool's).
     pub fn len(&self) -> usize {
         self.inner.queued()
     }
@@ -356,9 +440,10 @@ impl<T> Channel<T> {
         self.inner.cap
     }
 
-    /// Whether it is full (a send would wait).
+    /// Whether its buffer is full (always, for a rendezvous channel, as Tarantool says: a
+    /// send waits unless a receiver does).
     pub fn is_full(&self) -> bool {
-        self.len() >= self.inner.cap.max(1)
+        self.len() >= self.inner.cap
     }
 
     /// Whether it was closed.
@@ -366,16 +451,19 @@ impl<T> Channel<T> {
         self.inner.closed.get()
     }
 
-    /// Closes it: blocked senders and receivers wake up; buffered values can still be read
-    /// (a blocked rendezvous sender takes its value back and fails).
+    /// Closes it: blocked senders and receivers wake up, the senders fail with their values
+    /// back; buffered values can still be read.
     pub fn close(&self) {
         self.inner.users.note();
         self.inner.closed.set(true);
         wake_all(&self.inner.receivers);
-        wake_all(&self.inner.senders);
+        let senders = self.inner.senders.borrow().waiters();
+        for (s, id) in senders {
+            sched::wake(s, id);
+        }
     }
 
-    /// Closes it and drops every queued value (Tarantool's close before 2.10): blocked
+    /// Closes it and drops every buffered value (Tarantool's close before 2.10): blocked
     /// senders fail, receivers get nothing more.
     pub fn close_discarding(&self) {
         self.close();
@@ -393,9 +481,10 @@ impl<T> Channel<T> {
         has_live_waiters(&self.inner.receivers)
     }
 
-    /// Whether a fiber is blocked sending (and not cancelled).
+    /// Whether a fiber is blocked sending (and not cancelled; none once the channel is
+    /// closed: its senders fail).
     pub fn has_writers(&self) -> bool {
-        has_live_waiters(&self.inner.senders)
+        !self.inner.closed.get() && self.inner.senders.borrow().has_live()
     }
 
     /// Sends, waiting while the channel is full.
@@ -406,147 +495,108 @@ impl<T> Channel<T> {
 
     /// Sends, waiting at most `d`.
     pub fn send_timeout(&self, v: T, d: Duration) -> Result<(), ChannelError> {
-        self.send_until(v, Some(Instant::now() + d))
-            .map_err(|e| e.error)
+        self.send_until(v, Some(d)).map_err(|e| e.error)
     }
 
     /// Sends, waiting at most `timeout` (forever: `None`); a send that fails hands its value
     /// back when it is still the sender's (see [`SendError`]).
     #[inline(never)]
     pub fn send_back(&self, v: T, timeout: Option<Duration>) -> Result<(), SendError<T>> {
-        let r = self.send_until(v, timeout.map(|d| Instant::now() + d));
+        let r = self.send_until(v, timeout);
         std::hint::black_box(());
         r
     }
 
-    /// Sends only if there is room now.
+    /// Sends only if that needs no wait: a receiver waits, or there is room.
     pub fn try_send(&self, v: T) -> Result<(), ChannelError> {
         let c = &self.inner;
         c.users.note();
         if c.closed.get() {
             return Err(ChannelError::Closed);
         }
-        if c.queued() >= c.cap.max(1) || (c.cap == 0 && !self.has_readers()) {
-            return Err(ChannelError::WouldBlock);
-        }
-        let _ = self.push(v);
-        Ok(())
+        self.offer(v).map_err(|_| ChannelError::WouldBlock)
     }
 
-    /// Queues `v`, handed to the first receiver waiting, if any (woken for it); its ticket,
-    /// and whether it was handed.
-    fn push(&self, v: T) -> (u64, bool) {
+    /// Hands `v` to the first receiver waiting (woken for it) when nothing is buffered, or
+    /// buffers it when there is room; gives it back otherwise.
+    fn offer(&self, v: T) -> Result<(), T> {
         let c = &self.inner;
-        let ticket = c.pushed.get() + 1;
-        c.pushed.set(ticket);
-        c.buf.borrow_mut().push_back(Queued {
-            ticket,
-            to: 0,
-            value: v,
-        });
-        let woke = wake_one(&c.receivers);
-        if let Some((_, to)) = woke {
-            if let Some(last) = c.buf.borrow_mut().back_mut() {
-                last.to = to;
+        if c.queued() == 0 {
+            if let Some((_, to)) = wake_one(&c.receivers) {
+                c.buf.borrow_mut().push_back(Queued { to, value: v });
                 c.handed.set(c.handed.get() + 1);
+                return Ok(());
             }
         }
-        (ticket, woke.is_some())
-    }
-
-    /// Takes the value with `ticket` back out of the queue, if it is still there (the room
-    /// it leaves goes to the next waiting sender).
-    fn withdraw(&self, ticket: u64) -> Option<T> {
-        let mut buf = self.inner.buf.borrow_mut();
-        let i = buf.binary_search_by_key(&ticket, |q| q.ticket).ok()?;
-        let q = buf.remove(i)?;
-        drop(buf);
-        self.inner.unhand(&q);
-        wake_one(&self.inner.senders);
-        Some(q.value)
+        if c.queued() < c.cap {
+            c.buf.borrow_mut().push_back(Queued { to: 0, value: v });
+            return Ok(());
+        }
+        Err(v)
     }
 
     #[inline(never)]
-    fn send_until(&self, v: T, deadline: Option<Instant>) -> Result<(), SendError<T>> {
+    fn send_until(&self, v: T, timeout: Option<Duration>) -> Result<(), SendError<T>> {
         let c = &self.inner;
         c.users.note();
-        let me = current_id();
+        let deadline = timeout.map(|d| Instant::now() + d);
         let fail = |error, v| Err(SendError { error, value: v });
-        loop {
-            if c.closed.get() {
-                return fail(ChannelError::Closed, Some(v));
-            }
-            if c.queued() < c.cap.max(1) {
-                break;
-            }
-            // (Unwinding out of this wait drops `v`: it was never queued.)
-            if let Err(e) = self.wait_as_sender(me, deadline) {
-                return fail(e, Some(v));
-            }
+        if c.closed.get() {
+            return fail(ChannelError::Closed, Some(v));
         }
-        let (ticket, woke) = self.push(v);
-        if c.cap == 0 && !woke {
-            // Rendezvous with nobody waiting: wait until our value is taken. Whatever ends
-            // the wait otherwise (close, timeout, cancellation unwinding) takes it back out
-            // first. (With a receiver waiting, the value is handed to it, as Tarantool does:
-            // even a zero timeout succeeds; were that receiver cancelled before it runs, the
-            // wake-up and the value pass to the next receiver.)
-            let guard = Unqueue { ch: self, ticket };
-            loop {
-                if c.taken.get() >= ticket {
-                    std::mem::forget(guard);
-                    return Ok(());
-                }
-                let err = if c.closed.get() {
-                    Some(ChannelError::Closed)
-                } else {
-                    self.wait_as_sender(me, deadline).err()
-                };
-                if let Some(e) = err {
-                    std::mem::forget(guard);
-                    if c.taken.get() >= ticket {
+        let v = match self.offer(v) {
+            Ok(()) => return Ok(()),
+            Err(v) => v,
+        };
+        if current_id() == 0 {
+            return fail(ChannelError::WouldBlock, Some(v));
+        }
+        // (Any other timeout, however short, waits once: Tarantool's waits last at least a
+        // turn of its loop.)
+        if timeout == Some(Duration::ZERO) {
+            return fail(ChannelError::Timeout, Some(v));
+        }
+        // A cancelled fiber does not start the wait (its value is dropped as it unwinds).
+        sched::raise_cancel();
+        // The value waits with the sender, where a receiver takes it; whatever ends the wait
+        // otherwise (close, timeout, cancellation, a scheduler's drop unwinding the fiber)
+        // takes it back first, so nobody receives what its sender was told was not sent.
+        let ticket = c.senders.borrow_mut().push(v);
+        let guard = TakeBack { ch: self, ticket };
+        loop {
+            let cancelled = sched::block(WaitOn::ChannelSend(c.id), deadline);
+            if c.senders.borrow_mut().was_delivered(ticket) {
+                // Sent, even if the fiber was cancelled meanwhile (Tarantool's rule: the
+                // cancellation is raised at its next wait).
+                std::mem::forget(guard);
+                return Ok(());
+            }
+            if cancelled {
+                // Cancelled while it waited: it tries once more without waiting, as
+                // Tarantool's does (a receiver that came meanwhile, room made meanwhile);
+                // then the cancellation is raised (its value dropped). (The guard finds
+                // nothing left to take back.)
+                let back = c.senders.borrow_mut().take_back(ticket);
+                if let Some(v) = back {
+                    if !c.closed.get() && self.offer(v).is_ok() {
                         return Ok(());
                     }
-                    return fail(e, self.withdraw(ticket));
                 }
+                sched::raise_cancel();
             }
+            let error = if sched::dropping() {
+                ChannelError::WouldBlock
+            } else if c.closed.get() {
+                ChannelError::Closed
+            } else if deadline.is_some_and(|d| Instant::now() >= d) {
+                ChannelError::Timeout
+            } else {
+                // A plain wake-up (`Fiber::wakeup`): it waits on, in its place.
+                continue;
+            };
+            std::mem::forget(guard);
+            return fail(error, c.senders.borrow_mut().take_back(ticket));
         }
-        // A sender woken for room that leaves by unwinding passes the room on (see
-        // `wait_as_sender`); one that queued passes nothing.
-        Ok(())
-    }
-
-    #[inline(never)]
-    fn wait_as_sender(&self, me: FiberId, deadline: Option<Instant>) -> Result<(), ChannelError> {
-        let c = &self.inner;
-        if me == 0 {
-            return Err(ChannelError::WouldBlock);
-        }
-        if deadline.is_some_and(|d| Instant::now() >= d) {
-            return Err(ChannelError::Timeout);
-        }
-        // Declared first, dropped last: an unwinding waiter leaves the queue before it wakes
-        // the next one.
-        let pass_on = PassOn {
-            ch: self,
-            senders: true,
-        };
-        let waiting = enter(&c.senders);
-        sched::block(WaitOn::ChannelSend(c.id), deadline);
-        drop(waiting);
-        std::mem::forget(pass_on);
-        if sched::dropping() {
-            // Its scheduler is being dropped: no room can come any more.
-            return Err(ChannelError::WouldBlock);
-        }
-        if deadline.is_some_and(|d| Instant::now() >= d) && !c.closed.get() {
-            // A wake-up for room may have come with the timeout: pass it on.
-            if c.queued() < c.cap.max(1) {
-                wake_one(&c.senders);
-            }
-            return Err(ChannelError::Timeout);
-        }
-        Ok(())
     }
 
     /// Receives, waiting while the channel is empty; `None` once it is closed and drained.
@@ -557,10 +607,10 @@ impl<T> Channel<T> {
 
     /// Receives, waiting at most `d`.
     pub fn recv_timeout(&self, d: Duration) -> Result<T, ChannelError> {
-        self.recv_until(Some(Instant::now() + d))
+        self.recv_until(Some(d))
     }
 
-    /// Receives only if a value is there now.
+    /// Receives only if a value is there now (buffered, or a waiting sender's).
     pub fn try_recv(&self) -> Result<T, ChannelError> {
         self.inner.users.note();
         match self.take() {
@@ -570,31 +620,46 @@ impl<T> Channel<T> {
         }
     }
 
-    /// Takes the first value the calling fiber may take: one handed to it, or one handed
-    /// to nobody.
+    /// Takes the first value the calling fiber may take: one handed to it, or one buffered
+    /// (the first waiting sender's value then moves into the room it leaves, that sender
+    /// woken, as Tarantool does), or, with nothing buffered, a waiting sender's (not after a
+    /// close: those senders fail).
     fn take(&self) -> Option<T> {
         let c = &self.inner;
         let me = current_id();
         let q = {
             let mut buf = c.buf.borrow_mut();
-            let i = buf.iter().position(|q| q.to == 0 || q.to == me)?;
-            buf.remove(i)?
+            buf.iter()
+                .position(|q| q.to == 0 || q.to == me)
+                .and_then(|i| buf.remove(i))
         };
-        c.unhand(&q);
-        c.taken.set(c.taken.get().max(q.ticket));
-        if c.cap == 0 {
-            wake_all(&c.senders);
-        } else {
-            wake_one(&c.senders);
+        if let Some(q) = q {
+            if q.to != 0 {
+                c.handed.set(c.handed.get() - 1);
+            } else if !c.closed.get() && c.queued() < c.cap {
+                let next = c.senders.borrow_mut().take_first();
+                if let Some((v, (s, id))) = next {
+                    c.buf.borrow_mut().push_back(Queued { to: 0, value: v });
+                    sched::wake(s, id);
+                }
+            }
+            return Some(q.value);
         }
-        Some(q.value)
+        if c.closed.get() {
+            return None;
+        }
+        let (v, (s, id)) = c.senders.borrow_mut().take_first()?;
+        sched::wake(s, id);
+        Some(v)
     }
 
     #[inline(never)]
-    fn recv_until(&self, deadline: Option<Instant>) -> Result<T, ChannelError> {
+    fn recv_until(&self, timeout: Option<Duration>) -> Result<T, ChannelError> {
         let c = &self.inner;
         c.users.note();
         let me = current_id();
+        let deadline = timeout.map(|d| Instant::now() + d);
+        let mut waited = false;
         loop {
             if let Some(v) = self.take() {
                 return Ok(v);
@@ -605,22 +670,32 @@ impl<T> Channel<T> {
             if me == 0 {
                 return Err(ChannelError::WouldBlock);
             }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
+            // (A timeout however short waits once: Tarantool's waits last at least a turn
+            // of its loop.)
+            let over = if waited {
+                deadline.is_some_and(|d| Instant::now() >= d)
+            } else {
+                timeout == Some(Duration::ZERO)
+            };
+            if over {
                 return Err(ChannelError::Timeout);
             }
-            if c.cap == 0 {
-                // A rendezvous sender may be waiting for a receiver to show up.
-                wake_one(&c.senders);
-            }
-            // Declared first, dropped last (see `wait_as_sender`).
-            let pass_on = PassOn {
-                ch: self,
-                senders: false,
-            };
+            // A cancelled fiber does not start the wait.
+            sched::raise_cancel();
             let waiting = enter(&c.receivers);
-            sched::block(WaitOn::ChannelReceive(c.id), deadline);
+            let cancelled = sched::block(WaitOn::ChannelReceive(c.id), deadline);
             drop(waiting);
-            std::mem::forget(pass_on);
+            waited = true;
+            if cancelled {
+                // A value handed to it is its own, even cancelled (Tarantool's rule: the
+                // cancellation is raised at its next wait), and so is one it can take now
+                // (Tarantool's cancelled receiver tries once more without waiting);
+                // otherwise it unwinds now.
+                if let Some(v) = self.take() {
+                    return Ok(v);
+                }
+                sched::raise_cancel();
+            }
             if sched::dropping() {
                 // Its scheduler is being dropped: nothing can come any more.
                 return Err(ChannelError::WouldBlock);
@@ -629,76 +704,21 @@ impl<T> Channel<T> {
     }
 }
 
-/// Takes a rendezvous sender's value back out of the channel when its wait ends by
-/// unwinding (cancellation): nobody will be told it was sent.
-struct Unqueue<'a, T> {
+/// Takes a waiting sender's value back out of the channel when its wait ends by unwinding
+/// (cancellation, its scheduler's drop): nobody will be told it was sent.
+struct TakeBack<'a, T> {
     ch: &'a Channel<T>,
     ticket: u64,
 }
 
-impl<T> Drop for Unqueue<'_, T> {
+impl<T> Drop for TakeBack<'_, T> {
     fn drop(&mut self) {
-        if let Ok(mut buf) = self.ch.inner.buf.try_borrow_mut() {
-            if let Ok(i) = buf.binary_search_by_key(&self.ticket, |q| q.ticket) {
-                let q = buf.remove(i);
-                drop(buf);
-                if let Some(q) = &q {
-                    self.ch.inner.unhand(q);
-                }
-                wake_one(&self.ch.inner.senders);
-                drop(q);
-            }
-        }
-    }
-}
-
-/// Passes a wake-up on when a waiter leaves by unwinding (cancellation): a receiver woken
-/// for a value (or a sender woken for room) that never uses it must not leave the next
-/// waiter asleep.
-struct PassOn<'a, T> {
-    ch: &'a Channel<T>,
-    senders: bool,
-}
-
-impl<T> Drop for PassOn<'_, T> {
-    fn drop(&mut self) {
-        let c = &self.ch.inner;
-        if !self.senders {
-            // Values handed to this receiver go to the next one waiting, or to whoever
-            // receives next.
-            let me = current_id();
-            let mine: Vec<u64> = match c.buf.try_borrow() {
-                Ok(buf) => buf
-                    .iter()
-                    .filter(|q| me != 0 && q.to == me)
-                    .map(|q| q.ticket)
-                    .collect(),
-                Err(_) => return,
-            };
-            for ticket in mine {
-                let to = wake_one(&c.receivers).map_or(0, |(_, id)| id);
-                let Ok(mut buf) = c.buf.try_borrow_mut() else {
-                    return;
-                };
-                if let Some(q) = buf.iter_mut().find(|q| q.ticket == ticket) {
-                    q.to = to;
-                    if to == 0 {
-                        c.handed.set(c.handed.get() - 1);
-                    }
-                }
-            }
-        }
-        let Ok(buf) = c.buf.try_borrow() else {
-            return;
+        let v = match self.ch.inner.senders.try_borrow_mut() {
+            Ok(mut q) => q.take_back(self.ticket),
+            Err(_) => None,
         };
-        let has_value = buf.iter().any(|q| q.to == 0);
-        drop(buf);
-        let has_room = c.queued() < c.cap.max(1);
-        if self.senders && has_room {
-            wake_one(&c.senders);
-        } else if !self.senders && has_value {
-            wake_one(&c.receivers);
-        }
+        // Dropped outside the borrow: a value's destructor may use the channel.
+        drop(v);
     }
 }
 
@@ -757,7 +777,9 @@ impl Cond {
             return false;
         }
         let waiting = enter(&self.waiters);
-        sched::block(WaitOn::Condition(self.id), deadline);
+        if sched::block(WaitOn::Condition(self.id), deadline) {
+            sched::raise_cancel();
+        }
         let still_waiting = self.waiters.borrow().is_queued(waiting.ticket);
         drop(waiting);
         // (Its scheduler being dropped, the wait ends at once, unsignalled: as a timeout.)

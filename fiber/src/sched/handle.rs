@@ -189,7 +189,9 @@ impl Fiber {
             if !registered {
                 break;
             }
-            block(WaitOn::Join(shared.id), deadline);
+            if block(WaitOn::Join(shared.id), deadline) {
+                super::raise_cancel();
+            }
         }
         true
     }

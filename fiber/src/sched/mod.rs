@@ -673,9 +673,10 @@ pub(crate) struct Cancelled;
 /// Switches the running fiber (`ctx`: its context, which the caller has already read) back
 /// to the scheduler (the other suspension point is `Inner::run_nested`): records the
 /// registers (when tracing), publishes `Suspended`, and switches. After the resume, raises the
-/// cancellation if the fiber was cancelled meanwhile.
+/// cancellation if the fiber was cancelled meanwhile and `raise` (false: the caller looks at
+/// its wait's outcome first, see [`block`]).
 #[inline(never)]
-pub(crate) fn suspend_current(ctx: &FiberCore, why: Yield) {
+pub(crate) fn suspend_current(ctx: &FiberCore, why: Yield, raise: bool) {
     if ctx.dropping.get() {
         // Its scheduler is being dropped and unwinds this fiber's stack: nothing will resume
         // it, and a switch now would make corosensei unwind again from inside the
@@ -691,7 +692,9 @@ pub(crate) fn suspend_current(ctx: &FiberCore, why: Yield) {
     // its own stack (corosensei's parent link), valid for the coroutine's whole life.
     unsafe { (*y).suspend(why) };
     std::hint::black_box(());
-    check_cancel(ctx);
+    if raise {
+        check_cancel(ctx);
+    }
 }
 
 fn check_cancel(ctx: &FiberCore) {
@@ -761,7 +764,7 @@ pub fn is_cancelled() -> bool {
 pub fn yield_now() {
     if let Some(ctx) = current_ctx() {
         ctx.shared.set_status(Status::Ready);
-        suspend_current(ctx, Yield::Ready);
+        suspend_current(ctx, Yield::Ready, true);
         // Not a tail call: `yield_now` stays in the suspended fiber's trace.
         std::hint::black_box(());
     }
@@ -789,7 +792,7 @@ macro_rules! yield_to_body {
                 return;
             }
         }
-        suspend_current(ctx, Yield::Ready);
+        suspend_current(ctx, Yield::Ready, true);
     }};
 }
 
@@ -828,27 +831,40 @@ pub fn sleep(d: Duration) {
     let fid = ctx.shared.id;
     with_sched(|s| s.add_timer(fid, Instant::now() + d));
     ctx.shared.begin_wait(Status::Sleeping, WaitOn::Sleep);
-    suspend_current(ctx, Yield::Blocked);
+    suspend_current(ctx, Yield::Blocked, true);
     ctx.shared.end_wait();
 }
 
 /// Blocks the current fiber on `on` until something makes it ready (a wake-up, or the
-/// optional deadline). Used by channels, conditions and joins.
+/// optional deadline). Used by channels, conditions and joins. A cancelled fiber does not
+/// start the wait (Tarantool: a channel or condition wait of a cancelled fiber fails at once;
+/// it unwinds). A cancellation that comes during the wait does not unwind out of it: returns
+/// whether the fiber is cancelled then (and not unwinding already), for the caller to look
+/// at the wait's outcome first (a channel's value handed to the fiber is still returned to
+/// it, as Tarantool does), then raise it with [`raise_cancel`].
 #[inline(never)]
-pub(crate) fn block(on: WaitOn, deadline: Option<Instant>) {
+#[must_use]
+pub(crate) fn block(on: WaitOn, deadline: Option<Instant>) -> bool {
     let Some(ctx) = current_ctx() else {
-        return;
+        return false;
     };
-    // A cancelled fiber does not start a wait (Tarantool: a channel or condition wait of a
-    // cancelled fiber fails at once); what completes without waiting still completes.
     check_cancel(ctx);
     let fid = ctx.shared.id;
     if let Some(d) = deadline {
         with_sched(|s| s.add_timer(fid, d));
     }
     ctx.shared.begin_wait(Status::Waiting, on);
-    suspend_current(ctx, Yield::Blocked);
+    suspend_current(ctx, Yield::Blocked, false);
     ctx.shared.end_wait();
+    ctx.shared.cancelled.load(Ordering::Relaxed) && !ctx.unwinding.get()
+}
+
+/// Raises the current fiber's cancellation (unwinds) if it was cancelled and is not unwinding
+/// already; otherwise nothing.
+pub(crate) fn raise_cancel() {
+    if let Some(ctx) = current_ctx() {
+        check_cancel(ctx);
+    }
 }
 
 /// Suspends the current fiber until [`Fiber::wakeup`] (Tarantool's `fiber.yield` without
@@ -859,7 +875,7 @@ pub fn suspend() {
         return;
     };
     ctx.shared.begin_wait(Status::Suspended, WaitOn::Wakeup);
-    suspend_current(ctx, Yield::Blocked);
+    suspend_current(ctx, Yield::Blocked, true);
     ctx.shared.end_wait();
 }
 

@@ -328,12 +328,19 @@ pub(crate) unsafe fn type_of(l: *mut ffi::lua_State, idx: c_int) -> c_int {
 /// A non-negative number of seconds as a timeout (`None`: forever, for NaN and from
 /// Tarantool's `TIMEOUT_INFINITY` on, 100 years; `Duration::from_secs_f64` would panic past
 /// its range). Below it, a timer: a fiber that sleeps a billion seconds is not "asleep
-/// forever" to the deadlock report (it was, from a billion on).
+/// forever" to the deadlock report (it was, from a billion on). A positive timeout below a
+/// nanosecond is one nanosecond, not zero: it waits once, as any positive timeout does in
+/// Tarantool (`ch:put(v, 1e-12)` failed at once, before a receiver could come).
 pub(crate) fn seconds(s: f64) -> Option<std::time::Duration> {
     if s.is_nan() || s >= crate::host::Slice::INFINITE {
         None
     } else {
-        Some(std::time::Duration::from_secs_f64(s.max(0.0)))
+        let d = std::time::Duration::from_secs_f64(s.max(0.0));
+        Some(if s > 0.0 && d.is_zero() {
+            std::time::Duration::from_nanos(1)
+        } else {
+            d
+        })
     }
 }
 
