@@ -251,6 +251,18 @@ out = table.concat(out, '\n')
     );
 }
 
+/// The channel tests' printing: `fiber`, and `say(...)`, which appends its arguments (each
+/// through `tostring`, nils included) as one line to the global `out`.
+const SAY: &str = r#"
+local fiber = require('fiber')
+out = {}
+local function say(...)
+  local t = {}
+  for i = 1, select('#', ...) do t[i] = tostring((select(i, ...))) end
+  out[#out + 1] = table.concat(t, ' ')
+end
+"#;
+
 /// A hostile sweep's cases, with what Tarantool prints for each (checked side by side):
 /// a reader handed a value and cancelled before it runs still gets it, and the next value is
 /// not lost (it was: the first went to the second reader, the second stayed unseen); a writer
@@ -259,14 +271,9 @@ out = table.concat(out, '\n')
 /// writers waiting (it was 1, more than its size), and each get takes the next writer's value.
 #[test]
 fn values_taken_or_handed_before_a_cancel_are_delivered_as_tarantool_does() {
-    let host = run(r#"
-local fiber = require('fiber')
-out = {}
-local function say(...)
-  local t = {}
-  for i = 1, select('#', ...) do t[i] = tostring((select(i, ...))) end
-  out[#out + 1] = table.concat(t, ' ')
-end
+    let host = run(&[
+        SAY,
+        r#"
 local ch = fiber.channel(0)
 local r1 = fiber.create(function() say('r1', pcall(ch.get, ch)) end)
 local r2 = fiber.create(function() say('r2', pcall(ch.get, ch)) end)
@@ -295,7 +302,9 @@ say('get', z:get(0))
 say('st', z:count(), z:is_empty(), z:has_writers())
 fiber.sleep(0.01)
 out = table.concat(out, '\n')
-"#);
+"#,
+    ]
+    .concat());
     assert_eq!(
         global::<String>(&host, "out"),
         "put A true\nput B true\nr1 true A\nr2 true B\nleft 0 nil\n\
@@ -341,14 +350,10 @@ end
 /// could come). The expected lines are Tarantool's.
 #[test]
 fn cancelled_waiters_try_once_more_and_tiny_timeouts_wait_once_as_tarantool_does() {
-    let host = run(r#"
-local fiber = require('fiber')
-out = {}
-local function P(...)
-  local t = {}
-  for i = 1, select('#', ...) do t[i] = tostring((select(i, ...))) end
-  out[#out + 1] = table.concat(t, ' ')
-end
+    let host = run(&[
+        SAY,
+        r#"
+local P = say
 local function W(ch, v, t) return function() P('put', v, pcall(ch.put, ch, v, t)) end end
 local function R(ch, n, t) return function() P('get', n, pcall(ch.get, ch, t)) end end
 local ch = fiber.channel(0)
@@ -375,7 +380,9 @@ for _, t in ipairs{1e-12, 1e-7} do
   fiber.sleep(0.01)
 end
 out = table.concat(out, '\n')
-"#);
+"#,
+    ]
+    .concat());
     assert_eq!(
         global::<String>(&host, "out"),
         "hw false\nput d1 true true\nget r1 true d1\n\
