@@ -378,10 +378,13 @@ fn a_script_that_takes_jit_profile_gets_a_note_until_it_gives_it_back() {
     assert_eq!(out, "true\ttrue\n");
     let reports: Vec<&str> = err.split("fiber 2 \"busy\" has run ").skip(1).collect();
     assert!(reports.len() >= 2, "{err}");
-    // The first run: the script holds the profiler (or the fiber yielded first, on a slow
-    // machine: the report says so). Read with the thread held: in the loop's trace (its
-    // levels from the trace's base, and the note says so), or in the interpreter (from its
-    // registers).
+    // The first run: the script holds the profiler. Read with the thread held: in the
+    // loop's trace (its levels from the trace's base, and the note says so), or in the
+    // interpreter (from its registers; the profiler's callback, line 14, may be on top).
+    // On a slow machine the read may not come: then the note says why, and names the
+    // script's profiler where it was the reason (the hold failed, or held in a state of the
+    // interpreter that says no Lua code), or the fiber yielded (or its thread took no
+    // signal) first.
     let refused = "its running fiber cannot be stopped at a safe point: the script's jit.profile \
                    holds LuaJIT's profiler, through which it is read";
     let first: Vec<&str> = reports[0].lines().collect();
@@ -389,9 +392,15 @@ fn a_script_that_takes_jit_profile_gets_a_note_until_it_gives_it_back() {
         .into_iter()
         .filter(|f| !f.starts_with("0x"))
         .collect();
-    // (Stopped in the interpreter's call of `clock.monotonic`: its C level on top.)
+    // (Stopped in the interpreter's call of `clock.monotonic`, or in the profiler's
+    // callback: its level on top.)
     let lua = match lua.split_first() {
-        Some((top, rest)) if top == "monotonic in =[C]:-1" => rest.to_vec(),
+        Some((top, rest))
+            if top == "monotonic in =[C]:-1"
+                || *top == format!("function <{path}:14> in @{path}:14") =>
+        {
+            rest.to_vec()
+        }
         _ => lua,
     };
     let held = (8..=10).any(|l| {
@@ -402,13 +411,15 @@ fn a_script_that_takes_jit_profile_gets_a_note_until_it_gives_it_back() {
     }) && reports[0].contains(&format!(
         "({refused}: its Lua frames were read from memory, its thread held still"
     ));
+    let unread = lua.is_empty()
+        && (reports[0].contains("(frames of the layer above the runtime (Lua) not shown: ")
+            && (reports[0].contains(refused)
+                || reports[0].contains("not shown: the fiber yielded before they could be read)"))
+            || reports[0].contains("(its stack was not sampled: "));
     assert!(
-        held || reports[0].contains("not shown: the fiber yielded before they could be read)")
-            || reports[0].contains(
-                "(its stack was not sampled: the fiber yielded before the sampling signal \
-                 reached its thread)"
-            ),
-        "{err}"
+        held || unread,
+        "{err}\n---- the first report:\n{}",
+        reports[0]
     );
     // The second run: Lua frames again (the innermost at one of the loop's lines).
     let last = reports.last().unwrap();

@@ -617,9 +617,18 @@ fn held_running(
 ) -> RunningPart {
     let mine = notes.into_iter().find(|n| n.fiber == id);
     if let Some(n) = mine.as_ref().filter(|n| !n.read) {
+        // (With why it was not read at a safe point, when the layer refused one.)
+        let refused = refused
+            .map(|r| {
+                format!(
+                    "its running fiber cannot be stopped at a safe point: {r}; read with its \
+                     thread held still: "
+                )
+            })
+            .unwrap_or_default();
         return Err((
             format!(
-                "frames of the layer above the runtime (Lua) not shown: {}",
+                "frames of the layer above the runtime (Lua) not shown: {refused}{}",
                 n.why
             ),
             true,

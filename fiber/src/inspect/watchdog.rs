@@ -631,6 +631,10 @@ fn run() {
             let _in_flight = InFlight::new();
             let sample = super::sample::sample(s, Duration::from_millis(500));
             let name = s.fiber(fid).map(|f| f.name()).unwrap_or_default();
+            if in_window == 0 {
+                // (The second starts at its first report.)
+                window_start = Instant::now();
+            }
             in_window += 1;
             let came = sample.is_some();
             let Some(sample) = sample.filter(|x| x.fiber == fid && x.resumes == resumes) else {
@@ -717,6 +721,11 @@ fn run() {
                         if blocked_window.1 >= cfg.max_reports_per_sec {
                             st.blocked_suppressed.fetch_add(1, Ordering::AcqRel);
                             continue;
+                        }
+                        if blocked_window.1 == 0 {
+                            // The second starts at its first report (from the watchdog's
+                            // start, a burst late in a second was split over two).
+                            blocked_window.0 = Instant::now();
                         }
                         blocked_window.1 += 1;
                         let opts = crate::InfoOptions::default();
