@@ -256,8 +256,9 @@ out(me.nonexistent, me[1], type(me.id))
 }
 
 /// A joinable fiber that ended stays found until joined, as in Tarantool: status
-/// `suspended`, cancel and wakeup accepted (nothing happens), join gives its outcome; made
-/// unjoinable, it is released.
+/// `suspended`, cancel and wakeup accepted (nothing happens), listed by `fiber.info()`
+/// (its `status` there `dead`, its backtrace empty: Tarantool printed a stale stack's),
+/// join gives its outcome; made unjoinable, it is released.
 #[test]
 fn an_ended_joinable_fiber_is_found_until_joined() {
     let (got, _) = run(r#"
@@ -268,8 +269,16 @@ out(f:status(), fiber.find(f:id()) == f, tostring(f) == 'fiber: ' .. f:id())
 out(pcall(fiber.cancel, f))
 out(pcall(fiber.wakeup, f))
 out(pcall(fiber.name, f))
+local function listed(bt)
+  local i = fiber.info({backtrace = bt})[f:id()]
+  return i and string.format('%s %s %d %s %s', i.name, i.status, i.csw,
+    i.backtrace and #i.backtrace, i.memory.total > 0)
+end
+out(listed(true))
+out(listed(false))
 local st, e = f:join()
 out(st, e, f:status(), tostring(f) == 'fiber: ' .. f:id() .. ' (dead)')
+out(listed(true))
 out(pcall(f.join, f))
 local g = fiber.new(function() return 1 end)
 g:set_joinable(true)
@@ -284,7 +293,10 @@ out(g:status(), fiber.find(g:id()), pcall(g.join, g))
             "true",
             "true",
             "true lua",
+            "lua dead 1 0 true",
+            "lua dead 1 nil true",
             "false dies at once dead true",
+            "nil",
             "false the fiber is dead",
             "dead nil false the fiber is dead",
         ]),

@@ -944,7 +944,8 @@ pub(crate) fn entry_ctors_source() -> String {
 ///
 /// # Safety
 /// `l` valid, in a protected call (an error, out of memory, is raised); `root` the fiber's
-/// Lua thread; `call` made on `l`.
+/// Lua thread, when the fiber has not ended (it is not touched for one that has); `call`
+/// made on `l`.
 unsafe fn push_fiber(
     l: *mut ffi::lua_State,
     f: &fibertrace_fiber::Fiber,
@@ -962,11 +963,16 @@ unsafe fn push_fiber(
         status
     };
     let parent = f.parent();
-    let bt = opts
-        .backtrace
-        // SAFETY: `root` is the fiber's Lua thread, on this thread (the contract).
-        .then(|| unsafe { fiber_frames(f, root, call, kept.trace, kept.place) })
-        .flatten();
+    // A fiber that ended (not joined yet): no stack, and its Lua thread may be gone.
+    let bt = if status == Status::Dead {
+        opts.backtrace.then(|| Rc::from(&[][..]))
+    } else {
+        opts.backtrace
+            // SAFETY: `root` is the Lua thread of a fiber that has not ended, on this thread
+            // (the contract).
+            .then(|| unsafe { fiber_frames(f, root, call, kept.trace, kept.place) })
+            .flatten()
+    };
     // The nearest ancestors only, and a count of the others: bounded per fiber.
     let pbt = (opts.backtrace && kept.parent_bt)
         .then(|| f.parent_trace())
@@ -1200,7 +1206,10 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
         // the `recs` gathered here.)
         let mut recs: Vec<(usize, &FiberId, &super::LuaFiber)> = Vec::with_capacity(h.recs.len());
         let mut order: Vec<(usize, usize)> = Vec::with_capacity(h.recs.len());
-        for (place, id, r) in h.recs.iter_placed().filter(|(.., r)| r.done.is_none()) {
+        // (A fiber that ended and is not joined yet is listed, as Tarantool lists it, with
+        // no frames: its record keeps its result until the join.)
+        let listed = |r: &super::LuaFiber| r.done.is_none() || r.fiber.control_block().is_dead();
+        for (place, id, r) in h.recs.iter_placed().filter(|(.., r)| listed(r)) {
             order.push((
                 std::sync::Arc::as_ptr(r.fiber.control_block()) as usize,
                 recs.len(),
@@ -1292,9 +1301,7 @@ pub(crate) fn push_all(c: &mut super::call::Call, opts: &Opts) -> Result<(), LEr
                         fibertrace_core::capture::prefetch(*root as u64, 128);
                     }
                 }
-                if f.control_block().is_dead() {
-                    continue;
-                }
+                // (A fiber that ended: `push_fiber` does not touch its Lua thread.)
                 push_fiber(l, f, *root, *slice, opts, &mut call, kept.clone());
                 super::raw::rawseti(l, all, *fid as ffi::lua_Integer);
             }
