@@ -586,6 +586,13 @@ fn control_characters_in_names_leave_the_folded_stacks_and_the_svg_well_formed()
         let w = Builder::new()
             .name("w\u{1b}[31m\u{1}")
             .spawn(move || wait_three(&rx));
+        // Characters XML does not allow, and a byte that is not UTF-8.
+        let rx2 = ch.clone();
+        let v = Builder::new()
+            .name(&fibertrace_fiber::embed::name_from_bytes(
+                b"v\xef\xbf\xbe\xef\xbf\xbf\xff",
+            ))
+            .spawn(move || wait_three(&rx2));
         yield_now();
         let full = inspect::snapshot(&InfoOptions::default());
         let snap = Snapshot {
@@ -599,17 +606,95 @@ fn control_characters_in_names_leave_the_folded_stacks_and_the_svg_well_formed()
                 .any(|l| l.starts_with("ctl;fiber:w\\x1b[31m\\x01;")),
             "{folded}"
         );
+        assert!(
+            folded
+                .lines()
+                .any(|l| l.starts_with("ctl;fiber:v\\u{fffe}\\u{ffff}\\xff;")),
+            "{folded}"
+        );
         let svg = export::to_bytes(&snap, Format::Svg);
         let bad = svg
             .iter()
             .position(|&b| b < 0x20 && !matches!(b, b'\t' | b'\n' | b'\r'));
         assert_eq!(bad, None, "{}", String::from_utf8_lossy(&svg));
+        let text = String::from_utf8(svg).unwrap();
+        assert!(!text.contains(['\u{fffe}', '\u{ffff}']), "{text}");
         assert!(
-            String::from_utf8_lossy(&svg).contains("fiber:w\\x1b[31m\\x01"),
+            text.contains("fiber:w\\x1b[31m\\x01"),
             "the name is in the flame graph"
         );
+        assert!(text.contains("fiber:v\\u{fffe}\\u{ffff}\\xff"), "{text}");
         ch.close();
         let _ = w.join();
+        let _ = v.join();
     })
     .unwrap();
+}
+
+/// More fiber names than the flame graph has pixels across (1,500 fibers, each named on its
+/// own): the names are left out and equal stacks merged, and the subtitle says so (each
+/// fiber narrower than the graph draws, 20,000 such fibers left it empty below the thread);
+/// with a few names, each is drawn.
+#[test]
+fn a_flame_graph_of_more_fiber_names_than_pixels_merges_their_stacks() {
+    for (n, named) in [(1500usize, false), (40, true)] {
+        Scheduler::with_options(SchedulerOptions {
+            name: "many".into(),
+            ..Default::default()
+        })
+        .block_on(move || {
+            let ch = channel::<u8>(1);
+            let ws: Vec<_> = (0..n)
+                .map(|i| {
+                    let rx = ch.clone();
+                    Builder::new()
+                        .name(&format!("u{i}"))
+                        .spawn(move || wait_three(&rx))
+                })
+                .collect();
+            yield_now();
+            let full = inspect::snapshot(&InfoOptions::default());
+            let snap = Snapshot {
+                schedulers: vec![mine(&full, ws[0].id()).clone()],
+                ..full.clone()
+            };
+            let svg = String::from_utf8(export::to_bytes(&snap, Format::Svg)).unwrap();
+            let note = format!(
+                "{} fiber names, more than the image has pixels across: names left out, equal \
+                 stacks merged",
+                n + 1
+            );
+            assert_eq!(svg.contains(&note), !named, "{n}");
+            assert_eq!(svg.contains("fiber:u7 "), named, "{n}");
+            // The stack every worker waits in is drawn, whole, with every fiber's count
+            // (written with a thousands separator), or once per name.
+            let count = if named {
+                "1".to_string()
+            } else if n >= 1000 {
+                format!("{},{:03}", n / 1000, n % 1000)
+            } else {
+                n.to_string()
+            };
+            assert!(
+                svg.contains(&format!("<title>export::wait_three ({count} fibers, ")),
+                "{n}: {:?}",
+                svg.split("<title>")
+                    .skip(1)
+                    .filter_map(|t| t.split("</title>").next())
+                    .take(40)
+                    .collect::<Vec<_>>()
+            );
+            // The folded stacks name every fiber still.
+            let folded = String::from_utf8(export::to_bytes(&snap, Format::Folded)).unwrap();
+            assert!(
+                folded.lines().any(|l| l.starts_with("many;fiber:u7;")),
+                "{n}"
+            );
+            ch.close();
+            for w in ws {
+                let _ = w.join();
+            }
+        })
+        .unwrap();
+    }
 }

@@ -146,7 +146,11 @@ pub fn heap_text_since(top: usize, base: Option<&HeapBaseline>) -> String {
     }
     let groups: Vec<Group> = grouped.groups;
     if base.is_none() || !none {
-        out.push_str(&heap::render_groups(&groups, top, &fiber_name, &opts));
+        // (Names quoted as the runtime's reports quote them: a byte that is not UTF-8 as
+        // `\xNN`, not as the private character that stands for it.)
+        let quoted =
+            |id| fiber_name(id).map(|n| fibertrace_fiber::embed::quoted_name(&n).to_string());
+        out.push_str(&heap::render_groups(&groups, top, &quoted, &opts));
     }
     // What each fiber holds of what is listed (the process's totals per fiber count what was
     // left out too: a fiber's total was larger than the whole report's).

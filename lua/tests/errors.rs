@@ -13,11 +13,17 @@ const EXE: &str = env!("CARGO_BIN_EXE_fibertrace");
 
 /// Runs `src` as a script file; (stdout, stderr, exit code), as bytes.
 fn run(name: &str, src: &[u8]) -> (Vec<u8>, Vec<u8>, Option<i32>) {
+    run_with(&[], name, src)
+}
+
+/// [`run`] with options of `run` before the script.
+fn run_with(opts: &[&str], name: &str, src: &[u8]) -> (Vec<u8>, Vec<u8>, Option<i32>) {
     let dir = Scratch::new("errors");
     let path = dir.join(name);
     std::fs::write(&path, src).unwrap();
     let o = Command::new(EXE)
         .arg("run")
+        .args(opts)
         .arg(&path)
         .stdin(Stdio::null())
         .output()
@@ -196,6 +202,45 @@ fn the_signal_dump_quotes_names_so_their_bytes_read_back() {
         "{err}"
     );
     assert_eq!(code, Some(0));
+}
+
+/// The slice warning and the heap report quote names as the dump does (the warning wrote
+/// the name's bytes raw, its newline breaking the line; the heap report wrote Rust's debug
+/// form, `\u{10ffff}` for the byte 0xff).
+#[test]
+fn the_slice_warning_and_the_heap_report_quote_names_as_the_dump_does() {
+    let (out, err, code) = run_with(
+        &["--heap"],
+        "slice_names.lua",
+        b"local fiber = require('fiber')\n\
+          local clock = require('clock')\n\
+          fiber.set_max_slice({warn = 0.05, err = 10})\n\
+          local f = fiber.new(function()\n\
+          \x20 fiber.name('a\\255\"b\\\\c\\nd')\n\
+          \x20 local t = clock.monotonic() + 0.15\n\
+          \x20 while clock.monotonic() < t do end\n\
+          \x20 fiber.check_slice()\n\
+          end)\n\
+          f:set_joinable(true)\n\
+          f:join()\n\
+          keep = {}\n\
+          fiber.create(function() fiber.name('h\\255\\n') for i = 1, 3000 do keep[i] = {i} end fiber.sleep(10) end)\n\
+          io.write(require('fibertrace').heap({format = 'text', top = 1}))\n\
+          os.exit(0)\n",
+    );
+    let err = String::from_utf8(err).unwrap();
+    assert!(
+        err.lines().any(|l| l
+            == r#"fibertrace: fiber 2 "a\xff\"b\\c\nd": fiber has not yielded for more than 0.050 seconds"#),
+        "{err}"
+    );
+    let out = String::from_utf8(out).unwrap();
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("[1] ") && l.contains(r#" allocations — fiber 3 "h\xff\n": "#)),
+        "{out}"
+    );
+    assert_eq!(code, Some(0), "{err}");
 }
 
 #[test]

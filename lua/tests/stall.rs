@@ -673,6 +673,51 @@ fn fiber_set_max_slice_starts_the_stall_detector() {
     assert!(err.contains("\"slicer\" has run "), "{err}");
 }
 
+/// The main chunk sets its slice, then spins: reported from its slice under way, whatever
+/// the watchdog ran with before (`--blocked-ms` started it with no stall threshold, and the
+/// run under way kept it: no report at all; `--stall-ms 5000` kept its own marks).
+const SLICE_MAIN: &str = r#"
+if jit then jit.off() end
+local fiber = require('fiber')
+local clock = require('clock')
+local function spin(t)
+  while clock.monotonic() < t do end
+end
+fiber.set_max_slice(0.05)
+spin(clock.monotonic() + 0.5)
+print('done')
+"#;
+
+#[test]
+fn a_slice_set_by_the_running_fiber_applies_to_its_run_under_way() {
+    for args in [&["--blocked-ms", "10"][..], &["--stall-ms", "5000"], &[]] {
+        let (code, out, err) = run_script(args, SLICE_MAIN);
+        let path = script_path(args, SLICE_MAIN);
+        assert_eq!((code, out.as_str()), (0, "done\n"), "{args:?}: {err}");
+        let first = err
+            .split("fiber 1 \"main\" has run ")
+            .nth(1)
+            .unwrap_or_else(|| panic!("{args:?}: no report: {err}"));
+        let lines: Vec<&str> = first.lines().collect();
+        let lua: Vec<String> = frame_bodies(&lines)
+            .into_iter()
+            .filter(|f| !f.starts_with("0x"))
+            .collect();
+        let lua = match lua.split_first() {
+            Some((top, rest)) if top == "monotonic in =[C]:-1" => rest.to_vec(),
+            _ => lua,
+        };
+        assert!(
+            [5, 6].iter().any(|l| lua
+                == [
+                    format!("spin in @{path}:{l}"),
+                    format!("main chunk in @{path}:9"),
+                ]),
+            "{args:?}: {err}"
+        );
+    }
+}
+
 const PATIENT: &str = r#"
 local fiber = require('fiber')
 local ch = fiber.channel(1)

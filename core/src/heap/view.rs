@@ -465,7 +465,8 @@ pub fn human_bytes(b: i64) -> String {
     }
 }
 
-/// Who a share belongs to, in words: `fiber 3 "worker"`, `exited fiber 7`, `threads`.
+/// Who a share belongs to, in words: `fiber 3 "worker"` (the name as `name` gives it),
+/// `exited fiber 7`, `threads`.
 pub fn share_name(
     fiber: Option<u64>,
     exited: bool,
@@ -475,14 +476,15 @@ pub fn share_name(
         None => "outside fibers".to_string(),
         Some(f) if exited => format!("held by exited fiber {f}"),
         Some(f) => match name(f) {
-            Some(n) => format!("fiber {f} {n:?}"),
+            Some(n) => format!("fiber {f} {n}"),
             None => format!("fiber {f}"),
         },
     }
 }
 
 /// The `top` groups with most bytes as text: a header line, then per group its figures, its
-/// fibers and its frames (resolved). `name` gives a live fiber's name. `opts` formats frames
+/// fibers and its frames (resolved). `name` gives a live fiber's name as the text shows it
+/// (quoted, with escapes: the runtime's own form). `opts` formats frames
 /// (Lua namer, glue filter).
 pub fn render_groups(
     groups: &[Group],

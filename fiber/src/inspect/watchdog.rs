@@ -388,6 +388,10 @@ struct Watch {
     queue_seen: Option<Duration>,
     next_report: Duration,
     next_wall_report: Duration,
+    /// The threshold the marks were set from: a new one (`set_threshold`, Tarantool's
+    /// `fiber.set_max_slice`) applies to the run under way at once (it waited for the next
+    /// run: a script's spinning main chunk that set its slice went unreported).
+    threshold: Duration,
 }
 
 /// Wall time after which a run is reported even if it used no CPU (blocked in the kernel).
@@ -538,6 +542,7 @@ fn run() {
                         queue_seen: None,
                         next_report: cfg.threshold,
                         next_wall_report: wall_limit(cfg.threshold),
+                        threshold: cfg.threshold,
                     });
                     continue;
                 }
@@ -557,7 +562,15 @@ fn run() {
                 w.queue_seen = None;
                 w.next_report = cfg.threshold;
                 w.next_wall_report = wall_limit(cfg.threshold);
+                w.threshold = cfg.threshold;
                 continue;
+            }
+            if w.threshold != cfg.threshold {
+                // A new threshold: the run under way is measured against it from now (its
+                // marks doubled past what it has run already, below, once reported).
+                w.threshold = cfg.threshold;
+                w.next_report = cfg.threshold;
+                w.next_wall_report = wall_limit(cfg.threshold);
             }
             if w.queue_seen.is_none() {
                 // A run that lasts: from here, time its thread waited on a run queue is

@@ -36,7 +36,7 @@ use crate::stack;
 use crate::task::{ControlBlock, FiberId, PanicReport, Status, WaitOn};
 
 mod handle;
-mod names;
+pub(crate) mod names;
 pub(crate) mod panic;
 mod run;
 mod spawn;

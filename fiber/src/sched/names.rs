@@ -9,6 +9,11 @@ fn is_name_esc(c: char) -> bool {
     (NAME_ESC + 0x80..=NAME_ESC + 0xFF).contains(&(c as u32))
 }
 
+/// The byte that is not UTF-8 which `c` stands for in a name (see [`name_from_bytes`]).
+pub(crate) fn escaped_byte(c: char) -> Option<u8> {
+    is_name_esc(c).then(|| (c as u32 - NAME_ESC) as u8)
+}
+
 fn push_name_byte(out: &mut String, b: u8) {
     // (0x80..=0xFF: every code point made is a valid one.)
     out.extend(char::from_u32(NAME_ESC + b as u32));

@@ -128,15 +128,14 @@ pub(super) fn check_slice_body(c: &mut Call) -> LResult {
         let name = fibertrace_fiber::current()
             .map(|f| f.name())
             .unwrap_or_default();
-        let mut err = std::io::stderr().lock();
-        let _ = write!(err, "fibertrace: fiber {} \"", run.0)
-            .and_then(|()| err.write_all(&fibertrace_fiber::embed::name_to_bytes(&name)))
-            .and_then(|()| {
-                writeln!(
-                    err,
-                    "\": fiber has not yielded for more than {w:.3} seconds"
-                )
-            });
+        // (The name quoted with escapes, as in the runtime's other reports: a name's
+        // newline or bytes that are not UTF-8 broke the line.)
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "fibertrace: fiber {} {}: fiber has not yielded for more than {w:.3} seconds",
+            run.0,
+            fibertrace_fiber::embed::quoted_name(&name)
+        );
     }
     if warn.1 {
         return Err(LErr::plain("fiber slice is exceeded"));

@@ -14,7 +14,9 @@
 //! lines, as flame graphs of native code do. `;` in a name (`[u8; 4]`) is written `,`, and a
 //! line end as a space, so every line splits back into its frames; any other control
 //! character (a fiber named with an escape sequence) as `\xNN` (`\u{NN}` past `\x7f`), as
-//! the text view writes it: raw, it made the flame graph's SVG an ill-formed XML file.
+//! the text view writes it: raw, it made the flame graph's SVG an ill-formed XML file; so
+//! are U+FFFE and U+FFFF, which XML does not allow either, as `\u{fffe}`, `\u{ffff}`. A
+//! name's byte that is not UTF-8 is `\xNN`, as the text view writes it.
 //! Lines are sorted.
 
 use std::collections::BTreeMap;
@@ -32,7 +34,14 @@ fn clean(s: &str) -> String {
                 out.push_str(&format!("\\x{:02x}", c as u32));
             }
             c if c.is_control() => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
-            c => out.push(c),
+            // Characters XML does not allow (an SVG with one is not read at all).
+            '\u{fffe}' | '\u{ffff}' => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+            // A name's byte that is not UTF-8, as the text view writes it (not the private
+            // character that stands for it).
+            c => match crate::sched::names::escaped_byte(c) {
+                Some(b) => out.push_str(&format!("\\x{b:02x}")),
+                None => out.push(c),
+            },
         }
     }
     out
@@ -40,6 +49,11 @@ fn clean(s: &str) -> String {
 
 /// The snapshot's fibers as folded stacks (see the module doc).
 pub fn folded(snap: &Snapshot) -> String {
+    folded_with(snap, true)
+}
+
+/// [`folded`], with each fiber's name (`fiber:NAME`) or, without `names`, `fibers` for all.
+fn folded_with(snap: &Snapshot, names: bool) -> String {
     let mut counts: BTreeMap<String, u64> = BTreeMap::new();
     for s in &snap.schedulers {
         for fi in &s.fibers {
@@ -52,9 +66,11 @@ pub fn folded(snap: &Snapshot) -> String {
                 } else {
                     line.push_str(&clean(&fi.name));
                 }
-            } else {
+            } else if names {
                 line.push_str(";fiber:");
                 line.push_str(&clean(&fi.name));
+            } else {
+                line.push_str(";fibers");
             }
             for f in stack(fi).iter().rev() {
                 for l in f.levels.iter().rev() {
@@ -82,10 +98,32 @@ pub fn folded(snap: &Snapshot) -> String {
 
 /// The snapshot's folded stacks drawn as a flame graph (an SVG that a browser shows and
 /// searches), by the `inferno` crate. A snapshot without fibers gives an SVG that says so.
+///
+/// With more fiber names than the image has pixels across, most names' fibers are narrower
+/// than a pixel, and the flame graph leaves out what is narrower than a tenth of one: fibers
+/// named one by one (20,000 fibers with their own names) were all left out, the graph
+/// empty below its threads. Then the fibers' names are left out (equal stacks merge), and
+/// the subtitle says so.
 pub(super) fn svg(snap: &Snapshot) -> Vec<u8> {
-    let text = folded(snap);
     let fibers: usize = snap.schedulers.iter().map(|s| s.fibers.len()).sum();
     let mut opts = inferno::flamegraph::Options::default();
+    let width = opts.image_width.unwrap_or(1200);
+    let distinct = if fibers > width {
+        let all = snap.schedulers.iter().flat_map(|s| &s.fibers);
+        all.map(|f| &*f.name)
+            .collect::<std::collections::HashSet<_>>()
+            .len()
+    } else {
+        fibers
+    };
+    let names = distinct <= width;
+    let text = folded_with(snap, names);
+    if !names {
+        opts.subtitle = Some(format!(
+            "{distinct} fiber names, more than the image has pixels across: names left out, \
+             equal stacks merged (the folded stacks and the other exports name every fiber)"
+        ));
+    }
     opts.title = format!("fibertrace: {fibers} fibers");
     opts.count_name = "fibers".to_string();
     opts.name_type = "Function:".to_string();
