@@ -87,8 +87,9 @@ pub(super) fn cond_wait_body(c: &mut Call) -> LResult {
     if !signalled {
         cancelled_check()?;
     }
-    // Woken (not timed out) in a cancelled fiber: Tarantool returns true; the next
-    // cancellation point raises.
+    // (A fiber cancelled while it waits, signalled first or not, raises `fiber is cancelled`
+    // in the wait, the runtime's cancellation point: Tarantool since 2.7.1, gh-5013; 2.6
+    // returned true.)
     c.push_bool(signalled)?;
     Ok(1)
 }
