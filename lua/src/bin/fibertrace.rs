@@ -139,7 +139,9 @@ fn cli() -> Command {
                              (its Lua frames, read at its next Lua line; again at 2N, 4N, \
                              ...). Runs are measured in CPU time; a fiber blocked in the \
                              kernel (a blocking read, os.execute) is reported once blocked \
-                             4N ms (at least N + 200), its frames read where it is blocked",
+                             4N ms (at least N + 200), its frames read where it is blocked. A \
+                             script's fiber.set_max_slice sets N from then on (the run under \
+                             way too)",
                         ),
                 )
                 .arg(
