@@ -224,7 +224,7 @@ fn the_slice_warning_and_the_heap_report_quote_names_as_the_dump_does() {
           f:set_joinable(true)\n\
           f:join()\n\
           keep = {}\n\
-          fiber.create(function() fiber.name('h\\255\\n') for i = 1, 3000 do keep[i] = {i} end fiber.sleep(10) end)\n\
+          fiber.create(function() fiber.name('h\\255\\n') for i = 1, 20000 do keep[i] = string.rep('x', 200) .. i end fiber.sleep(10) end)\n\
           io.write(require('fibertrace').heap({format = 'text', top = 1}))\n\
           os.exit(0)\n",
     );
