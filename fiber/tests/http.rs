@@ -5,17 +5,26 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use fibertrace_fiber::export::Format;
 use fibertrace_fiber::http::{self, Limits};
 use fibertrace_fiber::{channel, Scheduler};
 
+/// One test at a time: every view lists the whole process's fibers, so one test's 1,500
+/// deep fibers would make another's views megabytes long, and their builds (on a slow
+/// machine's two cores) would run past the other's timed bounds.
+fn one_at_a_time() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// A raw exchange: sends `req`, reads to the end; (status, headers, body).
 fn exchange(addr: SocketAddr, req: &[u8]) -> (u16, String, Vec<u8>) {
     let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    // (A guard against a hang, not a bound on speed.)
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     s.write_all(req).unwrap();
     read_response(&mut s)
 }
@@ -89,6 +98,7 @@ fn spinning_process(stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
 
 #[test]
 fn every_view_is_served_while_a_fiber_spins() {
+    let _one = one_at_a_time();
     let stop = Arc::new(AtomicBool::new(false));
     let proc_thread = spinning_process(stop.clone());
     let server = http::serve("127.0.0.1:0").unwrap();
@@ -208,6 +218,7 @@ fn every_view_is_served_while_a_fiber_spins() {
 
 #[test]
 fn bad_requests_get_clear_answers_and_the_server_goes_on() {
+    let _one = one_at_a_time();
     let limits = Limits {
         // (Room for a connection still closing while the next request comes: the one-by-one
         // checks below must not meet the limit; the limit has its own server further down.)
@@ -481,6 +492,7 @@ fn addresses_are_checked_before_listening() {
 /// scrape), and an absolute-form request line is served as its path.
 #[test]
 fn idle_clients_and_bursts_of_requests_are_all_answered() {
+    let _one = one_at_a_time();
     let server = http::serve_with(
         "127.0.0.1:0",
         Limits {
@@ -593,6 +605,7 @@ fn ask_and_read_nothing(addr: SocketAddr) -> TcpStream {
 /// With their room full (`max_sending_bytes`), views are told 503 until it frees.
 #[test]
 fn clients_that_do_not_read_their_answers_hold_up_no_other() {
+    let _one = one_at_a_time();
     // Fibers 60 calls deep: a text view of several MiB.
     let (stop, ready) = (
         Arc::new(AtomicBool::new(false)),
@@ -687,7 +700,10 @@ fn clients_that_do_not_read_their_answers_hold_up_no_other() {
     .unwrap();
     let addr = server.local_addr();
     let mut slow = ask_and_read_nothing(addr);
-    std::thread::sleep(Duration::from_millis(300));
+    // Once its first bytes come, its answer is built and held (the answering thread is free).
+    slow.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    assert!(slow.peek(&mut [0; 1]).unwrap() > 0);
     let t0 = Instant::now();
     let (status, _, body) = get(addr, "/debug/fibers?format=grouped");
     let body = String::from_utf8_lossy(&body);
@@ -699,8 +715,6 @@ fn clients_that_do_not_read_their_answers_hold_up_no_other() {
     assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
     assert_eq!(get(addr, "/").0, 200);
     let mut all = Vec::new();
-    slow.set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
     std::thread::sleep(Duration::from_millis(2000));
     let _ = slow.read_to_end(&mut all);
     assert!(all.len() < len, "{} of {len} bytes: not cut", all.len());
