@@ -21,6 +21,7 @@ pub mod overflow {
     };
 }
 pub use crate::sched::{
-    current_run_time, loop_turn, name_from_bytes, name_to_bytes, quoted_name, top_disable,
-    top_enable, top_enabled, top_fiber_row, top_sched_row, CancelQuiet, QuotedName, TopRow,
+    current_run_time, loop_turn, name_from_bytes, name_to_bytes, quoted_name, top_at_end,
+    top_disable, top_enable, top_enabled, top_ended_row, top_fiber_row, top_sched_row, CancelQuiet,
+    EndedTop, QuotedName, TopRow,
 };

@@ -483,6 +483,82 @@ fn an_export_writes_into_devices_fifos_and_links_instead_of_replacing_them() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `check_writable` says beforehand what `write_file` would meet, and leaves nothing behind:
+/// for every kind of target, the check refuses exactly what the write refuses, with the same
+/// text. Names up to the file system's limit are written (their temporary file's name, which
+/// is longer, is cut and told apart by a hash).
+#[test]
+fn a_check_beforehand_agrees_with_the_write() {
+    let dir = std::env::temp_dir().join(format!("ft-check-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir(&dir).unwrap();
+    std::os::unix::fs::symlink("nowhere", dir.join("dangling")).unwrap();
+    std::os::unix::fs::symlink("loop", dir.join("loop")).unwrap();
+    std::os::unix::fs::symlink("/dev/null", dir.join("null")).unwrap();
+    std::fs::write(dir.join("file"), "old").unwrap();
+    std::fs::create_dir(dir.join("sub")).unwrap();
+    let long = |c: &str, n: usize| dir.join(c.repeat(n));
+    let targets = [
+        dir.join("new"),
+        dir.join("file"),
+        dir.join("dangling"),
+        dir.join("loop"),
+        dir.join("null"),
+        dir.join("sub"),
+        dir.join("no/such/dir/x"),
+        long("a", 243),
+        long("b", 255),
+        long("c", 256),
+        std::path::PathBuf::from("/sys/x.json"),
+    ];
+    let listing = || {
+        let mut v: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        v.sort();
+        v
+    };
+    let first = listing();
+    assert_eq!(first.len(), 5);
+    for t in &targets {
+        let check = export::check_writable(t).map_err(|e| e.to_string());
+        assert_eq!(
+            listing(),
+            first,
+            "{}: the check left something",
+            t.display()
+        );
+        let write = export::write_file(t, b"new").map_err(|e| e.to_string());
+        assert_eq!(check, write, "{}", t.display());
+        if !first.contains(t) {
+            let _ = std::fs::remove_file(t);
+        }
+    }
+    // What is refused, and what is not.
+    let refused = |p: &std::path::Path| export::check_writable(p).is_err();
+    assert!(!refused(&dir.join("new")) && !refused(&long("b", 255)));
+    assert!(refused(&dir.join("dangling")) && refused(&dir.join("loop")));
+    assert!(refused(&long("c", 256)) && refused(&dir.join("sub")));
+    // Two long names with one prefix: two temporary files, each a name the system takes.
+    let (a, b) = (long("d", 250), dir.join(format!("{}e", "d".repeat(249))));
+    let (ta, tb) = (
+        export::temporary_file(&a).unwrap(),
+        export::temporary_file(&b).unwrap(),
+    );
+    assert_ne!(ta, tb);
+    for t in [&ta, &tb] {
+        let n = t.file_name().unwrap().len();
+        assert!(n <= 255, "{n}");
+    }
+    let short = export::temporary_file(&dir.join("x.json")).unwrap();
+    assert_eq!(
+        short.file_name().unwrap().to_str().unwrap(),
+        format!(".x.json.{}.tmp", std::process::id())
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Every key path of a JSON value (`a.b[].c`).
 fn key_paths(v: &serde_json::Value, path: &str, out: &mut std::collections::BTreeSet<String>) {
     match v {

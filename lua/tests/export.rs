@@ -173,6 +173,128 @@ fn a_bad_dump_on_exit_is_refused_before_the_script_runs() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// What the write at exit would meet is found before the script runs (it was found after
+/// it: a long run's dump lost at its end): a name too long, a link to nothing, a loop of
+/// links, a directory that cannot be written, an immutable file. A name just short of the
+/// limit is written (its temporary file's name, longer, could not be made), and so is a
+/// read-only file (replaced, as before).
+#[test]
+fn a_dump_on_exit_that_could_not_be_written_is_refused_before_the_script_runs() {
+    let d = dir("unwritable");
+    std::fs::write(d.join("s.lua"), "print('ran')").unwrap();
+    std::os::unix::fs::symlink("nowhere/x", d.join("dangling")).unwrap();
+    std::os::unix::fs::symlink("loop", d.join("loop")).unwrap();
+    let long = "n".repeat(300);
+    let mut cases = vec![
+        (
+            format!("pprof:{long}"),
+            // (A name that long is cut in messages.)
+            format!(
+                "{}... (300 bytes): cannot write: File name too long (os error 36)",
+                &long[..256]
+            ),
+        ),
+        (
+            "json:dangling".to_string(),
+            "dangling: cannot write: a symbolic link to nothing".to_string(),
+        ),
+        (
+            "json:loop".to_string(),
+            "loop: cannot write: Too many levels of symbolic links (os error 40)".to_string(),
+        ),
+        // (Not writable even by root; read-only where /sys is mounted so.)
+        (
+            "json:/sys/x.json".to_string(),
+            "/sys/x.json: cannot write: ".to_string(),
+        ),
+    ];
+    // An immutable file (where `chattr` may set it: root on a file system that has it).
+    std::fs::write(d.join("frozen"), "kept").unwrap();
+    let frozen = Command::new("chattr")
+        .args(["+i"])
+        .arg(d.join("frozen"))
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if frozen {
+        cases.push((
+            "text:frozen".to_string(),
+            "frozen: cannot write: the file cannot be replaced (it is immutable)".to_string(),
+        ));
+    } else {
+        eprintln!("chattr +i is refused here: the immutable file is not tried");
+    }
+    for (arg, msg) in &cases {
+        let out = run(
+            &d,
+            &[
+                "--dump-on-exit",
+                "text:fine",
+                "--dump-on-exit",
+                arg,
+                "s.lua",
+            ],
+        );
+        assert_eq!(out.status.code(), Some(2), "{arg}");
+        assert!(out.stdout.is_empty(), "{arg}: the script ran");
+        let err = text(&out.stderr);
+        assert!(
+            err.starts_with(&format!("error: --dump-on-exit: {msg}"))
+                && err.ends_with("\n\nFor more information, try '--help'.\n"),
+            "{arg}: {err}"
+        );
+    }
+    if frozen {
+        let _ = Command::new("chattr")
+            .args(["-i"])
+            .arg(d.join("frozen"))
+            .status();
+        assert_eq!(std::fs::read_to_string(d.join("frozen")).unwrap(), "kept");
+    }
+    // Nothing was left behind by the checks: only the files made here.
+    let mut names: Vec<String> = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["dangling", "frozen", "loop", "s.lua"]);
+    // 250 bytes (with `.NAME.PID.tmp`, past 255) and a read-only file: written.
+    let name = "m".repeat(250);
+    std::fs::write(
+        d.join("s.lua"),
+        "local fiber = require('fiber')\n\
+         fiber.create(function() fiber.sleep(100) end):name('sleeper')\n\
+         print('ran')\n\
+         os.exit(0)\n",
+    )
+    .unwrap();
+    std::fs::write(d.join("ro"), "old").unwrap();
+    let mut perm = std::fs::metadata(d.join("ro")).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o444);
+    std::fs::set_permissions(d.join("ro"), perm).unwrap();
+    let out = run(
+        &d,
+        &[
+            "--dump-on-exit",
+            &format!("folded:{name}"),
+            "--dump-on-exit",
+            "json:ro",
+            "s.lua",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "ran\n");
+    let folded = std::fs::read_to_string(d.join(&name)).unwrap();
+    assert!(
+        folded.lines().any(|l| l
+            .starts_with("lua;fiber:sleeper;function <s.lua:2> (s.lua);sleep ([C]);")
+            && l.ends_with(";fibertrace_fiber::sched::sleep 1")),
+        "{folded}"
+    );
+    let json = std::fs::read_to_string(d.join("ro")).unwrap();
+    assert!(json.starts_with('{'), "{json}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// Starts `fibertrace run ARGS` in `cwd` and waits for the script's first line on its
 /// standard output, `first` (it prints it when set up, just before its main fiber sleeps).
 fn start_and_wait(cwd: &Path, args: &[&str], first: &str) -> std::process::Child {

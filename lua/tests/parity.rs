@@ -863,6 +863,53 @@ out(pcall(fiber.top))
     check(&got, &want);
 }
 
+/// `fiber.top()` lists a joinable fiber that ended until it is joined, as Tarantool does
+/// (the same script under Tarantool 2.6 prints the same, but for the decay): its time
+/// stays, its share of the last turn is 0, its average decays as any row's that does not run
+/// (here by turns that count the loop's waits, so an idle loop's turns take it down fast;
+/// Tarantool's stays near where it was); one that ended while accounting was off is listed
+/// with zeros (turning it on resets every figure); one not joinable is gone when it ends.
+#[test]
+fn top_lists_an_ended_joinable_fiber_until_joined() {
+    let (got, _) = run(r#"
+local early = fiber.new(function() spin(0.003) end)
+early:set_joinable(true)
+early:name('early')
+fiber.yield()
+fiber.top_enable()
+local f = fiber.new(function() spin(0.01) end)
+f:set_joinable(true)
+f:name('worker')
+local g = fiber.new(function() spin(0.01) end)
+g:name('gone')
+fiber.yield()
+out(f:status(), g:status())
+fiber.sleep(0.001)
+local cpu = fiber.top().cpu
+local r = cpu[f:id() .. '/worker']
+local e = cpu[early:id() .. '/early']
+out(r ~= nil, cpu[g:id() .. '/gone'], e and string.format('%g %g %g', e.average, e.instant, e.time))
+out(r.time > 0.009, r.time < 1, r.instant, r.average > 0)
+for _ = 1, 30 do fiber.sleep(0.001) end
+local r2 = fiber.top().cpu[f:id() .. '/worker']
+out(r2.time == r.time, r2.instant, r2.average < r.average / 2, r2.average > 0)
+f:join()
+early:join()
+cpu = fiber.top().cpu
+out(cpu[f:id() .. '/worker'], cpu[early:id() .. '/early'])
+"#);
+    check(
+        &got,
+        &s(&[
+            "suspended dead",
+            "true nil 0 0 0",
+            "true true 0 true",
+            "true 0 true true",
+            "nil nil",
+        ]),
+    );
+}
+
 /// `fiber.info()`'s `time` is counted always (the host's scheduler times every run), not
 /// only while `fiber.top` is on as in Tarantool; a slice set in the middle of a run counts
 /// the run from its start, as Tarantool's.

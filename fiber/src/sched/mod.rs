@@ -44,7 +44,8 @@ mod spawn;
 pub use handle::{CancelQuiet, Fiber, JoinError, JoinHandle};
 pub use names::{name_from_bytes, name_to_bytes, quoted_name, QuotedName};
 pub use run::{
-    current_run_time, loop_turn, top_disable, top_enable, top_enabled, top_fiber_row, top_sched_row,
+    current_run_time, loop_turn, top_at_end, top_disable, top_enable, top_enabled, top_ended_row,
+    top_fiber_row, top_sched_row, EndedTop,
 };
 pub(crate) use run::{wake, wake_live};
 use spawn::{no_tail_call, spawn_failed, HeldStack};
@@ -139,8 +140,8 @@ pub(crate) struct Ready {
 /// One row of `fiber.top()` as the scheduler keeps it: CPU ticks at the end of the last loop
 /// turn, the ticks of that turn, their moving average over turns, and the ticks when top was
 /// turned on (its time counts from there).
-#[derive(Clone, Copy, Default)]
-struct TopStat {
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct TopStat {
     last: u64,
     prev: u64,
     acc: f64,
@@ -254,6 +255,11 @@ pub(crate) struct Inner {
     turn_start: Cell<u64>,
     top_sched: Cell<TopStat>,
     top_total: Cell<TopStat>,
+    /// Turns closed since `fiber.top` accounting was last turned on, and how many times it
+    /// was (each time resets every figure): what the row of a fiber that ended is computed
+    /// from (see `EndedTop`).
+    top_turns: Cell<u64>,
+    top_epoch: Cell<u64>,
 }
 
 /// Who needs runs timed (bits of `Inner::clocked`).
@@ -416,6 +422,8 @@ impl Scheduler {
                 turn_start: Cell::new(0),
                 top_sched: Cell::new(TopStat::default()),
                 top_total: Cell::new(TopStat::default()),
+                top_turns: Cell::new(0),
+                top_epoch: Cell::new(0),
             }),
         };
         ON_THREAD.with(|t| {

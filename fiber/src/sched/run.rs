@@ -146,6 +146,7 @@ impl Inner {
             slot.top.close_turn(delta);
             ran = ran.wrapping_add(delta);
         }
+        self.top_turns.set(self.top_turns.get().wrapping_add(1));
         let mut sched = self.top_sched.get();
         let own = total.saturating_sub(ran);
         sched.last = sched.last.wrapping_add(own);
@@ -555,6 +556,8 @@ pub fn top_enable() -> bool {
         }
         s.set_clocked(Clocked::TOP, true);
         s.top_on.set(true);
+        s.top_turns.set(0);
+        s.top_epoch.set(s.top_epoch.get().wrapping_add(1));
         s.turn_start.set(crate::clock::ticks());
         s.top_sched.set(TopStat::default());
         s.top_total.set(TopStat::default());
@@ -589,6 +592,74 @@ pub fn top_enabled() -> bool {
 /// timers, and waiting for them).
 pub fn top_sched_row() -> Option<TopRow> {
     with_sched(|s| s.top_row(&s.top_sched.get()))
+}
+
+/// What `fiber.top()` knew of a fiber when it ended ([`top_at_end`]), for its row while it
+/// is still listed (Tarantool lists a joinable fiber that ended until it is joined): the
+/// scheduler drops a fiber's figures with its slot.
+#[derive(Clone, Copy, Debug)]
+pub struct EndedTop {
+    stat: super::TopStat,
+    /// Its CPU ticks at its end (its last turn's share is closed with the next turn).
+    ticks: u64,
+    sched: u64,
+    turns: u64,
+    epoch: u64,
+}
+
+/// The running fiber's `fiber.top()` figures as it ends (called by the fiber's own last
+/// code): `None` while accounting is off, or outside a fiber.
+pub fn top_at_end() -> Option<EndedTop> {
+    with_sched(|s| {
+        if !s.top_on.get() {
+            return None;
+        }
+        let fid = s.current.get();
+        let slots = s.slots.try_borrow().ok()?;
+        let slot = slots.get(&fid)?;
+        // Its runs before this one, and this one so far (runs are timed while top is on).
+        let ran = crate::clock::ticks().wrapping_sub(s.last_tick.get());
+        let ticks = slot
+            .ctx
+            .shared
+            .cpu_ticks
+            .load(Ordering::Relaxed)
+            .wrapping_add(ran);
+        Some(EndedTop {
+            stat: slot.top,
+            ticks,
+            sched: s.shared.id,
+            turns: s.top_turns.get(),
+            epoch: s.top_epoch.get(),
+        })
+    })
+    .flatten()
+}
+
+/// The `fiber.top()` row of a fiber that ended, as the scheduler's loop would have kept it:
+/// its last turn closed with what it ran of it, every turn since with nothing (Tarantool's
+/// moving average decays so). Zero when accounting was turned on again since it ended
+/// (every figure is reset then) or it ended while accounting was off (`ended`: `None`);
+/// `None` outside this scheduler's thread.
+pub fn top_ended_row(ended: Option<&EndedTop>) -> Option<TopRow> {
+    with_sched(|s| {
+        let Some(e) = ended.filter(|e| e.sched == s.shared.id && e.epoch == s.top_epoch.get())
+        else {
+            return TopRow::default();
+        };
+        let mut t = e.stat;
+        let since = s.top_turns.get().wrapping_sub(e.turns);
+        if since > 0 {
+            let d = e.ticks.wrapping_sub(t.last);
+            t.last = e.ticks;
+            t.close_turn(d);
+            // (Past a few thousand turns the average is below any figure printed.)
+            for _ in 1..since.min(4096) {
+                t.close_turn(0);
+            }
+        }
+        s.top_row(&t)
+    })
 }
 
 /// Fiber `fid`'s row of `fiber.top()` (`None`: not a fiber of the scheduler running here).

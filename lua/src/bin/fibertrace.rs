@@ -178,9 +178,10 @@ fn cli() -> Command {
                              SIGINT, SIGTERM or another exit signal), write every fiber in \
                              FORMAT to FILE: text, \
                              grouped, json, pprof (go tool pprof), folded, svg (a flame \
-                             graph) or speedscope (repeatable). A dump that cannot be written \
-                             is an error on stderr, and a program that would have exited \
-                             with 0 exits with 1",
+                             graph) or speedscope (repeatable). A FILE that could not be \
+                             written is refused before the script runs; a dump that still \
+                             cannot be written (a full disk) is an error on stderr, and a \
+                             program that would have exited with 0 exits with 1",
                         ),
                 )
                 .arg(
@@ -407,7 +408,8 @@ fn cli() -> Command {
 }
 
 /// `--dump-on-exit FORMAT:FILE`: a known format, and a file whose directory exists (checked
-/// now, so that a mistake shows before the program runs, not after).
+/// now, so that a mistake shows before the program runs, not after; whether the file can be
+/// written is checked once all of them are known, see `main`).
 fn parse_dump_on_exit(v: &str) -> Result<(Format, PathBuf), String> {
     let (format, file) = v
         .split_once(':')
@@ -1677,6 +1679,15 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
                 b.display()
             );
             return ExitCode::from(2);
+        }
+        // What else the writes at exit would meet, found now: a link to nothing, a loop of
+        // links, a name too long, a directory or a file that cannot be written. (After the
+        // check above: a link to a file another dump makes first is one file twice.)
+        for (_, file) in &list {
+            if let Err(e) = fibertrace_fiber::export::check_writable(file) {
+                err!("error: --dump-on-exit: {e}\n\nFor more information, try '--help'.");
+                return ExitCode::from(2);
+            }
         }
         let _ = DUMPS_ON_EXIT.set(list);
     }

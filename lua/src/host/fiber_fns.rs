@@ -505,16 +505,25 @@ fn push_top_row(p: &mut Protected, row: &fibertrace_fiber::embed::TopRow) {
 }
 
 /// `fiber.top()`: `{cpu_misses = 0, cpu = {["1/sched"] = row, ["id/name"] = row, ...}}` for
-/// the scheduler and every live Lua fiber; an error while it is off.
+/// the scheduler and every Lua fiber, a joinable one that ended included until it is joined
+/// (as Tarantool lists it: its average decays turn by turn); an error while it is off.
 pub(super) fn top_body(c: &mut Call) -> LResult {
+    use fibertrace_fiber::embed::{top_ended_row, top_fiber_row, TopRow};
     if !fibertrace_fiber::embed::top_enabled() {
         return Err("fiber.top() is disabled. Enable it with fiber.top_enable() first".into());
     }
-    let fibers: Vec<(FiberId, std::sync::Arc<str>)> = with_host(|h| {
+    let fibers: Vec<(FiberId, std::sync::Arc<str>, Option<TopRow>)> = with_host(|h| {
         h.recs
             .values()
-            .filter(|r| r.done.is_none() && !r.fiber.control_block().is_dead())
-            .map(|r| (r.fiber.id(), r.fiber.control_block().name_arc()))
+            .map(|r| {
+                let ended = r.done.is_some() || r.fiber.control_block().is_dead();
+                let row = if ended {
+                    top_ended_row(r.ended_top.as_deref())
+                } else {
+                    top_fiber_row(r.fiber.id())
+                };
+                (r.fiber.id(), r.fiber.control_block().name_arc(), row)
+            })
             .collect()
     })
     .ok_or_else(no_host)?;
@@ -528,12 +537,12 @@ pub(super) fn top_body(c: &mut Call) -> LResult {
             push_top_row(p, &row);
             p.set_field(-2, c"1/sched");
         }
-        for (fid, name) in &fibers {
-            if let Some(row) = fibertrace_fiber::embed::top_fiber_row(*fid) {
+        for (fid, name, row) in &fibers {
+            if let Some(row) = row {
                 p.push_str(&format!("{fid}/"));
                 p.push_str(name);
                 p.concat(2);
-                push_top_row(p, &row);
+                push_top_row(p, row);
                 p.raw_set(-3);
             }
         }

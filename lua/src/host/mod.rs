@@ -109,6 +109,9 @@ pub(crate) struct LuaFiber {
     pub storage_ref: c_int,
     /// Its own max slice (`fiber_object:set_max_slice`), if set.
     pub max_slice: Option<Slice>,
+    /// Its `fiber.top()` figures when it ended joinable with accounting on: its row while it
+    /// waits for its join (boxed: most records never have one).
+    pub ended_top: Option<Box<fibertrace_fiber::embed::EndedTop>>,
 }
 
 /// The host's per-thread state.

@@ -100,6 +100,7 @@ pub(super) fn lua_fiber_main(t: *mut ffi::lua_State, nargs: c_int) {
                 return true;
             }
             r.done = Some(ok);
+            r.ended_top = fibertrace_fiber::embed::top_at_end().map(Box::new);
             let storage = std::mem::take(&mut r.storage_ref);
             if storage > 0 {
                 // SAFETY: the reference was made by `storage` in this host's registry.
@@ -621,6 +622,7 @@ fn spawn_lua(c: &mut Call, what: &str, starts_now: bool) -> Result<FiberId, LErr
                 storage_ref: 0,
                 max_slice: None,
                 joiners: 0,
+                ended_top: None,
             },
         );
     })
@@ -782,6 +784,7 @@ pub(crate) fn run_main_fiber(
                 storage_ref: 0,
                 max_slice: None,
                 joiners: 0,
+                ended_top: None,
             },
         )
     });

@@ -27,6 +27,7 @@ mod pprof;
 mod speedscope;
 
 use std::io::{self, Write};
+use std::os::unix::fs::FileTypeExt as _;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -403,7 +404,7 @@ fn write_descriptor(fd: libc::c_int, mut bytes: &[u8]) -> io::Result<()> {
 /// appended: opened without creating or truncating it. A FIFO is opened without
 /// waiting for a reader (none: the error `ENXIO`), then written to as any file.
 fn write_into(path: &Path, bytes: &[u8], kind: std::fs::FileType) -> io::Result<()> {
-    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    use std::os::unix::fs::OpenOptionsExt;
     let fifo = kind.is_fifo();
     let mut f = std::fs::OpenOptions::new()
         .append(true)
@@ -477,13 +478,95 @@ fn replace_file(path: &Path, bytes: &[u8]) -> io::Result<()> {
 }
 
 /// The temporary file [`write_file`] writes a regular file `path` through, beside it:
-/// `.NAME.PID.tmp` (for a program that ends while one is written, to remove it). `None` when
-/// `path` has no file name.
+/// `.NAME.PID.tmp` (for a program that ends while one is written, to remove it). A name too
+/// long for that (a file name has at most 255 bytes: a name of 244 bytes could never be
+/// written) is cut, with a hash of the whole name after it: `.PREFIX.HASH.PID.tmp`. `None`
+/// when `path` has no file name.
 pub fn temporary_file(path: &Path) -> Option<std::path::PathBuf> {
-    let mut name = std::ffi::OsString::from(".");
-    name.push(path.file_name()?);
-    name.push(format!(".{}.tmp", std::process::id()));
-    Some(path.with_file_name(name))
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+    const NAME_MAX: usize = 255;
+    let given = path.file_name()?.as_bytes();
+    let tail = format!(".{}.tmp", std::process::id());
+    let mut name = b".".to_vec();
+    if 1 + given.len() + tail.len() <= NAME_MAX {
+        name.extend_from_slice(given);
+    } else {
+        // FNV-1a of the whole name: two long names with one prefix get two files.
+        let hash = given.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        });
+        let hash = format!(".{hash:016x}");
+        name.extend_from_slice(&given[..NAME_MAX - 1 - hash.len() - tail.len()]);
+        name.extend_from_slice(hash.as_bytes());
+    }
+    name.extend_from_slice(tail.as_bytes());
+    Some(path.with_file_name(std::ffi::OsString::from_vec(name)))
+}
+
+/// Whether [`write_file`] could write `path` now, found without writing it (for a dump
+/// asked for at a program's exit: a mistake shows before the program runs). What it would
+/// do is tried as far as it can be undone: a regular file (or none yet) by making and
+/// removing its temporary file beside it — a directory that cannot be written, a name too
+/// long, a read-only file system —, and the file itself if it is immutable (it could not be
+/// replaced); a link to nothing, a loop of links and a directory are refused as the write
+/// would refuse them; what is not a regular file is opened for appending, and closed. What
+/// may change by then is found only then: room on the disk, a FIFO's reader (a FIFO is not
+/// opened now: without a reader that fails, and one may come), a file made immutable or a
+/// directory taken away meanwhile.
+pub fn check_writable(path: &Path) -> Result<(), ExportError> {
+    use std::os::unix::ffi::OsStrExt;
+    let fail = |e: io::Error| ExportError(format!("{}: cannot write: {e}", short_path(path)));
+    if path.file_name().is_none() {
+        return Err(ExportError(format!(
+            "{}: not a file name",
+            short_path(path)
+        )));
+    }
+    if own_descriptor(path).is_some() {
+        return Ok(());
+    }
+    let try_temporary = |p: &Path| -> io::Result<()> {
+        let tmp = temporary_file(p).ok_or_else(|| io::Error::other("not a file name"))?;
+        std::fs::File::create(&tmp)?;
+        std::fs::remove_file(&tmp)
+    };
+    let special = path.starts_with("/proc")
+        || path.starts_with("/dev/fd")
+        || ["/dev/stdout", "/dev/stderr"]
+            .iter()
+            .any(|s| path == Path::new(s));
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() => Err(fail(io::Error::other("is a directory"))),
+        Ok(m) if m.file_type().is_fifo() => Ok(()),
+        Ok(m) if special || !m.is_file() => std::fs::OpenOptions::new()
+            .append(true)
+            .open(path)
+            .map(drop)
+            .map_err(fail),
+        Ok(_) => {
+            let target = std::fs::canonicalize(path).map_err(fail)?;
+            let c = std::ffi::CString::new(target.as_os_str().as_bytes())
+                .map_err(|_| fail(io::Error::other("a NUL byte in the name")))?;
+            // SAFETY: access(2) of a NUL-terminated path that lives across the call. Only
+            // EPERM is taken as a refusal: the kernel's answer for an immutable file (a
+            // file that is only read-only, EACCES, is replaced by the rename all the same).
+            let denied = unsafe { libc::access(c.as_ptr(), libc::W_OK) } != 0
+                && io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+            if denied {
+                return Err(fail(io::Error::other(
+                    "the file cannot be replaced (it is immutable)",
+                )));
+            }
+            try_temporary(&target).map_err(fail)
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) {
+                return Err(fail(io::Error::other("a symbolic link to nothing")));
+            }
+            try_temporary(path).map_err(fail)
+        }
+        Err(e) => Err(fail(e)),
+    }
 }
 
 /// One function level of an exported frame.
