@@ -196,8 +196,8 @@ AFTER_GC = live()
 
 /// A channel or condition released by its `__gc` while fibers wait on it (a script can call
 /// `__gc` itself through `debug.getmetatable`, twice even): the waiters keep their own handle
-/// and end as their timeouts say, and the released objects' methods answer with their usage
-/// error. (A waiter on a condition used to hold a pointer into the object's block: releasing
+/// and end as their timeouts say, the released objects' methods answer with their usage
+/// error, and `tostring` says they were released. (A waiter on a condition used to hold a pointer into the object's block: releasing
 /// it freed the condition under the waiter.)
 #[test]
 fn objects_released_by_their_gc_while_fibers_wait_on_them_fail_cleanly() {
@@ -212,8 +212,21 @@ debug.getmetatable(ch).__gc(ch); debug.getmetatable(ch).__gc(ch)
 debug.getmetatable(c).__gc(c)
 PUT = select(2, pcall(ch.put, ch, 1))
 SIGNAL = select(2, pcall(c.signal, c))
+TEXT = tostring(ch) .. ' ' .. tostring(c)
+NOARG = select(2, pcall(debug.getmetatable(ch).__tostring)) .. ' / '
+    .. select(2, pcall(debug.getmetatable(c).__tostring, ch))
 J1, J2 = f1:join(), f2:join()
 "#);
+    // (`tostring` of a released object raised `usage: ` with nothing after it.)
+    assert_eq!(
+        global::<String>(&host, "TEXT"),
+        "channel: released cond: released"
+    );
+    assert_eq!(
+        global::<String>(&host, "NOARG"),
+        "bad argument #1 to '?' (fiber.channel expected, got no value) / \
+         bad argument #1 to '?' (fiber.cond expected, got userdata)"
+    );
     assert_eq!(
         global::<String>(&host, "PUT"),
         "usage: channel:put(var [, timeout])"

@@ -272,11 +272,13 @@ ch_query!(
 );
 
 pub(super) fn ch_tostring_body(c: &mut Call) -> LResult {
-    let ch = channel_arg(c, "")?;
-    let text = if ch.is_closed() {
-        "channel: closed".to_string()
-    } else {
-        format!("channel: {}", ch.len())
+    let text = match c.ud::<ChannelUd>(1) {
+        Some(Some(ch)) if ch.is_closed() => "channel: closed".to_string(),
+        Some(Some(ch)) => format!("channel: {}", ch.len()),
+        // Released by its `__gc`, which a script may call itself: a text, not an error
+        // (`tostring` is what a script prints while it looks for a problem).
+        Some(None) => "channel: released".to_string(),
+        None => return Err(c.type_error(1, "fiber.channel")),
     };
     c.push_str(&text)?;
     Ok(1)

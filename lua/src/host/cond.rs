@@ -108,8 +108,12 @@ pub(super) fn cond_broadcast_body(c: &mut Call) -> LResult {
 lua_fn!(cond_broadcast, cond_broadcast_body);
 
 pub(super) fn cond_tostring_body(c: &mut Call) -> LResult {
-    cond_arg(c, "")?;
-    c.push_str("cond")?;
+    // (Also of a condition released by its `__gc`, as a channel's: a text, not an error.)
+    match c.ud::<CondUd>(1) {
+        Some(Some(_)) => c.push_str("cond")?,
+        Some(None) => c.push_str("cond: released")?,
+        None => return Err(c.type_error(1, "fiber.cond")),
+    }
     Ok(1)
 }
 lua_fn!(cond_tostring, cond_tostring_body);
