@@ -637,8 +637,8 @@ pub fn top_at_end() -> Option<EndedTop> {
 }
 
 /// The `fiber.top()` row of a fiber that ended, as the scheduler's loop would have kept it:
-/// its last turn closed with what it ran of it, every turn since with nothing (Tarantool's
-/// moving average decays so). Zero when accounting was turned on again since it ended
+/// its last turn closed with what it ran of it, every turn since with nothing (its average
+/// decays as a live fiber's that does not run). Zero when accounting was turned on again since it ended
 /// (every figure is reset then) or it ended while accounting was off (`ended`: `None`);
 /// `None` outside this scheduler's thread.
 pub fn top_ended_row(ended: Option<&EndedTop>) -> Option<TopRow> {

@@ -506,7 +506,8 @@ fn push_top_row(p: &mut Protected, row: &fibertrace_fiber::embed::TopRow) {
 
 /// `fiber.top()`: `{cpu_misses = 0, cpu = {["1/sched"] = row, ["id/name"] = row, ...}}` for
 /// the scheduler and every Lua fiber, a joinable one that ended included until it is joined
-/// (as Tarantool lists it: its average decays turn by turn); an error while it is off.
+/// (as Tarantool lists it; its time kept, its share 0, its average decaying); an error while
+/// it is off.
 pub(super) fn top_body(c: &mut Call) -> LResult {
     use fibertrace_fiber::embed::{top_ended_row, top_fiber_row, TopRow};
     if !fibertrace_fiber::embed::top_enabled() {
