@@ -53,6 +53,10 @@ pub(crate) struct OnThread {
     /// Set while the scheduler's thread builds what was asked (between fibers or at a safe
     /// point): an ask that waits is then not given up on at its deadline.
     pub serving: AtomicBool,
+    /// Fibers cancelled from another thread, for the scheduler's thread to wake at its next
+    /// turn (with `asked` set: a blocked fiber ends its wait and unwinds, as a cancellation
+    /// on its own thread makes it).
+    pub cancels: std::sync::Mutex<Vec<crate::task::FiberId>>,
     /// How the layer above brings the running fiber to a safe point (a
     /// `Arm` as an address; 0: none).
     arm: AtomicUsize,
@@ -104,6 +108,7 @@ impl OnThread {
             resumes: AtomicU64::new(0),
             handle: OnceLock::new(),
             asked: AtomicBool::new(false),
+            cancels: std::sync::Mutex::new(Vec::new()),
             serving: AtomicBool::new(false),
             arm: AtomicUsize::new(0),
             sample: SampleSlot {

@@ -539,7 +539,8 @@ impl<T> Channel<T> {
     fn send_until(&self, v: T, timeout: Option<Duration>) -> Result<(), SendError<T>> {
         let c = &self.inner;
         c.users.note();
-        let deadline = timeout.map(|d| Instant::now() + d);
+        // (A timeout too long for the clock, `Duration::MAX`, is no deadline: a wait for ever.)
+        let deadline = timeout.and_then(|d| Instant::now().checked_add(d));
         let fail = |error, v| Err(SendError { error, value: v });
         if c.closed.get() {
             return fail(ChannelError::Closed, Some(v));
@@ -658,7 +659,8 @@ impl<T> Channel<T> {
         let c = &self.inner;
         c.users.note();
         let me = current_id();
-        let deadline = timeout.map(|d| Instant::now() + d);
+        // (A timeout too long for the clock, `Duration::MAX`, is no deadline: a wait for ever.)
+        let deadline = timeout.and_then(|d| Instant::now().checked_add(d));
         let mut waited = false;
         loop {
             if let Some(v) = self.take() {
@@ -764,9 +766,10 @@ impl Cond {
         self.wait_until(None);
     }
 
-    /// Waits at most `d`; returns false on timeout.
+    /// Waits at most `d`; returns false on timeout. A `d` too long for the clock
+    /// (`Duration::MAX`) waits until signalled.
     pub fn wait_timeout(&self, d: Duration) -> bool {
-        self.wait_until(Some(Instant::now() + d))
+        self.wait_until(Instant::now().checked_add(d))
     }
 
     #[inline(never)]

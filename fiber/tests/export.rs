@@ -510,6 +510,12 @@ fn a_check_beforehand_agrees_with_the_write() {
         long("b", 255),
         long("c", 256),
         std::path::PathBuf::from("/sys/x.json"),
+        dir.join("new/"),
+        dir.join("file/"),
+        // (Kernel settings are refused before anything is written: run as root, this one
+        // changed the machine's name.)
+        std::path::PathBuf::from("/proc/sys/kernel/hostname"),
+        std::path::PathBuf::from("/proc/self/root/proc/sys/kernel/hostname"),
     ];
     let listing = || {
         let mut v: Vec<_> = std::fs::read_dir(&dir)
@@ -540,6 +546,16 @@ fn a_check_beforehand_agrees_with_the_write() {
     assert!(!refused(&dir.join("new")) && !refused(&long("b", 255)));
     assert!(refused(&dir.join("dangling")) && refused(&dir.join("loop")));
     assert!(refused(&long("c", 256)) && refused(&dir.join("sub")));
+    assert!(
+        refused(&dir.join("new/")) && refused(std::path::Path::new("/proc/sys/kernel/hostname"))
+    );
+    assert_eq!(
+        export::write_file(std::path::Path::new("/proc/sys/kernel/hostname"), b"x")
+            .unwrap_err()
+            .to_string(),
+        "/proc/sys/kernel/hostname: cannot write: a kernel setting (/proc/sys), not a file for a \
+         dump"
+    );
     // Two long names with one prefix: two temporary files, each a name the system takes.
     let (a, b) = (long("d", 250), dir.join(format!("{}e", "d".repeat(249))));
     let (ta, tb) = (

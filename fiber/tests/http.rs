@@ -430,6 +430,15 @@ fn addresses_are_checked_before_listening() {
     let err = |a: &str| http::parse_addr(a).unwrap_err().to_string();
     let hint = "(expected PORT, :PORT or HOST:PORT, e.g. 127.0.0.1:6060)";
     assert_eq!(err(""), format!("bad address \"\": empty {hint}"));
+    // A megabyte of address: a message of a line, not of a megabyte.
+    let long = "x".repeat(1 << 20);
+    assert_eq!(
+        err(&long),
+        format!(
+            "bad address \"{}\"... (1048576 bytes): no port {hint}",
+            "x".repeat(64)
+        )
+    );
     assert_eq!(
         err("nohost"),
         format!("bad address \"nohost\": no port {hint}")

@@ -931,3 +931,150 @@ fn end_run_after_turn_ends_block_on_though_a_fiber_is_still_ready() {
     // The spinner ran in the turns before the end, and in no more than one after.
     assert!((1..=3).contains(&turns.get()), "{}", turns.get());
 }
+
+/// Timeouts too long for the clock (`Duration::MAX`) are waits for ever, as std's are: they
+/// panicked in the runtime's own deadline arithmetic ("overflow when adding duration to
+/// instant") — the fiber died, or, for a condition outside a fiber, the process.
+#[test]
+fn timeouts_too_long_for_the_clock_wait_for_ever() {
+    // Outside a fiber: a condition's wait ends at once, as with any timeout there.
+    assert!(!Cond::new().wait_timeout(Duration::MAX));
+    let out = Scheduler::new()
+        .block_on(|| {
+            let sleeper = spawn(|| {
+                let t0 = Instant::now();
+                sleep(Duration::MAX);
+                t0.elapsed()
+            });
+            let ch = channel::<u32>(0);
+            let c2 = ch.clone();
+            let receiver = spawn(move || c2.recv_timeout(Duration::MAX));
+            let full = channel::<u32>(1);
+            full.try_send(1).unwrap();
+            let f2 = full.clone();
+            let sender = spawn(move || f2.send_timeout(2, Duration::MAX).is_ok());
+            let cond = Rc::new(Cond::new());
+            let c3 = cond.clone();
+            let waiter = spawn(move || c3.wait_timeout(Duration::MAX));
+            sleep(Duration::from_millis(20));
+            // Each is still waiting, and ends as its wait says when it comes.
+            for f in [
+                sleeper.fiber(),
+                receiver.fiber(),
+                sender.fiber(),
+                waiter.fiber(),
+            ] {
+                assert_ne!(f.status(), Status::Dead);
+            }
+            sleeper.fiber().wakeup();
+            ch.send(7).unwrap();
+            assert_eq!(full.recv(), Some(1));
+            cond.signal();
+            (
+                sleeper.join().unwrap() >= Duration::from_millis(20),
+                receiver.join().unwrap(),
+                sender.join().unwrap(),
+                waiter.join().unwrap(),
+            )
+        })
+        .unwrap();
+    assert_eq!(out, (true, Ok(7), true, true));
+}
+
+/// A join of a fiber of another scheduler panics, as documented: it returned at once with
+/// `Cancelled` for a fiber nobody cancelled (which then finished normally).
+#[test]
+fn a_join_across_schedulers_is_refused_not_a_false_cancellation() {
+    let a = Scheduler::new();
+    let h = a.spawn(|| {
+        sleep(Duration::from_millis(5));
+        42
+    });
+    let id = h.id();
+    let b = Scheduler::new();
+    let r = b.block_on(move || {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h.join()));
+        let msg = r.err().map(|p| {
+            p.downcast_ref::<String>()
+                .cloned()
+                .unwrap_or_else(|| "?".into())
+        });
+        msg
+    });
+    let msg = r.unwrap().expect("the join did not panic");
+    assert!(
+        msg.starts_with(&format!("join of fiber {id} of scheduler "))
+            && msg.ends_with(": a fiber is joined from its own scheduler"),
+        "{msg}"
+    );
+    a.run().unwrap();
+}
+
+/// A fiber given a stack smaller than the runtime's own calls need (0, one page) gets
+/// `MIN_STACK_SIZE`: its sleeps, yields, spawns and joins work (with one page, its first
+/// `sleep` overflowed the stack and the process stopped), with its scheduler's options too.
+#[test]
+fn a_tiny_stack_is_raised_to_what_the_runtime_needs() {
+    for size in [0, 1, 4096] {
+        let out = Scheduler::new()
+            .block_on(move || {
+                let f = fibertrace_fiber::Builder::new().stack_size(size).spawn(|| {
+                    sleep(Duration::from_millis(1));
+                    yield_now();
+                    let inner = spawn(|| 5);
+                    inner.join().unwrap()
+                });
+                (f.join().unwrap(), f_size(size))
+            })
+            .unwrap();
+        assert_eq!(out, (5, fibertrace_fiber::MIN_STACK_SIZE), "{size}");
+        let s = Scheduler::with_options(fibertrace_fiber::SchedulerOptions {
+            stack_size: size,
+            ..Default::default()
+        });
+        let out = s
+            .block_on(|| {
+                let f = spawn(|| {
+                    sleep(Duration::from_millis(1));
+                    spawn(|| 6).join().unwrap()
+                });
+                let n = f.fiber().control_block().stack_size();
+                (f.join().unwrap(), n)
+            })
+            .unwrap();
+        assert_eq!(out, (6, fibertrace_fiber::MIN_STACK_SIZE), "{size}");
+    }
+    assert_eq!(fibertrace_fiber::MIN_STACK_SIZE, 16 << 10);
+}
+
+/// The stack size a fiber spawned with `stack_size(size)` gets.
+fn f_size(size: usize) -> usize {
+    let f = fibertrace_fiber::Builder::new()
+        .stack_size(size)
+        .spawn(|| ());
+    let n = f.fiber().control_block().stack_size();
+    f.join().unwrap();
+    n
+}
+
+/// A cancellation from another thread ends a blocked fiber's wait at once (only the flag was
+/// set: a fiber sleeping 5 s unwound after 5 s), the scheduler woken from its idle wait.
+#[test]
+fn a_cancel_from_another_thread_interrupts_a_sleep() {
+    let out = Scheduler::new()
+        .block_on(|| {
+            let h = spawn(|| sleep(Duration::from_secs(5)));
+            yield_now();
+            let f = h.fiber().clone();
+            let t0 = Instant::now();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                f.cancel();
+            });
+            let r = h.join();
+            (r, t0.elapsed())
+        })
+        .unwrap();
+    assert!(matches!(out.0, Err(JoinError::Cancelled)), "{:?}", out.0);
+    assert!(out.1 < Duration::from_secs(3), "{:?}", out.1);
+}

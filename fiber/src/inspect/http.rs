@@ -140,10 +140,12 @@ impl std::error::Error for HttpError {}
 /// The addresses `s` names: `PORT` or `:PORT` is the loopback address; `HOST:PORT` (a name,
 /// an IPv4 address, `[IPv6]`) as given.
 pub fn parse_addr(s: &str) -> Result<Vec<SocketAddr>, HttpError> {
+    // (A long address is cut in the message: a megabyte given made a megabyte's error.)
     let bad = |why: &str| {
         HttpError::Address(format!(
-            "bad address {s:?}: {why} (expected PORT, :PORT or HOST:PORT, e.g. \
-             127.0.0.1:6060)"
+            "bad address {}: {why} (expected PORT, :PORT or HOST:PORT, e.g. \
+             127.0.0.1:6060)",
+            super::export::short_quoted(s)
         ))
     };
     let port_only = s.strip_prefix(':').unwrap_or(s);
@@ -158,8 +160,8 @@ pub fn parse_addr(s: &str) -> Result<Vec<SocketAddr>, HttpError> {
     }
     if let Some((scheme, _)) = s.split_once("://") {
         return Err(bad(&format!(
-            "an address, not a URL: leave out {:?}",
-            format!("{scheme}://")
+            "an address, not a URL: leave out {}",
+            super::export::short_quoted(&format!("{scheme}://"))
         )));
     }
     if let Some(n) = s.strip_prefix('-') {

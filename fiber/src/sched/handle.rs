@@ -93,11 +93,26 @@ impl Fiber {
     }
 
     /// Cancels the fiber: at its next suspension point (or right away if it is blocked) it
-    /// unwinds, running its destructors; its join returns [`JoinError::Cancelled`].
+    /// unwinds, running its destructors; its join returns [`JoinError::Cancelled`]. From any
+    /// thread: from another than its scheduler's, a blocked fiber is woken at that
+    /// scheduler's next turn (an idle scheduler is woken for it).
     pub fn cancel(&self) {
         self.shared.cancelled.store(true, Ordering::Relaxed);
-        if self.shared.id != current_id() {
-            self.wakeup();
+        if self.shared.id == current_id() || self.wakeup() {
+            return;
+        }
+        // Not this thread's scheduler (or none): asked of its own thread. (Only the flag was
+        // set before: a fiber sleeping for 5 s unwound after 5 s, one blocked for ever never.)
+        if let Some(s) = crate::registry::scheduler(self.shared.sched) {
+            s.on_thread
+                .cancels
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(self.shared.id);
+            s.on_thread.asked.store(true, Ordering::Release);
+            if let Some(t) = s.on_thread.handle.get() {
+                t.unpark();
+            }
         }
     }
 
@@ -119,7 +134,8 @@ impl Fiber {
     /// Waits (from inside a fiber of the same scheduler) until the fiber has finished.
     ///
     /// # Panics
-    /// When called outside a fiber, or by the fiber on itself.
+    /// When called outside a fiber, from a fiber of another scheduler, or by the fiber on
+    /// itself.
     #[inline(never)]
     pub fn wait(&self) {
         self.wait_until(None);
@@ -157,6 +173,16 @@ impl Fiber {
         let shared = &self.shared;
         assert!(me != 0, "join outside a fiber");
         assert!(me != shared.id, "a fiber cannot join itself");
+        // (A fiber of another scheduler is not in this one's slots: the wait below would end
+        // at once, and a join would report a cancellation that never was.)
+        let here = with_sched(|s| s.shared.id).unwrap_or(0);
+        assert!(
+            here == shared.sched,
+            "join of fiber {} of scheduler {} from a fiber of scheduler {here}: a fiber is \
+             joined from its own scheduler",
+            shared.id,
+            shared.sched
+        );
         /// Leaves the fiber's joiners however the wait ends.
         struct Leave(FiberId, FiberId);
         impl Drop for Leave {
@@ -278,7 +304,8 @@ impl<T> JoinHandle<T> {
     /// Waits (from inside a fiber) for the fiber to finish and returns its result.
     ///
     /// # Panics
-    /// When called outside a fiber on the same scheduler, or by the fiber on itself.
+    /// When called outside a fiber, from a fiber of another scheduler, or by the fiber on
+    /// itself.
     #[inline(never)]
     pub fn join(self) -> Result<T, JoinError> {
         self.fiber.wait();

@@ -49,7 +49,9 @@ pub use run::{
 };
 pub(crate) use run::{wake, wake_live};
 use spawn::{no_tail_call, spawn_failed, HeldStack};
-pub use spawn::{spawn, try_spawn, Builder, SchedBuilder, SpawnError, SpawnErrorKind};
+pub use spawn::{
+    spawn, try_spawn, Builder, SchedBuilder, SpawnError, SpawnErrorKind, MIN_STACK_SIZE,
+};
 
 /// What the machinery asks of the layers above it, handed over by the constructor that wires
 /// them ([`crate::runtime`]): the scheduler calls these and never names those layers.
@@ -176,7 +178,7 @@ pub struct SchedulerOptions {
     pub traced: bool,
     /// Capture the creator's trace when a fiber is spawned.
     pub parent_traces: bool,
-    /// Default stack size of new fibers.
+    /// Default stack size of new fibers (at least [`MIN_STACK_SIZE`]).
     pub stack_size: usize,
     /// Print a report (message and backtrace) to stderr when a fiber panics.
     pub report_panics: bool,
@@ -829,7 +831,8 @@ pub fn yield_to_id(fid: FiberId) {
     std::hint::black_box(());
 }
 
-/// Sleeps for `d` (other fibers run meanwhile). A [`Fiber::wakeup`] ends it early.
+/// Sleeps for `d` (other fibers run meanwhile). A [`Fiber::wakeup`] ends it early. A `d` too
+/// long for the clock (`Duration::MAX`) sleeps until woken, as `std::thread::sleep` does.
 #[inline(never)]
 pub fn sleep(d: Duration) {
     let Some(ctx) = current_ctx() else {
@@ -837,7 +840,9 @@ pub fn sleep(d: Duration) {
         return;
     };
     let fid = ctx.shared.id;
-    with_sched(|s| s.add_timer(fid, Instant::now() + d));
+    if let Some(when) = Instant::now().checked_add(d) {
+        with_sched(|s| s.add_timer(fid, when));
+    }
     ctx.shared.begin_wait(Status::Sleeping, WaitOn::Sleep);
     suspend_current(ctx, Yield::Blocked, true);
     ctx.shared.end_wait();

@@ -128,6 +128,18 @@ impl Inner {
     #[inline(never)]
     fn serve_asked_now(&self) {
         self.shared.on_thread.asked.store(false, Ordering::Relaxed);
+        // Fibers cancelled from another thread: woken to unwind (see `Fiber::cancel`).
+        let cancels = std::mem::take(
+            &mut *self
+                .shared
+                .on_thread
+                .cancels
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        );
+        for fid in cancels {
+            self.make_ready_if(fid, false);
+        }
         (self.hooks.asked)(&self.shared);
     }
 

@@ -84,7 +84,7 @@ impl SchedBuilder<'_> {
         self
     }
 
-    /// Sets its stack size.
+    /// Sets its stack size (at least [`MIN_STACK_SIZE`]).
     pub fn stack_size(mut self, size: usize) -> Self {
         self.b = self.b.stack_size(size);
         self
@@ -143,7 +143,7 @@ impl Builder {
         self
     }
 
-    /// Sets its stack size.
+    /// Sets its stack size: at least [`MIN_STACK_SIZE`] (a smaller size is raised to it).
     #[inline]
     pub fn stack_size(mut self, size: usize) -> Self {
         self.stack_size = Some(size);
@@ -240,7 +240,7 @@ impl Builder {
             let o = inner.opts.borrow();
             (o.traced, o.parent_traces, o.stack_size)
         };
-        let size = self.stack_size.unwrap_or(default_size);
+        let size = self.stack_size.unwrap_or(default_size).max(MIN_STACK_SIZE);
         let stack = take_stack(inner, size)?;
         // What the runtime makes for the fiber (its control block, slot, coroutine, its
         // creator's trace) and the growth of the scheduler's registry, map and queue are the
@@ -418,6 +418,15 @@ fn stacks_allowed() -> (usize, usize, usize) {
 }
 
 /// A stack for a new fiber: from the pool, or mapped; within the mapping limit.
+/// The smallest stack a fiber gets: room for the runtime's own calls a fiber makes all the
+/// time (sleeps, waits, yields, spawns, joins), in a debug build too. A fiber given one page
+/// (a size of 0, 1 or 4096 was taken as that) overflowed in its first `sleep`, and the
+/// process stopped. What reads and resolves a stack on the fiber's own stack needs far more
+/// — a dump taken from the fiber, the report of its panic: about 192 KiB in a debug build
+/// (measured), less in a release one —; such a fiber needs the default size (256 KiB), and
+/// past its stack it stops the process with the overflow's report.
+pub const MIN_STACK_SIZE: usize = 16 << 10;
+
 fn take_stack(inner: &Inner, size: usize) -> Result<stack::FiberStack, SpawnError> {
     let held = STACKS_HELD.load(Ordering::Relaxed);
     let (allowed, max_maps, reserve) = stacks_allowed();

@@ -321,6 +321,9 @@ pub fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ExportError> {
     if let Some(fd) = own_descriptor(path) {
         return write_descriptor(fd, bytes).map_err(|e| fail("cannot write", e));
     }
+    if kernel_setting(path) {
+        return Err(fail("cannot write", kernel_setting_error()));
+    }
     // The process's own streams, whatever they are (a file `2> err.txt` is appended to, not
     // replaced).
     let special = path.starts_with("/proc")
@@ -349,6 +352,18 @@ pub fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ExportError> {
         }
         Err(e) => Err(fail("cannot write", e)),
     }
+}
+
+/// Whether `path` is (or leads to) a kernel setting under `/proc/sys`: the process's streams
+/// under `/proc` are appended to, and a dump given `/proc/sys/kernel/hostname` (by root)
+/// replaced the machine's name with its first bytes.
+fn kernel_setting(path: &Path) -> bool {
+    let sys = |p: &Path| p.starts_with("/proc/sys");
+    sys(path) || std::fs::canonicalize(path).is_ok_and(|p| sys(&p))
+}
+
+fn kernel_setting_error() -> io::Error {
+    io::Error::other("a kernel setting (/proc/sys), not a file for a dump")
 }
 
 /// The descriptor of this process that `path` names (`/dev/stdout`, `/dev/stderr`,
@@ -525,6 +540,9 @@ pub fn check_writable(path: &Path) -> Result<(), ExportError> {
     if own_descriptor(path).is_some() {
         return Ok(());
     }
+    if kernel_setting(path) {
+        return Err(fail(kernel_setting_error()));
+    }
     let try_temporary = |p: &Path| -> io::Result<()> {
         let tmp = temporary_file(p).ok_or_else(|| io::Error::other("not a file name"))?;
         std::fs::File::create(&tmp)?;
@@ -562,6 +580,10 @@ pub fn check_writable(path: &Path) -> Result<(), ExportError> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) {
                 return Err(fail(io::Error::other("a symbolic link to nothing")));
+            }
+            // (`new/` names a directory to be: the write's rename onto it fails so.)
+            if path.as_os_str().as_bytes().ends_with(b"/") {
+                return Err(fail(io::Error::from_raw_os_error(libc::ENOTDIR)));
             }
             try_temporary(path).map_err(fail)
         }
