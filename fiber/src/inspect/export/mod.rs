@@ -324,13 +324,7 @@ pub fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ExportError> {
     if kernel_setting(path) {
         return Err(fail("cannot write", kernel_setting_error()));
     }
-    // The process's own streams, whatever they are (a file `2> err.txt` is appended to, not
-    // replaced).
-    let special = path.starts_with("/proc")
-        || path.starts_with("/dev/fd")
-        || ["/dev/stdout", "/dev/stderr"]
-            .iter()
-            .any(|s| path == Path::new(s));
+    let special = own_stream(path);
     match std::fs::metadata(path) {
         Ok(m) if m.is_dir() => Err(fail("cannot write", io::Error::other("is a directory"))),
         Ok(m) if special || !m.is_file() => {
@@ -352,6 +346,16 @@ pub fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ExportError> {
         }
         Err(e) => Err(fail("cannot write", e)),
     }
+}
+
+/// Whether `path` names one of the process's own streams, whatever they are (a file
+/// `2> err.txt` is appended to, not replaced).
+fn own_stream(path: &Path) -> bool {
+    path.starts_with("/proc")
+        || path.starts_with("/dev/fd")
+        || ["/dev/stdout", "/dev/stderr"]
+            .iter()
+            .any(|s| path == Path::new(s))
 }
 
 /// Whether `path` is (or leads to) a kernel setting under `/proc/sys`: the process's streams
@@ -548,11 +552,7 @@ pub fn check_writable(path: &Path) -> Result<(), ExportError> {
         std::fs::File::create(&tmp)?;
         std::fs::remove_file(&tmp)
     };
-    let special = path.starts_with("/proc")
-        || path.starts_with("/dev/fd")
-        || ["/dev/stdout", "/dev/stderr"]
-            .iter()
-            .any(|s| path == Path::new(s));
+    let special = own_stream(path);
     match std::fs::metadata(path) {
         Ok(m) if m.is_dir() => Err(fail(io::Error::other("is a directory"))),
         Ok(m) if m.file_type().is_fifo() => Ok(()),
