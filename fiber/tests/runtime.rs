@@ -1044,7 +1044,7 @@ fn a_tiny_stack_is_raised_to_what_the_runtime_needs() {
             .unwrap();
         assert_eq!(out, (6, fibertrace_fiber::MIN_STACK_SIZE), "{size}");
     }
-    assert_eq!(fibertrace_fiber::MIN_STACK_SIZE, 16 << 10);
+    assert_eq!(fibertrace_fiber::MIN_STACK_SIZE, 64 << 10);
 }
 
 /// The stack size a fiber spawned with `stack_size(size)` gets.

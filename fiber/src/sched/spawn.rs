@@ -419,13 +419,15 @@ fn stacks_allowed() -> (usize, usize, usize) {
 
 /// A stack for a new fiber: from the pool, or mapped; within the mapping limit.
 /// The smallest stack a fiber gets: room for the runtime's own calls a fiber makes all the
-/// time (sleeps, waits, yields, spawns, joins), in a debug build too. A fiber given one page
-/// (a size of 0, 1 or 4096 was taken as that) overflowed in its first `sleep`, and the
-/// process stopped. What reads and resolves a stack on the fiber's own stack needs far more
-/// — a dump taken from the fiber, the report of its panic: about 192 KiB in a debug build
-/// (measured), less in a release one —; such a fiber needs the default size (256 KiB), and
-/// past its stack it stops the process with the overflow's report.
-pub const MIN_STACK_SIZE: usize = 16 << 10;
+/// time (sleeps, waits, yields, spawns, joins) in a debug build and under AddressSanitizer,
+/// whose frames are larger (16 KiB is enough for a plain debug build, not for that). A fiber
+/// given one page (a size of 0, 1 or 4096 was taken as that) overflowed in its first
+/// `sleep`, and the process stopped. What reads and resolves a stack on the fiber's own
+/// stack needs far more — a dump taken from the fiber, the report of its panic: about
+/// 192 KiB in a debug build (measured), less in a release one —; such a fiber needs the
+/// default size (256 KiB), and past its stack it stops the process with the overflow's
+/// report.
+pub const MIN_STACK_SIZE: usize = 64 << 10;
 
 fn take_stack(inner: &Inner, size: usize) -> Result<stack::FiberStack, SpawnError> {
     let held = STACKS_HELD.load(Ordering::Relaxed);
