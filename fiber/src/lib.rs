@@ -57,7 +57,7 @@ pub use sched::{
     cancellation_caught, current, current_id, end_run_after_turn, is_cancelled, release_caches,
     sleep, spawn, suspend, testcancel, try_spawn, yield_now, yield_to, yield_to_id, BlockOnError,
     Builder, Fiber, JoinError, JoinHandle, RunError, SchedBuilder, Scheduler, SchedulerOptions,
-    SpawnError, SpawnErrorKind, MIN_STACK_SIZE,
+    SpawnError, SpawnErrorKind, MIN_STACK_SIZE, NAME_MAX,
 };
 pub use sync::{channel, Channel, ChannelError, Cond};
 pub use task::{

@@ -73,8 +73,36 @@ impl FiberStack {
             // (Dropping `stack` unmaps it.)
             return Err(std::io::Error::last_os_error());
         }
+        if let Some((_, reserve)) = address_space_reserve() {
+            if !fibertrace_core::heap::room_for(reserve) {
+                // The stack fits, but what the rest of the process maps next would not:
+                // refused as if it did not fit (dropping `stack` unmaps it).
+                return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
+            }
+        }
         Ok(stack)
     }
+}
+
+/// Under an address-space limit (`RLIMIT_AS`, `ulimit -v`), the limit and the room a new
+/// stack must leave free for the rest of the process: a sixteenth of the limit, at least
+/// 8 MiB and at most 64 MiB. Without it, spawning up to the limit left nothing for the next
+/// mapping anywhere in the process (a thread's stack, the main thread's next allocation:
+/// a Rust allocation that fails aborts the process). `None` without a limit. Read at each
+/// new mapping (a program may lower its limit while it runs); stacks taken from the pool
+/// take no new address space and do not ask.
+pub(crate) fn address_space_reserve() -> Option<(u64, usize)> {
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: a plain query into a local.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut rl) } == 0;
+    if !ok || rl.rlim_cur == libc::RLIM_INFINITY {
+        return None;
+    }
+    let reserve = (rl.rlim_cur / 16).clamp(8 << 20, 64 << 20) as usize;
+    Some((rl.rlim_cur, reserve))
 }
 
 impl FiberStack {

@@ -600,10 +600,20 @@ impl<T> Channel<T> {
         }
     }
 
-    /// Receives, waiting while the channel is empty; `None` once it is closed and drained.
+    /// Receives, waiting while the channel is empty; `None` once it is closed and drained
+    /// (and at once in a fiber its scheduler's drop is unwinding: nothing can come then).
+    ///
+    /// # Panics
+    /// Outside a fiber, when it would wait (the channel is open and empty): the caller
+    /// cannot wait, and `None` would say the channel is done when it is not. There,
+    /// [`Channel::try_recv`] and [`Channel::recv_timeout`] say [`ChannelError::WouldBlock`].
     #[inline(never)]
     pub fn recv(&self) -> Option<T> {
-        self.recv_until(None).ok()
+        match self.recv_until(None) {
+            Ok(v) => Some(v),
+            Err(ChannelError::WouldBlock) if current_id() == 0 => recv_outside_a_fiber(),
+            Err(_) => None,
+        }
     }
 
     /// Receives, waiting at most `d`.
@@ -706,6 +716,15 @@ impl<T> Channel<T> {
     }
 }
 
+#[cold]
+#[inline(never)]
+fn recv_outside_a_fiber() -> ! {
+    panic!(
+        "Channel::recv outside a fiber on an open, empty channel: it cannot wait there (use \
+         try_recv, or recv from a fiber)"
+    )
+}
+
 /// Takes a waiting sender's value back out of the channel when its wait ends by unwinding
 /// (cancellation, its scheduler's drop): nobody will be told it was sent.
 struct TakeBack<'a, T> {
@@ -760,7 +779,8 @@ impl Cond {
         self.id
     }
 
-    /// Waits for a signal (or a [`crate::Fiber::wakeup`]).
+    /// Waits for a signal (or a [`crate::Fiber::wakeup`]). Outside a fiber it returns at once
+    /// (nothing could signal meanwhile), as a spurious wake-up.
     #[inline(never)]
     pub fn wait(&self) {
         self.wait_until(None);

@@ -1078,3 +1078,98 @@ fn a_cancel_from_another_thread_interrupts_a_sleep() {
     assert!(matches!(out.0, Err(JoinError::Cancelled)), "{:?}", out.0);
     assert!(out.1 < Duration::from_secs(3), "{:?}", out.1);
 }
+
+/// Names are cut to `NAME_MAX` (255) bytes at a character boundary, however they are given:
+/// a megabyte's name made every dump and listing eight megabytes.
+#[test]
+fn names_are_cut_to_name_max_bytes() {
+    use fibertrace_fiber::NAME_MAX;
+    assert_eq!(NAME_MAX, 255);
+    let names = Scheduler::new()
+        .block_on(|| {
+            let mut got = Vec::new();
+            let long = "n".repeat(1 << 20);
+            let f = fibertrace_fiber::Builder::new().name(&long).spawn(|| ());
+            got.push(f.fiber().name());
+            // Two-byte characters: cut before the one that would cross the limit.
+            f.fiber().set_name(&"é".repeat(200));
+            got.push(f.fiber().name());
+            // Bytes that are not UTF-8 count one each, and come back exactly.
+            f.fiber().set_name_bytes(&[0xFF; 300]);
+            assert_eq!(f.fiber().name_bytes(), vec![0xFF; 255]);
+            let g = fibertrace_fiber::Builder::new()
+                .name_bytes(&[b'x'; 256])
+                .spawn(|| ());
+            got.push(g.fiber().name());
+            let shared: std::sync::Arc<str> = std::sync::Arc::from("s".repeat(300));
+            let h = fibertrace_fiber::Builder::new()
+                .shared_name(shared)
+                .spawn(|| ());
+            got.push(h.fiber().name());
+            // Exactly the limit: kept whole.
+            let exact = "e".repeat(255);
+            let i = fibertrace_fiber::Builder::new().name(&exact).spawn(|| ());
+            got.push(i.fiber().name());
+            for j in [f, g, h, i] {
+                j.join().unwrap();
+            }
+            got
+        })
+        .unwrap();
+    assert_eq!(
+        names,
+        [
+            "n".repeat(255),
+            "é".repeat(127),
+            "x".repeat(255),
+            "s".repeat(255),
+            "e".repeat(255)
+        ]
+    );
+}
+
+/// `wakeup` says whether the fiber was there to wake: not once it ended, nor from another
+/// thread (true was returned for a dead fiber).
+#[test]
+fn wakeup_says_whether_the_fiber_was_there() {
+    let (asleep, ended, elsewhere) = Scheduler::new()
+        .block_on(|| {
+            let h = spawn(|| sleep(Duration::from_secs(30)));
+            yield_now();
+            let f = h.fiber().clone();
+            let elsewhere = std::thread::spawn({
+                let f = f.clone();
+                move || f.wakeup()
+            })
+            .join()
+            .unwrap();
+            let asleep = f.wakeup();
+            h.join().unwrap();
+            (asleep, f.wakeup(), elsewhere)
+        })
+        .unwrap();
+    assert_eq!((asleep, ended, elsewhere), (true, false, false));
+}
+
+/// `recv` outside a fiber on an open, empty channel panics with the reason: it returned
+/// `None`, which says "closed and drained", and a `while let Some(v) = ch.recv()` loop ended
+/// with values still to come. A value there, or a closed channel, is answered as in a fiber.
+#[test]
+fn recv_outside_a_fiber_that_would_wait_panics_with_the_reason() {
+    let ch = fibertrace_fiber::channel::<u32>(2);
+    ch.try_send(7).unwrap();
+    assert_eq!(ch.recv(), Some(7));
+    let p = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ch.recv())).unwrap_err();
+    let msg = p.downcast_ref::<&str>().copied().unwrap_or_default();
+    assert_eq!(
+        msg,
+        "Channel::recv outside a fiber on an open, empty channel: it cannot wait there (use \
+         try_recv, or recv from a fiber)"
+    );
+    assert_eq!(
+        ch.try_recv(),
+        Err(fibertrace_fiber::ChannelError::WouldBlock)
+    );
+    ch.close();
+    assert_eq!(ch.recv(), None);
+}

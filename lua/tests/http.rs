@@ -375,17 +375,22 @@ fn views_asked_at_once_each_have_their_lua_frames() {
     child.wait().unwrap();
 }
 
-/// At the memory limit (`ulimit -v`, the Lua heap filled), the views are still served: the
-/// answering threads were started with the server (a thread started per connection could
-/// not get its stack there, and every request was dropped unanswered: a reset connection,
-/// no status).
+/// At the memory limit (`ulimit -v`, the Lua heap filled down to allocations of 200 bytes),
+/// the views are still served: the answering threads were started with the server (a thread
+/// started per connection could not get its stack there, and every request was dropped
+/// unanswered: a reset connection, no status), and the server keeps room for its views (what
+/// the heap's last allocation left, often nothing, was all a view had: half of such runs
+/// answered every view 503).
 #[test]
 fn at_the_memory_limit_the_views_are_still_served() {
     let (_dir, path) = script(
         "full.lua",
         "local fiber = require('fiber')\n\
          local hold = {}\n\
-         local ok = pcall(function() while true do hold[#hold + 1] = string.rep('x', 1048000) .. #hold end end)\n\
+         local ok = false\n\
+         for _, size in ipairs({1048000, 65000, 4000, 200}) do\n\
+             ok = ok or pcall(function() while true do hold[#hold + 1] = string.rep('x', size) .. #hold end end)\n\
+         end\n\
          io.stdout:write('filled ', tostring(ok), '\\n') io.stdout:flush()\n\
          fiber.sleep(60)\n",
     );
@@ -397,7 +402,7 @@ fn at_the_memory_limit_the_views_are_still_served() {
     for _ in 0..5 {
         let (status, text) = get(addr, "/debug/fibers?format=text");
         assert_eq!(status, 200, "{text}");
-        assert!(text.contains(&format!("main chunk in @{s}:5")), "{text}");
+        assert!(text.contains(&format!("main chunk in @{s}:8")), "{text}");
         let (status, _) = get(addr, "/debug/fibers?format=json");
         assert_eq!(status, 200);
     }

@@ -106,7 +106,9 @@ fn fiber_create_past_the_address_space_limit_is_a_lua_error_and_the_program_goes
         err.starts_with(&format!(
             "false\tfiber.create: cannot create a fiber: its {stack}-byte stack does not fit in \
              the address-space limit (RLIMIT_AS, ulimit -v) of "
-        )) && err.contains(" bytes (Cannot allocate memory (os error 12); "),
+        )) && err.contains(
+            " bytes kept for the rest of the process (Cannot allocate memory (os error 12); "
+        ),
         "{err}"
     );
     assert_eq!(

@@ -45,6 +45,7 @@ mod sample;
 mod totals;
 mod view;
 
+pub use crate::symbolize::RoomAside;
 pub use crate::untracked::{pause, Busy};
 pub use owner::{
     outside_fibers, owners, restore, switch_to, OutsideFibers, Owner, OwnerRow, Usage, MAX_OWNERS,

@@ -225,9 +225,55 @@ pub(crate) fn address_space_room(bytes: usize) -> bool {
     linux::address_space_room(bytes)
 }
 
-/// Address space taken for the symbolizer by [`set_aside_room`]: start << 0 and length,
-/// taken and given back whole (0: none).
-static ASIDE: std::sync::Mutex<(usize, usize)> = std::sync::Mutex::new((0, 0));
+/// Address space taken now, under an address-space limit (`ulimit -v`), to be given back
+/// when the code it was taken for finds too little left: room kept for a report at the
+/// limit (a program whose heap took everything), which the heap would otherwise have eaten
+/// too. Never taken without a limit. Taken and given back whole.
+pub struct RoomAside(std::sync::Mutex<(usize, usize)>);
+
+impl RoomAside {
+    /// Holding nothing.
+    pub const fn new() -> RoomAside {
+        RoomAside(std::sync::Mutex::new((0, 0)))
+    }
+
+    /// Under an address-space limit, takes `bytes` of address space (no memory: a mapping
+    /// nothing may touch), unless it holds some already. Whether it took it (never without
+    /// a limit, or when there is no room now, or when it holds some already).
+    pub fn take(&self, bytes: usize) -> bool {
+        let mut a = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if a.0 != 0 {
+            return false;
+        }
+        match linux::take_room(bytes) {
+            Some(p) => {
+                *a = (p, bytes);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Gives back what it holds; whether it held any.
+    pub fn give_back(&self) -> bool {
+        let mut a = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let (p, n) = std::mem::take(&mut *a);
+        if p == 0 {
+            return false;
+        }
+        linux::give_back(p, n);
+        true
+    }
+}
+
+impl Default for RoomAside {
+    fn default() -> RoomAside {
+        RoomAside::new()
+    }
+}
+
+/// Address space taken for the symbolizer by [`set_aside_room`].
+static ASIDE: RoomAside = RoomAside::new();
 
 /// Under an address-space limit (`ulimit -v`), takes `image_bytes` (the size of the image
 /// files a report will read, the program's own at least) and what a parse wants besides of
@@ -237,22 +283,9 @@ static ASIDE: std::sync::Mutex<(usize, usize)> = std::sync::Mutex::new((0, 0));
 /// it left every native frame unnamed. Whether it was taken (never without a limit, or
 /// when there is no room now, or when taken already).
 pub fn set_aside_room(image_bytes: u64) -> bool {
-    let mut a = ASIDE.lock().unwrap_or_else(|e| e.into_inner());
-    if a.0 != 0 {
-        return false;
-    }
     // (Room to open the file, then to parse with what opening it took besides.)
     let want = (4 * PARSE_ROOM as u64).saturating_add(image_bytes);
-    let Ok(want) = usize::try_from(want) else {
-        return false;
-    };
-    match linux::take_room(want) {
-        Some(p) => {
-            *a = (p, want);
-            true
-        }
-        None => false,
-    }
+    usize::try_from(want).is_ok_and(|want| ASIDE.take(want))
 }
 
 /// File descriptors held for the symbolizer by [`set_aside_descriptors`] (of `/dev/null`).
@@ -306,13 +339,7 @@ fn give_back_descriptors() -> bool {
 
 /// Gives back what [`set_aside_room`] took, if it still holds it.
 fn give_back_room() -> bool {
-    let mut a = ASIDE.lock().unwrap_or_else(|e| e.into_inner());
-    let (p, n) = std::mem::take(&mut *a);
-    if p == 0 {
-        return false;
-    }
-    linux::give_back(p, n);
-    true
+    ASIDE.give_back()
 }
 
 /// Whether there is room to parse (or open, `extra` being the file's size) now (giving back

@@ -253,6 +253,8 @@ pub fn serve_with(addr: &str, limits: Limits) -> Result<Server, HttpError> {
     listener
         .set_nonblocking(true)
         .map_err(|e| HttpError::Bind(local, e))?;
+    // Under an address-space limit, room kept for the views (see `VIEW_ROOM`).
+    VIEW_ASIDE.take(VIEW_ROOM);
     let stop = Arc::new(AtomicBool::new(false));
     let (queue, woken) = Queue::new().map_err(HttpError::Thread)?;
     let queue = Arc::new(queue);
@@ -1355,7 +1357,9 @@ fn may_build(kind: usize, outbox: &Outbox, limits: &Limits) -> Result<Built, Rou
         .fetch_add(need, Ordering::SeqCst)
         .saturating_add(need);
     let built = Built { kind, need };
-    if !fibertrace_core::heap::room_for(building) {
+    let room = |b| fibertrace_core::heap::room_for(b);
+    let fits = room(building) || (VIEW_ASIDE.give_back() && room(building));
+    if !fits {
         return Err(text(
             503,
             format!(
@@ -1370,6 +1374,16 @@ fn may_build(kind: usize, outbox: &Outbox, limits: &Limits) -> Result<Built, Rou
 
 /// Bytes of address space the views under construction may take ([`may_build`]).
 static BUILDING: AtomicUsize = AtomicUsize::new(0);
+
+/// Address space kept for the views under an address-space limit (`ulimit -v`): taken when
+/// the server starts and again after each view, given back when a view finds too little
+/// room. A program whose heap took everything up to the limit (the moment its fibers are
+/// worth a look) left the views what its last allocation could not use, a few KiB or none,
+/// and every view was refused (503).
+static VIEW_ASIDE: fibertrace_core::heap::RoomAside = fibertrace_core::heap::RoomAside::new();
+
+/// What [`VIEW_ASIDE`] takes (8 MiB: the views of a few hundred fibers).
+const VIEW_ROOM: usize = 8 << 20;
 
 /// The size of the last view of each kind (the formats in [`Format::ALL`]'s order, then the
 /// heap profile).
@@ -1391,7 +1405,12 @@ impl Built {
 
 impl Drop for Built {
     fn drop(&mut self) {
-        BUILDING.fetch_sub(self.need, Ordering::SeqCst);
+        if BUILDING.fetch_sub(self.need, Ordering::SeqCst) == self.need {
+            // The last view under construction is done: the room for the next one is
+            // taken again (when there is room: its memory was given back to the allocator,
+            // which may keep it).
+            VIEW_ASIDE.take(VIEW_ROOM);
+        }
     }
 }
 

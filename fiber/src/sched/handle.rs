@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::names::{name_from_bytes, name_to_bytes};
+use super::names::{cut_name, name_from_bytes, name_to_bytes};
 use super::run::wake;
 use super::{block, current_ctx, current_id, with_sched, FiberCore, ON_THREAD};
 use crate::task::{
@@ -37,12 +37,13 @@ impl Fiber {
         self.shared.name()
     }
 
-    /// Renames the fiber.
+    /// Renames the fiber (cut to [`NAME_MAX`](crate::NAME_MAX) bytes).
     pub fn set_name(&self, name: &str) {
-        self.shared.set_name_arc(Arc::from(name));
+        self.shared.set_name_arc(Arc::from(cut_name(name)));
     }
 
-    /// Renames the fiber with any bytes, kept exactly (see [`name_from_bytes`]).
+    /// Renames the fiber with any bytes, kept exactly up to [`NAME_MAX`](crate::NAME_MAX) (see
+    /// [`name_from_bytes`]).
     pub fn set_name_bytes(&self, name: &[u8]) {
         self.set_name(&name_from_bytes(name));
     }
@@ -76,20 +77,26 @@ impl Fiber {
     /// Makes a blocked fiber ready (interrupts a sleep or a wait; the waiter re-checks its
     /// condition). The running fiber's own wake-up makes its next sleep or wait end at once
     /// (Tarantool's: the fiber goes to the ready list). Must be called on the fiber's own
-    /// scheduler thread; elsewhere it is a no-op that returns false.
+    /// scheduler thread; elsewhere it is a no-op. Returns whether the fiber was there to
+    /// wake: false from another thread, and for a fiber that ended (or whose scheduler was
+    /// dropped).
     pub fn wakeup(&self) -> bool {
+        self.wake_here() == Some(true)
+    }
+
+    /// [`Fiber::wakeup`]: `None` off the fiber's scheduler thread, else whether it was there.
+    fn wake_here(&self) -> Option<bool> {
         let known = ON_THREAD.with(|t| t.borrow().iter().any(|(id, _)| *id == self.shared.sched));
         if !known {
-            return false;
+            return None;
         }
         if self.shared.id == current_id()
             && with_sched(|s| s.shared.id == self.shared.sched && s.wake_running(self.shared.id))
                 == Some(true)
         {
-            return true;
+            return Some(true);
         }
-        wake(self.shared.sched, self.shared.id);
-        true
+        Some(wake(self.shared.sched, self.shared.id))
     }
 
     /// Cancels the fiber: at its next suspension point (or right away if it is blocked) it
@@ -98,7 +105,7 @@ impl Fiber {
     /// scheduler's next turn (an idle scheduler is woken for it).
     pub fn cancel(&self) {
         self.shared.cancelled.store(true, Ordering::Relaxed);
-        if self.shared.id == current_id() || self.wakeup() {
+        if self.shared.id == current_id() || self.wake_here().is_some() {
             return;
         }
         // Not this thread's scheduler (or none): asked of its own thread. (Only the flag was

@@ -42,7 +42,7 @@ mod run;
 mod spawn;
 
 pub use handle::{CancelQuiet, Fiber, JoinError, JoinHandle};
-pub use names::{name_from_bytes, name_to_bytes, quoted_name, QuotedName};
+pub use names::{name_from_bytes, name_to_bytes, quoted_name, QuotedName, NAME_MAX};
 pub use run::{
     current_run_time, loop_turn, top_at_end, top_disable, top_enable, top_enabled, top_ended_row,
     top_fiber_row, top_sched_row, EndedTop,

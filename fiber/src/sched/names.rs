@@ -14,6 +14,27 @@ pub(crate) fn escaped_byte(c: char) -> Option<u8> {
     is_name_esc(c).then(|| (c as u32 - NAME_ESC) as u8)
 }
 
+/// The longest fiber name, in bytes (as [`name_to_bytes`] gives them; Tarantool's limit):
+/// a longer one is cut there, at a character boundary. (Names are copied into every
+/// listing, dump and report: a name of a megabyte made each dump eight.)
+pub const NAME_MAX: usize = 255;
+
+/// `name` cut to [`NAME_MAX`] bytes of the name it stands for (a byte that is not UTF-8,
+/// kept as one code point, counts as one), at a character boundary.
+pub(crate) fn cut_name(name: &str) -> &str {
+    if name.len() <= NAME_MAX {
+        return name;
+    }
+    let mut bytes = 0;
+    for (i, c) in name.char_indices() {
+        bytes += if is_name_esc(c) { 1 } else { c.len_utf8() };
+        if bytes > NAME_MAX {
+            return &name[..i];
+        }
+    }
+    name
+}
+
 fn push_name_byte(out: &mut String, b: u8) {
     // (0x80..=0xFF: every code point made is a valid one.)
     out.extend(char::from_u32(NAME_ESC + b as u32));

@@ -492,18 +492,11 @@ impl Inner {
 }
 
 /// Makes fiber `fid` of scheduler `sched` (created on this thread) ready, whether or not
-/// that scheduler is running right now.
-pub(crate) fn wake(sched: u64, fid: FiberId) {
-    let running = with_sched(|s| {
-        if s.shared.id == sched {
-            s.make_ready(fid);
-            true
-        } else {
-            false
-        }
-    });
-    if running == Some(true) {
-        return;
+/// that scheduler is running right now. Returns whether the fiber is there (not ended).
+pub(crate) fn wake(sched: u64, fid: FiberId) -> bool {
+    let running = with_sched(|s| (s.shared.id == sched).then(|| s.make_ready_if(fid, false)));
+    if let Some(Some(found)) = running {
+        return found;
     }
     let inner = ON_THREAD.with(|t| {
         t.borrow()
@@ -511,9 +504,7 @@ pub(crate) fn wake(sched: u64, fid: FiberId) {
             .find(|(id, _)| *id == sched)
             .and_then(|(_, w)| w.upgrade())
     });
-    if let Some(inner) = inner {
-        inner.make_ready(fid);
-    }
+    inner.is_some_and(|inner| inner.make_ready_if(fid, false))
 }
 
 /// As [`wake`], but a fiber that was cancelled (or is gone) is left alone: returns whether

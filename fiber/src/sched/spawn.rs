@@ -12,7 +12,7 @@ use corosensei::Yielder;
 use fibertrace_core::{Backtrace, CaptureOptions, Frame, Unwinder};
 
 use super::handle::{needs_slot, Fiber, JoinError, JoinHandle, ResultSlot};
-use super::names::name_from_bytes;
+use super::names::{cut_name, name_from_bytes};
 use super::panic;
 use super::{
     current_ctx, with_sched, Cancelled, Co, FiberCore, Inner, Ready, Scheduler, Slot, TopStat,
@@ -78,7 +78,7 @@ pub struct SchedBuilder<'a> {
 }
 
 impl SchedBuilder<'_> {
-    /// Names the fiber.
+    /// Names the fiber (cut to [`NAME_MAX`](crate::NAME_MAX) bytes).
     pub fn name(mut self, name: &str) -> Self {
         self.b = self.b.name(name);
         self
@@ -121,25 +121,31 @@ impl Builder {
         Builder::default()
     }
 
-    /// Names the fiber.
+    /// Names the fiber (cut to [`NAME_MAX`](crate::NAME_MAX) bytes).
     #[inline]
     pub fn name(mut self, name: &str) -> Self {
-        self.name = Some(Arc::from(name));
+        self.name = Some(Arc::from(cut_name(name)));
         self
     }
 
-    /// Names the fiber with any bytes, kept exactly (see [`name_from_bytes`]).
+    /// Names the fiber with any bytes, kept exactly up to [`NAME_MAX`](crate::NAME_MAX) (see
+    /// [`name_from_bytes`]).
     #[inline]
     pub fn name_bytes(mut self, name: &[u8]) -> Self {
-        self.name = Some(Arc::from(name_from_bytes(name)));
+        self.name = Some(Arc::from(cut_name(&name_from_bytes(name))));
         self
     }
 
     /// Names the fiber with a shared name (no copy: a host that spawns many fibers under
-    /// one name hands out the same string).
+    /// one name hands out the same string; one longer than [`NAME_MAX`](crate::NAME_MAX) is cut, in a copy).
     #[inline]
     pub fn shared_name(mut self, name: Arc<str>) -> Self {
-        self.name = Some(name);
+        let cut = cut_name(&name);
+        self.name = Some(if cut.len() == name.len() {
+            name
+        } else {
+            Arc::from(cut)
+        });
         self
     }
 
@@ -454,17 +460,12 @@ fn take_stack(inner: &Inner, size: usize) -> Result<stack::FiberStack, SpawnErro
         if (held + 1) * MAPS_PER_STACK + reserve / 2 >= max_maps {
             return err(SpawnErrorKind::MapCount, errno, max_maps as u64);
         }
-        let mut rl = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: a plain query into a local.
-        let limited = unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut rl) } == 0
-            && rl.rlim_cur != libc::RLIM_INFINITY;
-        if limited {
-            err(SpawnErrorKind::AddressSpace, errno, rl.rlim_cur)
-        } else {
-            err(SpawnErrorKind::OutOfMemory, errno, 0)
+        match stack::address_space_reserve() {
+            Some((limit, room)) => SpawnError {
+                reserve: room,
+                ..err(SpawnErrorKind::AddressSpace, errno, limit)
+            },
+            None => err(SpawnErrorKind::OutOfMemory, errno, 0),
         }
     })
 }
@@ -475,7 +476,9 @@ fn take_stack(inner: &Inner, size: usize) -> Result<stack::FiberStack, SpawnErro
 pub enum SpawnErrorKind {
     /// The stack could not be mapped: out of memory.
     OutOfMemory,
-    /// The stack does not fit in the address-space limit (`RLIMIT_AS`, `ulimit -v`).
+    /// The stack does not fit in the address-space limit (`RLIMIT_AS`, `ulimit -v`), with
+    /// room kept for the rest of the process (a sixteenth of the limit, 8 to 64 MiB): past
+    /// it, the next allocation anywhere in the process would fail.
     AddressSpace,
     /// The process holds as many fiber stacks as `vm.max_map_count` allows, less a reserve of
     /// mappings for the rest of the process.
@@ -533,9 +536,9 @@ impl std::fmt::Display for SpawnError {
             SpawnErrorKind::AddressSpace => write!(
                 f,
                 "cannot create a fiber: its {size}-byte stack does not fit in the \
-                 address-space limit (RLIMIT_AS, ulimit -v) of {} bytes ({os}; {n} fiber \
-                 stacks in use)",
-                self.limit
+                 address-space limit (RLIMIT_AS, ulimit -v) of {} bytes, with {} bytes kept \
+                 for the rest of the process ({os}; {n} fiber stacks in use)",
+                self.limit, self.reserve
             ),
             SpawnErrorKind::MapCount => write!(
                 f,

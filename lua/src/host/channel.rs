@@ -197,7 +197,9 @@ pub(super) fn ch_get_body(c: &mut Call) -> LResult {
     let waits = super::finalize::channel_would_wait(&ch, false, timeout);
     super::finalize::check_wait(c, "channel:get", waits)?;
     let got = match timeout {
-        None => ch.recv(),
+        // (`recv` panics where it cannot wait, outside a fiber: there this gives nil.)
+        None if fibertrace_fiber::current_id() != 0 => ch.recv(),
+        None => ch.try_recv().ok(),
         Some(d) => ch.recv_timeout(d).ok(),
     };
     match got {
