@@ -115,3 +115,125 @@ fn a_reserve_used_and_left_before_any_safe_point_raises_nothing_and_closes() {
         ]
     );
 }
+
+/// A dump of every fiber, taken by the fiber that calls this.
+#[inline(never)]
+fn dumped_here() -> (String, u32) {
+    let (t, line) = (fibertrace_fiber::dump::dump_text(), line!());
+    std::hint::black_box((t, line))
+}
+
+/// A fiber with the smallest stack (`MIN_STACK_SIZE`) that panics, or takes a dump of every
+/// fiber, gets its report: resolving symbols (parsing the program's debug information the
+/// first time) runs on the scheduler's stack, not the fiber's, where it needed about
+/// 192 KiB in a debug build and the process stopped with an overflow.
+#[test]
+fn a_small_fiber_stack_can_panic_and_dump() {
+    if std::env::var_os("FT_SMALL_STACK_CHILD").is_some() {
+        let s = fibertrace_fiber::Scheduler::with_options(fibertrace_fiber::SchedulerOptions {
+            stack_size: std::env::var("FT_STACK")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(fibertrace_fiber::MIN_STACK_SIZE),
+            ..Default::default()
+        });
+        let out = s
+            .block_on(|| {
+                let dumper = fibertrace_fiber::spawn(dumped_here);
+                let text = dumper.join().unwrap();
+                let h = fibertrace_fiber::spawn(|| -> u32 { panic!("small {}", 7) });
+                let report = match h.join() {
+                    Err(fibertrace_fiber::JoinError::Panicked(r)) => r,
+                    other => panic!("{other:?}"),
+                };
+                (text, report)
+            })
+            .unwrap();
+        println!("DUMPED AT {}", out.0 .1);
+        println!("DUMP\n{}END", out.0 .0);
+        println!("MESSAGE {}", out.1.message);
+        println!("LOCATION {}", out.1.location.clone().unwrap_or_default());
+        for f in out.1.backtrace.frames() {
+            let name = fibertrace_core::symbolize::resolve(f)
+                .and_then(|r| r.function().map(str::to_string))
+                .unwrap_or_default();
+            println!("FRAME {name}");
+        }
+        return;
+    }
+    let o = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_small_fiber_stack_can_panic_and_dump",
+            "--nocapture",
+        ])
+        .env("FT_SMALL_STACK_CHILD", "1")
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{:?}\n{out}\n{err}", o.status);
+    assert!(out.contains("MESSAGE small 7\n"), "{out}");
+    assert!(out.contains("LOCATION fiber/tests/overflow.rs:"), "{out}");
+    let frames: Vec<&str> = out
+        .lines()
+        .filter_map(|l| l.strip_prefix("FRAME "))
+        .collect();
+    assert_eq!(
+        frames.first().copied(),
+        Some("overflow::a_small_fiber_stack_can_panic_and_dump::{{closure}}::{{closure}}"),
+        "{out}"
+    );
+    // The dump shows the fiber that took it, in the function that called `dump_text`, and
+    // the main fiber waiting for it.
+    let line: u32 = out
+        .split("DUMPED AT ")
+        .nth(1)
+        .and_then(|r| r.lines().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{out}"));
+    let dump = out
+        .split("DUMP\n")
+        .nth(1)
+        .unwrap()
+        .split("END")
+        .next()
+        .unwrap();
+    let block = |head: &str| -> Vec<String> {
+        let rest = dump
+            .split(head)
+            .nth(1)
+            .unwrap_or_else(|| panic!("{head}: {dump}"));
+        rest.lines()
+            .skip(1)
+            .take_while(|l| l.starts_with('#'))
+            .map(|l| {
+                let (name, at) = l.split_once(" in ").unwrap().1.split_once(" at ").unwrap();
+                let name = name.rsplit_once("+0x").map_or(name, |(n, _)| n);
+                let file = at.rsplit('/').next().unwrap();
+                format!("{name} {file}")
+            })
+            .collect()
+    };
+    assert_eq!(
+        block("fiber 2 \"fiber2\" [running]:"),
+        [format!("overflow::dumped_here overflow.rs:{line}")],
+        "{dump}"
+    );
+    let main: Vec<String> = block("fiber 1 \"main\" [join fiber 2, ")
+        .iter()
+        .map(|f| f.split(' ').next().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        main,
+        [
+            "fibertrace_fiber::sched::block",
+            "fibertrace_fiber::sched::handle::Fiber::wait_inner",
+            "fibertrace_fiber::sched::handle::Fiber::wait_until",
+            "fibertrace_fiber::sched::handle::Fiber::wait",
+            "fibertrace_fiber::sched::handle::JoinHandle<T>::join",
+            "overflow::a_small_fiber_stack_can_panic_and_dump::{{closure}}",
+        ],
+        "{dump}"
+    );
+}

@@ -204,6 +204,8 @@ fn signalled(sig: i32, ignore_first: bool) -> (String, String, Option<i32>, Opti
         (false, _) => "",
         (true, libc::SIGQUIT) => "trap '' QUIT; ",
         (true, libc::SIGHUP) => "trap '' HUP; ",
+        (true, libc::SIGINT) => "trap '' INT; ",
+        (true, libc::SIGTERM) => "trap '' TERM; ",
         (true, _) => panic!("no trap for signal {sig}"),
     };
     let mut c = Command::new("sh")
@@ -266,11 +268,17 @@ fn signalled(sig: i32, ignore_first: bool) -> (String, String, Option<i32>, Opti
         // SAFETY: as above.
         unsafe { libc::kill(pid, libc::SIGTERM) };
     } else if ignore_first {
-        // An ignored signal: the program goes on (given time to end if it were to).
+        // An ignored signal: the program goes on (given time to end if it were to), then
+        // is ended by SIGTERM (by SIGINT when SIGTERM was the ignored one).
         std::thread::sleep(Duration::from_millis(300));
         still = c.try_wait().unwrap().map(|s| s.code().unwrap_or(-1));
+        let end = if sig == libc::SIGTERM {
+            libc::SIGINT
+        } else {
+            libc::SIGTERM
+        };
         // SAFETY: as above.
-        unsafe { libc::kill(pid, libc::SIGTERM) };
+        unsafe { libc::kill(pid, end) };
     }
     let t0 = Instant::now();
     let status = loop {
@@ -300,6 +308,22 @@ fn sigint_and_sigterm_keep_what_was_printed_and_exit_130_and_143() {
         assert_eq!(out, "line one\nline two\n", "signal {sig}");
         assert_eq!(err, "", "signal {sig}");
         assert_eq!(status, Some(code), "signal {sig}");
+    }
+}
+
+/// A SIGINT or SIGTERM the parent ignored (`trap '' INT`, a shell script's background job)
+/// stays ignored, as shells and Go's runtime keep it: the program ended on it (130, 143).
+#[test]
+fn sigint_and_sigterm_inherited_ignored_stay_ignored() {
+    for (sig, ended_by) in [(libc::SIGINT, 143), (libc::SIGTERM, 130)] {
+        let (out, err, status, still) = signalled(sig, true);
+        assert_eq!(
+            still, None,
+            "an ignored signal {sig} ended the program: {err}"
+        );
+        assert_eq!(out, "line one\nline two\n", "signal {sig}");
+        assert_eq!(err, "", "signal {sig}");
+        assert_eq!(status, Some(ended_by), "signal {sig}");
     }
 }
 
@@ -1496,5 +1520,120 @@ fn the_first_dump_at_the_memory_limit_names_its_native_frames() {
             .map(|l| l.split_once("  ").map_or(*l, |x| x.1)),
         Some(format!("main chunk in @{}:5", script.display()).as_str()),
         "{main}"
+    );
+}
+
+/// Runs `script` with standard output and standard error into one file (`> out 2>&1`, where
+/// standard output is buffered), sending SIGQUIT once it printed `ready` when `quit`; the
+/// file's text and the exit status.
+fn one_file(name: &str, script: &str, quit: bool) -> (String, Option<i32>) {
+    let dir = std::env::temp_dir().join(format!("ft-rel-order-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("{name}.lua"));
+    std::fs::write(&path, script).unwrap();
+    let out = dir.join("out");
+    let file = std::fs::File::create(&out).unwrap();
+    let mut child = Command::new(EXE)
+        .arg("run")
+        .arg(format!("{name}.lua"))
+        .current_dir(&dir)
+        .stdout(file.try_clone().unwrap())
+        .stderr(file)
+        .spawn()
+        .unwrap();
+    if quit {
+        let t0 = Instant::now();
+        // The script says `ready` in a file of its own (its standard output is buffered).
+        while !dir.join("ready").exists() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "the script never got ready"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // SAFETY: a signal to our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGQUIT) };
+    }
+    let status = child.wait().unwrap();
+    let text = std::fs::read_to_string(&out).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    (text, status.code())
+}
+
+/// What a script printed comes before the report of what ended it, or of what happened
+/// after, when standard output and standard error go to one file: its error, the deadlock
+/// report, a finalizer's error, a SIGQUIT dump. Standard output is buffered there, and each
+/// of these came first, the script's own lines after it.
+#[test]
+fn what_was_printed_comes_before_the_report_in_one_file() {
+    let (text, code) = one_file(
+        "error",
+        "print('before1') io.write('before2\\n') error('boom')\n",
+        false,
+    );
+    assert_eq!(code, Some(1));
+    assert!(
+        text.starts_with("before1\nbefore2\nerror.lua:1: boom\n"),
+        "{text}"
+    );
+    let (text, code) = one_file(
+        "deadlock",
+        "local fiber = require('fiber')\nprint('before')\nfiber.channel():get()\n",
+        false,
+    );
+    assert_eq!(code, Some(1));
+    assert!(
+        text.starts_with("before\nall fibers are asleep — deadlock!\n"),
+        "{text}"
+    );
+    let (text, code) = one_file(
+        "finalizer",
+        "print('before')\n\
+         local function fails() error('in gc', 0) end\n\
+         if newproxy then getmetatable(newproxy(true)).__gc = fails\n\
+         else setmetatable({}, {__gc = fails}) end\n\
+         collectgarbage() collectgarbage()\nprint('after')\n",
+        false,
+    );
+    assert_eq!(code, Some(0));
+    assert_eq!(text, "before\nERROR in finalizer: in gc\nafter\n");
+    let (text, code) = one_file(
+        "quit",
+        "local fiber = require('fiber')\n\
+         for i = 1, 3 do print('line ' .. i) end\n\
+         io.open('ready', 'w'):close()\n\
+         fiber.sleep(0.5)\nprint('after')\n",
+        true,
+    );
+    assert_eq!(code, Some(0));
+    assert!(
+        text.starts_with("line 1\nline 2\nline 3\nscheduler 1 \"lua\": 1 fiber\n"),
+        "{text}"
+    );
+    assert!(text.ends_with("\nafter\n"), "{text}");
+}
+
+/// A script that chose a failure status (`os.exit(5)`) and whose output could not be written
+/// (`/dev/full`) ends with its own status, the loss said: it ended with 1.
+#[test]
+fn an_output_lost_keeps_the_failure_status_the_script_chose() {
+    let path = std::env::temp_dir().join(format!("ft-rel-full-{}.lua", std::process::id()));
+    std::fs::write(&path, "print('x') os.exit(5)\n").unwrap();
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let o = Command::new(EXE)
+        .arg("run")
+        .arg(&path)
+        .stdout(full)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(o.status.code(), Some(5));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stderr),
+        "fibertrace: standard output: No space left on device (os error 28): what the script \
+         printed is lost\n"
     );
 }

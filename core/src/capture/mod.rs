@@ -194,7 +194,7 @@ fn with_thread_cache<R>(f: impl FnOnce(&mut DwarfCache) -> R) -> R {
     let mut f = Some(f);
     let r = CACHE.try_with(|c| match c.try_borrow_mut() {
         Ok(mut slot) => {
-            let cache = slot.get_or_insert_with(|| Box::new(DwarfCache::new()));
+            let cache = slot.get_or_insert_with(new_cache);
             Some((f.take().expect("called once"))(cache))
         }
         Err(_) => None,
@@ -202,8 +202,16 @@ fn with_thread_cache<R>(f: impl FnOnce(&mut DwarfCache) -> R) -> R {
     match r {
         Ok(Some(r)) => r,
         // Re-entered (or during thread teardown): use a fresh cache.
-        _ => (f.take().expect("called once"))(&mut DwarfCache::new()),
+        _ => (f.take().expect("called once"))(&mut new_cache()),
     }
+}
+
+/// A new DWARF cache, on the heap. Made on a larger stack where the runtime has one (see
+/// [`crate::symbolize::set_large_stack_runner`]): the cache is built on the stack before it
+/// is boxed in a debug build, and a fiber with a small stack whose first walk made it (a
+/// dump taken from the fiber) overflowed there.
+fn new_cache() -> Box<DwarfCache> {
+    crate::symbolize::on_large_stack(|| Box::new(DwarfCache::new()))
 }
 
 /// Captures the current stack. The first frame is the return address into the caller of

@@ -149,7 +149,8 @@ pub fn resolve_address(addr: u64) -> Arc<Resolved> {
     // The symbolizer's tables are this library's, not the program's: not tracked by the heap
     // tracker (nor listed in its views).
     let _untracked = crate::untracked::pause();
-    let (resolved, lasting) = resolve_uncached(r, addr);
+    // (Parsing debug information takes far more stack than a fiber may have.)
+    let (resolved, lasting) = on_large_stack(|| resolve_uncached(r, addr));
     let resolved = Arc::new(resolved);
     // (A resolution cut short by a passing shortage — no file descriptor free — is not kept:
     // the next lookup tries again.)
@@ -160,6 +161,42 @@ pub fn resolve_address(addr: u64) -> Arc<Resolved> {
         r.cache.insert(addr, Arc::clone(&resolved));
     }
     resolved
+}
+
+/// How a runtime runs work on a larger stack than the current one (see
+/// [`set_large_stack_runner`]).
+pub type LargeStackRunner = fn(&mut dyn FnMut());
+
+static LARGE_STACK: OnceLock<LargeStackRunner> = OnceLock::new();
+
+/// Sets, once per process, how the symbolizer runs its parsing of debug information (the
+/// first lookup in an image's unit reads its line table and names: about 100 KiB of stack
+/// in a debug build), and a walk makes its thread's DWARF cache (built on the stack before
+/// it is boxed, in a debug build), when called on a small stack: a fiber runtime passes a function that
+/// runs its argument on the stack of the code that resumed the running fiber, and runs it
+/// in place elsewhere. Later calls are ignored. Without it, lookups parse where they are.
+pub fn set_large_stack_runner(run: LargeStackRunner) {
+    let _ = LARGE_STACK.set(run);
+}
+
+/// `f`, run through the [`set_large_stack_runner`] runner if there is one (never from a
+/// signal handler: the runner may switch stacks).
+pub(crate) fn on_large_stack<R>(f: impl FnOnce() -> R) -> R {
+    let Some(run) = LARGE_STACK.get() else {
+        return f();
+    };
+    let mut f = Some(f);
+    let mut out = None;
+    run(&mut || {
+        if let Some(f) = f.take() {
+            out = Some(f());
+        }
+    });
+    match out {
+        Some(r) => r,
+        // (A runner that did not run it: here, then.)
+        None => f.take().map(|f| f()).expect("the work was run once"),
+    }
 }
 
 /// Calls `f` for every frame of `frames` with its index and resolution (`None` for markers

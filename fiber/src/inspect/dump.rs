@@ -700,9 +700,8 @@ pub fn install_signal(sig: i32) -> Result<(), InstallError> {
                     return;
                 }
                 wait_for_handlers();
-                if CRASH_FLUSH.swap(false, Ordering::SeqCst) {
-                    flush_c_stdout();
-                }
+                // (Every dump after what was printed before the signal, or the crash.)
+                flush_c_stdout();
                 let text = match view() {
                     View::Full => dump_text(),
                     View::Grouped => dump_grouped(),
@@ -736,8 +735,11 @@ static CRASH_REPORT: AtomicBool = AtomicBool::new(false);
 /// Set by the first crash: a crash on another thread meanwhile waits for that report (one
 /// in the report's own dump ends the process at once).
 static CRASHED: AtomicBool = AtomicBool::new(false);
-/// A crash asked for the dump: what the program printed is flushed before it.
-static CRASH_FLUSH: AtomicBool = AtomicBool::new(false);
+
+/// Whether a crash report is being made (or was: the process is ending).
+pub(crate) fn crashing() -> bool {
+    CRASHED.load(Ordering::Relaxed)
+}
 /// The dump thread's id (a crash of its own cannot wait for its dump).
 static DUMP_TID: AtomicI32 = AtomicI32::new(0);
 /// Longest a crashed thread waits for its report's dump before the process stops.
@@ -937,7 +939,6 @@ unsafe fn report_and_wait(
     if fd < 0 || tid == DUMP_TID.load(Ordering::SeqCst) {
         return;
     }
-    CRASH_FLUSH.store(true, Ordering::SeqCst);
     let mut want = REQUESTED.fetch_add(1, Ordering::SeqCst) + 1;
     let b = [1u8];
     // SAFETY: write(2) of one byte to our own (non-blocking) pipe.
@@ -963,8 +964,11 @@ unsafe extern "C" {
 }
 
 /// Flushes C's standard output unless some thread holds it (the crashed one may, stopped in
-/// the middle of a write: waiting for it would hold the report for ever).
-fn flush_c_stdout() {
+/// the middle of a write: waiting for it would hold the report for ever): before a report
+/// on standard error, so that it comes after what the program printed before it where both
+/// go to one file (`> out 2>&1`: standard output is buffered there, and the report came
+/// first). A program printing meanwhile from another thread may have a line cut there.
+pub fn flush_c_stdout() {
     // Nor into a pipe without a reader (SIGPIPE would end the process before the report),
     // nor into one that is full (the flush would wait for its reader).
     let mut p = libc::pollfd {

@@ -19,6 +19,8 @@ static HOOK: Once = Once::new();
 /// Installs the hook (once per process). The previous hook still runs after ours.
 pub(crate) fn install_hook() {
     HOOK.call_once(|| {
+        // (Here, once, as the hook: what every scheduler needs set process-wide.)
+        fibertrace_core::symbolize::set_large_stack_runner(super::on_parent_stack);
         let prev = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
             if let Some(shared) = super::current_shared() {

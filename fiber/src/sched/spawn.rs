@@ -428,11 +428,11 @@ fn stacks_allowed() -> (usize, usize, usize) {
 /// time (sleeps, waits, yields, spawns, joins) in a debug build and under AddressSanitizer,
 /// whose frames are larger (16 KiB is enough for a plain debug build, not for that). A fiber
 /// given one page (a size of 0, 1 or 4096 was taken as that) overflowed in its first
-/// `sleep`, and the process stopped. What reads and resolves a stack on the fiber's own
-/// stack needs far more — a dump taken from the fiber, the report of its panic: about
-/// 192 KiB in a debug build (measured), less in a release one —; such a fiber needs the
-/// default size (256 KiB), and past its stack it stops the process with the overflow's
-/// report.
+/// `sleep`, and the process stopped. What needs far more — the symbolizer's parsing of debug
+/// information and a thread's first DWARF cache, for a dump taken from the fiber or the
+/// report of its panic: about 192 KiB in a debug build — runs on the stack of the code
+/// that resumed the fiber (the scheduler's), so such a fiber fits in this size too. Past
+/// its stack a fiber stops the process with the overflow's report.
 pub const MIN_STACK_SIZE: usize = 64 << 10;
 
 fn take_stack(inner: &Inner, size: usize) -> Result<stack::FiberStack, SpawnError> {

@@ -121,7 +121,8 @@ fn cli() -> Command {
                      every fiber's trace to stderr and the script goes on; SIGINT and \
                      SIGTERM flush what the script printed and exit with 130 and 143, \
                      SIGHUP, SIGUSR1, SIGUSR2 and SIGALRM likewise with 128 + the signal \
-                     (unless inherited ignored, as under nohup); while os.execute runs a \
+                     (each unless inherited ignored, as under nohup or trap '' INT); while \
+                     os.execute runs a \
                      command, SIGINT goes to the command alone, as C's system() has it (the \
                      script gets how the command ended and goes on). \
                      A fiber running when a dump or report is taken is stopped at its next \
@@ -976,10 +977,40 @@ unsafe extern "C" {
 
 /// At exit (after the other exit handlers, the `--leaks` report's included): what the
 /// script printed is flushed here, and a failed write of it — now, or earlier (Lua's `print`
-/// drops write errors: a full disk) — is said on stderr, and the program ends with 1. The
-/// program used to end silently with the script's status, its output lost. (A reader gone
+/// drops write errors: a full disk) — is said on stderr, and the program ends with 1 (or
+/// with the failure status the script chose, `os.exit(5)`). The program used to end
+/// silently with the script's status, its output lost. (A reader gone
 /// ends the program by SIGPIPE first, quietly: `on_sigpipe`.)
-extern "C" fn stdout_at_exit() {
+fn register_stdout_at_exit() {
+    #[cfg(target_env = "gnu")]
+    {
+        unsafe extern "C" {
+            /// glibc's `on_exit(3)`: an exit handler that is given the exit status.
+            fn on_exit(
+                f: extern "C" fn(libc::c_int, *mut libc::c_void),
+                arg: *mut libc::c_void,
+            ) -> libc::c_int;
+        }
+        extern "C" fn with_status(status: libc::c_int, _: *mut libc::c_void) {
+            stdout_at_exit(status);
+        }
+        // SAFETY: registers a function that runs at exit, once; its argument is unused.
+        unsafe { on_exit(with_status, std::ptr::null_mut()) };
+    }
+    #[cfg(not(target_env = "gnu"))]
+    {
+        extern "C" fn without_status() {
+            stdout_at_exit(0);
+        }
+        // SAFETY: registers a function that runs at exit, once.
+        unsafe { libc::atexit(without_status) };
+    }
+}
+
+/// See [`register_stdout_at_exit`]; `status` is the status the program exits with (0 where
+/// the C library does not say it): a failure the script chose (`os.exit(5)`) is kept, a
+/// success becomes 1.
+fn stdout_at_exit(status: libc::c_int) {
     // An exit signal's thread (or a closed standard output's) ends the process: not raced.
     defer_to_exit_signal();
     let rust = io::stdout().flush().err();
@@ -1013,7 +1044,7 @@ extern "C" fn stdout_at_exit() {
     unsafe {
         libc::write(2, msg.as_ptr().cast(), msg.len());
         libc::fflush(std::ptr::null_mut());
-        libc::_exit(1);
+        libc::_exit(if status & 0xff != 0 { status } else { 1 });
     }
 }
 
@@ -1326,6 +1357,14 @@ fn install_signals() -> Result<(), String> {
         (libc::SIGTERM, on_exit_signal),
         (libc::SIGPIPE, on_sigpipe),
     ] {
+        // An interrupt or termination the parent ignored (`trap '' INT`, a background job
+        // of a shell script) stays ignored, as the shells and Go's runtime keep it: it was
+        // overridden, and the program ended on a signal its parent had asked to be spared.
+        // (SIGPIPE's inherited disposition is not known here: Rust's runtime ignores it
+        // before `main`.)
+        if sig != libc::SIGPIPE && inherited_ignored(sig)? {
+            continue;
+        }
         // SAFETY: installs a handler that only calls async-signal-safe functions.
         unsafe {
             let mut sa: libc::sigaction = std::mem::zeroed();
@@ -1339,18 +1378,14 @@ fn install_signals() -> Result<(), String> {
     }
     // The other signals whose default is to end the process (a closed terminal or ssh
     // session's SIGHUP, SIGUSR1, SIGUSR2, SIGALRM) end it the same way, flushed, with 128 +
-    // the signal — unless inherited ignored (`nohup`), which is kept.
+    // the signal — unless inherited ignored (`nohup`), which is kept, as for SIGINT and
+    // SIGTERM above.
     for sig in [libc::SIGHUP, libc::SIGUSR1, libc::SIGUSR2, libc::SIGALRM] {
-        // SAFETY: reads the signal's disposition, then installs a handler that only calls
-        // async-signal-safe functions.
+        if inherited_ignored(sig)? {
+            continue;
+        }
+        // SAFETY: installs a handler that only calls async-signal-safe functions.
         unsafe {
-            let mut old: libc::sigaction = std::mem::zeroed();
-            if libc::sigaction(sig, std::ptr::null(), &mut old) != 0 {
-                return Err(format!("sigaction: {}", io::Error::last_os_error()));
-            }
-            if old.sa_sigaction == libc::SIG_IGN {
-                continue;
-            }
             let mut sa: libc::sigaction = std::mem::zeroed();
             sa.sa_sigaction = on_exit_signal as extern "C" fn(libc::c_int) as *const () as usize;
             sa.sa_flags = libc::SA_RESTART;
@@ -1361,6 +1396,18 @@ fn install_signals() -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Whether signal `sig` is ignored now (as the parent left it, before this program set it).
+fn inherited_ignored(sig: libc::c_int) -> Result<bool, String> {
+    // SAFETY: reads the signal's disposition into a local.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        if libc::sigaction(sig, std::ptr::null(), &mut old) != 0 {
+            return Err(format!("sigaction: {}", io::Error::last_os_error()));
+        }
+        Ok(old.sa_sigaction == libc::SIG_IGN)
+    }
 }
 
 /// The longest script `run` reads (256 MiB): an endless one (`run /dev/zero`, `yes | run -`)
@@ -1603,8 +1650,7 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
         return ExitCode::from(1);
     }
     // (Registered first: it runs after every other exit handler.)
-    // SAFETY: registers a function that runs at exit, once.
-    unsafe { libc::atexit(stdout_at_exit) };
+    register_stdout_at_exit();
     if m.get_flag("leaks") {
         let top = m.get_one::<u64>("leaks-top").copied().unwrap_or(20) as usize;
         LEAKS_TOP.store(top, std::sync::atomic::Ordering::SeqCst);
@@ -1792,6 +1838,9 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
     let code = match host.run_main(&chunk, &source, &args) {
         Ok(()) => 0,
         Err(e) => {
+            // After what the script printed before it (a file or a pipe shared with stderr,
+            // `> out 2>&1`, had the error first: stdout is buffered there).
+            flush_script_output();
             // The message as its bytes (a script's error need not be UTF-8).
             let mut b = e.to_bytes();
             b.push(b'\n');

@@ -69,6 +69,8 @@ unsafe extern "C-unwind" fn probe_gc(l: *mut ffi::lua_State) -> std::ffi::c_int 
 unsafe extern "C-unwind" fn report_errfin(l: *mut ffi::lua_State) -> std::ffi::c_int {
     // SAFETY: called by the VM with the error at index 1.
     let text = unsafe { super::raw::error_text(l, 1) };
+    // (After what the script printed before: see `flush_c_stdout`.)
+    fibertrace_fiber::dump::flush_c_stdout();
     let _ = writeln!(std::io::stderr(), "ERROR in finalizer: {text}");
     0
 }
