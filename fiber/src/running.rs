@@ -23,7 +23,7 @@ use crate::task::{single_writer_add, ControlBlock, FiberId};
 
 /// How the layer above brings a running fiber to a safe point (the inspection layer's
 /// `SafePointArm`, which documents it).
-pub(crate) type Arm = fn(thread: u64) -> Result<(), &'static str>;
+pub(crate) type Arm = fn(tid: i32) -> Result<(), &'static str>;
 
 /// Per-scheduler state of its thread (see the module doc).
 pub(crate) struct OnThread {
@@ -258,13 +258,35 @@ pub(crate) fn running_stack() -> Option<(u64, u64, u64)> {
 
 /// Called when a scheduler entered inside another one's fiber stops: the handlers go back to
 /// the outer scheduler's state (the inner one's is about to be freed).
-pub(crate) fn restore_thread(outer: &OnThread) {
+pub(crate) fn restore_thread(outer: &OnThread, inner: &OnThread) {
+    forget_thread(inner);
     ON_THREAD.with(|p| p.set(outer as *const OnThread));
 }
 
 /// Called when the scheduler stops running on this thread: the handlers forget it.
-pub(crate) fn leave_thread() {
+pub(crate) fn leave_thread(on: &OnThread) {
+    forget_thread(on);
     ON_THREAD.with(|p| p.set(std::ptr::null()));
+}
+
+/// The scheduler's thread is no longer published: a scheduler's shared state outlives its
+/// thread (an inspector holds it), and a signal sent to a thread that exited (its
+/// `pthread_t` is freed with it) crashed the inspecting process. Signals go by kernel id
+/// ([`signal_thread`]), which names no thread once it exited.
+fn forget_thread(on: &OnThread) {
+    on.tid.store(0, Ordering::Relaxed);
+    on.thread.store(0, Ordering::Relaxed);
+}
+
+/// Sends `sig` to thread `tid` of this process (`tgkill`): an error, not undefined
+/// behaviour, for a thread that exited (`pthread_kill` of a freed `pthread_t` crashed);
+/// whether it was sent.
+pub fn signal_thread(tid: i32, sig: i32) -> bool {
+    if tid <= 0 {
+        return false;
+    }
+    // SAFETY: tgkill(2) takes plain integers; it signals only a thread of this process.
+    unsafe { libc::syscall(libc::SYS_tgkill, libc::getpid(), tid, sig) == 0 }
 }
 
 /// Publishes the fiber about to run (scheduler thread, before the switch).

@@ -648,12 +648,12 @@ static ARMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new
 
 /// A layer's arm: raises a flag the spinning fiber polls (a Lua host sends a signal that sets
 /// the VM's hook instead).
-fn arm_flag(_thread: u64) -> Result<(), &'static str> {
+fn arm_flag(_tid: i32) -> Result<(), &'static str> {
     ARMED.store(true, std::sync::atomic::Ordering::Release);
     Ok(())
 }
 
-fn arm_refusing(_thread: u64) -> Result<(), &'static str> {
+fn arm_refusing(_tid: i32) -> Result<(), &'static str> {
     Err("the layer says no")
 }
 

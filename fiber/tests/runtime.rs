@@ -1173,3 +1173,47 @@ fn recv_outside_a_fiber_that_would_wait_panics_with_the_reason() {
     ch.close();
     assert_eq!(ch.recv(), None);
 }
+
+/// A scheduler's shared state outlives its thread (an inspector holds it, from the registry):
+/// sampling it, its snapshot and a dump after its thread exited are answered, nothing
+/// running, where the sampling signal went to the exited thread's `pthread_t`, freed with
+/// its stack (a segfault of the inspecting process; an HTTP view could end the program it
+/// showed).
+#[test]
+fn inspecting_a_scheduler_whose_thread_exited_is_safe() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (go, wait) = std::sync::mpsc::channel::<()>();
+    // A stack too large for the C library's cache of thread stacks: unmapped at its exit.
+    let t = std::thread::Builder::new()
+        .stack_size(64 << 20)
+        .spawn(move || {
+            let s = Scheduler::new();
+            let id = s.id();
+            s.block_on(move || {
+                let mine: Vec<_> = fibertrace_fiber::registry::schedulers()
+                    .into_iter()
+                    .filter(|x| x.id == id)
+                    .collect();
+                tx.send(mine).unwrap();
+                wait.recv().unwrap();
+            })
+            .unwrap();
+        })
+        .unwrap();
+    let held = rx.recv().unwrap();
+    assert_eq!(held.len(), 1);
+    go.send(()).unwrap();
+    t.join().unwrap();
+    for _ in 0..3 {
+        let s = fibertrace_fiber::sample::sample(&held[0], Duration::from_millis(100));
+        assert!(s.is_none());
+    }
+    let snap = fibertrace_fiber::inspect::scheduler_snapshot(&held[0], &Default::default());
+    assert!(snap.fibers.is_empty(), "{:?}", snap.fibers.len());
+    // (Every scheduler's part: the exited one's is not listed any more.)
+    let text = fibertrace_fiber::dump::dump_text();
+    assert!(
+        !text.contains(&format!("scheduler {} ", held[0].id)),
+        "{text}"
+    );
+}

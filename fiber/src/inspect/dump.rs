@@ -736,10 +736,6 @@ static CRASH_REPORT: AtomicBool = AtomicBool::new(false);
 /// in the report's own dump ends the process at once).
 static CRASHED: AtomicBool = AtomicBool::new(false);
 
-/// Whether a crash report is being made (or was: the process is ending).
-pub(crate) fn crashing() -> bool {
-    CRASHED.load(Ordering::Relaxed)
-}
 /// The dump thread's id (a crash of its own cannot wait for its dump).
 static DUMP_TID: AtomicI32 = AtomicI32::new(0);
 /// Longest a crashed thread waits for its report's dump before the process stops.
@@ -840,6 +836,8 @@ pub(crate) unsafe fn crash_report(
     }
     // SAFETY: gettid(2) has no preconditions.
     let tid = unsafe { libc::gettid() };
+    // (Resolving on a crashed fiber's parent stack: not with its state perhaps broken.)
+    crate::sched::forbid_stack_switch();
     if CRASHED.swap(true, Ordering::SeqCst) {
         // Another thread's report is under way (a broken heap faults on several threads):
         // it ends the process when done; this one waits for that, unless it is the report's

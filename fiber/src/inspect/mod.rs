@@ -70,6 +70,7 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::frames::FrameInfo;
 use crate::registry::{self, SchedShared};
+pub use crate::running::signal_thread;
 use crate::task::{FiberId, Status};
 pub use info::{FiberInfo, InfoOptions, ParentInfo, Waiting};
 pub use source::{FrameSource, HeldSource};
@@ -527,7 +528,7 @@ fn ask(s: &SchedShared, opts: &InfoOptions, only: Option<FiberId>, wait: Duratio
     // came while the layer was serving others at a safe point may have found it deaf.
     let arm = || match s.on_thread.arm() {
         Some(arm) if s.on_thread.running() != 0 => {
-            arm(s.on_thread.thread.load(Ordering::Relaxed)).err()
+            arm(s.on_thread.tid.load(Ordering::Relaxed)).err()
         }
         _ => None,
     };
@@ -704,10 +705,11 @@ fn answer(
 /// inside that fiber where a layer above the runtime can read every fiber's frames, the
 /// running one's included (for the Lua host: the next Lua instruction the fiber executes,
 /// reached through LuaJIT's profiler hook, which also reaches JIT-compiled code). There the
-/// layer calls [`serve_at_safe_point`]. Called with the scheduler thread's `pthread_t`; it
-/// must not block. `Err` says why the fiber cannot be brought there (it goes into the
-/// report's note).
-pub type SafePointArm = fn(thread: u64) -> Result<(), &'static str>;
+/// layer calls [`serve_at_safe_point`]. Called with the scheduler thread's kernel id (send
+/// it a signal with [`signal_thread`]: the thread may have exited since, which a
+/// `pthread_t` cannot tell); it must not block. `Err` says why the fiber cannot be brought
+/// there (it goes into the report's note).
+pub type SafePointArm = fn(tid: i32) -> Result<(), &'static str>;
 
 /// How large the stack is on which [`serve_at_safe_point`] builds the parts (a fiber's own
 /// stack can be small, and a part of thousands of fibers, symbolized, needs room).

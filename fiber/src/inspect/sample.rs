@@ -411,8 +411,8 @@ fn sample_with(
 ) -> Option<(Sample, std::sync::MutexGuard<'_, ()>)> {
     let sm = &s.on_thread;
     let slot = &sm.sample;
-    let thread = sm.thread.load(Ordering::Relaxed);
-    if thread == 0 {
+    let tid = sm.tid.load(Ordering::Relaxed);
+    if tid == 0 {
         return None;
     }
     let guard = slot.lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -420,11 +420,11 @@ fn sample_with(
     slot.hold_wanted.store(hold, Ordering::Relaxed);
     slot.requested.store(true, Ordering::Release);
     let t0 = Instant::now();
-    // SAFETY: the thread id was published by the scheduler's own thread; a scheduler's
-    // thread outlives the scheduler's registry entry we hold.
-    let rc =
-        unsafe { libc::pthread_kill(thread as libc::pthread_t, SIGNAL.load(Ordering::Relaxed)) };
-    if rc != 0 {
+    // (By kernel id: the thread may have exited since, and a scheduler's shared state we
+    // hold outlives it. The id is cleared when the scheduler stops running there; one that
+    // exited meanwhile is an error here, and the handler of a thread that reused its id
+    // finds no request of its own scheduler and returns.)
+    if !crate::running::signal_thread(tid, SIGNAL.load(Ordering::Relaxed)) {
         slot.requested.store(false, Ordering::Relaxed);
         slot.hold_wanted.store(false, Ordering::Relaxed);
         return None;

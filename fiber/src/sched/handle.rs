@@ -102,7 +102,11 @@ impl Fiber {
     /// Cancels the fiber: at its next suspension point (or right away if it is blocked) it
     /// unwinds, running its destructors; its join returns [`JoinError::Cancelled`]. From any
     /// thread: from another than its scheduler's, a blocked fiber is woken at that
-    /// scheduler's next turn (an idle scheduler is woken for it).
+    /// scheduler's next turn (an idle scheduler is woken for it). A scheduler whose fibers
+    /// all wait with no timer pending ends its run at once with
+    /// [`RunError::Deadlock`](crate::RunError::Deadlock): a
+    /// cancel from another thread that comes later finds it ended (keep a timer, a sleeping
+    /// fiber, while another thread may cancel).
     pub fn cancel(&self) {
         self.shared.cancelled.store(true, Ordering::Relaxed);
         if self.shared.id == current_id() || self.wake_here().is_some() {

@@ -617,6 +617,8 @@ impl Drop for Running<'_> {
 /// Makes a scheduler current on this thread while it runs.
 struct Enter {
     prev: *const Inner,
+    /// The scheduler entered (its shared state, which outlives it).
+    shared: Arc<SchedShared>,
 }
 
 impl Enter {
@@ -625,7 +627,10 @@ impl Enter {
         (inner.hooks.enter_thread)(&inner.shared);
         crate::overflow::install();
         crate::running::enter_thread(&inner.shared.on_thread);
-        Enter { prev }
+        Enter {
+            prev,
+            shared: inner.shared.clone(),
+        }
     }
 }
 
@@ -633,12 +638,12 @@ impl Drop for Enter {
     fn drop(&mut self) {
         SCHED.with(|s| s.set(self.prev));
         if self.prev.is_null() {
-            crate::running::leave_thread();
+            crate::running::leave_thread(&self.shared.on_thread);
         } else {
             // SAFETY: `prev` is the scheduler whose fiber entered this one: it runs on this
             // thread, outside us, and outlives this guard.
             let outer: &Inner = unsafe { &*self.prev };
-            crate::running::restore_thread(&outer.shared.on_thread);
+            crate::running::restore_thread(&outer.shared.on_thread, &self.shared.on_thread);
         }
     }
 }
@@ -666,6 +671,15 @@ fn current_ctx() -> Option<&'static FiberCore> {
     (!p.is_null()).then(|| unsafe { &*p })
 }
 
+/// Set by a crash report (the crashed fiber's state may be broken): [`on_parent_stack`] runs
+/// its work in place from then on.
+static NO_STACK_SWITCH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// See [`NO_STACK_SWITCH`]. Async-signal-safe (one store).
+pub(crate) fn forbid_stack_switch() {
+    NO_STACK_SWITCH.store(true, Ordering::Relaxed);
+}
+
 thread_local! {
     /// Set while this thread runs work on a fiber's parent stack (see [`on_parent_stack`]).
     static ON_PARENT_STACK: Cell<bool> = const { Cell::new(false) };
@@ -685,7 +699,7 @@ pub(crate) fn on_parent_stack(work: &mut dyn FnMut()) {
         !nested
             && !c.dropping.get()
             && !c.yielder.get().is_null()
-            && !crate::inspect::dump::crashing()
+            && !NO_STACK_SWITCH.load(Ordering::Relaxed)
     });
     let Some(ctx) = ctx else {
         work();

@@ -96,6 +96,12 @@ impl Inner {
                     if self.slots.borrow().is_empty() {
                         return Ok(());
                     }
+                    // What another thread asked meanwhile (a cancel that wakes a fiber) is
+                    // served before this is called a deadlock.
+                    if self.shared.on_thread.asked.load(Ordering::Acquire) {
+                        self.serve_asked_now();
+                        continue;
+                    }
                     let mut fibers: Vec<FiberId> = self.slots.borrow().keys().copied().collect();
                     fibers.sort_unstable();
                     return Err(RunError::Deadlock { fibers });

@@ -80,8 +80,8 @@ pub(crate) unsafe extern "C-unwind" fn f_script_profiles(_l: *mut ffi::lua_State
     0
 }
 
-fn arm(thread: u64) -> Result<(), &'static str> {
-    super::signal(thread, HANDLER.load(Ordering::Acquire))
+fn arm(tid: i32) -> Result<(), &'static str> {
+    super::signal(tid, HANDLER.load(Ordering::Acquire))
 }
 
 extern "C" fn on_sigprof(_sig: c_int, _info: *mut libc::siginfo_t, uc: *mut libc::c_void) {

@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use fibertrace_fiber::inspect::SafePointArm;
 use mlua::ffi;
 
-/// The `pthread_t` of the thread whose host holds LuaJIT's profiler (0: none).
+/// The kernel id of the thread whose host holds LuaJIT's profiler (0: none).
 static OWNER: AtomicU64 = AtomicU64::new(0);
 /// LuaJIT's `SIGPROF` handler, as installed when the host started the profiler.
 static HANDLER: AtomicUsize = AtomicUsize::new(0);
@@ -45,8 +45,8 @@ extern "C-unwind" {
 }
 
 fn me() -> u64 {
-    // SAFETY: pthread_self has no preconditions.
-    unsafe { libc::pthread_self() as u64 }
+    // SAFETY: gettid has no preconditions.
+    u64::from(unsafe { libc::gettid() } as u32)
 }
 
 /// Takes LuaJIT's profiler for this thread's host; returns the scheduler's arm (`Err`: one
@@ -135,17 +135,17 @@ unsafe fn take(l: *mut ffi::lua_State) {
 
 /// The arm of the host that holds the profiler: `SIGPROF` to the scheduler's thread, if
 /// LuaJIT's handler is still the one installed.
-fn arm(thread: u64) -> Result<(), &'static str> {
-    if OWNER.load(Ordering::Acquire) != thread {
+fn arm(tid: i32) -> Result<(), &'static str> {
+    if OWNER.load(Ordering::Acquire) != u64::from(tid as u32) {
         return Err("LuaJIT's profiler, through which it is read, serves another Lua state");
     }
     if SCRIPT.load(Ordering::Acquire) {
         return Err("the script's jit.profile holds LuaJIT's profiler, through which it is read");
     }
-    super::signal(thread, HANDLER.load(Ordering::Acquire))
+    super::signal(tid, HANDLER.load(Ordering::Acquire))
 }
 
-fn arm_other_host(_thread: u64) -> Result<(), &'static str> {
+fn arm_other_host(_tid: i32) -> Result<(), &'static str> {
     Err("LuaJIT's profiler, through which it is read, serves another Lua host of this process")
 }
 

@@ -90,11 +90,11 @@ pub(crate) unsafe fn stop(l: *mut ffi::lua_State) {
     }
 }
 
-fn arm_off(_thread: u64) -> Result<(), &'static str> {
+fn arm_off(_tid: i32) -> Result<(), &'static str> {
     Err("turned off (FIBERTRACE_LUA_SAFE_POINTS=0)")
 }
 
-fn arm_foreign_sigprof(_thread: u64) -> Result<(), &'static str> {
+fn arm_foreign_sigprof(_tid: i32) -> Result<(), &'static str> {
     Err("SIGPROF, which it needs to reach it, belongs to another handler")
 }
 
@@ -110,15 +110,14 @@ fn sigprof_handler() -> usize {
     }
 }
 
-/// `SIGPROF` to the scheduler's thread `thread`, if `handler` is still the one installed.
-fn signal(thread: u64, handler: usize) -> Result<(), &'static str> {
+/// `SIGPROF` to the scheduler's thread `tid`, if `handler` is still the one installed.
+fn signal(tid: i32, handler: usize) -> Result<(), &'static str> {
     if handler == 0 || sigprof_handler() != handler {
         return Err("SIGPROF, which it needs to reach it, was taken by another handler");
     }
-    // SAFETY: the thread runs the scheduler that registered the arm (the runtime passes its
-    // thread), alive while its scheduler is; the handler only sets a hook.
-    let rc = unsafe { libc::pthread_kill(thread as libc::pthread_t, libc::SIGPROF) };
-    if rc != 0 {
+    // (By kernel id: a thread that exited is an error, not a crash; the handler only sets
+    // a hook on the Lua thread of the fiber it interrupted, if any.)
+    if !fibertrace_fiber::inspect::signal_thread(tid, libc::SIGPROF) {
         return Err("the signal could not be sent to its thread");
     }
     Ok(())
