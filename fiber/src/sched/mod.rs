@@ -38,6 +38,7 @@ use crate::task::{ControlBlock, FiberId, PanicReport, Status, WaitOn};
 mod handle;
 pub(crate) mod names;
 pub(crate) mod panic;
+pub(crate) use panic::forbid_stack_switch;
 mod run;
 mod spawn;
 
@@ -669,68 +670,6 @@ fn current_ctx() -> Option<&'static FiberCore> {
     // SAFETY: CURRENT points at the running fiber's boxed FiberCore, alive while it runs; the
     // 'static is never held across a switch by callers in this crate.
     (!p.is_null()).then(|| unsafe { &*p })
-}
-
-/// Set by a crash report (the crashed fiber's state may be broken): [`on_parent_stack`] runs
-/// its work in place from then on.
-static NO_STACK_SWITCH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// See [`NO_STACK_SWITCH`]. Async-signal-safe (one store).
-pub(crate) fn forbid_stack_switch() {
-    NO_STACK_SWITCH.store(true, Ordering::Relaxed);
-}
-
-thread_local! {
-    /// Set while this thread runs work on a fiber's parent stack (see [`on_parent_stack`]).
-    static ON_PARENT_STACK: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Runs `work` on the stack of the code that resumed the running fiber (the scheduler's own
-/// stack, for a fiber its loop resumed; the resuming fiber's, for one started inside another
-/// by `yield_to`): the symbolizer's parsing of debug information needs about 100 KiB of stack
-/// in a debug build, and a fiber given `MIN_STACK_SIZE` that panicked or took a dump stopped
-/// the process with an overflow. That stack is free below where its code was suspended,
-/// until the fiber switches back. In place outside a fiber, inside such a run already (its
-/// stack is in use), while the fiber is unwound by its scheduler's drop, and during a crash
-/// report (the fiber's state may be broken).
-pub(crate) fn on_parent_stack(work: &mut dyn FnMut()) {
-    let nested = ON_PARENT_STACK.try_with(Cell::get).unwrap_or(true);
-    let ctx = current_ctx().filter(|c| {
-        !nested
-            && !c.dropping.get()
-            && !c.yielder.get().is_null()
-            && !NO_STACK_SWITCH.load(Ordering::Relaxed)
-    });
-    let Some(ctx) = ctx else {
-        work();
-        return;
-    };
-    /// The work, moved to the other stack of the same thread.
-    struct SameThread<'a>(&'a mut dyn FnMut());
-    // SAFETY: corosensei asks for `Send` so that no reference to the yielder reaches the
-    // parent's side; the work runs on this same thread, before this call returns, and holds
-    // no yielder (the symbolizer's lookups do not suspend).
-    unsafe impl Send for SameThread<'_> {}
-    /// Clears the flag however the work ends.
-    struct Done;
-    impl Drop for Done {
-        fn drop(&mut self) {
-            let _ = ON_PARENT_STACK.try_with(|c| c.set(false));
-        }
-    }
-    ON_PARENT_STACK.with(|c| c.set(true));
-    let _done = Done;
-    let w = SameThread(work);
-    let y = ctx.yielder.get();
-    // SAFETY: the yielder pointer was stored by this fiber when it started and points into
-    // its own stack (corosensei's parent link), valid while it runs; the parent is suspended
-    // in its resume of this fiber, which cannot return while this call runs.
-    unsafe {
-        (*y).on_parent_stack(move || {
-            let w = w;
-            (w.0)()
-        })
-    }
 }
 
 /// The running fiber's control block, if the current code runs in a fiber.

@@ -1,7 +1,11 @@
 //! Panics in fibers: the fiber's stack is captured when it panics (by a process-wide panic
 //! hook that chains to the previous one), and the fiber ends with a report instead of taking
-//! the scheduler down.
+//! the scheduler down. Reports (of a panic, a dump taken from a fiber) resolve symbols on the
+//! stack of the code that resumed the fiber ([`on_parent_stack`]), not on the fiber's own,
+//! which may be small. (Kept here, out of the scheduler's hot module: placed there, it moved
+//! the code of the yield path, and a Lua `fiber.create` measured 5-10% slower.)
 
+use std::cell::Cell;
 use std::sync::atomic::Ordering;
 use std::sync::Once;
 
@@ -20,7 +24,7 @@ static HOOK: Once = Once::new();
 pub(crate) fn install_hook() {
     HOOK.call_once(|| {
         // (Here, once, as the hook: what every scheduler needs set process-wide.)
-        fibertrace_core::symbolize::set_large_stack_runner(super::on_parent_stack);
+        fibertrace_core::symbolize::set_large_stack_runner(on_parent_stack);
         let prev = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
             if let Some(shared) = super::current_shared() {
@@ -91,5 +95,67 @@ pub(crate) fn take_report(
         message,
         location,
         backtrace,
+    }
+}
+
+/// Set by a crash report (the crashed fiber's state may be broken): [`on_parent_stack`] runs
+/// its work in place from then on.
+static NO_STACK_SWITCH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// See [`NO_STACK_SWITCH`]. Async-signal-safe (one store).
+pub(crate) fn forbid_stack_switch() {
+    NO_STACK_SWITCH.store(true, Ordering::Relaxed);
+}
+
+thread_local! {
+    /// Set while this thread runs work on a fiber's parent stack (see [`on_parent_stack`]).
+    static ON_PARENT_STACK: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `work` on the stack of the code that resumed the running fiber (the scheduler's own
+/// stack, for a fiber its loop resumed; the resuming fiber's, for one started inside another
+/// by `yield_to`): the symbolizer's parsing of debug information needs about 100 KiB of stack
+/// in a debug build, and a fiber given `MIN_STACK_SIZE` that panicked or took a dump stopped
+/// the process with an overflow. That stack is free below where its code was suspended,
+/// until the fiber switches back. In place outside a fiber, inside such a run already (its
+/// stack is in use), while the fiber is unwound by its scheduler's drop, and during a crash
+/// report (the fiber's state may be broken).
+pub(crate) fn on_parent_stack(work: &mut dyn FnMut()) {
+    let nested = ON_PARENT_STACK.try_with(Cell::get).unwrap_or(true);
+    let ctx = super::current_ctx().filter(|c| {
+        !nested
+            && !c.dropping.get()
+            && !c.yielder.get().is_null()
+            && !NO_STACK_SWITCH.load(Ordering::Relaxed)
+    });
+    let Some(ctx) = ctx else {
+        work();
+        return;
+    };
+    /// The work, moved to the other stack of the same thread.
+    struct SameThread<'a>(&'a mut dyn FnMut());
+    // SAFETY: corosensei asks for `Send` so that no reference to the yielder reaches the
+    // parent's side; the work runs on this same thread, before this call returns, and holds
+    // no yielder (the symbolizer's lookups do not suspend).
+    unsafe impl Send for SameThread<'_> {}
+    /// Clears the flag however the work ends.
+    struct Done;
+    impl Drop for Done {
+        fn drop(&mut self) {
+            let _ = ON_PARENT_STACK.try_with(|c| c.set(false));
+        }
+    }
+    ON_PARENT_STACK.with(|c| c.set(true));
+    let _done = Done;
+    let w = SameThread(work);
+    let y = ctx.yielder.get();
+    // SAFETY: the yielder pointer was stored by this fiber when it started and points into
+    // its own stack (corosensei's parent link), valid while it runs; the parent is suspended
+    // in its resume of this fiber, which cannot return while this call runs.
+    unsafe {
+        (*y).on_parent_stack(move || {
+            let w = w;
+            (w.0)()
+        })
     }
 }
