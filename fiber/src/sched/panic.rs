@@ -98,6 +98,14 @@ pub(crate) fn take_report(
     }
 }
 
+/// The fiber stack left below the caller with which [`on_parent_stack`] runs its work in
+/// place: room for the ~192 KiB it needs in a debug build, with some to spare. A fiber with
+/// that much left (the default 256 KiB stacks near their top, a Lua host's fibers) does not
+/// switch: the parent's stack may have to grow for it (the main thread's does), which fails
+/// at an address-space limit (`ulimit -v`) reached — a dump at exit out of memory, from a
+/// Lua fiber, crashed on the main thread's stack that way.
+const ROOM_IN_PLACE: u64 = 224 << 10;
+
 /// Set by a crash report (the crashed fiber's state may be broken): [`on_parent_stack`] runs
 /// its work in place from then on.
 static NO_STACK_SWITCH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -117,16 +125,23 @@ thread_local! {
 /// by `yield_to`): the symbolizer's parsing of debug information needs about 100 KiB of stack
 /// in a debug build, and a fiber given `MIN_STACK_SIZE` that panicked or took a dump stopped
 /// the process with an overflow. That stack is free below where its code was suspended,
-/// until the fiber switches back. In place outside a fiber, inside such a run already (its
+/// until the fiber switches back. In place outside a fiber, off its stack (a signal's or a
+/// safe point's own stack), with [`ROOM_IN_PLACE`] left on it, inside such a run already (its
 /// stack is in use), while the fiber is unwound by its scheduler's drop, and during a crash
 /// report (the fiber's state may be broken).
 pub(crate) fn on_parent_stack(work: &mut dyn FnMut()) {
     let nested = ON_PARENT_STACK.try_with(Cell::get).unwrap_or(true);
+    // (Where this call's frame is: the fiber's stack left below it.)
+    let here = &raw const nested as u64;
     let ctx = super::current_ctx().filter(|c| {
         !nested
             && !c.dropping.get()
             && !c.yielder.get().is_null()
             && !NO_STACK_SWITCH.load(Ordering::Relaxed)
+            && c.shared.stack.contains(here)
+            // (The bounds begin with the reserve, closed until an overflow opens it.)
+            && here.saturating_sub(c.shared.stack.lo + crate::stack::RESERVE as u64)
+                < ROOM_IN_PLACE
     });
     let Some(ctx) = ctx else {
         work();
