@@ -208,6 +208,27 @@ took(function() return c:wait(0.05) end)
     check(&got, &s(&["at once true", "waited nil", "at once true"]));
 }
 
+/// A sleep or a timed wait after the thread was busy takes its whole time. Tarantool 2.6
+/// counts its timers from the time its event loop last read (libev's `ev_now`): after 0.25 s
+/// of work without a yield, its `fiber.sleep(0.3)` and `cond:wait(0.3)` end after 0.05 s.
+/// Here timeouts count from the real clock.
+#[test]
+fn a_sleep_after_busy_work_takes_its_whole_time() {
+    let (got, _) = run(r#"
+local c = fiber.cond()
+local function took(f)
+  fiber.sleep(0.001)
+  spin(0.25)
+  local t0 = clock.monotonic()
+  f()
+  out(clock.monotonic() - t0 >= 0.29 and 'whole' or 'short')
+end
+took(function() fiber.sleep(0.3) end)
+took(function() c:wait(0.3) end)
+"#);
+    check(&got, &s(&["whole", "whole"]));
+}
+
 /// `fiber_object.storage`: one table per fiber, set from any fiber, gone when the fiber's
 /// function ends; a dead fiber's raises with the caller's position.
 #[test]
