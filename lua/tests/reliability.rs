@@ -1523,6 +1523,50 @@ fn the_first_dump_at_the_memory_limit_names_its_native_frames() {
     );
 }
 
+/// An exit signal stops the script at once: it went on printing and writing for the 100 ms
+/// or more the program waited for a dump signal that might be in flight and wrote its dumps
+/// (160,000 lines of a print loop). The script's lines before the signal are all there, the
+/// status is 128 + the signal, and a line it would print 60 ms later (after a switch) never
+/// comes, under either Lua.
+#[test]
+fn an_exit_signal_stops_the_script_at_once() {
+    let (text, code) = one_file(
+        "halt",
+        r#"local fiber = require('fiber')
+local clock = require('clock')
+for i = 1, 1000 do io.write('before ', i, '\n') end
+os.execute('kill -TERM $PPID')
+local t0 = clock.monotonic()
+local n = 0
+while clock.monotonic() < t0 + 0.06 do
+  n = n + 1
+  io.write('busy ', n, '\n')
+end
+fiber.sleep(0.001)
+io.write('late\n')
+"#,
+        false,
+    );
+    assert_eq!(code, Some(143), "{}", tail(&text));
+    let before: Vec<&str> = text.lines().filter(|l| l.starts_with("before ")).collect();
+    assert_eq!(before.len(), 1000, "{}", tail(&text));
+    assert_eq!(before.last(), Some(&"before 1000"));
+    assert!(
+        !text.contains("late"),
+        "the script went on: {}",
+        tail(&text)
+    );
+}
+
+fn tail(text: &str) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    format!(
+        "{} lines, the last: {:?}",
+        lines.len(),
+        &lines[lines.len().saturating_sub(5)..]
+    )
+}
+
 /// Runs `script` with standard output and standard error into one file (`> out 2>&1`, where
 /// standard output is buffered), sending SIGQUIT once it printed `ready` when `quit`; the
 /// file's text and the exit status.

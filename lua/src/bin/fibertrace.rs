@@ -119,7 +119,8 @@ fn cli() -> Command {
                      os.exit(n); on an error prints it with an \
                      interleaved native + Lua traceback and exits with 1. SIGQUIT prints \
                      every fiber's trace to stderr and the script goes on; SIGINT and \
-                     SIGTERM flush what the script printed and exit with 130 and 143, \
+                     SIGTERM stop the script at its next Lua line or switch, flush what \
+                     it printed and exit with 130 and 143, \
                      SIGHUP, SIGUSR1, SIGUSR2 and SIGALRM likewise with 128 + the signal \
                      (each unless inherited ignored, as under nohup or trap '' INT); while \
                      os.execute runs a \
@@ -506,6 +507,12 @@ static EXIT_DUMPS_DONE: std::sync::Condvar = std::sync::Condvar::new();
 /// them (waiting for it), whether all were written.
 fn claim_exit_dumps() -> Option<bool> {
     EXIT_BEGUN.store(true, std::sync::atomic::Ordering::SeqCst);
+    // The script's own exit (its end, `os.exit`): an exit signal's halt must not stop it in
+    // the middle of the dumps it writes or waits for.
+    // SAFETY: gettid has no preconditions.
+    if unsafe { libc::gettid() } == SCRIPT_TID.load(std::sync::atomic::Ordering::SeqCst) {
+        fibertrace_lua::host::exempt_from_halt();
+    }
     // (A panic while the lock was held cannot leave the state half-changed: it is one value.)
     let mut st = EXIT_DUMPS.lock().unwrap_or_else(|e| e.into_inner());
     loop {
@@ -530,6 +537,9 @@ fn finish_exit_dumps(all: bool) {
 
 /// The exit code of an exit signal being handled (128 + the signal), 0 while none is.
 static EXIT_SIGNALLED: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+/// The kernel id of the thread that runs the script (its host's), once it is made: an exit
+/// signal stops the script there ([`fibertrace_lua::host::halt`]) while the program ends.
+static SCRIPT_TID: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
 
 /// Called by an exit path other than the exit signal's once the dumps are written: when an
 /// exit signal came meanwhile, its thread ends the process (with 128 + the signal, flushed,
@@ -1314,6 +1324,13 @@ fn install_signals() -> Result<(), String> {
                 let code = 128 + i32::from(b[0]);
                 let c = [code as u8];
                 EXIT_SIGNALLED.store(code, std::sync::atomic::Ordering::SeqCst);
+                // The script stops at its next safe point (it went on printing and writing
+                // while the dumps were waited for and written, ~100 ms or more); it still
+                // serves the dumps' traces there.
+                let tid = SCRIPT_TID.load(std::sync::atomic::Ordering::SeqCst);
+                if tid != 0 {
+                    let _ = fibertrace_lua::host::halt(tid);
+                }
                 // SAFETY: writes one byte from a local buffer to our own pipe.
                 unsafe { libc::write(timer_wr, c.as_ptr().cast(), 1) };
                 say_suppressed();
@@ -1811,6 +1828,11 @@ fn run(m: &clap::ArgMatches) -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    // SAFETY: gettid has no preconditions.
+    SCRIPT_TID.store(
+        unsafe { libc::gettid() },
+        std::sync::atomic::Ordering::SeqCst,
+    );
     // (`args_os`: an interpreter path that is not UTF-8 is kept, not a panic.)
     let interpreter = std::env::args_os()
         .next()

@@ -50,6 +50,7 @@ mod export;
 mod fiber_fns;
 mod finalize;
 mod hog;
+pub use hog::{exempt_from_halt, halt};
 mod holds;
 mod info;
 #[doc(hidden)]

@@ -34,6 +34,8 @@
 //! (after the C function the fiber was in returned); the other fibers are read at that same
 //! moment, not at the request's.
 
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+
 use fibertrace_core::{Backtrace, Frame, Unwinder};
 use mlua::ffi;
 
@@ -67,11 +69,69 @@ pub(crate) unsafe fn start(l: *mut ffi::lua_State, sched: &fibertrace_fiber::Sch
     let arm = match unsafe { vm::start(l) } {
         Ok(arm) => {
             STARTED.with(|s| s.set(true));
+            LAST_ARM.store(arm as usize, Ordering::Release);
             arm
         }
         Err(refusing) => refusing,
     };
     sched.set_safe_point_arm(Some(arm));
+}
+
+/// The arm of the last host whose VM part started (0: none), for [`halt`].
+static LAST_ARM: AtomicUsize = AtomicUsize::new(0);
+/// [`halt`]'s state: `RUNS` (not asked), `HALTED` (the process is ending), `EXEMPT` (the
+/// script ends the process itself: see [`exempt_from_halt`]).
+static HALT: AtomicU8 = AtomicU8::new(RUNS);
+const RUNS: u8 = 0;
+const HALTED: u8 = 1;
+const EXEMPT: u8 = 2;
+
+/// For a process that is ending (an exit signal's handling: its dumps are being written, its
+/// output flushed) while its script would go on meanwhile, printing and writing: stops the
+/// Lua code of every host of this process at its next safe point — the running fiber's next
+/// Lua instruction, reached on demand on the thread `tid` (the host's), or the return of
+/// the fiber's next switch — where it stays, still serving what other threads ask of its
+/// scheduler (the dumps' traces), until the process ends. Nothing comes back from there:
+/// call it only when the process ends next (`_exit`).
+///
+/// Returns why the running fiber could not be reached on demand, if so (safe points turned
+/// off, `SIGPROF` taken by another handler): it then stops at its next switch, or goes on
+/// if it never switches. A fiber inside a C function (blocked in `io.read`) stops when that
+/// function returns to Lua.
+pub fn halt(tid: i32) -> Result<(), &'static str> {
+    if HALT
+        .compare_exchange(RUNS, HALTED, Ordering::SeqCst, Ordering::SeqCst)
+        .is_err()
+    {
+        return Ok(());
+    }
+    let a = LAST_ARM.load(Ordering::Acquire);
+    if a == 0 {
+        return Err("no Lua host reaches safe points on demand");
+    }
+    // SAFETY: a non-zero value is a `SafePointArm` stored by `start`.
+    let arm = unsafe { std::mem::transmute::<usize, fibertrace_fiber::inspect::SafePointArm>(a) };
+    arm(tid)
+}
+
+/// The script is ending the process itself (it writes the exit's dumps, which run Lua code
+/// between them): a [`halt`] asked before or after no longer stops it. Call it on the
+/// script's thread, which is then not stopped (it got here).
+pub fn exempt_from_halt() {
+    HALT.store(EXEMPT, Ordering::SeqCst);
+}
+
+/// Where the running fiber may stop (a safe point, or a C function of the host back from a
+/// switch, with no lock of the C library's held): once [`halt`] was called, stays here for
+/// good, serving what other threads ask of the scheduler every millisecond.
+pub(crate) fn park_if_halted() {
+    if HALT.load(Ordering::Relaxed) != HALTED {
+        return;
+    }
+    loop {
+        serve_once();
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
 }
 
 std::thread_local! {
@@ -127,6 +187,12 @@ fn signal(tid: i32, handler: usize) -> Result<(), &'static str> {
 /// parts other threads asked of this scheduler, with the running fiber's frames read here.
 /// Nothing here raises a Lua error or unwinds into the VM (a panic is caught).
 fn serve() {
+    serve_once();
+    park_if_halted();
+}
+
+/// [`serve`]'s work, once.
+fn serve_once() {
     let _ = std::panic::catch_unwind(|| {
         fibertrace_fiber::inspect::serve_at_safe_point(&mut || {
             let me = fibertrace_fiber::current_id();
