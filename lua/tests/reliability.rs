@@ -1523,6 +1523,39 @@ fn the_first_dump_at_the_memory_limit_names_its_native_frames() {
     );
 }
 
+/// A crash's report comes after what the script printed when standard output and standard
+/// error go to one file (`> out 2>&1`, where standard output is buffered): its header line
+/// was written from the fault's handler before the script's output was flushed, and the
+/// dump then followed the script's unfinished last line on the same line.
+#[test]
+#[cfg(feature = "luajit")]
+fn a_crash_report_comes_after_what_was_printed_in_one_file() {
+    let (text, code) = one_file(
+        "crash",
+        "local ffi = require('ffi')\n\
+         io.write('line 1\\n')\n\
+         io.write('partial')\n\
+         local function poke() return ffi.cast('int *', 8)[0] end\n\
+         poke()\n",
+        false,
+    );
+    assert_eq!(code, None, "ended by its signal: {text}");
+    assert!(
+        text.starts_with(
+            "line 1\npartial\nfibertrace: SIGSEGV (invalid memory access) at address 0x8 in \
+             fiber 1 (thread "
+        ),
+        "{text}"
+    );
+    let header = text.lines().nth(2).unwrap();
+    assert!(
+        header.ends_with("); the process stops. Every fiber as it stopped:"),
+        "{text}"
+    );
+    assert_eq!(text.matches("fibertrace: SIGSEGV").count(), 1, "{text}");
+    assert!(text.contains("\nfiber 1 \"main\" [running]:\n"), "{text}");
+}
+
 /// An exit signal stops the script at once: it went on printing and writing for the 100 ms
 /// or more the program waited for a dump signal that might be in flight and wrote its dumps
 /// (160,000 lines of a print loop). The script's lines before the signal are all there, the

@@ -702,6 +702,8 @@ pub fn install_signal(sig: i32) -> Result<(), InstallError> {
                 wait_for_handlers();
                 // (Every dump after what was printed before the signal, or the crash.)
                 flush_c_stdout();
+                // A crash's header, after that output and before its dump.
+                crash_header_write();
                 let text = match view() {
                     View::Full => dump_text(),
                     View::Grouped => dump_grouped(),
@@ -931,12 +933,16 @@ unsafe fn report_and_wait(
     w.num(tid as u64);
     w.put(b"); the process stops. Every fiber as it stopped:\n");
     let n = w.len;
-    // SAFETY: write(2) of a local buffer to stderr.
-    unsafe { libc::write(2, buf.as_ptr().cast(), n) };
     let fd = PIPE_WRITE.load(Ordering::Relaxed);
     if fd < 0 || tid == DUMP_TID.load(Ordering::SeqCst) {
+        // SAFETY: write(2) of a local buffer to stderr.
+        unsafe { libc::write(2, buf.as_ptr().cast(), n) };
         return;
     }
+    // The dump thread writes the header, after what the program printed (it flushes C's
+    // standard output first, which this handler cannot do): written from here, the header
+    // came before the script's last lines where both streams go to one file.
+    crash_header_keep(&buf[..n]);
     let mut want = REQUESTED.fetch_add(1, Ordering::SeqCst) + 1;
     let b = [1u8];
     // SAFETY: write(2) of one byte to our own (non-blocking) pipe.
@@ -950,6 +956,41 @@ unsafe fn report_and_wait(
         unsafe { super::sample::serve(uc) };
         ANSWERED.load(Ordering::SeqCst) >= want
     });
+    // The dump thread never got to it (stuck, or too slow): the header is not lost.
+    crash_header_write();
+}
+
+/// The crash report's header, kept by the crashing thread's handler for the dump thread to
+/// write ([`crash_header_write`]): its bytes, its length, and whether it is waiting.
+/// Atomics, so that the handler stores it async-signal-safely.
+static CRASH_HEADER: [AtomicU8; 256] = [const { AtomicU8::new(0) }; 256];
+static CRASH_HEADER_LEN: AtomicUsize = AtomicUsize::new(0);
+static CRASH_HEADER_WAITING: AtomicBool = AtomicBool::new(false);
+
+/// Keeps `header` for [`crash_header_write`] (async-signal-safe).
+fn crash_header_keep(header: &[u8]) {
+    let n = header.len().min(CRASH_HEADER.len());
+    for (slot, &b) in CRASH_HEADER.iter().zip(&header[..n]) {
+        slot.store(b, Ordering::Relaxed);
+    }
+    CRASH_HEADER_LEN.store(n, Ordering::Relaxed);
+    CRASH_HEADER_WAITING.store(true, Ordering::Release);
+}
+
+/// Writes the kept crash header to stderr, if one waits (once: the dump thread, before the
+/// crash's dump, or the crashing thread's handler when the dump did not come in time).
+/// Async-signal-safe.
+fn crash_header_write() {
+    if !CRASH_HEADER_WAITING.swap(false, Ordering::AcqRel) {
+        return;
+    }
+    let mut buf = [0u8; 256];
+    let n = CRASH_HEADER_LEN.load(Ordering::Relaxed).min(buf.len());
+    for (b, slot) in buf.iter_mut().zip(&CRASH_HEADER).take(n) {
+        *b = slot.load(Ordering::Relaxed);
+    }
+    // SAFETY: write(2) of a local buffer to stderr.
+    unsafe { libc::write(2, buf.as_ptr().cast(), n) };
 }
 
 unsafe extern "C" {
