@@ -1556,6 +1556,48 @@ fn a_crash_report_comes_after_what_was_printed_in_one_file() {
     assert!(text.contains("\nfiber 1 \"main\" [running]:\n"), "{text}");
 }
 
+/// A SIGQUIT dump taken while the script prints without pause comes between two whole lines
+/// of its output where both streams go to one file (`> out 2>&1`): the script filled its
+/// buffer meanwhile and had it written at any byte, and the dump cut a line in two. The
+/// running fiber, brought to a safe point for its frames, flushes there and stays until the
+/// dump is written.
+#[test]
+fn a_dump_during_a_print_loop_cuts_no_line() {
+    let (text, code) = one_file(
+        "loop",
+        "io.open('ready', 'w'):close()\n\
+         for i = 1, 400000 do print('line ' .. i) end\n",
+        true,
+    );
+    assert_eq!(code, Some(0));
+    let mut last = 0u64;
+    let mut after_dump = 0;
+    let mut dumped = false;
+    for l in text.lines() {
+        match l.strip_prefix("line ") {
+            Some(n) => {
+                let n: u64 = n.parse().unwrap_or_else(|_| panic!("a cut line: {l:?}"));
+                assert_eq!(n, last + 1, "a line cut or lost after line {last}");
+                last = n;
+                after_dump += usize::from(dumped);
+            }
+            None => {
+                assert!(
+                    l.is_empty()
+                        || l.starts_with("scheduler ")
+                        || l.starts_with("fiber ")
+                        || l.starts_with('#')
+                        || l.starts_with("  "),
+                    "a cut line (or not the dump's) after line {last}: {l:?}"
+                );
+                dumped = true;
+            }
+        }
+    }
+    assert_eq!(last, 400000);
+    assert!(dumped && after_dump > 0, "the dump came during the loop");
+}
+
 /// An exit signal stops the script at once: it went on printing and writing for the 100 ms
 /// or more the program waited for a dump signal that might be in flight and wrote its dumps
 /// (160,000 lines of a print loop). The script's lines before the signal are all there, the
@@ -1588,6 +1630,89 @@ io.write('late\n')
         !text.contains("late"),
         "the script went on: {}",
         tail(&text)
+    );
+}
+
+/// The halt of an exit signal, where the script's own exit got in its way: an `os.exit` that
+/// failed (a bad argument, after writing the `--dump-on-exit` dumps) left the script exempt,
+/// and it printed on for the whole exit (200,000 lines); and fibers whose sleeps ran out while
+/// they were held were reported as blocked (`--blocked-ms`).
+#[test]
+fn an_exit_signal_stops_the_script_after_a_failed_exit_and_reports_no_blocked_fiber() {
+    let dir = Scratch::new("halt-exit");
+    let script = dir.join("s.lua");
+    std::fs::write(
+        &script,
+        "local fiber = require('fiber')\n\
+         local clock = require('clock')\n\
+         print(pcall(os.exit, {}))\n\
+         for i = 1, 5 do fiber.create(function() while true do fiber.sleep(0.001) end end) end\n\
+         fiber.sleep(0.05)\n\
+         io.stdout:flush()\n\
+         os.execute('kill -TERM $PPID')\n\
+         local t0 = clock.monotonic()\n\
+         while clock.monotonic() < t0 + 0.3 do\n\
+         \x20 io.write(string.format('busy %.3f\\n', clock.monotonic() - t0))\n\
+         end\n",
+    )
+    .unwrap();
+    let dump = dir.join("d.txt");
+    let o = Command::new(EXE)
+        .args(["run", "--blocked-ms", "50", "--dump-on-exit"])
+        .arg(format!("text:{}", dump.display()))
+        .arg(&script)
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(143), "{err}");
+    assert!(out.starts_with("false\t"), "{out}");
+    let late: Vec<&str> = out
+        .lines()
+        .filter(|l| {
+            l.strip_prefix("busy ")
+                .and_then(|t| t.parse::<f64>().ok())
+                .is_some_and(|t| t > 0.05)
+        })
+        .collect();
+    assert!(
+        late.is_empty(),
+        "went on: {} lines, the last {:?}",
+        late.len(),
+        late.last()
+    );
+    assert!(!err.contains("blocked"), "{err}");
+    assert!(std::fs::read_to_string(&dump)
+        .unwrap()
+        .contains("fiber 1 \"main\""));
+}
+
+/// A crash whose dump crashes too (the C library's standard output broken, which the dump's
+/// flush touches first) still says what happened: the header, which the dump thread writes
+/// after that flush, was lost with it.
+#[test]
+#[cfg(feature = "luajit")]
+fn a_crash_whose_dump_crashes_still_says_what_happened() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = Scratch::new("crash-twice");
+    let script = dir.join("c.lua");
+    // glibc's FILE: the lock pointer is its 18th word; 8 is no lock.
+    std::fs::write(
+        &script,
+        "local ffi = require('ffi')\n\
+         ffi.cdef('typedef struct FILE FILE; extern FILE *stdout;')\n\
+         io.write('line 1\\n') io.stdout:flush()\n\
+         ffi.cast('void **', ffi.C.stdout)[17] = ffi.cast('void *', 8)\n\
+         io.write('x')\n",
+    )
+    .unwrap();
+    let o = Command::new(EXE).arg("run").arg(&script).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.signal(), Some(libc::SIGSEGV), "{err}");
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "line 1\n");
+    assert!(
+        err.starts_with("\nfibertrace: SIGSEGV (invalid memory access) at address 0x10 in fiber 1"),
+        "{err}"
     );
 }
 

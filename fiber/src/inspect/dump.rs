@@ -547,6 +547,19 @@ extern "C" fn on_dump_signal(_sig: libc::c_int) {
     IN_HANDLER.fetch_sub(1, Ordering::SeqCst);
 }
 
+/// Set by the dump thread from before it takes a signal's dump until it has written it.
+static HOLD_FOR_DUMP: AtomicBool = AtomicBool::new(false);
+
+/// Whether the dump signal's dump is being taken or written now: a layer that brings its
+/// running fiber to a safe point for it (the Lua host, where no `print` is half done) may
+/// flush C's standard output there and keep the fiber at that point until this is false
+/// (for a bounded time). The dump then comes between two whole lines of the program's
+/// output where both streams go to one file: the program, printing on, filled its buffer
+/// and had it written at any byte meanwhile, and the dump cut a line in two.
+pub fn dump_wants_hold() -> bool {
+    HOLD_FOR_DUMP.load(Ordering::SeqCst)
+}
+
 /// Waits, at most 200 ms, while a dump signal sent to the process is pending or its handler
 /// runs: a signal sent to the process goes to a thread the kernel picks, which may run after
 /// the caller (a program about to end on an exit signal sent right after the dump signal:
@@ -704,11 +717,18 @@ pub fn install_signal(sig: i32) -> Result<(), InstallError> {
                 flush_c_stdout();
                 // A crash's header, after that output and before its dump.
                 crash_header_write();
+                // A running fiber brought to a safe point for the dump may stay there until
+                // the dump is written (see `dump_wants_hold`).
+                HOLD_FOR_DUMP.store(true, Ordering::SeqCst);
                 let text = match view() {
                     View::Full => dump_text(),
                     View::Grouped => dump_grouped(),
                 };
+                // What was printed while the dump was taken (a fiber held at its safe point
+                // flushed its own output there, at a line's end).
+                flush_c_stdout();
                 write_stderr(&text);
+                HOLD_FOR_DUMP.store(false, Ordering::SeqCst);
                 ANSWERED.fetch_add(n as u64, Ordering::SeqCst);
             }
         })
@@ -846,6 +866,9 @@ pub(crate) unsafe fn crash_report(
         // own dump that crashed.
         if tid != DUMP_TID.load(Ordering::SeqCst) {
             nap_until(|| false);
+        } else {
+            // The dump crashed before it wrote the first crash's header: written here.
+            crash_header_write();
         }
         return;
     }

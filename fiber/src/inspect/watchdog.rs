@@ -312,6 +312,14 @@ pub fn flush(max: Duration) -> bool {
     true
 }
 
+/// For a program ending on a signal while its fibers are held where they are (the Lua
+/// host's halt): no new report is begun from now on — fibers whose sleep ran out meanwhile
+/// are not "blocked" — and nothing is waited for or written (the reports under way go on).
+/// Safe to call from any thread at any time.
+pub fn close() {
+    state().closing.store(true, Ordering::SeqCst);
+}
+
 /// For a program about to end: no new report is begun from now on (fibers left waiting as
 /// the program ends are not "blocked", and their reports, each waiting for a scheduler that
 /// will not come back, held the exit up: 5 s with 25,000 waiting fibers), and the reports

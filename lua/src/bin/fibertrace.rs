@@ -507,12 +507,6 @@ static EXIT_DUMPS_DONE: std::sync::Condvar = std::sync::Condvar::new();
 /// them (waiting for it), whether all were written.
 fn claim_exit_dumps() -> Option<bool> {
     EXIT_BEGUN.store(true, std::sync::atomic::Ordering::SeqCst);
-    // The script's own exit (its end, `os.exit`): an exit signal's halt must not stop it in
-    // the middle of the dumps it writes or waits for.
-    // SAFETY: gettid has no preconditions.
-    if unsafe { libc::gettid() } == SCRIPT_TID.load(std::sync::atomic::Ordering::SeqCst) {
-        fibertrace_lua::host::exempt_from_halt();
-    }
     // (A panic while the lock was held cannot leave the state half-changed: it is one value.)
     let mut st = EXIT_DUMPS.lock().unwrap_or_else(|e| e.into_inner());
     loop {
@@ -523,6 +517,11 @@ fn claim_exit_dumps() -> Option<bool> {
             ExitDumps::Written(all) => return Some(all),
             ExitDumps::NotBegun | ExitDumps::Writing(_) => {
                 *st = ExitDumps::Writing(std::thread::current().id());
+                // The script's own exit (its end, `os.exit`) writes them: an exit signal's
+                // halt must not stop it in the middle of them (see `finish_exit_dumps`).
+                if on_script_thread() {
+                    fibertrace_lua::host::exempt_from_halt(true);
+                }
                 return None;
             }
         }
@@ -533,6 +532,15 @@ fn claim_exit_dumps() -> Option<bool> {
 fn finish_exit_dumps(all: bool) {
     *EXIT_DUMPS.lock().unwrap_or_else(|e| e.into_inner()) = ExitDumps::Written(all);
     EXIT_DUMPS_DONE.notify_all();
+    if on_script_thread() {
+        fibertrace_lua::host::exempt_from_halt(false);
+    }
+}
+
+/// Whether the caller runs on the script's thread.
+fn on_script_thread() -> bool {
+    // SAFETY: gettid has no preconditions.
+    unsafe { libc::gettid() == SCRIPT_TID.load(std::sync::atomic::Ordering::SeqCst) }
 }
 
 /// The exit code of an exit signal being handled (128 + the signal), 0 while none is.
@@ -1329,6 +1337,8 @@ fn install_signals() -> Result<(), String> {
                 // serves the dumps' traces there.
                 let tid = SCRIPT_TID.load(std::sync::atomic::Ordering::SeqCst);
                 if tid != 0 {
+                    // (Fibers whose sleep runs out while held are not blocked ones.)
+                    fibertrace_fiber::watchdog::close();
                     let _ = fibertrace_lua::host::halt(tid);
                 }
                 // SAFETY: writes one byte from a local buffer to our own pipe.

@@ -34,7 +34,7 @@
 //! (after the C function the fiber was in returned); the other fibers are read at that same
 //! moment, not at the request's.
 
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use fibertrace_core::{Backtrace, Frame, Unwinder};
 use mlua::ffi;
@@ -79,12 +79,12 @@ pub(crate) unsafe fn start(l: *mut ffi::lua_State, sched: &fibertrace_fiber::Sch
 
 /// The arm of the last host whose VM part started (0: none), for [`halt`].
 static LAST_ARM: AtomicUsize = AtomicUsize::new(0);
-/// [`halt`]'s state: `RUNS` (not asked), `HALTED` (the process is ending), `EXEMPT` (the
-/// script ends the process itself: see [`exempt_from_halt`]).
-static HALT: AtomicU8 = AtomicU8::new(RUNS);
-const RUNS: u8 = 0;
-const HALTED: u8 = 1;
-const EXEMPT: u8 = 2;
+/// Set by [`halt`]: the process is ending.
+static HALT_ASKED: AtomicBool = AtomicBool::new(false);
+/// Set while the script writes the exit's dumps itself ([`exempt_from_halt`]).
+static EXEMPT: AtomicBool = AtomicBool::new(false);
+/// Set once the script has stopped for the halt.
+static PARKED: AtomicBool = AtomicBool::new(false);
 
 /// For a process that is ending (an exit signal's handling: its dumps are being written, its
 /// output flushed) while its script would go on meanwhile, printing and writing: stops the
@@ -94,15 +94,16 @@ const EXEMPT: u8 = 2;
 /// scheduler (the dumps' traces), until the process ends. Nothing comes back from there:
 /// call it only when the process ends next (`_exit`).
 ///
+/// The signal that reaches the safe point is sent again every 2 ms until the script stops
+/// (from a thread of its own): LuaJIT ignores it while a `__gc` finalizer or a VM event
+/// callback runs, and Lua 5.4's handler when it lands between two fibers.
+///
 /// Returns why the running fiber could not be reached on demand, if so (safe points turned
-/// off, `SIGPROF` taken by another handler): it then stops at its next switch, or goes on
-/// if it never switches. A fiber inside a C function (blocked in `io.read`) stops when that
-/// function returns to Lua.
+/// off, `SIGPROF` taken by another handler or the script's `jit.profile`): it then stops at
+/// its next switch, or goes on if it never switches. A fiber inside a C function (blocked
+/// in `io.read`) stops when that function returns to Lua.
 pub fn halt(tid: i32) -> Result<(), &'static str> {
-    if HALT
-        .compare_exchange(RUNS, HALTED, Ordering::SeqCst, Ordering::SeqCst)
-        .is_err()
-    {
+    if HALT_ASKED.swap(true, Ordering::SeqCst) {
         return Ok(());
     }
     let a = LAST_ARM.load(Ordering::Acquire);
@@ -111,30 +112,49 @@ pub fn halt(tid: i32) -> Result<(), &'static str> {
     }
     // SAFETY: a non-zero value is a `SafePointArm` stored by `start`.
     let arm = unsafe { std::mem::transmute::<usize, fibertrace_fiber::inspect::SafePointArm>(a) };
-    arm(tid)
+    let first = arm(tid);
+    if first.is_ok() {
+        // (A thread that cannot be made, out of memory: the first signal only.)
+        let _ = std::thread::Builder::new()
+            .name("fibertrace-halt".into())
+            .spawn(move || {
+                while !PARKED.load(Ordering::SeqCst) {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                    if !EXEMPT.load(Ordering::SeqCst) && arm(tid).is_err() {
+                        break;
+                    }
+                }
+            });
+    }
+    first
 }
 
-/// The script is ending the process itself (it writes the exit's dumps, which run Lua code
-/// between them): a [`halt`] asked before or after no longer stops it. Call it on the
-/// script's thread, which is then not stopped (it got here).
-pub fn exempt_from_halt() {
-    HALT.store(EXEMPT, Ordering::SeqCst);
+/// `true` while the script ends the process itself and writes the exit's dumps (which run
+/// Lua code between them): a [`halt`] asked meanwhile does not stop it there; `false` once
+/// they are written (an exit that then fails, `os.exit` with a bad argument, leaves the
+/// script to the halt again). Call it on the script's thread.
+pub fn exempt_from_halt(on: bool) {
+    EXEMPT.store(on, Ordering::SeqCst);
 }
 
 /// Where the running fiber may stop (a safe point, or a C function of the host back from a
 /// switch, with no lock of the C library's held): once [`halt`] was called, stays here for
-/// good, serving what other threads ask of the scheduler every millisecond.
+/// good (unless exempt), serving what other threads ask of the scheduler every millisecond.
 #[inline(always)]
 pub(crate) fn park_if_halted() {
     // (One load on every switch of a Lua fiber: the rest is out of line.)
-    if HALT.load(Ordering::Relaxed) == HALTED {
+    if HALT_ASKED.load(Ordering::Relaxed) {
         park();
     }
 }
 
 #[cold]
 #[inline(never)]
-fn park() -> ! {
+fn park() {
+    if EXEMPT.load(Ordering::SeqCst) {
+        return;
+    }
+    PARKED.store(true, Ordering::SeqCst);
     loop {
         serve_once();
         std::thread::sleep(std::time::Duration::from_millis(1));
@@ -196,7 +216,29 @@ fn signal(tid: i32, handler: usize) -> Result<(), &'static str> {
 fn serve() {
     serve_once();
     park_if_halted();
+    hold_for_dump();
 }
+
+/// At a safe point reached for the dump signal's dump: flushes what the script printed
+/// (no `print` is half done here) and stays, serving, until the dump is written (at most
+/// [`HOLD_MAX`]), so that the dump comes between two whole lines of the script's output
+/// (see `fibertrace_fiber::dump::dump_wants_hold`).
+fn hold_for_dump() {
+    if !fibertrace_fiber::dump::dump_wants_hold() {
+        return;
+    }
+    fibertrace_fiber::dump::flush_c_stdout();
+    let t0 = std::time::Instant::now();
+    while fibertrace_fiber::dump::dump_wants_hold() && t0.elapsed() < HOLD_MAX {
+        std::thread::sleep(std::time::Duration::from_micros(200));
+        serve_once();
+        park_if_halted();
+    }
+}
+
+/// The longest a fiber is kept at its safe point while the dump is written (a dump into a
+/// pipe nobody reads must not stop the script).
+const HOLD_MAX: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// [`serve`]'s work, once.
 fn serve_once() {
