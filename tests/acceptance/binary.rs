@@ -1556,12 +1556,22 @@ fn sigquit_then_sigterm_at_once_writes_the_dump_before_the_exit() {
             "{b}"
         );
     }
-    assert_eq!(
-        lua_frames(blocks[0]),
-        ["sleep in =[C]:-1", "main chunk in @s.lua:5"],
-        "{}",
-        blocks[0]
-    );
+    // Main in its sleep, or, when the exit signal's halt stopped it at its next Lua line
+    // first (the signals come right after its `spinning`), running on line 5 just before.
+    let main = lua_frames(blocks[0]);
+    if blocks[0]
+        .trim_start_matches('\n')
+        .starts_with("fiber 1 \"main\" [running]")
+    {
+        assert_eq!(main, ["main chunk in @s.lua:5"], "{}", blocks[0]);
+    } else {
+        assert_eq!(
+            main,
+            ["sleep in =[C]:-1", "main chunk in @s.lua:5"],
+            "{}",
+            blocks[0]
+        );
+    }
 }
 
 /// A script whose output cannot be written (standard output on a full disk: `/dev/full`)
