@@ -1291,6 +1291,7 @@ fn install_signals() -> Result<(), String> {
             let Some(code) = read_byte(timer_rd, None) else {
                 return;
             };
+            let signalled = std::time::Instant::now();
             let dumps = DUMPS_ON_EXIT.get().is_some_and(|l| !l.is_empty());
             let leaks = LEAKS_TOP.load(std::sync::atomic::Ordering::SeqCst) > 0;
             // (A SIGQUIT sent just before the exit signal may not be handled yet.)
@@ -1306,8 +1307,15 @@ fn install_signals() -> Result<(), String> {
                 if leaks {
                     leaks_given_up();
                 }
-            } else {
+            } else if dumps || leaks || quit {
+                // A second from the dumps' end.
                 std::thread::sleep(std::time::Duration::from_secs(1));
+            } else {
+                // A second from the signal (the wait for a SIGQUIT in flight included: it
+                // ended a script blocked in `io.read` after 1.1 s).
+                std::thread::sleep(
+                    std::time::Duration::from_millis(990).saturating_sub(signalled.elapsed()),
+                );
             }
             if STDOUT_GONE.load(std::sync::atomic::Ordering::SeqCst) {
                 // SAFETY: signal(2) and raise(3): the default action ends the process by
