@@ -119,7 +119,7 @@ fn cli() -> Command {
                      os.exit(n); on an error prints it with an \
                      interleaved native + Lua traceback and exits with 1. SIGQUIT prints \
                      every fiber's trace to stderr and the script goes on; SIGINT and \
-                     SIGTERM stop the script at its next Lua line or switch, flush what \
+                     SIGTERM stop the script at its next Lua line, flush what \
                      it printed and exit with 130 and 143, \
                      SIGHUP, SIGUSR1, SIGUSR2 and SIGALRM likewise with 128 + the signal \
                      (each unless inherited ignored, as under nohup or trap '' INT); while \

@@ -270,8 +270,6 @@ pub(super) fn release_storage(h: &HostState, rec: &mut LuaFiber) {
 /// Raises `fiber is cancelled` if the current fiber was cancelled (Tarantool raises it as an
 /// error object, so without a position).
 pub(crate) fn cancelled_check() -> Result<(), LErr> {
-    // (Back from a switch: where a halted process's script stops, see `hog::halt`.)
-    super::hog::park_if_halted();
     if fibertrace_fiber::is_cancelled() {
         Err(LErr::plain("fiber is cancelled"))
     } else {
