@@ -675,7 +675,18 @@ end
 local function say(e)
     stderr:write('fibertrace: --dump-on-exit: written without the Lua frames of the fiber that exits: ', tostring(e), '\n')
 end
+-- Whether os.exit takes `code` (nil, a boolean, or a number or numeric string: an integer
+-- one in Lua 5.3 and later). One it refuses raises its error before the dumps: a failed
+-- exit wrote them and marked them done, and the real exit later wrote none.
+local type, tointeger = type, math.tointeger
+local function exits_with(code)
+    if code == nil or type(code) == 'boolean' then return true end
+    local n = tonumber(code)
+    if n == nil then return false end
+    return tointeger == nil or tointeger(n) ~= nil
+end
 return function(...)
+    if not exits_with((...)) then return exit(...) end
     local ok, all = pcall(write_dumps)
     if not ok then
         pcall(say, all)
@@ -1072,6 +1083,16 @@ static EXIT_PIPE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::n
 extern "C" fn on_exit_signal(sig: libc::c_int) {
     let fd = EXIT_PIPE.load(std::sync::atomic::Ordering::Relaxed);
     if fd >= 0 {
+        // Said here, not only by the exit thread once it reads the pipe: the script's own
+        // exit (`os.exit(0)` right after `raise(SIGTERM)`) then defers to the signal's
+        // (`defer_to_exit_signal`), where it raced the exit thread and ended with 0 in most
+        // runs. The first signal's code stays (the exit thread reads its byte first).
+        let _ = EXIT_SIGNALLED.compare_exchange(
+            0,
+            128 + sig,
+            std::sync::atomic::Ordering::SeqCst,
+            std::sync::atomic::Ordering::SeqCst,
+        );
         let b = [sig as u8];
         // SAFETY: write(2) is async-signal-safe; the fd is our (non-blocking) pipe; errno is
         // put back for the interrupted code.
