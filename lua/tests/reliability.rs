@@ -1598,6 +1598,72 @@ fn a_dump_during_a_print_loop_cuts_no_line() {
     assert!(dumped && after_dump > 0, "the dump came during the loop");
 }
 
+/// A SIGQUIT dump into a standard error of its own (not the script's output's file) that
+/// nobody reads yet does not stop the script: the fiber brought to its safe point for the
+/// dump was held there until the dump was written, up to 2 s, though no line of its output
+/// could be cut.
+#[test]
+fn a_dump_into_an_unread_stderr_of_its_own_holds_no_one() {
+    use std::io::BufRead;
+    let dir = Scratch::new("hold-own-stderr");
+    let script = dir.join("s.lua");
+    // Interpreted (a safe point at the next line), 3,000 fibers (a dump of more than a
+    // pipe's 64 KiB), and the longest pause of a busy loop of 1.5 s.
+    std::fs::write(
+        &script,
+        "if jit then jit.off() end\n\
+         local fiber = require('fiber')\n\
+         local clock = require('clock')\n\
+         for _ = 1, 3000 do fiber.create(function() fiber.sleep(100) end) end\n\
+         io.write('ready\\n') io.stdout:flush()\n\
+         local t0 = clock.monotonic()\n\
+         local last, gap = t0, 0\n\
+         while clock.monotonic() < t0 + 1.5 do\n\
+         \x20 local now = clock.monotonic()\n\
+         \x20 if now - last > gap then gap = now - last end\n\
+         \x20 last = now\n\
+         end\n\
+         io.write(string.format('gap %.3f\\n', gap)) io.stdout:flush()\n",
+    )
+    .unwrap();
+    let mut child = Command::new(EXE)
+        .arg("run")
+        .arg(&script)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .tied()
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    // SAFETY: a signal to our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGQUIT) };
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    // Only now is standard error read.
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(0), "{err}");
+    assert!(
+        err.starts_with("scheduler 1 \"lua\": 3001 fibers"),
+        "{}",
+        &err[..err.len().min(300)]
+    );
+    let gap: f64 = line
+        .strip_prefix("gap ")
+        .and_then(|g| g.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{line:?}"));
+    assert!(gap < 1.0, "the script stood still for {gap} s");
+}
+
 /// An exit signal stops the script at once: it went on printing and writing for the 100 ms
 /// or more the program waited for a dump signal that might be in flight and wrote its dumps
 /// (160,000 lines of a print loop). The script's lines before the signal are all there, the

@@ -547,7 +547,8 @@ extern "C" fn on_dump_signal(_sig: libc::c_int) {
     IN_HANDLER.fetch_sub(1, Ordering::SeqCst);
 }
 
-/// Set by the dump thread from before it takes a signal's dump until it has written it.
+/// Set by the dump thread from before it takes a signal's dump until it has written it, when
+/// standard output and error are one file ([`output_shared`]).
 static HOLD_FOR_DUMP: AtomicBool = AtomicBool::new(false);
 
 /// Whether the dump signal's dump is being taken or written now: a layer that brings its
@@ -555,9 +556,26 @@ static HOLD_FOR_DUMP: AtomicBool = AtomicBool::new(false);
 /// flush C's standard output there and keep the fiber at that point until this is false
 /// (for a bounded time). The dump then comes between two whole lines of the program's
 /// output where both streams go to one file: the program, printing on, filled its buffer
-/// and had it written at any byte meanwhile, and the dump cut a line in two.
+/// and had it written at any byte meanwhile, and the dump cut a line in two. Never true
+/// where the two streams go to different files.
 pub fn dump_wants_hold() -> bool {
     HOLD_FOR_DUMP.load(Ordering::SeqCst)
+}
+
+/// Whether standard output and standard error are one file (`> out 2>&1`, one terminal, one
+/// pipe): only there can a dump cut a line of the program's output in two, so only there is
+/// the program's fiber held while the dump is written. (Held always, a program whose stderr
+/// went to a reader that did not keep up stood still for up to the hold's bound per dump,
+/// though its own output went elsewhere.) Either stream closed: not shared.
+fn output_shared() -> bool {
+    let id = |fd| {
+        // SAFETY: fstat(2) fills a local struct; a closed descriptor fails (EBADF).
+        unsafe {
+            let mut st: libc::stat = std::mem::zeroed();
+            (libc::fstat(fd, &mut st) == 0).then_some((st.st_dev, st.st_ino))
+        }
+    };
+    matches!((id(1), id(2)), (Some(a), Some(b)) if a == b)
 }
 
 /// Waits, at most 200 ms, while a dump signal sent to the process is pending or its handler
@@ -718,8 +736,8 @@ pub fn install_signal(sig: i32) -> Result<(), InstallError> {
                 // A crash's header, after that output and before its dump.
                 crash_header_write();
                 // A running fiber brought to a safe point for the dump may stay there until
-                // the dump is written (see `dump_wants_hold`).
-                HOLD_FOR_DUMP.store(true, Ordering::SeqCst);
+                // the dump is written (see `dump_wants_hold`), where the two can mix.
+                HOLD_FOR_DUMP.store(output_shared(), Ordering::SeqCst);
                 let text = match view() {
                     View::Full => dump_text(),
                     View::Grouped => dump_grouped(),
