@@ -676,11 +676,14 @@ local function say(e)
     stderr:write('fibertrace: --dump-on-exit: written without the Lua frames of the fiber that exits: ', tostring(e), '\n')
 end
 -- Whether os.exit takes `code` (nil, a boolean, or a number or numeric string: an integer
--- one in Lua 5.3 and later). One it refuses raises its error before the dumps: a failed
--- exit wrote them and marked them done, and the real exit later wrote none.
+-- one in Lua 5.3 and later; not an FFI number, which `tonumber` converts but LuaJIT's
+-- os.exit refuses). One it refuses raises its error before the dumps: a failed exit wrote
+-- them and marked them done, and the real exit later wrote none.
 local type, tointeger = type, math.tointeger
 local function exits_with(code)
-    if code == nil or type(code) == 'boolean' then return true end
+    local t = type(code)
+    if t == 'nil' or t == 'boolean' then return true end
+    if t == 'cdata' then return false end
     local n = tonumber(code)
     if n == nil then return false end
     return tointeger == nil or tointeger(n) ~= nil
