@@ -1217,3 +1217,114 @@ fn inspecting_a_scheduler_whose_thread_exited_is_safe() {
         "{text}"
     );
 }
+
+/// Fibers that pass the turn to each other (a yield runs the fibers ahead of the yielding
+/// one inside its switch, and their yields go straight back to it) run in the loop's order,
+/// a fiber spawned meanwhile taking its place at the back; each resume counts one switch;
+/// each fiber is charged its own CPU time, not the time of those that ran inside its yield.
+#[test]
+fn fibers_passing_the_turn_keep_the_loops_order_switch_counts_and_cpu_times() {
+    Scheduler::with_options(fibertrace_fiber::SchedulerOptions {
+        cpu_time: true,
+        ..Default::default()
+    })
+    .block_on(|| {
+        let log = Rc::new(RefCell::new(Vec::new()));
+        let late = Rc::new(RefCell::new(None));
+        let worker = |name: &'static str, spin: u64| {
+            let log = log.clone();
+            let late = late.clone();
+            spawn(move || {
+                for i in 0..3 {
+                    log.borrow_mut().push(format!("{name}{i}"));
+                    spin_for(Duration::from_millis(spin));
+                    if name == "b" && i == 0 {
+                        let log = log.clone();
+                        *late.borrow_mut() = Some(spawn(move || {
+                            for i in 0..2 {
+                                log.borrow_mut().push(format!("d{i}"));
+                                yield_now();
+                            }
+                        }));
+                    }
+                    yield_now();
+                }
+            })
+        };
+        let hs = [worker("a", 10), worker("b", 0), worker("c", 0)];
+        let fibers: Vec<_> = hs.iter().map(|h| h.fiber().clone()).collect();
+        for h in hs {
+            h.join().unwrap();
+        }
+        late.borrow_mut().take().unwrap().join().unwrap();
+        assert_eq!(
+            *log.borrow(),
+            ["a0", "b0", "c0", "a1", "d0", "b1", "c1", "a2", "d1", "b2", "c2"]
+        );
+        // The first run and one after each of the three yields.
+        for f in &fibers {
+            assert_eq!(f.control_block().csw(), 4, "fiber {}", f.id());
+        }
+        let [a, b, c] = [0, 1, 2].map(|i| fibers[i].control_block().cpu_time());
+        assert!(a >= Duration::from_millis(20), "a charged {a:?}");
+        assert!(a > b * 10 && a > c * 10, "a {a:?}, b {b:?}, c {c:?}");
+    })
+    .unwrap();
+}
+
+/// A cancel from another thread reaches a fiber that only yields to another one (their
+/// yields run each other inside their switches, never through the loop's turn start, where
+/// what other threads asked is served).
+#[test]
+fn a_cancel_from_another_thread_reaches_fibers_that_pass_the_turn() {
+    let out = Scheduler::new()
+        .block_on(|| {
+            let done = Rc::new(std::cell::Cell::new(false));
+            let t0 = Instant::now();
+            let pass = |done: Rc<std::cell::Cell<bool>>| {
+                spawn(move || {
+                    while !done.get() && t0.elapsed() < Duration::from_secs(10) {
+                        yield_now();
+                    }
+                })
+            };
+            let x = pass(done.clone());
+            let y = pass(done.clone());
+            let f = x.fiber().clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                f.cancel();
+            });
+            let r = x.join();
+            let took = t0.elapsed();
+            done.set(true);
+            y.join().unwrap();
+            (r, took)
+        })
+        .unwrap();
+    assert!(matches!(out.0, Err(JoinError::Cancelled)), "{:?}", out.0);
+    assert!(out.1 < Duration::from_secs(5), "{:?}", out.1);
+}
+
+/// `end_run_after_turn` ends the run though two fibers keep passing the turn to each other
+/// inside their own switches.
+#[test]
+fn end_run_after_turn_ends_block_on_though_fibers_pass_the_turn() {
+    let turns = Rc::new(std::cell::Cell::new(0u32));
+    let t = turns.clone();
+    let r = Scheduler::new().block_on(move || {
+        for _ in 0..2 {
+            let t = t.clone();
+            spawn(move || loop {
+                t.set(t.get() + 1);
+                yield_now();
+            });
+        }
+        yield_now();
+        fibertrace_fiber::end_run_after_turn();
+        7
+    });
+    assert_eq!(r.unwrap(), 7);
+    // Each spinner ran in the turns before the end, and in no more than one after.
+    assert!((2..=6).contains(&turns.get()), "{}", turns.get());
+}

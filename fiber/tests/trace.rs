@@ -244,6 +244,71 @@ fn d1() {
     black_box(());
 }
 
+#[inline(never)]
+fn pass_2(line: &std::cell::Cell<u32>) {
+    line.set(line!() + 1);
+    yield_now();
+    black_box(());
+}
+#[inline(never)]
+fn pass_1(line: &std::cell::Cell<u32>) {
+    pass_2(line);
+    black_box(());
+}
+
+/// Two fibers passing the turn to each other: the first to yield runs the other inside its
+/// own switch, and the other's yield goes straight back to it. Each, seen by the other while
+/// it waits, shows the frames of any yield: its `yield_now` call first, at its line, then
+/// its callers, under every unwinder.
+#[test]
+fn fibers_passing_the_turn_see_each_others_exact_frames() {
+    Scheduler::new()
+        .block_on(|| {
+            type Slot = Rc<RefCell<Option<fibertrace_fiber::Fiber>>>;
+            let (fa, fb): (Slot, Slot) = Default::default();
+            let lines: [Rc<std::cell::Cell<u32>>; 2] = Default::default();
+            let seen = Rc::new(std::cell::Cell::new(0u32));
+            let side = |me: Slot, other: Slot, mine: usize| {
+                let lines = lines.clone();
+                let seen = seen.clone();
+                spawn(move || {
+                    *me.borrow_mut() = fibertrace_fiber::current();
+                    for _ in 0..3 {
+                        pass_1(&lines[mine]);
+                        // (The other waits in its yield, ready; or has not begun or ended.)
+                        let Some(o) = other.borrow().clone() else {
+                            continue;
+                        };
+                        if o.status() != Status::Ready {
+                            continue;
+                        }
+                        for u in [Unwinder::Fast, Unwinder::Precise, Unwinder::Auto] {
+                            let bt = o.backtrace(u).unwrap();
+                            let n = names(bt.frames());
+                            assert_eq!(n[..3], ["yield_now", "pass_2", "pass_1"], "{u:?}: {n:?}");
+                            assert_eq!(
+                                file_line(&bt.frames()[1]),
+                                Some(("trace.rs".to_string(), lines[1 - mine].get())),
+                                "{u:?}"
+                            );
+                        }
+                        seen.set(seen.get() + 1);
+                    }
+                })
+            };
+            let a = side(fa.clone(), fb.clone(), 0);
+            let b = side(fb, fa, 1);
+            a.join().unwrap();
+            b.join().unwrap();
+            seen.get()
+        })
+        // a runs first and b inside a's first yield: a looks at b (waiting inside a's switch)
+        // after each of its 3 yields; b at a (running others inside its own switch) after
+        // its first 2 (a has ended at b's third).
+        .map(|seen| assert_eq!(seen, 5))
+        .unwrap();
+}
+
 #[test]
 fn inspected_while_another_thread_resumes_it_repeatedly() {
     const WANT: u64 = 2000;

@@ -345,6 +345,64 @@ NONE = fiber.info()[q:id()].parent_backtrace == nil
     );
 }
 
+/// Two fibers passing the turn to each other with `fiber.yield()` (the first to yield runs
+/// the other inside its own switch; the other's yield goes straight back): each one's
+/// listing shows the other in its `fiber.yield()` call, Lua and C frames in order, as after
+/// a yield through the scheduler.
+#[test]
+fn fibers_passing_the_turn_list_each_other_in_their_yields() {
+    let host = run(r#"local fiber = require('fiber')
+local a, b
+A_SEES, B_SEES = {}, {}
+local function pass_a()
+  fiber.yield()
+end
+local function pass_b()
+  fiber.yield()
+end
+a = fiber.create(function()
+  pass_a()
+  for i = 1, 3 do
+    A_SEES[i] = fiber.info()[b:id()].backtrace
+    pass_a()
+  end
+end)
+b = fiber.create(function()
+  for i = 1, 3 do
+    pass_b()
+    B_SEES[i] = fiber.info()[a:id()].backtrace
+  end
+end)
+a:set_joinable(true)
+a:join()
+"#);
+    let seen = |name: &str| -> Vec<Vec<String>> {
+        let t: Table = host.lua().globals().get(name).unwrap();
+        t.sequence_values::<Table>()
+            .map(|e| project(&e.unwrap()))
+            .collect()
+    };
+    let (a, b) = (seen("A_SEES"), seen("B_SEES"));
+    assert_eq!(a.len(), 3);
+    assert_eq!(b.len(), 3);
+    let of = |pass: &str, line: u32, body: u32, call: u32| {
+        with_bottom(v(&[
+            "C yield_now",
+            "C f_yield",
+            "L yield in =[C]:-1",
+            &format!("L {pass} in @t.lua:{line}"),
+            &format!("L function <t.lua:{body}> in @t.lua:{call}"),
+        ]))
+    };
+    for seen in a {
+        assert_eq!(seen, of("pass_b", 8, 17, 19));
+    }
+    // (a's first pass_a call is on line 11, the ones b sees on line 14.)
+    for seen in b {
+        assert_eq!(seen, of("pass_a", 5, 10, 14));
+    }
+}
+
 #[test]
 fn info_without_backtraces() {
     let host = run(r#"local fiber = require('fiber')

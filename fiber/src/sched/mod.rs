@@ -1,8 +1,10 @@
 //! The scheduler (a "cord"): one per OS thread, running its fibers cooperatively.
 //!
-//! Every suspension goes through one of two `#[inline(never)]` points: `suspend_current`
-//! (back to the scheduler) and `Inner::run_nested` (running a ready fiber inside the caller's
-//! switch, as `fiber.create` does). Each records the fiber's registers (when tracing is on)
+//! Every suspension goes through one of three `#[inline(never)]` points: `suspend_current`
+//! (back to the scheduler), `Inner::run_nested` (running a ready fiber inside the caller's
+//! switch, as `fiber.create` does) and `Inner::yield_in_place` (a yield that runs the fibers
+//! ahead of the caller inside its switch, or goes back to the one it runs inside). Each
+//! records the fiber's registers (when tracing is on)
 //! and publishes `Suspended` before switching away, so that any thread can walk the fiber's
 //! stack from its saved context; the switch count goes up before the fiber runs again, so a
 //! walk cached at one count is never reused for a later suspension. The
@@ -127,7 +129,10 @@ struct Slot {
 /// take no lookup in the slot map.
 ///
 /// Invariant (what makes `slot` valid when the entry is taken): a fiber is in the queue at
-/// most once (its `queued` flag), only while it is suspended, and a slot leaves the map only
+/// most once (its `queued` flag), only while it is suspended — or while it waits in its own
+/// `yield_in_place`, published suspended, where it is its own loop's to take (no other loop
+/// runs meanwhile; a `run_nested` that finds it there finds no coroutine in its slot and
+/// leaves it) — and a slot leaves the map only
 /// when its fiber returns — after it was taken out of the queue to run — or when the
 /// scheduler is dropped (which empties the queue first). So the box `slot` points to is in
 /// the map, and holds this fiber, for as long as the entry is queued. This needs the run
@@ -251,6 +256,10 @@ pub(crate) struct Inner {
     end_after_turn: Cell<bool>,
     /// Set while `run` or `block_on` runs this scheduler (see `Running`).
     running: Cell<bool>,
+    /// How many fibers run inside another's switch now (`run_nested`, `yield_in_place`): a
+    /// fiber's yield is served in place only when it runs straight from the loop (0); one
+    /// run inside another's switch goes back to it at its yield, so yields never nest runs.
+    nested: Cell<u32>,
     /// `fiber.top()`: whether on, the clock ticks when the current turn began, and the
     /// scheduler's own row (the time of a turn no fiber ran, waiting included) and the
     /// whole turn's (the sum of every row).
@@ -420,6 +429,7 @@ impl Scheduler {
                 turn: Cell::new(1),
                 turn_left: Cell::new(0),
                 end_after_turn: Cell::new(false),
+                nested: Cell::new(0),
                 running: Cell::new(false),
                 top_on: Cell::new(false),
                 turn_start: Cell::new(0),
@@ -780,6 +790,13 @@ pub fn is_cancelled() -> bool {
 pub fn yield_now() {
     if let Some(ctx) = current_ctx() {
         ctx.shared.set_status(Status::Ready);
+        let p = SCHED.with(|s| s.get());
+        // SAFETY: see with_sched.
+        if !p.is_null() && unsafe { &*p }.yield_in_place(ctx) {
+            std::hint::black_box(());
+            check_cancel(ctx);
+            return;
+        }
         suspend_current(ctx, Yield::Ready, true);
         // Not a tail call: `yield_now` stays in the suspended fiber's trace.
         std::hint::black_box(());

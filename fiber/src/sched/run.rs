@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use corosensei::CoroutineResult;
 
 use super::{
-    current_ctx, with_sched, Clocked, Co, FiberCore, Inner, Ready, RunError, TopRow, TopStat,
+    current_ctx, with_sched, Clocked, Co, FiberCore, Inner, Ready, RunError, Slot, TopRow, TopStat,
     Yield, CURRENT, ON_THREAD, SLOT_POOL_MAX,
 };
 use crate::task::{FiberId, Status};
@@ -484,7 +484,9 @@ impl Inner {
             self.last_tick.set(t);
         }
         crate::running::set_idle(&self.shared.on_thread);
+        self.nested.set(self.nested.get() + 1);
         self.run_co(r, co);
+        self.nested.set(self.nested.get() - 1);
         // Back in `me`: its run goes on.
         me.queued.set(false);
         self.current.set(me_id);
@@ -495,6 +497,133 @@ impl Inner {
         crate::running::set_running(&self.shared.on_thread, shared, self.run_start());
         true
     }
+}
+
+impl Inner {
+    /// A yield of the running fiber `me` (`yield_now`) served inside its own switch: `me`
+    /// goes to the back of the ready queue, as at a yield to the loop, and the fibers ahead
+    /// of it run from here, each inside this switch (as `run_nested` runs a fiber it starts),
+    /// until `me` is at the front again; then its run goes on. The order is the loop's, but a
+    /// fiber that yields to the next one ready costs one stack switch instead of two (to
+    /// the loop, then to the next), and two fibers that pass the turn to each other switch
+    /// straight from one to the other.
+    ///
+    /// Only for a fiber the loop resumed itself (none runs inside another's switch), and
+    /// only for what the loop would do between two runs without looking elsewhere: a new
+    /// turn is begun here only when no other thread asked for anything, no timer is due,
+    /// `fiber.top` is off and the loop was not asked to end. Otherwise `me` suspends to the
+    /// loop from here (still queued, at its place), which does the rest. Returns false at
+    /// once, having done nothing, when `me` cannot be served here: the caller then
+    /// suspends to the loop itself. True when `me` runs again.
+    ///
+    /// While others run, `me` counts as suspended (its registers are recorded here, so that
+    /// inspectors walk it as any suspended fiber) and as ready (queued).
+    #[inline(never)]
+    pub(super) fn yield_in_place(&self, me: &FiberCore) -> bool {
+        let shared = &me.shared;
+        if me.dropping.get() || shared.sched != self.shared.id {
+            return false;
+        }
+        if self.nested.get() != 0 {
+            // Run inside another's switch: back to it, as `suspend_current` goes (here, so
+            // that this switch leaves from the same calls as the one that resumed it).
+            shared.record_suspension();
+            park_ready(me);
+            return true;
+        }
+        let me_id = shared.id;
+        // `me` is the `ctx` field of its boxed slot: `CURRENT`, where the caller got it, is
+        // only ever set to a slot's context (`run_co`, and the scheduler's drop, which never
+        // comes here: `dropping`). Its slot's box starts that field's offset before it.
+        let slot = (me as *const FiberCore)
+            .cast::<u8>()
+            .wrapping_sub(std::mem::offset_of!(Slot, ctx))
+            .cast::<Slot>()
+            .cast_mut();
+        // SAFETY: the start of a live box (above), not null.
+        let slot = unsafe { std::ptr::NonNull::new_unchecked(slot) };
+        me.woken.set(false);
+        me.queued.set(true);
+        self.ready
+            .borrow_mut()
+            .push_back(Ready { fid: me_id, slot });
+        shared.record_suspension();
+        shared.run.publish_suspended();
+        if self.is_clocked() {
+            // `me`'s share of the CPU ends here.
+            let t = crate::clock::ticks();
+            shared.add_ticks(t.wrapping_sub(self.last_tick.get()));
+            self.last_tick.set(t);
+        }
+        crate::running::set_idle(&self.shared.on_thread);
+        self.nested.set(1);
+        loop {
+            if self.turn_left.get() == 0 {
+                if self.shared.on_thread.asked.load(Ordering::Acquire)
+                    || self.end_after_turn.get()
+                    || self.top_on.get()
+                {
+                    break;
+                }
+                if !self.is_clocked() && self.timer_gate.get() != u64::MAX {
+                    self.last_tick.set(crate::clock::ticks());
+                }
+                // (Timers due: the loop fires them before it begins the turn, which then has
+                // the fibers they woke.)
+                if self.last_tick.get() >= self.timer_gate.get() {
+                    break;
+                }
+                // A new turn, of the fibers ready now (`me` among them), as the loop begins
+                // one.
+                self.turn_left.set(self.ready.borrow().len());
+                self.turn.set(self.turn.get().wrapping_add(1));
+            } else if self.last_tick.get() >= self.timer_gate.get() {
+                break;
+            }
+            let Some(r) = self.ready.borrow_mut().pop_front() else {
+                // (`me` was taken out of the queue by no one but this loop; not reached.)
+                break;
+            };
+            self.turn_left.set(self.turn_left.get() - 1);
+            if r.fid == me_id {
+                // Its turn: its run goes on.
+                self.nested.set(0);
+                me.queued.set(false);
+                self.current.set(me_id);
+                shared.run.begin_resume();
+                shared.set_status(Status::Running);
+                shared.add_switch();
+                crate::running::set_running(&self.shared.on_thread, shared, self.run_start());
+                return true;
+            }
+            if let Some(co) = self.take_co(r) {
+                self.run_co(r, co);
+            }
+            self.current.set(me_id);
+        }
+        // The loop's work: `me` suspends to it from here (queued, so it is not queued twice;
+        // its recorded registers, in this frame, stay right while it waits).
+        self.nested.set(0);
+        self.current.set(me_id);
+        let y = me.yielder.get();
+        // SAFETY: the yielder pointer was stored by this fiber when it started; it points into
+        // its own stack (corosensei's parent link), valid for the coroutine's whole life.
+        unsafe { (*y).suspend(Yield::Ready) };
+        true
+    }
+}
+
+/// Publishes `me` suspended (its registers recorded by the caller, whose frame stays as it
+/// is meanwhile) and switches to whoever resumed it, as a ready fiber. A call of its own, one
+/// level below the switch that resumes others in `yield_in_place`: a switch back and forth
+/// then returns along the calls the CPU predicts (see `yield_in_place`).
+#[inline(never)]
+fn park_ready(me: &FiberCore) {
+    me.shared.run.publish_suspended();
+    let y = me.yielder.get();
+    // SAFETY: the yielder pointer was stored by this fiber when it started; it points into
+    // its own stack (corosensei's parent link), valid for the coroutine's whole life.
+    unsafe { (*y).suspend(Yield::Ready) };
 }
 
 /// Makes fiber `fid` of scheduler `sched` (created on this thread) ready, whether or not
