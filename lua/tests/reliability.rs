@@ -2004,3 +2004,77 @@ fn an_output_lost_keeps_the_failure_status_the_script_chose() {
         format!("fibertrace: standard output: {why}: what the script printed is lost\n")
     );
 }
+
+/// A fiber deep in recursion (its stack short of the room the symbolizer needs) that lists
+/// every fiber while it runs inside another deep fiber's switch — run by that fiber's
+/// `fiber.yield`, or started at once by its `fiber.create` — gets its listing: the
+/// symbolizer's work moved to the stack of the fiber that resumed it, itself nearly full,
+/// and the process died of SIGSEGV (both cases; the first since yields run the fibers ahead
+/// inside the yielding one's switch). The depths are found by the script: the deepest
+/// nesting of `coroutine.wrap` a fiber's stack takes (LuaJIT only: a Lua 5.4 build stops
+/// nested C calls at 200 levels, where no fiber's stack runs short).
+#[cfg(feature = "luajit")]
+#[test]
+fn a_deep_fiber_run_inside_a_deep_fibers_switch_lists_every_fiber() {
+    let dir = Scratch::new("deep-inside-deep");
+    let script = dir.join("deep.lua");
+    std::fs::write(&script, SCRIPT_DEEP_INSIDE_DEEP).unwrap();
+    let o = run(&["run", script.to_str().unwrap()], b"");
+    assert_eq!(o.code, Some(0), "{}{}", o.stdout, o.stderr);
+    assert_eq!(
+        o.stdout, "run inside a yield\ttrue\nstarted at once\ttrue\njoined\ttrue\n",
+        "{}",
+        o.stderr
+    );
+}
+
+#[cfg(feature = "luajit")]
+const SCRIPT_DEEP_INSIDE_DEEP: &str = r#"local fiber = require('fiber')
+local function rec(c, f)
+  if c > 0 then return coroutine.wrap(function() return rec(c - 1, f) end)() else return f() end
+end
+-- The deepest nesting a fiber's stack takes (a deeper one raises "C stack overflow").
+local function fits(d)
+  local f = fiber.new(function() return pcall(rec, d, function() return true end) end)
+  f:set_joinable(true)
+  local _, ok = f:join()
+  return ok
+end
+local lo, hi = 1000, 60000
+assert(fits(lo) and not fits(hi))
+while hi - lo > 1 do
+  local mid = math.floor((lo + hi) / 2)
+  if fits(mid) then lo = mid else hi = mid end
+end
+local function listed()
+  local n = 0
+  for _, x in pairs(fiber.info()) do n = n + #x.backtrace end
+  return n > 0
+end
+-- A deep fiber that yields, whose yields run the others; one of them deep too (its stack
+-- short of room for the symbolizer) lists every fiber.
+local done = fiber.channel(1)
+local finished = false
+fiber.new(function()
+  rec(lo - 150, function() while not finished do fiber.yield() end end)
+end)
+fiber.new(function()
+  rec(lo - 2000, function()
+    for _ = 1, 3 do fiber.yield() end
+    print('run inside a yield', listed())
+  end)
+  finished = true
+  done:put(true)
+end)
+done:get()
+-- The same from a fiber started at once by a deep one.
+local c = fiber.new(function()
+  rec(lo - 150, function()
+    fiber.create(function()
+      rec(lo - 2000, function() print('started at once', listed()) end)
+    end)
+  end)
+end)
+c:set_joinable(true)
+print('joined', c:join())
+"#;

@@ -118,11 +118,21 @@ pub(crate) fn forbid_stack_switch() {
 thread_local! {
     /// Set while this thread runs work on a fiber's parent stack (see [`on_parent_stack`]).
     static ON_PARENT_STACK: Cell<bool> = const { Cell::new(false) };
+    /// A stack of this thread's own, for the work of a fiber run inside another fiber's
+    /// switch (see [`on_parent_stack`]): made at its first use, then kept.
+    static SIDE_STACK: std::cell::RefCell<Option<corosensei::stack::DefaultStack>> =
+        const { std::cell::RefCell::new(None) };
 }
 
+/// The size of [`SIDE_STACK`]: [`ROOM_IN_PLACE`] and more (only what is used is touched).
+const SIDE_STACK_SIZE: usize = 1 << 20;
+
 /// Runs `work` on the stack of the code that resumed the running fiber (the scheduler's own
-/// stack, for a fiber its loop resumed; the resuming fiber's, for one started inside another
-/// by `yield_to`): the symbolizer's parsing of debug information needs about 100 KiB of stack
+/// stack, for a fiber its loop resumed), or on a stack of the thread's own for a fiber run
+/// inside another fiber's switch (started by `yield_to`, or run by another's yield in place:
+/// the resuming fiber's stack may be nearly full — the work ran there and overflowed it when
+/// that fiber was deep in recursion): the symbolizer's parsing of debug information needs
+/// about 100 KiB of stack
 /// in a debug build, and a fiber given `MIN_STACK_SIZE` that panicked or took a dump stopped
 /// the process with an overflow. That stack is free below where its code was suspended,
 /// until the fiber switches back. In place outside a fiber, off its stack (a signal's or a
@@ -159,6 +169,30 @@ pub(crate) fn on_parent_stack(work: &mut dyn FnMut()) {
         fn drop(&mut self) {
             let _ = ON_PARENT_STACK.try_with(|c| c.set(false));
         }
+    }
+    if super::with_sched(|s| s.nested.get() != 0).unwrap_or(false) {
+        // Resumed by another fiber: on the side stack (taken out while in use; made if
+        // there is none — if that fails, out of memory, in place).
+        let stack = SIDE_STACK
+            .try_with(|s| s.borrow_mut().take())
+            .ok()
+            .flatten()
+            .or_else(|| corosensei::stack::DefaultStack::new(SIDE_STACK_SIZE).ok());
+        let Some(mut stack) = stack else {
+            work();
+            return;
+        };
+        ON_PARENT_STACK.with(|c| c.set(true));
+        let _done = Done;
+        let bounds = {
+            use corosensei::stack::Stack;
+            fibertrace_core::StackBounds::new(stack.limit().get() as u64, stack.base().get() as u64)
+        };
+        // (Walks from there, of an allocation's stack say, stay inside it.)
+        let _entered = fibertrace_core::enter_stack(bounds);
+        corosensei::on_stack(&mut stack, work);
+        let _ = SIDE_STACK.try_with(|s| *s.borrow_mut() = Some(stack));
+        return;
     }
     ON_PARENT_STACK.with(|c| c.set(true));
     let _done = Done;
