@@ -460,7 +460,6 @@ impl Inner {
     /// is not waiting in the ready queue.
     #[inline(never)]
     pub(super) fn run_nested(&self, me: &FiberCore, target: FiberId) -> bool {
-        let me_id = me.shared.id;
         // Searched from the back, where a fiber just spawned is.
         let pos = self.ready.borrow().iter().rposition(|x| x.fid == target);
         let Some(pos) = pos else {
@@ -474,8 +473,22 @@ impl Inner {
         };
         self.ready.borrow_mut().remove(pos);
         me.queued.set(true);
+        // (Recorded here, not in `leave`: the registers are this frame's.)
+        me.shared.record_suspension();
+        self.leave(me);
+        self.nested.set(self.nested.get() + 1);
+        self.run_co(r, co);
+        self.nested.set(self.nested.get() - 1);
+        self.go_on(me);
+        true
+    }
+
+    /// The running fiber `me`, its registers recorded by the caller, lets others run inside
+    /// its switch: it is published suspended, its share of the CPU ends, and no fiber runs
+    /// for the sampler until the next one begins.
+    #[inline(always)]
+    fn leave(&self, me: &FiberCore) {
         let shared = &me.shared;
-        shared.record_suspension();
         shared.run.publish_suspended();
         if self.is_clocked() {
             // `me`'s share of the CPU ends here.
@@ -484,18 +497,19 @@ impl Inner {
             self.last_tick.set(t);
         }
         crate::running::set_idle(&self.shared.on_thread);
-        self.nested.set(self.nested.get() + 1);
-        self.run_co(r, co);
-        self.nested.set(self.nested.get() - 1);
-        // Back in `me`: its run goes on.
+    }
+
+    /// Back in `me` after [`Inner::leave`] (out of the ready queue): its run goes on, a new
+    /// run for the sampler and the stall watchdog, from the end of the last nested one.
+    #[inline(always)]
+    fn go_on(&self, me: &FiberCore) {
+        let shared = &me.shared;
         me.queued.set(false);
-        self.current.set(me_id);
+        self.current.set(shared.id);
         shared.run.begin_resume();
         shared.set_status(Status::Running);
         shared.add_switch();
-        // A new run for the sampler and the stall watchdog, from the end of the nested one.
         crate::running::set_running(&self.shared.on_thread, shared, self.run_start());
-        true
     }
 }
 
@@ -548,14 +562,7 @@ impl Inner {
             .borrow_mut()
             .push_back(Ready { fid: me_id, slot });
         shared.record_suspension();
-        shared.run.publish_suspended();
-        if self.is_clocked() {
-            // `me`'s share of the CPU ends here.
-            let t = crate::clock::ticks();
-            shared.add_ticks(t.wrapping_sub(self.last_tick.get()));
-            self.last_tick.set(t);
-        }
-        crate::running::set_idle(&self.shared.on_thread);
+        self.leave(me);
         self.nested.set(1);
         loop {
             if self.turn_left.get() == 0 {
@@ -588,12 +595,7 @@ impl Inner {
             if r.fid == me_id {
                 // Its turn: its run goes on.
                 self.nested.set(0);
-                me.queued.set(false);
-                self.current.set(me_id);
-                shared.run.begin_resume();
-                shared.set_status(Status::Running);
-                shared.add_switch();
-                crate::running::set_running(&self.shared.on_thread, shared, self.run_start());
+                self.go_on(me);
                 return true;
             }
             if let Some(co) = self.take_co(r) {
