@@ -1272,6 +1272,108 @@ fn fibers_passing_the_turn_keep_the_loops_order_switch_counts_and_cpu_times() {
     .unwrap();
 }
 
+/// The order in which fibers took their steps, shared by the fibers of one test.
+#[derive(Clone, Default)]
+struct StepLog(Rc<RefCell<Vec<&'static str>>>);
+
+impl StepLog {
+    /// A step that writes `name` to the log when it is taken.
+    fn step(&self, name: &'static str) -> impl FnOnce() + 'static {
+        let log = self.0.clone();
+        move || log.borrow_mut().push(name)
+    }
+}
+
+/// A fiber started at once (`yield_to`) by one that runs inside another's yield, and was
+/// ahead of that yielding fiber in the queue, leaves its place: the yielding fiber goes on
+/// right after the one that started it, before the started one runs again — the order of the
+/// loop, where the yielding fiber would wait in the queue. (The yielding fiber's place is a
+/// count of the fibers ahead of it; one taken out of the queue ahead of it counts it down.)
+#[test]
+fn a_fiber_started_at_once_from_ahead_of_a_yielding_one_leaves_its_place() {
+    let log = StepLog::default();
+    let l = log.clone();
+    Scheduler::new()
+        .block_on(move || {
+            let step = |s: &'static str| l.step(s);
+            let (a0, a1) = (step("a0"), step("a1"));
+            let a = spawn(move || {
+                a0();
+                yield_now();
+                a1();
+            });
+            // `b` starts `c`, spawned after it.
+            let later = Rc::new(RefCell::new(None::<fibertrace_fiber::Fiber>));
+            let (b0, b1, b2) = (step("b0"), step("b1"), step("b2"));
+            let c_of_b = later.clone();
+            let b = spawn(move || {
+                b0();
+                let c = c_of_b.borrow().clone().unwrap();
+                fibertrace_fiber::yield_to(&c);
+                b1();
+                yield_now();
+                b2();
+            });
+            let (c0, c1) = (step("c0"), step("c1"));
+            let c = spawn(move || {
+                c0();
+                yield_now();
+                c1();
+            });
+            *later.borrow_mut() = Some(c.fiber().clone());
+            for h in [a, b, c] {
+                h.join().unwrap();
+            }
+        })
+        .unwrap();
+    // `a` yields with `b` and `c` ahead of it; `b` starts `c`, which yields back to `b`, which
+    // yields: `a` is at the front then (`c` and `b` went to the back, behind it).
+    assert_eq!(*log.0.borrow(), ["a0", "b0", "c0", "b1", "a1", "c1", "b2"]);
+}
+
+/// A yield served in place that must go back to the loop (a new turn with `fiber.top`
+/// turned on meanwhile) leaves its fiber at its place in the queue: behind the fibers that
+/// were ahead of it and not run yet, ahead of those that yielded meanwhile.
+#[test]
+fn a_yield_in_place_that_goes_back_to_the_loop_keeps_its_place() {
+    let log = StepLog::default();
+    let l = log.clone();
+    Scheduler::new()
+        .block_on(move || {
+            let step = |s: &'static str| l.step(s);
+            let (a0, a1, d0, d1) = (step("a0"), step("a1"), step("d0"), step("d1"));
+            let late = Rc::new(RefCell::new(None));
+            let late_of_a = late.clone();
+            let a = spawn(move || {
+                a0();
+                // Made ready in this turn: it runs in the next one, ahead of `a`.
+                *late_of_a.borrow_mut() = Some(spawn(move || {
+                    d0();
+                    yield_now();
+                    d1();
+                }));
+                yield_now();
+                a1();
+            });
+            let (b0, b1) = (step("b0"), step("b1"));
+            let b = spawn(move || {
+                b0();
+                // The turn ends with `b`; the next one begins in the loop, not in `a`'s
+                // yield (the loop closes `fiber.top`'s turns).
+                assert!(fibertrace_fiber::embed::top_enable());
+                yield_now();
+                b1();
+            });
+            for h in [a, b] {
+                h.join().unwrap();
+            }
+            late.borrow_mut().take().unwrap().join().unwrap();
+            fibertrace_fiber::embed::top_disable();
+        })
+        .unwrap();
+    assert_eq!(*log.0.borrow(), ["a0", "b0", "d0", "a1", "b1", "d1"]);
+}
+
 /// A cancel from another thread reaches a fiber that only yields to another one (their
 /// yields run each other inside their switches, never through the loop's turn start, where
 /// what other threads asked is served).

@@ -129,10 +129,9 @@ struct Slot {
 /// take no lookup in the slot map.
 ///
 /// Invariant (what makes `slot` valid when the entry is taken): a fiber is in the queue at
-/// most once (its `queued` flag), only while it is suspended — or while it waits in its own
-/// `yield_in_place`, published suspended, where it is its own loop's to take (no other loop
-/// runs meanwhile; a `run_nested` that finds it there finds no coroutine in its slot and
-/// leaves it) — and a slot leaves the map only
+/// most once (its `queued` flag), only while it is suspended (a fiber that waits in its own
+/// `yield_in_place` is not in the queue: its place is counted, `Inner::ahead`, and it is put
+/// there only when it suspends to the loop) — and a slot leaves the map only
 /// when its fiber returns — after it was taken out of the queue to run — or when the
 /// scheduler is dropped (which empties the queue first). So the box `slot` points to is in
 /// the map, and holds this fiber, for as long as the entry is queued. This needs the run
@@ -260,6 +259,12 @@ pub(crate) struct Inner {
     /// fiber's yield is served in place only when it runs straight from the loop (0); one
     /// run inside another's switch goes back to it at its yield, so yields never nest runs.
     nested: Cell<u32>,
+    /// While a yield is served in place (`yield_in_place`): how many fibers in the ready
+    /// queue are ahead of the yielding fiber. It is not in the queue meanwhile (its place
+    /// there is this count: a fiber made ready goes behind it at the back, as it would);
+    /// `run_nested` counts one down when it takes a fiber ahead of it out of the queue.
+    /// 0 otherwise.
+    ahead: Cell<usize>,
     /// `fiber.top()`: whether on, the clock ticks when the current turn began, and the
     /// scheduler's own row (the time of a turn no fiber ran, waiting included) and the
     /// whole turn's (the sum of every row).
@@ -430,6 +435,7 @@ impl Scheduler {
                 turn_left: Cell::new(0),
                 end_after_turn: Cell::new(false),
                 nested: Cell::new(0),
+                ahead: Cell::new(0),
                 running: Cell::new(false),
                 top_on: Cell::new(false),
                 turn_start: Cell::new(0),

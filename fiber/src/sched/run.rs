@@ -472,6 +472,11 @@ impl Inner {
             return false;
         };
         self.ready.borrow_mut().remove(pos);
+        // (Inside a yield served in place, whose fiber waits behind the fibers ahead of it.)
+        let ahead = self.ahead.get();
+        if pos < ahead {
+            self.ahead.set(ahead - 1);
+        }
         me.queued.set(true);
         // (Recorded here, not in `leave`: the registers are this frame's.)
         me.shared.record_suspension();
@@ -515,9 +520,10 @@ impl Inner {
 
 impl Inner {
     /// A yield of the running fiber `me` (`yield_now`) served inside its own switch: `me`
-    /// goes to the back of the ready queue, as at a yield to the loop, and the fibers ahead
-    /// of it run from here, each inside this switch (as `run_nested` runs a fiber it starts),
-    /// until `me` is at the front again; then its run goes on. The order is the loop's, but a
+    /// takes its place at the back of the ready queue, as at a yield to the loop (a place
+    /// counted, not an entry: see `Inner::ahead`), and the fibers ahead of it run from here,
+    /// each inside this switch (as `run_nested` runs a fiber it starts), until none is
+    /// ahead; then its run goes on. The order is the loop's, but a
     /// fiber that yields to the next one ready costs one stack switch instead of two (to
     /// the loop, then to the next), and two fibers that pass the turn to each other switch
     /// straight from one to the other.
@@ -546,21 +552,12 @@ impl Inner {
             return true;
         }
         let me_id = shared.id;
-        // `me` is the `ctx` field of its boxed slot: `CURRENT`, where the caller got it, is
-        // only ever set to a slot's context (`run_co`, and the scheduler's drop, which never
-        // comes here: `dropping`). Its slot's box starts that field's offset before it.
-        let slot = (me as *const FiberCore)
-            .cast::<u8>()
-            .wrapping_sub(std::mem::offset_of!(Slot, ctx))
-            .cast::<Slot>()
-            .cast_mut();
-        // SAFETY: the start of a live box (above), not null.
-        let slot = unsafe { std::ptr::NonNull::new_unchecked(slot) };
         me.woken.set(false);
+        // Queued, but not in the queue: its place is the count of fibers ahead of it (those
+        // ready now), which run first; those that re-queue go to the back, behind it, as
+        // they would behind it in the queue. One push and one pop less per yield.
         me.queued.set(true);
-        self.ready
-            .borrow_mut()
-            .push_back(Ready { fid: me_id, slot });
+        self.ahead.set(self.ready.borrow().len());
         shared.record_suspension();
         self.leave(me);
         self.nested.set(1);
@@ -580,31 +577,50 @@ impl Inner {
                 if self.last_tick.get() >= self.timer_gate.get() {
                     break;
                 }
-                // A new turn, of the fibers ready now (`me` among them), as the loop begins
-                // one.
-                self.turn_left.set(self.ready.borrow().len());
+                // A new turn, of the fibers ready now (`me` among them, at its place), as the
+                // loop begins one.
+                self.turn_left.set(self.ready.borrow().len() + 1);
                 self.turn.set(self.turn.get().wrapping_add(1));
             } else if self.last_tick.get() >= self.timer_gate.get() {
                 break;
             }
-            let Some(r) = self.ready.borrow_mut().pop_front() else {
-                // (`me` was taken out of the queue by no one but this loop; not reached.)
-                break;
-            };
-            self.turn_left.set(self.turn_left.get() - 1);
-            if r.fid == me_id {
+            let ahead = self.ahead.get();
+            if ahead == 0 {
                 // Its turn: its run goes on.
+                self.turn_left.set(self.turn_left.get() - 1);
                 self.nested.set(0);
                 self.go_on(me);
                 return true;
             }
+            let Some(r) = self.ready.borrow_mut().pop_front() else {
+                // (`ahead` never counts more fibers than the queue holds; not reached.)
+                break;
+            };
+            self.ahead.set(ahead - 1);
+            self.turn_left.set(self.turn_left.get() - 1);
             if let Some(co) = self.take_co(r) {
                 self.run_co(r, co);
             }
             self.current.set(me_id);
         }
-        // The loop's work: `me` suspends to it from here (queued, so it is not queued twice;
-        // its recorded registers, in this frame, stay right while it waits).
+        // The loop's work: `me` takes its place in the queue (it stays queued, so it is not
+        // queued twice) and suspends to the loop from here (its recorded registers, in this
+        // frame, stay right while it waits).
+        // `me` is the `ctx` field of its boxed slot: `CURRENT`, where the caller got it, is
+        // only ever set to a slot's context (`run_co`, and the scheduler's drop, which never
+        // comes here: `dropping`). Its slot's box starts that field's offset before it.
+        let slot = (me as *const FiberCore)
+            .cast::<u8>()
+            .wrapping_sub(std::mem::offset_of!(Slot, ctx))
+            .cast::<Slot>()
+            .cast_mut();
+        // SAFETY: the start of a live box (above), not null.
+        let slot = unsafe { std::ptr::NonNull::new_unchecked(slot) };
+        {
+            let mut ready = self.ready.borrow_mut();
+            let at = self.ahead.replace(0).min(ready.len());
+            ready.insert(at, Ready { fid: me_id, slot });
+        }
         self.nested.set(0);
         self.current.set(me_id);
         let y = me.yielder.get();
