@@ -88,6 +88,14 @@ median() { # prog size-or-* key
     awk -v p="$1" -v s="$2" -v k="$3" '$1 == p && (s == "*" || $2 == s) && $3 == k { print $4 }' "$out" |
         sort -g | awk '{ v[NR] = $1 } END { if (NR) print v[int((NR + 1) / 2)]; else exit 1 }'
 }
+# The spread behind a median: "min-max" of the runs of both programs, so that a verdict that
+# rests on one lucky or unlucky run shows as such (this machine's kind has steal time).
+spread() { # size-or-* key -> "fibertrace min-max, tarantool min-max"
+    for p in fibertrace tarantool; do
+        awk -v p="$p" -v s="$1" -v k="$2" '$1 == p && (s == "*" || $2 == s) && $3 == k { print $4 }' "$out" |
+            sort -g | awk -v p="$p" 'NR == 1 { lo = $1 } { hi = $1 } END { printf "%s%.4g-%.4g", (p == "fibertrace" ? "" : ", tarantool "), lo, hi }'
+    done
+}
 verdict() { # holds? -> word
     if [ "$1" = 1 ]; then echo holds; else echo MISSED; fi
 }
@@ -107,8 +115,8 @@ fi
 for size in $sizes; do
     a=$(median fibertrace "$size" nobt) b=$(median tarantool "$size" nobt)
     ok=$(awk -v a="$a" -v b="$b" 'BEGIN { print (a / b <= 0.5) }')
-    awk -v s="$size" -v a="$a" -v b="$b" -v v="$(verdict "$ok")" 'BEGIN {
-        printf "fiber.info({backtrace=false}), %5d fibers   %7.3f us/fiber vs tarantool %7.3f: %6.3fx  (goal <= 0.5)  %s\n", s, a, b, a / b, v }'
+    awk -v s="$size" -v a="$a" -v b="$b" -v v="$(verdict "$ok")" -v r="$(spread "$size" nobt)" 'BEGIN {
+        printf "fiber.info({backtrace=false}), %5d fibers   %7.3f us/fiber vs tarantool %7.3f: %6.3fx  (goal <= 0.5)  %s  [runs %s]\n", s, a, b, a / b, v, r }'
 done
 lo= hi=
 for key in bt moved; do
@@ -116,8 +124,8 @@ for key in bt moved; do
         a=$(median fibertrace "$size" $key) b=$(median tarantool "$size" $key)
         ok=$(awk -v a="$a" -v b="$b" 'BEGIN { print (b / a >= 40) }')
         case $key in bt) what="fiber.info() with backtraces," ;; *) what="  the same, every fiber moved," ;; esac
-        awk -v w="$what" -v s="$size" -v a="$a" -v b="$b" -v v="$(verdict "$ok")" 'BEGIN {
-            printf "%s %5d fibers   %7.3f us/fiber vs tarantool %7.3f: %6.1fx faster  (goal >= 40)  %s\n", w, s, a, b, b / a, v }'
+        awk -v w="$what" -v s="$size" -v a="$a" -v b="$b" -v v="$(verdict "$ok")" -v r="$(spread "$size" $key)" 'BEGIN {
+            printf "%s %5d fibers   %7.3f us/fiber vs tarantool %7.3f: %6.1fx faster  (goal >= 40)  %s  [runs %s]\n", w, s, a, b, b / a, v, r }'
         if [ $key = bt ]; then
             lo=$(awk -v x="$a" -v m="${lo:-$a}" 'BEGIN { print (x < m ? x : m) }')
             hi=$(awk -v x="$a" -v m="${hi:-$a}" 'BEGIN { print (x > m ? x : m) }')
@@ -144,6 +152,6 @@ for k in yield create; do
     a=$(median fibertrace '*' $k) b=$(median tarantool '*' $k)
     case $k in yield) goal=0.33 what="Lua yield, ns per switch" ;; *) goal=0.4 what="Lua fiber.create (create + run), ns" ;; esac
     ok=$(awk -v a="$a" -v b="$b" -v g="$goal" 'BEGIN { print (a / b <= g) }')
-    awk -v w="$what" -v a="$a" -v b="$b" -v g="$goal" -v v="$(verdict "$ok")" 'BEGIN {
-        printf "%-44s %7.1f vs tarantool %7.1f: %6.3fx  (goal <= %s)  %s\n", w, a, b, a / b, g, v }'
+    awk -v w="$what" -v a="$a" -v b="$b" -v g="$goal" -v v="$(verdict "$ok")" -v r="$(spread '*' $k)" 'BEGIN {
+        printf "%-44s %7.1f vs tarantool %7.1f: %6.3fx  (goal <= %s)  %s  [runs %s]\n", w, a, b, a / b, g, v, r }'
 done

@@ -1112,6 +1112,81 @@ fn the_speed_command_reads_every_lua_figure_and_says_when_tarantool_is_missing()
     assert!(figures.iter().all(|x| x.is_finite() && *x > 0.0), "{text}");
 }
 
+/// Each goal's line carries the spread of the runs behind its medians (`[runs MIN-MAX,
+/// tarantool MIN-MAX]`), so that a verdict resting on one lucky run shows as such. The peer
+/// here is a stand-in (`fibertrace run` under the name the script takes for tarantool): the
+/// test checks the table, not Tarantool.
+#[test]
+fn the_speed_command_prints_the_spread_of_the_runs_behind_each_median() {
+    let dir = scratch("speed-spread");
+    let peer = dir.join("peer.sh");
+    std::fs::write(
+        &peer,
+        format!(
+            "#!/bin/sh\nexec '{}' run \"$@\"\n",
+            fibertrace_acceptance::binary().display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&peer, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = speed_script(
+        &dir,
+        &["3"],
+        &[
+            ("SPEED_LUA_ONLY", "1"),
+            ("TARANTOOL", peer.to_str().unwrap()),
+            ("SPEED_SIZES", "100 200"),
+            ("SPEED_COUNTS", "2000 2000"),
+        ],
+    );
+    let (text, err) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let goals: Vec<&str> = text.lines().filter(|l| l.contains("(goal ")).collect();
+    // 2 sizes x (no backtraces, backtraces, every fiber moved), flatness, yield, create.
+    assert_eq!(goals.len(), 9, "{text}");
+    let number = |w: &str| -> f64 { w.parse().unwrap_or_else(|_| panic!("{w:?} in {text}")) };
+    let range = |r: &str| -> (f64, f64) {
+        let (lo, hi) = r
+            .split_once('-')
+            .unwrap_or_else(|| panic!("{r:?} in {text}"));
+        (number(lo), number(hi))
+    };
+    let mut with_spread = 0;
+    for line in goals {
+        assert!(line.contains("holds") || line.contains("MISSED"), "{line}");
+        let Some((head, runs)) = line.split_once("  [runs ") else {
+            // Flatness is a ratio of medians over sizes: no runs of its own.
+            assert!(line.contains("flatness"), "{line}");
+            continue;
+        };
+        with_spread += 1;
+        // "fibertrace's median vs tarantool's median" and each program's runs around it.
+        let (ours, peers) = runs
+            .strip_suffix(']')
+            .and_then(|r| r.split_once(", tarantool "))
+            .unwrap_or_else(|| panic!("{line}"));
+        let (a, b) = (range(ours), range(peers));
+        let (_, medians) = head.split_once(" fibers ").unwrap_or(("", head));
+        let figures: Vec<f64> = medians
+            .split([' ', ':', 'x'])
+            .filter_map(|w| w.parse::<f64>().ok())
+            .collect();
+        let (m, n) = (figures[0], figures[1]);
+        // The medians are printed rounded: allow their last digit.
+        let near = |v: f64, (lo, hi): (f64, f64)| lo * 0.99 - 0.05 <= v && v <= hi * 1.01 + 0.05;
+        assert!(a.0 <= a.1 && b.0 <= b.1, "{line}");
+        assert!(
+            near(m, a) && near(n, b),
+            "{line}: {m} in {a:?}, {n} in {b:?}"
+        );
+    }
+    assert_eq!(with_spread, 8, "{text}");
+}
+
 /// `dump PID` gives a waiting time only to the fibers that wait, as the process's own dump
 /// does: it showed `[ready, 3.0s]` for fibers that only yield (the time since they last
 /// blocked, after millions of switches), and a fiber caught between the two stores of a
