@@ -47,8 +47,25 @@ fn sound() -> bool {
     ProbeReads::with(|p| p.is_some())
 }
 
+/// Gives this thread an alternate signal stack with room for a probe's fault (the standard
+/// library's is the kernel's least, `AT_MINSIGSTKSZ`: 11,952 bytes on a CPU with AMX, no
+/// room left for a handler), as a program that uses probe reads on its own threads does.
+/// The mapping is left to the process's end (a test's threads are few).
+fn roomy_altstack() {
+    const SIZE: usize = 256 * 1024;
+    let mem = map(SIZE / PAGE);
+    let st = libc::stack_t {
+        ss_sp: mem.cast(),
+        ss_flags: 0,
+        ss_size: SIZE,
+    };
+    // SAFETY: a mapping of ours, never unmapped, as this thread's alternate stack.
+    assert_eq!(unsafe { libc::sigaltstack(&st, std::ptr::null_mut()) }, 0);
+}
+
 #[test]
 fn probe_reads_copy_what_is_mapped_and_fail_where_nothing_is() {
+    roomy_altstack();
     let p = map(3);
     let base = p as u64;
     let bytes = |from: usize, len: usize| (from..from + len).map(|i| i as u8).collect::<Vec<_>>();
@@ -151,6 +168,7 @@ fn probe_reads_copy_what_is_mapped_and_fail_where_nothing_is() {
     let threads: Vec<_> = (0..4)
         .map(|t| {
             std::thread::spawn(move || {
+                roomy_altstack();
                 ProbeReads::with(|probe| {
                     let probe = probe.expect("in place on every thread");
                     for i in 0..20_000u64 {
@@ -172,6 +190,7 @@ fn probe_reads_copy_what_is_mapped_and_fail_where_nothing_is() {
     // nor one without an alternate signal stack (the fault's frame may not fit where it runs).
     for sig in [libc::SIGSEGV, libc::SIGBUS] {
         std::thread::spawn(move || {
+            roomy_altstack();
             assert!(sound());
             // SAFETY: this thread's own mask, a set of ours.
             unsafe {
@@ -189,8 +208,18 @@ fn probe_reads_copy_what_is_mapped_and_fail_where_nothing_is() {
         .unwrap();
     }
     std::thread::spawn(|| {
+        // The standard library's alternate stack: enough where the kernel's least leaves
+        // room for the handler, not enough on a CPU whose signal frames are large.
+        // SAFETY: reads this thread's alternate stack and the auxiliary vector.
+        let (std_size, least) = unsafe {
+            let mut ss: libc::stack_t = std::mem::zeroed();
+            assert_eq!(libc::sigaltstack(std::ptr::null(), &mut ss), 0);
+            (ss.ss_size, (libc::getauxval(51) as usize).max(2048))
+        };
+        assert_eq!(sound(), std_size >= least + 4096, "{std_size} vs {least}");
+        roomy_altstack();
         assert!(sound());
-        // SAFETY: disables this thread's alternate stack (std's, left mapped).
+        // SAFETY: disables this thread's alternate stack (ours, left mapped).
         unsafe {
             let mut ss: libc::stack_t = std::mem::zeroed();
             ss.ss_flags = libc::SS_DISABLE;
