@@ -181,7 +181,7 @@ pub static HEADER: Header = Header {
         name_ptr: o(offset_of!(ControlBlock, published) + offset_of!(Published, name_ptr)),
         name_len: o(offset_of!(ControlBlock, published) + offset_of!(Published, name_len)),
         parent: o(offset_of!(ControlBlock, published) + offset_of!(Published, parent)),
-        run: o(offset_of!(ControlBlock, run) + offset_of!(RunCell, 0)),
+        run: o(offset_of!(ControlBlock, run) + offset_of!(RunCell, state)),
         status: o(ControlBlock::STATUS_OFFSET),
         wait_on: o(ControlBlock::WAIT_ON_OFFSET),
         since: o(offset_of!(ControlBlock, since)),

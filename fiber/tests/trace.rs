@@ -368,6 +368,37 @@ fn inspected_while_another_thread_resumes_it_repeatedly() {
         torn.first()
     );
     assert!(resumes > 10, "the fiber kept being resumed: {resumes}");
+    // The handshake that kept them whole: the asymmetric one on Linux, unless turned off.
+    let off =
+        std::env::var_os("FIBERTRACE_NO_MEMBARRIER").is_some_and(|v| !v.is_empty() && v != "0");
+    assert_eq!(
+        fibertrace_fiber::switches_unlocked(),
+        cfg!(target_os = "linux") && !off
+    );
+}
+
+/// The test above again, in a process of its own under the compare-and-swap handshake (the
+/// handshake is chosen once per process).
+#[test]
+fn inspected_while_resumed_under_the_compare_and_swap_handshake_too() {
+    if std::env::var_os("FIBERTRACE_NO_MEMBARRIER").is_some() {
+        return; // (this is the child: the test above is the one it runs)
+    }
+    let o = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "inspected_while_another_thread_resumes_it_repeatedly",
+            "--test-threads=1",
+        ])
+        .env("FIBERTRACE_NO_MEMBARRIER", "1")
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && out.contains("test result: ok. 1 passed"),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }
 
 #[test]

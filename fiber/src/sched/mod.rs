@@ -95,8 +95,9 @@ pub(crate) struct FiberCore {
     pub unwinding: Cell<bool>,
     /// Set while its scheduler drops it (corosensei force-unwinds the stack).
     pub dropping: Cell<bool>,
-    /// In the ready queue, or counted as ready (a fiber waiting in a nested start): a
-    /// wake-up changes nothing. (Here, not in the slot map, so that a nested start sets it
+    /// In the ready queue, or counted as ready (a fiber waiting in a nested start, or in
+    /// `yield_in_place` behind the fibers ahead of it, its place a count): a wake-up changes
+    /// nothing. (Here, not in the slot map, so that a nested start sets it
     /// on the caller's context without a map lookup.)
     queued: Cell<bool>,
     /// Woken while it ran (by itself, or by code it called): its next suspension does not
@@ -265,6 +266,9 @@ pub(crate) struct Inner {
     /// `run_nested` counts one down when it takes a fiber ahead of it out of the queue.
     /// 0 otherwise.
     ahead: Cell<usize>,
+    /// The process's inspection handshake is the asymmetric one: a resume stores its state
+    /// with no locked instruction (see `crate::task::state`).
+    unlocked: bool,
     /// `fiber.top()`: whether on, the clock ticks when the current turn began, and the
     /// scheduler's own row (the time of a turn no fiber ran, waiting included) and the
     /// whole turn's (the sum of every row).
@@ -401,6 +405,9 @@ impl Scheduler {
         panic::install_hook();
         spawn::register_heap_entry();
         crate::clock::init();
+        // The inspection handshake, chosen now rather than at the first switch (it asks the
+        // kernel once).
+        let unlocked = crate::task::state::choose_mode();
         // The thread's own stack bounds, found now and cached (a scheduler runs on the thread
         // that made it), before its fibers' stacks are mapped: on the main thread the C
         // library finds them by reading /proc/self/maps, a line per mapping and two per
@@ -436,6 +443,7 @@ impl Scheduler {
                 end_after_turn: Cell::new(false),
                 nested: Cell::new(0),
                 ahead: Cell::new(0),
+                unlocked,
                 running: Cell::new(false),
                 top_on: Cell::new(false),
                 turn_start: Cell::new(0),

@@ -319,7 +319,9 @@ impl Inner {
         }
     }
 
-    /// Takes a ready fiber's coroutine out of its slot to resume it (`None`: running).
+    /// Takes a ready fiber's coroutine out of its slot to resume it (`None`: running). The
+    /// fiber waiting in `yield_in_place` is never passed here: it is not in the queue (its
+    /// place is `Inner::ahead`), and its run goes on from its own frame.
     fn take_co(&self, r: Ready) -> Option<Box<Co>> {
         // `r` is an entry of the ready queue (just taken out of it, or about to be, in
         // `run_nested`). No reference to its slot is live: the map is not borrowed, and the
@@ -365,7 +367,7 @@ impl Inner {
         // SAFETY: as above: the context lives in the slot.
         let ctx = unsafe { &*ctx_ptr };
         let shared = &ctx.shared;
-        shared.run.begin_resume();
+        shared.run.begin_resume(self.unlocked);
         shared.set_status(Status::Running);
         if shared.created_at_start && shared.csw.load(Ordering::Relaxed) == 0 {
             // Its first run starts now: that is its creation time. (While runs are timed,
@@ -511,7 +513,7 @@ impl Inner {
         let shared = &me.shared;
         me.queued.set(false);
         self.current.set(shared.id);
-        shared.run.begin_resume();
+        shared.run.begin_resume(self.unlocked);
         shared.set_status(Status::Running);
         shared.add_switch();
         crate::running::set_running(&self.shared.on_thread, shared, self.run_start());
@@ -618,7 +620,12 @@ impl Inner {
         let slot = unsafe { std::ptr::NonNull::new_unchecked(slot) };
         {
             let mut ready = self.ready.borrow_mut();
-            let at = self.ahead.replace(0).min(ready.len());
+            let ahead = self.ahead.replace(0);
+            debug_assert!(
+                ahead <= ready.len(),
+                "more fibers counted ahead than queued"
+            );
+            let at = ahead.min(ready.len());
             ready.insert(at, Ready { fid: me_id, slot });
         }
         self.nested.set(0);

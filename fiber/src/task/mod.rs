@@ -11,6 +11,7 @@
 //! nanoseconds apart; a walk is exact for the suspension it reads (a cached walk is reused
 //! only at the same switch count).
 
+pub(crate) mod barrier;
 pub(crate) mod parent;
 pub(crate) mod state;
 
@@ -262,6 +263,8 @@ pub struct ControlBlock {
     pub(crate) name: Mutex<Arc<str>>,
     // The rest.
     pub(crate) sched: u64,
+    /// Its scheduler thread's [`state::thread_mark`]: an inspector there needs no handshake.
+    thread_mark: usize,
     pub(crate) parent_trace: Option<ParentTrace>,
     /// Clock ticks at creation (see [`crate::clock`]; reading the system clocks twice per
     /// spawn cost more than the rest of the bookkeeping). With `created_at_start`, the
@@ -385,6 +388,7 @@ impl ControlBlock {
         let ControlBlock {
             id,
             sched,
+            thread_mark,
             name,
             parent,
             parent_trace,
@@ -416,6 +420,7 @@ impl ControlBlock {
         } = m;
         *id = n.id;
         *sched = n.sched;
+        *thread_mark = state::thread_mark();
         *name.get_mut().unwrap_or_else(|e| e.into_inner()) = n.name.clone();
         name.clear_poison();
         *parent = n.parent();
@@ -493,6 +498,7 @@ impl ControlBlock {
         ControlBlock {
             id: n.id,
             sched: n.sched,
+            thread_mark: state::thread_mark(),
             name: Mutex::new(n.name.clone()),
             parent: n.parent(),
             parent_trace,
@@ -603,7 +609,8 @@ impl ControlBlock {
         if !self.traced {
             return None;
         }
-        let _inspection = self.run.inspect()?;
+        let mark = state::thread_mark();
+        let _inspection = self.run.inspect(mark != 0 && mark == self.thread_mark)?;
         // While inspected the fiber cannot be resumed: its switch count is stable.
         let csw = self.csw.load(Ordering::Relaxed);
         // SAFETY: the inspection holds the fiber suspended: nothing writes `ctx` until it
