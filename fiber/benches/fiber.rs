@@ -134,6 +134,39 @@ fn info(c: &mut Criterion) {
             t
         })
     });
+    // The same, listed from another thread (each walk then holds its fiber with the
+    // handshake a walk from another thread needs: `membarrier` where switches pay no locked
+    // instruction, a compare-and-swap with `FIBERTRACE_NO_MEMBARRIER=1`).
+    let info_opts = fibertrace_fiber::info::InfoOptions {
+        sample_running: false,
+        ..fibertrace_fiber::info::InfoOptions::default()
+    };
+    g.bench_function("resolved_backtraces_all_moved_from_another_thread", |b| {
+        b.iter_custom(|n| {
+            let mut t = Duration::ZERO;
+            for _ in 0..n {
+                let feed = ch.clone();
+                s.spawn(move || {
+                    for _ in 0..FIBERS {
+                        feed.send(0).unwrap();
+                    }
+                });
+                assert!(s.run().is_err());
+                t += std::thread::scope(|sc| {
+                    sc.spawn(|| {
+                        let t0 = Instant::now();
+                        let all = black_box(fibertrace_fiber::info::info(&info_opts));
+                        let t = t0.elapsed();
+                        assert!(all.iter().filter(|f| f.backtrace.is_some()).count() >= FIBERS);
+                        t
+                    })
+                    .join()
+                    .unwrap()
+                });
+            }
+            t
+        })
+    });
     g.finish();
     ch.close();
     s.run().unwrap();

@@ -559,7 +559,8 @@ impl Scheduler {
 impl Drop for Scheduler {
     fn drop(&mut self) {
         // Fibers still suspended are dropped: corosensei unwinds their stacks (running their
-        // destructors). Mark each dead first, so no inspector walks a stack being freed.
+        // destructors), each marked running meanwhile and dead before its stack is freed, so
+        // no inspector walks a stack that changes or is gone.
         (self.inner.hooks.dropped)(self.inner.shared.id);
         // No fiber is resumed from the queue again: a destructor run below that starts a
         // queued fiber (`yield_to`) finds none (the entries point into slots freed here).
@@ -574,6 +575,9 @@ impl Drop for Scheduler {
                 slot.ctx.unwinding.set(true);
                 slot.ctx.dropping.set(true);
                 if co.started() && !co.done() {
+                    // Its stack runs again (its destructors): running, for inspectors, as
+                    // at any resume (a walk under way is waited out first).
+                    slot.ctx.shared.run.begin_resume(self.inner.unlocked);
                     let prev = fibertrace_core::heap::switch_to(Some(&slot.ctx.shared.heap));
                     let _ = std::panic::catch_unwind(AssertUnwindSafe(|| co.force_unwind()));
                     fibertrace_core::heap::restore(prev);

@@ -37,16 +37,33 @@ fn register() -> bool {
     false
 }
 
+/// Set once the kernel refused the barrier after it had been granted (a seccomp filter
+/// installed since, say): every later inspection from another thread is refused at once.
+#[cfg(target_os = "linux")]
+static REFUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// A full memory barrier on every thread of the process that runs now (and, on this one, a
 /// sequentially consistent fence): whether it was made. Only after [`available`] said yes.
+/// Refused once, it is refused from then on (said once on the standard error).
 #[cfg(target_os = "linux")]
 pub(crate) fn heavy() -> bool {
-    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    use std::sync::atomic::{fence, Ordering};
+    if REFUSED.load(Ordering::Relaxed) {
+        return false;
+    }
+    fence(Ordering::SeqCst);
     // SAFETY: as in `register`; the command only makes the other threads pass a barrier.
-    let ok = |()| unsafe { libc::syscall(libc::SYS_membarrier, CMD_PRIVATE_EXPEDITED, 0, 0) == 0 };
-    // (A forked child inherits the mode but not the registration.)
-    let done = ok(()) || (register() && ok(()));
-    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    let ok = || unsafe { libc::syscall(libc::SYS_membarrier, CMD_PRIVATE_EXPEDITED, 0, 0) == 0 };
+    // (A forked child inherits the handshake but not, on every kernel, the registration.)
+    let done = ok() || (register() && ok());
+    fence(Ordering::SeqCst);
+    if !done && !REFUSED.swap(true, Ordering::Relaxed) {
+        let msg = b"fibertrace: membarrier was refused after it had been granted: stacks of \
+fibers are no longer walked from other threads (set FIBERTRACE_NO_MEMBARRIER=1 before the \
+first scheduler where the system call is filtered)\n";
+        // SAFETY: writes a static message to the standard error.
+        unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
+    }
     done
 }
 

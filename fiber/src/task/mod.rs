@@ -270,7 +270,8 @@ pub struct ControlBlock {
     /// spawn cost more than the rest of the bookkeeping). With `created_at_start`, the
     /// scheduler's last accounting point until the fiber first runs, then its start.
     pub(crate) created: AtomicU64,
-    /// Written by the fiber before publishing SUSPENDED; read only under INSPECTING.
+    /// Written by the fiber before publishing SUSPENDED; read only under an inspection
+    /// (`with_parked`).
     ctx: UnsafeCell<SavedContext>,
     /// Stack pointer of the runtime's entry frame on this fiber's stack, at its call of the
     /// user's code (0 before start): walks of this fiber end below it.
@@ -304,8 +305,9 @@ const _: () = {
 };
 
 // SAFETY: every field is Sync except `ctx`, which is written only by the fiber's own thread
-// while the fiber runs (run == RUNNING) and read by other threads only after they won the
-// SUSPENDED -> INSPECTING swap, which orders the accesses (release / acquire).
+// while the fiber runs (run == RUNNING) and read by other threads only under an inspection
+// (`state::RunCell::inspect`), which orders the accesses (release / acquire, and the
+// handshake's barrier).
 unsafe impl Sync for ControlBlock {}
 // SAFETY: as above; nothing in it is tied to a thread.
 unsafe impl Send for ControlBlock {}
@@ -609,8 +611,7 @@ impl ControlBlock {
         if !self.traced {
             return None;
         }
-        let mark = state::thread_mark();
-        let _inspection = self.run.inspect(mark != 0 && mark == self.thread_mark)?;
+        let _inspection = self.run.inspect(state::thread_mark() == self.thread_mark)?;
         // While inspected the fiber cannot be resumed: its switch count is stable.
         let csw = self.csw.load(Ordering::Relaxed);
         // SAFETY: the inspection holds the fiber suspended: nothing writes `ctx` until it
@@ -628,6 +629,18 @@ impl ControlBlock {
             .is_some()
     }
 
+    /// Whether the fiber is parked now in the suspension counted `csw` (its switch count
+    /// read before and after its state): a walk kept at that count is its trace now.
+    fn parked_at(&self, csw: u64) -> bool {
+        self.traced
+            && self.csw.load(Ordering::Acquire) == csw
+            && matches!(
+                self.run.get(Ordering::Acquire),
+                RunState::Suspended | RunState::Inspecting
+            )
+            && self.csw.load(Ordering::Acquire) == csw
+    }
+
     /// Walks the fiber's stack if it is suspended, never racing a resume (with `keep`, a
     /// walk kept since it last ran is reused, and a new one kept; without, the walk is new
     /// and not kept: for a caller that keeps traces of its own). False if it is not
@@ -638,6 +651,17 @@ impl ControlBlock {
         out: &mut Backtrace,
         keep: bool,
     ) -> bool {
+        if keep {
+            // A walk kept for the suspension now: no handshake (see `suspended_info`).
+            let c = self.trace_cache.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(t) = c
+                .as_ref()
+                .filter(|t| t.opts == *opts && self.parked_at(t.csw))
+            {
+                out.set_frames(&t.frames);
+                return true;
+            }
+        }
         self.with_parked(|ctx, csw| {
             if !keep {
                 fibertrace_core::collect_from_into(ctx, opts, out);
@@ -681,6 +705,18 @@ impl ControlBlock {
     ) -> Option<Arc<[FrameInfo]>> {
         let mut bt = Backtrace::new();
         let mut c = self.trace_cache.lock().unwrap_or_else(|e| e.into_inner());
+        // The list kept for the fiber's suspension now, handed out with no handshake (none
+        // reads the stack; from another thread, the handshake is a system call).
+        if let Some(t) = c
+            .as_ref()
+            .filter(|t| t.opts == *opts && self.parked_at(t.csw))
+        {
+            if let Some((r, i)) = &t.info {
+                if *r == resolve {
+                    return Some(i.clone());
+                }
+            }
+        }
         let (csw, kept) = self.with_parked(|ctx, csw| {
             let kept = c.as_ref().is_some_and(|t| t.csw == csw && t.opts == *opts);
             if !kept {

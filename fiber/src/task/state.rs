@@ -42,7 +42,7 @@
 //! resumer's store and load in order, and the hardware's ordering does the rest, as in
 //! every user of `membarrier`.)
 
-use std::sync::atomic::{compiler_fence, AtomicU8, Ordering};
+use std::sync::atomic::{compiler_fence, AtomicI32, AtomicU8, Ordering};
 
 use super::barrier;
 
@@ -79,6 +79,9 @@ impl RunState {
 /// 2 compare-and-swap. Chosen once, before the first resume or inspection, and never changed.
 static MODE: AtomicU8 = AtomicU8::new(0);
 
+/// The process the handshake's counts were taken in (see `RunCell::wait_uncounted_slow`).
+static PID: AtomicI32 = AtomicI32::new(0);
+
 /// Whether the asymmetric handshake is the process's.
 #[inline(always)]
 fn asymmetric() -> bool {
@@ -97,6 +100,8 @@ pub(crate) fn choose_mode() -> bool {
         return seen == 1;
     }
     let mine = if barrier::available() { 1 } else { 2 };
+    // SAFETY: getpid has no preconditions.
+    PID.store(unsafe { libc::getpid() }, Ordering::Relaxed);
     match MODE.compare_exchange(0, mine, Ordering::AcqRel, Ordering::Relaxed) {
         Ok(_) => mine == 1,
         Err(other) => other == 1,
@@ -107,7 +112,7 @@ pub(crate) fn choose_mode() -> bool {
 /// handshake is the asymmetric one, whose cost falls on inspections from other threads (a
 /// `membarrier` system call each) instead of on every switch. False where the kernel does
 /// not offer `membarrier`, or with `FIBERTRACE_NO_MEMBARRIER=1` in the environment (read
-/// when the first scheduler is made).
+/// once, when the first scheduler is made or this is first called).
 pub fn switches_unlocked() -> bool {
     asymmetric()
 }
@@ -225,11 +230,24 @@ impl RunCell {
         }
     }
 
+    /// An inspector is counted in: waits until it is done. In a child process made by
+    /// `fork` while an inspector of the parent was counted in on this fiber, the count would
+    /// never drop (the inspector's thread is not in the child): in a process other than the
+    /// one the handshake was chosen in, a count that has not dropped after ~2^20 spins (a
+    /// millisecond or more, where a walk takes under a microsecond) is let go. (What that
+    /// cannot tell apart: an inspector the child itself started on another thread and that
+    /// was held up that long in the middle of its walk.)
     #[cold]
     #[inline(never)]
     fn wait_uncounted_slow(&self) {
+        let mut spins = 0u32;
         while self.held.load(Ordering::Acquire) != 0 {
             std::hint::spin_loop();
+            spins = spins.wrapping_add(1);
+            // SAFETY: getpid has no preconditions.
+            if spins == 1 << 20 && unsafe { libc::getpid() } != PID.load(Ordering::Relaxed) {
+                self.held.store(0, Ordering::Release);
+            }
         }
     }
 
@@ -281,8 +299,9 @@ thread_local! {
 
 /// A number unique to this thread among the threads alive (the address of a thread-local):
 /// a control block keeps its scheduler thread's, so that an inspector can tell whether it
-/// runs there. 0 while this thread's locals are torn down.
+/// runs there. (An address is reused only by a thread started after this one exited, whose
+/// scheduler's fibers were marked dead or are never resumed again.)
 #[inline]
 pub(crate) fn thread_mark() -> usize {
-    MARK.try_with(|m| m as *const u8 as usize).unwrap_or(0)
+    MARK.with(|m| m as *const u8 as usize)
 }
