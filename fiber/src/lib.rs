@@ -60,6 +60,7 @@ pub use sched::{
     SpawnError, SpawnErrorKind, MIN_STACK_SIZE, NAME_MAX,
 };
 pub use sync::{channel, Channel, ChannelError, Cond};
+pub use task::barrier::barriers_made_here;
 pub use task::state::switches_unlocked;
 pub use task::{
     parent_trace_copies, ControlBlock, FiberId, PanicReport, ParentTrace, Status, WaitOn,

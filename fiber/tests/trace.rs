@@ -380,6 +380,98 @@ fn inspected_while_another_thread_resumes_it_repeatedly() {
     assert_eq!(fibertrace_fiber::switches_unlocked(), offered && !off);
 }
 
+/// A listing from another thread of fibers that all moved since the last one walks each, and
+/// holds each parked with one process-wide barrier for several of them (a barrier
+/// interrupts every CPU that runs a thread of the process); one that finds every walk kept
+/// makes none.
+#[test]
+fn a_listing_from_another_thread_makes_one_barrier_for_several_walks() {
+    const FIBERS: usize = 64;
+    let (fid, sched_id) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let go = Arc::new(AtomicU64::new(0));
+    let (f2, s2, g2) = (fid.clone(), sched_id.clone(), go.clone());
+    let t = std::thread::spawn(move || {
+        let s = Scheduler::new();
+        s2.store(s.id(), Ordering::Release);
+        s.block_on(move || {
+            let ch: Channel<u32> = channel(FIBERS);
+            let hs: Vec<_> = (0..FIBERS)
+                .map(|_| {
+                    let c = ch.clone();
+                    spawn(move || while c.recv().is_some() {})
+                })
+                .collect();
+            // Every fiber parks in its receive; after each listing it runs once more and
+            // parks again (so that no walk of the listing before holds).
+            yield_now();
+            for round in 1..=2u64 {
+                f2.store(round, Ordering::Release);
+                while g2.load(Ordering::Acquire) < round {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                for _ in 0..FIBERS {
+                    ch.send(0).unwrap();
+                }
+                yield_now();
+            }
+            f2.store(3, Ordering::Release);
+            ch.close();
+            for h in hs {
+                h.join().unwrap();
+            }
+        })
+        .unwrap();
+    });
+    let opts = InfoOptions {
+        sample_running: false,
+        ..InfoOptions::default()
+    };
+    let walked = |want: u64| {
+        while fid.load(Ordering::Acquire) != want {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let s = registry::scheduler(sched_id.load(Ordering::Acquire)).unwrap();
+        let before = fibertrace_fiber::barriers_made_here();
+        let all = fibertrace_fiber::info::scheduler_info(&s, &opts);
+        let made = fibertrace_fiber::barriers_made_here() - before;
+        let traced = all
+            .iter()
+            .filter(|f| {
+                f.backtrace
+                    .as_ref()
+                    .is_some_and(|b| info_names(b).iter().any(|n| n == "recv"))
+            })
+            .count();
+        (traced, made, s)
+    };
+    let (traced, made, s) = walked(1);
+    assert_eq!(traced, FIBERS);
+    if fibertrace_fiber::switches_unlocked() {
+        assert!(
+            (1..=FIBERS as u64 / 4).contains(&made),
+            "{made} barriers for {FIBERS} walks"
+        );
+        // Nothing moved: every walk is kept, no barrier.
+        let again = fibertrace_fiber::barriers_made_here();
+        let all = fibertrace_fiber::info::scheduler_info(&s, &opts);
+        assert_eq!(all.len(), FIBERS + 1);
+        assert_eq!(fibertrace_fiber::barriers_made_here(), again);
+    } else {
+        assert_eq!(made, 0);
+    }
+    go.store(1, Ordering::Release);
+    let (traced, made, _) = walked(2);
+    assert_eq!(traced, FIBERS);
+    if fibertrace_fiber::switches_unlocked() {
+        assert!(
+            (1..=FIBERS as u64 / 4).contains(&made),
+            "{made} barriers for {FIBERS} walks"
+        );
+    }
+    go.store(2, Ordering::Release);
+    t.join().unwrap();
+}
+
 /// The test above again, in a process of its own under the compare-and-swap handshake (the
 /// handshake is chosen once per process).
 #[test]

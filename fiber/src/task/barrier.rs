@@ -37,6 +37,18 @@ fn register() -> bool {
     false
 }
 
+thread_local! {
+    /// Barriers this thread asked for (see [`barriers_made_here`]).
+    static MADE_HERE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many process-wide barriers this thread has made for its walks of fibers on other
+/// threads (each one interrupts every CPU that runs a thread of the process): what a listing
+/// from another thread costs them. For tests and soaks.
+pub fn barriers_made_here() -> u64 {
+    MADE_HERE.try_with(std::cell::Cell::get).unwrap_or(0)
+}
+
 /// Set once the kernel refused the barrier after it had been granted (a seccomp filter
 /// installed since, say): every later inspection from another thread is refused at once.
 #[cfg(target_os = "linux")]
@@ -52,6 +64,7 @@ pub(crate) fn heavy() -> bool {
         return false;
     }
     fence(Ordering::SeqCst);
+    let _ = MADE_HERE.try_with(|m| m.set(m.get() + 1));
     // SAFETY: as in `register`; the command only makes the other threads pass a barrier.
     let ok = || unsafe { libc::syscall(libc::SYS_membarrier, CMD_PRIVATE_EXPEDITED, 0, 0) == 0 };
     // (A forked child inherits the handshake but not, on every kernel, the registration.)
