@@ -217,8 +217,12 @@ pub fn heap_pprof(
         match std::thread::Builder::new()
             .name("fibertrace-export".into())
             .stack_size(8 << 20)
-            .spawn_scoped(s, || pprof::heap_profile(&d))
-        {
+            .spawn_scoped(s, || {
+                // The report's own work, not the program's (the caller's thread is paused
+                // alike): at the memory limit, each of its allocations recorded with its
+                // stack took from the emergency reserve the report needs.
+                fibertrace_core::heap::untracked(|| pprof::heap_profile(&d))
+            }) {
             Ok(h) => h.join().unwrap_or_default(),
             Err(_) => pprof::heap_profile(&d),
         }
@@ -251,7 +255,7 @@ pub fn to_bytes(snap: &Snapshot, fmt: Format) -> Vec<u8> {
         let helper = std::thread::Builder::new()
             .name("fibertrace-export".into())
             .stack_size(8 << 20)
-            .spawn_scoped(s, || encode(snap, fmt));
+            .spawn_scoped(s, || fibertrace_core::heap::untracked(|| encode(snap, fmt)));
         match helper {
             Ok(h) => h.join().unwrap_or_else(|_| {
                 format!("fibertrace: the {fmt} export failed (a panic in its encoder)\n")
