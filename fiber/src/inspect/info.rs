@@ -250,15 +250,6 @@ pub(crate) fn scheduler_info_with(
     let now = Now::new();
     let counted = cpu_counted(s);
     let mut out = Vec::with_capacity(fibers.len());
-    // From another thread, the walks due are counted in a few fibers ahead, so that one
-    // process-wide barrier serves several (made after `fibers`: dropped before it).
-    let _ahead = opts.backtrace.then(crate::task::state::Ahead::begin);
-    const COUNT_AHEAD: usize = crate::task::state::AHEAD_MAX - 1;
-    if opts.backtrace {
-        for n in fibers.iter().take(COUNT_AHEAD) {
-            n.count_in_ahead();
-        }
-    }
     for (i, f) in fibers.iter().enumerate() {
         // Memory, not work, bounds a pass over thousands of cold control blocks and stacks:
         // start the loads of the next fibers' lines early so that they overlap.
@@ -269,14 +260,8 @@ pub(crate) fn scheduler_info_with(
             if let Some(n) = fibers.get(i + 1) {
                 n.prefetch_stack();
             }
-            if let Some(n) = fibers.get(i + COUNT_AHEAD) {
-                n.count_in_ahead();
-            }
         }
         out.push(one(f, opts, sampled.as_ref(), &now, counted));
-        if opts.backtrace {
-            f.end_turn_in_listing();
-        }
     }
     out
 }

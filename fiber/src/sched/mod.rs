@@ -578,6 +578,9 @@ impl Drop for Scheduler {
                     // Its stack runs again (its destructors): running, for inspectors, as
                     // at any resume (a walk under way is waited out first).
                     slot.ctx.shared.run.begin_resume(self.inner.unlocked);
+                    // (Counted: a suspension inside the unwind is a new one, whose walk
+                    // is not the one kept.)
+                    slot.ctx.shared.add_switch();
                     let prev = fibertrace_core::heap::switch_to(Some(&slot.ctx.shared.heap));
                     let _ = std::panic::catch_unwind(AssertUnwindSafe(|| co.force_unwind()));
                     fibertrace_core::heap::restore(prev);

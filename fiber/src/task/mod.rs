@@ -754,25 +754,6 @@ impl ControlBlock {
         Some(info)
     }
 
-    /// For a listing from another thread (under a `state::Ahead`): counts it in ahead of this
-    /// fiber's walk, when one is due (it ran since its last walk and is parked), so that one
-    /// process-wide barrier serves several walks. Its turn in the listing ends with
-    /// [`ControlBlock::end_turn_in_listing`].
-    pub(crate) fn count_in_ahead(&self) {
-        if self.traced
-            && state::thread_mark() != self.thread_mark
-            && self.walked_csw.load(Ordering::Relaxed) != self.csw.load(Ordering::Relaxed)
-            && self.run.get(Ordering::Relaxed) == RunState::Suspended
-        {
-            self.run.count_in_ahead();
-        }
-    }
-
-    /// Lets go of what [`ControlBlock::count_in_ahead`] took, if its walk did not.
-    pub(crate) fn end_turn_in_listing(&self) {
-        self.run.release_ahead();
-    }
-
     /// Starts loading this fiber's control block into cache (for a loop over many fibers).
     pub(crate) fn prefetch_block(self: &Arc<Self>) {
         fibertrace_core::capture::prefetch(Arc::as_ptr(self) as u64, std::mem::size_of::<Self>());

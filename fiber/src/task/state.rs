@@ -42,7 +42,7 @@
 //! resumer's store and load in order, and the hardware's ordering does the rest, as in
 //! every user of `membarrier`.)
 
-use std::sync::atomic::{compiler_fence, AtomicI32, AtomicU8, Ordering};
+use std::sync::atomic::{compiler_fence, AtomicU8, Ordering};
 
 use super::barrier;
 
@@ -79,9 +79,6 @@ impl RunState {
 /// 2 compare-and-swap. Chosen once, before the first resume or inspection, and never changed.
 static MODE: AtomicU8 = AtomicU8::new(0);
 
-/// The process the handshake's counts were taken in (see `RunCell::wait_uncounted_slow`).
-static PID: AtomicI32 = AtomicI32::new(0);
-
 /// Whether the asymmetric handshake is the process's.
 #[inline(always)]
 fn asymmetric() -> bool {
@@ -100,8 +97,6 @@ pub(crate) fn choose_mode() -> bool {
         return seen == 1;
     }
     let mine = if barrier::available() { 1 } else { 2 };
-    // SAFETY: getpid has no preconditions.
-    PID.store(unsafe { libc::getpid() }, Ordering::Relaxed);
     match MODE.compare_exchange(0, mine, Ordering::AcqRel, Ordering::Relaxed) {
         Ok(_) => mine == 1,
         Err(other) => other == 1,
@@ -175,27 +170,18 @@ impl RunCell {
             .then_some(Inspection::Local);
         }
         if asymmetric() {
-            // Counted in ahead by this thread's listing (see `Ahead`): its count is now this
-            // inspection's, and the barrier made since it was counted serves it.
-            let counted = match take_ahead(&self.held) {
-                Some(covered) => {
-                    let counted = Inspection::Counted(&self.held);
-                    if !covered && !heavy_for_ahead() {
-                        return None;
-                    }
-                    counted
-                }
-                None => {
-                    self.held
-                        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| h.checked_add(1))
-                        .ok()?;
-                    let counted = Inspection::Counted(&self.held);
-                    if !heavy_for_ahead() {
-                        return None;
-                    }
-                    counted
-                }
-            };
+            // Not parked now: no barrier (an inspector that retries on a fiber that keeps
+            // running would otherwise interrupt every CPU of the process at each try).
+            if self.get(Ordering::Relaxed) != RunState::Suspended {
+                return None;
+            }
+            self.held
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| h.checked_add(1))
+                .ok()?;
+            let counted = Inspection::Counted(&self.held);
+            if !barrier::heavy() {
+                return None;
+            }
             return (self.get(Ordering::Acquire) == RunState::Suspended).then_some(counted);
         }
         self.state
@@ -207,43 +193,6 @@ impl RunCell {
             )
             .ok()
             .map(|_| Inspection::Swapped(&self.state))
-    }
-
-    /// Counts this thread in on the fiber ahead of its walk, in the listing `Ahead` says is
-    /// under way on this thread (the asymmetric handshake, from another thread only): the
-    /// barrier made for the first of the fibers counted serves the others. Nothing when no
-    /// such listing runs, when [`AHEAD_MAX`] fibers are counted already, or when the fiber
-    /// is counted by this thread already.
-    pub(crate) fn count_in_ahead(&self) {
-        if !asymmetric() {
-            return;
-        }
-        let _ = AHEAD.try_with(|a| {
-            let mut a = a.borrow_mut();
-            let Some(list) = a.as_mut() else {
-                return;
-            };
-            let me = &self.held as *const AtomicU8;
-            if list.len() >= AHEAD_MAX || list.iter().any(|&(p, _)| p == me) {
-                return;
-            }
-            if self
-                .held
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| h.checked_add(1))
-                .is_ok()
-            {
-                list.push((me, false));
-            }
-        });
-    }
-
-    /// Lets go of the count this thread's listing took ahead on the fiber, if its walk did
-    /// not take it (the fiber was not walked: it ran meanwhile, say): at its turn in the
-    /// listing, so that a resume waits at most for the fibers before it.
-    pub(crate) fn release_ahead(&self) {
-        if take_ahead(&self.held).is_some() {
-            self.held.fetch_sub(1, Ordering::Release);
-        }
     }
 
     /// `New`/`Suspended → Running` for a resume, waiting out an inspection. `unlocked`: the
@@ -281,32 +230,39 @@ impl RunCell {
         }
     }
 
-    /// An inspector is counted in: waits until it is done. In a child process made by
-    /// `fork` while an inspector of the parent was counted in on this fiber, the count would
-    /// never drop (the inspector's thread is not in the child): in a process other than the
-    /// one the handshake was chosen in, a count that has not dropped after ~2^20 spins (a
-    /// millisecond or more, where a walk takes under a microsecond) is let go. (What that
-    /// cannot tell apart: an inspector the child itself started on another thread and that
-    /// was held up that long in the middle of its walk.)
+    /// An inspector is counted in: waits until it is done (a walk takes well under a
+    /// microsecond). (A child process made by `fork` while an inspector of the parent was
+    /// counted in on this fiber would wait for ever, as a fiber being walked at the fork
+    /// waited for ever under the compare-and-swap handshake: the window is the walk and one
+    /// system call.)
     #[cold]
     #[inline(never)]
     fn wait_uncounted_slow(&self) {
         let mut spins = 0u32;
         while self.held.load(Ordering::Acquire) != 0 {
-            std::hint::spin_loop();
-            spins = spins.wrapping_add(1);
-            // SAFETY: getpid has no preconditions.
-            if spins == 1 << 20 && unsafe { libc::getpid() } != PID.load(Ordering::Relaxed) {
-                self.held.store(0, Ordering::Release);
+            // The inspector may be off its CPU (in its system call, or preempted, on a
+            // machine with more threads than CPUs): after a short spin, the CPU is given up.
+            if spins < 64 {
+                spins += 1;
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
             }
         }
     }
 
     fn swap(&self, to: RunState, success: Ordering) {
+        let mut spins = 0u32;
         loop {
             let cur = self.state.load(Ordering::Relaxed);
             if cur == RunState::Inspecting as u8 {
-                std::hint::spin_loop();
+                // (As in `wait_uncounted_slow`.)
+                if spins < 64 {
+                    spins += 1;
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
                 continue;
             }
             if self
@@ -341,95 +297,6 @@ impl Drop for Inspection<'_> {
             Inspection::Swapped(state) => state.store(RunState::Suspended as u8, Ordering::Release),
         }
     }
-}
-
-/// Most fibers a listing counts itself in on ahead of their walks: a resume of one of them
-/// waits, at worst, for the walks (and the frames' lists) of the fibers before it.
-pub(crate) const AHEAD_MAX: usize = 8;
-
-/// Counts (the fibers' `held`) this thread's listing took ahead of their walks, each with
-/// whether a barrier was made since it was taken. `None`: no such listing runs here.
-type AheadList = Vec<(*const AtomicU8, bool)>;
-
-thread_local! {
-    static AHEAD: std::cell::RefCell<Option<AheadList>> = const { std::cell::RefCell::new(None) };
-}
-
-/// A listing of many fibers from another thread, under way on this thread: while it lives,
-/// [`RunCell::count_in_ahead`] counts this thread in on fibers ahead of their walks, and one
-/// barrier serves every fiber counted before it (a listing of 10,000 fibers that all moved
-/// made 10,000 system calls, each interrupting every CPU that runs a thread of the process).
-/// Dropped, it lets go of the counts its walks did not take. Make it after the list of the
-/// fibers it covers, so that it is dropped first: the counts point into their blocks.
-pub(crate) struct Ahead {
-    /// Whether this one began the listing (an inner one does nothing).
-    began: bool,
-    _not_send: std::marker::PhantomData<*const ()>,
-}
-
-impl Ahead {
-    pub(crate) fn begin() -> Ahead {
-        let began = AHEAD
-            .try_with(|a| {
-                let mut a = a.borrow_mut();
-                a.is_none()
-                    .then(|| *a = Some(Vec::with_capacity(AHEAD_MAX)))
-                    .is_some()
-            })
-            .unwrap_or(false);
-        Ahead {
-            began,
-            _not_send: std::marker::PhantomData,
-        }
-    }
-}
-
-impl Drop for Ahead {
-    fn drop(&mut self) {
-        if !self.began {
-            return;
-        }
-        let left = AHEAD
-            .try_with(|a| a.borrow_mut().take())
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        for (held, _) in left {
-            // SAFETY: the `held` of a block the listing holds (the list of fibers outlives
-            // this guard, see the type's docs); the count taken by `count_in_ahead`.
-            unsafe { (*held).fetch_sub(1, Ordering::Release) };
-        }
-    }
-}
-
-/// Takes `held`'s count out of this thread's listing, if it was counted in ahead: whether a
-/// barrier was made since (`None`: not counted ahead).
-fn take_ahead(held: &AtomicU8) -> Option<bool> {
-    AHEAD
-        .try_with(|a| {
-            let mut a = a.borrow_mut();
-            let list = a.as_mut()?;
-            let at = list.iter().position(|&(p, _)| std::ptr::eq(p, held))?;
-            Some(list.swap_remove(at).1)
-        })
-        .ok()
-        .flatten()
-}
-
-/// The process-wide barrier for an inspection counted in now: it serves too every fiber
-/// this thread's listing counted in ahead.
-fn heavy_for_ahead() -> bool {
-    if !barrier::heavy() {
-        return false;
-    }
-    let _ = AHEAD.try_with(|a| {
-        if let Some(list) = a.borrow_mut().as_mut() {
-            for e in list.iter_mut() {
-                e.1 = true;
-            }
-        }
-    });
-    true
 }
 
 thread_local! {
