@@ -116,17 +116,20 @@ fn info(c: &mut Criterion) {
     // Every fiber has run since the last call (one message each, then parked again at the
     // same depth): no kept walk is valid, so each call walks and resolves all 10,000 stacks
     // afresh (the symbol cache is warm, as in a process that has run for a while).
+    let move_all = || {
+        let feed = ch.clone();
+        s.spawn(move || {
+            for _ in 0..FIBERS {
+                feed.send(0).unwrap();
+            }
+        });
+        assert!(s.run().is_err());
+    };
     g.bench_function("resolved_backtraces_all_moved", |b| {
         b.iter_custom(|n| {
             let mut t = Duration::ZERO;
             for _ in 0..n {
-                let feed = ch.clone();
-                s.spawn(move || {
-                    for _ in 0..FIBERS {
-                        feed.send(0).unwrap();
-                    }
-                });
-                assert!(s.run().is_err());
+                move_all();
                 let t0 = Instant::now();
                 black_box(s.info(&opts));
                 t += t0.elapsed();
@@ -145,13 +148,7 @@ fn info(c: &mut Criterion) {
         b.iter_custom(|n| {
             let mut t = Duration::ZERO;
             for _ in 0..n {
-                let feed = ch.clone();
-                s.spawn(move || {
-                    for _ in 0..FIBERS {
-                        feed.send(0).unwrap();
-                    }
-                });
-                assert!(s.run().is_err());
+                move_all();
                 t += std::thread::scope(|sc| {
                     sc.spawn(|| {
                         let t0 = Instant::now();
