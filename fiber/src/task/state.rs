@@ -240,14 +240,7 @@ impl RunCell {
     fn wait_uncounted_slow(&self) {
         let mut spins = 0u32;
         while self.held.load(Ordering::Acquire) != 0 {
-            // The inspector may be off its CPU (in its system call, or preempted, on a
-            // machine with more threads than CPUs): after a short spin, the CPU is given up.
-            if spins < 64 {
-                spins += 1;
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+            back_off(&mut spins);
         }
     }
 
@@ -256,13 +249,7 @@ impl RunCell {
         loop {
             let cur = self.state.load(Ordering::Relaxed);
             if cur == RunState::Inspecting as u8 {
-                // (As in `wait_uncounted_slow`.)
-                if spins < 64 {
-                    spins += 1;
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::yield_now();
-                }
+                back_off(&mut spins);
                 continue;
             }
             if self
@@ -273,6 +260,19 @@ impl RunCell {
                 return;
             }
         }
+    }
+}
+
+/// One wait of a resumer for an inspection to end. The inspector may be off its CPU (in
+/// its system call, or preempted, on a machine with more threads than CPUs): after a short
+/// spin, the CPU is given up.
+#[inline]
+fn back_off(spins: &mut u32) {
+    if *spins < 64 {
+        *spins += 1;
+        std::hint::spin_loop();
+    } else {
+        std::thread::yield_now();
     }
 }
 
