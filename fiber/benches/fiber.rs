@@ -138,8 +138,8 @@ fn info(c: &mut Criterion) {
         })
     });
     // The same, listed from another thread (each walk then holds its fiber with the
-    // handshake a walk from another thread needs: `membarrier` where switches pay no locked
-    // instruction, a compare-and-swap with `FIBERTRACE_NO_MEMBARRIER=1`).
+    // handshake a walk from another thread needs: a compare-and-swap, or `membarrier` with
+    // `FIBERTRACE_MEMBARRIER=1`, where switches pay no locked instruction).
     let info_opts = fibertrace_fiber::info::InfoOptions {
         sample_running: false,
         ..fibertrace_fiber::info::InfoOptions::default()

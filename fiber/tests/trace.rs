@@ -368,16 +368,21 @@ fn inspected_while_another_thread_resumes_it_repeatedly() {
         torn.first()
     );
     assert!(resumes > 10, "the fiber kept being resumed: {resumes}");
-    // The handshake that kept them whole: the asymmetric one where the kernel offers the
-    // process-wide barrier (Linux 4.14 on, unless filtered), unless turned off.
-    let off =
-        std::env::var_os("FIBERTRACE_NO_MEMBARRIER").is_some_and(|v| !v.is_empty() && v != "0");
+    // The handshake that kept them whole.
+    assert_eq!(fibertrace_fiber::switches_unlocked(), unlocked_expected());
+}
+
+/// The handshake this process should use: the asymmetric one when asked for
+/// (`FIBERTRACE_MEMBARRIER=1`) where the kernel offers the process-wide barrier (Linux 4.14
+/// on, unless filtered), else the compare-and-swap.
+fn unlocked_expected() -> bool {
+    let on = std::env::var_os("FIBERTRACE_MEMBARRIER").is_some_and(|v| !v.is_empty() && v != "0");
     #[cfg(target_os = "linux")]
     // SAFETY: membarrier's query command only returns the commands the kernel offers.
     let offered = unsafe { libc::syscall(libc::SYS_membarrier, 0, 0, 0) } & (1 << 3) != 0;
     #[cfg(not(target_os = "linux"))]
     let offered = false;
-    assert_eq!(fibertrace_fiber::switches_unlocked(), offered && !off);
+    offered && on
 }
 
 /// What a listing from another thread costs the process under the asymmetric handshake: a
@@ -445,6 +450,7 @@ fn a_listing_from_another_thread_makes_a_barrier_per_walk_and_none_for_a_kept_on
     };
     let (traced, made, s) = walked(1);
     assert_eq!(traced, FIBERS);
+    assert_eq!(fibertrace_fiber::switches_unlocked(), unlocked_expected());
     if fibertrace_fiber::switches_unlocked() {
         assert_eq!(made, FIBERS as u64);
         // Nothing moved: every walk is kept, no barrier.
@@ -464,20 +470,21 @@ fn a_listing_from_another_thread_makes_a_barrier_per_walk_and_none_for_a_kept_on
     t.join().unwrap();
 }
 
-/// The test above again, in a process of its own under the compare-and-swap handshake (the
-/// handshake is chosen once per process).
+/// The listing test above again, in a process of its own under the asymmetric handshake
+/// (`FIBERTRACE_MEMBARRIER=1`; the handshake is chosen once per process): a barrier per walk
+/// of a moved fiber, none for a kept walk, every trace whole.
 #[test]
-fn inspected_while_resumed_under_the_compare_and_swap_handshake_too() {
-    if std::env::var_os("FIBERTRACE_NO_MEMBARRIER").is_some() {
+fn a_listing_from_another_thread_under_the_asymmetric_handshake_too() {
+    if std::env::var_os("FIBERTRACE_MEMBARRIER").is_some() {
         return; // (this is the child: the test above is the one it runs)
     }
     let o = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "inspected_while_another_thread_resumes_it_repeatedly",
+            "a_listing_from_another_thread_makes_a_barrier_per_walk_and_none_for_a_kept_one",
             "--test-threads=1",
         ])
-        .env("FIBERTRACE_NO_MEMBARRIER", "1")
+        .env("FIBERTRACE_MEMBARRIER", "1")
         .output()
         .unwrap();
     let out = String::from_utf8_lossy(&o.stdout);

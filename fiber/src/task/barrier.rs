@@ -3,21 +3,21 @@
 //! `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)`), so that the scheduler's side of the
 //! handshake needs only a compiler barrier — no locked instruction per switch.
 //!
-//! Platform code: Linux only; elsewhere (and where the kernel refuses it: before 4.14, under a
-//! seccomp filter, `FIBERTRACE_NO_MEMBARRIER` set) [`available`] says no and the handshake
-//! uses a compare-and-swap on each side instead.
+//! Opt-in (`FIBERTRACE_MEMBARRIER=1`): a listing from another thread that keeps retrying a
+//! fiber parked only briefly, on a loaded machine, starved its scheduler thread (each try a
+//! barrier, each barrier a resume that waited). Platform code: Linux only; elsewhere, where
+//! the kernel refuses it (before 4.14, under a seccomp filter), or not asked for,
+//! [`available`] says no and the handshake uses a compare-and-swap on each side instead.
 //!
 //! How it can fail: a forked child is not registered (registration is per address space);
 //! [`heavy`] then registers again, and when that fails too it says so (the inspection is
 //! refused rather than made unsafe).
 
-/// Whether the heavy barrier can be used in this process: asked the kernel once (and
-/// registered for it), unless `FIBERTRACE_NO_MEMBARRIER` is set to anything but `0` or the
-/// empty string (for systems where the interrupts it sends to other CPUs are unwelcome).
+/// Whether the heavy barrier is to be used in this process: `FIBERTRACE_MEMBARRIER` set to
+/// anything but `0` or the empty string, and the kernel registered the process for it.
 pub(crate) fn available() -> bool {
-    let off =
-        std::env::var_os("FIBERTRACE_NO_MEMBARRIER").is_some_and(|v| !v.is_empty() && v != "0");
-    !off && register()
+    let on = std::env::var_os("FIBERTRACE_MEMBARRIER").is_some_and(|v| !v.is_empty() && v != "0");
+    on && register()
 }
 
 #[cfg(target_os = "linux")]
@@ -72,8 +72,8 @@ pub(crate) fn heavy() -> bool {
     fence(Ordering::SeqCst);
     if !done && !REFUSED.swap(true, Ordering::Relaxed) {
         let msg = b"fibertrace: membarrier was refused after it had been granted: stacks of \
-fibers are no longer walked from other threads (set FIBERTRACE_NO_MEMBARRIER=1 before the \
-first scheduler where the system call is filtered)\n";
+fibers are no longer walked from other threads (leave FIBERTRACE_MEMBARRIER unset where the \
+system call is filtered)\n";
         // SAFETY: writes a static message to the standard error.
         unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
     }

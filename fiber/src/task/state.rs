@@ -17,7 +17,7 @@
 //!   inspection under way (a walk takes well under a microsecond).
 //!
 //! Two handshakes keep a walk from overlapping a resume, chosen once per process:
-//! - *Asymmetric* (Linux, where `membarrier` is allowed): the resumer stores `Running`, then,
+//! - *Asymmetric* (Linux, where `membarrier` is allowed, with `FIBERTRACE_MEMBARRIER=1`): the resumer stores `Running`, then,
 //!   past a compiler barrier only, reads the count of inspectors announced on the fiber
 //!   (`held`), and waits while it is not zero. An inspector on another thread counts itself
 //!   in, makes every thread of the process pass a full barrier ([`super::barrier::heavy`]),
@@ -26,7 +26,7 @@
 //!   (and waits for it), or the inspector sees `Running` (and walks nothing). A switch pays
 //!   no locked instruction; an inspection from another thread pays a system call (~0.2-5
 //!   us, more with more threads running).
-//! - *Compare-and-swap* (elsewhere, or with `FIBERTRACE_NO_MEMBARRIER` set): the inspector
+//! - *Compare-and-swap* (the default): the inspector
 //!   swaps `Suspended → Inspecting`, the resumer swaps out of any state but `Inspecting`.
 //!
 //! An inspector on the fiber's own thread needs neither: nothing there resumes the fiber
@@ -106,7 +106,7 @@ pub(crate) fn choose_mode() -> bool {
 /// Whether this process's fiber switches pay no locked instruction: the inspection
 /// handshake is the asymmetric one, whose cost falls on inspections from other threads (a
 /// `membarrier` system call each) instead of on every switch. False where the kernel does
-/// not offer `membarrier`, or with `FIBERTRACE_NO_MEMBARRIER=1` in the environment (read
+/// not offer `membarrier`, and unless `FIBERTRACE_MEMBARRIER=1` is in the environment (read
 /// once, when the first scheduler is made or this is first called).
 pub fn switches_unlocked() -> bool {
     asymmetric()
@@ -202,8 +202,14 @@ impl RunCell {
     pub(crate) fn begin_resume(&self, unlocked: bool) {
         debug_assert_eq!(unlocked, asymmetric());
         if unlocked {
+            let was = self.state.load(Ordering::Relaxed);
             self.state.store(RunState::Running as u8, Ordering::Relaxed);
-            self.wait_uncounted();
+            // The store above stays before the load below (an inspector's barrier does the
+            // rest).
+            compiler_fence(Ordering::SeqCst);
+            if self.held.load(Ordering::Acquire) != 0 {
+                self.resume_after_inspection(was);
+            }
         } else {
             self.swap(RunState::Running, Ordering::Acquire);
         }
@@ -216,6 +222,29 @@ impl RunCell {
             self.wait_uncounted();
         } else {
             self.swap(RunState::Dead, Ordering::AcqRel);
+        }
+    }
+
+    /// An inspector was counted in when the resumer stored `Running`. The fiber has not run
+    /// since: it is parked as it was, and says so again (`was`: `Suspended`, its registers
+    /// as recorded, or `New`), so that the inspector, which reads the state after its
+    /// barrier, walks it instead of finding it running — a fiber parked for less than the
+    /// barrier takes would otherwise never be walked from another thread. Then the resume
+    /// waits for the inspectors and tries again.
+    #[cold]
+    #[inline(never)]
+    fn resume_after_inspection(&self, was: u8) {
+        loop {
+            self.state.store(was, Ordering::Release);
+            let mut spins = 0u32;
+            while self.held.load(Ordering::Acquire) != 0 {
+                back_off(&mut spins);
+            }
+            self.state.store(RunState::Running as u8, Ordering::Relaxed);
+            compiler_fence(Ordering::SeqCst);
+            if self.held.load(Ordering::Acquire) == 0 {
+                return;
+            }
         }
     }
 
