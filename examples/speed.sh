@@ -101,6 +101,8 @@ verdict() { # holds? -> word
 }
 echo
 echo "== speed goals (issue #20): Lua figures, medians of $n alternating runs per size =="
+cpu=$(sed -n 's/^model name[[:space:]]*:[[:space:]]*//p' /proc/cpuinfo 2> /dev/null | head -n 1)
+echo "on ${cpu:-an unknown CPU}, tarantool: $([ -n "$tt" ] && "$tt" --version 2> /dev/null | head -n 1 || echo none)"
 if [ -z "$tt" ]; then
     for size in $sizes; do
         printf 'fiber.info({backtrace=false}) %5d fibers: %.3f us per fiber (mean %.3f); fiber.info(): %.3f (mean %.3f); each moved: %.3f\n' \

@@ -428,6 +428,9 @@ fn line(what: &str, ours: f64, unit: &str, anchor: &str, theirs: f64, goal: f64)
 fn table(_c: &mut Criterion) {
     println!();
     println!("== speed goals (issue #20): Rust figures, medians of criterion's samples ==");
+    // The machine's kind comes with different CPUs (figures moved 1.5-1.8x between an
+    // Intel and an AMD one): which one ran these.
+    println!("on {}", cpu_model());
     if let (Some(a), Some(b)) = (median("precise"), median("libunwind")) {
         line("precise capture, 42 frames", a, "ns", "libunwind", b, 0.8);
     }
@@ -497,6 +500,18 @@ fn table(_c: &mut Criterion) {
             "native bytes per frame"
         );
     }
+}
+
+/// The CPU's model name as Linux reports it, or what is known when it does not.
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("model name")?.split_once(':'))
+                .map(|(_, m)| m.trim().to_string())
+        })
+        .unwrap_or_else(|| format!("an unknown {} CPU", std::env::consts::ARCH))
 }
 
 criterion_group! {
