@@ -498,9 +498,9 @@ fn a_listing_from_another_thread_under_the_asymmetric_handshake_too() {
 /// Fibers come and go on one thread while another lists them all, over and over: every
 /// suspended fiber's trace read is whole. The fibers stay (parked, sleeping) until the reader
 /// has checked some of their traces, or 20 s: the run is a few milliseconds, and the reader's
-/// first listing that meets frames loads the test binary's symbols (~170 ms here), which let
-/// the whole run go by unseen on a machine where the thread started late (an AMD one, 30 of
-/// 30 runs in release). The symbols are loaded first for the same reason.
+/// first listing that meets frames loads the test binary's symbols (~170 ms on an AMD
+/// machine), during which the whole run went by unseen (30 of 30 runs in release there). The
+/// symbols are loaded first for the same reason.
 #[test]
 fn thousand_fibers_come_and_go_while_info_is_read_from_another_thread() {
     Scheduler::new()
