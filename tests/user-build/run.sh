@@ -12,13 +12,16 @@
 # pointers, default debug info). Each cell has its own target directory under
 # target/user-build/ (kept between runs: a second run is quick; FT_USER_BUILD_CLEAN=1 removes
 # each cell's directory once the cell has run, for a machine short of disk: 15 full builds
-# kept side by side take several GB).
+# kept side by side take several GB). FT_USER_BUILD_JOBS cells are built at once (default 2: a
+# cell's build leaves a core idle a third of the time, in its serial chain of crates); each
+# cell's output is printed whole when it ends.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 targets="${FT_USER_BUILD_TARGET:-$repo/target/user-build}"
 outside="$(mktemp -d)"
-trap 'rm -rf "$outside"' EXIT
+# (Cells still building when the script ends early are stopped with it.)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$outside"' EXIT
 
 all_cells=()
 for prof in dev release; do
@@ -32,9 +35,9 @@ all_cells+=("release-small" "lua-dev" "lua-release")
 cells=("$@")
 [ "${#cells[@]}" -gt 0 ] || cells=("${all_cells[@]}")
 
-failed=()
-passed=0
-for cell in "${cells[@]}"; do
+# One cell: built, then run; its status is the run's (a failed build fails it too).
+run_cell() {
+  local cell="$1"
   prof="${cell%%-*}"
   envs=(-u RUSTFLAGS -u CARGO_ENCODED_RUSTFLAGS -u CARGO_BUILD_RUSTFLAGS -u CFLAGS)
   manifest="$here/Cargo.toml"
@@ -57,20 +60,20 @@ for cell in "${cells[@]}"; do
       case "$fp" in
         fp) envs+=("RUSTFLAGS=-C force-frame-pointers=yes"); fpflag=1 ;;
         nofp) ;;
-        *) echo "unknown cell $cell" >&2; exit 2 ;;
+        *) echo "unknown cell $cell" >&2; return 2 ;;
       esac
       case "$dbg" in
         debug0) envs+=("CARGO_PROFILE_${PROF_UP}_DEBUG=0") ;;
         lines) envs+=("CARGO_PROFILE_${PROF_UP}_DEBUG=line-tables-only"); lines=1 ;;
         debug2) envs+=("CARGO_PROFILE_${PROF_UP}_DEBUG=2"); lines=1 ;;
-        *) echo "unknown cell $cell" >&2; exit 2 ;;
+        *) echo "unknown cell $cell" >&2; return 2 ;;
       esac ;;
-    *) echo "unknown cell $cell" >&2; exit 2 ;;
+    *) echo "unknown cell $cell" >&2; return 2 ;;
   esac
   case "$prof" in
     dev) profdir=debug; relflag=() ;;
     release) profdir=release; relflag=(--release) ;;
-    *) echo "unknown cell $cell" >&2; exit 2 ;;
+    *) echo "unknown cell $cell" >&2; return 2 ;;
   esac
   echo "== user build: $cell"
   # Built from $outside: cargo reads .cargo/config.toml from the current directory upwards.
@@ -79,12 +82,45 @@ for cell in "${cells[@]}"; do
   bin="$targets/$cell/$profdir/$binname"
   # FT_FRAME_POINTERS: the binary checks that its own code was built as the cell says (the
   # repository's frame-pointer flag must not leak into a user's build).
-  if (cd "$outside" && env FT_EXPECT_LINES="$lines" FT_FRAME_POINTERS="$fpflag" "$bin"); then
+  (cd "$outside" && env FT_EXPECT_LINES="$lines" FT_FRAME_POINTERS="$fpflag" "$bin")
+}
+
+for cell in "${cells[@]}"; do
+  case " ${all_cells[*]} " in
+    *" $cell "*) ;;
+    *) echo "unknown cell $cell" >&2; exit 2 ;;
+  esac
+done
+
+jobs_max="${FT_USER_BUILD_JOBS:-2}"
+case "$jobs_max" in
+  ''|*[!0-9]*|0) echo "FT_USER_BUILD_JOBS must be a positive whole number, not '$jobs_max'" >&2; exit 2 ;;
+esac
+logs="$outside/logs"
+mkdir -p "$logs"
+failed=()
+passed=0
+running=()
+# Waits for the oldest running cell, prints its output and counts it.
+finish_oldest() {
+  local cell="${running[0]}" pid="${pids[0]}"
+  running=("${running[@]:1}")
+  pids=("${pids[@]:1}")
+  if wait "$pid"; then
     passed=$((passed + 1))
   else
     failed+=("$cell")
   fi
+  cat "$logs/$cell"
   if [ "${FT_USER_BUILD_CLEAN:-0}" = 1 ]; then rm -rf "${targets:?}/$cell"; fi
+}
+pids=()
+for cell in "${cells[@]}"; do
+  if [ "${#running[@]}" -ge "$jobs_max" ]; then finish_oldest; fi
+  (set -e; run_cell "$cell") > "$logs/$cell" 2>&1 &
+  pids+=("$!")
+  running+=("$cell")
 done
+while [ "${#running[@]}" -gt 0 ]; do finish_oldest; done
 echo "user build cells: ${passed} passed, ${#failed[@]} failed${failed:+ (${failed[*]})}"
 [ "${#failed[@]}" -eq 0 ]

@@ -117,15 +117,21 @@ fn encode_bits(st: &[u64], size: u64, w: &mut impl BitSink) -> Result<(), Error>
         let cur = st[n];
         // Best reference: smallest |difference|, strict `<` so the earliest wins ties.
         let mut best: Option<(usize, u64, bool)> = None;
-        for (m, &prev) in st.iter().enumerate().take(n).skip(n.saturating_sub(8)) {
+        // (An index loop: an allocator runs this per allocation, and in a debug build each
+        // iterator adapter is a call per step.)
+        let mut m = n.saturating_sub(8);
+        while m < n {
+            let prev = st[m];
             let (d, sub) = if cur > prev {
                 (cur - prev, false)
             } else {
                 (prev - cur, true)
             };
-            if best.is_none_or(|(_, bd, _)| d < bd) {
-                best = Some((m, d, sub));
+            match best {
+                Some((_, bd, _)) if d >= bd => {}
+                _ => best = Some((m, d, sub)),
             }
+            m += 1;
         }
         let ql = sigbits(cur);
         let delta = match best {

@@ -18,6 +18,40 @@ use crate::frame::Frame;
 use std::collections::HashMap;
 use std::fmt::Write as _;
 
+/// Decoded every-tier blobs, by their bytes: a program's allocations come from few distinct
+/// stacks (and sizes), and a blob decodes bit by bit, so a listing of 200,000 allocations
+/// made in one loop decodes a handful (a direct-mapped table: a slot holds the last blob that
+/// hashed to it, a miss decodes and replaces it).
+struct DecodeMemo {
+    slots: Vec<Option<(Box<[u8]>, LwsTrace)>>,
+}
+
+impl Default for DecodeMemo {
+    fn default() -> DecodeMemo {
+        DecodeMemo {
+            slots: vec![None; DecodeMemo::SLOTS],
+        }
+    }
+}
+
+impl DecodeMemo {
+    const SLOTS: usize = 256;
+
+    /// `blob` decoded (`None`: it does not decode).
+    fn decode(&mut self, blob: &[u8]) -> Option<&LwsTrace> {
+        use std::hash::Hasher as _;
+        let mut h = crate::symbolize::AddrHasher::default();
+        h.write(blob);
+        let i = (h.finish() as usize) % Self::SLOTS;
+        let hit = matches!(&self.slots[i], Some((b, _)) if **b == *blob);
+        if !hit {
+            let t = LwsTrace::decode(blob).ok()?;
+            self.slots[i] = Some((blob.into(), t));
+        }
+        self.slots[i].as_ref().map(|(_, t)| t)
+    }
+}
+
 /// One live allocation (every tier) or sample (sampled tier).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct LiveAlloc {
@@ -53,8 +87,9 @@ pub fn live() -> Vec<LiveAlloc> {
         Tier::Every => {
             raw.reserve(every::count() + 64);
             every::for_each(|p, blob, slot| raw.push((p, blob.to_vec(), slot)));
+            let mut memo = DecodeMemo::default();
             for (ptr, blob, slot) in raw {
-                let Ok(t) = LwsTrace::decode(&blob) else {
+                let Some(t) = memo.decode(&blob) else {
                     continue;
                 };
                 let (fiber, exited) = owner::fiber_of(slot);
@@ -63,7 +98,7 @@ pub fn live() -> Vec<LiveAlloc> {
                     size: t.size as usize,
                     fiber,
                     exited,
-                    addrs: t.addrs,
+                    addrs: t.addrs.clone(),
                     bytes: t.size as i64,
                     objects: 1,
                     blob,
@@ -315,21 +350,24 @@ pub fn for_each_live(mut f: impl FnMut(&LiveRef)) {
     // Paused throughout, as `live`: the walk holds the list's lock.
     let _busy = super::pause();
     match super::tier() {
-        Tier::Every => every::for_each(|ptr, blob, slot| {
-            let Ok(t) = LwsTrace::decode(blob) else {
-                return;
-            };
-            let (fiber, exited) = owner::fiber_of(slot);
-            f(&LiveRef {
-                ptr,
-                size: t.size as usize,
-                fiber,
-                exited,
-                addrs: &t.addrs,
-                bytes: t.size as i64,
-                objects: 1,
-            });
-        }),
+        Tier::Every => {
+            let mut memo = DecodeMemo::default();
+            every::for_each(|ptr, blob, slot| {
+                let Some(t) = memo.decode(blob) else {
+                    return;
+                };
+                let (fiber, exited) = owner::fiber_of(slot);
+                f(&LiveRef {
+                    ptr,
+                    size: t.size as usize,
+                    fiber,
+                    exited,
+                    addrs: &t.addrs,
+                    bytes: t.size as i64,
+                    objects: 1,
+                });
+            })
+        }
         Tier::Sampled => {
             for (ptr, s) in sample::samples() {
                 let (fiber, exited) = owner::fiber_of(s.slot);

@@ -237,12 +237,16 @@ const CAP_NAMES: [&str; 41] = [
 /// How long a dump waits for another one that holds the process (see [`held_by_a_dump`]).
 const DUMP_TURN: Duration = Duration::from_secs(10);
 
-/// Whether process `pid` is traced by a dump of this program's (the same executable): it
-/// lets go once done.
+/// Whether process `pid` is traced by a dump of this program's (the same executable) in
+/// another process: it lets go once done. (A tracer in this very process is not waited for:
+/// it cannot let go while this thread waits for it.)
 fn held_by_a_dump(pid: i32) -> bool {
     let Some(t) = platform::tracer(pid) else {
         return false;
     };
+    if in_this_process(t) {
+        return false;
+    }
     let (Ok(theirs), Ok(ours)) = (
         std::fs::read_link(format!("/proc/{t}/exe")),
         std::env::current_exe(),
@@ -250,6 +254,11 @@ fn held_by_a_dump(pid: i32) -> bool {
         return false;
     };
     theirs == ours
+}
+
+/// Whether thread `tid` is one of this process's.
+fn in_this_process(tid: i32) -> bool {
+    std::path::Path::new(&format!("/proc/self/task/{tid}")).exists()
 }
 
 fn permission(pid: i32) -> DumpError {
@@ -378,10 +387,16 @@ impl Session {
         let mut tries = 0;
         loop {
             let r = Self::open_once(pid, opts);
-            let changing = matches!(
-                r,
-                Err(DumpError::Permission { .. } | DumpError::Zombie(_) | DumpError::Exited(_))
-            );
+            // (A refusal because another process's tracer holds it is no exec's: said at
+            // once, after the one wait for a dump's turn `open_once` made. A tracer in this
+            // process is this reader's last stop, still ending while the process execs.)
+            let changing = match &r {
+                Err(DumpError::Permission { .. }) => {
+                    platform::tracer(pid).is_none_or(in_this_process)
+                }
+                Err(DumpError::Zombie(_) | DumpError::Exited(_)) => true,
+                _ => false,
+            };
             if !changing {
                 return r;
             }
