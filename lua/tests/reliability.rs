@@ -1341,7 +1341,8 @@ fn leaks_of_200000_allocations_at_the_memory_limit_are_reported() {
     // (What the script printed says which step a failure came in: now and then in CI, under
     // the Lua 5.4 flavour, the process aborted on a failed allocation of 896 bytes, its crash
     // report short of memory too; 8 runs alone and 12 with four at once did not repeat it.)
-    assert_eq!(o.status.code(), Some(0), "stdout:\n{out}\nstderr:\n{err}");
+    // (Standard output last: a CI log's excerpt shows a failure's last lines.)
+    assert_eq!(o.status.code(), Some(0), "stderr:\n{err}\nstdout:\n{out}");
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines.len(), 4, "{out}{err}");
     assert_eq!(lines[0], "filled\tfalse\tnot enough memory", "{out}{err}");

@@ -25,9 +25,12 @@
 //! asks the inner allocator again: under an address-space limit, that is room for the C
 //! library too.
 //!
+//! Past the arena, last, a block up to 64 KiB takes the symbolizer's set-aside room
+//! (`symbolize::set_aside_room`, given back whole): frames left unnamed beat an abort.
+//!
 //! How it can fall short: the reserve is [`RESERVE_BYTES`]; an allocation that does not fit
-//! in what is left of it fails as before (the process aborts; a line on the standard error
-//! says how much of the reserve was in use). A block over 64 KiB freed out of order is not
+//! in what is left of it, nor in the symbolizer's room, fails as before (the process aborts;
+//! a line on the standard error says how much of the reserve was in use). A block over 64 KiB freed out of order is not
 //! reused until every arena block is free, nor is a freed block of one class for another
 //! (up to half of a class block is padding). Memory that the inner allocator refuses for a
 //! reason other than exhaustion (an impossible layout) is refused here too only when it does
@@ -565,6 +568,26 @@ impl<A: GlobalAlloc> Reserve<A> {
         }
         let q = carve(layout);
         if q.is_null() {
+            // The arena spent: a small block refused now aborts the process (the code that
+            // asks for one does not expect a refusal). Last, the symbolizer's set-aside room
+            // (tens of MB, the program's file size and more): frames left unnamed beat an
+            // abort. (Not for a large block, whose refusal the caller usually takes in its
+            // stride: that room stays for the report that needs it.)
+            if layout.size() <= MIN_CLASS << (CLASSES - 1)
+                && crate::symbolize::give_back_room_to_the_allocator()
+            {
+                // SAFETY: the caller's contract.
+                let p = unsafe {
+                    if zeroed {
+                        self.inner.alloc_zeroed(layout)
+                    } else {
+                        self.inner.alloc(layout)
+                    }
+                };
+                if !p.is_null() {
+                    return p;
+                }
+            }
             tell_spent(layout.size());
         }
         if zeroed && !q.is_null() {

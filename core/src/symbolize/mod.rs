@@ -301,6 +301,31 @@ impl RoomAside {
         linux::give_back(p, n);
         true
     }
+
+    /// [`RoomAside::give_back`] without waiting: nothing when another thread is taking or
+    /// giving back the room just now. For an allocator's refusal, which must not block on
+    /// a lock a thread could hold while it allocates.
+    pub(crate) fn try_give_back(&self) -> bool {
+        let mut a = match self.0.try_lock() {
+            Ok(a) => a,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return false,
+        };
+        let (p, n) = std::mem::take(&mut *a);
+        if p == 0 {
+            return false;
+        }
+        linux::give_back(p, n);
+        true
+    }
+}
+
+/// The process's allocator's last resort, when its emergency reserve is spent and a small
+/// allocation would abort the process: gives back the symbolizer's room (see
+/// [`set_aside_room`]) — room kept so that a report can name its frames is no use to a
+/// process that aborts. Whether it gave back any.
+pub(crate) fn give_back_room_to_the_allocator() -> bool {
+    ASIDE.try_give_back()
 }
 
 impl Default for RoomAside {
