@@ -555,13 +555,7 @@ impl<A: GlobalAlloc> Reserve<A> {
         }
         if give_back(layout.size()) {
             // SAFETY: the caller's contract.
-            let p = unsafe {
-                if zeroed {
-                    self.inner.alloc_zeroed(layout)
-                } else {
-                    self.inner.alloc(layout)
-                }
-            };
+            let p = unsafe { self.inner_again(layout, zeroed) };
             if !p.is_null() {
                 return p;
             }
@@ -577,13 +571,7 @@ impl<A: GlobalAlloc> Reserve<A> {
                 && crate::symbolize::give_back_room_to_the_allocator()
             {
                 // SAFETY: the caller's contract.
-                let p = unsafe {
-                    if zeroed {
-                        self.inner.alloc_zeroed(layout)
-                    } else {
-                        self.inner.alloc(layout)
-                    }
-                };
+                let p = unsafe { self.inner_again(layout, zeroed) };
                 if !p.is_null() {
                     return p;
                 }
@@ -595,6 +583,21 @@ impl<A: GlobalAlloc> Reserve<A> {
             unsafe { std::ptr::write_bytes(q, 0, layout.size()) };
         }
         q
+    }
+
+    /// The inner allocator asked again, once room was given back.
+    ///
+    /// # Safety
+    /// As `GlobalAlloc::alloc` (a non-zero-sized layout).
+    unsafe fn inner_again(&self, layout: Layout, zeroed: bool) -> *mut u8 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            if zeroed {
+                self.inner.alloc_zeroed(layout)
+            } else {
+                self.inner.alloc(layout)
+            }
+        }
     }
 }
 
