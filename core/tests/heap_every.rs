@@ -138,6 +138,9 @@ fn m_lines_carry_the_stored_blob_and_round_trip_through_the_lws_decoder() {
     let n = heap::write_m_lines(&mut out).unwrap();
     assert!(n >= 1);
     let text = String::from_utf8(out).unwrap();
+    // One line per allocation counted, each a whole `~m#` line.
+    assert_eq!(text.lines().count(), n);
+    assert!(text.ends_with('\n') && text.lines().all(|l| l.starts_with("~m#")));
     let line = text
         .lines()
         .find(|l| LwsTrace::from_m_line(l).is_ok_and(|t| t.size == 777 && t.addrs == a.addrs))

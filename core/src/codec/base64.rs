@@ -11,7 +11,20 @@ const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwx
 
 /// Encodes `data` with the standard alphabet and `=` padding, no line breaks.
 pub fn encode(data: &[u8]) -> String {
-    let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
+    let mut out = Vec::with_capacity(encoded_len(data.len()));
+    encode_into(data, &mut out);
+    // The alphabet and the padding are ASCII.
+    String::from_utf8(out).unwrap_or_default()
+}
+
+/// The length of [`encode`]'s text for `n` bytes.
+pub fn encoded_len(n: usize) -> usize {
+    n.div_ceil(3) * 4
+}
+
+/// [`encode`], appended to `out` (which grows as a `Vec` does when it lacks the room: reserve
+/// [`encoded_len`] first where a failed allocation must not abort).
+pub fn encode_into(data: &[u8], out: &mut Vec<u8>) {
     for chunk in data.chunks(3) {
         let b = [
             chunk[0],
@@ -21,13 +34,12 @@ pub fn encode(data: &[u8]) -> String {
         let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
         for i in 0..4 {
             if i <= chunk.len() {
-                out.push(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize] as char);
+                out.push(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize]);
             } else {
-                out.push('=');
+                out.push(b'=');
             }
         }
     }
-    out
 }
 
 fn value(c: u8) -> Option<u8> {

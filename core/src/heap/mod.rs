@@ -56,9 +56,9 @@ pub use reserve::{
 };
 pub use totals::{totals, Total, MAX_ENTRIES};
 pub use view::{
-    add_fiber_trampoline, for_each_live, group, group_live, human_bytes, live, machinery_frames,
-    own_frames, render_groups, share_name, write_m_lines, Group, Grouped, LiveAlloc, LiveRef,
-    Share,
+    add_fiber_trampoline, for_each_live, group, group_live, human_bytes, live, m_lines,
+    machinery_frames, own_frames, render_groups, share_name, write_m_lines, Group, Grouped,
+    LiveAlloc, LiveRef, Share,
 };
 
 use std::alloc::{GlobalAlloc, Layout};

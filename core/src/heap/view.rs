@@ -133,29 +133,102 @@ pub fn live() -> Vec<LiveAlloc> {
 }
 
 /// Writes one lws `~m#` line per live allocation (the every tier's stored blobs, which lws's
-/// decoder reads; in the sampled tier one per sample). Returns how many.
+/// decoder reads; in the sampled tier one per sample). Returns how many. See [`m_lines`].
 pub fn write_m_lines(w: &mut dyn std::io::Write) -> std::io::Result<usize> {
-    let _busy = super::pause();
-    // Every allocation is listed in memory first (a few hundred bytes each): under an
-    // address-space limit with less room than that, an error rather than an abort midway.
-    let n = every::count();
-    let need = n.saturating_mul(LISTED_BYTES).saturating_add(1 << 20);
-    if !crate::symbolize::address_space_room(need) {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::OutOfMemory,
-            format!("not enough memory to list {n} live allocations"),
-        ));
-    }
-    let all = live();
-    for a in &all {
-        writeln!(w, "{M_LEAD}{}", crate::codec::base64::encode(&a.blob))?;
-    }
-    Ok(all.len())
+    let (text, n) = m_lines()?;
+    w.write_all(&text)?;
+    Ok(n)
 }
 
-/// Bytes [`write_m_lines`] wants free per listed allocation (its entry in [`live`]'s list,
-/// its stack, its blob and its line).
-const LISTED_BYTES: usize = 512;
+/// [`write_m_lines`]'s text, and how many lines it holds.
+///
+/// The lines are written straight from the live list into one buffer, sized by a first walk
+/// that only adds up the blobs' lengths: no list of the allocations is made first (it took
+/// several hundred bytes per allocation, a listing of 270,000 of them over 150 MB, which at
+/// an address-space limit ran the process out of memory midway and aborted it). Under a
+/// limit, when there is no room for twice the text (it and the caller's copy, a Lua string),
+/// or when the buffer cannot grow as the list grows meanwhile, an error
+/// ([`std::io::ErrorKind::OutOfMemory`]: "not enough memory to list N live allocations"),
+/// never an abort.
+pub fn m_lines() -> std::io::Result<(Vec<u8>, usize)> {
+    use crate::codec::base64;
+    let _busy = super::pause();
+    let line_len = |blob: usize| M_LEAD.len() + base64::encoded_len(blob) + 1;
+    let tier = super::tier();
+    let samples = if tier == Tier::Sampled {
+        sample::samples()
+    } else {
+        Vec::new()
+    };
+    let (n, total) = match tier {
+        Tier::Every => {
+            let (mut n, mut total) = (0usize, 0usize);
+            every::for_each(|_, blob, _| {
+                n += 1;
+                total = total.saturating_add(line_len(blob.len()));
+            });
+            (n, total)
+        }
+        // (A sample's blob is at most lws's largest.)
+        Tier::Sampled => (
+            samples.len(),
+            samples
+                .len()
+                .saturating_mul(line_len(crate::codec::lws::MAX_BLOB)),
+        ),
+        Tier::Off => (0, 0),
+    };
+    let refused = |n: usize| {
+        std::io::Error::new(
+            std::io::ErrorKind::OutOfMemory,
+            format!("not enough memory to list {n} live allocations"),
+        )
+    };
+    if !crate::symbolize::address_space_room(total.saturating_mul(2).saturating_add(1 << 20)) {
+        return Err(refused(n));
+    }
+    let mut out: Vec<u8> = Vec::new();
+    out.try_reserve_exact(total).map_err(|_| refused(n))?;
+    let mut lines = 0usize;
+    let mut short = false;
+    let mut push = |blob: &[u8]| {
+        if short || out.try_reserve(line_len(blob.len())).is_err() {
+            short = true;
+            return;
+        }
+        out.extend_from_slice(M_LEAD.as_bytes());
+        base64::encode_into(blob, &mut out);
+        out.push(b'\n');
+        lines += 1;
+    };
+    match tier {
+        Tier::Every => {
+            // Only the blobs that decode, as [`live`] lists them.
+            let mut memo = DecodeMemo::default();
+            every::for_each(|_, blob, _| {
+                if memo.decode(blob).is_some() {
+                    push(blob);
+                }
+            });
+        }
+        Tier::Sampled => {
+            for (_, s) in &samples {
+                let trace = LwsTrace {
+                    size: s.size as u64,
+                    addrs: s.frames[..usize::from(s.depth)].to_vec(),
+                };
+                if let Ok(blob) = trace.encode() {
+                    push(&blob);
+                }
+            }
+        }
+        Tier::Off => {}
+    }
+    if short {
+        return Err(refused(lines.max(n)));
+    }
+    Ok((out, lines))
+}
 
 /// A fiber's share of a [`Group`].
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

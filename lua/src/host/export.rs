@@ -206,15 +206,14 @@ pub(super) fn heap_body(c: &mut Call) -> LResult {
                 return Ok(2);
             }
         },
-        b"lws" => {
-            let mut out = Vec::new();
-            if let Err(e) = heap::write_m_lines(&mut out) {
+        b"lws" => match heap::m_lines() {
+            Ok((text, _)) => text,
+            Err(e) => {
                 c.push_nil()?;
                 c.push_str(&e.to_string())?;
                 return Ok(2);
             }
-            out
-        }
+        },
         b"text" => crate::heap_text(top).into_bytes(),
         _ => return heap_table(c, top),
     };
