@@ -105,6 +105,17 @@ fn a_large_allocation_is_sampled_with_its_stack_and_fiber() {
         .expect("sampled");
     assert_eq!((a.size, a.fiber, a.objects), (16 << 20, Some(9), 1));
     assert_eq!(a.bytes, 16 << 20);
+    // Its `~m#` line: the sample's stack and size, as lws's decoder reads them; one whole
+    // line per sample.
+    let (text, n) = heap::m_lines().unwrap();
+    let text = String::from_utf8(text).unwrap();
+    assert_eq!(text.lines().count(), n);
+    assert!(
+        text.lines()
+            .map(|l| fibertrace_core::codec::lws::LwsTrace::from_m_line(l).unwrap())
+            .any(|t| t.size == 16 << 20 && t.addrs == a.addrs),
+        "no line for the sample in\n{text}"
+    );
     let g = heap::group(&[a]);
     let names: Vec<String> = g[0].frames[..3]
         .iter()

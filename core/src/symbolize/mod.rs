@@ -294,12 +294,7 @@ impl RoomAside {
     /// Gives back what it holds; whether it held any.
     pub fn give_back(&self) -> bool {
         let mut a = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let (p, n) = std::mem::take(&mut *a);
-        if p == 0 {
-            return false;
-        }
-        linux::give_back(p, n);
-        true
+        Self::release(&mut a)
     }
 
     /// [`RoomAside::give_back`] without waiting: nothing when another thread is taking or
@@ -311,7 +306,12 @@ impl RoomAside {
             Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => return false,
         };
-        let (p, n) = std::mem::take(&mut *a);
+        Self::release(&mut a)
+    }
+
+    /// Unmaps the room `held` (start, length) describes and empties it; whether it held any.
+    fn release(held: &mut (usize, usize)) -> bool {
+        let (p, n) = std::mem::take(held);
         if p == 0 {
             return false;
         }
