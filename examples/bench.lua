@@ -1,5 +1,6 @@
 -- Benchmarks that run unchanged under `tarantool bench.lua` and `fibertrace run bench.lua`.
 -- Prints one figure per line.
+--   the first fiber.info() of the process: its time and the resident memory it added;
 --   fiber.create of an empty function (create + run), per fiber;
 --   yield ping-pong between two Lua fibers, per switch;
 --   fiber.info() over N sleeping fibers (three Lua calls deep), with and without backtraces
@@ -24,6 +25,27 @@ local function best(runs, f)
         if dt < min then min = dt end
     end
     return min, sum / runs
+end
+
+-- 0. The first fiber.info() of the process, one fiber asleep: what loading what a listing
+--    needs (the program's symbols) costs, in time and in resident memory (anonymous and
+--    file-backed: a mapped file's pages read count).
+local function resident_kb()
+    local f = io.open('/proc/self/status')
+    if not f then return 0 end
+    local s = f:read('*a')
+    f:close()
+    return (tonumber(s:match('RssAnon:%s+(%d+)')) or 0) + (tonumber(s:match('RssFile:%s+(%d+)')) or 0)
+end
+do
+    local sleeper = fiber.create(function() fiber.sleep(1e6) end)
+    local kb = resident_kb()
+    local t0 = clock.monotonic()
+    fiber.info()
+    local dt = clock.monotonic() - t0
+    print(string.format('first fiber.info() of the process: %.3f ms, resident memory +%d kB',
+        dt * 1e3, resident_kb() - kb))
+    sleeper:cancel()
 end
 
 -- 1. create + run of an empty function.

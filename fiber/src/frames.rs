@@ -76,6 +76,23 @@ pub fn user_frames(frames: &[Frame]) -> &[Frame] {
     }
 }
 
+/// Frames without a trailing frame in the runtime's trampoline, whatever the trampoline
+/// inlined: for a host whose fiber bodies are its own code (an interpreter's fibers, whose
+/// user code is the interpreter's stack), where what is inlined into the trampoline is the
+/// host's, never the user's. It needs only the symbol table
+/// ([`symbolize::resolve_outer`]), where [`user_frames`] needs the DWARF's inline levels.
+pub fn without_trampoline(frames: &[Frame]) -> &[Frame] {
+    match frames.last() {
+        Some(f @ Frame::Ra(_))
+            if symbolize::resolve_outer(f)
+                .is_some_and(|r| r.function().is_some_and(|n| n.starts_with(TRAMPOLINE))) =>
+        {
+            &frames[..frames.len() - 1]
+        }
+        _ => frames,
+    }
+}
+
 pub(crate) fn is_trampoline(r: &Resolved) -> bool {
     r.symbols.len() == 1 && r.function().is_some_and(|n| n.starts_with(TRAMPOLINE))
 }

@@ -1035,7 +1035,7 @@ fn the_speed_command_rejects_bad_run_counts_sizes_and_programs() {
         ),
         (
             "/bin/true",
-            "fibertrace: examples/bench.lua at 100 fibers did not print its seven figures",
+            "fibertrace: examples/bench.lua at 100 fibers did not print its nine figures",
         ),
     ] {
         let script = fibertrace_acceptance::repo().join("examples/speed.sh");
@@ -1110,6 +1110,17 @@ fn the_speed_command_reads_every_lua_figure_and_says_when_tarantool_is_missing()
         "{text}"
     );
     assert!(figures.iter().all(|x| x.is_finite() && *x > 0.0), "{text}");
+    // The first listing of a process: its time (positive) and the memory it added.
+    let first = text
+        .lines()
+        .find_map(|l| l.strip_prefix("first fiber.info() of a process: "))
+        .unwrap_or_else(|| panic!("{text}"));
+    let (ms, kb) = first
+        .strip_suffix(" kB resident")
+        .and_then(|r| r.split_once(" ms, +"))
+        .unwrap_or_else(|| panic!("{first}"));
+    assert!(ms.parse::<f64>().is_ok_and(|x| x > 0.0), "{first}");
+    assert!(kb.parse::<f64>().is_ok_and(|x| x >= 0.0), "{first}");
 }
 
 /// Each goal's line carries the spread of the runs behind its medians (`[runs MIN-MAX,

@@ -197,11 +197,12 @@ fn native_line(out: &mut String, n: usize, addr: u64, r: &Resolved, opts: &TextO
 }
 
 /// One native frame in Tarantool's G3 format: `#%-2d %p in %s+%lu` — the outermost
-/// function's demangled name and the decimal offset of the address from its start;
+/// function's demangled name and the decimal offset of the address from its start, as the
+/// symbol table gives them (as Tarantool's do: no DWARF is loaded for them);
 /// `??+0` when unresolved.
 pub fn tarantool_c_frame(index: usize, frame: &Frame) -> Option<String> {
     let addr = frame.address()?;
-    let r = symbolize::resolve(frame)?;
+    let r = symbolize::resolve_outer(frame)?;
     Some(match (r.function(), r.offset_of(addr)) {
         (Some(name), Some(off)) => format!("#{index:<2} {addr:#x} in {name}+{off}"),
         (Some(name), None) => format!("#{index:<2} {addr:#x} in {name}+0"),

@@ -1,11 +1,21 @@
-//! One ELF file's symbols: DWARF (function names, inline frames, file:line) through
-//! addr2line's loader, and its symbol table (or dynamic symbols) where there is no DWARF.
+//! One ELF file's symbols: its symbol table (or dynamic symbols), read when it is opened, and
+//! its DWARF (function names, inline frames, file:line) through addr2line's loader, loaded at
+//! the first lookup that needs it.
 //!
 //! Addresses given to [`ElfSymbols::lookup`] are the file's own virtual addresses (SVMA): an
 //! address in the process minus the image's load bias. The file is opened and indexed once;
-//! lookups never reopen it.
+//! lookups never reopen it, except the first one that needs DWARF (the loader maps the file
+//! itself).
+//!
+//! Two tiers: [`ElfSymbols::lookup`] gives every function level with its file and line (it
+//! loads the DWARF: for a large program tens of milliseconds and tens of megabytes, once);
+//! [`ElfSymbols::lookup_outer`] gives the symbol table's function and its start alone (a
+//! binary search in a table read at open). The outermost name the two give is the same
+//! symbol's, except where the DWARF names a function the symbol table names otherwise (two
+//! identical functions folded into one symbol): how a name-only result can differ.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
 
 use serde::{Deserialize, Serialize};
 
@@ -76,9 +86,80 @@ pub struct ElfSymbols {
     /// File address ranges of executable segments: lookups outside them find nothing
     /// (DWARF ranges of code removed at link time start at 0 and would otherwise match).
     code: Vec<(u64, u64)>,
-    loader: addr2line::Loader,
+    /// The file's own symbol table (its dynamic symbols when it has none), until the DWARF
+    /// is loaded: addr2line's loader reads the same table (`object`'s symbol map), which
+    /// then answers instead, and this one is let go (at a memory limit, the two together
+    /// were the room the first lookups needed).
+    table: Mutex<SymbolTable>,
     /// The detached debug file of a stripped file (its DWARF, its full symbol table).
+    detached: Option<PathBuf>,
+    /// The DWARF, once loaded (or found unreadable).
+    dwarf: OnceLock<Dwarf>,
+    /// Held while the DWARF loads: two first lookups load it once.
+    loading: Mutex<()>,
+}
+
+/// How many files' DWARF the process loaded (see [`crate::symbolize::dwarf_loads`]).
+pub(crate) static DWARF_LOADS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The loaders of a file's DWARF.
+struct Dwarf {
+    /// The file's own; `None` when it could not be read (names from the symbol table only).
+    loader: Option<addr2line::Loader>,
+    /// The detached debug file's, when there is one and it could be read.
     debug: Option<addr2line::Loader>,
+}
+
+/// A file's function and data symbols by address, as `object`'s symbol map chooses them (one
+/// per address: a known kind first, then the widest visibility), their names copied into one
+/// buffer: the file is not kept mapped for them.
+#[derive(Default)]
+struct SymbolTable {
+    /// (address, size, start of the name in `names`, its length), by address.
+    syms: Box<[(u64, u64, u32, u32)]>,
+    names: Box<str>,
+}
+
+impl SymbolTable {
+    /// The symbol map of the object file in `data` (empty when it has none, or when its
+    /// names pass 4 GiB).
+    fn read(data: &[u8]) -> SymbolTable {
+        use object::Object;
+        let Ok(file) = object::File::parse(data) else {
+            return SymbolTable::default();
+        };
+        let map = file.symbol_map();
+        let all = map.symbols();
+        let mut names = String::with_capacity(all.iter().map(|s| s.name().len()).sum());
+        let mut syms = Vec::with_capacity(all.len());
+        for s in all {
+            let (Ok(at), Ok(len)) = (u32::try_from(names.len()), u32::try_from(s.name().len()))
+            else {
+                return SymbolTable::default();
+            };
+            names.push_str(s.name());
+            syms.push((s.address(), s.size(), at, len));
+        }
+        SymbolTable {
+            syms: syms.into(),
+            names: names.into(),
+        }
+    }
+
+    /// The symbol containing `svma` (its address and name), as `object`'s
+    /// `SymbolMap::containing` finds it: the last at or below it, if its size reaches it (or
+    /// it has none).
+    fn containing(&self, svma: u64) -> Option<(u64, &str)> {
+        let i = self.syms.partition_point(|s| s.0 <= svma).checked_sub(1)?;
+        let (at, size, off, len) = self.syms[i];
+        if size != 0 && svma.wrapping_sub(at) >= size {
+            return None;
+        }
+        let name = self
+            .names
+            .get(off as usize..(off as usize + len as usize))?;
+        Some((at, name))
+    }
 }
 
 impl std::fmt::Debug for ElfSymbols {
@@ -97,6 +178,9 @@ pub struct Lookup {
     pub symbols: Vec<Symbol>,
     /// Start address (SVMA) of the symbol-table function containing the address.
     pub function_start: Option<u64>,
+    /// The DWARF could not be loaded for the moment (out of descriptors or memory): only the
+    /// symbol table's name; a later lookup may give more.
+    pub partial: bool,
 }
 
 impl ElfSymbols {
@@ -110,10 +194,7 @@ impl ElfSymbols {
             errno: None,
         };
         let io_err = |e: &std::io::Error| OpenError {
-            transient: matches!(
-                e.raw_os_error(),
-                Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EAGAIN | libc::EINTR)
-            ),
+            transient: is_transient(e),
             errno: e.raw_os_error(),
             ..err(e.to_string())
         };
@@ -132,12 +213,13 @@ impl ElfSymbols {
         // same hazard every ELF reader that maps files accepts.
         // SAFETY: a read-only private mapping of a file, dropped before this function returns.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| io_err(&e))?;
-        // (Its descriptor is not needed past the mapping: the loader below opens the file
+        // (Its descriptor is not needed past the mapping: the DWARF's loader opens the file
         // again, with one descriptor free.)
         drop(file);
         let build_id = read_build_id(&map).map_err(err)?;
         let code = code_ranges(&map);
         let stripped = is_stripped(&map);
+        let table = SymbolTable::read(&map);
         drop(map);
         // A file stripped of its symbol table (a distribution's libc) reads its names from
         // the detached debug file of the same build, when installed (`libc6-dbg`).
@@ -145,19 +227,60 @@ impl ElfSymbols {
             .as_deref()
             .filter(|_| stripped)
             .and_then(detached_debug_file);
-        // (Its error is the opening's when that failed: out of descriptors, it is transient.)
-        let loader = addr2line::Loader::new(path).map_err(|e| match e.downcast_ref() {
-            Some(io) => io_err(io),
-            None => err(e.to_string()),
-        })?;
-        let debug = detached.and_then(|d| addr2line::Loader::new(d).ok());
         Ok(ElfSymbols {
             path: path.display().to_string(),
             build_id,
             code,
-            loader,
-            debug,
+            table: Mutex::new(table),
+            detached,
+            dwarf: OnceLock::new(),
+            loading: Mutex::new(()),
         })
+    }
+
+    /// Loads the file's DWARF (and its detached debug file's) if it is not loaded yet.
+    /// An error only when it may go right later (out of descriptors or memory for the
+    /// moment: see [`OpenError::transient`]); the next call tries again. A file whose DWARF
+    /// cannot be read is then named from its symbol table alone, without an error.
+    pub fn load_dwarf(&self) -> Result<(), OpenError> {
+        if self.dwarf.get().is_some() {
+            return Ok(());
+        }
+        let _one = self.loading.lock().unwrap_or_else(|e| e.into_inner());
+        if self.dwarf.get().is_some() {
+            return Ok(());
+        }
+        let loader = match addr2line::Loader::new(&self.path) {
+            Ok(l) => Some(l),
+            Err(e) => match e.downcast_ref::<std::io::Error>() {
+                Some(io) if is_transient(io) => {
+                    return Err(OpenError {
+                        path: self.path.clone(),
+                        reason: io.to_string(),
+                        transient: true,
+                        errno: io.raw_os_error(),
+                    })
+                }
+                _ => None,
+            },
+        };
+        let debug = self
+            .detached
+            .as_ref()
+            .and_then(|d| addr2line::Loader::new(d).ok());
+        if loader.is_some() || debug.is_some() {
+            DWARF_LOADS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        let _ = self.dwarf.set(Dwarf { loader, debug });
+        if self.dwarf.get().is_some_and(|d| d.loader.is_some()) {
+            drop(std::mem::take(&mut *self.table()));
+        }
+        Ok(())
+    }
+
+    /// Whether the DWARF is loaded (or was found unreadable).
+    pub fn dwarf_loaded(&self) -> bool {
+        self.dwarf.get().is_some()
     }
 
     /// The file's path.
@@ -170,15 +293,19 @@ impl ElfSymbols {
         self.build_id.as_deref()
     }
 
-    /// Looks up a file address (SVMA).
+    /// Looks up a file address (SVMA): every function level, with files and lines. Loads the
+    /// DWARF first if it is not loaded (see [`ElfSymbols::load_dwarf`]); when that fails for
+    /// the moment, the symbol table's name alone, and [`Lookup::partial`] says so.
     pub fn lookup(&self, svma: u64) -> Lookup {
         let mut out = Lookup::default();
-        if !self.code.is_empty() && !self.code.iter().any(|&(s, e)| svma >= s && svma < e) {
+        if !self.in_code(svma) {
             return out;
         }
+        out.partial = self.load_dwarf().is_err();
+        let dwarf = self.dwarf.get();
         // Lines and inline levels from the detached debug file when there is one.
-        let dwarf = self.debug.as_ref().unwrap_or(&self.loader);
-        if let Ok(mut frames) = dwarf.find_frames(svma) {
+        let loader = dwarf.and_then(|d| d.debug.as_ref().or(d.loader.as_ref()));
+        if let Some(Ok(mut frames)) = loader.map(|l| l.find_frames(svma)) {
             while let Ok(Some(f)) = frames.next() {
                 let name = f
                     .function
@@ -203,15 +330,20 @@ impl ElfSymbols {
         }
         // The file's own (exported) name first — `qsort`, not the debug file's internal
         // alias `__GI_qsort` — then the debug file's symbol table for internal functions.
-        let exported = self.loader.find_symbol_info(svma);
+        let debug = dwarf.and_then(|d| d.debug.as_ref());
+        let exported = self.symbol(svma);
         let from_debug = exported.is_none();
-        let sym = exported.or_else(|| self.debug.as_ref()?.find_symbol_info(svma));
-        if let Some(sym) = sym {
-            out.function_start = Some(sym.address());
-            let demangled = addr2line::demangle_auto(sym.name().into(), None).into_owned();
+        let sym = exported.or_else(|| {
+            debug?
+                .find_symbol_info(svma)
+                .map(|s| (s.address(), addr2line::demangle_auto(s.name().into(), None)))
+                .map(|(a, n)| (a, n.into_owned()))
+        });
+        if let Some((start, demangled)) = sym {
+            out.function_start = Some(start);
             match out.symbols.last_mut() {
                 // A stripped file's export names its function as its users call it.
-                Some(outer) if self.debug.is_some() && !from_debug => outer.name = Some(demangled),
+                Some(outer) if debug.is_some() && !from_debug => outer.name = Some(demangled),
                 // Debug info with line tables only names functions without their path
                 // (`main`, `recv_until<u32>`); the symbol table has the whole name of the
                 // outermost one.
@@ -233,6 +365,69 @@ impl ElfSymbols {
         }
         out
     }
+
+    /// Looks up a file address (SVMA) in the symbol table alone: its function's name (the
+    /// outermost level, no file or line, no inlined levels) and start, without loading the
+    /// DWARF. For an address the symbol table has no function for, it is
+    /// [`ElfSymbols::lookup`] (the DWARF, or a detached debug file's table, may name it).
+    pub fn lookup_outer(&self, svma: u64) -> Lookup {
+        let out = self.lookup_table(svma);
+        if out.symbols.is_empty() && self.in_code(svma) {
+            return self.lookup(svma);
+        }
+        out
+    }
+
+    /// [`ElfSymbols::lookup_outer`] without the fallback: nothing where the symbol table
+    /// has no function (for a lookup whose DWARF cannot be loaded for the moment).
+    pub fn lookup_table(&self, svma: u64) -> Lookup {
+        match self.symbol(svma).filter(|_| self.in_code(svma)) {
+            Some((start, name)) => Lookup {
+                symbols: vec![Symbol {
+                    name: Some(name),
+                    ..Symbol::default()
+                }],
+                function_start: Some(start),
+                partial: false,
+            },
+            None => Lookup::default(),
+        }
+    }
+
+    /// The file's own symbol containing `svma`: its start and demangled name (from the
+    /// table read at open, or from the loader's once the DWARF is loaded).
+    fn symbol(&self, svma: u64) -> Option<(u64, String)> {
+        let demangle = |n: &str| addr2line::demangle_auto(n.into(), None).into_owned();
+        // (The table first: the loader is set before the table is let go, so a table found
+        // empty has its loader to ask.)
+        let table = self.table();
+        match self.dwarf.get().and_then(|d| d.loader.as_ref()) {
+            Some(l) => {
+                drop(table);
+                l.find_symbol_info(svma)
+                    .map(|s| (s.address(), demangle(s.name())))
+            }
+            None => table.containing(svma).map(|(a, n)| (a, demangle(n))),
+        }
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, SymbolTable> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether `svma` lies in an executable segment (always, for a file without segments).
+    fn in_code(&self, svma: u64) -> bool {
+        self.code.is_empty() || self.code.iter().any(|&(s, e)| svma >= s && svma < e)
+    }
+}
+
+/// Whether a failed system call may succeed later: the process (or the system) was out of
+/// file descriptors or memory for the moment, or the call was interrupted.
+fn is_transient(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EAGAIN | libc::EINTR)
+    )
 }
 
 /// Whether an object file has neither a symbol table nor DWARF (only dynamic symbols).

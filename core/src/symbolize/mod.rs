@@ -6,7 +6,9 @@
 //! replaced on disk is not used: its names would be wrong). Frames of images without a usable
 //! file (the vDSO, a deleted or replaced binary) fall back to `dladdr`, which knows exported
 //! names only. Results are cached by lookup address (`pc`, or `ra - 1` for return addresses):
-//! a cache hit is one hash lookup and a reference-count increment.
+//! a cache hit is one hash lookup and a reference-count increment. A file's DWARF is loaded
+//! at its first full lookup ([`resolve`]); [`resolve_outer`] names the function from the
+//! symbol table alone, read when the file is opened, and never loads it.
 //!
 //! How a result can be wrong: a library unloaded and another loaded at the same address
 //! before the cache is cleared ([`clear_cache`]) keeps the old names; code without debug info
@@ -112,6 +114,8 @@ const CACHE_LIMIT: usize = 1 << 20;
 
 struct Resolver {
     cache: AddrMap<Arc<Resolved>>,
+    /// [`resolve_outer`]'s results (the symbol table's names alone).
+    outer: AddrMap<Arc<Resolved>>,
     /// Per image (keyed by its start address): its symbols, opened on first need.
     files: AddrMap<Arc<Mutex<FileState>>>,
 }
@@ -129,6 +133,7 @@ fn resolver() -> &'static Resolver {
         let _untracked = crate::untracked::pause();
         Resolver {
             cache: AddrMap::default(),
+            outer: AddrMap::default(),
             files: AddrMap::default(),
         }
     })
@@ -142,25 +147,66 @@ pub fn resolve(frame: &Frame) -> Option<Arc<Resolved>> {
 
 /// Resolves a lookup address (`pc`, or `ra - 1`), through the cache.
 pub fn resolve_address(addr: u64) -> Arc<Resolved> {
+    resolve_in(Tier::Full, addr)
+}
+
+/// Resolves a frame to its function alone, as the symbol table names it: the outermost
+/// level's name (no file, line or inlined levels) and the function's start. For what needs no
+/// more (a name and an offset, as Tarantool's traces print them; which function a frame is
+/// in), without loading the program's DWARF — for a large program the first full
+/// [`resolve`] loads it, tens of milliseconds and tens of megabytes. An address the symbol
+/// table has no function for is resolved in full. The name is the full resolution's
+/// outermost one, except where the DWARF names a function that the symbol table names
+/// otherwise (identical functions folded into one symbol).
+pub fn resolve_outer(frame: &Frame) -> Option<Arc<Resolved>> {
+    frame.lookup_address().map(resolve_outer_address)
+}
+
+/// [`resolve_outer`] of a lookup address, through its own cache.
+pub fn resolve_outer_address(addr: u64) -> Arc<Resolved> {
+    resolve_in(Tier::Outer, addr)
+}
+
+/// How much a lookup asks for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Tier {
+    /// Every level, file and line ([`ElfSymbols::lookup`]).
+    Full,
+    /// The symbol table's function ([`ElfSymbols::lookup_outer`]).
+    Outer,
+}
+
+fn resolve_in(tier: Tier, addr: u64) -> Arc<Resolved> {
     let r = resolver();
-    if let Some(hit) = r.cache.get(&addr) {
+    let cache = match tier {
+        Tier::Full => &r.cache,
+        Tier::Outer => &r.outer,
+    };
+    if let Some(hit) = cache.get(&addr) {
         return Arc::clone(hit.value());
     }
     // The symbolizer's tables are this library's, not the program's: not tracked by the heap
     // tracker (nor listed in its views).
     let _untracked = crate::untracked::pause();
     // (Parsing debug information takes far more stack than a fiber may have.)
-    let (resolved, lasting) = on_large_stack(|| resolve_uncached(r, addr));
+    let (resolved, lasting) = on_large_stack(|| resolve_uncached(r, addr, tier));
     let resolved = Arc::new(resolved);
     // (A resolution cut short by a passing shortage — no file descriptor free — is not kept:
     // the next lookup tries again.)
     if lasting {
-        if r.cache.len() >= CACHE_LIMIT {
-            r.cache.clear();
+        if cache.len() >= CACHE_LIMIT {
+            cache.clear();
         }
-        r.cache.insert(addr, Arc::clone(&resolved));
+        cache.insert(addr, Arc::clone(&resolved));
     }
     resolved
+}
+
+/// How many files' DWARF the process has loaded so far: the first full lookup ([`resolve`])
+/// in a file loads it (for a large program tens of milliseconds and megabytes, once);
+/// [`resolve_outer`] never does. For tests and benchmarks of what a path costs.
+pub fn dwarf_loads() -> u64 {
+    elf::DWARF_LOADS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// How a runtime runs work on a larger stack than the current one (see
@@ -213,6 +259,7 @@ pub fn foreach(frames: &[Frame], mut f: impl FnMut(usize, &Frame, Option<&Resolv
 pub fn clear_cache() {
     GENERATION.fetch_add(1, std::sync::atomic::Ordering::Release);
     resolver().cache.clear();
+    resolver().outer.clear();
 }
 
 static GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -421,9 +468,10 @@ fn room_to_parse(extra: u64) -> bool {
     false
 }
 
-/// The resolution of `addr`, and whether it lasts (false: its image's file could not be
-/// opened for the moment, see `open_for`, or there was no room to parse).
-fn resolve_uncached(r: &Resolver, addr: u64) -> (Resolved, bool) {
+/// The resolution of `addr` to `tier`, and whether it lasts (false: its image's file, or
+/// its DWARF, could not be read for the moment, see `open_for` and `load_dwarf`, or there
+/// was no room to parse).
+fn resolve_uncached(r: &Resolver, addr: u64, tier: Tier) -> (Resolved, bool) {
     let mut table = image::table();
     let mut img = table.image_of(addr).cloned();
     if img.is_none() {
@@ -448,22 +496,38 @@ fn resolve_uncached(r: &Resolver, addr: u64) -> (Resolved, bool) {
             .or_insert_with(|| Arc::new(Mutex::new(FileState::Unopened)))
             .clone();
         let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
-        if matches!(*st, FileState::Unopened) {
-            let size = std::fs::metadata(&img.path).map_or(0, |m| m.len());
-            if room_to_parse(size) {
-                *st = open_for(img);
-            }
+        let size = || std::fs::metadata(&img.path).map_or(0, |m| m.len());
+        if matches!(*st, FileState::Unopened) && room_to_parse(size()) {
+            *st = open_for(img);
         }
         lasting = !matches!(*st, FileState::Unopened);
         if let FileState::Open(elf) = &*st {
-            if room_to_parse(0) {
-                let l = elf.lookup(addr.wrapping_sub(img.base));
-                out.symbols = l.symbols;
-                out.function_start = l.function_start.map(|s| s.wrapping_add(img.base));
-            } else {
-                // Left unresolved for now (not cached): the next lookup tries again.
-                lasting = false;
-            }
+            let svma = addr.wrapping_sub(img.base);
+            // The DWARF, when this lookup needs it and it is not loaded: the loader maps the
+            // file again and parses, as opening it did.
+            let l = match tier {
+                // (No parse: the table read at open, a binary search.)
+                Tier::Outer => Some(elf.lookup_table(svma)).filter(|l| !l.symbols.is_empty()),
+                Tier::Full => None,
+            };
+            let l = l.or_else(|| {
+                let dwarf = elf.dwarf_loaded() || (room_to_parse(size()) && load_dwarf(elf));
+                (dwarf && room_to_parse(0)).then(|| match tier {
+                    Tier::Full => elf.lookup(svma),
+                    Tier::Outer => elf.lookup_outer(svma),
+                })
+            });
+            let l = l.unwrap_or_else(|| {
+                // Not now (not cached: the next lookup tries again): the symbol table's
+                // name at least.
+                Lookup {
+                    partial: true,
+                    ..elf.lookup_table(svma)
+                }
+            });
+            lasting = !l.partial;
+            out.symbols = l.symbols;
+            out.function_start = l.function_start.map(|s| s.wrapping_add(img.base));
         }
     }
     if out.function().is_none() {
@@ -480,6 +544,20 @@ fn resolve_uncached(r: &Resolver, addr: u64) -> (Resolved, bool) {
         }
     }
     (out, lasting)
+}
+
+/// Loads `elf`'s DWARF, with the descriptors held for the symbolizer when the process is out
+/// of them (see [`set_aside_descriptors`]); whether it is loaded (false: not for the moment).
+fn load_dwarf(elf: &ElfSymbols) -> bool {
+    match elf.load_dwarf() {
+        Ok(()) => true,
+        Err(e) if e.out_of_descriptors() && give_back_descriptors() => {
+            let loaded = elf.load_dwarf().is_ok();
+            retake_descriptors();
+            loaded
+        }
+        Err(_) => false,
+    }
 }
 
 fn open_for(img: &Image) -> FileState {

@@ -10,7 +10,7 @@ use fibertrace_core::{Backtrace, CaptureOptions, Frame, Unwinder};
 use serde::{Deserialize, Serialize};
 
 use crate::frames::frames_info_shared;
-pub use crate::frames::{frames_info, user_frames, FrameInfo};
+pub use crate::frames::{frames_info, user_frames, without_trampoline, FrameInfo};
 use crate::registry::{self, SchedShared};
 use crate::sched;
 use crate::task::{ControlBlock, FiberId, RunState, Status, WaitOn};

@@ -501,7 +501,7 @@ fn is_frame_of(f: &Frame, upto: &'static str) -> bool {
         return hit;
     }
     let skipped = fibertrace_core::symbolize::skipped_for_memory();
-    let hit = fibertrace_core::symbolize::resolve(f)
+    let hit = fibertrace_core::symbolize::resolve_outer(f)
         .and_then(|r| r.function().map(|n| n.rsplit("::").next() == Some(upto)))
         .unwrap_or(false);
     if fibertrace_core::symbolize::skipped_for_memory() != skipped {
@@ -704,7 +704,8 @@ impl Merged {
 }
 
 /// A suspended fiber's trace from its native frames and Lua stack: the two interleaved, the
-/// runtime's trampoline left out, interned ([`intern`]). That is a function of these inputs
+/// runtime's trampoline left out (whatever it inlined: the host's start of the fiber;
+/// [`fibertrace_fiber::info::without_trampoline`]), interned ([`intern`]). That is a function of these inputs
 /// alone (the VM map it consults is made once, at start-up), so each thread remembers the
 /// last merge per slot of a hash of them, taken only when the inputs compare equal: fibers
 /// parked at the same place (a pool of workers waiting on one channel, connections waiting
@@ -736,7 +737,9 @@ fn merged(native: &[Frame], lua: &crate::LuaStack) -> Rc<[Frame]> {
         }
     }
     let bt = crate::interleave::interleave(native, lua, &Default::default());
-    let trace = intern(Rc::from(fibertrace_fiber::info::user_frames(bt.frames())));
+    let trace = intern(Rc::from(fibertrace_fiber::info::without_trampoline(
+        bt.frames(),
+    )));
     let e = Merged {
         native: native.into(),
         lua: lua.levels.as_slice().into(),
@@ -761,16 +764,31 @@ fn merged(native: &[Frame], lua: &crate::LuaStack) -> Rc<[Frame]> {
 /// The running fiber's trace, interleaved with the Lua stack of `root`, starting at the
 /// frame of the C function `upto` (the function Lua called) on state `cur` (the state of that
 /// call: when `root` does not run it, as in a `__gc` finalizer, which runs on the VM's main
-/// state, its levels come first).
+/// state, its levels come first), without the runtime's trampoline when no user code is
+/// inlined into it ([`fibertrace_fiber::info::user_frames`]).
 ///
 /// # Safety
 /// `root` is the current fiber's Lua thread (or a state running on this OS thread); `cur` is
 /// the state of the running call (or null).
-#[inline(never)]
 pub(crate) unsafe fn current_frames(
     root: *mut ffi::lua_State,
     cur: *mut ffi::lua_State,
     upto: &'static str,
+) -> Vec<Frame> {
+    // SAFETY: the contract, passed on.
+    unsafe { current_frames_trimmed(root, cur, upto, fibertrace_fiber::info::user_frames) }
+}
+
+/// [`current_frames`], its trailing runtime frames left out by `trim`.
+///
+/// # Safety
+/// As [`current_frames`].
+#[inline(never)]
+unsafe fn current_frames_trimmed(
+    root: *mut ffi::lua_State,
+    cur: *mut ffi::lua_State,
+    upto: &'static str,
+    trim: fn(&[Frame]) -> &[Frame],
 ) -> Vec<Frame> {
     let native = match fibertrace_fiber::current() {
         Some(f) => f.backtrace(Unwinder::Fast).unwrap_or_default(),
@@ -783,12 +801,14 @@ pub(crate) unsafe fn current_frames(
     // SAFETY: `root` is the running fiber's Lua thread on this OS thread (the contract), so
     // its stack is read through the debug API while nothing else runs it.
     let bt = unsafe { crate::interleave::capture_interleaved_within(&native, root, cur) };
-    fibertrace_fiber::info::user_frames(bt.frames()).to_vec()
+    trim(bt.frames()).to_vec()
 }
 
 /// The running fiber's trace for `fiber.info()` or `fiber_object:info()`, from the Lua call
 /// on: taken before the result is built in a protected call, whose trampoline would show as
-/// a Lua level of its own.
+/// a Lua level of its own. The runtime's trampoline is left out whatever it inlined (the
+/// host's start of the fiber, never the script's code), as in the other fibers' traces
+/// ([`merged`]): so a listing needs the symbol table alone, not the DWARF.
 ///
 /// # Safety
 /// As [`current_frames`].
@@ -796,7 +816,14 @@ pub(crate) unsafe fn current_frames(
 unsafe fn running_frames(root: *mut ffi::lua_State, cur: *mut ffi::lua_State) -> Rc<[Frame]> {
     // SAFETY: `root` is the running fiber's Lua thread, `cur` the call's state (the contract
     // of `current_frames`).
-    let v = unsafe { current_frames(root, cur, "f_info") };
+    let v = unsafe {
+        current_frames_trimmed(
+            root,
+            cur,
+            "f_info",
+            fibertrace_fiber::info::without_trampoline,
+        )
+    };
     let k = cut_to(&v, "m_info");
     Rc::from(&v[k..])
 }

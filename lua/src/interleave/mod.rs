@@ -192,7 +192,9 @@ fn anchored(
         // Another process's function that no symbol table gives an end: not known.
         None if foreign => false,
         // The function is not in any symbol table we read: ask the symbolizer (cached).
-        None => a >= c && fibertrace_core::symbolize::resolve_address(a).function_start == Some(c),
+        None => {
+            a >= c && fibertrace_core::symbolize::resolve_outer_address(a).function_start == Some(c)
+        }
     }
 }
 
