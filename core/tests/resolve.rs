@@ -248,4 +248,60 @@ fn a_stripped_librarys_internals_are_named_from_its_detached_debug_file() {
         resolve(&Frame::Pc(q + 4)).unwrap().function(),
         Some("qsort")
     );
+    // The symbol-table tier names them alike: exports from the library's own table, its
+    // internals (`start_thread`) from the debug file's when it is installed.
+    for r in &libc {
+        let o = symbolize::resolve_outer_address(r.lookup_address);
+        assert_eq!(o.function(), r.function(), "{r:?}");
+        assert_eq!(o.function_start, r.function_start, "{r:?}");
+        assert!(o.symbols.len() <= 1, "{o:?}");
+    }
+    assert_eq!(
+        symbolize::resolve_outer(&Frame::Pc(q + 4))
+            .unwrap()
+            .function(),
+        Some("qsort")
+    );
+}
+
+/// The DWARF is loaded at the first full lookup, by path: a file replaced on disk since it
+/// was opened (a deploy renames a new build over the old) is not read — its names come from
+/// the symbol table read at open, and the DWARF's absence says why.
+#[test]
+fn a_file_replaced_after_it_was_opened_is_named_from_its_own_symbol_table() {
+    let dir = std::env::temp_dir().join(format!("fibertrace-replaced-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let copy = dir.join("prog");
+    std::fs::copy(std::env::current_exe().unwrap(), &copy).unwrap();
+    let elf = symbolize::ElfSymbols::open(&copy).unwrap();
+    // Another ELF file renamed over it.
+    let other = dir.join("other");
+    std::fs::copy("/bin/true", &other).unwrap();
+    std::fs::rename(&other, &copy).unwrap();
+    let img = &fibertrace_core::image::table().images()[0];
+    let f = inner as *const () as usize as u64;
+    let l = elf.lookup(f - img.base);
+    assert_eq!(
+        l.symbols.last().and_then(|s| s.name.as_deref()),
+        Some("resolve::inner"),
+        "{l:?}"
+    );
+    assert_eq!(l.function_start, Some(f - img.base));
+    assert_eq!(l.symbols.len(), 1, "no DWARF levels: {l:?}");
+    assert_eq!(
+        (l.symbols[0].file.as_deref(), l.symbols[0].line),
+        (None, None)
+    );
+    assert!(!l.partial, "a lasting answer");
+    assert_eq!(
+        elf.dwarf_error(),
+        Some("the file was replaced since it was opened")
+    );
+    // The same file left in place loads its DWARF: lines.
+    std::fs::copy(std::env::current_exe().unwrap(), dir.join("kept")).unwrap();
+    let kept = symbolize::ElfSymbols::open(dir.join("kept")).unwrap();
+    let l = kept.lookup(f - img.base);
+    assert_eq!(kept.dwarf_error(), None);
+    assert!(l.symbols.last().unwrap().line.is_some(), "{l:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

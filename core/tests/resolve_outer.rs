@@ -7,6 +7,9 @@ use fibertrace_core::symbolize::{
 };
 use fibertrace_core::Frame;
 
+/// A static in the program's data, not its code.
+static DATA: [u64; 4] = [1, 2, 3, 4];
+
 #[inline(never)]
 fn first_function(x: u64) -> u64 {
     std::hint::black_box(x).wrapping_mul(3)
@@ -51,6 +54,12 @@ fn names_and_starts_come_from_the_symbol_table_until_a_full_lookup_loads_the_dwa
     assert!(resolve_outer(&Frame::Truncated).is_none());
     // An address outside every image: no name, nothing loaded.
     assert_eq!(resolve_outer_address(8).function(), None);
+    // An address in the program but outside its code (a static's): no function, and no
+    // DWARF loaded to look for one.
+    let data = std::hint::black_box(&DATA) as *const [u64; 4] as u64;
+    let d = resolve_outer_address(data);
+    assert!(d.image.is_some(), "{d:?}");
+    assert_eq!((d.function(), d.function_start), (None, None), "{d:?}");
     // Cached: the same result, shared.
     let again = resolve_outer(&Frame::Pc(f + 2)).unwrap();
     assert!(std::sync::Arc::ptr_eq(&a, &again));

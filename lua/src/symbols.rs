@@ -40,8 +40,14 @@ impl Symbolizer {
             if pb.is_dir() {
                 s.dirs.push(pb);
             } else {
-                s.files
-                    .push(ElfSymbols::open(&pb).map_err(|e| e.to_string())?);
+                let elf = ElfSymbols::open(&pb).map_err(|e| e.to_string())?;
+                // Its DWARF now (decode prints lines): a file whose DWARF cannot be read is an
+                // error, as one that cannot be opened.
+                elf.load_dwarf().map_err(|e| e.to_string())?;
+                if let Some(why) = elf.dwarf_error() {
+                    return Err(format!("cannot read symbols of {}: {why}", pb.display()));
+                }
+                s.files.push(elf);
             }
         }
         Ok(s)

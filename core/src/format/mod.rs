@@ -198,7 +198,7 @@ fn native_line(out: &mut String, n: usize, addr: u64, r: &Resolved, opts: &TextO
 
 /// One native frame in Tarantool's G3 format: `#%-2d %p in %s+%lu` — the outermost
 /// function's demangled name and the decimal offset of the address from its start, as the
-/// symbol table gives them (as Tarantool's do: no DWARF is loaded for them);
+/// symbol table gives them (as Tarantool's do: the program's DWARF is not loaded for them);
 /// `??+0` when unresolved.
 pub fn tarantool_c_frame(index: usize, frame: &Frame) -> Option<String> {
     let addr = frame.address()?;

@@ -388,11 +388,14 @@ impl Session {
         loop {
             let r = Self::open_once(pid, opts);
             // (A refusal because another process's tracer holds it is no exec's: said at
-            // once, after the one wait for a dump's turn `open_once` made. A tracer in this
-            // process is this reader's last stop, still ending while the process execs.)
+            // once, after the one wait for a dump's turn `open_once` made — unless that
+            // tracer is another dump, which took its turn between the refusal and the look
+            // at who held it: with several dumps at once, one was refused so. A tracer in
+            // this process is this reader's last stop, still ending while the process
+            // execs.)
             let changing = match &r {
                 Err(DumpError::Permission { .. }) => {
-                    platform::tracer(pid).is_none_or(in_this_process)
+                    platform::tracer(pid).is_none_or(in_this_process) || held_by_a_dump(pid)
                 }
                 Err(DumpError::Zombie(_) | DumpError::Exited(_)) => true,
                 _ => false,
@@ -454,13 +457,19 @@ impl Session {
         if opts.mode == Mode::Consistent {
             // Held by another dump (two taken at once): its turn first, then ours (a process
             // has one tracer at a time; the second failed).
+            // (A dump seen holding it that is gone at the next look let go just now: tried
+            // again at once.)
             let wait_until = Instant::now() + DUMP_TURN;
+            let mut waited = false;
             let all = loop {
                 stopped_at = Some(Instant::now());
                 match platform::Stopped::all(pid) {
                     Err(platform::StopError::Permission)
-                        if Instant::now() < wait_until && held_by_a_dump(pid) =>
+                        if Instant::now() < wait_until
+                            && (held_by_a_dump(pid)
+                                || (waited && platform::tracer(pid).is_none())) =>
                     {
+                        waited = true;
                         std::thread::sleep(Duration::from_millis(10));
                     }
                     r => break r,

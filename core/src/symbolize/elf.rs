@@ -12,7 +12,14 @@
 //! [`ElfSymbols::lookup_outer`] gives the symbol table's function and its start alone (a
 //! binary search in a table read at open). The outermost name the two give is the same
 //! symbol's, except where the DWARF names a function the symbol table names otherwise (two
-//! identical functions folded into one symbol): how a name-only result can differ.
+//! identical functions folded into one symbol; a compiler's clone, `foo.isra.0` or
+//! `foo.cold`, which the DWARF calls `foo`): how a name-only result can differ.
+//!
+//! The DWARF is read from the file opened, checked by its identity (device, inode, size,
+//! modification time) before and after the load: a file replaced on disk since it was
+//! opened (a deploy, a package upgrade) is named from the table read at open, never from the
+//! other build's DWARF. (A replacement between the check and the loader's open, within
+//! microseconds, and undone before the second check, would go unseen.)
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
@@ -93,10 +100,42 @@ pub struct ElfSymbols {
     table: Mutex<SymbolTable>,
     /// The detached debug file of a stripped file (its DWARF, its full symbol table).
     detached: Option<PathBuf>,
+    /// The file as it was opened (device, inode, size, modification time): the DWARF is
+    /// loaded later, by path, and only from that same file (a binary replaced on disk since
+    /// would give another build's names and lines).
+    identity: FileIdentity,
     /// The DWARF, once loaded (or found unreadable).
     dwarf: OnceLock<Dwarf>,
-    /// Held while the DWARF loads: two first lookups load it once.
+    /// Held while the DWARF loads (callers that share an `ElfSymbols` between threads load
+    /// it once).
     loading: Mutex<()>,
+}
+
+/// What tells one file from another at the same path: a file replaced by a rename has
+/// another inode; one rewritten in place, another size or modification time.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct FileIdentity {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime: (i64, i64),
+}
+
+impl FileIdentity {
+    fn of(m: &std::fs::Metadata) -> FileIdentity {
+        use std::os::unix::fs::MetadataExt;
+        FileIdentity {
+            dev: m.dev(),
+            ino: m.ino(),
+            len: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+        }
+    }
+
+    /// The identity of the file at `path` now, if it can be read.
+    fn at(path: &str) -> Option<FileIdentity> {
+        std::fs::metadata(path).ok().map(|m| FileIdentity::of(&m))
+    }
 }
 
 /// How many files' DWARF the process loaded (see [`crate::symbolize::dwarf_loads`]).
@@ -104,10 +143,13 @@ pub(crate) static DWARF_LOADS: std::sync::atomic::AtomicU64 = std::sync::atomic:
 
 /// The loaders of a file's DWARF.
 struct Dwarf {
-    /// The file's own; `None` when it could not be read (names from the symbol table only).
+    /// The file's own; `None` when it could not be read, or the file at the path is no
+    /// longer the one opened (names from the symbol table only).
     loader: Option<addr2line::Loader>,
     /// The detached debug file's, when there is one and it could be read.
     debug: Option<addr2line::Loader>,
+    /// Why the file's own could not be read.
+    error: Option<String>,
 }
 
 /// A file's function and data symbols by address, as `object`'s symbol map chooses them (one
@@ -209,6 +251,7 @@ impl ElfSymbols {
             return Err(err("an empty file, not an ELF file".into()));
         }
         let file = std::fs::File::open(path).map_err(|e| io_err(&e))?;
+        let identity = FileIdentity::of(&file.metadata().map_err(|e| io_err(&e))?);
         // If another process truncates the file while it is mapped, reading it faults — the
         // same hazard every ELF reader that maps files accepts.
         // SAFETY: a read-only private mapping of a file, dropped before this function returns.
@@ -233,6 +276,7 @@ impl ElfSymbols {
             code,
             table: Mutex::new(table),
             detached,
+            identity,
             dwarf: OnceLock::new(),
             loading: Mutex::new(()),
         })
@@ -250,32 +294,68 @@ impl ElfSymbols {
         if self.dwarf.get().is_some() {
             return Ok(());
         }
-        let loader = match addr2line::Loader::new(&self.path) {
-            Ok(l) => Some(l),
-            Err(e) => match e.downcast_ref::<std::io::Error>() {
-                Some(io) if is_transient(io) => {
-                    return Err(OpenError {
-                        path: self.path.clone(),
-                        reason: io.to_string(),
-                        transient: true,
-                        errno: io.raw_os_error(),
-                    })
-                }
+        let transient = |io: &std::io::Error| OpenError {
+            path: self.path.clone(),
+            reason: io.to_string(),
+            transient: true,
+            errno: io.raw_os_error(),
+        };
+        // The loader opens the file by its path: only the file opened is read (its identity
+        // the same before and after the load; a replaced file keeps the table's names).
+        let same = || FileIdentity::at(&self.path) == Some(self.identity);
+        let (mut loader, mut error) = (None, None);
+        if same() {
+            match addr2line::Loader::new(&self.path) {
+                Ok(l) => loader = Some(l),
+                Err(e) => match e.downcast_ref::<std::io::Error>() {
+                    Some(io) if is_transient(io) => return Err(transient(io)),
+                    _ => error = Some(e.to_string()),
+                },
+            }
+        }
+        if loader.is_some() && !same() {
+            loader = None;
+        }
+        if loader.is_none() && error.is_none() {
+            error = Some("the file was replaced since it was opened".to_string());
+        }
+        let debug = match self.detached.as_ref().map(addr2line::Loader::new) {
+            Some(Ok(d)) => Some(d),
+            Some(Err(e)) => match e.downcast_ref::<std::io::Error>() {
+                Some(io) if is_transient(io) => return Err(transient(io)),
                 _ => None,
             },
+            None => None,
         };
-        let debug = self
-            .detached
-            .as_ref()
-            .and_then(|d| addr2line::Loader::new(d).ok());
         if loader.is_some() || debug.is_some() {
             DWARF_LOADS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
-        let _ = self.dwarf.set(Dwarf { loader, debug });
+        let _ = self.dwarf.set(Dwarf {
+            loader,
+            debug,
+            error,
+        });
         if self.dwarf.get().is_some_and(|d| d.loader.is_some()) {
             drop(std::mem::take(&mut *self.table()));
         }
         Ok(())
+    }
+
+    /// Why the file's DWARF could not be read, once [`ElfSymbols::load_dwarf`] tried (its
+    /// lookups then name functions from the symbol table alone).
+    pub fn dwarf_error(&self) -> Option<&str> {
+        self.dwarf.get()?.error.as_deref()
+    }
+
+    /// The bytes of the files a DWARF load maps: the file's and its detached debug file's.
+    pub fn dwarf_file_bytes(&self) -> u64 {
+        let debug = self
+            .detached
+            .as_ref()
+            .and_then(|d| std::fs::metadata(d).ok());
+        self.identity
+            .len
+            .saturating_add(debug.map_or(0, |m| m.len()))
     }
 
     /// Whether the DWARF is loaded (or was found unreadable).
@@ -368,14 +448,29 @@ impl ElfSymbols {
 
     /// Looks up a file address (SVMA) in the symbol table alone: its function's name (the
     /// outermost level, no file or line, no inlined levels) and start, without loading the
-    /// DWARF. For an address the symbol table has no function for, it is
-    /// [`ElfSymbols::lookup`] (the DWARF, or a detached debug file's table, may name it).
+    /// DWARF. Only for a stripped file's internal function (no symbol in its table, a
+    /// detached debug file installed) is the debug file loaded, whose table names it. Where
+    /// a compiler made a clone of a function (`foo.isra.0`, `foo.cold`), this is the clone's
+    /// symbol, where the DWARF names `foo`.
     pub fn lookup_outer(&self, svma: u64) -> Lookup {
-        let out = self.lookup_table(svma);
-        if out.symbols.is_empty() && self.in_code(svma) {
-            return self.lookup(svma);
+        if !self.outer_falls_back(svma) {
+            return self.lookup_table(svma);
         }
-        out
+        let mut full = self.lookup(svma);
+        // The outermost level alone, as the table would give it.
+        if let Some(outer) = full.symbols.pop() {
+            full.symbols = vec![Symbol {
+                name: outer.name,
+                ..Symbol::default()
+            }];
+        }
+        full
+    }
+
+    /// Whether [`ElfSymbols::lookup_outer`] of `svma` is the full lookup's: a stripped
+    /// file's function its own table does not have, which its detached debug file may name.
+    pub(crate) fn outer_falls_back(&self, svma: u64) -> bool {
+        self.detached.is_some() && self.in_code(svma) && self.symbol(svma).is_none()
     }
 
     /// [`ElfSymbols::lookup_outer`] without the fallback: nothing where the symbol table

@@ -155,9 +155,11 @@ pub fn resolve_address(addr: u64) -> Arc<Resolved> {
 /// more (a name and an offset, as Tarantool's traces print them; which function a frame is
 /// in), without loading the program's DWARF — for a large program the first full
 /// [`resolve`] loads it, tens of milliseconds and tens of megabytes. An address the symbol
-/// table has no function for is resolved in full. The name is the full resolution's
-/// outermost one, except where the DWARF names a function that the symbol table names
-/// otherwise (identical functions folded into one symbol).
+/// table has no function for is named by `dladdr`, or, in a stripped library with a detached
+/// debug file installed, by that file's table ([`ElfSymbols::lookup_outer`]). The name is
+/// the full resolution's outermost one, except where the DWARF names a function that the
+/// symbol table names otherwise (identical functions folded into one symbol, a compiler's
+/// clone such as `foo.isra.0`, which Tarantool's traces show as such too).
 pub fn resolve_outer(frame: &Frame) -> Option<Arc<Resolved>> {
     frame.lookup_address().map(resolve_outer_address)
 }
@@ -204,7 +206,8 @@ fn resolve_in(tier: Tier, addr: u64) -> Arc<Resolved> {
 
 /// How many files' DWARF the process has loaded so far: the first full lookup ([`resolve`])
 /// in a file loads it (for a large program tens of milliseconds and megabytes, once);
-/// [`resolve_outer`] never does. For tests and benchmarks of what a path costs.
+/// [`resolve_outer`] does only for a stripped library's internal function when its detached
+/// debug file is installed. For tests and benchmarks of what a path costs.
 pub fn dwarf_loads() -> u64 {
     elf::DWARF_LOADS.load(std::sync::atomic::Ordering::Relaxed)
 }
@@ -507,11 +510,12 @@ fn resolve_uncached(r: &Resolver, addr: u64, tier: Tier) -> (Resolved, bool) {
             // file again and parses, as opening it did.
             let l = match tier {
                 // (No parse: the table read at open, a binary search.)
-                Tier::Outer => Some(elf.lookup_table(svma)).filter(|l| !l.symbols.is_empty()),
-                Tier::Full => None,
+                Tier::Outer if !elf.outer_falls_back(svma) => Some(elf.lookup_table(svma)),
+                _ => None,
             };
             let l = l.or_else(|| {
-                let dwarf = elf.dwarf_loaded() || (room_to_parse(size()) && load_dwarf(elf));
+                let dwarf = elf.dwarf_loaded()
+                    || (room_to_parse(elf.dwarf_file_bytes()) && load_dwarf(elf));
                 (dwarf && room_to_parse(0)).then(|| match tier {
                     Tier::Full => elf.lookup(svma),
                     Tier::Outer => elf.lookup_outer(svma),
