@@ -550,17 +550,23 @@ fn resolve_uncached(r: &Resolver, addr: u64, tier: Tier) -> (Resolved, bool) {
     (out, lasting)
 }
 
-/// Loads `elf`'s DWARF, with the descriptors held for the symbolizer when the process is out
-/// of them (see [`set_aside_descriptors`]); whether it is loaded (false: not for the moment).
+/// Loads `elf`'s DWARF (see [`with_spare_descriptors`]); whether it is loaded (false: not
+/// for the moment).
 fn load_dwarf(elf: &ElfSymbols) -> bool {
-    match elf.load_dwarf() {
-        Ok(()) => true,
+    with_spare_descriptors(|| elf.load_dwarf()).is_ok()
+}
+
+/// `open` (an opening of files), tried again with the descriptors held for the symbolizer
+/// when the process was out of them (see [`set_aside_descriptors`]), which are taken again
+/// after.
+fn with_spare_descriptors<T>(open: impl Fn() -> Result<T, OpenError>) -> Result<T, OpenError> {
+    match open() {
         Err(e) if e.out_of_descriptors() && give_back_descriptors() => {
-            let loaded = elf.load_dwarf().is_ok();
+            let r = open();
             retake_descriptors();
-            loaded
+            r
         }
-        Err(_) => false,
+        r => r,
     }
 }
 
@@ -568,13 +574,7 @@ fn open_for(img: &Image) -> FileState {
     if img.path.is_empty() || img.path.starts_with('[') {
         return FileState::Unusable;
     }
-    let mut opened = ElfSymbols::open(&img.path);
-    if opened.as_ref().is_err_and(|e| e.out_of_descriptors()) && give_back_descriptors() {
-        // Out of descriptors: with the ones held for this (see `set_aside_descriptors`).
-        opened = ElfSymbols::open(&img.path);
-        retake_descriptors();
-    }
-    match opened {
+    match with_spare_descriptors(|| ElfSymbols::open(&img.path)) {
         Ok(elf) => {
             if img.build_id.is_some() && elf.build_id() != img.build_id.as_deref() {
                 // The file on disk is not what is mapped.
