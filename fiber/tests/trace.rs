@@ -311,33 +311,35 @@ fn fibers_passing_the_turn_see_each_others_exact_frames() {
 
 #[test]
 fn inspected_while_another_thread_resumes_it_repeatedly() {
+    // Walks to make, and resumes of the walked fiber to see among them: both, however the
+    // two threads share the CPUs (under load one can get most of the walker's time slices).
     const WANT: u64 = 2000;
+    const RESUMES: u64 = 100;
     let walks = Arc::new(AtomicU64::new(0));
+    let resumed = Arc::new(AtomicU64::new(0));
+    let done = Arc::new(AtomicBool::new(false));
     let fid = Arc::new(AtomicU64::new(0));
-    let (w2, f2) = (walks.clone(), fid.clone());
+    let (r2, stop, f2) = (resumed.clone(), done.clone(), fid.clone());
     let t = std::thread::spawn(move || {
         Scheduler::new()
             .block_on(move || {
                 // Two fibers switching as fast as they can while the other thread walks one.
-                let w3 = w2.clone();
+                let stop_h = stop.clone();
                 let h = spawn(move || {
-                    let mut resumes = 0u64;
-                    while w3.load(Ordering::Relaxed) < WANT {
+                    while !stop_h.load(Ordering::Relaxed) {
                         d1();
-                        resumes += 1;
+                        r2.fetch_add(1, Ordering::Relaxed);
                     }
-                    resumes
                 });
-                let w4 = w2.clone();
+                let stop_o = stop.clone();
                 let other = spawn(move || {
-                    while w4.load(Ordering::Relaxed) < WANT {
+                    while !stop_o.load(Ordering::Relaxed) {
                         yield_now();
                     }
                 });
                 f2.store(h.id(), Ordering::Release);
-                let resumes = h.join().unwrap();
+                h.join().unwrap();
                 other.join().unwrap();
-                resumes
             })
             .unwrap()
     });
@@ -348,7 +350,7 @@ fn inspected_while_another_thread_resumes_it_repeatedly() {
     let fiber = fibertrace_fiber::Fiber::from_shared(f);
     let mut torn = Vec::new();
     let mut attempts = 0u64;
-    while walks.load(Ordering::Relaxed) < WANT {
+    while walks.load(Ordering::Relaxed) < WANT || resumed.load(Ordering::Relaxed) < RESUMES {
         attempts += 1;
         // Suspended walks only (a running fiber is not sampled here).
         if let Some(bt) = fibertrace_fiber::info::suspended_backtrace(&fiber, Unwinder::Fast) {
@@ -358,16 +360,21 @@ fn inspected_while_another_thread_resumes_it_repeatedly() {
                 torn.push(n);
             }
         }
-        assert!(attempts < 50_000_000, "the fiber is never seen suspended");
+        assert!(
+            attempts < 50_000_000,
+            "the fiber is never seen suspended, or never resumed: {} walks, {} resumes",
+            walks.load(Ordering::Relaxed),
+            resumed.load(Ordering::Relaxed)
+        );
     }
-    let resumes = t.join().unwrap();
+    done.store(true, Ordering::Relaxed);
+    t.join().unwrap();
     assert!(
         torn.is_empty(),
         "{} torn traces, first {:?}",
         torn.len(),
         torn.first()
     );
-    assert!(resumes > 10, "the fiber kept being resumed: {resumes}");
     // The handshake that kept them whole.
     assert_eq!(fibertrace_fiber::switches_unlocked(), unlocked_expected());
 }

@@ -31,6 +31,11 @@ use super::classify::VmMap;
 use super::foreign::{INTERP_BASE, INTERP_PC};
 use crate::frames::foreign::{Memory, Reader, SelfMem};
 
+/// What a fiber held in LuaJIT's interpreter, whose registers do not check out there or
+/// are not read, is shown without.
+const IN_INTERPRETER: &str = "its thread was stopped in LuaJIT's interpreter, whose state does \
+                              not say which Lua code runs there: its Lua frames are not read";
+
 /// The Lua host's [`HeldSource`] (see the module doc).
 pub struct HeldLua {
     state: Mutex<State>,
@@ -158,6 +163,12 @@ impl HeldSource for HeldLua {
         let top = match st.reader.running_top(&mut st.mem, word, regs, native) {
             Ok(Some(top)) if !top.compiled => return self.merged(st, word, native, Some(top)),
             Ok(top) => top,
+            // Held in the interpreter's glue (a continuation's dispatch, a return from C
+            // code), whose registers are not yet the ones its instructions keep there: as
+            // where they are not read.
+            Err(why) if regs.is_some() => {
+                return (None, Some(format!("{IN_INTERPRETER} ({why})")));
+            }
             Err(why) => {
                 return (
                     None,
@@ -227,14 +238,7 @@ impl HeldSource for HeldLua {
             };
             if in_interp(a) {
                 if i == 0 {
-                    return (
-                        None,
-                        Some(
-                            "its thread was stopped in LuaJIT's interpreter, whose state does \
-                             not say which Lua code runs there: its Lua frames are not read"
-                                .into(),
-                        ),
-                    );
+                    return (None, Some(IN_INTERPRETER.into()));
                 }
                 return self.merged(st, word, native, None);
             }
