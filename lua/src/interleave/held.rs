@@ -13,7 +13,9 @@
 //! above it) and the VM state confirms (not running Lua code). In compiled code its levels
 //! come from the base the trace was entered with, in the interpreter from its base and PC
 //! registers where the thread was stopped, as `dump PID` reads them (each checked against
-//! the state's stack and the function's code first). A trace's code has no unwind record:
+//! the state's stack and the function's code first: held in the interpreter's glue — a
+//! continuation's dispatch, a return from C code — they are not yet an instruction's, and the
+//! fiber is shown with its native frames and the reason). A trace's code has no unwind record:
 //! the runtime's walk goes on below it from the record of the call that entered the VM
 //! ([`HeldLua`]'s `below_unwound`, `L->cframe`), and the levels take the trace's frame's place.
 //!
