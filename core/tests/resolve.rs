@@ -303,5 +303,25 @@ fn a_file_replaced_after_it_was_opened_is_named_from_its_own_symbol_table() {
     let l = kept.lookup(f - img.base);
     assert_eq!(kept.dwarf_error(), None);
     assert!(l.symbols.last().unwrap().line.is_some(), "{l:?}");
+    // The same build put in its place (a reinstall: a new file, the same build id): read.
+    std::fs::copy(std::env::current_exe().unwrap(), dir.join("again")).unwrap();
+    let again = symbolize::ElfSymbols::open(dir.join("again")).unwrap();
+    std::fs::copy(std::env::current_exe().unwrap(), dir.join("new")).unwrap();
+    std::fs::rename(dir.join("new"), dir.join("again")).unwrap();
+    let l = again.lookup(f - img.base);
+    assert_eq!(again.dwarf_error(), None);
+    assert!(l.symbols.last().unwrap().line.is_some(), "{l:?}");
+    // A file removed since: named from the table, and said why.
+    std::fs::copy(std::env::current_exe().unwrap(), dir.join("gone")).unwrap();
+    let gone = symbolize::ElfSymbols::open(dir.join("gone")).unwrap();
+    std::fs::remove_file(dir.join("gone")).unwrap();
+    let l = gone.lookup(f - img.base);
+    assert_eq!(l.symbols.len(), 1, "{l:?}");
+    assert_eq!(l.symbols[0].name.as_deref(), Some("resolve::inner"));
+    assert!(!l.partial);
+    assert_eq!(
+        gone.dwarf_error(),
+        Some("the file was removed since it was opened")
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -385,8 +385,11 @@ impl Session {
         // exit, of a process still there 10 ms later (and not a zombie alone) is tried again,
         // up to 10 times; a process changing all along is said to be.
         let mut tries = 0;
+        // One turn's wait for every try: a dump that still holds the process when it ends
+        // is said to, not waited for again by the next try.
+        let turn_until = Instant::now() + DUMP_TURN;
         loop {
-            let r = Self::open_once(pid, opts);
+            let r = Self::open_once(pid, opts, turn_until);
             // (A refusal because another process's tracer holds it is no exec's: said at
             // once, after the one wait for a dump's turn `open_once` made — unless that
             // tracer is another dump, which took its turn between the refusal and the look
@@ -395,7 +398,8 @@ impl Session {
             // execs.)
             let changing = match &r {
                 Err(DumpError::Permission { .. }) => {
-                    platform::tracer(pid).is_none_or(in_this_process) || held_by_a_dump(pid)
+                    platform::tracer(pid).is_none_or(in_this_process)
+                        || (held_by_a_dump(pid) && Instant::now() < turn_until)
                 }
                 Err(DumpError::Zombie(_) | DumpError::Exited(_)) => true,
                 _ => false,
@@ -423,7 +427,9 @@ impl Session {
         }
     }
 
-    fn open_once(pid: i32, opts: &DumpOptions) -> Result<Session, DumpError> {
+    /// One try of [`Session::open`]; a dump holding the process is waited for until
+    /// `turn_until`.
+    fn open_once(pid: i32, opts: &DumpOptions, turn_until: Instant) -> Result<Session, DumpError> {
         if pid <= 0 {
             return Err(DumpError::NoSuchProcess(pid));
         }
@@ -459,13 +465,12 @@ impl Session {
             // has one tracer at a time; the second failed).
             // (A dump seen holding it that is gone at the next look let go just now: tried
             // again at once.)
-            let wait_until = Instant::now() + DUMP_TURN;
             let mut waited = false;
             let all = loop {
                 stopped_at = Some(Instant::now());
                 match platform::Stopped::all(pid) {
                     Err(platform::StopError::Permission)
-                        if Instant::now() < wait_until
+                        if Instant::now() < turn_until
                             && (held_by_a_dump(pid)
                                 || (waited && platform::tracer(pid).is_none())) =>
                     {

@@ -18,8 +18,12 @@
 //! The DWARF is read from the file opened, checked by its identity (device, inode, size,
 //! modification time) before and after the load: a file replaced on disk since it was
 //! opened (a deploy, a package upgrade) is named from the table read at open, never from the
-//! other build's DWARF. (A replacement between the check and the loader's open, within
-//! microseconds, and undone before the second check, would go unseen.)
+//! other build's DWARF; one with the same build id (a reinstall of the same build) is read.
+//! (A replacement between the check and the loader's open, within microseconds, and undone
+//! before the second check, would go unseen.)
+//!
+//! A crafted file cannot make the table large: names that sum past the file's size (many
+//! symbols naming one long string) share one copy of the bytes they point into.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
@@ -132,9 +136,16 @@ impl FileIdentity {
         }
     }
 
-    /// The identity of the file at `path` now, if it can be read.
-    fn at(path: &str) -> Option<FileIdentity> {
-        std::fs::metadata(path).ok().map(|m| FileIdentity::of(&m))
+    /// The identity of the file at `path` now.
+    fn at(path: &str) -> std::io::Result<FileIdentity> {
+        std::fs::metadata(path).map(|m| FileIdentity::of(&m))
+    }
+
+    /// Whether `self`, from the path, is the file `opened` describes (from its
+    /// descriptor): the same size and modification time. (Not the device and inode: on
+    /// some overlay filesystems the descriptor's are the layer's, the path's the overlay's.)
+    fn looks_like(&self, opened: &FileIdentity) -> bool {
+        self.len == opened.len && self.mtime == opened.mtime
     }
 }
 
@@ -163,27 +174,89 @@ struct SymbolTable {
 }
 
 impl SymbolTable {
-    /// The symbol map of the object file in `data` (empty when it has none, or when its
-    /// names pass 4 GiB).
+    /// The symbol map of the object file in `data` (empty when it has none).
     fn read(data: &[u8]) -> SymbolTable {
         use object::Object;
         let Ok(file) = object::File::parse(data) else {
             return SymbolTable::default();
         };
         let map = file.symbol_map();
-        let all = map.symbols();
-        let mut names = String::with_capacity(all.iter().map(|s| s.name().len()).sum());
-        let mut syms = Vec::with_capacity(all.len());
-        for s in all {
-            let (Ok(at), Ok(len)) = (u32::try_from(names.len()), u32::try_from(s.name().len()))
-            else {
+        SymbolTable::of(
+            map.symbols()
+                .iter()
+                .map(|s| (s.address(), s.size(), s.name())),
+            data.len(),
+        )
+    }
+
+    /// The table of `syms` (address, size, name; by address), whose names lie in a file of
+    /// `file_len` bytes. Each name is copied as it is while they sum to no more than the
+    /// file; past that (many symbols naming one long string: only a crafted file's do), each
+    /// byte of the strings they point into is copied once and the names share them, so that
+    /// what is kept never passes the file's size. Empty when the names pass 4 GiB.
+    fn of<'a>(
+        syms: impl ExactSizeIterator<Item = (u64, u64, &'a str)> + Clone,
+        file_len: usize,
+    ) -> SymbolTable {
+        let total = syms
+            .clone()
+            .try_fold(0usize, |t, (_, _, n)| t.checked_add(n.len()));
+        if total.is_some_and(|t| t <= file_len) {
+            let mut names = String::with_capacity(total.unwrap_or(0));
+            let mut out = Vec::with_capacity(syms.len());
+            for (at, size, name) in syms {
+                let (Ok(off), Ok(len)) = (u32::try_from(names.len()), u32::try_from(name.len()))
+                else {
+                    return SymbolTable::default();
+                };
+                names.push_str(name);
+                out.push((at, size, off, len));
+            }
+            return SymbolTable {
+                syms: out.into(),
+                names: names.into(),
+            };
+        }
+        // The names by where they start, their spans merged where they meet: (start, end,
+        // where the span starts in `bytes`).
+        let mut strs: Vec<&str> = syms.clone().map(|(_, _, n)| n).collect();
+        strs.sort_unstable_by_key(|n| (n.as_ptr() as usize, n.len()));
+        let mut merged: Vec<(usize, usize, usize)> = Vec::new();
+        let mut bytes: Vec<u8> = Vec::new();
+        for n in strs {
+            let (a, b) = (n.as_ptr() as usize, n.as_ptr() as usize + n.len());
+            match merged.last_mut() {
+                Some(last) if a <= last.1 => {
+                    if b > last.1 {
+                        bytes.extend_from_slice(&n.as_bytes()[last.1 - a..]);
+                        last.1 = b;
+                    }
+                }
+                _ => {
+                    merged.push((a, b, bytes.len()));
+                    bytes.extend_from_slice(n.as_bytes());
+                }
+            }
+        }
+        // (Spans of valid UTF-8 that overlap join into valid UTF-8: where a character starts
+        // is told by its bytes alone.)
+        let Ok(names) = String::from_utf8(bytes) else {
+            return SymbolTable::default();
+        };
+        let mut out = Vec::with_capacity(syms.len());
+        for (at, size, name) in syms {
+            let p = name.as_ptr() as usize;
+            let Some(i) = merged.partition_point(|m| m.0 <= p).checked_sub(1) else {
                 return SymbolTable::default();
             };
-            names.push_str(s.name());
-            syms.push((s.address(), s.size(), at, len));
+            let off = merged[i].2 + (p - merged[i].0);
+            let (Ok(off), Ok(len)) = (u32::try_from(off), u32::try_from(name.len())) else {
+                return SymbolTable::default();
+            };
+            out.push((at, size, off, len));
         }
         SymbolTable {
-            syms: syms.into(),
+            syms: out.into(),
             names: names.into(),
         }
     }
@@ -251,7 +324,14 @@ impl ElfSymbols {
             return Err(err("an empty file, not an ELF file".into()));
         }
         let file = std::fs::File::open(path).map_err(|e| io_err(&e))?;
-        let identity = FileIdentity::of(&file.metadata().map_err(|e| io_err(&e))?);
+        let opened = FileIdentity::of(&file.metadata().map_err(|e| io_err(&e))?);
+        // Later checks stat the path: the identity they compare with is taken so, once it is
+        // seen to be the file opened (else the file was replaced since, and the descriptor's
+        // identity never matches: the DWARF is not read).
+        let identity = FileIdentity::at(&path.display().to_string())
+            .ok()
+            .filter(|now| now.looks_like(&opened))
+            .unwrap_or(opened);
         // If another process truncates the file while it is mapped, reading it faults — the
         // same hazard every ELF reader that maps files accepts.
         // SAFETY: a read-only private mapping of a file, dropped before this function returns.
@@ -300,11 +380,13 @@ impl ElfSymbols {
             transient: true,
             errno: io.raw_os_error(),
         };
-        // The loader opens the file by its path: only the file opened is read (its identity
-        // the same before and after the load; a replaced file keeps the table's names).
-        let same = || FileIdentity::at(&self.path) == Some(self.identity);
+        // The loader opens the file by its path: only the file opened, or one of the same
+        // build put in its place (a reinstall), is read (its identity the same before and
+        // after the load; another file keeps the table's names).
+        let expected = self.same_build_at_path().map_err(|io| transient(&io))?;
+        let same = |e: FileIdentity| FileIdentity::at(&self.path).is_ok_and(|now| now == e);
         let (mut loader, mut error) = (None, None);
-        if same() {
+        if expected.is_some() {
             match addr2line::Loader::new(&self.path) {
                 Ok(l) => loader = Some(l),
                 Err(e) => match e.downcast_ref::<std::io::Error>() {
@@ -313,11 +395,17 @@ impl ElfSymbols {
                 },
             }
         }
-        if loader.is_some() && !same() {
+        if loader.is_some() && !expected.is_some_and(same) {
             loader = None;
         }
         if loader.is_none() && error.is_none() {
-            error = Some("the file was replaced since it was opened".to_string());
+            let removed = FileIdentity::at(&self.path)
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound);
+            error = Some(if removed {
+                "the file was removed since it was opened".to_string()
+            } else {
+                "the file was replaced since it was opened".to_string()
+            });
         }
         let debug = match self.detached.as_ref().map(addr2line::Loader::new) {
             Some(Ok(d)) => Some(d),
@@ -339,6 +427,42 @@ impl ElfSymbols {
             drop(std::mem::take(&mut *self.table()));
         }
         Ok(())
+    }
+
+    /// The identity of the file at the path when it holds the build opened: the file
+    /// opened, or another with the same build id (a reinstall of the same build). `None` for
+    /// another build, a file without a build id, or no file there; an error only when that
+    /// may go right later (see [`is_transient`]).
+    fn same_build_at_path(&self) -> std::io::Result<Option<FileIdentity>> {
+        let kept = |e: std::io::Error| if is_transient(&e) { Err(e) } else { Ok(None) };
+        let now = match FileIdentity::at(&self.path) {
+            Ok(now) => now,
+            Err(e) => return kept(e),
+        };
+        if now == self.identity {
+            return Ok(Some(now));
+        }
+        let Some(id) = self.build_id.as_deref() else {
+            return Ok(None);
+        };
+        let file = match std::fs::File::open(&self.path) {
+            Ok(f) => f,
+            Err(e) => return kept(e),
+        };
+        let opened = match file.metadata() {
+            Ok(m) => FileIdentity::of(&m),
+            Err(e) => return kept(e),
+        };
+        if !now.looks_like(&opened) {
+            return Ok(None);
+        }
+        // SAFETY: a read-only private mapping of a file, dropped before this returns (the
+        // hazard of a truncation by another process as in `open`).
+        let map = match unsafe { memmap2::Mmap::map(&file) } {
+            Ok(m) => m,
+            Err(e) => return kept(e),
+        };
+        Ok((read_build_id(&map).ok().flatten().as_deref() == Some(id)).then_some(now))
     }
 
     /// Why the file's DWARF could not be read, once [`ElfSymbols::load_dwarf`] tried (its
@@ -584,7 +708,53 @@ pub(crate) fn read_build_id(data: &[u8]) -> Result<Option<Vec<u8>>, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::has_path;
+    use super::{has_path, SymbolTable};
+
+    /// Many symbols naming one long string, as a crafted file can make them (each symbol's
+    /// name an offset into the string table): the table keeps the string once, not once a
+    /// symbol (100,000 symbols x 1 MB would be 100 GB), and every name is the one pointed
+    /// at, overlapping ones too.
+    #[test]
+    fn names_that_sum_past_the_file_are_kept_once() {
+        let long = "é".repeat(512 * 1024);
+        let n = 100_000u64;
+        let syms: Vec<(u64, u64, &str)> = (0..n)
+            .map(|i| {
+                // Every other name starts further in (on a character's start).
+                let from = if i % 2 == 0 {
+                    0
+                } else {
+                    2 * (i as usize % 1000)
+                };
+                (0x1000 + 16 * i, 16, &long[from..])
+            })
+            .collect();
+        let t = SymbolTable::of(syms.iter().copied(), long.len() + 4096);
+        assert_eq!(t.names.len(), long.len());
+        assert_eq!(t.syms.len(), n as usize);
+        for (i, &(at, _, name)) in syms.iter().enumerate().step_by(997) {
+            assert_eq!(t.containing(at + 3), Some((at, name)), "symbol {i}");
+        }
+        // Two strings apart, and a name inside another: each kept once.
+        let text = "alpha\0beta\0alphabet";
+        let syms = [
+            (0x10, 4, &text[0..5]),
+            (0x20, 4, &text[6..10]),
+            (0x30, 4, &text[11..19]),
+            (0x40, 4, &text[16..19]),
+            (0x50, 4, &text[11..19]),
+        ];
+        let t = SymbolTable::of(syms.iter().copied(), 10);
+        assert_eq!(&*t.names, "alphabetaalphabet");
+        for &(at, _, name) in &syms {
+            assert_eq!(t.containing(at), Some((at, name)));
+        }
+        // Under the file's size, each name copied in the order of the symbols.
+        let t = SymbolTable::of(syms.iter().copied(), 100);
+        assert_eq!(&*t.names, "alphabetaalphabetbetalphabet");
+        assert_eq!(t.containing(0x44), None);
+        assert_eq!(t.containing(0x43), Some((0x40, "bet")));
+    }
 
     #[test]
     fn a_path_inside_generic_arguments_is_not_the_names_path() {
