@@ -126,9 +126,10 @@ enum FileState {
     Unusable,
 }
 
+static RESOLVER: OnceLock<Resolver> = OnceLock::new();
+
 fn resolver() -> &'static Resolver {
-    static R: OnceLock<Resolver> = OnceLock::new();
-    R.get_or_init(|| {
+    RESOLVER.get_or_init(|| {
         // The library's own table: untracked (see `crate::untracked`).
         let _untracked = crate::untracked::pause();
         Resolver {
@@ -167,6 +168,19 @@ pub fn resolve_outer(frame: &Frame) -> Option<Arc<Resolved>> {
 /// [`resolve_outer`] of a lookup address, through its own cache.
 pub fn resolve_outer_address(addr: u64) -> Arc<Resolved> {
     resolve_in(Tier::Outer, addr)
+}
+
+/// [`resolve_outer_address`]'s answer if its cache has it, without waiting for any lock and
+/// without doing any of a lookup's work (no file opened, no loader's lock taken): for code
+/// that runs while another thread of the process is held still, which may have been stopped
+/// inside the symbolizer holding its locks (or inside the loader). `None`: not cached yet, or
+/// the cache's part that would have it is being written by another thread just now.
+pub fn resolve_outer_cached(addr: u64) -> Option<Arc<Resolved>> {
+    // (Not made here: a thread held while it made it would hold this one.)
+    match RESOLVER.get()?.outer.try_get(&addr) {
+        dashmap::try_result::TryResult::Present(hit) => Some(Arc::clone(hit.value())),
+        _ => None,
+    }
 }
 
 /// How much a lookup asks for.

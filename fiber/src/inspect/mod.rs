@@ -411,9 +411,17 @@ fn held_part(
     }
     src.end();
     if !hold.still_held() {
+        let _ = src.after_hold();
         return None;
     }
     drop(hold);
+    for (word, frames) in src.after_hold() {
+        for fi in p.fibers.iter_mut() {
+            if fi.backtrace.is_some() && words.get(&fi.id) == Some(&word) {
+                fi.backtrace = Some(labelled(&frames, |id| src.name(id), false));
+            }
+        }
+    }
     if opts.resolve {
         for fi in &mut p.fibers {
             if let Some(b) = &fi.backtrace {

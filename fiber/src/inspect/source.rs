@@ -92,6 +92,16 @@ pub trait HeldSource: Send + Sync {
 
     /// The read under the hold ended: nothing read before may be kept.
     fn end(&self) {}
+
+    /// Called once the thread was let go after a read that stood: the fibers whose frames
+    /// the source merged under the hold with less than it wanted (what it asks of code the
+    /// held thread may have been stopped inside, holding its locks — the symbolizer's, the
+    /// loader's — it asks there only from what is at hand without waiting), by layer word,
+    /// with their frames merged again now, from what it read under the hold. By default
+    /// none.
+    fn after_hold(&self) -> Vec<(u64, Vec<Frame>)> {
+        Vec::new()
+    }
 }
 
 /// The held sources, by scheduler id.

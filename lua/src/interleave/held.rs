@@ -19,6 +19,13 @@
 //! the runtime's walk goes on below it from the record of the call that entered the VM
 //! ([`HeldLua`]'s `below_unwound`, `L->cframe`), and the levels take the trace's frame's place.
 //!
+//! Under the hold, nothing waits on a lock the held thread may hold: where the merge needs
+//! the extent of a C function that no symbol table of the VM map has, it asks only the
+//! symbolizer's cache (the thread may have been stopped inside the symbolizer, holding the
+//! lock a lookup would wait for until the hold runs out, and the read be lost), and a fiber
+//! whose merge wanted more is merged again once the thread is let go
+//! ([`HeldSource::after_hold`]) from what was read under the hold.
+//!
 //! How a result can be wrong: as the foreign reader's (a thread held inside a collector step
 //! that moves a stack reads a torn stack; the reader checks every link and says where it
 //! fails). LuaJIT only: the layout is published and checked for it.
@@ -32,6 +39,7 @@ use smallvec::SmallVec;
 use super::classify::VmMap;
 use super::foreign::{INTERP_BASE, INTERP_PC};
 use crate::frames::foreign::{Memory, Reader, SelfMem};
+use crate::frames::LuaLevel;
 
 /// What a fiber held in LuaJIT's interpreter, whose registers do not check out there or
 /// are not read, is shown without.
@@ -42,6 +50,18 @@ const IN_INTERPRETER: &str = "its thread was stopped in LuaJIT's interpreter, wh
 pub struct HeldLua {
     state: Mutex<State>,
     vm: &'static VmMap,
+    /// The merges of the current hold that asked the symbolizer's cache for what it did not
+    /// have ([`super::merge_with_gap_cached`]), done again after the hold
+    /// ([`HeldSource::after_hold`]).
+    redo: Mutex<Vec<Redo>>,
+}
+
+/// A merge to do again once the thread is let go: what it merged.
+struct Redo {
+    word: u64,
+    native: Vec<Frame>,
+    levels: Vec<LuaLevel>,
+    gap: Option<(usize, u64)>,
 }
 
 /// The reader and the memory it reads, used together under the lock.
@@ -108,11 +128,36 @@ impl HeldLua {
                 },
             }),
             vm: super::classify::vm_map(),
+            redo: Mutex::new(Vec::new()),
         })
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `native` with the Lua levels `levels` of state `word` merged in, under the hold: the
+    /// symbolizer is asked only from its cache (the held thread may have been stopped inside
+    /// it, holding a lock the lookup would wait for until the hold runs out); a merge that
+    /// wanted more is done again after the hold.
+    fn merge_held(
+        &self,
+        word: u64,
+        native: &[Frame],
+        levels: &[LuaLevel],
+        gap: Option<(usize, u64)>,
+    ) -> Vec<Frame> {
+        let mut out: SmallVec<[Frame; 192]> = SmallVec::new();
+        if !super::merge_with_gap_cached(native, levels, gap, self.vm, &mut out) {
+            let mut redo = self.redo.lock().unwrap_or_else(|e| e.into_inner());
+            redo.push(Redo {
+                word,
+                native: native.to_vec(),
+                levels: levels.to_vec(),
+                gap,
+            });
+        }
+        out.into_vec()
     }
 
     /// `native` with the Lua stack of state `word` merged in (its recorded base, or `top`).
@@ -125,10 +170,8 @@ impl HeldLua {
     ) -> (Option<Vec<Frame>>, Option<String>) {
         match st.reader.stack_running(&mut st.mem, word, top) {
             Ok(lua) => {
-                let mut out: SmallVec<[Frame; 192]> = SmallVec::new();
                 let gap = (lua.omitted > 0).then_some((lua.omitted_at, lua.omitted));
-                super::merge_with_gap(native, &lua.levels, gap, self.vm, false, &mut out);
-                (Some(out.into_vec()), None)
+                (Some(self.merge_held(word, native, &lua.levels, gap)), None)
             }
             Err(why) => (
                 None,
@@ -204,8 +247,7 @@ impl HeldSource for HeldLua {
                 let mut rest: SmallVec<[Frame; 64]> = SmallVec::new();
                 rest.extend_from_slice(&native[..cut - 1]);
                 rest.extend_from_slice(&native[cut..]);
-                let mut out: SmallVec<[Frame; 192]> = SmallVec::new();
-                super::merge_with_gap(&rest, &lua.levels, gap, self.vm, false, &mut out);
+                let out = self.merge_held(word, &rest, &lua.levels, gap);
                 // (From the trace's snapshot, its levels are the ones an exit would restore:
                 // nothing to say.)
                 let note = (!top.snapshot).then(|| {
@@ -213,7 +255,7 @@ impl HeldSource for HeldLua {
                      function the trace runs in (a function the trace inlined has no level)"
                         .into()
                 });
-                return (Some(out.into_vec()), note);
+                return (Some(out), note);
             }
             let mut out = native[..cut].to_vec();
             for (j, l) in lua.levels.iter().enumerate() {
@@ -295,11 +337,23 @@ impl HeldSource for HeldLua {
         }
         st.mem.pages.clear();
         st.mem.on = true;
+        self.redo.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
     fn end(&self) {
         let mut st = self.state();
         st.mem.on = false;
         st.mem.pages = std::collections::HashMap::new();
+    }
+
+    fn after_hold(&self) -> Vec<(u64, Vec<Frame>)> {
+        let redo = std::mem::take(&mut *self.redo.lock().unwrap_or_else(|e| e.into_inner()));
+        redo.into_iter()
+            .map(|r| {
+                let mut out: SmallVec<[Frame; 192]> = SmallVec::new();
+                super::merge_with_gap(&r.native, &r.levels, r.gap, self.vm, false, &mut out);
+                (r.word, out.into_vec())
+            })
+            .collect()
     }
 }
