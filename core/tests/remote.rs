@@ -32,7 +32,12 @@ struct Target {
 
 impl Target {
     fn start() -> Target {
-        let mut child = Command::new(target_exe())
+        Target::start_exe(&target_exe())
+    }
+
+    /// A copy of the example at `exe`.
+    fn start_exe(exe: &std::path::Path) -> Target {
+        let mut child = Command::new(exe)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -195,6 +200,63 @@ fn every_thread_of_a_stopped_process_has_exact_frames_and_it_runs_on() {
     let (code, last) = t.finish();
     assert_eq!(code, 0);
     assert!(last.starts_with("done "), "{last}");
+}
+
+/// A target whose DWARF cannot be read (its `.debug_info` compressed in a way no reader
+/// knows): its frames are named from the symbol table, without file:line, and the dump says
+/// why they have none.
+#[test]
+fn frames_whose_debug_information_cannot_be_read_are_named_and_the_dump_says_why() {
+    use object::{Object, ObjectSection};
+    let dir = Scratch::new("remote-no-lines");
+    let exe = dir.join("remote_target");
+    std::fs::copy(target_exe(), &exe).unwrap();
+    let st = Command::new("objcopy")
+        .arg("--compress-debug-sections=zlib")
+        .arg(&exe)
+        .status()
+        .expect("objcopy (binutils) runs");
+    assert!(st.success());
+    let mut bytes = std::fs::read(&exe).unwrap();
+    let at = {
+        let obj = object::File::parse(&*bytes).unwrap();
+        let sec = obj.section_by_name(".debug_info").expect("a .debug_info");
+        let format = sec.compressed_file_range().unwrap().format;
+        assert_eq!(format, object::CompressionFormat::Zlib);
+        sec.file_range().unwrap().0 as usize
+    };
+    // The section's compression header: its type first (1 is zlib).
+    assert_eq!(bytes[at..at + 4], 1u32.to_le_bytes());
+    bytes[at..at + 4].copy_from_slice(&0x7fu32.to_le_bytes());
+    std::fs::write(&exe, &bytes).unwrap();
+    let t = Target::start_exe(&exe);
+    let d = remote::dump(t.pid(), &DumpOptions::default()).unwrap();
+    let text = d.to_text();
+    let parked = thread(&d, "parked");
+    assert_eq!(
+        own_frames(parked),
+        [
+            "remote_target::parked_inner at ?:0",
+            "remote_target::parked_outer at ?:0",
+            "remote_target::main::{{closure}} at ?:0",
+        ],
+        "{text}"
+    );
+    let path = exe.to_str().unwrap();
+    assert_eq!(d.without_lines.len(), 1, "{text}");
+    let why = d.without_lines[0]
+        .strip_prefix(&format!("{path}: "))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(why.contains("compression"), "{text}");
+    assert!(
+        text.ends_with(&format!("(frames without file:line in {path}: {why})\n")),
+        "{text}"
+    );
+    assert!(d.unnamed.is_empty(), "{text}");
+    // It reads back from JSON.
+    let back: ProcessDump = serde_json::from_str(&serde_json::to_string(&d).unwrap()).unwrap();
+    assert_eq!(back.without_lines, d.without_lines);
+    assert_eq!(t.finish().0, 0);
 }
 
 #[test]

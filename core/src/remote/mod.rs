@@ -116,6 +116,11 @@ pub struct ProcessDump {
     /// the one mapped).
     #[serde(skip_serializing_if = "Vec::is_empty", default)]
     pub unnamed: Vec<String>,
+    /// Images some frames fall in whose debug information (DWARF) could not be read, and why
+    /// (a section it cannot decompress, a file replaced since it was opened): their frames
+    /// are named from the symbol table alone, without file, line or inlined calls.
+    #[serde(skip_serializing_if = "Vec::is_empty", default)]
+    pub without_lines: Vec<String>,
     /// The process ended while it was read (killed, or it exited while not held): frames
     /// and fibers read after that are missing or wrong, and the dump is incomplete.
     #[serde(skip_serializing_if = "std::ops::Not::not", default)]
@@ -799,6 +804,7 @@ impl Session {
             })
             .collect();
         let unnamed = self.images.unnamed(&threads);
+        let without_lines = self.images.without_lines(&threads);
         ProcessDump {
             pid: self.pid,
             exe: self.exe.clone(),
@@ -807,6 +813,7 @@ impl Session {
             core: self.core.as_ref().map(|(p, _)| p.clone()),
             threads,
             unnamed,
+            without_lines,
             ended: self.ended == Some(true),
             warnings: self.warnings(),
         }
@@ -1282,6 +1289,28 @@ impl Images {
         out
     }
 
+    /// The images some thread's frames fall in whose DWARF could not be read, with why.
+    fn without_lines(&self, threads: &[ThreadDump]) -> Vec<String> {
+        self.images
+            .iter()
+            .filter_map(|img| match &img.symbols {
+                ImageSymbols::File { open, .. } => match open.get() {
+                    Some(Ok(elf)) => elf.dwarf_error().map(|why| (img, why)),
+                    _ => None,
+                },
+                _ => None,
+            })
+            .filter(|(img, _)| {
+                threads.iter().flat_map(|t| &t.frames).any(|f| {
+                    f.frame
+                        .lookup_address()
+                        .is_some_and(|a| a >= img.start && a < img.end)
+                })
+            })
+            .map(|(img, why)| format!("{}: {why}", img.path))
+            .collect()
+    }
+
     /// Whether `addr` is in the executable part of an image.
     fn unwinder_knows(&self, addr: u64) -> bool {
         self.images
@@ -1599,6 +1628,12 @@ impl ProcessDump {
         for u in &self.unnamed {
             out.push_str(&format!(
                 "(frames unnamed in {})\n",
+                crate::format::Escaped(u)
+            ));
+        }
+        for u in &self.without_lines {
+            out.push_str(&format!(
+                "(frames without file:line in {})\n",
                 crate::format::Escaped(u)
             ));
         }
