@@ -7,7 +7,8 @@
 //! leaked on purpose (a handler may still be walking with it), which costs a few hundred bytes
 //! per refresh. A library unloaded with `dlclose` stays in the snapshot until the next
 //! refresh: its addresses then resolve to the old image — the only way a result can name the
-//! wrong image.
+//! wrong image. (A refresh that finds an image gone says so, [`images_gone`]: the symbolizer
+//! then forgets the names it cached.)
 //!
 //! Each image keeps a copy of its `.eh_frame` / `.eh_frame_hdr` (read from memory, so it is
 //! exactly what runs, also for the vDSO and for deleted binaries). Which code keeps frame
@@ -214,6 +215,17 @@ fn is_libc_path(path: &str) -> bool {
 
 static TABLE: AtomicPtr<ImageTable> = AtomicPtr::new(std::ptr::null_mut());
 static BUILD: Mutex<()> = Mutex::new(());
+/// How many snapshots found an image of the one before gone (unloaded, or another loaded in
+/// its place): see [`images_gone`].
+static GONE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many times a new snapshot found that an image of the previous one is no longer
+/// there as it was (unloaded with `dlclose`, or another file, or another build, loaded at
+/// its address): what was learned of the addresses in it (names cached by the symbolizer)
+/// may be wrong since.
+pub fn images_gone() -> u64 {
+    GONE.load(Ordering::Acquire)
+}
 
 /// The current snapshot, building it on first use. Not for signal handlers (it may build);
 /// they use [`published`].
@@ -329,6 +341,16 @@ fn build(prev: Option<&'static ImageTable>) -> &'static ImageTable {
             has_unwind_info,
             is_libc,
         }));
+    }
+    let same = |a: &Image, b: &Image| {
+        a.start == b.start && a.end == b.end && a.path == b.path && a.build_id == b.build_id
+    };
+    if prev.is_some_and(|p| {
+        p.images
+            .iter()
+            .any(|old| !images.iter().any(|new| same(old, new)))
+    }) {
+        GONE.fetch_add(1, Ordering::AcqRel);
     }
     let mut code: Vec<(u64, u64, u32)> = images
         .iter()

@@ -11,7 +11,9 @@
 //! symbol table alone, read when the file is opened, and never loads it.
 //!
 //! How a result can be wrong: a library unloaded and another loaded at the same address
-//! before the cache is cleared ([`clear_cache`]) keeps the old names; code without debug info
+//! keeps the old names of addresses looked up before, until a lookup not cached notices the
+//! change (each refreshes the image table, and an image found gone clears the cache) or
+//! [`revalidate`] is called; code without debug info
 //! gets the nearest preceding symbol, which for a stripped static function is a neighbour's.
 
 use std::hash::{BuildHasherDefault, Hasher};
@@ -117,7 +119,29 @@ struct Resolver {
     /// [`resolve_outer`]'s results (the symbol table's names alone).
     outer: AddrMap<Arc<Resolved>>,
     /// Per image (keyed by its start address): its symbols, opened on first need.
-    files: AddrMap<Arc<Mutex<FileState>>>,
+    files: AddrMap<Arc<FileSlot>>,
+}
+
+/// An image's symbols, for the image it was made for: another image at the same address
+/// (a library unloaded and another loaded in its place) gets a new slot.
+struct FileSlot {
+    path: String,
+    build_id: Option<Vec<u8>>,
+    state: Mutex<FileState>,
+}
+
+impl FileSlot {
+    fn new(img: &Image) -> Arc<FileSlot> {
+        Arc::new(FileSlot {
+            path: img.path.clone(),
+            build_id: img.build_id.clone(),
+            state: Mutex::new(FileState::Unopened),
+        })
+    }
+
+    fn is_for(&self, img: &Image) -> bool {
+        self.path == img.path && self.build_id == img.build_id
+    }
 }
 
 enum FileState {
@@ -268,6 +292,28 @@ pub fn foreach(frames: &[Frame], mut f: impl FnMut(usize, &Frame, Option<&Resolv
     for (i, fr) in frames.iter().enumerate() {
         let r = resolve(fr);
         f(i, fr, r.as_deref());
+    }
+}
+
+/// Learns whether libraries were loaded or unloaded since the image table was read (one
+/// call into the loader when nothing changed), and if one was unloaded (or another loaded
+/// in its place), forgets every cached resolution (see [`clear_cache`]). Lookups do it
+/// themselves at every one not cached; a program that unloads libraries with `dlclose` and
+/// loads others may be given the old names of addresses already looked up until then, and
+/// calls this after it loads them to have none. Not from a signal handler (it takes the
+/// loader's lock and may read the loader's list).
+pub fn revalidate() {
+    image::refresh();
+    forget_if_images_gone();
+}
+
+/// [`clear_cache`] if a snapshot of the image table found an image gone since the last
+/// time this looked ([`image::images_gone`]).
+fn forget_if_images_gone() {
+    static SEEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let gone = image::images_gone();
+    if SEEN.swap(gone, std::sync::atomic::Ordering::AcqRel) != gone {
+        clear_cache();
     }
 }
 
@@ -489,13 +535,12 @@ fn room_to_parse(extra: u64) -> bool {
 /// its DWARF, could not be read for the moment, see `open_for` and `load_dwarf`, or there
 /// was no room to parse).
 fn resolve_uncached(r: &Resolver, addr: u64, tier: Tier) -> (Resolved, bool) {
-    let mut table = image::table();
-    let mut img = table.image_of(addr).cloned();
-    if img.is_none() {
-        // Perhaps a library loaded since the snapshot.
-        table = image::refresh();
-        img = table.image_of(addr).cloned();
-    }
+    // Libraries loaded or unloaded since the snapshot: a new one (one call into the loader
+    // when nothing changed), and if an image of the last one is gone, the names cached for
+    // addresses in it are forgotten (another library may be there now).
+    let table = image::refresh();
+    forget_if_images_gone();
+    let img = table.image_of(addr).cloned();
     let mut out = Resolved {
         lookup_address: addr,
         ..Resolved::default()
@@ -507,12 +552,17 @@ fn resolve_uncached(r: &Resolver, addr: u64, tier: Tier) -> (Resolved, bool) {
             base: img.base,
             build_id: img.build_id_hex(),
         });
-        let state = r
-            .files
-            .entry(img.start)
-            .or_insert_with(|| Arc::new(Mutex::new(FileState::Unopened)))
-            .clone();
-        let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = {
+            let mut e = r
+                .files
+                .entry(img.start)
+                .or_insert_with(|| FileSlot::new(img));
+            if !e.is_for(img) {
+                *e = FileSlot::new(img);
+            }
+            Arc::clone(&e)
+        };
+        let mut st = slot.state.lock().unwrap_or_else(|e| e.into_inner());
         let size = || std::fs::metadata(&img.path).map_or(0, |m| m.len());
         if matches!(*st, FileState::Unopened) && room_to_parse(size()) {
             *st = open_for(img);
