@@ -325,3 +325,40 @@ fn a_file_replaced_after_it_was_opened_is_named_from_its_own_symbol_table() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A function only [`a_thread_that_holds_another_gets_cached_answers_only`] looks up.
+#[inline(never)]
+fn looked_up_while_holding(x: u64) -> u64 {
+    std::hint::black_box(x).wrapping_mul(7) ^ 0x33
+}
+
+/// A thread that holds another still (`holding::enter`) never does a lookup's work: what the
+/// caches have, else the address alone, not kept; once it lets go, lookups are whole again.
+#[test]
+fn a_thread_that_holds_another_gets_cached_answers_only() {
+    use fibertrace_core::holding;
+    let f = looked_up_while_holding as *const () as usize as u64;
+    let pc = Frame::Pc(f + 1);
+    {
+        let _outer = holding::enter();
+        {
+            let _nested = holding::enter();
+            assert!(holding::active());
+        }
+        assert!(holding::active(), "a nested guard keeps the mark");
+        let r = resolve(&pc).unwrap();
+        assert_eq!(r.lookup_address, f + 1);
+        assert_eq!((r.function(), r.image.is_none()), (None, true), "{r:?}");
+        let o = symbolize::resolve_outer(&pc).unwrap();
+        assert_eq!(o.function(), None, "{o:?}");
+    }
+    assert!(!holding::active());
+    let name = Some("resolve::looked_up_while_holding");
+    assert_eq!(resolve(&pc).unwrap().function(), name);
+    // Cached now: a holding thread gets it; the symbol table's tier is cached apart.
+    let _h = holding::enter();
+    assert_eq!(resolve(&pc).unwrap().function(), name);
+    assert_eq!(symbolize::resolve_outer(&pc).unwrap().function(), None);
+    drop(_h);
+    assert_eq!(symbolize::resolve_outer(&pc).unwrap().function(), name);
+}

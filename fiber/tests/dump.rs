@@ -409,6 +409,10 @@ struct HeldMarker {
     running: std::sync::atomic::AtomicU64,
     /// How long the read takes before its first fiber (a source slower than a hold lasts).
     slow: Duration,
+    /// The parked fiber's frames, read again after the hold (its marker then `100 + word`),
+    /// and how many such reads ran (each checks the thread no longer holds the other).
+    after: std::sync::Mutex<Vec<fibertrace_fiber::inspect::AfterHold>>,
+    after_runs: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl HeldMarker {
@@ -428,11 +432,25 @@ impl fibertrace_fiber::HeldSource for HeldMarker {
         native: &[fibertrace_core::Frame],
     ) -> (Option<Vec<fibertrace_core::Frame>>, Option<String>) {
         self.check();
-        let mut v = vec![fibertrace_core::Frame::Lua(fibertrace_core::LuaFrameId(
-            word as u32,
-        ))];
-        v.extend_from_slice(native);
-        (Some(v), None)
+        let marked = |word: u64, native: &[fibertrace_core::Frame]| {
+            let mut v = vec![fibertrace_core::Frame::Lua(fibertrace_core::LuaFrameId(
+                word as u32,
+            ))];
+            v.extend_from_slice(native);
+            v
+        };
+        if word == 7 {
+            let (native, runs) = (native.to_vec(), self.after_runs.clone());
+            self.after.lock().unwrap().push(Box::new(move || {
+                assert!(
+                    !fibertrace_core::holding::active(),
+                    "run after the hold, by a thread that no longer holds the other"
+                );
+                runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                (word, marked(100 + word, &native))
+            }));
+        }
+        (Some(marked(word, native)), None)
     }
 
     fn running_frames(
@@ -463,8 +481,9 @@ impl fibertrace_fiber::HeldSource for HeldMarker {
         std::thread::sleep(self.slow);
     }
 
-    fn end(&self) {
+    fn end(&self) -> Vec<fibertrace_fiber::inspect::AfterHold> {
         self.check();
+        std::mem::take(&mut *self.after.lock().unwrap())
     }
 }
 
@@ -533,10 +552,12 @@ fn a_dump_from_another_thread_holds_a_spinning_scheduler_still_for_its_held_sour
         .lines()
         .filter(|l| l.starts_with('#'))
         .collect();
+    // Its frames as the source gave them again after the hold, once.
     assert_eq!(
-        frames[0], "#0  held marker 7 in @held.lua:1",
+        frames[0], "#0  held marker 107 in @held.lua:1",
         "{parked_block}"
     );
+    assert_eq!(held.after_runs.load(SeqCst), 1, "{text}");
     assert!(
         frames[1].contains("fibertrace_fiber::sched::block"),
         "{parked_block}"
@@ -585,13 +606,15 @@ fn two_dumps_at_once_hold_the_spinning_scheduler_in_turn() {
     assert_eq!(held.moved.load(SeqCst), 0, "the thread moved during a read");
     assert_eq!(held.calls.load(SeqCst), 6, "{texts:?}");
     assert_eq!(held.running.load(SeqCst), 2, "{texts:?}");
+    // Each read's work for after its hold, taken under that hold, run once.
+    assert_eq!(held.after_runs.load(SeqCst), 2, "{texts:?}");
     for text in &texts {
         let block = text
             .split("\n\n")
             .find(|b| b.contains(&format!("fiber {parked} \"parked\"")))
             .unwrap_or_else(|| panic!("{text}"));
         assert!(
-            block.contains("\n#0  held marker 7 in @held.lua:1\n"),
+            block.contains("\n#0  held marker 107 in @held.lua:1\n"),
             "{block}"
         );
         assert!(
@@ -623,6 +646,8 @@ fn a_held_read_that_outlives_the_hold_is_dropped_and_the_thread_goes_on() {
     assert_eq!(held.calls.load(SeqCst), 3, "{text}");
     assert_eq!(held.moved.load(SeqCst), 3, "{text}");
     assert!(!text.contains("held marker"), "{text}");
+    // What it left for after the hold is dropped with the read, not run.
+    assert_eq!(held.after_runs.load(SeqCst), 0, "{text}");
     assert!(
         text.contains(
             "(frames of the layer above the runtime (Lua) not shown: the scheduler's thread did \

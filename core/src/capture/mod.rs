@@ -419,7 +419,9 @@ fn walk_with_refresh(
             unwind::walk(start, stacks, mode, Some(table), Some(cache), &mut sink)
         });
         sink.finish(end.cut);
-        if !end.unknown_code {
+        // (Not while this thread holds another still: the refresh takes the loader's lock,
+        // which the held thread may hold. The walk ends at that code then.)
+        if !end.unknown_code || crate::holding::active() {
             return;
         }
         let fresh = crate::image::refresh();

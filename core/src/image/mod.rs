@@ -285,7 +285,7 @@ fn build(prev: Option<&'static ImageTable>) -> &'static ImageTable {
         let known = prev.and_then(|p| {
             p.images
                 .iter()
-                .find(|i| i.start == r.start && i.path == path)
+                .find(|i| i.start == r.start && i.path == path && i.build_id == r.build_id)
                 .cloned()
         });
         let judged = match &known {

@@ -1295,7 +1295,7 @@ impl Images {
             .iter()
             .filter_map(|img| match &img.symbols {
                 ImageSymbols::File { open, .. } => match open.get() {
-                    Some(Ok(elf)) => elf.dwarf_error().map(|why| (img, why)),
+                    Some(Ok(elf)) => elf.lines_unavailable().map(|why| (img, why)),
                     _ => None,
                 },
                 _ => None,

@@ -471,6 +471,16 @@ impl ElfSymbols {
         self.dwarf.get()?.error.as_deref()
     }
 
+    /// Why lookups in the file give no file:line, once [`ElfSymbols::load_dwarf`] tried: its
+    /// own DWARF could not be read (why), and there is no detached debug file's either.
+    pub fn lines_unavailable(&self) -> Option<&str> {
+        let d = self.dwarf.get()?;
+        if d.debug.is_some() {
+            return None;
+        }
+        d.error.as_deref()
+    }
+
     /// The bytes of the files a DWARF load maps: the file's and its detached debug file's.
     pub fn dwarf_file_bytes(&self) -> u64 {
         let debug = self

@@ -127,6 +127,7 @@ struct Resolver {
 struct FileSlot {
     path: String,
     build_id: Option<Vec<u8>>,
+    end: u64,
     state: Mutex<FileState>,
 }
 
@@ -135,12 +136,16 @@ impl FileSlot {
         Arc::new(FileSlot {
             path: img.path.clone(),
             build_id: img.build_id.clone(),
+            end: img.end,
             state: Mutex::new(FileState::Unopened),
         })
     }
 
+    /// Whether the slot was made for image `img` (the one at its address): the same path,
+    /// build id and extent. (A library rebuilt without a build id, of the same extent, at
+    /// the same path and address is taken for the old one: its file was checked at open.)
     fn is_for(&self, img: &Image) -> bool {
-        self.path == img.path && self.build_id == img.build_id
+        self.path == img.path && self.build_id == img.build_id && self.end == img.end
     }
 }
 
@@ -194,19 +199,6 @@ pub fn resolve_outer_address(addr: u64) -> Arc<Resolved> {
     resolve_in(Tier::Outer, addr)
 }
 
-/// [`resolve_outer_address`]'s answer if its cache has it, without waiting for any lock and
-/// without doing any of a lookup's work (no file opened, no loader's lock taken): for code
-/// that runs while another thread of the process is held still, which may have been stopped
-/// inside the symbolizer holding its locks (or inside the loader). `None`: not cached yet, or
-/// the cache's part that would have it is being written by another thread just now.
-pub fn resolve_outer_cached(addr: u64) -> Option<Arc<Resolved>> {
-    // (Not made here: a thread held while it made it would hold this one.)
-    match RESOLVER.get()?.outer.try_get(&addr) {
-        dashmap::try_result::TryResult::Present(hit) => Some(Arc::clone(hit.value())),
-        _ => None,
-    }
-}
-
 /// How much a lookup asks for.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Tier {
@@ -217,6 +209,9 @@ enum Tier {
 }
 
 fn resolve_in(tier: Tier, addr: u64) -> Arc<Resolved> {
+    if crate::holding::active() {
+        return resolve_holding(tier, addr);
+    }
     let r = resolver();
     let cache = match tier {
         Tier::Full => &r.cache,
@@ -229,17 +224,41 @@ fn resolve_in(tier: Tier, addr: u64) -> Arc<Resolved> {
     // tracker (nor listed in its views).
     let _untracked = crate::untracked::pause();
     // (Parsing debug information takes far more stack than a fiber may have.)
-    let (resolved, lasting) = on_large_stack(|| resolve_uncached(r, addr, tier));
+    let (resolved, lasting, generation) = on_large_stack(|| resolve_uncached(r, addr, tier));
     let resolved = Arc::new(resolved);
     // (A resolution cut short by a passing shortage — no file descriptor free — is not kept:
-    // the next lookup tries again.)
-    if lasting {
+    // the next lookup tries again. Nor one made while another thread cleared the cache — an
+    // image found gone: it may be of the image that was there.)
+    if lasting && cache_generation() == generation {
         if cache.len() >= CACHE_LIMIT {
             cache.clear();
         }
         cache.insert(addr, Arc::clone(&resolved));
     }
     resolved
+}
+
+/// [`resolve_in`] on a thread that holds another still (see [`crate::holding`]), which may
+/// have been stopped inside the symbolizer holding its locks: the cache's answer without
+/// waiting for any lock or doing any of a lookup's work, else the address alone (not kept).
+fn resolve_holding(tier: Tier, addr: u64) -> Arc<Resolved> {
+    // (The resolver is not made here: a thread held while it made it would hold this one.)
+    let hit = RESOLVER.get().and_then(|r| {
+        let cache = match tier {
+            Tier::Full => &r.cache,
+            Tier::Outer => &r.outer,
+        };
+        match cache.try_get(&addr) {
+            dashmap::try_result::TryResult::Present(hit) => Some(Arc::clone(hit.value())),
+            _ => None,
+        }
+    });
+    hit.unwrap_or_else(|| {
+        Arc::new(Resolved {
+            lookup_address: addr,
+            ..Resolved::default()
+        })
+    })
 }
 
 /// How many files' DWARF the process has loaded so far: the first full lookup ([`resolve`])
@@ -534,12 +553,15 @@ fn room_to_parse(extra: u64) -> bool {
 /// The resolution of `addr` to `tier`, and whether it lasts (false: its image's file, or
 /// its DWARF, could not be read for the moment, see `open_for` and `load_dwarf`, or there
 /// was no room to parse).
-fn resolve_uncached(r: &Resolver, addr: u64, tier: Tier) -> (Resolved, bool) {
+/// The resolution of `addr`, whether it lasts (may be cached), and the cache generation it
+/// was made in.
+fn resolve_uncached(r: &Resolver, addr: u64, tier: Tier) -> (Resolved, bool, u64) {
     // Libraries loaded or unloaded since the snapshot: a new one (one call into the loader
     // when nothing changed), and if an image of the last one is gone, the names cached for
     // addresses in it are forgotten (another library may be there now).
     let table = image::refresh();
     forget_if_images_gone();
+    let generation = cache_generation();
     let img = table.image_of(addr).cloned();
     let mut out = Resolved {
         lookup_address: addr,
@@ -611,7 +633,7 @@ fn resolve_uncached(r: &Resolver, addr: u64, tier: Tier) -> (Resolved, bool) {
             out.function_start = Some(start);
         }
     }
-    (out, lasting)
+    (out, lasting, generation)
 }
 
 /// Loads `elf`'s DWARF (see [`with_spare_descriptors`]); whether it is loaded (false: not

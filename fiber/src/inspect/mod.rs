@@ -73,7 +73,7 @@ use crate::registry::{self, SchedShared};
 pub use crate::running::signal_thread;
 use crate::task::{FiberId, Status};
 pub use info::{FiberInfo, InfoOptions, ParentInfo, Waiting};
-pub use source::{FrameSource, HeldSource};
+pub use source::{AfterHold, FrameSource, HeldSource};
 
 /// The version of the snapshot's serialized form ([`Snapshot::version`]): raised when a field
 /// changes meaning or goes away (new fields may appear without a raise).
@@ -358,6 +358,9 @@ fn held_part(
     only: Option<FiberId>,
 ) -> Option<(SchedulerSnapshot, Vec<LayerNote>)> {
     let src = source::held(s.id)?;
+    // While the thread is held, this one waits for none of the locks it may hold: the
+    // symbolizer answers from its caches, walks do not reread the loader's list.
+    let holding = fibertrace_core::holding::enter();
     let hold = sample::hold(s, SOURCE_WAIT)?;
     let here = hold.sample.fiber;
     // Names and lines after the hold: a symbolizer's first use reads debug info for
@@ -409,16 +412,39 @@ fn held_part(
             fi.backtrace = Some(labelled(&frames, |id| src.name(id), false));
         }
     }
-    src.end();
+    let after = src.end();
     if !hold.still_held() {
-        let _ = src.after_hold();
         return None;
     }
     drop(hold);
-    for (word, frames) in src.after_hold() {
-        for fi in p.fibers.iter_mut() {
-            if fi.backtrace.is_some() && words.get(&fi.id) == Some(&word) {
-                fi.backtrace = Some(labelled(&frames, |id| src.name(id), false));
+    drop(holding);
+    if !after.is_empty() {
+        let at: std::collections::HashMap<u64, usize> = p
+            .fibers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, fi)| Some((*words.get(&fi.id)?, i)))
+            .collect();
+        for redo in after {
+            let (word, frames) = redo();
+            if let Some(fi) = at.get(&word).map(|&i| &mut p.fibers[i]) {
+                if fi.backtrace.is_some() {
+                    fi.backtrace = Some(labelled(&frames, |id| src.name(id), false));
+                }
+            }
+        }
+    }
+    // Under the hold the runtime's trampoline frame was left at the end of a trace whose
+    // last frame the symbolizer's cache did not name: left out now.
+    for fi in &mut p.fibers {
+        if let Some(b) = &fi.backtrace {
+            if let Some(t) = without_trampoline_info(b) {
+                fi.backtrace = Some(t);
+            }
+        }
+        for pi in &mut fi.parent_backtrace {
+            if let Some(t) = without_trampoline_info(&pi.frames) {
+                pi.frames = t;
             }
         }
     }
@@ -433,6 +459,14 @@ fn held_part(
         }
     }
     Some((p, notes))
+}
+
+/// `frames` without a trailing runtime trampoline frame (as [`crate::frames::user_frames`]
+/// leaves it out), if it ends with one.
+fn without_trampoline_info(frames: &[FrameInfo]) -> Option<Arc<[FrameInfo]>> {
+    let raw: Vec<Frame> = frames.iter().map(|f| f.frame).collect();
+    let kept = crate::frames::user_frames(&raw).len();
+    (kept < frames.len()).then(|| frames[..kept].iter().cloned().collect())
 }
 
 /// `frames` with their native frames resolved (names, lines), the layer's as they are.

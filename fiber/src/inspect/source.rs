@@ -90,19 +90,20 @@ pub trait HeldSource: Send + Sync {
     /// reads can change. By default, nothing.
     fn begin(&self) {}
 
-    /// The read under the hold ended: nothing read before may be kept.
-    fn end(&self) {}
-
-    /// Called once the thread was let go after a read that stood: the fibers whose frames
-    /// the source merged under the hold with less than it wanted (what it asks of code the
-    /// held thread may have been stopped inside, holding its locks — the symbolizer's, the
-    /// loader's — it asks there only from what is at hand without waiting), by layer word,
-    /// with their frames merged again now, from what it read under the hold. By default
-    /// none.
-    fn after_hold(&self) -> Vec<(u64, Vec<Frame>)> {
+    /// The read under the hold ended: nothing read before may be kept. What the source left
+    /// for after the hold: the fibers whose frames it merged under the hold with less than
+    /// it wanted (what it asks of code the held thread may have been stopped inside, holding
+    /// its locks — the symbolizer's, the loader's — it asks there only from what is at hand,
+    /// without waiting), each to be merged again once the thread is let go, from what was
+    /// read under the hold; dropped unrun when the read is void. By default none.
+    fn end(&self) -> Vec<AfterHold> {
         Vec::new()
     }
 }
+
+/// Work a [`HeldSource`] left for after the hold: run once the thread is let go, it gives a
+/// fiber's layer word and its frames, which replace those given under the hold.
+pub type AfterHold = Box<dyn FnOnce() -> (u64, Vec<Frame>) + Send>;
 
 /// The held sources, by scheduler id.
 static HELD: Mutex<Vec<(u64, Arc<dyn HeldSource>)>> = Mutex::new(Vec::new());

@@ -19,12 +19,13 @@
 //! the runtime's walk goes on below it from the record of the call that entered the VM
 //! ([`HeldLua`]'s `below_unwound`, `L->cframe`), and the levels take the trace's frame's place.
 //!
-//! Under the hold, nothing waits on a lock the held thread may hold: where the merge needs
-//! the extent of a C function that no symbol table of the VM map has, it asks only the
-//! symbolizer's cache (the thread may have been stopped inside the symbolizer, holding the
-//! lock a lookup would wait for until the hold runs out, and the read be lost), and a fiber
-//! whose merge wanted more is merged again once the thread is let go
-//! ([`HeldSource::after_hold`]) from what was read under the hold.
+//! Under the hold the symbolizer answers from its caches only (`fibertrace_core::holding`:
+//! the thread may have been stopped inside the symbolizer, holding the lock a lookup would
+//! wait for until the hold runs out, and the read be lost), so the merges are done again once
+//! the thread is let go ([`HeldSource::end`]), from what was read under the hold. The reader
+//! still interns the levels it reads (the Lua frame descriptions' table, whose lock a held
+//! thread capturing a Lua trace holds for a moment): a thread stopped just then makes the
+//! read wait until the hold runs out, and the read is lost.
 //!
 //! How a result can be wrong: as the foreign reader's (a thread held inside a collector step
 //! that moves a stack reads a torn stack; the reader checks every link and says where it
@@ -33,7 +34,7 @@
 use std::sync::Mutex;
 
 use fibertrace_core::Frame;
-use fibertrace_fiber::inspect::HeldSource;
+use fibertrace_fiber::inspect::{AfterHold, HeldSource};
 use smallvec::SmallVec;
 
 use super::classify::VmMap;
@@ -50,9 +51,7 @@ const IN_INTERPRETER: &str = "its thread was stopped in LuaJIT's interpreter, wh
 pub struct HeldLua {
     state: Mutex<State>,
     vm: &'static VmMap,
-    /// The merges of the current hold that asked the symbolizer's cache for what it did not
-    /// have ([`super::merge_with_gap_cached`]), done again after the hold
-    /// ([`HeldSource::after_hold`]).
+    /// The merges of the current hold, done again after it ([`HeldSource::end`]).
     redo: Mutex<Vec<Redo>>,
 }
 
@@ -136,10 +135,12 @@ impl HeldLua {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// `native` with the Lua levels `levels` of state `word` merged in, under the hold: the
-    /// symbolizer is asked only from its cache (the held thread may have been stopped inside
-    /// it, holding a lock the lookup would wait for until the hold runs out); a merge that
-    /// wanted more is done again after the hold.
+    /// `native` with the Lua levels `levels` of state `word` merged in, under the hold, where
+    /// the symbolizer answers from its caches only (see `fibertrace_core::holding`): a C
+    /// function's extent or the runtime's trampoline frame it has no answer for yet is not
+    /// known here. So the merge is done again after the hold ([`HeldSource::end`]), from the
+    /// same frames and levels, the trampoline frame left out first as the runtime leaves it
+    /// out of a fiber's frames; this one stands for it until then.
     fn merge_held(
         &self,
         word: u64,
@@ -148,15 +149,16 @@ impl HeldLua {
         gap: Option<(usize, u64)>,
     ) -> Vec<Frame> {
         let mut out: SmallVec<[Frame; 192]> = SmallVec::new();
-        if !super::merge_with_gap_cached(native, levels, gap, self.vm, &mut out) {
-            let mut redo = self.redo.lock().unwrap_or_else(|e| e.into_inner());
-            redo.push(Redo {
+        super::merge_with_gap(native, levels, gap, self.vm, false, &mut out);
+        self.redo
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Redo {
                 word,
                 native: native.to_vec(),
                 levels: levels.to_vec(),
                 gap,
             });
-        }
         out.into_vec()
     }
 
@@ -340,19 +342,21 @@ impl HeldSource for HeldLua {
         self.redo.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
-    fn end(&self) {
+    fn end(&self) -> Vec<AfterHold> {
         let mut st = self.state();
         st.mem.on = false;
         st.mem.pages = std::collections::HashMap::new();
-    }
-
-    fn after_hold(&self) -> Vec<(u64, Vec<Frame>)> {
+        drop(st);
+        let vm = self.vm;
         let redo = std::mem::take(&mut *self.redo.lock().unwrap_or_else(|e| e.into_inner()));
         redo.into_iter()
-            .map(|r| {
-                let mut out: SmallVec<[Frame; 192]> = SmallVec::new();
-                super::merge_with_gap(&r.native, &r.levels, r.gap, self.vm, false, &mut out);
-                (r.word, out.into_vec())
+            .map(|r| -> AfterHold {
+                Box::new(move || {
+                    let native = fibertrace_fiber::info::user_frames(&r.native);
+                    let mut out: SmallVec<[Frame; 192]> = SmallVec::new();
+                    super::merge_with_gap(native, &r.levels, r.gap, vm, false, &mut out);
+                    (r.word, out.into_vec())
+                })
             })
             .collect()
     }

@@ -192,62 +192,10 @@ fn anchored(
         // Another process's function that no symbol table gives an end: not known.
         None if foreign => false,
         // The function is not in any symbol table we read: ask the symbolizer (cached).
-        None => a >= c && function_start(a) == Some(c),
-    }
-}
-
-std::thread_local! {
-    /// While a [`merge_with_gap_cached`] runs on this thread: how many addresses the
-    /// symbolizer's cache did not have (`None`: not in one).
-    static CACHED_ONLY: std::cell::Cell<Option<u32>> = const { std::cell::Cell::new(None) };
-}
-
-/// The start of the function that the symbol table says holds code address `a`: in a
-/// [`merge_with_gap_cached`], only if the symbolizer's cache has it (a miss counted).
-fn function_start(a: u64) -> Option<u64> {
-    use fibertrace_core::symbolize;
-    match CACHED_ONLY.with(|m| m.get()) {
-        None => symbolize::resolve_outer_address(a).function_start,
-        Some(missed) => {
-            let hit = symbolize::resolve_outer_cached(a);
-            if hit.is_none() {
-                CACHED_ONLY.with(|m| m.set(Some(missed.saturating_add(1))));
-            }
-            hit?.function_start
+        None => {
+            a >= c && fibertrace_core::symbolize::resolve_outer_address(a).function_start == Some(c)
         }
     }
-}
-
-/// [`merge_with_gap`] (without the VM's frames) for a reader that holds another thread of the
-/// process still, which may have been stopped inside the symbolizer holding its locks (or
-/// inside the loader): where the merge needs the extent of a C function that no symbol table
-/// of the VM map has, only the symbolizer's cache is asked, and a frame it has nothing for is
-/// taken as outside that function. Whether every such question was answered: if not, the
-/// result may place Lua levels where a full merge would not, and the merge should be done
-/// again with [`merge_with_gap`] once the thread is let go (the cache then has the answers).
-pub(crate) fn merge_with_gap_cached<const N: usize>(
-    native: &[Frame],
-    lua: &[LuaLevel],
-    gap: Option<(usize, u64)>,
-    map: &VmMap,
-    out: &mut SmallVec<[Frame; N]>,
-) -> bool
-where
-    [Frame; N]: smallvec::Array<Item = Frame>,
-{
-    /// Leaves the mode however the merge ends.
-    struct Mode;
-    impl Drop for Mode {
-        fn drop(&mut self) {
-            CACHED_ONLY.with(|m| m.set(None));
-        }
-    }
-    CACHED_ONLY.with(|m| m.set(Some(0)));
-    let mode = Mode;
-    merge_with_gap(native, lua, gap, map, false, out);
-    let missed = CACHED_ONLY.with(|m| m.get()).unwrap_or(0);
-    drop(mode);
-    missed == 0
 }
 
 /// The merge proper, over an explicit VM map.
@@ -493,43 +441,6 @@ mod tests {
                 ra(800),
             ]
         );
-    }
-
-    /// A C function of this test binary that no symbol table of the test's VM map has (only
-    /// the symbolizer knows where it starts), used by one test alone.
-    #[inline(never)]
-    extern "C" fn only_the_symbolizer_knows(x: u64) -> u64 {
-        std::hint::black_box(x).wrapping_mul(3) ^ 0x5a
-    }
-
-    #[test]
-    fn a_merge_under_a_hold_asks_only_the_symbolizers_cache_and_says_so() {
-        let c = only_the_symbolizer_knows as *const () as usize;
-        let inside = Frame::Ra(c as u64 + 2);
-        // main chunk (1) -> the C function (2) -> a Lua callback (3).
-        let native = [ra(50), ra(1100), inside, ra(1200), ra(700)];
-        let lua = [lua_l(1), c_l(2, c), lua_l(3)];
-        let id = |n| Frame::Lua(LuaFrameId(n));
-        let cached = |out: &mut SmallVec<[Frame; 64]>| {
-            out.clear();
-            merge_with_gap_cached(&native, &lua, None, &map(), out)
-        };
-        let mut out: SmallVec<[Frame; 64]> = SmallVec::new();
-        // The cache does not have it yet: the frame is taken as outside the function (the
-        // levels go before it), and the merge says it was not complete.
-        assert!(!cached(&mut out));
-        assert_eq!(
-            out.to_vec(),
-            vec![ra(50), id(1), id(2), id(3), inside, ra(700)]
-        );
-        // The full merge (after the hold) asks the symbolizer: the level in its frame.
-        let anchored = vec![ra(50), id(1), inside, id(2), id(3), ra(700)];
-        assert_eq!(run(&native, &lua, false), anchored);
-        // And the cache has the answer now: the same merge under a hold is complete.
-        assert!(cached(&mut out));
-        assert_eq!(out.to_vec(), anchored);
-        // The mode ended with the merge: a full merge asks the symbolizer again.
-        assert_eq!(CACHED_ONLY.with(|m| m.get()), None);
     }
 
     #[test]
