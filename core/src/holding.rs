@@ -2,7 +2,7 @@
 //! while it reads that thread's stack and memory, as a dump from another thread does when a
 //! scheduler's thread is away in native code): while it does, it must not wait for a lock
 //! the held thread may hold, or it waits until the hold runs out and its read is lost. So,
-//! on a thread inside [`enter`]'s guard:
+//! on a thread inside [`enter`]'s guard (`capture::holding_another_thread`):
 //! - the symbolizer answers from its caches only ([`crate::symbolize`]: a lookup that is not
 //!   cached, or whose part of the cache another thread writes just then, gets an address
 //!   without a name, which is not cached) — the held thread may have been stopped inside the

@@ -23,7 +23,7 @@ pub mod codec;
 pub mod format;
 pub mod frame;
 pub mod heap;
-pub mod holding;
+mod holding;
 pub mod image;
 pub mod remote;
 pub mod symbolize;

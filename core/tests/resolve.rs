@@ -332,31 +332,33 @@ fn looked_up_while_holding(x: u64) -> u64 {
     std::hint::black_box(x).wrapping_mul(7) ^ 0x33
 }
 
-/// A thread that holds another still (`holding::enter`) never does a lookup's work: what the
+/// A thread that holds another still (`capture::holding_another_thread`) never does a lookup's work: what the
 /// caches have, else the address alone, not kept; once it lets go, lookups are whole again.
 #[test]
 fn a_thread_that_holds_another_gets_cached_answers_only() {
-    use fibertrace_core::holding;
+    use fibertrace_core::capture::{
+        holding_another_thread as enter, is_holding_another_thread as active,
+    };
     let f = looked_up_while_holding as *const () as usize as u64;
     let pc = Frame::Pc(f + 1);
     {
-        let _outer = holding::enter();
+        let _outer = enter();
         {
-            let _nested = holding::enter();
-            assert!(holding::active());
+            let _nested = enter();
+            assert!(active());
         }
-        assert!(holding::active(), "a nested guard keeps the mark");
+        assert!(active(), "a nested guard keeps the mark");
         let r = resolve(&pc).unwrap();
         assert_eq!(r.lookup_address, f + 1);
         assert_eq!((r.function(), r.image.is_none()), (None, true), "{r:?}");
         let o = symbolize::resolve_outer(&pc).unwrap();
         assert_eq!(o.function(), None, "{o:?}");
     }
-    assert!(!holding::active());
+    assert!(!active());
     let name = Some("resolve::looked_up_while_holding");
     assert_eq!(resolve(&pc).unwrap().function(), name);
     // Cached now: a holding thread gets it; the symbol table's tier is cached apart.
-    let _h = holding::enter();
+    let _h = enter();
     assert_eq!(resolve(&pc).unwrap().function(), name);
     assert_eq!(symbolize::resolve_outer(&pc).unwrap().function(), None);
     drop(_h);

@@ -443,7 +443,7 @@ impl fibertrace_fiber::HeldSource for HeldMarker {
             let (native, runs) = (native.to_vec(), self.after_runs.clone());
             self.after.lock().unwrap().push(Box::new(move || {
                 assert!(
-                    !fibertrace_core::holding::active(),
+                    !fibertrace_core::capture::is_holding_another_thread(),
                     "run after the hold, by a thread that no longer holds the other"
                 );
                 runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);

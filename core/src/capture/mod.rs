@@ -469,6 +469,22 @@ pub fn collect_from_into(ctx: &SavedContext, opts: &CaptureOptions, out: &mut Ba
     collect_from_general(ctx, opts, out);
 }
 
+pub use crate::holding::Holding;
+
+/// Marks this thread as holding another thread of the process still (stopped while this one
+/// reads its stack and memory) until the guard is dropped: meanwhile it waits for no lock
+/// the held thread may hold — the symbolizer answers from its caches only (else the address
+/// alone, not kept) and walks do not reread the loader's list when they meet unknown code
+/// (they end there). Nested guards keep the mark until the outermost ends.
+pub fn holding_another_thread() -> Holding {
+    crate::holding::enter()
+}
+
+/// Whether this thread is inside a [`holding_another_thread`] guard.
+pub fn is_holding_another_thread() -> bool {
+    crate::holding::active()
+}
+
 /// [`collect_from_into`] for a context of a thread another one holds still (stopped in a
 /// signal handler while this one reads its stack): the general walk, with the image table as
 /// it is — code outside every known image ends the walk there instead of refreshing the

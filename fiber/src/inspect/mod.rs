@@ -360,7 +360,7 @@ fn held_part(
     let src = source::held(s.id)?;
     // While the thread is held, this one waits for none of the locks it may hold: the
     // symbolizer answers from its caches, walks do not reread the loader's list.
-    let holding = fibertrace_core::holding::enter();
+    let holding = fibertrace_core::capture::holding_another_thread();
     let hold = sample::hold(s, SOURCE_WAIT)?;
     let here = hold.sample.fiber;
     // Names and lines after the hold: a symbolizer's first use reads debug info for

@@ -19,7 +19,7 @@
 //! the runtime's walk goes on below it from the record of the call that entered the VM
 //! ([`HeldLua`]'s `below_unwound`, `L->cframe`), and the levels take the trace's frame's place.
 //!
-//! Under the hold the symbolizer answers from its caches only (`fibertrace_core::holding`:
+//! Under the hold the symbolizer answers from its caches only (`fibertrace_core::capture::holding_another_thread`:
 //! the thread may have been stopped inside the symbolizer, holding the lock a lookup would
 //! wait for until the hold runs out, and the read be lost), so the merges are done again once
 //! the thread is let go ([`HeldSource::end`]), from what was read under the hold. The reader
@@ -136,7 +136,7 @@ impl HeldLua {
     }
 
     /// `native` with the Lua levels `levels` of state `word` merged in, under the hold, where
-    /// the symbolizer answers from its caches only (see `fibertrace_core::holding`): a C
+    /// the symbolizer answers from its caches only (see `fibertrace_core::capture::holding_another_thread`): a C
     /// function's extent or the runtime's trampoline frame it has no answer for yet is not
     /// known here. So the merge is done again after the hold ([`HeldSource::end`]), from the
     /// same frames and levels, the trampoline frame left out first as the runtime leaves it
