@@ -75,12 +75,21 @@ fn both(name: &str) -> (Option<String>, Option<String>) {
     (Some(name.to_string()), Some(name.to_string()))
 }
 
+const MINE: &str = "reload::a_function_of_this_binary";
+
+#[inline(never)]
+fn a_function_of_this_binary(x: u64) -> u64 {
+    std::hint::black_box(x).rotate_left(9) ^ 0x77
+}
+
 #[test]
 fn a_library_loaded_where_another_was_unloaded_is_named_as_itself() {
     let dir = Scratch::new("reload");
     let (a, b) = (library(&dir, "aaaa"), library(&dir, "bbbb"));
     // Both libraries built before either is loaded: nothing else is mapped between the
     // unload and the next load, and the loader puts the second where the first was.
+    let mine = a_function_of_this_binary as *const () as usize as u64;
+    assert_eq!(names(mine + 1), both(MINE));
     let (ha, a_one, a_two) = load(&a, "aaaa");
     assert_eq!(names(a_one + 1), both("ft_aaaa_one"));
     unload(ha);
@@ -100,6 +109,12 @@ fn a_library_loaded_where_another_was_unloaded_is_named_as_itself() {
     );
     // And the address looked up before is not named from the cache of the old library.
     assert_eq!(names(b_one + 1), both("ft_bbbb_one"));
+    // What was cached of other images is kept: a thread that holds another still, which
+    // gets cached answers only, still has this test's own function.
+    {
+        let _h = fibertrace_core::capture::holding_another_thread();
+        assert_eq!(names(mine + 1), both(MINE));
+    }
     // The other way round, every address cached: only `revalidate` learns of the change.
     unload(hb);
     let (ha, a_one2, _) = load(&a, "aaaa");

@@ -7,8 +7,8 @@
 //! leaked on purpose (a handler may still be walking with it), which costs a few hundred bytes
 //! per refresh. A library unloaded with `dlclose` stays in the snapshot until the next
 //! refresh: its addresses then resolve to the old image — the only way a result can name the
-//! wrong image. (A refresh that finds an image gone says so, [`images_gone`]: the symbolizer
-//! then forgets the names it cached.)
+//! wrong image. (A refresh that finds an image gone says so, [`images_gone`], [`gone_since`]:
+//! the symbolizer then forgets what it cached of the addresses in it.)
 //!
 //! Each image keeps a copy of its `.eh_frame` / `.eh_frame_hdr` (read from memory, so it is
 //! exactly what runs, also for the vDSO and for deleted binaries). Which code keeps frame
@@ -219,12 +219,43 @@ static BUILD: Mutex<()> = Mutex::new(());
 /// its place): see [`images_gone`].
 static GONE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
+/// The address ranges of the images found gone, by the value [`GONE`] took then: the last
+/// [`GONE_KEPT`] snapshots' that found some.
+static GONE_LOG: Mutex<GoneLog> = Mutex::new(std::collections::VecDeque::new());
+
+/// Per snapshot that found images gone: its count and their ranges.
+type GoneLog = std::collections::VecDeque<(u64, Vec<(u64, u64)>)>;
+const GONE_KEPT: usize = 64;
+
 /// How many times a new snapshot found that an image of the previous one is no longer
 /// there as it was (unloaded with `dlclose`, or another file, or another build, loaded at
 /// its address): what was learned of the addresses in it (names cached by the symbolizer)
 /// may be wrong since.
 pub fn images_gone() -> u64 {
     GONE.load(Ordering::Acquire)
+}
+
+/// The address ranges `[start, end)` of the images found gone after [`images_gone`] was
+/// `since` (up to now), or `None` when they are no longer all known (too many snapshots
+/// since): then any address may have changed.
+pub fn gone_since(since: u64) -> Option<Vec<(u64, u64)>> {
+    let log = GONE_LOG.lock().unwrap_or_else(|e| e.into_inner());
+    ranges_since(&log, GONE.load(Ordering::Acquire), since)
+}
+
+/// [`gone_since`] over a log of consecutive counts ending at `now`.
+fn ranges_since(log: &GoneLog, now: u64, since: u64) -> Option<Vec<(u64, u64)>> {
+    // Every count after `since` must be in the log.
+    let first = log.front().map_or(now + 1, |&(n, _)| n);
+    if since < now && first > since + 1 {
+        return None;
+    }
+    Some(
+        log.iter()
+            .filter(|&&(n, _)| n > since)
+            .flat_map(|(_, r)| r.iter().copied())
+            .collect(),
+    )
 }
 
 /// The current snapshot, building it on first use. Not for signal handlers (it may build);
@@ -345,12 +376,23 @@ fn build(prev: Option<&'static ImageTable>) -> &'static ImageTable {
     let same = |a: &Image, b: &Image| {
         a.start == b.start && a.end == b.end && a.path == b.path && a.build_id == b.build_id
     };
-    if prev.is_some_and(|p| {
-        p.images
-            .iter()
-            .any(|old| !images.iter().any(|new| same(old, new)))
-    }) {
-        GONE.fetch_add(1, Ordering::AcqRel);
+    let gone: Vec<(u64, u64)> = prev
+        .map(|p| {
+            p.images
+                .iter()
+                .filter(|old| !images.iter().any(|new| same(old, new)))
+                .map(|old| (old.start, old.end))
+                .collect()
+        })
+        .unwrap_or_default();
+    if !gone.is_empty() {
+        let mut log = GONE_LOG.lock().unwrap_or_else(|e| e.into_inner());
+        // (Counted under the log's lock: a reader sees a count only with its ranges.)
+        let n = GONE.fetch_add(1, Ordering::AcqRel) + 1;
+        if log.len() == GONE_KEPT {
+            log.pop_front();
+        }
+        log.push_back((n, gone));
     }
     let mut code: Vec<(u64, u64, u32)> = images
         .iter()
@@ -538,6 +580,26 @@ pub(crate) fn eh_frame_len(mem: &[u8]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_ranges_gone_since_a_count_are_those_logged_after_it_or_none_if_some_fell_off() {
+        let log: GoneLog = [
+            (3, vec![(30, 31)]),
+            (4, vec![(40, 41), (42, 43)]),
+            (5, vec![(50, 51)]),
+        ]
+        .into();
+        assert_eq!(ranges_since(&log, 5, 5), Some(vec![]));
+        assert_eq!(ranges_since(&log, 5, 4), Some(vec![(50, 51)]));
+        assert_eq!(
+            ranges_since(&log, 5, 2),
+            Some(vec![(30, 31), (40, 41), (42, 43), (50, 51)])
+        );
+        // Count 2's ranges fell off the log: not known.
+        assert_eq!(ranges_since(&log, 5, 1), None);
+        assert_eq!(ranges_since(&Default::default(), 0, 0), Some(vec![]));
+        assert_eq!(ranges_since(&Default::default(), 3, 1), None);
+    }
 
     #[test]
     fn executable_and_libc_are_listed_with_build_ids() {

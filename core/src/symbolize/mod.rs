@@ -12,7 +12,8 @@
 //!
 //! How a result can be wrong: a library unloaded and another loaded at the same address
 //! keeps the old names of addresses looked up before, until a lookup not cached notices the
-//! change (each refreshes the image table, and an image found gone clears the cache) or
+//! change (each refreshes the image table, and what was cached of an image found gone is
+//! forgotten) or
 //! [`revalidate`] is called; code without debug info
 //! gets the nearest preceding symbol, which for a stripped static function is a neighbour's.
 
@@ -319,21 +320,36 @@ pub fn foreach(frames: &[Frame], mut f: impl FnMut(usize, &Frame, Option<&Resolv
 /// in its place), forgets every cached resolution (see [`clear_cache`]). Lookups do it
 /// themselves at every one not cached; a program that unloads libraries with `dlclose` and
 /// loads others may be given the old names of addresses already looked up until then, and
-/// calls this after it loads them to have none. Not from a signal handler (it takes the
+/// calls this after it loads them to have none. (What was cached of other images is kept.) Not from a signal handler (it takes the
 /// loader's lock and may read the loader's list).
 pub fn revalidate() {
     image::refresh();
     forget_if_images_gone();
 }
 
-/// [`clear_cache`] if a snapshot of the image table found an image gone since the last
-/// time this looked ([`image::images_gone`]).
+/// Forgets what was cached of the addresses in images a snapshot of the image table found
+/// gone since the last time this looked ([`image::images_gone`]): their resolutions and
+/// opened files, with a new [`cache_generation`] (or everything, [`clear_cache`], when the
+/// table no longer knows which images went).
 fn forget_if_images_gone() {
-    static SEEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    static SEEN: Mutex<u64> = Mutex::new(0);
+    let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
     let gone = image::images_gone();
-    if SEEN.swap(gone, std::sync::atomic::Ordering::AcqRel) != gone {
-        clear_cache();
+    if *seen == gone {
+        return;
     }
+    match image::gone_since(*seen) {
+        Some(ranges) => {
+            let out = |a: &u64| !ranges.iter().any(|&(s, e)| *a >= s && *a < e);
+            let r = resolver();
+            r.cache.retain(|a, _| out(a));
+            r.outer.retain(|a, _| out(a));
+            r.files.retain(|a, _| out(a));
+            GENERATION.fetch_add(1, std::sync::atomic::Ordering::Release);
+        }
+        None => clear_cache(),
+    }
+    *seen = gone;
 }
 
 /// Forgets every cached resolution (after libraries were unloaded); caches of results made
