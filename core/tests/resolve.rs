@@ -332,8 +332,9 @@ fn looked_up_while_holding(x: u64) -> u64 {
     std::hint::black_box(x).wrapping_mul(7) ^ 0x33
 }
 
-/// A thread that holds another still (`capture::holding_another_thread`) never does a lookup's work: what the
-/// caches have, else the address alone, not kept; once it lets go, lookups are whole again.
+/// A thread that holds another still (`capture::holding_another_thread`) never does a
+/// lookup's work: what the caches have, else the address alone, not kept; once it lets go,
+/// lookups are whole again.
 #[test]
 fn a_thread_that_holds_another_gets_cached_answers_only() {
     use fibertrace_core::capture::{

@@ -317,11 +317,12 @@ pub fn foreach(frames: &[Frame], mut f: impl FnMut(usize, &Frame, Option<&Resolv
 
 /// Learns whether libraries were loaded or unloaded since the image table was read (one
 /// call into the loader when nothing changed), and if one was unloaded (or another loaded
-/// in its place), forgets every cached resolution (see [`clear_cache`]). Lookups do it
-/// themselves at every one not cached; a program that unloads libraries with `dlclose` and
-/// loads others may be given the old names of addresses already looked up until then, and
-/// calls this after it loads them to have none. (What was cached of other images is kept.) Not from a signal handler (it takes the
-/// loader's lock and may read the loader's list).
+/// in its place), forgets what was cached of the addresses in it (what was cached of other
+/// images is kept). Lookups do it themselves at every one not cached; a program that
+/// unloads libraries with `dlclose` and loads others may be given the old names of
+/// addresses already looked up until then, and calls this after it loads them to have
+/// none. Not from a signal handler (it takes the loader's lock and may read the loader's
+/// list).
 pub fn revalidate() {
     image::refresh();
     forget_if_images_gone();

@@ -19,10 +19,11 @@
 //! the runtime's walk goes on below it from the record of the call that entered the VM
 //! ([`HeldLua`]'s `below_unwound`, `L->cframe`), and the levels take the trace's frame's place.
 //!
-//! Under the hold the symbolizer answers from its caches only (`fibertrace_core::capture::holding_another_thread`:
-//! the thread may have been stopped inside the symbolizer, holding the lock a lookup would
-//! wait for until the hold runs out, and the read be lost), so the merges are done again once
-//! the thread is let go ([`HeldSource::end`]), from what was read under the hold. The reader
+//! Under the hold the symbolizer answers from its caches only
+//! (`fibertrace_core::capture::holding_another_thread`: the thread may have been stopped
+//! inside the symbolizer, holding the lock a lookup would wait for until the hold runs out,
+//! and the read be lost), so the merges are done again once the thread is let go
+//! ([`HeldSource::end`]), from what was read under the hold. The reader
 //! still interns the levels it reads (the Lua frame descriptions' table, whose lock a held
 //! thread capturing a Lua trace holds for a moment): a thread stopped just then makes the
 //! read wait until the hold runs out, and the read is lost.
@@ -136,11 +137,12 @@ impl HeldLua {
     }
 
     /// `native` with the Lua levels `levels` of state `word` merged in, under the hold, where
-    /// the symbolizer answers from its caches only (see `fibertrace_core::capture::holding_another_thread`): a C
-    /// function's extent or the runtime's trampoline frame it has no answer for yet is not
-    /// known here. So the merge is done again after the hold ([`HeldSource::end`]), from the
-    /// same frames and levels, the trampoline frame left out first as the runtime leaves it
-    /// out of a fiber's frames; this one stands for it until then.
+    /// the symbolizer answers from its caches only (see
+    /// `fibertrace_core::capture::holding_another_thread`): a C function's extent or the
+    /// runtime's trampoline frame it has no answer for yet is not known here. So the merge is
+    /// done again after the hold ([`HeldSource::end`]), from the same frames and levels, the
+    /// trampoline frame left out first as the runtime leaves it out of a fiber's frames; this
+    /// one stands for it until then.
     fn merge_held(
         &self,
         word: u64,
